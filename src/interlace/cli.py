@@ -1,0 +1,239 @@
+"""The ``interlace`` command: ``launch``, ``train``, ``demo`` and ``models``.
+
+Every subcommand answers bad input with one line on stderr and exit status 2 (see
+:mod:`interlace.cliutil`); a job whose rank fails exits with that rank's status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from interlace import __version__
+from interlace.cliutil import OneLineArgumentParser, fail
+from interlace.errors import UsageError
+
+PROG = "interlace"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``interlace`` console script; returns the exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list and args_list[0] == "launch":
+        # The launcher owns everything after `launch`, including the user's own command line.
+        from interlace import launch
+
+        return launch.main(args_list[1:])
+
+    parser = _build_parser()
+    args = parser.parse_args(args_list)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    handler = args.handler
+    try:
+        status: int = handler(args)
+    except UsageError as error:
+        fail(f"{PROG} {args.command}", str(error))
+    except KeyboardInterrupt:
+        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return status
+
+
+def _build_parser() -> OneLineArgumentParser:
+    parser = OneLineArgumentParser(
+        prog=PROG,
+        description="Faster distributed PyTorch training by interlacing computation with "
+        "communication.",
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    commands = parser.add_subparsers(
+        dest="command", metavar="COMMAND", parser_class=OneLineArgumentParser
+    )
+    commands.add_parser(
+        "launch",
+        help="start N ranks of a torchrun-style script, optionally on an emulated network",
+        add_help=False,
+    )
+
+    train = commands.add_parser("train", help="train a model data-parallel over N ranks")
+    _add_job_arguments(train, default_epochs=15)
+    train.set_defaults(handler=_run_train)
+
+    demo = commands.add_parser(
+        "demo", help="the main job: resnet20 on the embedded digits data with 4 ranks"
+    )
+    _add_job_arguments(demo, default_epochs=12, default_nprocs=4)
+    demo.set_defaults(handler=_run_train)
+
+    models = commands.add_parser("models", help="list the model zoo with parameter counts")
+    models.add_argument(
+        "--data",
+        default="digits",
+        help="data set whose input shape and class count size the models (default: digits)",
+    )
+    models.add_argument(
+        "--model",
+        action="append",
+        help="a zoo name or package.module:callable (repeatable; default: the whole zoo)",
+    )
+    models.add_argument("--input-shape", type=_shape, help="input shape, e.g. 3,32,32")
+    models.add_argument("--classes", type=int, help="number of classes")
+    models.set_defaults(handler=_run_models)
+    return parser
+
+
+def _add_job_arguments(
+    parser: argparse.ArgumentParser, default_epochs: int, default_nprocs: int = 1
+) -> None:
+    from interlace.train import TrainConfig
+
+    defaults = TrainConfig()
+    parser.add_argument(
+        "--model", default=defaults.model, help="zoo name or package.module:callable"
+    )
+    parser.add_argument(
+        "--data",
+        default=defaults.data,
+        help="digits, synthetic-cifar10, synthetic-imagenet, or a CIFAR-10 python folder",
+    )
+    parser.add_argument(
+        "-n",
+        "--nprocs",
+        type=int,
+        default=default_nprocs,
+        help=f"number of ranks to start (default {default_nprocs}); ignored under torchrun",
+    )
+    parser.add_argument(
+        "--link",
+        help="emulate a network of this rate per rank: 100mbit, 1gbit, 2.5gbit or 10gbit "
+        "(needs root); default: plain loopback",
+    )
+    parser.add_argument("--epochs", type=int, default=default_epochs)
+    parser.add_argument(
+        "--batch-size", type=int, default=defaults.batch_size, help="per-rank batch size"
+    )
+    parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate")
+    parser.add_argument("--momentum", type=float, default=defaults.momentum)
+    parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
+    parser.add_argument("--warmup-epochs", type=float, default=defaults.warmup_epochs)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument(
+        "--input-shape", type=_shape, help="input shape the model expects, e.g. 3,32,32"
+    )
+    parser.add_argument("--classes", type=int, help="number of classes the model predicts")
+    parser.add_argument(
+        "--synthetic-size", type=int, help="training samples of a synthetic data set"
+    )
+    parser.add_argument(
+        "--max-steps-per-epoch", type=int, help="cut every epoch short (throughput runs)"
+    )
+    parser.add_argument(
+        "--runs-dir", default=defaults.runs_dir, help="where run folders are made (default runs)"
+    )
+    parser.add_argument("--out", help="exact run folder to write (default: a new one in runs/)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--timeout", type=float, help="stop the whole job after this many seconds")
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(part) for part in text.replace("x", ",").split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"'{text}' is not a shape; write it as comma-separated sizes, e.g. 3,32,32"
+        ) from None
+    if not shape or any(size < 1 for size in shape):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a shape of positive sizes")
+    return shape
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from interlace import launch
+    from interlace.distenv import in_launched_job
+    from interlace.netem import parse_link
+    from interlace.runlog import new_run_dir
+    from interlace.train import TrainConfig, _label, train_rank
+    from interlace.zoo import build_model, load_data
+
+    config = TrainConfig(
+        model=args.model,
+        data=args.data,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        momentum=args.momentum,
+        weight_decay=args.weight_decay,
+        warmup_epochs=args.warmup_epochs,
+        seed=args.seed,
+        input_shape=args.input_shape,
+        num_classes=args.classes,
+        synthetic_size=args.synthetic_size,
+        max_steps_per_epoch=args.max_steps_per_epoch,
+        runs_dir=args.runs_dir,
+        progress=not args.no_progress,
+    )
+    config.validate()
+
+    if in_launched_job():
+        # Started by torchrun or `interlace launch`: this process is one rank already.
+        train_rank(config, args.out)
+        return 0
+
+    if args.nprocs < 1:
+        raise UsageError(f"-n must be >= 1, got {args.nprocs}")
+    if args.link is not None:
+        parse_link(args.link)
+    # Check the model and data here, once, so a typo is one line rather than N tracebacks.
+    bundle = load_data(config.data, synthetic_size=config.synthetic_size, seed=config.seed)
+    build_model(
+        config.model,
+        config.input_shape or bundle.input_shape,
+        config.num_classes or bundle.num_classes,
+    )
+    run_dir = args.out or str(
+        new_run_dir(config.runs_dir, f"{_label(config.model)}-{_label(config.data)}-n{args.nprocs}")
+    )
+    result = launch.run(
+        train_rank, args.nprocs, link=args.link, args=(config, run_dir), timeout=args.timeout
+    )
+    if result.returncode != 0:
+        if result.timed_out:
+            print(
+                f"{PROG} {args.command}: stopped after --timeout {args.timeout} s", file=sys.stderr
+            )
+        elif result.failed_rank is not None and result.failed_rank in result.tracebacks:
+            print(result.tracebacks[result.failed_rank].rstrip(), file=sys.stderr)
+        return result.returncode
+    return 0
+
+
+def _run_models(args: argparse.Namespace) -> int:
+    from interlace.zoo import MODEL_NAMES, build_model, load_data, summarize_model
+
+    if args.input_shape is not None and args.classes is not None:
+        input_shape, num_classes, source = args.input_shape, args.classes, "given shape"
+    else:
+        bundle = load_data(args.data)
+        input_shape = args.input_shape or bundle.input_shape
+        num_classes = args.classes or bundle.num_classes
+        source = bundle.name
+    specs = args.model or list(MODEL_NAMES)
+    shape_text = "x".join(str(size) for size in input_shape)
+    print(f"models for input {shape_text}, {num_classes} classes ({source})\n")
+    header = f"| {'model':<24} | {'parameters':>12} | {'tensors':>7} | {'gradient MB':>11} |"
+    print(header)
+    print(f"|{'-' * 26}|{'-' * 14}:|{'-' * 8}:|{'-' * 12}:|")
+    for spec in specs:
+        summary = summarize_model(spec, build_model(spec, input_shape, num_classes))
+        print(
+            f"| {spec:<24} | {summary.params:>12,} | {summary.tensors:>7} | "
+            f"{summary.trainable_bytes / 1e6:>11.2f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

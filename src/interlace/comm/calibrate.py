@@ -1,0 +1,122 @@
+"""Fitting ``T(M) = a + b*M`` on the live process group, with a cache across restarts.
+
+Every rank times the same all-reduces; the per-size medians are combined with a MAX all-reduce
+(a collective ends when its slowest rank does) so all ranks fit the identical model and later
+plan identical buckets. Rank 0 keeps fitted models in a small JSON cache keyed by (backend,
+world size, link), so a restarted job on the same cluster does not measure again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from interlace.comm.cost import CostModel
+
+DEFAULT_SIZES = (4 * 1024, 64 * 1024, 512 * 1024, 2 * 1024 * 1024, 8 * 1024 * 1024)
+
+
+def cache_path() -> Path:
+    """Where fitted models are kept: ``$INTERLACE_CACHE_DIR`` or ``~/.cache/interlace``."""
+    root = os.environ.get("INTERLACE_CACHE_DIR") or Path.home() / ".cache" / "interlace"
+    return Path(root) / "cost_models.json"
+
+
+def cache_key(group: dist.ProcessGroup | None = None) -> str:
+    """``backend|world size|link``: what decides how fast an all-reduce is."""
+    backend = str(dist.get_backend(group))
+    link = os.environ.get("INTERLACE_LINK", "loopback")
+    return f"{backend}|{dist.get_world_size(group)}|{link}"
+
+
+def time_allreduce(
+    nbytes: int,
+    group: dist.ProcessGroup | None = None,
+    repeats: int = 5,
+    warmup: int = 2,
+    device: torch.device | None = None,
+) -> float:
+    """Median seconds of one all-reduce of ``nbytes`` (float32) on ``group``, on this rank."""
+    device = device or torch.device("cpu")
+    tensor = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=device)
+    samples = []
+    for index in range(warmup + repeats):
+        dist.barrier(group)
+        started = time.perf_counter()
+        dist.all_reduce(tensor, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if index >= warmup:
+            samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+def fit_cost_model(
+    group: dist.ProcessGroup | None = None,
+    *,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    repeats: int = 5,
+    warmup: int = 2,
+    device: torch.device | None = None,
+    use_cache: bool = True,
+) -> CostModel:
+    """Measure all-reduces on ``group`` and fit ``a + b*M``; identical on every rank.
+
+    With ``use_cache`` a model fitted earlier for the same (backend, world size, link) is reused
+    (rank 0 reads it and broadcasts it, so the ranks still agree).
+    """
+    key = cache_key(group)
+    rank = dist.get_rank(group)
+    cached: list[object] = [None]
+    if use_cache and rank == 0:
+        cached[0] = _read_cache().get(key)
+    if use_cache:
+        dist.broadcast_object_list(cached, src=_global_rank0(group), group=group)
+    if isinstance(cached[0], list) and len(cached[0]) == 2:
+        return CostModel(float(cached[0][0]), float(cached[0][1]))
+
+    device = device or torch.device("cpu")
+    medians = torch.tensor(
+        [time_allreduce(size, group, repeats, warmup, device) for size in sizes],
+        dtype=torch.float64,
+        device=device,
+    )
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
+    model = CostModel.fit_points([float(size) for size in sizes], medians.cpu().tolist())
+    if use_cache and rank == 0:
+        _write_cache(key, model)
+    return model
+
+
+def _global_rank0(group: dist.ProcessGroup | None) -> int:
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+def _read_cache() -> dict[str, object]:
+    path = cache_path()
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_cache(key: str, model: CostModel) -> None:
+    path = cache_path()
+    data = _read_cache()
+    data[key] = [model.a, model.b]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(data, indent=1, sort_keys=True))
+        temporary.replace(path)
+    except OSError:
+        # A read-only home only costs a re-measurement next time; never fail the job for it.
+        pass

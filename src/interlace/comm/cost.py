@@ -1,0 +1,170 @@
+"""Cost models of all-reduce: ``T(M) = a + b*M`` seconds for an M-byte message.
+
+The planners (:mod:`interlace.comm.plan`), the runtime and the simulator all price communication
+with one :class:`CostModel`. Its two numbers come either from a formula (ring or double binary
+tree, from per-link latency ``alpha``, wire time per byte ``beta`` and reduction time per byte
+``gamma``) or from a least-squares fit of measured all-reduce times: OSU logs, or a live process
+group (:func:`fit_cost_model`, in :mod:`interlace.comm.calibrate`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """``T(M) = a + b*M``: ``a`` seconds of start-up, ``b`` seconds per byte."""
+
+    a: float
+    b: float
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.a) and math.isfinite(self.b)) or self.a < 0 or self.b < 0:
+            raise ValueError(
+                f"a cost model needs finite a >= 0 and b >= 0, got a={self.a}, b={self.b}"
+            )
+
+    def time(self, nbytes: float) -> float:
+        """Seconds to all-reduce ``nbytes``; nothing to send costs nothing."""
+        return self.a + self.b * nbytes if nbytes > 0 else 0.0
+
+    @classmethod
+    def ring(cls, world_size: int, alpha: float, beta: float, gamma: float = 0.0) -> CostModel:
+        """Ring all-reduce on ``world_size`` workers (reduce-scatter then all-gather).
+
+        ``2(N-1)`` steps each pay ``alpha``; every worker sends ``2(N-1)/N * M`` bytes and reduces
+        ``(N-1)/N * M`` of them: ``a = 2(N-1)alpha``, ``b = 2(N-1)/N beta + (N-1)/N gamma``.
+        """
+        _check_link(world_size, alpha, beta, gamma)
+        n = world_size
+        if n == 1:
+            return cls(0.0, 0.0)
+        return cls(2 * (n - 1) * alpha, 2 * (n - 1) / n * beta + (n - 1) / n * gamma)
+
+    @classmethod
+    def double_binary_tree(
+        cls, world_size: int, alpha: float, beta: float, gamma: float = 0.0
+    ) -> CostModel:
+        """Double binary tree all-reduce (NCCL's tree algorithm), pipelined over the message.
+
+        A reduce up and a broadcast down a tree of depth ``ceil(log2 N)`` pay ``2 log2(N)``
+        start-ups; with the message split between two complementary trees every worker sends and
+        receives about ``2M`` bytes in all and reduces ``M``: ``a = 2 ceil(log2 N) alpha``,
+        ``b = 2 beta + gamma``. It beats the ring on latency at large N and loses on bandwidth.
+        """
+        _check_link(world_size, alpha, beta, gamma)
+        if world_size == 1:
+            return cls(0.0, 0.0)
+        depth = math.ceil(math.log2(world_size))
+        return cls(2 * depth * alpha, 2 * beta + gamma)
+
+    @classmethod
+    def fit_points(cls, sizes: Sequence[float], seconds: Sequence[float]) -> CostModel:
+        """Least-squares ``a + b*M`` through measured (bytes, seconds) points.
+
+        Negative coefficients (noise on a nearly flat or nearly proportional curve) are clamped
+        to zero and the other refitted alone, so the model stays physical.
+        """
+        x = np.asarray(sizes, dtype=np.float64)
+        y = np.asarray(seconds, dtype=np.float64)
+        if x.shape != y.shape or x.size < 2:
+            raise ValueError("fitting a cost model needs at least two (size, time) points")
+        if np.unique(x).size < 2:
+            raise ValueError("fitting a cost model needs at least two distinct sizes")
+        design = np.stack([np.ones_like(x), x], axis=1)
+        (a, b), *_ = np.linalg.lstsq(design, y, rcond=None)
+        if b < 0:
+            return cls(max(float(np.mean(y)), 0.0), 0.0)
+        if a < 0:
+            return cls(0.0, max(float(np.dot(x, y) / np.dot(x, x)), 0.0))
+        return cls(float(a), float(b))
+
+    def scaled_to(self, world_size: int, from_world_size: int) -> CostModel:
+        """This ring model, fitted on ``from_world_size`` workers, extrapolated to ``world_size``.
+
+        Recovers the per-link ``alpha`` and the per-byte term from the ring formulas and applies
+        them at the new size (the reduction term is folded into ``beta``).
+        """
+        if from_world_size < 2 or world_size < 1:
+            raise ValueError("extrapolating a ring model needs a fit on >= 2 workers")
+        m = from_world_size
+        alpha = self.a / (2 * (m - 1))
+        beta = self.b / (2 * (m - 1) / m)
+        return CostModel.ring(world_size, alpha, beta)
+
+
+def ring_allreduce_time(
+    nbytes: float, world_size: int, bandwidth_bps: float, latency_s: float = 0.0
+) -> float:
+    """Seconds for a ring all-reduce of ``nbytes`` on ``world_size`` workers.
+
+    Each worker sends and receives ``2(N-1)/N * M`` bytes over its link of ``bandwidth_bps`` bits
+    per second, in ``2(N-1)`` steps that each pay ``latency_s``; reduction arithmetic is ignored.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if bandwidth_bps <= 0:
+        raise ValueError(f"bandwidth_bps must be > 0, got {bandwidth_bps}")
+    return CostModel.ring(world_size, latency_s, 8.0 / bandwidth_bps).time(nbytes)
+
+
+_OSU_LINE = re.compile(r"^\s*(?:(\d+)\s*,\s*)?(\d+)\s+([0-9.eE+-]+)\s*$")
+_WORKERS_IN_NAME = re.compile(r"(\d+)\s*workers")
+
+
+def read_osu_log(
+    path: str | Path, workers: int | None = None
+) -> dict[int, list[tuple[int, float]]]:
+    """(bytes, seconds) points per worker count from an OSU all-reduce latency log.
+
+    Data lines read ``workers,message_bytes  average_latency_us`` or, as OSU itself prints them,
+    ``message_bytes  average_latency_us``; the worker count of the latter comes from ``workers``
+    or else from the file name (``..._8workers_...``). Anything else is skipped.
+    """
+    if workers is None:
+        named = _WORKERS_IN_NAME.search(Path(path).name)
+        workers = int(named[1]) if named else None
+    points: dict[int, list[tuple[int, float]]] = {}
+    for line in Path(path).read_text().splitlines():
+        match = _OSU_LINE.match(line)
+        if not match:
+            continue
+        count = int(match[1]) if match[1] else workers
+        if count is None:
+            raise ValueError(
+                f"{path}: a line gives no worker count and the file name has none; "
+                "pass workers= explicitly"
+            )
+        points.setdefault(count, []).append((int(match[2]), float(match[3]) * 1e-6))
+    if not points:
+        raise ValueError(f"{path} holds no 'workers,bytes latency_us' lines of an OSU log")
+    return points
+
+
+def fit_osu_log(
+    path: str | Path, min_bytes: int = 0, workers: int | None = None
+) -> dict[int, CostModel]:
+    """A fitted cost model per worker count in an OSU log, from messages of >= ``min_bytes``."""
+    return {
+        count: CostModel.fit_points(*_unzip(p for p in pts if p[0] >= min_bytes))
+        for count, pts in read_osu_log(path, workers).items()
+    }
+
+
+def _unzip(points: Iterable[tuple[int, float]]) -> tuple[list[float], list[float]]:
+    pairs = list(points)
+    return [float(size) for size, _ in pairs], [seconds for _, seconds in pairs]
+
+
+def _check_link(world_size: int, alpha: float, beta: float, gamma: float) -> None:
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if min(alpha, beta, gamma) < 0:
+        raise ValueError("alpha, beta and gamma must be >= 0")

@@ -1,0 +1,114 @@
+"""A run folder: the configuration, per-epoch metrics as CSV, and a loss/accuracy picture.
+
+Every training run leaves one folder that is enough to see what happened and to redo it:
+``config.json`` (every option and the environment that matters), ``metrics.csv`` (one row per
+epoch, appended as the run goes so a crash keeps what was measured) and ``curves.png``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+METRIC_COLUMNS = (
+    "epoch",
+    "train_loss",
+    "test_loss",
+    "test_accuracy",
+    "samples_per_s",
+    "epoch_s",
+    "lr",
+)
+
+
+def new_run_dir(root: str | Path, label: str) -> Path:
+    """Create and return a fresh folder ``root/<label>-<timestamp>`` (suffixed if taken)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = Path(root) / f"{label}-{stamp}"
+    path = base
+    suffix = 1
+    while path.exists():
+        suffix += 1
+        path = base.with_name(f"{base.name}-{suffix}")
+    path.mkdir(parents=True)
+    return path
+
+
+class RunLog:
+    """Writes one run's configuration, metrics and curves into ``path``."""
+
+    def __init__(self, path: str | Path, config: Mapping[str, Any]) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.rows: list[dict[str, float]] = []
+        (self.path / "config.json").write_text(json.dumps(dict(config), indent=2, default=str))
+        with self.metrics_path.open("w", newline="") as handle:
+            csv.writer(handle).writerow(METRIC_COLUMNS)
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / "metrics.csv"
+
+    @property
+    def curves_path(self) -> Path:
+        return self.path / "curves.png"
+
+    def append(self, row: Mapping[str, float]) -> None:
+        """Record one epoch; the CSV is flushed at once so a crash keeps every finished epoch."""
+        missing = [column for column in METRIC_COLUMNS if column not in row]
+        if missing:
+            raise KeyError(f"metrics row lacks {missing}")
+        clean = {column: float(row[column]) for column in METRIC_COLUMNS}
+        self.rows.append(clean)
+        with self.metrics_path.open("a", newline="") as handle:
+            csv.writer(handle).writerow([_format(clean[column]) for column in METRIC_COLUMNS])
+
+    def plot(self, title: str = "") -> Path:
+        """Draw loss and test accuracy against epochs into ``curves.png``."""
+        plot_curves(self.rows, self.curves_path, title)
+        return self.curves_path
+
+
+def read_metrics(path: str | Path) -> list[dict[str, float]]:
+    """Read a ``metrics.csv`` back as a list of rows of floats."""
+    with Path(path).open(newline="") as handle:
+        return [{key: float(value) for key, value in row.items()} for row in csv.DictReader(handle)]
+
+
+def plot_curves(rows: Sequence[Mapping[str, float]], path: str | Path, title: str = "") -> None:
+    """Loss (train and test) and test accuracy per epoch, side by side, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [row["epoch"] for row in rows]
+    figure, (loss_axes, accuracy_axes) = plt.subplots(
+        1, 2, figsize=(10, 4), constrained_layout=True
+    )
+    loss_axes.plot(epochs, [row["train_loss"] for row in rows], marker="o", label="train")
+    loss_axes.plot(epochs, [row["test_loss"] for row in rows], marker="o", label="test")
+    loss_axes.set_xlabel("epoch")
+    loss_axes.set_ylabel("cross-entropy loss")
+    loss_axes.set_yscale("log")
+    loss_axes.legend()
+    loss_axes.grid(alpha=0.3)
+    accuracy_axes.plot(
+        epochs, [100.0 * row["test_accuracy"] for row in rows], marker="o", color="tab:green"
+    )
+    accuracy_axes.set_xlabel("epoch")
+    accuracy_axes.set_ylabel("test accuracy (%)")
+    accuracy_axes.set_ylim(0, 100)
+    accuracy_axes.grid(alpha=0.3)
+    if title:
+        figure.suptitle(title)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _format(value: float) -> str:
+    return str(int(value)) if value.is_integer() and abs(value) < 1e15 else f"{value:.6g}"

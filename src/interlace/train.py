@@ -1,0 +1,302 @@
+"""The main training job: a zoo (or user) model on a data set, data-parallel over the job's ranks.
+
+Each rank runs :func:`train_rank`; ``interlace train -n N`` starts N of them through the launcher,
+and the same code runs unchanged as a script under ``torchrun``. Rank 0 shows a progress bar,
+prints one line per epoch and writes the run folder (see :mod:`interlace.runlog`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, Subset
+from tqdm import tqdm
+
+from interlace.distenv import DistContext, init_distributed
+from interlace.errors import UsageError
+from interlace.runlog import RunLog, new_run_dir
+from interlace.zoo import build_model, load_data, make_loader
+
+
+@dataclass
+class TrainConfig:
+    """Every option of a training run; saved as the run folder's ``config.json``."""
+
+    model: str = "resnet20"
+    data: str = "digits"
+    epochs: int = 15
+    batch_size: int = 32
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    warmup_epochs: float = 1.0
+    seed: int = 0
+    input_shape: tuple[int, ...] | None = None
+    num_classes: int | None = None
+    synthetic_size: int | None = None
+    max_steps_per_epoch: int | None = None
+    runs_dir: str = "runs"
+    progress: bool = True
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Reject impossible settings before any process starts."""
+        checks = [
+            (self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}"),
+            (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
+            (self.lr > 0 and math.isfinite(self.lr), f"--lr must be > 0, got {self.lr}"),
+            (0 <= self.momentum < 1, f"--momentum must be in [0, 1), got {self.momentum}"),
+            (self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}"),
+            (self.warmup_epochs >= 0, "--warmup-epochs must be >= 0"),
+            (
+                self.max_steps_per_epoch is None or self.max_steps_per_epoch >= 1,
+                "--max-steps-per-epoch must be >= 1",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise UsageError(message)
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a finished run reports back: its final numbers and where its folder is."""
+
+    final_test_accuracy: float
+    final_train_loss: float
+    samples_per_s: float
+    run_dir: str | None
+    epochs: int
+
+
+def train_rank(config: TrainConfig, run_dir: str | None = None) -> TrainResult:
+    """Train on this rank; the job's ranks cooperate through torch DDP.
+
+    ``run_dir`` is where rank 0 writes its records (made fresh when None). Returns the same
+    :class:`TrainResult` on every rank.
+    """
+    config.validate()
+    context = init_distributed()
+    try:
+        return _train(config, context, run_dir)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(config: TrainConfig, context: DistContext, run_dir: str | None) -> TrainResult:
+    bundle = load_data(config.data, synthetic_size=config.synthetic_size, seed=config.seed)
+    input_shape = bundle.input_shape
+    num_classes = bundle.num_classes
+    if config.input_shape is not None and tuple(config.input_shape) != tuple(input_shape):
+        raise UsageError(
+            f"--input-shape {config.input_shape} does not match the data '{bundle.name}', "
+            f"whose samples have shape {input_shape}; drop --input-shape or pick matching data"
+        )
+    if config.num_classes is not None and config.num_classes != num_classes:
+        raise UsageError(
+            f"--classes {config.num_classes} does not match the data '{bundle.name}', "
+            f"which has {num_classes} classes"
+        )
+
+    torch.manual_seed(config.seed)
+    model = build_model(config.model, input_shape, num_classes).to(context.device)
+    ddp_model = DistributedDataParallel(
+        model, device_ids=[context.local_rank] if context.device.type == "cuda" else None
+    )
+    train_loader = make_loader(
+        bundle.train,
+        config.batch_size,
+        rank=context.rank,
+        world_size=context.world_size,
+        shuffle=True,
+        seed=config.seed,
+        drop_last=True,
+    )
+    test_loader = _eval_loader(bundle.test, config.batch_size, context)
+    steps_per_epoch = len(train_loader)
+    if config.max_steps_per_epoch is not None:
+        steps_per_epoch = min(steps_per_epoch, config.max_steps_per_epoch)
+    if steps_per_epoch == 0:
+        raise UsageError(
+            f"the training split of '{bundle.name}' has {len(bundle.train)} samples, fewer than "
+            f"one global batch of {config.batch_size} x {context.world_size} ranks; lower "
+            f"--batch-size or -n"
+        )
+
+    optimizer = torch.optim.SGD(
+        model.parameters(),
+        lr=config.lr,
+        momentum=config.momentum,
+        weight_decay=config.weight_decay,
+    )
+    total_steps = config.epochs * steps_per_epoch
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, _Schedule(total_steps, round(config.warmup_epochs * steps_per_epoch))
+    )
+
+    log: RunLog | None = None
+    if context.is_main:
+        path = (
+            Path(run_dir)
+            if run_dir
+            else new_run_dir(
+                config.runs_dir,
+                f"{_label(config.model)}-{_label(config.data)}-n{context.world_size}",
+            )
+        )
+        log = RunLog(path, _config_record(config, context))
+        print(
+            f"training {config.model} on {bundle.name} ({len(bundle.train)} train / "
+            f"{len(bundle.test)} test) with {context.world_size} rank(s), "
+            f"global batch {config.batch_size * context.world_size}, run folder {path}",
+            flush=True,
+        )
+
+    show_bar = context.is_main and config.progress and sys.stderr.isatty()
+    bar = tqdm(total=total_steps, disable=not show_bar, unit="step", dynamic_ncols=True)
+    global_batch = config.batch_size * context.world_size
+    result_accuracy = 0.0
+    result_loss = math.nan
+    throughput = 0.0
+    try:
+        for epoch in range(1, config.epochs + 1):
+            sampler = train_loader.sampler
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)
+            ddp_model.train()
+            loss_sum = torch.zeros(2, dtype=torch.float64, device=context.device)
+            started = time.perf_counter()
+            for step, (batch_inputs, batch_targets) in enumerate(train_loader):
+                if step >= steps_per_epoch:
+                    break
+                inputs = batch_inputs.to(context.device, non_blocking=True)
+                targets = batch_targets.to(context.device, non_blocking=True)
+                optimizer.zero_grad(set_to_none=True)
+                loss = functional.cross_entropy(ddp_model(inputs), targets)
+                loss.backward()
+                optimizer.step()
+                schedule.step()
+                loss_sum[0] += loss.detach().double() * targets.numel()
+                loss_sum[1] += targets.numel()
+                bar.update(1)
+                bar.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}", refresh=False)
+            if context.device.type == "cuda":
+                torch.cuda.synchronize(context.device)
+            epoch_s = time.perf_counter() - started
+            dist.all_reduce(loss_sum)
+            train_loss = float(loss_sum[0] / loss_sum[1])
+            throughput = steps_per_epoch * global_batch / epoch_s
+            test_loss, test_accuracy = evaluate(ddp_model.module, test_loader, context)
+            result_accuracy, result_loss = test_accuracy, train_loss
+            if log is not None:
+                row = {
+                    "epoch": epoch,
+                    "train_loss": train_loss,
+                    "test_loss": test_loss,
+                    "test_accuracy": test_accuracy,
+                    "samples_per_s": throughput,
+                    "epoch_s": epoch_s,
+                    "lr": optimizer.param_groups[0]["lr"],
+                }
+                log.append(row)
+                bar.write(
+                    f"epoch {epoch:3d}/{config.epochs}  train loss {train_loss:.4f}  "
+                    f"test loss {test_loss:.4f}  test acc {100 * test_accuracy:6.2f}%  "
+                    f"{throughput:8.1f} samples/s",
+                    file=sys.stdout,
+                )
+                sys.stdout.flush()
+    finally:
+        bar.close()
+
+    if log is not None:
+        log.plot(f"{config.model} on {bundle.name}, {context.world_size} rank(s)")
+        print(
+            f"final test accuracy: {100 * result_accuracy:.2f}% after {config.epochs} epochs "
+            f"({throughput:.1f} samples/s); metrics in {log.metrics_path}, curves in "
+            f"{log.curves_path}",
+            flush=True,
+        )
+    return TrainResult(
+        final_test_accuracy=result_accuracy,
+        final_train_loss=result_loss,
+        samples_per_s=throughput,
+        run_dir=str(log.path) if log is not None else None,
+        epochs=config.epochs,
+    )
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, loader: DataLoader[tuple[torch.Tensor, torch.Tensor]], context: DistContext
+) -> tuple[float, float]:
+    """Mean loss and accuracy over the whole test split, each rank scoring its own share."""
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=context.device)
+    for batch_inputs, batch_targets in loader:
+        inputs = batch_inputs.to(context.device, non_blocking=True)
+        targets = batch_targets.to(context.device, non_blocking=True)
+        logits = model(inputs)
+        totals[0] += functional.cross_entropy(logits, targets, reduction="sum").double()
+        totals[1] += (logits.argmax(dim=1) == targets).sum().double()
+        totals[2] += targets.numel()
+    dist.all_reduce(totals)
+    model.train(was_training)
+    count = max(float(totals[2]), 1.0)
+    return float(totals[0]) / count, float(totals[1]) / count
+
+
+def _eval_loader(
+    dataset: Dataset[tuple[torch.Tensor, torch.Tensor]], batch_size: int, context: DistContext
+) -> DataLoader[tuple[torch.Tensor, torch.Tensor]]:
+    # A strided split rather than DistributedSampler: its padding would count some test samples
+    # twice, and the reported accuracy must be over exactly the test split.
+    indices = list(range(context.rank, len(dataset), context.world_size))  # type: ignore[arg-type]
+    return DataLoader(Subset(dataset, indices), batch_size=max(batch_size, 64), shuffle=False)
+
+
+class _Schedule:
+    """Linear warm-up then cosine decay to zero: the usual recipe for SGD with momentum.
+
+    A class rather than a closure so the config and schedule pickle across processes.
+    """
+
+    def __init__(self, total_steps: int, warmup_steps: int) -> None:
+        self.total_steps = max(total_steps, 1)
+        self.warmup_steps = max(min(warmup_steps, self.total_steps - 1), 0)
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / (self.warmup_steps + 1)
+        progress = (step - self.warmup_steps) / max(self.total_steps - self.warmup_steps, 1)
+        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def _config_record(config: TrainConfig, context: DistContext) -> dict[str, object]:
+    record: dict[str, object] = asdict(config)
+    record.update(
+        world_size=context.world_size,
+        backend=context.backend,
+        device=str(context.device),
+        link=os.environ.get("INTERLACE_LINK", "loopback"),
+        torch=torch.__version__,
+    )
+    return record
+
+
+def _label(spec: str) -> str:
+    """A folder-name-safe short form of a model or data spec."""
+    tail = spec.rstrip("/").replace(":", ".").split("/")[-1]
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in tail) or "run"

@@ -1,0 +1,566 @@
+"""The model zoo: a few reference networks that span the shapes distributed training cares about.
+
+The models are chosen for how their parameters are laid out, since that is what decides how
+gradient communication behaves:
+
+- ``mlp``: many small tensors, so communication is dominated by per-message latency;
+- ``resnet20`` / ``resnet32`` / ``resnet56``: the classic CIFAR ResNets, a realistic mix of small
+  convolution and BatchNorm tensors;
+- ``vgg11``: few large tensors, so communication is dominated by bandwidth;
+- ``transformer``: a small encoder built only from :class:`torch.nn.Linear` layers, the shape that
+  a Kronecker-factored preconditioner works on.
+
+Every model adapts to the input shape it is given (the 8x8 digits, 32x32 CIFAR-10 images, 224x224
+ImageNet images) instead of asking for inputs to be resized, and every model is deterministic given
+:func:`torch.manual_seed`: the only randomness is parameter initialisation (no dropout).
+
+:func:`build_model` also accepts ``package.module:callable`` so users can bring their own models.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import operator
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - the conventional alias
+from torch import Tensor, nn
+
+from interlace.errors import UsageError
+
+__all__ = [
+    "MLP",
+    "MODEL_NAMES",
+    "VGG11",
+    "CifarResNet",
+    "ModelSummary",
+    "PatchTransformer",
+    "build_model",
+    "summarize_model",
+]
+
+MODEL_NAMES: tuple[str, ...] = ("mlp", "resnet20", "resnet32", "resnet56", "vgg11", "transformer")
+
+
+def _image_shape(name: str, input_shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """Check that ``input_shape`` is ``(channels, height, width)`` and return it."""
+    if len(input_shape) != 3:
+        raise UsageError(
+            f"model {name!r} needs an image input shape (channels, height, width), "
+            f"got {input_shape}"
+        )
+    channels, height, width = input_shape
+    return channels, height, width
+
+
+# --------------------------------------------------------------------------------------------
+# mlp
+# --------------------------------------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    """A deep, narrow multilayer perceptron: flatten, ``depth`` hidden layers, a linear head.
+
+    With the defaults (12 hidden layers of width 128) it has 26 parameter tensors of at most
+    64 KiB each on digits, which makes gradient communication latency-bound: the case that
+    bucketing small tensors together is meant to fix. The first layer takes the whole flattened
+    input, so on 224x224 images it alone holds ``3*224*224*128`` weights.
+    """
+
+    def __init__(
+        self, input_shape: tuple[int, ...], num_classes: int, *, width: int = 128, depth: int = 12
+    ) -> None:
+        super().__init__()
+        if depth < 1 or width < 1:
+            raise UsageError(f"MLP needs depth >= 1 and width >= 1, got {depth} and {width}")
+        layers: list[nn.Module] = [nn.Flatten()]
+        features = math.prod(input_shape)
+        for _ in range(depth):
+            hidden = nn.Linear(features, width)
+            # He initialisation: PyTorch's default Linear init shrinks activations layer after
+            # layer, and twelve of them leave the network unable to learn at all.
+            nn.init.kaiming_normal_(hidden.weight, nonlinearity="relu")
+            nn.init.zeros_(hidden.bias)
+            layers += [hidden, nn.ReLU(inplace=True)]
+            features = width
+        layers.append(nn.Linear(features, num_classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Logits ``[batch, num_classes]`` for inputs of shape ``[batch, *input_shape]``."""
+        out: Tensor = self.net(x)
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# CIFAR ResNets
+# --------------------------------------------------------------------------------------------
+
+
+class _BasicBlock(nn.Module):
+    """Two 3x3 convolutions with BatchNorm and a residual connection (He et al. 2016, fig. 2).
+
+    Where the block changes the channel count or the resolution the shortcut is a 1x1 convolution
+    plus BatchNorm (a projection, option B of the paper); otherwise it is the identity.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int) -> None:
+        super().__init__()
+        # No convolution biases: each convolution feeds a BatchNorm whose shift subsumes them.
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out_channels)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, 1, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_channels)
+        self.shortcut: nn.Module
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, out_channels, 1, stride, bias=False),
+                nn.BatchNorm2d(out_channels),
+            )
+        else:
+            self.shortcut = nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.shortcut(x))
+
+
+class CifarResNet(nn.Module):
+    """The CIFAR-10 ResNet of He et al. 2016 (section 4.2), of depth ``6n + 2``.
+
+    A 3x3 convolution to 16 channels, then three stages of ``n`` basic blocks with 16, 32 and 64
+    channels (the first block of stages 2 and 3 has stride 2), global average pooling and a linear
+    classifier. Depth 20, 32 and 56 give n = 3, 5 and 9.
+
+    Shortcuts that change shape use a 1x1 convolution with BatchNorm (option B of the paper)
+    rather than the zero-padded identity of option A: it is the common choice in reference code,
+    and it keeps every tensor in the model a parameter or a buffer that is easy to reason about.
+
+    The first convolution takes ``input_shape[0]`` channels. Global average pooling makes the model
+    independent of resolution: 8x8 digits go 8 -> 4 -> 2 through the stages, 224x224 images
+    224 -> 112 -> 56.
+    """
+
+    def __init__(self, depth: int, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        if depth < 8 or (depth - 2) % 6 != 0:
+            raise UsageError(f"CIFAR ResNet depth must be 6n + 2 with n >= 1, got {depth}")
+        channels, _, _ = _image_shape(f"resnet{depth}", input_shape)
+        blocks_per_stage = (depth - 2) // 6
+        self.stem = nn.Sequential(
+            nn.Conv2d(channels, 16, 3, 1, padding=1, bias=False),
+            nn.BatchNorm2d(16),
+            nn.ReLU(inplace=True),
+        )
+        stages: list[nn.Module] = []
+        in_channels = 16
+        for stage, out_channels in enumerate((16, 32, 64)):
+            blocks: list[nn.Module] = []
+            for block in range(blocks_per_stage):
+                stride = 2 if stage > 0 and block == 0 else 1
+                blocks.append(_BasicBlock(in_channels, out_channels, stride))
+                in_channels = out_channels
+            stages.append(nn.Sequential(*blocks))
+        self.stages = nn.Sequential(*stages)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(64, num_classes)
+        for module in self.modules():
+            if isinstance(module, nn.Conv2d):
+                # He initialisation, as in the paper; BatchNorm and Linear keep PyTorch defaults.
+                nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Logits of shape ``[batch, num_classes]`` for images ``[batch, C, H, W]``."""
+        out = self.stages(self.stem(x))
+        out = torch.flatten(self.pool(out), 1)
+        logits: Tensor = self.fc(out)
+        return logits
+
+
+# --------------------------------------------------------------------------------------------
+# VGG-11
+# --------------------------------------------------------------------------------------------
+
+_VGG11_CONFIG: tuple[int | str, ...] = (
+    64,
+    "M",
+    128,
+    "M",
+    256,
+    256,
+    "M",
+    512,
+    512,
+    "M",
+    512,
+    512,
+    "M",
+)
+
+
+class VGG11(nn.Module):
+    """VGG-11 with BatchNorm (configuration A of Simonyan and Zisserman 2015).
+
+    Convolutions ``[64, M, 128, M, 256, 256, M, 512, 512, M, 512, 512, M]`` each followed by
+    BatchNorm and ReLU, then adaptive average pooling to 1x1 and a classifier
+    ``Linear(512, 512) - ReLU - Linear(512, 512) - ReLU - Linear(512, classes)`` (no dropout, so
+    the model is deterministic). A 2x2 max-pool is skipped along a dimension that has already
+    shrunk to 1, and skipped entirely once both have, so 8x8 digits work without upsampling.
+
+    It has about 9.75M parameters on CIFAR-10 shapes, nearly all in a handful of large tensors:
+    the bandwidth-bound case for gradient communication.
+    """
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        channels, height, width = _image_shape("vgg11", input_shape)
+        layers: list[nn.Module] = []
+        for item in _VGG11_CONFIG:
+            if item == "M":
+                kernel = (2 if height >= 2 else 1, 2 if width >= 2 else 1)
+                if kernel != (1, 1):
+                    layers.append(nn.MaxPool2d(kernel, kernel))
+                    height //= kernel[0]
+                    width //= kernel[1]
+            else:
+                out_channels = int(item)
+                # No convolution bias: BatchNorm's shift subsumes it.
+                layers += [
+                    nn.Conv2d(channels, out_channels, 3, padding=1, bias=False),
+                    nn.BatchNorm2d(out_channels),
+                    nn.ReLU(inplace=True),
+                ]
+                channels = out_channels
+        self.features = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Sequential(
+            nn.Linear(512, 512),
+            nn.ReLU(inplace=True),
+            nn.Linear(512, 512),
+            nn.ReLU(inplace=True),
+            nn.Linear(512, num_classes),
+        )
+        for module in self.modules():
+            if isinstance(module, nn.Conv2d):
+                nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Logits of shape ``[batch, num_classes]`` for images ``[batch, C, H, W]``."""
+        out = torch.flatten(self.pool(self.features(x)), 1)
+        logits: Tensor = self.classifier(out)
+        return logits
+
+
+# --------------------------------------------------------------------------------------------
+# Transformer
+# --------------------------------------------------------------------------------------------
+
+
+class _SelfAttention(nn.Module):
+    """Multi-head self-attention from two plain Linear layers (``qkv`` and ``out``).
+
+    :class:`torch.nn.MultiheadAttention` is avoided on purpose: its output projection is applied
+    functionally, so forward hooks on that Linear never fire and a preconditioner that hooks
+    Linear modules (K-FAC) would silently skip it.
+    """
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        if dim % heads != 0:
+            raise UsageError(f"transformer width {dim} is not divisible by {heads} heads")
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, tokens, dim = x.shape
+        qkv = self.qkv(x).reshape(batch, tokens, 3, self.heads, dim // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [batch, heads, tokens, head_dim]
+        attended = F.scaled_dot_product_attention(q, k, v)
+        out: Tensor = self.out(attended.transpose(1, 2).reshape(batch, tokens, dim))
+        return out
+
+
+class _EncoderBlock(nn.Module):
+    """A pre-LayerNorm transformer encoder block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
+
+    def __init__(self, dim: int, heads: int, mlp_dim: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = _SelfAttention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, mlp_dim)
+        self.fc2 = nn.Linear(mlp_dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.norm1(x))
+        out: Tensor = x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+        return out
+
+
+def patch_size_for(height: int, width: int, max_tokens: int = 64) -> int:
+    """The square patch side the transformer uses for a ``height x width`` image.
+
+    The side is ``ceil(max(height, width) / 8)``, at least 2 and at most ``max(height, width)``,
+    so an image becomes at most an 8x8 grid of tokens (64 tokens, the bound that keeps attention
+    cheap): 8x8 digits -> 2x2 patches (16 tokens of 4 pixels; 1-pixel tokens would carry too
+    little to embed), 32x32 -> 4x4 patches (64 tokens), 224x224 -> 28x28 patches (64 tokens).
+    Sides that are not a multiple of the patch are zero-padded at the bottom and right.
+    """
+    side = max(height, width)
+    patch = min(max(2, math.ceil(side / math.isqrt(max_tokens))), side)
+    return patch
+
+
+class PatchTransformer(nn.Module):
+    """A small pre-LayerNorm transformer encoder classifier built from plain Linear layers.
+
+    Images ``[C, H, W]`` become sequences of non-overlapping square patches (side from
+    :func:`patch_size_for`), each flattened and embedded by a Linear layer; a learned positional
+    embedding is added; ``depth`` encoder blocks (``heads``-head attention through
+    :func:`torch.nn.functional.scaled_dot_product_attention`, MLP ``dim -> mlp_dim -> dim`` with
+    GELU) follow; tokens are mean-pooled (no class token, so every token is treated alike), then a
+    final LayerNorm and a Linear head give the logits.
+
+    A 1-D ``input_shape`` ``(seq_len,)`` means the input is integer token ids ``[batch, seq_len]``,
+    embedded by an :class:`torch.nn.Embedding` of ``vocab_size`` rows.
+    """
+
+    def __init__(
+        self,
+        input_shape: tuple[int, ...],
+        num_classes: int,
+        *,
+        dim: int = 128,
+        depth: int = 4,
+        heads: int = 4,
+        mlp_dim: int = 256,
+        vocab_size: int = 1000,
+    ) -> None:
+        super().__init__()
+        self.patch = 0
+        self.pad = (0, 0)
+        self.embed: nn.Module
+        if len(input_shape) == 1:
+            if vocab_size < 1:
+                raise UsageError(f"transformer vocab_size must be >= 1, got {vocab_size}")
+            tokens = input_shape[0]
+            self.embed = nn.Embedding(vocab_size, dim)
+        elif len(input_shape) == 3:
+            channels, height, width = input_shape
+            self.patch = patch_size_for(height, width)
+            rows, cols = math.ceil(height / self.patch), math.ceil(width / self.patch)
+            self.pad = (cols * self.patch - width, rows * self.patch - height)
+            tokens = rows * cols
+            self.embed = nn.Linear(channels * self.patch * self.patch, dim)
+        else:
+            raise UsageError(
+                "model 'transformer' needs an image input shape (channels, height, width) or a "
+                f"sequence length (seq_len,), got {input_shape}"
+            )
+        # Small initial positional embedding, as in ViT/BERT, so it does not swamp the content.
+        self.pos = nn.Parameter(torch.empty(1, tokens, dim))
+        nn.init.normal_(self.pos, std=0.02)
+        self.blocks = nn.Sequential(*(_EncoderBlock(dim, heads, mlp_dim) for _ in range(depth)))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, num_classes)
+
+    def _tokens(self, x: Tensor) -> Tensor:
+        """Cut images ``[B, C, H, W]`` into flattened patches ``[B, tokens, C * patch * patch]``."""
+        if self.pad != (0, 0):
+            x = F.pad(x, (0, self.pad[0], 0, self.pad[1]))
+        p = self.patch
+        batch, channels, height, width = x.shape
+        x = x.reshape(batch, channels, height // p, p, width // p, p)
+        x = x.permute(0, 2, 4, 1, 3, 5)  # [B, rows, cols, C, p, p]
+        return x.reshape(batch, (height // p) * (width // p), channels * p * p)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Logits ``[batch, num_classes]`` for images ``[batch, C, H, W]`` or ids ``[batch, T]``."""
+        tokens = self.embed(x) if self.patch == 0 else self.embed(self._tokens(x))
+        out = self.blocks(tokens + self.pos)
+        logits: Tensor = self.head(self.norm(out.mean(dim=1)))
+        return logits
+
+
+# --------------------------------------------------------------------------------------------
+# Building and summarising
+# --------------------------------------------------------------------------------------------
+
+
+def _build_zoo_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    if name == "mlp":
+        return MLP(input_shape, num_classes)
+    if name.startswith("resnet"):
+        return CifarResNet(int(name.removeprefix("resnet")), input_shape, num_classes)
+    if name == "vgg11":
+        return VGG11(input_shape, num_classes)
+    if name == "transformer":
+        return PatchTransformer(input_shape, num_classes)
+    raise AssertionError(f"zoo name {name!r} has no builder")  # MODEL_NAMES and this disagree
+
+
+def _import_factory(spec: str) -> Callable[..., Any]:
+    """Resolve ``package.module:attr.path`` to a callable, raising UsageError on any failure."""
+    module_name, _, attr_path = spec.partition(":")
+    module_name, attr_path = module_name.strip(), attr_path.strip()
+    if not module_name or not attr_path:
+        raise UsageError(
+            f"model spec {spec!r} is not of the form 'package.module:callable' "
+            "(a module to import and the name of a function or class in it that builds the model)"
+        )
+    # A user's own module usually sits in the folder they run from; scripts launched by path do not
+    # have that folder on sys.path, so add it (first, as `python -m` does) when it is missing.
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    # The user may have just written the file; drop the finders' cached directory listings.
+    importlib.invalidate_caches()
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if missing == module_name or module_name.startswith(missing + "."):
+            raise UsageError(
+                f"model spec {spec!r}: cannot find module {module_name!r}; check the spelling and "
+                f"that it is on sys.path or in the current folder ({cwd})"
+            ) from exc
+        raise UsageError(
+            f"model spec {spec!r}: importing module {module_name!r} failed because it needs "
+            f"{missing!r}, which is not installed: {exc}"
+        ) from exc
+    except Exception as exc:
+        raise UsageError(
+            f"model spec {spec!r}: importing module {module_name!r} failed with "
+            f"{type(exc).__name__}: {exc}; fix the error in that module"
+        ) from exc
+    target: Any = module
+    walked = module_name
+    for part in attr_path.split("."):
+        if not hasattr(target, part):
+            raise UsageError(
+                f"model spec {spec!r}: {walked!r} has no attribute {part!r}; name a function or "
+                f"class defined in module {module_name!r}"
+            )
+        target = getattr(target, part)
+        walked += ("." if walked != module_name else ":") + part
+    if isinstance(target, nn.Module):
+        # An instance made at import time would ignore torch.manual_seed and be shared between
+        # calls, so ask for the thing that builds it instead.
+        raise UsageError(
+            f"model spec {spec!r} names an nn.Module instance, not a callable that builds one; "
+            "name its class or a function that returns a new model"
+        )
+    if not callable(target):
+        raise UsageError(
+            f"model spec {spec!r} names an object of type {type(target).__name__}, which is not "
+            "callable; name a function or class that returns an nn.Module"
+        )
+    factory: Callable[..., Any] = target
+    return factory
+
+
+def _factory_kwargs(
+    factory: Callable[..., Any], input_shape: tuple[int, ...], num_classes: int
+) -> dict[str, Any]:
+    """The keyword arguments among ``input_shape`` / ``num_classes`` that ``factory`` accepts."""
+    offered: dict[str, Any] = {"input_shape": input_shape, "num_classes": num_classes}
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return {}  # no introspectable signature (some builtins): call it with no arguments
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return offered
+    accepted = {
+        p.name
+        for p in parameters
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    return {key: value for key, value in offered.items() if key in accepted}
+
+
+def build_model(spec: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """Build a model for inputs of ``input_shape`` (no batch dimension) and ``num_classes`` classes.
+
+    ``spec`` is a zoo name (see :data:`MODEL_NAMES`) or ``package.module:callable``, where
+    ``callable`` (a dotted attribute path is allowed) is a function or class returning an
+    :class:`torch.nn.Module`. The callable is passed ``input_shape=`` and ``num_classes=`` as
+    keywords, each only if its signature accepts it (or has ``**kwargs``). The current working
+    directory is added to ``sys.path`` when missing, so ``mymodels:net`` finds ``./mymodels.py``.
+
+    Raises :class:`~interlace.errors.UsageError`, saying what to do, for an unknown zoo name, a
+    module that cannot be imported, a missing attribute, something not callable, or a callable
+    that returns something other than an nn.Module.
+    """
+    try:
+        # operator.index accepts ints and NumPy integers but rejects floats such as 8.0.
+        input_shape = tuple(operator.index(d) for d in input_shape)
+        num_classes = operator.index(num_classes)
+    except TypeError as exc:
+        raise UsageError(
+            f"input_shape must be a tuple of ints and num_classes an int, got {input_shape!r} "
+            f"and {num_classes!r}"
+        ) from exc
+    if not input_shape or min(input_shape) < 1:
+        raise UsageError(
+            f"input_shape must be a non-empty tuple of positive ints, got {input_shape}"
+        )
+    if num_classes < 1:
+        raise UsageError(f"num_classes must be >= 1, got {num_classes}")
+    if ":" not in spec:
+        if spec not in MODEL_NAMES:
+            raise UsageError(
+                f"unknown model {spec!r}; choose one of {', '.join(MODEL_NAMES)}, or give your "
+                "own as 'package.module:callable' (a function or class returning an nn.Module)"
+            )
+        return _build_zoo_model(spec, input_shape, num_classes)
+    factory = _import_factory(spec)
+    kwargs = _factory_kwargs(factory, input_shape, num_classes)
+    try:
+        model = factory(**kwargs)
+    except Exception as exc:
+        passed = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        raise UsageError(
+            f"model spec {spec!r}: calling it with ({passed}) raised {type(exc).__name__}: {exc}"
+        ) from exc
+    if not isinstance(model, nn.Module):
+        raise UsageError(
+            f"model spec {spec!r} returned an object of type {type(model).__name__}, not a "
+            "torch.nn.Module; make it return the model"
+        )
+    return model
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    """Sizes of a model's trainable parameters, the quantities gradient communication moves.
+
+    ``params`` is the number of trainable elements, ``tensors`` the number of trainable parameter
+    tensors and ``trainable_bytes`` their total size; a parameter shared between modules counts
+    once, as it has one gradient.
+    """
+
+    name: str
+    params: int
+    tensors: int
+    trainable_bytes: int
+
+
+def summarize_model(name: str, model: nn.Module) -> ModelSummary:
+    """Count ``model``'s trainable parameters (elements, tensors, bytes), shared ones once."""
+    # Module.parameters() already yields a shared Parameter only once.
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return ModelSummary(
+        name=name,
+        params=sum(p.numel() for p in trainable),
+        tensors=len(trainable),
+        trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
+    )

@@ -1,0 +1,107 @@
+"""The `interlace` command as a user meets it: subprocesses, exit statuses, what is printed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from interlace.zoo import MODEL_NAMES, build_model, load_data, summarize_model
+
+
+def interlace(
+    *args: str, cwd: Path | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "interlace", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        check=False,
+    )
+
+
+def test_models_lists_the_zoo_with_its_counts() -> None:
+    done = interlace("models", "--data", "digits")
+    assert done.returncode == 0, done.stderr
+    bundle = load_data("digits")
+    for name in MODEL_NAMES:
+        summary = summarize_model(name, build_model(name, bundle.input_shape, bundle.num_classes))
+        line = next(row for row in done.stdout.splitlines() if row.startswith(f"| {name} "))
+        assert f"{summary.params:,}" in line
+        assert f" {summary.tensors} " in line
+
+
+def test_models_accepts_a_users_callable(tmp_path: Path) -> None:
+    (tmp_path / "my_models.py").write_text(
+        "import torch\n"
+        "def tiny(input_shape, num_classes):\n"
+        "    return torch.nn.Sequential(torch.nn.Flatten(),\n"
+        "        torch.nn.Linear(int(torch.tensor(input_shape).prod()), num_classes))\n"
+    )
+    done = interlace(
+        "models",
+        "--model",
+        "my_models:tiny",
+        "--input-shape",
+        "3,4,4",
+        "--classes",
+        "5",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    # 48 inputs x 5 classes + 5 biases, in two tensors.
+    assert "| my_models:tiny" in done.stdout and "245" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["train", "--model", "no-such-model", "--epochs", "1"], "no-such-model"),
+        (["train", "--data", "/no/such/folder", "--epochs", "1"], "/no/such/folder"),
+        (["train", "-n", "0"], "-n must be >= 1"),
+        (["train", "--link", "fast"], "fast"),
+        (["train", "--epochs", "0"], "--epochs"),
+        (["train", "--input-shape", "three"], "three"),
+        (["launch", "-n", "0", "--", "python", "x.py"], "0"),
+        (["launch", "-n", "2", "--link", "fast", "--", "python", "x.py"], "fast"),
+        (["launch", "-n", "2", "--", "python", "no_such_script.py"], "no_such_script.py"),
+        (["no-such-command"], "no-such-command"),
+    ],
+)
+def test_bad_input_is_one_clear_line_and_status_2(args: list[str], needle: str) -> None:
+    done = interlace(*args, timeout=60)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, done.stderr
+    assert needle in lines[0] and "error" in lines[0]
+
+
+def test_train_runs_end_to_end_on_two_ranks(tmp_path: Path) -> None:
+    done = interlace(
+        "train",
+        "--model",
+        "mlp",
+        "--data",
+        "digits",
+        "-n",
+        "2",
+        "--epochs",
+        "2",
+        "--runs-dir",
+        str(tmp_path),
+        "--no-progress",
+    )
+    assert done.returncode == 0, done.stderr
+    assert "final test accuracy:" in done.stdout
+    assert "epoch   2/2" in done.stdout
+    (run,) = list(tmp_path.iterdir())
+    assert (run / "metrics.csv").exists() and (run / "curves.png").exists()
+
+
+def test_version() -> None:
+    done = interlace("--version")
+    assert done.returncode == 0 and done.stdout.startswith("interlace ")
