@@ -65,6 +65,8 @@ def test_models_accepts_a_users_callable(tmp_path: Path) -> None:
         (["train", "-n", "0"], "-n must be >= 1"),
         (["train", "--link", "fast"], "fast"),
         (["train", "--epochs", "0"], "--epochs"),
+        (["train", "--strategy", "fastest"], "fastest"),
+        (["train", "--bucket-cap-mb", "0"], "--bucket-cap-mb"),
         (["train", "--input-shape", "three"], "three"),
         (["launch", "-n", "0", "--", "python", "x.py"], "0"),
         (["launch", "-n", "2", "--link", "fast", "--", "python", "x.py"], "fast"),
@@ -80,7 +82,8 @@ def test_bad_input_is_one_clear_line_and_status_2(args: list[str], needle: str) 
     assert needle in lines[0] and "error" in lines[0]
 
 
-def test_train_runs_end_to_end_on_two_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", ["ddp", "mgwfbp"])
+def test_train_runs_end_to_end_on_two_ranks(tmp_path: Path, strategy: str) -> None:
     done = interlace(
         "train",
         "--model",
@@ -91,12 +94,15 @@ def test_train_runs_end_to_end_on_two_ranks(tmp_path: Path) -> None:
         "2",
         "--epochs",
         "2",
+        "--strategy",
+        strategy,
         "--runs-dir",
         str(tmp_path),
         "--no-progress",
     )
     assert done.returncode == 0, done.stderr
     assert "final test accuracy:" in done.stdout
+    assert f"strategy {strategy}" in done.stdout
     assert "epoch   2/2" in done.stdout
     (run,) = list(tmp_path.iterdir())
     assert (run / "metrics.csv").exists() and (run / "curves.png").exists()

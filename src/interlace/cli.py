@@ -100,6 +100,18 @@ def _add_job_arguments(
         help="digits, synthetic-cifar10, synthetic-imagenet, or a CIFAR-10 python folder",
     )
     parser.add_argument(
+        "--strategy",
+        default=defaults.strategy,
+        help="how gradients are averaged: ddp (torch DDP), wfbp, fixed, single or mgwfbp "
+        f"(default {defaults.strategy})",
+    )
+    parser.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=defaults.bucket_cap_mb,
+        help="bucket cap of the ddp and fixed strategies, MB",
+    )
+    parser.add_argument(
         "-n",
         "--nprocs",
         type=int,
@@ -161,6 +173,8 @@ def _run_train(args: argparse.Namespace) -> int:
     config = TrainConfig(
         model=args.model,
         data=args.data,
+        strategy=args.strategy,
+        bucket_cap_mb=args.bucket_cap_mb,
         epochs=args.epochs,
         batch_size=args.batch_size,
         lr=args.lr,

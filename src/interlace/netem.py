@@ -94,16 +94,28 @@ class NetemUnavailableError(UsageError):
 
 
 def parse_link(text: str) -> float:
-    """Return the line rate in bits/s named by ``text`` (one of :data:`LINK_RATES`).
+    """Return the line rate in bits/s named by ``text``.
 
-    Raises :class:`~interlace.errors.UsageError` naming the accepted rates for anything else, so
-    ``--link fast`` is answered with what would have worked.
+    ``text`` is one of :data:`LINK_RATES` or, as ``tc`` writes rates, a positive number with a
+    unit ``kbit``, ``mbit`` or ``gbit`` (``300mbit``): benchmarks pick a rate that gives a chosen
+    communication/compute ratio. Raises :class:`~interlace.errors.UsageError` naming the accepted
+    forms for anything else, so ``--link fast`` is answered with what would have worked.
     """
     key = text.strip().lower()
-    if key not in LINK_RATES:
-        accepted = ", ".join(LINK_RATES)
-        raise UsageError(f"unknown link rate {text!r}; accepted rates: {accepted}")
-    return LINK_RATES[key]
+    if key in LINK_RATES:
+        return LINK_RATES[key]
+    match = _RATE.fullmatch(key)
+    if match and float(match[1]) > 0:
+        return float(match[1]) * _UNITS[match[2]]
+    accepted = ", ".join(LINK_RATES)
+    raise UsageError(
+        f"unknown link rate {text!r}; accepted rates: {accepted} (or any NUMBER followed by "
+        "kbit, mbit or gbit, e.g. 300mbit)"
+    )
+
+
+_RATE = re.compile(r"(\d+(?:\.\d+)?)(kbit|mbit|gbit)")
+_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 
 
 def default_burst_bytes(rate_bps: float) -> int:

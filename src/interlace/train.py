@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm import tqdm
 
 from interlace.distenv import DistContext, init_distributed
 from interlace.errors import UsageError
 from interlace.runlog import RunLog, new_run_dir
+from interlace.strategies import STRATEGIES, wrap_model
 from interlace.zoo import build_model, load_data, make_loader
 
 
@@ -34,6 +34,8 @@ class TrainConfig:
 
     model: str = "resnet20"
     data: str = "digits"
+    strategy: str = "mgwfbp"
+    bucket_cap_mb: float = 25.0
     epochs: int = 15
     batch_size: int = 32
     lr: float = 0.1
@@ -53,6 +55,11 @@ class TrainConfig:
         """Reject impossible settings before any process starts."""
         checks = [
             (self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}"),
+            (
+                self.strategy in STRATEGIES,
+                f"unknown --strategy '{self.strategy}'; choose one of {', '.join(STRATEGIES)}",
+            ),
+            (self.bucket_cap_mb > 0, f"--bucket-cap-mb must be > 0, got {self.bucket_cap_mb}"),
             (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
             (self.lr > 0 and math.isfinite(self.lr), f"--lr must be > 0, got {self.lr}"),
             (0 <= self.momentum < 1, f"--momentum must be in [0, 1), got {self.momentum}"),
@@ -111,8 +118,8 @@ def _train(config: TrainConfig, context: DistContext, run_dir: str | None) -> Tr
 
     torch.manual_seed(config.seed)
     model = build_model(config.model, input_shape, num_classes).to(context.device)
-    ddp_model = DistributedDataParallel(
-        model, device_ids=[context.local_rank] if context.device.type == "cuda" else None
+    parallel_model = wrap_model(
+        model, config.strategy, device=context.device, bucket_cap_mb=config.bucket_cap_mb
     )
     train_loader = make_loader(
         bundle.train,
@@ -158,7 +165,8 @@ def _train(config: TrainConfig, context: DistContext, run_dir: str | None) -> Tr
         log = RunLog(path, _config_record(config, context))
         print(
             f"training {config.model} on {bundle.name} ({len(bundle.train)} train / "
-            f"{len(bundle.test)} test) with {context.world_size} rank(s), "
+            f"{len(bundle.test)} test) with {context.world_size} rank(s), strategy "
+            f"{config.strategy}, "
             f"global batch {config.batch_size * context.world_size}, run folder {path}",
             flush=True,
         )
@@ -174,7 +182,7 @@ def _train(config: TrainConfig, context: DistContext, run_dir: str | None) -> Tr
             sampler = train_loader.sampler
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
-            ddp_model.train()
+            parallel_model.train()
             loss_sum = torch.zeros(2, dtype=torch.float64, device=context.device)
             started = time.perf_counter()
             for step, (batch_inputs, batch_targets) in enumerate(train_loader):
@@ -183,7 +191,7 @@ def _train(config: TrainConfig, context: DistContext, run_dir: str | None) -> Tr
                 inputs = batch_inputs.to(context.device, non_blocking=True)
                 targets = batch_targets.to(context.device, non_blocking=True)
                 optimizer.zero_grad(set_to_none=True)
-                loss = functional.cross_entropy(ddp_model(inputs), targets)
+                loss = functional.cross_entropy(parallel_model(inputs), targets)
                 loss.backward()
                 optimizer.step()
                 schedule.step()
@@ -197,7 +205,7 @@ def _train(config: TrainConfig, context: DistContext, run_dir: str | None) -> Tr
             dist.all_reduce(loss_sum)
             train_loss = float(loss_sum[0] / loss_sum[1])
             throughput = steps_per_epoch * global_batch / epoch_s
-            test_loss, test_accuracy = evaluate(ddp_model.module, test_loader, context)
+            test_loss, test_accuracy = evaluate(model, test_loader, context)
             result_accuracy, result_loss = test_accuracy, train_loss
             if log is not None:
                 row = {

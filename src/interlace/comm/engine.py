@@ -1,0 +1,174 @@
+"""The runtime half of the communication core: flat bucket buffers and asynchronous all-reduces.
+
+A :class:`BucketEngine` is built from a plan (which tensors travel together, in which order).
+Each iteration, gradients are copied into their bucket's flat buffer as backward produces them;
+a bucket's all-reduce starts the moment its last tensor arrives, and buckets always start in plan
+order, so every rank issues the same collectives in the same order (the condition for never
+deadlocking). :meth:`BucketEngine.finish` waits for the rest and hands back averaged tensors.
+
+Tensors that got no gradient on this rank are sent as zeros; a one-number "was used" mark per
+tensor rides in the last bucket, so after the all-reduce every rank knows which tensors no rank
+touched (those keep ``grad = None``, as in PyTorch DDP) without an extra collective.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+CommRecorder = Callable[[int, int, float, float], None]
+"""Called with (bucket index, bytes, launch time, completion time) for each finished all-reduce."""
+
+
+@dataclass(frozen=True)
+class _Slot:
+    bucket: int
+    offset: int
+    numel: int
+
+
+class BucketEngine:
+    """Flat buffers for ``groups`` of ``tensors`` and the all-reduces that average them."""
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        groups: Sequence[Sequence[int]],
+        process_group: dist.ProcessGroup | None = None,
+        recorder: CommRecorder | None = None,
+    ) -> None:
+        if not tensors:
+            raise ValueError("a bucket engine needs at least one tensor")
+        self.tensors = list(tensors)
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.recorder = recorder
+        self.groups = _split_by_dtype(groups, self.tensors)
+        self.slots: list[_Slot] = [_Slot(-1, 0, 0)] * len(self.tensors)
+        self.buffers: list[torch.Tensor] = []
+        device = self.tensors[0].device
+        for bucket, group in enumerate(self.groups):
+            offset = 0
+            for index in group:
+                numel = self.tensors[index].numel()
+                self.slots[index] = _Slot(bucket, offset, numel)
+                offset += numel
+            # The last bucket also carries one "was used" mark per tensor.
+            extra = len(self.tensors) if bucket == len(self.groups) - 1 else 0
+            dtype = self.tensors[group[0]].dtype
+            self.buffers.append(torch.zeros(offset + extra, dtype=dtype, device=device))
+        self._usage_offset = self.buffers[-1].numel() - len(self.tensors)
+        self._sizes = [len(group) for group in self.groups]
+        self._pending: list[int] = []
+        self._ready: list[bool] = []
+        self._handles: list[dist.Work | None] = []
+        self._next_launch = 0
+        self.begin()
+
+    @property
+    def bucket_bytes(self) -> list[int]:
+        """Bytes of gradient data in each bucket (without the usage marks)."""
+        return [
+            sum(self.tensors[i].numel() for i in group) * self.tensors[group[0]].element_size()
+            for group in self.groups
+        ]
+
+    def begin(self) -> None:
+        """Reset for a new iteration."""
+        self._pending = list(self._sizes)
+        self._ready = [False] * len(self.tensors)
+        self._handles = [None] * len(self.groups)
+        self._next_launch = 0
+
+    def add(self, index: int, grad: torch.Tensor) -> None:
+        """Copy tensor ``index``'s gradient into its bucket; launch every bucket now complete."""
+        if self._ready[index]:
+            # A second gradient for the same tensor within one backward cannot happen for a leaf
+            # (its hook fires after accumulation); treat it as the newer value.
+            self._write(index, grad)
+            return
+        self._ready[index] = True
+        self._write(index, grad)
+        slot = self.slots[index]
+        self._pending[slot.bucket] -= 1
+        if self._pending[slot.bucket] == 0:
+            self._launch_ready()
+
+    def finish(self) -> list[torch.Tensor | None]:
+        """Send what is left, wait for every all-reduce, and return the averaged gradients.
+
+        Entry ``i`` is a view of tensor ``i``'s averaged gradient, or None when no rank
+        produced a gradient for it this iteration.
+        """
+        for index, ready in enumerate(self._ready):
+            if not ready:
+                slot = self.slots[index]
+                self.buffers[slot.bucket][slot.offset : slot.offset + slot.numel].zero_()
+                self.buffers[-1][self._usage_offset + index] = 0
+                self._ready[index] = True
+                self._pending[slot.bucket] -= 1
+        self._launch_ready()
+        for handle in self._handles:
+            if handle is not None:
+                handle.wait()
+        usage = self.buffers[-1][self._usage_offset :]
+        averaged: list[torch.Tensor | None] = []
+        for index, slot in enumerate(self.slots):
+            if float(usage[index]) > 0:
+                flat = self.buffers[slot.bucket][slot.offset : slot.offset + slot.numel]
+                averaged.append(flat.view_as(self.tensors[index]))
+            else:
+                averaged.append(None)
+        return averaged
+
+    def _write(self, index: int, grad: torch.Tensor) -> None:
+        slot = self.slots[index]
+        self.buffers[slot.bucket][slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
+        self.buffers[-1][self._usage_offset + index] = 1
+
+    def _launch_ready(self) -> None:
+        # Strictly in plan order: a complete bucket waits for earlier incomplete ones, so all
+        # ranks issue identical collective sequences even if hooks fire in different orders.
+        while self._next_launch < len(self.groups) and self._pending[self._next_launch] == 0:
+            bucket = self._next_launch
+            buffer = self.buffers[bucket]
+            # Divide before summing, as DDP does: the average without risking overflow.
+            buffer.div_(self.world_size)
+            launched = time.perf_counter()
+            handle = dist.all_reduce(buffer, group=self.process_group, async_op=True)
+            if self.recorder is not None and handle is not None:
+                done = functools.partial(
+                    _report_done, self.recorder, bucket, self.bucket_bytes[bucket], launched
+                )
+                handle.get_future().then(done)
+            self._handles[bucket] = handle
+            self._next_launch += 1
+
+
+def _report_done(
+    recorder: CommRecorder, bucket: int, nbytes: int, launched: float, _future: object
+) -> None:
+    # Runs on the backend's thread when the all-reduce completes: the true end time.
+    recorder(bucket, nbytes, launched, time.perf_counter())
+
+
+def _split_by_dtype(
+    groups: Sequence[Sequence[int]], tensors: Sequence[torch.Tensor]
+) -> list[list[int]]:
+    """Split any bucket that mixes dtypes (one flat buffer has one dtype), keeping the order."""
+    result: list[list[int]] = []
+    for group in groups:
+        current: list[int] = []
+        for index in group:
+            if current and tensors[index].dtype != tensors[current[-1]].dtype:
+                result.append(current)
+                current = []
+            current.append(index)
+        if current:
+            result.append(current)
+    return result

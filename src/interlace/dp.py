@@ -1,0 +1,380 @@
+"""``interlace.DataParallel``: data parallelism whose gradient buckets are planned, not guessed.
+
+Used exactly like :class:`torch.nn.parallel.DistributedDataParallel`: wrap, forward,
+``loss.backward()`` returns with gradients averaged over the ranks, ``optimizer.step()``;
+``no_sync()`` for gradient accumulation. What differs is how gradients are grouped into
+all-reduces: by one of the planners of :mod:`interlace.comm.plan`, fed with the gradient ready
+times this very model shows during its first iterations and a cost model fitted on the live
+process group. With ``bucketing="merged"`` that is MG-WFBP's optimal merge.
+
+Lifecycle: the first ``profile_steps`` backward passes send all gradients in one all-reduce at the
+end (so the measured ready times are not disturbed by communication), then the ranks agree on
+averaged timings, rank 0 plans, every rank receives the same plan, and buckets are rebuilt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_leaves
+
+from interlace.comm.calibrate import fit_cost_model
+from interlace.comm.cost import CostModel
+from interlace.comm.engine import BucketEngine
+from interlace.comm.plan import Plan, ReadyTensor, make_plan
+from interlace.errors import UsageError
+
+if TYPE_CHECKING:
+    from interlace.timeline import Timeline
+
+BUCKETINGS = ("merged", "per-tensor", "fixed", "single")
+_ALIASES = {"mgwfbp": "merged", "wfbp": "per-tensor", "syncesgd": "single", "synceasgd": "single"}
+
+
+class DataParallel(nn.Module):
+    """Wrap ``module`` for data-parallel training over ``process_group`` (default: the world).
+
+    Args:
+        module: the model, already on this rank's device.
+        bucketing: ``"merged"`` (MG-WFBP), ``"per-tensor"`` (WFBP), ``"fixed"`` (DDP-style caps)
+            or ``"single"`` (one all-reduce after backward).
+        bucket_cap_mb: the cap of ``"fixed"`` buckets, in MB (10^6 bytes), as DDP's.
+        first_bucket_cap_mb: the first ``"fixed"`` bucket's cap (DDP uses 1 MB to start early).
+        process_group: the group to average over.
+        profile_steps: backward passes timed before planning (after one warm-up pass);
+            default 5 for ``"merged"`` and 1 (just the ready order) for the others.
+        cost_model: price of an all-reduce; default: fitted on ``process_group`` (cached).
+        broadcast_buffers: re-send rank 0's buffers (BatchNorm statistics) before every forward,
+            as DDP does by default.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        bucketing: str = "merged",
+        bucket_cap_mb: float = 25.0,
+        *,
+        first_bucket_cap_mb: float = 1.0,
+        process_group: dist.ProcessGroup | None = None,
+        profile_steps: int | None = None,
+        cost_model: CostModel | None = None,
+        broadcast_buffers: bool = True,
+    ) -> None:
+        super().__init__()
+        bucketing = _ALIASES.get(bucketing, bucketing)
+        if bucketing not in BUCKETINGS:
+            raise UsageError(
+                f"unknown bucketing '{bucketing}'; choose one of {', '.join(BUCKETINGS)} "
+                f"(or the aliases {', '.join(_ALIASES)})"
+            )
+        if not bucket_cap_mb > 0 or not first_bucket_cap_mb > 0:
+            raise UsageError(
+                f"bucket caps must be > 0 MB, got bucket_cap_mb={bucket_cap_mb}, "
+                f"first_bucket_cap_mb={first_bucket_cap_mb}"
+            )
+        if profile_steps is not None and profile_steps < 1:
+            raise UsageError(f"profile_steps must be >= 1, got {profile_steps}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise UsageError(
+                "torch.distributed is not initialised: call "
+                "torch.distributed.init_process_group() before wrapping the model "
+                "(torchrun and `interlace launch` provide the environment it needs)"
+            )
+        self.module = module
+        self.bucketing = bucketing
+        self.bucket_cap_bytes = bucket_cap_mb * 1e6
+        self.first_bucket_cap_bytes = first_bucket_cap_mb * 1e6
+        self.process_group = process_group
+        self.broadcast_buffers = broadcast_buffers
+        self.profile_steps = profile_steps or (5 if bucketing == "merged" else 1)
+        self._cost_model = cost_model
+        self._rank = dist.get_rank(process_group)
+        self._src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise UsageError(
+                "the model has no trainable parameters (none with requires_grad=True); "
+                "there is nothing to average across ranks"
+            )
+        self._names = [name for name, _ in named]
+        self._params = [p for _, p in named]
+        devices = {p.device for p in self._params}
+        if len(devices) > 1:
+            raise UsageError(
+                "DataParallel needs every parameter on one device, found "
+                f"{sorted(map(str, devices))}"
+            )
+        self._check_same_model_everywhere()
+        self._broadcast_state()
+
+        # Until profiling is over: everything in one bucket, sent after backward.
+        self._engine = BucketEngine(
+            self._params, [list(reversed(range(len(self._params))))], process_group
+        )
+        self.plan: Plan | None = None
+        self._sync = True
+        self._in_backward = False
+        self._backward_passes = 0
+        self._profiled: list[list[float]] = []
+        self._profiled_forward: list[float] = []
+        self._profiled_backward: list[float] = []
+        self._forward_start = 0.0
+        self._forward_s = 0.0
+        self._backward_start: float | None = None
+        self._ready_times: list[float] = [0.0] * len(self._params)
+        self._record = False
+        self._comm_events: list[tuple[int, int, float, float]] = []
+        self.last_timeline: Timeline | None = None
+        for index, param in enumerate(self._params):
+            param.register_post_accumulate_grad_hook(self._make_hook(index))
+
+    # ------------------------------------------------------------------ public API
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._plan_due():
+            self._replan()
+        if self.broadcast_buffers and torch.is_grad_enabled() and self.module.training:
+            self._broadcast(list(self.module.buffers()))
+        self._forward_start = time.perf_counter()
+        output = self.module(*inputs, **kwargs)
+        self._forward_s = time.perf_counter() - self._forward_start
+        self._backward_start = None
+        if torch.is_grad_enabled() and self._sync:
+            for tensor in _tensors_in(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(self._mark_backward_start)
+        return output
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the next backward outside the block averages them all."""
+        previous = self._sync
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def record_timeline(self, enabled: bool = True) -> None:
+        """Keep each iteration's forward, per-tensor backward and per-bucket all-reduce times in
+        :attr:`last_timeline` (a little overhead per bucket)."""
+        self._record = enabled
+        self._engine.recorder = self._on_comm if enabled else None
+
+    @property
+    def cost_model(self) -> CostModel | None:
+        return self._cost_model
+
+    @property
+    def parameter_names(self) -> list[str]:
+        return list(self._names)
+
+    # ------------------------------------------------------------------ hooks
+
+    def _make_hook(self, index: int) -> Any:
+        def hook(param: torch.Tensor) -> None:
+            if not self._sync or param.grad is None:
+                return
+            now = time.perf_counter()
+            if not self._in_backward:
+                self._in_backward = True
+                if self._backward_start is None:
+                    self._backward_start = now
+                Variable._execution_engine.queue_callback(self._finish_backward)
+            self._ready_times[index] = now
+            self._engine.add(index, param.grad)
+
+        return hook
+
+    def _mark_backward_start(self, grad: torch.Tensor) -> None:
+        now = time.perf_counter()
+        if self._backward_start is None or now < self._backward_start:
+            self._backward_start = now
+
+    def _finish_backward(self) -> None:
+        backward_end = time.perf_counter()
+        self._in_backward = False
+        averaged = self._engine.finish()
+        for param, grad in zip(self._params, averaged, strict=True):
+            if grad is None:
+                param.grad = None
+            elif param.grad is None:
+                param.grad = grad.clone()
+            else:
+                param.grad.copy_(grad)
+        self._after_backward(backward_end)
+        self._engine.begin()
+
+    def _after_backward(self, backward_end: float) -> None:
+        start = self._backward_start if self._backward_start is not None else backward_end
+        self._backward_passes += 1
+        if self.plan is None and self._backward_passes > 1:
+            # Pass 1 is a warm-up (allocator, lazy init); later ones are measured.
+            self._profiled.append([t - start for t in self._ready_times])
+            self._profiled_forward.append(self._forward_s)
+            self._profiled_backward.append(backward_end - start)
+        if self._record:
+            self.last_timeline = self._build_timeline(start, backward_end)
+        self._comm_events = []
+
+    def _on_comm(self, bucket: int, nbytes: int, launched: float, done: float) -> None:
+        self._comm_events.append((bucket, nbytes, launched, done))
+
+    # ------------------------------------------------------------------ planning
+
+    def _plan_due(self) -> bool:
+        return self.plan is None and len(self._profiled) >= self.profile_steps and self._sync
+
+    def _replan(self) -> None:
+        """Agree on timings across ranks, plan on rank 0, share the plan, rebuild buckets."""
+        count = len(self._params)
+        local = [
+            statistics.median(self._profiled_forward),
+            statistics.median(self._profiled_backward),
+            *[statistics.median(step[i] for step in self._profiled) for i in range(count)],
+        ]
+        timings = torch.tensor(local, dtype=torch.float64)
+        dist.all_reduce(timings, group=self.process_group)
+        timings /= dist.get_world_size(self.process_group)
+        forward_s, backward_s, *ready = timings.tolist()
+        if self._cost_model is None:
+            self._cost_model = fit_cost_model(self.process_group, device=self._params[0].device)
+        shared: list[Any] = [None]
+        if self._rank == 0:
+            shared[0] = self._make_plan(forward_s, backward_s, ready)
+        dist.broadcast_object_list(shared, src=self._src, group=self.process_group)
+        plan, order = shared[0]
+        recorder = self._engine.recorder
+        self._engine = BucketEngine(
+            self._params, [[order[i] for i in group] for group in plan.groups], self.process_group
+        )
+        self._engine.recorder = recorder
+        self.plan = plan
+        self._profiled.clear()
+
+    def _make_plan(
+        self, forward_s: float, backward_s: float, ready: list[float]
+    ) -> tuple[Plan, list[int]]:
+        assert self._cost_model is not None
+        # Ready order; ties (and tensors that never got a gradient, ready at the end) keep the
+        # reverse registration order, which is how backward usually visits them.
+        order = sorted(range(len(ready)), key=lambda i: (ready[i], -i))
+        tensors = [
+            ReadyTensor(
+                self._names[i],
+                self._params[i].numel() * self._params[i].element_size(),
+                min(max(ready[i], 0.0), backward_s),
+            )
+            for i in order
+        ]
+        # Sorting clamped values can break monotonicity only through the clamp; re-sort once.
+        tensors_sorted = sorted(zip(tensors, order, strict=True), key=lambda pair: pair[0].ready_s)
+        tensors = [t for t, _ in tensors_sorted]
+        order = [i for _, i in tensors_sorted]
+        plan = make_plan(
+            self.bucketing,
+            tensors,
+            self._cost_model,
+            cap_bytes=self.bucket_cap_bytes,
+            first_cap_bytes=self.first_bucket_cap_bytes,
+            backward_s=max(backward_s, tensors[-1].ready_s),
+            forward_s=forward_s,
+        )
+        return plan, order
+
+    # ------------------------------------------------------------------ wrap-time checks
+
+    def _check_same_model_everywhere(self) -> None:
+        signature = [
+            (name, tuple(p.shape), str(p.dtype))
+            for name, p in zip(self._names, self._params, strict=True)
+        ]
+        world = dist.get_world_size(self.process_group)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, signature, group=self.process_group)
+        reference = gathered[0]
+        for rank, theirs in enumerate(gathered):
+            if theirs == reference:
+                continue
+            if len(theirs) != len(reference):
+                raise UsageError(
+                    f"rank {rank} has {len(theirs)} trainable parameters but rank 0 has "
+                    f"{len(reference)}; every rank must build the same model"
+                )
+            for mine, other in zip(reference, theirs, strict=True):
+                if mine != other:
+                    raise UsageError(
+                        f"parameter '{other[0]}' has shape {other[1]} ({other[2]}) on rank "
+                        f"{rank} but '{mine[0]}' has shape {mine[1]} ({mine[2]}) on rank 0; "
+                        "every rank must build the same model"
+                    )
+
+    def _broadcast_state(self) -> None:
+        self._broadcast([*self._params, *self.module.buffers()])
+
+    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        """Rank 0's values into ``tensors``, one flat broadcast per dtype (one per tensor would pay
+        a start-up each: dozens of BatchNorm buffers every forward)."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for tensor in tensors:
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        with torch.no_grad():
+            for group in by_dtype.values():
+                flat = torch.cat([t.reshape(-1) for t in group])
+                dist.broadcast(flat, src=self._src, group=self.process_group)
+                offset = 0
+                for tensor in group:
+                    tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+                    offset += tensor.numel()
+
+    # ------------------------------------------------------------------ timeline
+
+    def _build_timeline(self, backward_start: float, backward_end: float) -> Timeline:
+        from interlace.timeline import Timeline
+
+        timeline = Timeline(title=f"DataParallel ({self.bucketing})")
+        origin = self._forward_start
+        timeline.add("forward", "forward", 0.0, self._forward_s, lane="compute")
+        previous = backward_start
+        for index in sorted(range(len(self._params)), key=lambda i: self._ready_times[i]):
+            ready = self._ready_times[index]
+            if ready < backward_start:
+                continue
+            timeline.add(
+                self._names[index], "backward", previous - origin, ready - origin, lane="compute"
+            )
+            previous = ready
+        for bucket, nbytes, launched, done in sorted(self._comm_events):
+            timeline.add(
+                f"bucket {bucket} ({nbytes / 1e6:.2f} MB)",
+                "comm",
+                launched - origin,
+                done - origin,
+                lane="all-reduce",
+                bytes=nbytes,
+            )
+        if backward_end > previous:
+            timeline.add(
+                "backward (rest)",
+                "backward",
+                previous - origin,
+                backward_end - origin,
+                lane="compute",
+            )
+        return timeline
+
+
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside a (possibly nested) model output."""
+    for leaf in tree_leaves(value):
+        if isinstance(leaf, torch.Tensor):
+            yield leaf

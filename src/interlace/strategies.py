@@ -1,0 +1,48 @@
+"""Data-parallel strategies by name, as the command line and the benchmarks spell them.
+
+``ddp`` is PyTorch's own DistributedDataParallel (the peer every claim is measured against); the
+others are :class:`interlace.DataParallel` with one of the bucket planners.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from interlace.dp import DataParallel
+from interlace.errors import UsageError
+
+STRATEGIES = ("ddp", "wfbp", "fixed", "single", "mgwfbp")
+BUCKETING = {"wfbp": "per-tensor", "fixed": "fixed", "single": "single", "mgwfbp": "merged"}
+DESCRIPTIONS = {
+    "ddp": "torch DistributedDataParallel, 25 MB buckets (1 MB first)",
+    "wfbp": "interlace, one all-reduce per tensor as soon as it is ready (WFBP)",
+    "fixed": "interlace, DDP-style fixed buckets in measured ready order",
+    "single": "interlace, one all-reduce after backward (SyncEASGD)",
+    "mgwfbp": "interlace, MG-WFBP optimal merge from measured times and a fitted cost model",
+}
+
+
+def wrap_model(
+    model: nn.Module,
+    strategy: str,
+    *,
+    device: torch.device | None = None,
+    bucket_cap_mb: float = 25.0,
+    profile_steps: int | None = None,
+) -> nn.Module:
+    """Wrap ``model`` (already on its device) for data-parallel training with ``strategy``."""
+    if strategy == "ddp":
+        if not bucket_cap_mb > 0:
+            raise UsageError(f"--bucket-cap-mb must be > 0, got {bucket_cap_mb}")
+        device_ids = [device.index] if device is not None and device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
+    if strategy not in BUCKETING:
+        raise UsageError(f"unknown strategy '{strategy}'; choose one of {', '.join(STRATEGIES)}")
+    return DataParallel(
+        model,
+        bucketing=BUCKETING[strategy],
+        bucket_cap_mb=bucket_cap_mb,
+        profile_steps=profile_steps,
+    )

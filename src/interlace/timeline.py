@@ -1,0 +1,629 @@
+"""Timed events of one or more training iterations, measured or simulated, and their pictures.
+
+Overlapping communication with computation only pays when the communication really ends up
+hidden behind compute, so every schedule needs a picture and a number: a Gantt chart of what
+ran when on which lane, and the length of communication that did or did not overlap compute.
+
+A :class:`Timeline` holds :class:`Event` objects (a name, a category from :data:`CATEGORIES`,
+a start and an end in seconds, a lane and a process) and
+
+* measures them: :meth:`Timeline.busy_s` and :meth:`Timeline.overlap_s` work on the *union* of
+  intervals, so events that overlap each other (two all-reduces in flight on two channels) are
+  counted once, and :meth:`Timeline.summary` gives compute, communication, hidden and exposed
+  communication;
+* writes them as a Chrome trace-event JSON file (:meth:`Timeline.to_chrome_trace`), which opens
+  in https://ui.perfetto.dev or ``chrome://tracing`` for zooming into thousands of events, and
+  reads such a file back (:meth:`Timeline.from_chrome_trace`);
+* draws them as a PNG Gantt chart (:meth:`Timeline.to_png`) for reports and run folders.
+
+The module uses only the standard library, plus matplotlib (imported lazily, Agg backend) for the
+chart, so planners and simulators can build timelines without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import numbers
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Every category an event may have; the chart's legend and colours follow this order.
+CATEGORIES = (
+    "forward",
+    "backward",
+    "comm",
+    "factor",
+    "decomposition",
+    "precondition",
+    "optimizer",
+    "idle",
+    "other",
+)
+
+#: The categories that count as computation in :meth:`Timeline.summary`: everything that keeps
+#: the accelerator busy with the model or the optimiser and so can hide communication.
+COMPUTE_CATEGORIES = (
+    "forward",
+    "backward",
+    "factor",
+    "decomposition",
+    "precondition",
+    "optimizer",
+)
+
+#: Okabe-Ito colours, chosen to stay distinguishable under the common colour-vision deficiencies.
+#: Communication gets the strongest colour (vermillion) because it is what the chart is about;
+#: forward and backward get two blues so compute reads as one family.
+COLORS: dict[str, str] = {
+    "forward": "#0072B2",
+    "backward": "#56B4E9",
+    "comm": "#D55E00",
+    "factor": "#009E73",
+    "decomposition": "#CC79A7",
+    "precondition": "#F0E442",
+    "optimizer": "#E69F00",
+    "idle": "#CCCCCC",
+    "other": "#7F7F7F",
+}
+
+_US = 1e6  # Chrome traces count microseconds
+_MS = 1e3
+_DPI = 110
+
+
+@dataclass(frozen=True)
+class Event:
+    """One timed piece of work: a layer's backward pass, one bucket's all-reduce, an optimiser step.
+
+    Times are in seconds from any origin (``time.perf_counter()`` values, or seconds since the
+    start of the iteration); only differences matter. ``lane`` is the chart row the event is drawn
+    in and defaults to the category; ``process`` groups lanes (one per rank, or "simulated" next to
+    "rank 0"). ``args`` are free-form details shown in Perfetto's detail pane.
+    """
+
+    name: str
+    category: str
+    start_s: float
+    end_s: float
+    lane: str = ""
+    process: str = "rank 0"
+    # A dict is not hashable, so it is left out of the hash (events stay usable in sets).
+    args: Mapping[str, object] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.category not in CATEGORIES:
+            raise ValueError(
+                f"event {self.name!r}: unknown category {self.category!r}; "
+                f"allowed: {', '.join(CATEGORIES)}"
+            )
+        if not (math.isfinite(self.start_s) and math.isfinite(self.end_s)):
+            raise ValueError(
+                f"event {self.name!r}: times must be finite, got {self.start_s}..{self.end_s}"
+            )
+        if self.end_s < self.start_s:
+            raise ValueError(
+                f"event {self.name!r}: end_s {self.end_s} is before start_s {self.start_s}"
+            )
+        # Frozen dataclass: fill the defaults and take a private copy of args through
+        # object.__setattr__, so a caller mutating its dict later cannot change the event.
+        object.__setattr__(self, "start_s", float(self.start_s))
+        object.__setattr__(self, "end_s", float(self.end_s))
+        if not self.lane:
+            object.__setattr__(self, "lane", self.category)
+        object.__setattr__(self, "args", dict(self.args))
+
+    @property
+    def duration_s(self) -> float:
+        """``end_s - start_s`` in seconds."""
+        return self.end_s - self.start_s
+
+
+class Timeline:
+    """An ordered collection of :class:`Event` objects with measurements and renderings.
+
+    Events are kept in the order they were added; that order decides the order of lanes and
+    processes in the chart and in the trace, so add the lane that should come first first.
+    """
+
+    def __init__(self, events: Iterable[Event] = (), title: str = "") -> None:
+        self.events: list[Event] = list(events)
+        self.title = title
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def __repr__(self) -> str:
+        return f"Timeline({len(self.events)} events, title={self.title!r})"
+
+    # ------------------------------------------------------------------ building
+
+    def add(
+        self,
+        name: str,
+        category: str,
+        start_s: float,
+        end_s: float,
+        *,
+        lane: str = "",
+        process: str = "rank 0",
+        **args: object,
+    ) -> Event:
+        """Append one event (keyword arguments beyond ``lane``/``process`` become its args)."""
+        event = Event(name, category, start_s, end_s, lane=lane, process=process, args=args)
+        self.events.append(event)
+        return event
+
+    def extend(self, events: Iterable[Event]) -> None:
+        """Append events, e.g. another rank's or a simulated schedule for comparison."""
+        self.events.extend(events)
+
+    def shifted(self, origin_s: float | None = None) -> Timeline:
+        """A new timeline with every time measured from ``origin_s`` (default: earliest start).
+
+        Measured events carry ``perf_counter`` times; shifting makes them read as "ms into the
+        iteration".
+        """
+        if origin_s is None:
+            origin_s = self._start_s()
+        return Timeline(
+            (
+                dataclasses.replace(
+                    event, start_s=event.start_s - origin_s, end_s=event.end_s - origin_s
+                )
+                for event in self.events
+            ),
+            self.title,
+        )
+
+    def window(self, start_s: float, end_s: float) -> Timeline:
+        """A new timeline with the events that overlap ``[start_s, end_s)``, clipped to it.
+
+        Used to cut one iteration out of a longer recording. An instantaneous event counts when
+        ``start_s <= time < end_s``.
+        """
+        if end_s < start_s:
+            raise ValueError(f"window end {end_s} is before its start {start_s}")
+        kept: list[Event] = []
+        for event in self.events:
+            if event.duration_s == 0.0:
+                inside = start_s <= event.start_s < end_s
+            else:
+                inside = event.start_s < end_s and event.end_s > start_s
+            if inside:
+                kept.append(
+                    dataclasses.replace(
+                        event,
+                        start_s=max(event.start_s, start_s),
+                        end_s=min(event.end_s, end_s),
+                    )
+                )
+        return Timeline(kept, self.title)
+
+    # ------------------------------------------------------------------ structure
+
+    def lanes(self) -> list[tuple[str, str]]:
+        """Every ``(process, lane)`` pair, in the order of first appearance."""
+        return list(dict.fromkeys((event.process, event.lane) for event in self.events))
+
+    def processes(self) -> list[str]:
+        """Every process, in the order of first appearance."""
+        return list(dict.fromkeys(event.process for event in self.events))
+
+    def _rows(self) -> list[tuple[str, str]]:
+        """Lanes grouped by process (processes, then lanes, in first-appearance order)."""
+        lanes = self.lanes()
+        return [pair for process in self.processes() for pair in lanes if pair[0] == process]
+
+    # ------------------------------------------------------------------ measurements
+
+    def busy_s(self, category: str | Iterable[str], process: str | None = None) -> float:
+        """Seconds during which at least one event of ``category`` (one or several) was running.
+
+        This is the length of the *union* of the intervals, not the sum of durations: two
+        all-reduces in flight at once on two channels occupy the wire once.
+        """
+        return _length(self._union(category, process))
+
+    def overlap_s(
+        self,
+        a: str | Iterable[str],
+        b: str | Iterable[str],
+        process: str | None = None,
+    ) -> float:
+        """Seconds during which both some event of ``a`` and some event of ``b`` were running.
+
+        ``overlap_s(COMPUTE_CATEGORIES, "comm")`` is the communication hidden behind compute.
+        """
+        return _length(_intersect(self._union(a, process), self._union(b, process)))
+
+    def span_s(self, process: str | None = None) -> float:
+        """From the earliest start to the latest end, in seconds (0 without events)."""
+        events = [e for e in self.events if process is None or e.process == process]
+        if not events:
+            return 0.0
+        return max(e.end_s for e in events) - min(e.start_s for e in events)
+
+    def summary(self, process: str | None = None) -> dict[str, float]:
+        """The headline numbers in seconds: how long, how much compute and communication, and
+        how much of the communication was hidden behind compute.
+
+        Keys: ``span_s``, ``compute_s`` (union of :data:`COMPUTE_CATEGORIES`), ``comm_s`` (union
+        of ``comm``), ``hidden_comm_s`` (communication overlapping compute) and
+        ``exposed_comm_s`` (the rest, which lengthens the iteration). ``process=None`` takes
+        every process together; pass one (e.g. ``"rank 0"``) for per-rank numbers.
+        """
+        comm_s = self.busy_s("comm", process)
+        hidden_s = self.overlap_s(COMPUTE_CATEGORIES, "comm", process)
+        return {
+            "span_s": self.span_s(process),
+            "compute_s": self.busy_s(COMPUTE_CATEGORIES, process),
+            "comm_s": comm_s,
+            "hidden_comm_s": hidden_s,
+            # Rounding can leave hidden a hair above comm; exposed time is never negative.
+            "exposed_comm_s": max(comm_s - hidden_s, 0.0),
+        }
+
+    def caption(self, process: str | None = None) -> str:
+        """The summary as one line, e.g. ``"span 40.0 ms: compute 30.0 ms, communication
+        22.0 ms, 12.0 ms hidden (55%), 10.0 ms exposed"``."""
+        stats = self.summary(process)
+        text = (
+            f"span {_ms(stats['span_s'])}: compute {_ms(stats['compute_s'])}, "
+            if stats["span_s"] > 0
+            else f"compute {_ms(stats['compute_s'])}, "
+        )
+        comm_s = stats["comm_s"]
+        if comm_s <= 0:
+            return text + "no communication"
+        hidden_s = stats["hidden_comm_s"]
+        share = round(100 * hidden_s / comm_s)
+        return text + (
+            f"communication {_ms(comm_s)}, {_ms(hidden_s)} hidden ({share}%), "
+            f"{_ms(stats['exposed_comm_s'])} exposed"
+        )
+
+    def _start_s(self) -> float:
+        return min((event.start_s for event in self.events), default=0.0)
+
+    def _union(
+        self, categories: str | Iterable[str], process: str | None
+    ) -> list[tuple[float, float]]:
+        wanted = _categories(categories)
+        intervals = [
+            (event.start_s, event.end_s)
+            for event in self.events
+            if event.category in wanted
+            and (process is None or event.process == process)
+            and event.end_s > event.start_s
+        ]
+        return _merge(intervals)
+
+    # ------------------------------------------------------------------ Chrome trace
+
+    def to_chrome_trace(self, path: str | Path) -> Path:
+        """Write a Chrome trace-event JSON file (open it in https://ui.perfetto.dev).
+
+        Each event becomes a complete (``"ph": "X"``) event with ``ts``/``dur`` in microseconds
+        from the earliest event; each process a ``pid`` and each lane a ``tid``, named and ordered
+        by metadata events so Perfetto shows them in the order they first appeared. Args that
+        JSON cannot hold are written as their ``str()``. The original time origin and the title
+        go in ``otherData`` so :meth:`from_chrome_trace` can restore absolute times.
+        """
+        path = Path(path)
+        origin_s = self._start_s()
+        pids = {process: index + 1 for index, process in enumerate(self.processes())}
+        tids: dict[tuple[str, str], int] = {}
+        trace: list[dict[str, Any]] = []
+        for process, pid in pids.items():
+            trace.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": process}})
+            trace.append(
+                {"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}}
+            )
+        # Thread ids are unique across processes so a lane is identified by its tid alone.
+        for pair in self._rows():
+            process, lane = pair
+            tid = len(tids) + 1
+            tids[pair] = tid
+            order = sum(1 for other in tids if other[0] == process)
+            trace.append(
+                {
+                    "ph": "M",
+                    "name": "thread_name",
+                    "pid": pids[process],
+                    "tid": tid,
+                    "args": {"name": lane},
+                }
+            )
+            trace.append(
+                {
+                    "ph": "M",
+                    "name": "thread_sort_index",
+                    "pid": pids[process],
+                    "tid": tid,
+                    "args": {"sort_index": order},
+                }
+            )
+        for event in self.events:
+            trace.append(
+                {
+                    "name": event.name,
+                    "cat": event.category,
+                    "ph": "X",
+                    "ts": (event.start_s - origin_s) * _US,
+                    "dur": event.duration_s * _US,
+                    "pid": pids[event.process],
+                    "tid": tids[(event.process, event.lane)],
+                    "args": _json_safe(event.args),
+                }
+            )
+        document = {
+            "traceEvents": trace,
+            "displayTimeUnit": "ms",
+            "otherData": {"title": self.title, "origin_s": origin_s},
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(document, allow_nan=False))
+        return path
+
+    @classmethod
+    def from_chrome_trace(cls, path: str | Path) -> Timeline:
+        """Read a trace written by :meth:`to_chrome_trace` back, or any trace's complete events.
+
+        A file from :meth:`to_chrome_trace` comes back with the same names, categories, lanes,
+        processes, args (as JSON holds them) and times (to well under a microsecond). Other
+        traces (e.g. from ``torch.profiler``) are read as far as they fit: only ``"ph": "X"``
+        events, unknown categories as ``"other"``, unnamed processes and threads as
+        ``"pid N"``/``"tid N"``.
+        """
+        document = json.loads(Path(path).read_text())
+        if isinstance(document, list):  # the bare-array form of the format
+            document = {"traceEvents": document}
+        raw: list[dict[str, Any]] = document.get("traceEvents", [])
+        other: dict[str, Any] = document.get("otherData") or {}
+        origin_s = float(other.get("origin_s", 0.0))
+        process_names: dict[Any, str] = {}
+        lane_names: dict[tuple[Any, Any], str] = {}
+        for item in raw:
+            if item.get("ph") != "M":
+                continue
+            name = str(item.get("args", {}).get("name", ""))
+            if item.get("name") == "process_name":
+                process_names[item.get("pid")] = name
+            elif item.get("name") == "thread_name":
+                lane_names[(item.get("pid"), item.get("tid"))] = name
+        events: list[Event] = []
+        for item in raw:
+            if item.get("ph") != "X":
+                continue
+            pid, tid = item.get("pid"), item.get("tid")
+            category = str(item.get("cat", "other"))
+            start_s = origin_s + float(item["ts"]) / _US
+            events.append(
+                Event(
+                    name=str(item.get("name", "")),
+                    category=category if category in CATEGORIES else "other",
+                    start_s=start_s,
+                    end_s=start_s + float(item.get("dur", 0.0)) / _US,
+                    lane=lane_names.get((pid, tid), f"tid {tid}"),
+                    process=process_names.get(pid, f"pid {pid}"),
+                    args=dict(item.get("args") or {}),
+                )
+            )
+        return cls(events, str(other.get("title", "")))
+
+    # ------------------------------------------------------------------ picture
+
+    def to_png(self, path: str | Path, *, title: str | None = None, width_in: float = 12.0) -> Path:
+        """Draw a Gantt chart: one row per lane, bars coloured by category, time in ms.
+
+        Rows are labelled ``"process / lane"`` (just the lane when there is one process) and
+        grouped by process. Under the title a caption gives :meth:`caption` (one line per
+        process when there are several). Bars narrower than half a pixel are widened to half a
+        pixel so that short events stay visible; bars wide enough for their name are labelled.
+        ``title=None`` uses the timeline's own title, ``""`` draws none.
+
+        An empty timeline still gives a valid PNG, saying "no events", so a run that recorded
+        nothing leaves a picture that says so rather than failing at the end.
+        """
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        title = self.title if title is None else title
+        rows = self._rows()
+        processes = self.processes()
+        if len(processes) > 1:
+            caption = "\n".join(f"{process}: {self.caption(process)}" for process in processes)
+        else:
+            caption = self.caption()
+        caption_lines = caption.count("\n") + 1
+        height_in = 1.9 + 0.32 * max(len(rows), 1) + 0.18 * (caption_lines - 1) + 0.3 * bool(title)
+        figure, axes = plt.subplots(figsize=(width_in, height_in), dpi=_DPI, layout="constrained")
+        try:
+            if title:
+                figure.suptitle(title, fontsize=12, fontweight="bold")
+            if not self.events:
+                axes.text(0.5, 0.5, "no events", ha="center", va="center", transform=axes.transAxes)
+                axes.set_xticks([])
+                axes.set_yticks([])
+                figure.savefig(path, dpi=_DPI)
+                return path
+
+            origin_s = self._start_s()
+            span_ms = max(self.span_s() * _MS, 1e-3)  # keep the axis non-degenerate
+            axes.set_title(caption, fontsize=9, color="#333333", loc="left")
+            # A little room on the right so the last bar does not end flush with the frame.
+            axes.set_xlim(0.0, span_ms * 1.01)
+            axes.set_ylim(len(rows) - 0.5, -0.5)  # first lane on top
+            several = len(processes) > 1
+            axes.set_yticks(
+                range(len(rows)), [f"{p} / {lane}" if several else lane for p, lane in rows]
+            )
+            axes.tick_params(axis="y", length=0, labelsize=9)
+            axes.set_xlabel("time since first event (ms)")
+            axes.grid(axis="x", color="#DDDDDD", linewidth=0.8)
+            axes.set_axisbelow(True)
+            for spine in ("top", "right", "left"):
+                axes.spines[spine].set_visible(False)
+            # Faint bands on every other row and a rule between processes guide the eye across a
+            # wide chart.
+            for index in range(1, len(rows), 2):
+                axes.axhspan(index - 0.5, index + 0.5, color="#F5F5F5", zorder=0, linewidth=0)
+            for index in range(1, len(rows)):
+                if rows[index][0] != rows[index - 1][0]:
+                    axes.axhline(index - 0.5, color="#999999", linewidth=0.8)
+            present = [c for c in CATEGORIES if any(e.category == c for e in self.events)]
+            figure.legend(
+                handles=[Patch(facecolor=COLORS[c], label=c) for c in present],
+                loc="outside lower center",
+                ncols=len(present),
+                frameon=False,
+                fontsize=9,
+            )
+
+            # Lay the figure out once so the axes' size in pixels is known; freeze that layout
+            # before adding bars, whose widths depend on it.
+            figure.canvas.draw()
+            figure.set_layout_engine("none")
+            low_ms, high_ms = axes.get_xlim()
+            px_per_ms = axes.get_window_extent().width / (high_ms - low_ms)
+            min_width_ms = 0.5 / px_per_ms
+            row_of = {pair: index for index, pair in enumerate(rows)}
+            label_size = 7.0
+            char_px = 0.6 * label_size * _DPI / 72  # an average DejaVu Sans glyph
+            for pair, index in row_of.items():
+                bars = [e for e in self.events if (e.process, e.lane) == pair]
+                spans = [
+                    ((e.start_s - origin_s) * _MS, max(e.duration_s * _MS, min_width_ms))
+                    for e in bars
+                ]
+                faces = [COLORS[e.category] for e in bars]
+                # A white outline separates back-to-back bars, but would swallow narrow ones.
+                edges = [
+                    "white" if width * px_per_ms >= 4 else face
+                    for (_, width), face in zip(spans, faces, strict=True)
+                ]
+                axes.broken_barh(
+                    spans, (index - 0.38, 0.76), facecolors=faces, edgecolors=edges, linewidth=0.5
+                )
+                for position, (event, (left, width)) in enumerate(zip(bars, spans, strict=True)):
+                    text_ms = (len(event.name) * char_px + 6) / px_per_ms
+                    if width < text_ms:
+                        continue
+                    # Skip the label where another bar of the lane reaches into it (events that
+                    # overlap on one lane): it would be covered or collide with that bar's label.
+                    low, high = left + (width - text_ms) / 2, left + (width + text_ms) / 2
+                    if any(
+                        other_left < high and other_left + other_width > low
+                        for other, (other_left, other_width) in enumerate(spans)
+                        if other != position
+                    ):
+                        continue
+                    axes.text(
+                        left + width / 2,
+                        index,
+                        event.name,
+                        ha="center",
+                        va="center",
+                        fontsize=label_size,
+                        color=_text_color(COLORS[event.category]),
+                        clip_on=True,
+                    )
+            figure.savefig(path, dpi=_DPI)
+        finally:
+            plt.close(figure)
+        return path
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _categories(categories: str | Iterable[str]) -> frozenset[str]:
+    wanted = frozenset([categories] if isinstance(categories, str) else categories)
+    unknown = sorted(wanted - set(CATEGORIES))
+    if unknown:
+        raise ValueError(f"unknown categories {unknown}; allowed: {', '.join(CATEGORIES)}")
+    return wanted
+
+
+def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint intervals covering the same time as ``intervals``."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _intersect(
+    a: list[tuple[float, float]], b: list[tuple[float, float]]
+) -> list[tuple[float, float]]:
+    """The intersection of two sorted, disjoint interval lists (a linear sweep)."""
+    result: list[tuple[float, float]] = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        start = max(a[i][0], b[j][0])
+        end = min(a[i][1], b[j][1])
+        if end > start:
+            result.append((start, end))
+        # Advance whichever interval ends first; the other may still meet the next one.
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return result
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def _json_safe(value: object) -> Any:
+    """``value`` with everything JSON cannot hold turned into strings (recursively).
+
+    Numbers from numpy and the like are registered as :mod:`numbers` types and stay numbers; NaN
+    and infinities become strings because strict JSON readers (Perfetto's) reject them.
+    """
+    if value is None or isinstance(value, (str, bool)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        number = float(value)
+        return number if math.isfinite(number) else str(number)
+    if isinstance(value, Mapping):
+        return {str(key): _json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(item) for item in value]
+    return str(value)
+
+
+def _ms(seconds: float) -> str:
+    """Milliseconds with about three significant digits."""
+    value = seconds * _MS
+    if value < 0.0005:  # below the last printed digit; "0.000 ms" would suggest false precision
+        return "0 ms"
+    if value >= 100:
+        return f"{value:.0f} ms"
+    if value >= 10:
+        return f"{value:.1f} ms"
+    if value >= 1:
+        return f"{value:.2f} ms"
+    return f"{value:.3f} ms"
+
+
+def _text_color(face: str) -> str:
+    """Black or white, whichever reads better on ``face`` (by relative luminance)."""
+    red, green, blue = (int(face[i : i + 2], 16) / 255 for i in (1, 3, 5))
+    luminance = 0.2126 * red + 0.7152 * green + 0.0722 * blue
+    return "black" if luminance > 0.4 else "white"

@@ -1,0 +1,219 @@
+"""interlace.DataParallel against torch DDP: same gradients, same training, clear errors."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from interlace.comm.cost import CostModel
+from interlace.dp import DataParallel
+from interlace.errors import RankFailedError, UsageError
+from interlace.testing import run_ranks
+from interlace.zoo import build_model
+
+STRATEGIES = ("merged", "per-tensor", "fixed", "single")
+# A cost model that makes "merged" form several buckets on these small models.
+COST = CostModel(a=2e-4, b=1e-9)
+
+
+class WithUnusedParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+        self.never_used = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.body(x)
+        return out
+
+
+class WithTiedWeights(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encode = nn.Linear(64, 64, bias=False)
+        self.mix = nn.Linear(64, 64)
+        self.decode = nn.Linear(64, 64, bias=False)
+        self.decode.weight = self.encode.weight  # tied: one parameter used twice
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.encode(x.flatten(1)))
+        h = torch.relu(self.decode(self.mix(h)))
+        out: torch.Tensor = self.head(h)
+        return out
+
+
+def _make(name: str) -> nn.Module:
+    if name == "unused":
+        return WithUnusedParameter()
+    if name == "tied":
+        return WithTiedWeights()
+    return build_model(name, (1, 8, 8), 10)
+
+
+def _relative(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    if a is None or b is None:
+        return 0.0 if a is None and b is None else float("inf")
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _compare_with_ddp(name: str, steps: int) -> dict[str, Any]:
+    """Train our wrapper (each bucketing) and DDP side by side; report the worst differences."""
+    rank = dist.get_rank()
+    report: dict[str, Any] = {}
+    for bucketing in STRATEGIES:
+        torch.manual_seed(1234)
+        reference = _make(name)
+        ours_model = copy.deepcopy(reference)
+        ddp = DistributedDataParallel(reference, find_unused_parameters=name == "unused")
+        ours = DataParallel(ours_model, bucketing=bucketing, profile_steps=2, cost_model=COST)
+        opt_ddp = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        opt_ours = torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9)
+        generator = torch.Generator().manual_seed(100 + rank)
+        worst_grad, losses_ddp, losses_ours = 0.0, [], []
+        for _ in range(steps):
+            inputs = torch.randn(8, 1, 8, 8, generator=generator)
+            targets = torch.randint(0, 10, (8,), generator=generator)
+            for model, optimizer, losses in (
+                (ddp, opt_ddp, losses_ddp),
+                (ours, opt_ours, losses_ours),
+            ):
+                optimizer.zero_grad(set_to_none=True)
+                loss = nn.functional.cross_entropy(model(inputs), targets)
+                loss.backward()
+                losses.append(float(loss))
+            for p_ddp, p_ours in zip(reference.parameters(), ours_model.parameters(), strict=True):
+                worst_grad = max(worst_grad, _relative(p_ours.grad, p_ddp.grad))
+            opt_ddp.step()
+            opt_ours.step()
+        report[bucketing] = {
+            "worst_grad": worst_grad,
+            "losses_ddp": losses_ddp,
+            "losses_ours": losses_ours,
+            "buckets": len(ours.plan.buckets) if ours.plan else None,
+        }
+    return report
+
+
+@pytest.mark.parametrize("name", ["mlp", "resnet20", "transformer", "unused", "tied"])
+def test_every_bucketing_matches_ddp_for_twenty_steps(name: str) -> None:
+    report = run_ranks(_compare_with_ddp, 2, name, 20, timeout=240)[0]
+    for bucketing, result in report.items():
+        assert result["buckets"] is not None, f"{bucketing}: never planned"
+        assert result["worst_grad"] < 1e-6, (bucketing, result["worst_grad"])
+        assert result["losses_ours"] == pytest.approx(result["losses_ddp"], rel=1e-6), bucketing
+    assert report["single"]["buckets"] == 1
+    assert report["per-tensor"]["buckets"] == sum(
+        1 for p in _make(name).parameters() if p.requires_grad
+    )
+
+
+def test_three_ranks_average_like_ddp() -> None:
+    report = run_ranks(_compare_with_ddp, 3, "mlp", 6, timeout=240)[0]
+    for result in report.values():
+        assert result["worst_grad"] < 1e-6
+
+
+def _no_sync_accumulates(_: None) -> float:
+    torch.manual_seed(0)
+    reference = nn.Linear(6, 3)
+    ours = DataParallel(copy.deepcopy(reference), bucketing="merged", cost_model=COST)
+    ddp = DistributedDataParallel(reference)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    batches = [torch.randn(4, 6, generator=generator) for _ in range(3)]
+    for model in (ddp, ours):
+        with model.no_sync():
+            model(batches[0]).sum().backward()
+            model(batches[1]).sum().backward()
+        model(batches[2]).sum().backward()
+    worst = 0.0
+    for a, b in zip(ours.module.parameters(), reference.parameters(), strict=True):
+        worst = max(worst, _relative(a.grad, b.grad))
+    return worst
+
+
+def test_no_sync_accumulates_then_averages_like_ddp() -> None:
+    assert max(run_ranks(_no_sync_accumulates, 2, None, timeout=120)) < 1e-6
+
+
+def _plan_is_shared(_: None) -> list[list[int]]:
+    model = DataParallel(build_model("mlp", (1, 8, 8), 10), bucketing="merged", profile_steps=2)
+    for _step in range(4):
+        model(torch.randn(4, 1, 8, 8)).sum().backward()
+    assert model.plan is not None and model.cost_model is not None
+    return model.plan.groups
+
+
+def test_ranks_agree_on_one_plan_with_a_fitted_cost_model(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("INTERLACE_CACHE_DIR", str(tmp_path))
+    plans = run_ranks(_plan_is_shared, 2, None, timeout=120)
+    assert plans[0] == plans[1]
+    assert sorted(i for group in plans[0] for i in group) == list(range(26))
+    # The fitted model was cached for the next start.
+    assert (tmp_path / "cost_models.json").exists()
+
+
+def _wrap_mismatched(_: None) -> None:
+    width = 16 if dist.get_rank() == 0 else 17
+    DataParallel(nn.Linear(4, width))
+
+
+def test_a_model_that_differs_across_ranks_is_refused_at_wrap_time() -> None:
+    with pytest.raises(RankFailedError, match=r"shape .* on rank 1 but"):
+        run_ranks(_wrap_mismatched, 2, None, timeout=60)
+
+
+def _wrap(kind: str) -> None:
+    if kind == "frozen":
+        model = nn.Linear(3, 3).requires_grad_(False)
+        DataParallel(model)
+    elif kind == "cap":
+        DataParallel(nn.Linear(3, 3), bucketing="fixed", bucket_cap_mb=0)
+    elif kind == "name":
+        DataParallel(nn.Linear(3, 3), bucketing="fastest")
+
+
+@pytest.mark.parametrize(
+    ("kind", "needle"),
+    [
+        ("frozen", "no trainable parameters"),
+        ("cap", "bucket caps must be > 0"),
+        ("name", "fastest"),
+    ],
+)
+def test_bad_settings_are_clear_errors(kind: str, needle: str) -> None:
+    with pytest.raises(RankFailedError, match=needle):
+        run_ranks(_wrap, 1, kind, timeout=60)
+
+
+def test_an_uninitialised_process_group_is_a_clear_error() -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(UsageError, match="init_process_group"):
+        DataParallel(nn.Linear(2, 2))
+
+
+def _die_mid_backward(_: None) -> None:
+    import os
+
+    model = DataParallel(build_model("mlp", (1, 8, 8), 10), bucketing="per-tensor", cost_model=COST)
+    for step in range(50):
+        loss = model(torch.randn(4, 1, 8, 8)).sum()
+        if step == 3 and dist.get_rank() == 1:
+            # Leave in the middle of backward: a hook on the first layer's weight exits.
+            model.module.net[1].weight.register_hook(lambda grad: os._exit(7))
+        loss.backward()
+
+
+def test_a_rank_killed_mid_backward_ends_the_job_with_an_error() -> None:
+    with pytest.raises(RankFailedError) as failure:
+        run_ranks(_die_mid_backward, 2, None, timeout=60)
+    assert failure.value.rank == 1
+    assert failure.value.returncode == 7
