@@ -1,5 +1,24 @@
-"""interlace: faster distributed PyTorch training by interlacing computation with communication."""
+"""interlace: faster distributed PyTorch training by interlacing computation with communication.
+
+The public API is imported lazily, so ``import interlace`` stays cheap for the launcher and for
+every rank it starts (importing torch alone costs over a second).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["DataParallel", "__version__"]
+
+if TYPE_CHECKING:
+    from interlace.dp import DataParallel
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DataParallel":
+        from interlace.dp import DataParallel
+
+        return DataParallel
+    raise AttributeError(f"module 'interlace' has no attribute {name!r}")

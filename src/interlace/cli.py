@@ -68,6 +68,28 @@ def _build_parser() -> OneLineArgumentParser:
     _add_job_arguments(demo, default_epochs=12, default_nprocs=4)
     demo.set_defaults(handler=_run_train)
 
+    profile = commands.add_parser(
+        "profile",
+        help="record one iteration of every rank: compute vs communication timeline (PNG + trace)",
+    )
+    profile.add_argument("--model", default="resnet20", help="zoo name or package.module:callable")
+    profile.add_argument(
+        "--data",
+        default="synthetic-cifar10",
+        help="data set whose sample shape and classes size the model (default synthetic-cifar10)",
+    )
+    profile.add_argument("--input-shape", type=_shape, help="input shape, e.g. 3,32,32")
+    profile.add_argument("--classes", type=int, help="number of classes")
+    profile.add_argument("--strategy", default="mgwfbp", help="ddp, wfbp, fixed, single, mgwfbp")
+    profile.add_argument("-n", "--nprocs", type=int, default=4, help="ranks (default 4)")
+    profile.add_argument("--link", help="emulated link rate per rank, e.g. 1gbit (needs root)")
+    profile.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
+    profile.add_argument("--steps", type=int, default=10, help="iterations measured")
+    profile.add_argument("--warmup", type=int, default=8, help="iterations before measuring")
+    profile.add_argument("--out", default="profile", help="folder for timeline.json/.png")
+    profile.add_argument("--timeout", type=float, default=600.0)
+    profile.set_defaults(handler=_run_profile)
+
     models = commands.add_parser("models", help="list the model zoo with parameter counts")
     models.add_argument(
         "--data",
@@ -221,6 +243,64 @@ def _run_train(args: argparse.Namespace) -> int:
         elif result.failed_rank is not None and result.failed_rank in result.tracebacks:
             print(result.tracebacks[result.failed_rank].rstrip(), file=sys.stderr)
         return result.returncode
+    return 0
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+    from interlace import launch
+    from interlace.netem import parse_link
+    from interlace.profile import ProfileConfig, merge_profiles, profile_rank, write_profile
+    from interlace.strategies import STRATEGIES
+    from interlace.zoo import build_model, load_data
+
+    if args.nprocs < 1:
+        raise UsageError(f"-n must be >= 1, got {args.nprocs}")
+    if args.strategy not in STRATEGIES:
+        raise UsageError(
+            f"unknown --strategy '{args.strategy}'; choose one of {', '.join(STRATEGIES)}"
+        )
+    if args.link is not None:
+        parse_link(args.link)
+    if args.input_shape is not None and args.classes is not None:
+        input_shape, num_classes = args.input_shape, args.classes
+    else:
+        bundle = load_data(
+            args.data, synthetic_size=64 if args.data.startswith("synthetic") else None
+        )
+        input_shape = args.input_shape or bundle.input_shape
+        num_classes = args.classes or bundle.num_classes
+    config = ProfileConfig(
+        model=args.model,
+        strategy=args.strategy,
+        input_shape=tuple(input_shape),
+        num_classes=num_classes,
+        batch_size=args.batch_size,
+        warmup=args.warmup,
+        steps=args.steps,
+    )
+    config.validate()
+    build_model(config.model, config.input_shape, config.num_classes)
+    result = launch.run(
+        profile_rank, args.nprocs, link=args.link, args=(config,), timeout=args.timeout
+    )
+    if result.returncode != 0:
+        if result.failed_rank is not None and result.failed_rank in result.tracebacks:
+            print(result.tracebacks[result.failed_rank].rstrip(), file=sys.stderr)
+        return result.returncode
+    link = args.link or "loopback"
+    title = (
+        f"{config.model}, {config.strategy}, {args.nprocs} ranks, {link}, "
+        f"batch {config.batch_size}/rank"
+    )
+    timeline = merge_profiles(result.values, title)
+    trace, picture = write_profile(timeline, args.out)
+    for profile in sorted(result.values, key=lambda p: p.rank):
+        median = sorted(profile.iteration_s)[len(profile.iteration_s) // 2]
+        print(f"rank {profile.rank}: median iteration {median * 1e3:.1f} ms")
+    if result.values[0].plan:
+        print(result.values[0].plan)
+    print(timeline.caption("rank 0"))
+    print(f"timeline: {picture}\ntrace:    {trace} (open in https://ui.perfetto.dev)")
     return 0
 
 

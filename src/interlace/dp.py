@@ -171,6 +171,12 @@ class DataParallel(nn.Module):
         self._engine.recorder = self._on_comm if enabled else None
 
     @property
+    def last_forward_start(self) -> float:
+        """``time.perf_counter()`` at the start of the latest forward: :attr:`last_timeline`'s
+        time origin."""
+        return self._forward_start
+
+    @property
     def cost_model(self) -> CostModel | None:
         return self._cost_model
 
@@ -353,14 +359,21 @@ class DataParallel(nn.Module):
                 self._names[index], "backward", previous - origin, ready - origin, lane="compute"
             )
             previous = ready
+        # A bar runs from when its all-reduce could start (launched, and the bucket before it
+        # done) to its completion: the time that bucket had the network. Time spent queued
+        # behind earlier buckets is not drawn, so the lane reads as the link's busy periods.
+        previous_end = 0.0
         for bucket, nbytes, launched, done in sorted(self._comm_events):
+            start = max(launched, previous_end)
+            previous_end = max(done, start)
             timeline.add(
                 f"bucket {bucket} ({nbytes / 1e6:.2f} MB)",
                 "comm",
-                launched - origin,
-                done - origin,
+                start - origin,
+                previous_end - origin,
                 lane="all-reduce",
                 bytes=nbytes,
+                launched_ms=round((launched - origin) * 1e3, 3),
             )
         if backward_end > previous:
             timeline.add(

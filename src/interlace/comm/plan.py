@@ -59,6 +59,7 @@ class Plan:
     backward_s: float
     forward_s: float
     cost: CostModel
+    tensors: tuple[ReadyTensor, ...] = ()
 
     @property
     def comm_end_s(self) -> float:
@@ -74,7 +75,7 @@ class Plan:
     def groups(self) -> list[list[int]]:
         return [list(bucket.indices) for bucket in self.buckets]
 
-    def describe(self, names: Sequence[str] | None = None) -> str:
+    def describe(self) -> str:
         """A readable table of the buckets and the predicted time."""
         lines = [
             f"{self.strategy} plan: {len(self.buckets)} bucket(s), predicted iteration "
@@ -87,7 +88,11 @@ class Plan:
         ]
         for number, bucket in enumerate(self.buckets):
             first, last = bucket.indices[0], bucket.indices[-1]
-            span = f"{names[first]}..{names[last]}" if names else f"{first}..{last}"
+            span = (
+                f"{self.tensors[first].name}..{self.tensors[last].name}"
+                if self.tensors
+                else f"{first}..{last}"
+            )
             lines.append(
                 f"{number:>6}  {len(bucket.indices):>7}  {bucket.nbytes / 1e6:>9.3f}  "
                 f"{bucket.ready_s * 1e3:>9.2f}  {bucket.start_s * 1e3:>9.2f}  "
@@ -125,7 +130,7 @@ def schedule(
         end = start + cost.time(nbytes)
         buckets.append(Bucket(tuple(group), nbytes, ready, start, end))
         channel_free = end
-    return Plan(strategy, tuple(buckets), backward_s, forward_s, cost)
+    return Plan(strategy, tuple(buckets), backward_s, forward_s, cost, tuple(tensors))
 
 
 def plan_per_tensor(

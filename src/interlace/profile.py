@@ -1,0 +1,161 @@
+"""``interlace profile``: one training iteration of every rank, as a picture and a trace.
+
+Each rank trains a few iterations on synthetic batches of the model's input shape with the chosen
+strategy, records its timeline (forward, per-tensor backward, each bucket's all-reduce, the
+optimizer step), and returns the iteration whose length is the median of the measured ones. The
+launching process merges the ranks into one :class:`~interlace.timeline.Timeline` and writes
+``timeline.json`` (Chrome trace: open it in https://ui.perfetto.dev) and ``timeline.png``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional
+
+from interlace.distenv import init_distributed
+from interlace.errors import UsageError
+from interlace.timeline import Event, Timeline
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """What to profile: a model, its input, a strategy, and how many iterations to look at."""
+
+    model: str = "resnet20"
+    strategy: str = "mgwfbp"
+    input_shape: tuple[int, ...] = (3, 32, 32)
+    num_classes: int = 10
+    batch_size: int = 32
+    warmup: int = 8
+    steps: int = 10
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.batch_size < 1 or self.steps < 1 or self.warmup < 0:
+            raise UsageError("--batch-size and --steps must be >= 1 and --warmup >= 0")
+
+
+@dataclass(frozen=True)
+class RankProfile:
+    """One rank's representative iteration and the plan it ran with."""
+
+    rank: int
+    events: list[Event]
+    iteration_s: list[float]
+    plan: str
+
+
+def profile_rank(config: ProfileConfig) -> RankProfile:
+    """Run on every rank of a launched job; returns this rank's median iteration."""
+    from interlace.dp import DataParallel
+    from interlace.strategies import wrap_model
+    from interlace.zoo import build_model
+
+    config.validate()
+    context = init_distributed()
+    try:
+        torch.manual_seed(config.seed)
+        model = build_model(config.model, config.input_shape, config.num_classes)
+        model = model.to(context.device)
+        wrapped = wrap_model(model, config.strategy, device=context.device)
+        optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01, momentum=0.9)
+        generator = torch.Generator().manual_seed(config.seed + context.rank)
+        inputs = torch.randn(config.batch_size, *config.input_shape, generator=generator)
+        targets = torch.randint(0, config.num_classes, (config.batch_size,), generator=generator)
+        inputs, targets = inputs.to(context.device), targets.to(context.device)
+        ours = wrapped if isinstance(wrapped, DataParallel) else None
+
+        def step() -> tuple[float, float, float, float]:
+            started = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss = functional.cross_entropy(wrapped(inputs), targets)
+            forward_end = time.perf_counter()
+            loss.backward()
+            backward_end = time.perf_counter()
+            optimizer.step()
+            return started, forward_end, backward_end, time.perf_counter()
+
+        for _ in range(config.warmup):
+            step()
+        while ours is not None and ours.plan is None:
+            step()
+        if ours is not None:
+            ours.record_timeline()
+        measured: list[tuple[float, list[Event]]] = []
+        for _ in range(config.steps):
+            started, forward_end, backward_end, ended = step()
+            if ours is not None and ours.last_timeline is not None:
+                events = list(ours.last_timeline.events)
+                # DataParallel's times count from its forward start, which follows `started`.
+                offset = ours.last_forward_start - started
+                events = [_shift(event, offset) for event in events]
+            else:
+                # torch DDP's all-reduces run inside its C++ reducer, out of our sight.
+                events = [
+                    Event("forward", "forward", 0.0, forward_end - started, lane="compute"),
+                    Event(
+                        "backward + DDP all-reduce",
+                        "backward",
+                        forward_end - started,
+                        backward_end - started,
+                        lane="compute",
+                    ),
+                ]
+            events.append(
+                Event(
+                    "optimizer step",
+                    "optimizer",
+                    backward_end - started,
+                    ended - started,
+                    lane="compute",
+                )
+            )
+            measured.append((ended - started, events))
+        times = [seconds for seconds, _ in measured]
+        median = statistics.median(times)
+        _, chosen = min(measured, key=lambda item: abs(item[0] - median))
+        process = f"rank {context.rank}"
+        chosen = [
+            Event(e.name, e.category, e.start_s, e.end_s, lane=e.lane, process=process, args=e.args)
+            for e in chosen
+        ]
+        plan = ours.plan.describe() if ours is not None and ours.plan else ""
+        return RankProfile(context.rank, chosen, times, plan)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def merge_profiles(profiles: list[RankProfile], title: str) -> Timeline:
+    """One timeline with a lane group per rank."""
+    timeline = Timeline(title=title)
+    for profile in sorted(profiles, key=lambda p: p.rank):
+        timeline.extend(profile.events)
+    return timeline
+
+
+def write_profile(timeline: Timeline, out_dir: str | Path) -> tuple[Path, Path]:
+    """``timeline.json`` (Chrome trace) and ``timeline.png`` in ``out_dir``."""
+    folder = Path(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    trace = timeline.to_chrome_trace(folder / "timeline.json")
+    picture = timeline.to_png(folder / "timeline.png")
+    return trace, picture
+
+
+def _shift(event: Event, offset: float) -> Event:
+    return Event(
+        event.name,
+        event.category,
+        event.start_s + offset,
+        event.end_s + offset,
+        lane=event.lane,
+        process=event.process,
+        args=event.args,
+    )
