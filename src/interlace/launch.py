@@ -894,7 +894,14 @@ def main(argv: list[str] | None = None) -> int:
 def _entry(argv: list[str]) -> int:
     """``python -m interlace.launch``: the worker when given ``--worker JOB``, else the CLI."""
     if len(argv) == 2 and argv[0] == _WORKER_FLAG:
-        return worker_main(argv[1])
+        status = worker_main(argv[1])
+        # The result is on disk; leave without interpreter teardown. Tearing down a process that
+        # still holds a process group's C++ threads (a target that never destroyed its group)
+        # can abort in their destructors ("terminate called without an active exception") and
+        # turn a finished rank into a failed one.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
     return main(argv)
 
 
