@@ -1,0 +1,44 @@
+"""Fitting the all-reduce cost on a live group: every rank agrees, and the cache is used."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from interlace.comm.calibrate import cache_path, fit_cost_model
+from interlace.comm.cost import CostModel
+from interlace.testing import run_ranks
+
+
+def _fit_twice(_: None) -> tuple[CostModel, CostModel]:
+    first = fit_cost_model(sizes=(4096, 65536, 1 << 20), repeats=3, warmup=1)
+    # Rank 0 replaces the cached entry; a second fit must read it rather than measure.
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        path = cache_path()
+        entries = json.loads(path.read_text())
+        (key,) = entries
+        entries[key] = [0.125, 2.5e-9]
+        path.write_text(json.dumps(entries))
+    dist.barrier()
+    second = fit_cost_model(sizes=(4096, 65536, 1 << 20))
+    return first, second
+
+
+def test_ranks_fit_one_model_and_reuse_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("INTERLACE_CACHE_DIR", str(tmp_path))
+    results = run_ranks(_fit_twice, 3, None, timeout=120)
+    firsts = {first for first, _ in results}
+    assert len(firsts) == 1, firsts  # bit-identical on every rank
+    (fitted,) = firsts
+    # Loopback noise can hide the per-byte term, never make it negative.
+    assert fitted.a >= 0 and fitted.b >= 0
+    assert all(second == CostModel(0.125, 2.5e-9) for _, second in results)
+    cached = json.loads((tmp_path / "cost_models.json").read_text())
+    assert list(cached) == ["gloo|3|loopback"]
