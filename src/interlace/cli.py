@@ -90,6 +90,18 @@ def _build_parser() -> OneLineArgumentParser:
     profile.add_argument("--timeout", type=float, default=600.0)
     profile.set_defaults(handler=_run_profile)
 
+    bench = commands.add_parser("bench", help="benchmarks that back the README's claims")
+    benchmarks = bench.add_subparsers(
+        dest="benchmark", metavar="BENCHMARK", parser_class=OneLineArgumentParser, required=True
+    )
+    bench_dp = benchmarks.add_parser(
+        "dp", help="data-parallel strategies against torch DDP on the emulated cluster"
+    )
+    from interlace.bench import dp as bench_dp_module
+
+    bench_dp_module.add_arguments(bench_dp)
+    bench_dp.set_defaults(handler=bench_dp_module.run)
+
     models = commands.add_parser("models", help="list the model zoo with parameter counts")
     models.add_argument(
         "--data",
