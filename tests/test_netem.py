@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -76,8 +77,13 @@ def test_parse_link() -> None:
     assert netem.parse_link("1gbit") == 1e9
     assert netem.parse_link(" 100MBIT ") == 100e6
     assert netem.parse_link("2.5gbit") == 2.5e9
+    # Any tc-style rate, so a benchmark can aim at a communication/compute ratio.
+    assert netem.parse_link("300mbit") == 300e6
+    assert netem.parse_link("1.5gbit") == 1.5e9
     with pytest.raises(UsageError, match=r"accepted rates: 100mbit, 1gbit, 2\.5gbit, 10gbit"):
         netem.parse_link("fast")
+    with pytest.raises(UsageError):
+        netem.parse_link("0mbit")
 
 
 def test_check_available_says_why_and_what_to_do() -> None:
@@ -232,3 +238,49 @@ def test_allreduce_runs_at_the_link_rate() -> None:
     # 0.16 s on the model; headers alone make the wire 4.6% slower than the payload rate.
     assert 0.75 * model <= measured <= 1.25 * model, (measured, model)
     assert _our_namespaces(os.getpid()) == []
+
+
+@pytest.mark.netns
+def test_ctrl_c_removes_the_emulated_network(tmp_path: Path) -> None:
+    script = tmp_path / "wait.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "flag = open('/proc/sys/net/ipv4/tcp_slow_start_after_idle').read().strip()\n"
+        "open(os.path.join(sys.argv[1], os.environ['RANK'] + '.up'), 'w').write(flag)\n"
+        "time.sleep(60)\n"
+    )
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "interlace.launch",
+            "-n",
+            "2",
+            "--link",
+            "1gbit",
+            "--",
+            "python",
+            str(script),
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        marks = [tmp_path / "0.up", tmp_path / "1.up"]
+        while not all(mark.exists() and mark.read_text() for mark in marks):
+            assert time.monotonic() < deadline, "ranks never started"
+            assert launcher.poll() is None, launcher.communicate()
+            time.sleep(0.05)
+        # Each rank's namespace keeps TCP out of slow start after idle periods.
+        assert [mark.read_text() for mark in marks] == ["0", "0"]
+        assert len(_our_namespaces(launcher.pid)) == 3
+        launcher.send_signal(signal.SIGINT)
+        launcher.communicate(timeout=15)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 130
+    assert _our_namespaces(launcher.pid) == []

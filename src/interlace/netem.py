@@ -361,6 +361,21 @@ class EmulatedCluster:
             ns, rank_if, switch_if = self._rank_ns[k], self._rank_if[k], self._switch_if[k]
             self._add_namespace(ns)
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            # A cluster fabric keeps its connections warm: Linux would otherwise restart TCP
+            # slow start on every connection idle for one RTO, i.e. on every all-reduce that
+            # follows a stretch of compute, and small buckets would crawl through slow start.
+            _run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "sysctl",
+                    "-q",
+                    "-w",
+                    "net.ipv4.tcp_slow_start_after_idle=0",
+                ]
+            )
             # Created inside the rank's namespace with its peer placed straight into the switch's,
             # so neither end ever appears in the host's network namespace.
             veth = f"link add {rank_if} type veth peer name {switch_if} netns {sw}"
