@@ -46,6 +46,16 @@ def test_fit_recovers_a_known_line_through_noise() -> None:
     assert fitted.b == pytest.approx(2e-9, rel=0.02)
 
 
+def test_slope_fit_keeps_the_measured_start_up() -> None:
+    sizes = [1e5, 1e6, 4e6]
+    truth = CostModel(a=1e-3, b=3e-9)
+    fitted = CostModel.fit_slope(1e-3, sizes, [truth.time(m) for m in sizes])
+    assert fitted.a == 1e-3
+    assert fitted.b == pytest.approx(3e-9)
+    # Faster than the start-up alone (a shaped link's burst): the slope floors at zero.
+    assert CostModel.fit_slope(1.0, [10.0], [0.5]).b == 0.0
+
+
 def test_fit_keeps_the_model_physical() -> None:
     # Times that fall with size (noise) must not give a negative b.
     fitted = CostModel.fit_points([1, 2, 3], [3.0, 2.0, 1.0])

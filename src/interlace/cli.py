@@ -143,7 +143,7 @@ def _add_job_arguments(
         "--bucket-cap-mb",
         type=float,
         default=defaults.bucket_cap_mb,
-        help="bucket cap of the ddp and fixed strategies, MB",
+        help="bucket cap of the ddp and fixed strategies, MB (default: 25, first bucket 1)",
     )
     parser.add_argument(
         "-n",

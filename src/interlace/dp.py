@@ -9,7 +9,8 @@ process group. With ``bucketing="merged"`` that is MG-WFBP's optimal merge.
 
 Lifecycle: the first ``profile_steps`` backward passes send all gradients in one all-reduce at the
 end (so the measured ready times are not disturbed by communication), then the ranks agree on
-averaged timings, rank 0 plans, every rank receives the same plan, and buckets are rebuilt.
+the slowest rank's timings, rank 0 plans, every rank receives the same plan, and the buckets are
+rebuilt.
 """
 
 from __future__ import annotations
@@ -241,7 +242,7 @@ class DataParallel(nn.Module):
         return self.plan is None and len(self._profiled) >= self.profile_steps and self._sync
 
     def _replan(self) -> None:
-        """Agree on timings across ranks, plan on rank 0, share the plan, rebuild buckets."""
+        """Take the slowest rank's timings, plan on rank 0, share the plan, rebuild buckets."""
         count = len(self._params)
         local = [
             statistics.median(self._profiled_forward),
@@ -249,8 +250,9 @@ class DataParallel(nn.Module):
             *[statistics.median(step[i] for step in self._profiled) for i in range(count)],
         ]
         timings = torch.tensor(local, dtype=torch.float64)
-        dist.all_reduce(timings, group=self.process_group)
-        timings /= dist.get_world_size(self.process_group)
+        # The slowest rank's times: a bucket's all-reduce completes only once every rank has
+        # produced it, so the plan must fit the rank that gets there last.
+        dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=self.process_group)
         forward_s, backward_s, *ready = timings.tolist()
         if self._cost_model is None:
             self._cost_model = fit_cost_model(self.process_group, device=self._params[0].device)

@@ -29,20 +29,27 @@ def wrap_model(
     strategy: str,
     *,
     device: torch.device | None = None,
-    bucket_cap_mb: float = 25.0,
+    bucket_cap_mb: float | None = None,
     profile_steps: int | None = None,
 ) -> nn.Module:
-    """Wrap ``model`` (already on its device) for data-parallel training with ``strategy``."""
+    """Wrap ``model`` (already on its device) for data-parallel training with ``strategy``.
+
+    ``bucket_cap_mb=None`` keeps each implementation's default (25 MB, first bucket 1 MB). For
+    ``ddp`` a cap is passed on only when given: torch then applies it to the first bucket too,
+    so passing the default explicitly would silently drop DDP's small first bucket.
+    """
+    if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+        raise UsageError(f"--bucket-cap-mb must be > 0, got {bucket_cap_mb}")
     if strategy == "ddp":
-        if not bucket_cap_mb > 0:
-            raise UsageError(f"--bucket-cap-mb must be > 0, got {bucket_cap_mb}")
         device_ids = [device.index] if device is not None and device.type == "cuda" else None
+        if bucket_cap_mb is None:
+            return DistributedDataParallel(model, device_ids=device_ids)
         return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
     if strategy not in BUCKETING:
         raise UsageError(f"unknown strategy '{strategy}'; choose one of {', '.join(STRATEGIES)}")
     return DataParallel(
         model,
         bucketing=BUCKETING[strategy],
-        bucket_cap_mb=bucket_cap_mb,
+        bucket_cap_mb=25.0 if bucket_cap_mb is None else bucket_cap_mb,
         profile_steps=profile_steps,
     )

@@ -35,7 +35,7 @@ class TrainConfig:
     model: str = "resnet20"
     data: str = "digits"
     strategy: str = "mgwfbp"
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float | None = None
     epochs: int = 15
     batch_size: int = 32
     lr: float = 0.1
@@ -59,7 +59,10 @@ class TrainConfig:
                 self.strategy in STRATEGIES,
                 f"unknown --strategy '{self.strategy}'; choose one of {', '.join(STRATEGIES)}",
             ),
-            (self.bucket_cap_mb > 0, f"--bucket-cap-mb must be > 0, got {self.bucket_cap_mb}"),
+            (
+                self.bucket_cap_mb is None or self.bucket_cap_mb > 0,
+                f"--bucket-cap-mb must be > 0, got {self.bucket_cap_mb}",
+            ),
             (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
             (self.lr > 0 and math.isfinite(self.lr), f"--lr must be > 0, got {self.lr}"),
             (0 <= self.momentum < 1, f"--momentum must be in [0, 1), got {self.momentum}"),

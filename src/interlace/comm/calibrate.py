@@ -1,6 +1,7 @@
 """Fitting ``T(M) = a + b*M`` on the live process group, with a cache across restarts.
 
-Every rank times the same all-reduces; the per-size medians are combined with a MAX all-reduce
+Every rank times the same all-reduces (a 4-byte one for the start-up cost ``a``, larger ones for
+the per-byte cost ``b``); the per-size medians are combined with a MAX all-reduce
 (a collective ends when its slowest rank does) so all ranks fit the identical model and later
 plan identical buckets. Rank 0 keeps fitted models in a small JSON cache keyed by (backend,
 world size, link), so a restarted job on the same cluster does not measure again.
@@ -83,13 +84,15 @@ def fit_cost_model(
         return CostModel(float(cached[0][0]), float(cached[0][1]))
 
     device = device or torch.device("cpu")
+    # The start-up cost is what a 4-byte all-reduce takes; the per-byte cost is fitted on top.
     medians = torch.tensor(
-        [time_allreduce(size, group, repeats, warmup, device) for size in sizes],
+        [time_allreduce(size, group, repeats, warmup, device) for size in (4, *sizes)],
         dtype=torch.float64,
         device=device,
     )
     dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
-    model = CostModel.fit_points([float(size) for size in sizes], medians.cpu().tolist())
+    tiny, *rest = medians.cpu().tolist()
+    model = CostModel.fit_slope(tiny, [float(size) for size in sizes], rest)
     if use_cache and rank == 0:
         _write_cache(key, model)
     return model

@@ -86,6 +86,20 @@ class CostModel:
             return cls(0.0, max(float(np.dot(x, y) / np.dot(x, x)), 0.0))
         return cls(float(a), float(b))
 
+    @classmethod
+    def fit_slope(cls, a: float, sizes: Sequence[float], seconds: Sequence[float]) -> CostModel:
+        """``b`` by least squares through ``(M, T - a)`` with the start-up ``a`` measured apart.
+
+        Fitting both numbers lets a few noisy large messages decide the intercept, which then
+        lands far from what a tiny message really costs (even below zero on a shaped link whose
+        burst lets medium messages through early); the planners' merge decisions hinge on ``a``.
+        """
+        x = np.asarray(sizes, dtype=np.float64)
+        y = np.asarray(seconds, dtype=np.float64) - a
+        if x.shape != y.shape or x.size < 1 or not np.any(x > 0):
+            raise ValueError("fitting the per-byte cost needs at least one non-empty size")
+        return cls(a, max(float(np.dot(x, y) / np.dot(x, x)), 0.0))
+
     def scaled_to(self, world_size: int, from_world_size: int) -> CostModel:
         """This ring model, fitted on ``from_world_size`` workers, extrapolated to ``world_size``.
 
