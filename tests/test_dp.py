@@ -17,7 +17,7 @@ from interlace.errors import RankFailedError, UsageError
 from interlace.testing import run_ranks
 from interlace.zoo import build_model
 
-STRATEGIES = ("merged", "per-tensor", "fixed", "single")
+STRATEGIES = ("merged", "per-tensor", "fixed", "single", "optimal")
 # A cost model that makes "merged" form several buckets on these small models.
 COST = CostModel(a=2e-4, b=1e-9)
 

@@ -12,6 +12,7 @@ from interlace.comm.plan import (
     make_plan,
     plan_fixed,
     plan_merged,
+    plan_optimal,
     plan_per_tensor,
     plan_single,
     schedule,
@@ -133,3 +134,56 @@ def test_merged_never_predicts_longer_than_wfbp_or_single(
     merged = plan_merged(items, cost).predicted_s
     assert merged <= plan_per_tensor(items, cost).predicted_s + 1e-12
     assert merged <= plan_single(items, cost).predicted_s + 1e-12
+
+
+def _all_contiguous_groupings(count: int) -> list[list[list[int]]]:
+    """Every split of 0..count-1 into contiguous groups (2^(count-1) of them)."""
+    result = []
+    for mask in range(1 << max(count - 1, 0)):
+        groups, current = [], [0]
+        for index in range(1, count):
+            if mask >> (index - 1) & 1:
+                groups.append(current)
+                current = []
+            current.append(index)
+        groups.append(current)
+        result.append(groups)
+    return result
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 5_000_000), st.floats(0.0, 5 * MS)), min_size=1, max_size=8),
+    st.floats(0.0, 3 * MS),
+    st.floats(0.0, 3e-9),
+)
+def test_optimal_equals_brute_force_and_bounds_every_planner(
+    steps: list[tuple[int, float]], a: float, b: float
+) -> None:
+    ready = 0.0
+    items = []
+    for index, (nbytes, gap) in enumerate(steps):
+        ready += gap
+        items.append(ReadyTensor(f"t{index}", nbytes, ready))
+    cost = CostModel(a, b)
+    best = plan_optimal(items, cost)
+    brute = min(
+        schedule(groups, items, cost).comm_end_s for groups in _all_contiguous_groupings(len(items))
+    )
+    assert best.comm_end_s == pytest.approx(brute, rel=1e-12, abs=1e-15)
+    for other in (plan_merged, plan_per_tensor, plan_single):
+        assert best.predicted_s <= other(items, cost).predicted_s + 1e-12
+    assert best.predicted_s <= plan_fixed(items, cost, cap_bytes=4e6).predicted_s + 1e-12
+
+
+def test_optimal_splits_where_the_greedy_rule_chains_a_dense_run() -> None:
+    # Eight 1 MB tensors 0.5 ms apart with a = 1 ms, b = 1 ms/MB: each is ready before the
+    # group could pay a start-up, so MG-WFBP's rule chains all eight into one 8 MB bucket sent
+    # at 3.5 ms (ends 12.5 ms). Splitting lets the first part travel during backward.
+    items = tensors(*[(1_000_000, 0.5 * i) for i in range(8)])
+    merged = plan_merged(items, COST)
+    optimal = plan_optimal(items, COST)
+    assert merged.groups == [list(range(8))]
+    assert merged.comm_end_s == pytest.approx(12.5 * MS)
+    assert len(optimal.groups) > 1
+    assert optimal.comm_end_s < merged.comm_end_s

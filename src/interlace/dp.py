@@ -36,7 +36,7 @@ from interlace.errors import UsageError
 if TYPE_CHECKING:
     from interlace.timeline import Timeline
 
-BUCKETINGS = ("merged", "per-tensor", "fixed", "single")
+BUCKETINGS = ("merged", "per-tensor", "fixed", "single", "optimal")
 _ALIASES = {"mgwfbp": "merged", "wfbp": "per-tensor", "syncesgd": "single", "synceasgd": "single"}
 
 
@@ -45,8 +45,9 @@ class DataParallel(nn.Module):
 
     Args:
         module: the model, already on this rank's device.
-        bucketing: ``"merged"`` (MG-WFBP), ``"per-tensor"`` (WFBP), ``"fixed"`` (DDP-style caps)
-            or ``"single"`` (one all-reduce after backward).
+        bucketing: ``"merged"`` (MG-WFBP), ``"per-tensor"`` (WFBP), ``"fixed"`` (DDP-style caps),
+            ``"single"`` (one all-reduce after backward) or ``"optimal"`` (the exact best
+            contiguous bucketing under the cost model, by dynamic programming).
         bucket_cap_mb: the cap of ``"fixed"`` buckets, in MB (10^6 bytes), as DDP's.
         first_bucket_cap_mb: the first ``"fixed"`` bucket's cap (DDP uses 1 MB to start early).
         process_group: the group to average over.
