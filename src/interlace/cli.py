@@ -80,7 +80,9 @@ def _build_parser() -> OneLineArgumentParser:
     )
     profile.add_argument("--input-shape", type=_shape, help="input shape, e.g. 3,32,32")
     profile.add_argument("--classes", type=int, help="number of classes")
-    profile.add_argument("--strategy", default="mgwfbp", help="ddp, wfbp, fixed, single, mgwfbp")
+    profile.add_argument(
+        "--strategy", default="mgwfbp", help="ddp, wfbp, fixed, single, mgwfbp or optimal"
+    )
     profile.add_argument("-n", "--nprocs", type=int, default=4, help="ranks (default 4)")
     profile.add_argument("--link", help="emulated link rate per rank, e.g. 1gbit (needs root)")
     profile.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
@@ -136,7 +138,7 @@ def _add_job_arguments(
     parser.add_argument(
         "--strategy",
         default=defaults.strategy,
-        help="how gradients are averaged: ddp (torch DDP), wfbp, fixed, single or mgwfbp "
+        help="how gradients are averaged: ddp (torch DDP), wfbp, fixed, single, mgwfbp or optimal "
         f"(default {defaults.strategy})",
     )
     parser.add_argument(

@@ -13,14 +13,21 @@ from torch.nn.parallel import DistributedDataParallel
 from interlace.dp import DataParallel
 from interlace.errors import UsageError
 
-STRATEGIES = ("ddp", "wfbp", "fixed", "single", "mgwfbp")
-BUCKETING = {"wfbp": "per-tensor", "fixed": "fixed", "single": "single", "mgwfbp": "merged"}
+STRATEGIES = ("ddp", "wfbp", "fixed", "single", "mgwfbp", "optimal")
+BUCKETING = {
+    "wfbp": "per-tensor",
+    "fixed": "fixed",
+    "single": "single",
+    "mgwfbp": "merged",
+    "optimal": "optimal",
+}
 DESCRIPTIONS = {
     "ddp": "torch DistributedDataParallel, 25 MB buckets (1 MB first)",
     "wfbp": "interlace, one all-reduce per tensor as soon as it is ready (WFBP)",
     "fixed": "interlace, DDP-style fixed buckets in measured ready order",
     "single": "interlace, one all-reduce after backward (SyncEASGD)",
     "mgwfbp": "interlace, MG-WFBP optimal merge from measured times and a fitted cost model",
+    "optimal": "interlace, the exact best contiguous bucketing under the same cost model",
 }
 
 

@@ -700,19 +700,9 @@ def _train_step(contender: _Contender, inputs: Any, targets: Any) -> None:
 
 
 def _wrap(model: Any, strategy: str) -> Any:
-    """``strategy``'s wrapper of ``model``; DDP exactly as a DDP user gets it.
-
-    :func:`interlace.strategies.wrap_model` passes ``bucket_cap_mb=25`` to DDP explicitly, and
-    in torch 2.13 an explicit cap also becomes DDP's first-bucket cap, dropping the 1 MiB first
-    bucket that starts DDP's communication early (so every zoo model but vgg11 would get a
-    single bucket). The baseline is DDP as its users run it, so it is built with its defaults.
-    """
-    from torch.nn.parallel import DistributedDataParallel
-
+    """``strategy``'s wrapper of ``model``; DDP with its own defaults (1 MB first bucket)."""
     from interlace.strategies import wrap_model
 
-    if strategy == "ddp":
-        return DistributedDataParallel(model)
     return wrap_model(model, strategy)
 
 
