@@ -115,6 +115,16 @@ def test_inputs_out_of_order_or_empty_are_rejected() -> None:
     assert plan_merged([], COST).predicted_s == 0.0
 
 
+def from_gaps(steps: list[tuple[int, float]]) -> list[ReadyTensor]:
+    """(bytes, seconds since the previous tensor) pairs as tensors in ready order."""
+    ready = 0.0
+    items = []
+    for index, (nbytes, gap) in enumerate(steps):
+        ready += gap
+        items.append(ReadyTensor(f"t{index}", nbytes, ready))
+    return items
+
+
 _backward = st.lists(
     st.tuples(st.integers(1, 50_000_000), st.floats(0.0, 20 * MS)), min_size=1, max_size=40
 )
@@ -125,11 +135,7 @@ _backward = st.lists(
 def test_merged_never_predicts_longer_than_wfbp_or_single(
     steps: list[tuple[int, float]], a: float, b: float
 ) -> None:
-    ready = 0.0
-    items = []
-    for index, (nbytes, gap) in enumerate(steps):
-        ready += gap
-        items.append(ReadyTensor(f"t{index}", nbytes, ready))
+    items = from_gaps(steps)
     cost = CostModel(a, b)
     merged = plan_merged(items, cost).predicted_s
     assert merged <= plan_per_tensor(items, cost).predicted_s + 1e-12
@@ -160,11 +166,7 @@ def _all_contiguous_groupings(count: int) -> list[list[list[int]]]:
 def test_optimal_equals_brute_force_and_bounds_every_planner(
     steps: list[tuple[int, float]], a: float, b: float
 ) -> None:
-    ready = 0.0
-    items = []
-    for index, (nbytes, gap) in enumerate(steps):
-        ready += gap
-        items.append(ReadyTensor(f"t{index}", nbytes, ready))
+    items = from_gaps(steps)
     cost = CostModel(a, b)
     best = plan_optimal(items, cost)
     brute = min(
