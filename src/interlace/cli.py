@@ -9,10 +9,14 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from interlace import __version__
 from interlace.cliutil import OneLineArgumentParser, fail
 from interlace.errors import UsageError
+
+if TYPE_CHECKING:
+    from interlace.launch import LaunchResult
 
 PROG = "interlace"
 
@@ -249,15 +253,7 @@ def _run_train(args: argparse.Namespace) -> int:
     result = launch.run(
         train_rank, args.nprocs, link=args.link, args=(config, run_dir), timeout=args.timeout
     )
-    if result.returncode != 0:
-        if result.timed_out:
-            print(
-                f"{PROG} {args.command}: stopped after --timeout {args.timeout} s", file=sys.stderr
-            )
-        elif result.failed_rank is not None and result.failed_rank in result.tracebacks:
-            print(result.tracebacks[result.failed_rank].rstrip(), file=sys.stderr)
-        return result.returncode
-    return 0
+    return _report_failure(args, result)
 
 
 def _run_profile(args: argparse.Namespace) -> int:
@@ -298,9 +294,7 @@ def _run_profile(args: argparse.Namespace) -> int:
         profile_rank, args.nprocs, link=args.link, args=(config,), timeout=args.timeout
     )
     if result.returncode != 0:
-        if result.failed_rank is not None and result.failed_rank in result.tracebacks:
-            print(result.tracebacks[result.failed_rank].rstrip(), file=sys.stderr)
-        return result.returncode
+        return _report_failure(args, result)
     link = args.link or "loopback"
     title = (
         f"{config.model}, {config.strategy}, {args.nprocs} ranks, {link}, "
@@ -316,6 +310,18 @@ def _run_profile(args: argparse.Namespace) -> int:
     print(timeline.caption("rank 0"))
     print(f"timeline: {picture}\ntrace:    {trace} (open in https://ui.perfetto.dev)")
     return 0
+
+
+def _report_failure(args: argparse.Namespace, result: LaunchResult) -> int:
+    """The job's status; on failure, why: the timeout, or the failing rank's traceback."""
+    if result.returncode != 0:
+        if result.timed_out:
+            print(
+                f"{PROG} {args.command}: stopped after --timeout {args.timeout} s", file=sys.stderr
+            )
+        elif result.failed_rank is not None and result.failed_rank in result.tracebacks:
+            print(result.tracebacks[result.failed_rank].rstrip(), file=sys.stderr)
+    return result.returncode
 
 
 def _run_models(args: argparse.Namespace) -> int:

@@ -276,19 +276,14 @@ class DataParallel(nn.Module):
         assert self._cost_model is not None
         # Ready order; ties (and tensors that never got a gradient, ready at the end) keep the
         # reverse registration order, which is how backward usually visits them.
-        order = sorted(range(len(ready)), key=lambda i: (ready[i], -i))
+        clamped = [min(max(value, 0.0), backward_s) for value in ready]
+        order = sorted(range(len(ready)), key=lambda i: (clamped[i], -i))
         tensors = [
             ReadyTensor(
-                self._names[i],
-                self._params[i].numel() * self._params[i].element_size(),
-                min(max(ready[i], 0.0), backward_s),
+                self._names[i], self._params[i].numel() * self._params[i].element_size(), clamped[i]
             )
             for i in order
         ]
-        # Sorting clamped values can break monotonicity only through the clamp; re-sort once.
-        tensors_sorted = sorted(zip(tensors, order, strict=True), key=lambda pair: pair[0].ready_s)
-        tensors = [t for t, _ in tensors_sorted]
-        order = [i for _, i in tensors_sorted]
         plan = make_plan(
             self.bucketing,
             tensors,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -94,7 +94,9 @@ def profile_rank(config: ProfileConfig) -> RankProfile:
                 events = list(ours.last_timeline.events)
                 # DataParallel's times count from its forward start, which follows `started`.
                 offset = ours.last_forward_start - started
-                events = [_shift(event, offset) for event in events]
+                events = [
+                    replace(e, start_s=e.start_s + offset, end_s=e.end_s + offset) for e in events
+                ]
             else:
                 # torch DDP's all-reduces run inside its C++ reducer, out of our sight.
                 events = [
@@ -121,10 +123,7 @@ def profile_rank(config: ProfileConfig) -> RankProfile:
         median = statistics.median(times)
         _, chosen = min(measured, key=lambda item: abs(item[0] - median))
         process = f"rank {context.rank}"
-        chosen = [
-            Event(e.name, e.category, e.start_s, e.end_s, lane=e.lane, process=process, args=e.args)
-            for e in chosen
-        ]
+        chosen = [replace(event, process=process) for event in chosen]
         plan = ours.plan.describe() if ours is not None and ours.plan else ""
         return RankProfile(context.rank, chosen, times, plan)
     finally:
@@ -147,15 +146,3 @@ def write_profile(timeline: Timeline, out_dir: str | Path) -> tuple[Path, Path]:
     trace = timeline.to_chrome_trace(folder / "timeline.json")
     picture = timeline.to_png(folder / "timeline.png")
     return trace, picture
-
-
-def _shift(event: Event, offset: float) -> Event:
-    return Event(
-        event.name,
-        event.category,
-        event.start_s + offset,
-        event.end_s + offset,
-        lane=event.lane,
-        process=event.process,
-        args=event.args,
-    )

@@ -62,26 +62,26 @@ class BucketEngine:
             extra = len(self.tensors) if bucket == len(self.groups) - 1 else 0
             dtype = self.tensors[group[0]].dtype
             self.buffers.append(torch.zeros(offset + extra, dtype=dtype, device=device))
-        self._usage_offset = self.buffers[-1].numel() - len(self.tensors)
+        self._usage = self.buffers[-1][self.buffers[-1].numel() - len(self.tensors) :]
         self._sizes = [len(group) for group in self.groups]
+        element = [self.tensors[group[0]].element_size() for group in self.groups]
+        self.bucket_bytes: list[int] = [
+            sum(self.tensors[i].numel() for i in group) * size
+            for group, size in zip(self.groups, element, strict=True)
+        ]
+        """Bytes of gradient data in each bucket (without the usage marks)."""
         self._pending: list[int] = []
         self._ready: list[bool] = []
+        self._used: list[bool] = []
         self._handles: list[dist.Work | None] = []
         self._next_launch = 0
         self.begin()
-
-    @property
-    def bucket_bytes(self) -> list[int]:
-        """Bytes of gradient data in each bucket (without the usage marks)."""
-        return [
-            sum(self.tensors[i].numel() for i in group) * self.tensors[group[0]].element_size()
-            for group in self.groups
-        ]
 
     def begin(self) -> None:
         """Reset for a new iteration."""
         self._pending = list(self._sizes)
         self._ready = [False] * len(self.tensors)
+        self._used = [False] * len(self.tensors)
         self._handles = [None] * len(self.groups)
         self._next_launch = 0
 
@@ -93,6 +93,7 @@ class BucketEngine:
             self._write(index, grad)
             return
         self._ready[index] = True
+        self._used[index] = True
         self._write(index, grad)
         slot = self.slots[index]
         self._pending[slot.bucket] -= 1
@@ -109,17 +110,16 @@ class BucketEngine:
             if not ready:
                 slot = self.slots[index]
                 self.buffers[slot.bucket][slot.offset : slot.offset + slot.numel].zero_()
-                self.buffers[-1][self._usage_offset + index] = 0
                 self._ready[index] = True
                 self._pending[slot.bucket] -= 1
         self._launch_ready()
         for handle in self._handles:
             if handle is not None:
                 handle.wait()
-        usage = self.buffers[-1][self._usage_offset :]
+        usage = self._usage.tolist()
         averaged: list[torch.Tensor | None] = []
         for index, slot in enumerate(self.slots):
-            if float(usage[index]) > 0:
+            if usage[index] > 0:
                 flat = self.buffers[slot.bucket][slot.offset : slot.offset + slot.numel]
                 averaged.append(flat.view_as(self.tensors[index]))
             else:
@@ -129,7 +129,6 @@ class BucketEngine:
     def _write(self, index: int, grad: torch.Tensor) -> None:
         slot = self.slots[index]
         self.buffers[slot.bucket][slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
-        self.buffers[-1][self._usage_offset + index] = 1
 
     def _launch_ready(self) -> None:
         # Strictly in plan order: a complete bucket waits for earlier incomplete ones, so all
@@ -137,6 +136,10 @@ class BucketEngine:
         while self._next_launch < len(self.groups) and self._pending[self._next_launch] == 0:
             bucket = self._next_launch
             buffer = self.buffers[bucket]
+            if bucket == len(self.groups) - 1:
+                # Every tensor is accounted for once the last bucket is complete: write all the
+                # usage marks in one copy rather than one tensor write per gradient.
+                self._usage.copy_(torch.tensor(self._used, dtype=self._usage.dtype))
             # Divide before summing, as DDP does: the average without risking overflow.
             buffer.div_(self.world_size)
             launched = time.perf_counter()
