@@ -11,11 +11,18 @@ Lifecycle: the first ``profile_steps`` backward passes send all gradients in one
 end (so the measured ready times are not disturbed by communication), then the ranks agree on
 the slowest rank's timings, rank 0 plans, every rank receives the same plan, and the buckets are
 rebuilt.
+
+With ``channels=k`` (AIACC-Training) buckets travel on ``k`` process groups at once, each on the
+channel the plan gives it, and buckets above the partition threshold are split across channels;
+``channels="auto"`` measures what concurrency costs on the live group and lets the planner's
+predicted iteration time choose ``k`` in 1..4 and the threshold. ``compression="fp16"|"bf16"``
+sends float32 buckets in half precision.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import statistics
 import time
 from collections.abc import Iterator
@@ -27,9 +34,15 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_leaves
 
-from interlace.comm.calibrate import fit_cost_model
+from interlace.comm.calibrate import fit_concurrency, fit_cost_model
+from interlace.comm.channels import (
+    MAX_AUTO_CHANNELS,
+    Channels,
+    assignment_of,
+    check_same_everywhere,
+)
 from interlace.comm.cost import CostModel
-from interlace.comm.engine import BucketEngine
+from interlace.comm.engine import COMPRESSIONS, BucketEngine
 from interlace.comm.plan import Plan, ReadyTensor, make_plan
 from interlace.errors import UsageError
 
@@ -38,6 +51,13 @@ if TYPE_CHECKING:
 
 BUCKETINGS = ("merged", "per-tensor", "fixed", "single", "optimal")
 _ALIASES = {"mgwfbp": "merged", "wfbp": "per-tensor", "syncesgd": "single", "synceasgd": "single"}
+PARTITION_CANDIDATES_MB = (0.25, 1.0, 4.0)
+"""Partition thresholds the planner weighs (besides none) when ``partition_mb="auto"``."""
+AUTO_MARGIN = 0.02
+"""``channels="auto"`` takes more channels only for a predicted gain above this fraction: the
+model's error is larger than that, and fewer channels cost fewer threads and buffers."""
+
+logger = logging.getLogger("interlace")
 
 
 class DataParallel(nn.Module):
@@ -56,6 +76,14 @@ class DataParallel(nn.Module):
         cost_model: price of an all-reduce; default: fitted on ``process_group`` (cached).
         broadcast_buffers: re-send rank 0's buffers (BatchNorm statistics) before every forward,
             as DDP does by default.
+        channels: process groups used at once: an int ``k >= 1`` or ``"auto"`` (``k`` in 1..4
+            and the partition threshold chosen by predicted iteration time, from the
+            concurrency measured on the live group). Creating channels is collective: every
+            rank of ``process_group`` wraps with the same value.
+        partition_mb: buckets larger than this are split into slices sent at once on different
+            channels; ``None`` never splits, ``"auto"`` lets the planner choose.
+        compression: ``None``, ``"fp16"`` or ``"bf16"``: float32 buckets are averaged in float32,
+            sent in the smaller type and cast back (half the bytes, about 3 significant digits).
     """
 
     def __init__(
@@ -69,6 +97,9 @@ class DataParallel(nn.Module):
         profile_steps: int | None = None,
         cost_model: CostModel | None = None,
         broadcast_buffers: bool = True,
+        channels: int | str = 1,
+        partition_mb: float | str | None = "auto",
+        compression: str | None = None,
     ) -> None:
         super().__init__()
         bucketing = _ALIASES.get(bucketing, bucketing)
@@ -81,6 +112,24 @@ class DataParallel(nn.Module):
             raise UsageError(
                 f"bucket caps must be > 0 MB, got bucket_cap_mb={bucket_cap_mb}, "
                 f"first_bucket_cap_mb={first_bucket_cap_mb}"
+            )
+        if channels != "auto" and not (isinstance(channels, int) and channels >= 1):
+            raise UsageError(f"channels must be an integer >= 1 or 'auto', got {channels!r}")
+        if partition_mb not in ("auto", None) and (
+            isinstance(partition_mb, str) or not partition_mb > 0
+        ):
+            raise UsageError(
+                f"partition_mb must be > 0, None (never split) or 'auto', got {partition_mb!r}"
+            )
+        if compression is not None and compression not in COMPRESSIONS:
+            raise UsageError(
+                f"unknown compression {compression!r}; choose one of "
+                f"{', '.join(COMPRESSIONS)} (or None)"
+            )
+        if bucketing == "optimal" and channels != 1:
+            raise UsageError(
+                "bucketing='optimal' is exact on one channel only; use bucketing='merged' with "
+                f"channels={channels!r}"
             )
         if profile_steps is not None and profile_steps < 1:
             raise UsageError(f"profile_steps must be >= 1, got {profile_steps}")
@@ -96,6 +145,11 @@ class DataParallel(nn.Module):
         self.first_bucket_cap_bytes = first_bucket_cap_mb * 1e6
         self.process_group = process_group
         self.broadcast_buffers = broadcast_buffers
+        self.channels_requested = channels
+        self.partition_mb = partition_mb
+        self.compression = compression
+        self.channel_choice = ""
+        """Why the plan uses the channels it does (set when planned)."""
         self.profile_steps = profile_steps or (5 if bucketing == "merged" else 1)
         self._cost_model = cost_model
         self._rank = dist.get_rank(process_group)
@@ -116,11 +170,29 @@ class DataParallel(nn.Module):
                 f"{sorted(map(str, devices))}"
             )
         self._check_same_model_everywhere()
+        # Checked before any group is created: ranks that disagree here would hang there.
+        check_same_everywhere(
+            {
+                "bucketing": bucketing,
+                "channels": channels,
+                "partition_mb": partition_mb,
+                "compression": compression,
+            },
+            "DataParallel's communication settings",
+            process_group,
+        )
         self._broadcast_state()
+        self._channels = Channels(
+            MAX_AUTO_CHANNELS if channels == "auto" else int(channels), process_group
+        )
 
         # Until profiling is over: everything in one bucket, sent after backward.
         self._engine = BucketEngine(
-            self._params, [list(reversed(range(len(self._params))))], process_group
+            self._params,
+            [list(reversed(range(len(self._params))))],
+            process_group,
+            channels=self._channels.groups,
+            compression=compression,
         )
         self.plan: Plan | None = None
         self._sync = True
@@ -134,7 +206,7 @@ class DataParallel(nn.Module):
         self._backward_start: float | None = None
         self._ready_times: list[float] = [0.0] * len(self._params)
         self._record = False
-        self._comm_events: list[tuple[int, int, float, float]] = []
+        self._comm_events: list[tuple[int, int, int, float, float]] = []
         self.last_timeline: Timeline | None = None
         for index, param in enumerate(self._params):
             param.register_post_accumulate_grad_hook(self._make_hook(index))
@@ -234,8 +306,10 @@ class DataParallel(nn.Module):
             self.last_timeline = self._build_timeline(start, backward_end)
         self._comm_events = []
 
-    def _on_comm(self, bucket: int, nbytes: int, launched: float, done: float) -> None:
-        self._comm_events.append((bucket, nbytes, launched, done))
+    def _on_comm(
+        self, bucket: int, channel: int, nbytes: int, launched: float, done: float
+    ) -> None:
+        self._comm_events.append((bucket, channel, nbytes, launched, done))
 
     # ------------------------------------------------------------------ planning
 
@@ -255,45 +329,86 @@ class DataParallel(nn.Module):
         # produced it, so the plan must fit the rank that gets there last.
         dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=self.process_group)
         forward_s, backward_s, *ready = timings.tolist()
+        device = self._params[0].device
         if self._cost_model is None:
-            self._cost_model = fit_cost_model(self.process_group, device=self._params[0].device)
+            self._cost_model = fit_cost_model(self.process_group, device=device)
+        if len(self._channels) > 1 and len(self._cost_model.concurrency) < len(self._channels) - 1:
+            self._cost_model = fit_concurrency(
+                self._channels.groups, self._cost_model, device=device
+            )
         shared: list[Any] = [None]
         if self._rank == 0:
             shared[0] = self._make_plan(forward_s, backward_s, ready)
         dist.broadcast_object_list(shared, src=self._src, group=self.process_group)
-        plan, order = shared[0]
+        plan, order, why = shared[0]
+        groups = [[order[i] for i in group] for group in plan.groups]
+        assignment = [list(bucket.channels) for bucket in plan.buckets]
+        # The plan came from rank 0, so this holds unless a rank was built differently; if it
+        # fails, every rank raises here instead of hanging on a collective later.
+        check_same_everywhere(
+            (plan.channels, plan.partition_bytes, assignment_of(groups, assignment)),
+            "the channel plan (channels, partition threshold, bucket -> channel)",
+            self.process_group,
+        )
         recorder = self._engine.recorder
         self._engine = BucketEngine(
-            self._params, [[order[i] for i in group] for group in plan.groups], self.process_group
+            self._params,
+            groups,
+            self.process_group,
+            channels=self._channels.groups,
+            assignment=assignment,
+            compression=self.compression,
         )
         self._engine.recorder = recorder
         self.plan = plan
+        self.channel_choice = why
+        if self._rank == 0 and why:
+            logger.info("interlace.DataParallel: %s", why)
         self._profiled.clear()
 
     def _make_plan(
         self, forward_s: float, backward_s: float, ready: list[float]
-    ) -> tuple[Plan, list[int]]:
+    ) -> tuple[Plan, list[int], str]:
         assert self._cost_model is not None
         # Ready order; ties (and tensors that never got a gradient, ready at the end) keep the
         # reverse registration order, which is how backward usually visits them.
         clamped = [min(max(value, 0.0), backward_s) for value in ready]
         order = sorted(range(len(ready)), key=lambda i: (clamped[i], -i))
+        wire_scale = 0.5 if self.compression is not None else 1.0
         tensors = [
             ReadyTensor(
-                self._names[i], self._params[i].numel() * self._params[i].element_size(), clamped[i]
+                self._names[i],
+                int(self._params[i].numel() * self._params[i].element_size() * wire_scale),
+                clamped[i],
             )
             for i in order
         ]
-        plan = make_plan(
-            self.bucketing,
-            tensors,
-            self._cost_model,
-            cap_bytes=self.bucket_cap_bytes,
-            first_cap_bytes=self.first_bucket_cap_bytes,
-            backward_s=max(backward_s, tensors[-1].ready_s),
-            forward_s=forward_s,
+        counts = (
+            range(1, len(self._channels) + 1)
+            if self.channels_requested == "auto"
+            else [len(self._channels)]
         )
-        return plan, order
+        if self.partition_mb == "auto":
+            partitions: list[float | None] = [None, *(mb * 1e6 for mb in PARTITION_CANDIDATES_MB)]
+        else:
+            partitions = [None if self.partition_mb is None else float(self.partition_mb) * 1e6]
+        candidates = [
+            make_plan(
+                self.bucketing,
+                tensors,
+                self._cost_model,
+                cap_bytes=self.bucket_cap_bytes,
+                first_cap_bytes=self.first_bucket_cap_bytes,
+                backward_s=max(backward_s, tensors[-1].ready_s),
+                forward_s=forward_s,
+                channels=count,
+                partition_bytes=partition if count > 1 else None,
+            )
+            for count in counts
+            for partition in (partitions if count > 1 else [None])
+        ]
+        plan = _fewest_channels_within_margin(candidates)
+        return plan, order, _explain_choice(plan, candidates, self.channels_requested)
 
     # ------------------------------------------------------------------ wrap-time checks
 
@@ -357,20 +472,22 @@ class DataParallel(nn.Module):
                 self._names[index], "backward", previous - origin, ready - origin, lane="compute"
             )
             previous = ready
-        # A bar runs from when its all-reduce could start (launched, and the bucket before it
-        # done) to its completion: the time that bucket had the network. Time spent queued
-        # behind earlier buckets is not drawn, so the lane reads as the link's busy periods.
-        previous_end = 0.0
-        for bucket, nbytes, launched, done in sorted(self._comm_events):
-            start = max(launched, previous_end)
-            previous_end = max(done, start)
+        # A bar runs from when its all-reduce could start (launched, and the one before it on
+        # the same channel done) to its completion: the time it had that channel. Time spent
+        # queued behind earlier all-reduces is not drawn, so a lane reads as a channel's busy
+        # periods.
+        channel_free: dict[int, float] = {}
+        for bucket, channel, nbytes, launched, done in sorted(self._comm_events):
+            start = max(launched, channel_free.get(channel, 0.0))
+            channel_free[channel] = max(done, start)
             timeline.add(
                 f"bucket {bucket} ({nbytes / 1e6:.2f} MB)",
                 "comm",
                 start - origin,
-                previous_end - origin,
-                lane="all-reduce",
+                channel_free[channel] - origin,
+                lane="all-reduce" if len(self._channels) == 1 else f"all-reduce ch{channel}",
                 bytes=nbytes,
+                channel=channel,
                 launched_ms=round((launched - origin) * 1e3, 3),
             )
         if backward_end > previous:
@@ -382,6 +499,43 @@ class DataParallel(nn.Module):
                 lane="compute",
             )
         return timeline
+
+
+def _fewest_channels_within_margin(candidates: list[Plan]) -> Plan:
+    """The fastest predicted plan, unless one with fewer channels is within :data:`AUTO_MARGIN`
+    of it (candidates come ordered by channel count)."""
+    best = min(candidates, key=lambda plan: plan.predicted_s)
+    for plan in candidates:
+        if plan.predicted_s <= best.predicted_s * (1 + AUTO_MARGIN):
+            return plan
+    return best
+
+
+def _explain_choice(plan: Plan, candidates: list[Plan], requested: int | str) -> str:
+    """One line: the channels and threshold chosen, and what they were weighed against."""
+    split = "off" if plan.partition_bytes is None else f"{plan.partition_bytes / 1e6:g} MB"
+    chosen = (
+        f"{plan.channels} channel(s), partition {split}: predicted "
+        f"{plan.predicted_s * 1e3:.2f} ms per iteration with {len(plan.buckets)} bucket(s)"
+    )
+    if requested != "auto":
+        return chosen if plan.channels > 1 else ""
+    best_by_count: dict[int, Plan] = {}
+    for candidate in candidates:
+        known = best_by_count.get(candidate.channels)
+        if known is None or candidate.predicted_s < known.predicted_s:
+            best_by_count[candidate.channels] = candidate
+    weighed = ", ".join(
+        f"k={count}: {candidate.predicted_s * 1e3:.2f} ms"
+        for count, candidate in sorted(best_by_count.items())
+    )
+    a_terms = plan.cost.concurrency
+    measured = ", ".join(f"c({j})={c:.2f}" for j, (_, c) in enumerate(a_terms, start=2))
+    return (
+        f"channels='auto' chose {chosen} (weighed {weighed}; measured concurrency "
+        f"{measured or 'none'}; more channels only for a predicted gain above "
+        f"{AUTO_MARGIN:.0%})"
+    )
 
 
 def _tensors_in(value: Any) -> Iterator[torch.Tensor]:

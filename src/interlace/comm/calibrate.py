@@ -98,6 +98,90 @@ def fit_cost_model(
     return model
 
 
+CONCURRENCY_BYTES = 2 * 1024 * 1024
+"""Per-all-reduce size used to measure how concurrent all-reduces share the link."""
+
+
+def time_concurrent_allreduce(
+    nbytes: int,
+    groups: Sequence[dist.ProcessGroup | None],
+    repeats: int = 5,
+    warmup: int = 2,
+    device: torch.device | None = None,
+) -> float:
+    """Median seconds until ``len(groups)`` all-reduces of ``nbytes`` each, launched together one
+    per group, have all finished."""
+    device = device or torch.device("cpu")
+    tensors = [torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=device) for _ in groups]
+    samples = []
+    for index in range(warmup + repeats):
+        dist.barrier(groups[0])
+        started = time.perf_counter()
+        handles = [
+            dist.all_reduce(tensor, group=group, async_op=True)
+            for tensor, group in zip(tensors, groups, strict=True)
+        ]
+        for handle in handles:
+            if handle is not None:
+                handle.wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if index >= warmup:
+            samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+def fit_concurrency(
+    groups: Sequence[dist.ProcessGroup | None],
+    base: CostModel,
+    *,
+    nbytes: int = CONCURRENCY_BYTES,
+    repeats: int = 5,
+    warmup: int = 2,
+    device: torch.device | None = None,
+    use_cache: bool = True,
+) -> CostModel:
+    """``base`` with measured concurrency terms ``(a_j, c_j)`` for ``j = 2..len(groups)``.
+
+    ``a_j`` is how long ``j`` concurrent 4-byte all-reduces take; ``c_j`` compares ``j``
+    concurrent ``nbytes`` all-reduces with one alone, on the bandwidth part:
+    ``c_j = (T_j - a_j) / (T_1 - a_1)``. Measured on the groups themselves (``groups[0]`` is the
+    main group) and combined with MAX over ranks, so every rank gets the same model.
+    """
+    first = groups[0]
+    key = cache_key(first) + "|concurrency"
+    rank = dist.get_rank(first)
+    cached: list[object] = [None]
+    if use_cache and rank == 0:
+        cached[0] = _read_cache().get(key)
+    if use_cache:
+        dist.broadcast_object_list(cached, src=_global_rank0(first), group=first)
+    if isinstance(cached[0], list) and len(cached[0]) >= len(groups) - 1:
+        terms = [(float(a), float(c)) for a, c in cached[0][: len(groups) - 1]]
+        return base.with_concurrency(terms)
+
+    measured = []
+    for count in range(1, len(groups) + 1):
+        subset = groups[:count]
+        measured.append(time_concurrent_allreduce(4, subset, repeats, warmup, device))
+        measured.append(time_concurrent_allreduce(nbytes, subset, repeats, warmup, device))
+    medians = torch.tensor(measured, dtype=torch.float64)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=first)
+    values = medians.tolist()
+    tiny_1, large_1 = values[0], values[1]
+    alone = max(large_1 - tiny_1, 1e-12)
+    terms = []
+    for count in range(2, len(groups) + 1):
+        tiny, large = values[2 * (count - 1)], values[2 * (count - 1) + 1]
+        # Scale the start-up by what the fitted model says a lone one costs, so a_j and a agree
+        # on their unit even if this measurement ran a little faster or slower.
+        start_up = base.a * tiny / tiny_1 if tiny_1 > 0 else base.a
+        terms.append((start_up, max(large - tiny, 1e-12) / alone))
+    if use_cache and rank == 0:
+        _write_entry(key, [list(term) for term in terms])
+    return base.with_concurrency(terms)
+
+
 def _global_rank0(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_global_rank(group, 0)
 
@@ -112,9 +196,13 @@ def _read_cache() -> dict[str, object]:
 
 
 def _write_cache(key: str, model: CostModel) -> None:
+    _write_entry(key, [model.a, model.b])
+
+
+def _write_entry(key: str, value: object) -> None:
     path = cache_path()
     data = _read_cache()
-    data[key] = [model.a, model.b]
+    data[key] = value
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_suffix(".tmp")

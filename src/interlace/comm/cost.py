@@ -24,16 +24,57 @@ class CostModel:
 
     a: float
     b: float
+    concurrency: tuple[tuple[float, float], ...] = ()
+    """What running several all-reduces at once costs (several channels, AIACC-style).
+
+    Entry ``j - 2`` is ``(a_j, c_j)``: ``j`` all-reduces of ``M`` bytes each, started together on
+    ``j`` channels, all end after ``a_j + c_j * b * M``. ``c_j = j`` means the link is simply
+    shared (no gain from concurrency); ``c_j < j`` means one stream left bandwidth idle, and
+    ``a_j < j * a`` that start-ups overlap. Counts beyond the measured ones assume the link is
+    shared from the last measured count on (see :meth:`concurrent_terms`).
+    """
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.a) and math.isfinite(self.b)) or self.a < 0 or self.b < 0:
             raise ValueError(
                 f"a cost model needs finite a >= 0 and b >= 0, got a={self.a}, b={self.b}"
             )
+        for count, (a_j, c_j) in enumerate(self.concurrency, start=2):
+            if not (math.isfinite(a_j) and math.isfinite(c_j)) or a_j < 0 or c_j <= 0:
+                raise ValueError(
+                    f"concurrency terms need finite a_j >= 0 and c_j > 0, got "
+                    f"(a_{count}, c_{count}) = ({a_j}, {c_j})"
+                )
 
-    def time(self, nbytes: float) -> float:
-        """Seconds to all-reduce ``nbytes``; nothing to send costs nothing."""
-        return self.a + self.b * nbytes if nbytes > 0 else 0.0
+    def time(self, nbytes: float, concurrent: int = 1) -> float:
+        """Seconds to all-reduce ``nbytes`` while ``concurrent`` all-reduces (this one included)
+        are in flight; nothing to send costs nothing."""
+        if nbytes <= 0:
+            return 0.0
+        start_up, factor = self.concurrent_terms(concurrent)
+        return start_up + factor * self.b * nbytes
+
+    def concurrent_terms(self, count: int) -> tuple[float, float]:
+        """``(a_j, c_j)`` for ``j = count`` concurrent all-reduces.
+
+        Without a measurement, start-ups are assumed to overlap and bandwidth to be shared
+        (``(a, j)``); past the last measured count ``m``, ``(a_m, c_m * j / m)``.
+        """
+        if count < 1:
+            raise ValueError(f"the number of concurrent all-reduces must be >= 1, got {count}")
+        if count == 1:
+            return self.a, 1.0
+        if not self.concurrency:
+            return self.a, float(count)
+        if count - 2 < len(self.concurrency):
+            return self.concurrency[count - 2]
+        measured = len(self.concurrency) + 1
+        a_m, c_m = self.concurrency[-1]
+        return a_m, c_m * count / measured
+
+    def with_concurrency(self, terms: Sequence[tuple[float, float]]) -> CostModel:
+        """This model with the measured ``(a_j, c_j)`` for ``j = 2, 3, ...``."""
+        return CostModel(self.a, self.b, tuple((float(a), float(c)) for a, c in terms))
 
     @classmethod
     def ring(cls, world_size: int, alpha: float, beta: float, gamma: float = 0.0) -> CostModel:

@@ -6,6 +6,12 @@ a bucket's all-reduce starts the moment its last tensor arrives, and buckets alw
 order, so every rank issues the same collectives in the same order (the condition for never
 deadlocking). :meth:`BucketEngine.finish` waits for the rest and hands back averaged tensors.
 
+With several channels (process groups over the same ranks), each bucket goes on the channel(s)
+the plan assigned it; a partitioned bucket is cut into equal slices all-reduced at once on
+different channels and lands back in place, since the slices are views of one flat buffer. With
+compression, a float32 bucket travels as float16 or bfloat16: divided by the world size in
+float32 first (the average cannot overflow), cast for the wire, and cast back when it arrives.
+
 Tensors that got no gradient on this rank are sent as zeros; a one-number "was used" mark per
 tensor rides in the last bucket, so after the all-reduce every rank knows which tensors no rank
 touched (those keep ``grad = None``, as in PyTorch DDP) without an extra collective.
@@ -21,8 +27,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-CommRecorder = Callable[[int, int, float, float], None]
-"""Called with (bucket index, bytes, launch time, completion time) for each finished all-reduce."""
+CommRecorder = Callable[[int, int, int, float, float], None]
+"""Called with (bucket index, channel, bytes, launch time, completion time) for each finished
+all-reduce (one per slice of a partitioned bucket)."""
+
+COMPRESSIONS: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -41,16 +50,39 @@ class BucketEngine:
         groups: Sequence[Sequence[int]],
         process_group: dist.ProcessGroup | None = None,
         recorder: CommRecorder | None = None,
+        *,
+        channels: Sequence[dist.ProcessGroup | None] | None = None,
+        assignment: Sequence[Sequence[int]] | None = None,
+        compression: str | None = None,
     ) -> None:
         if not tensors:
             raise ValueError("a bucket engine needs at least one tensor")
+        if compression is not None and compression not in COMPRESSIONS:
+            raise ValueError(
+                f"unknown compression '{compression}'; choose one of {', '.join(COMPRESSIONS)}"
+            )
         self.tensors = list(tensors)
         self.process_group = process_group
+        self.channels = list(channels) if channels is not None else [process_group]
         self.world_size = dist.get_world_size(process_group)
         self.recorder = recorder
-        self.groups = _split_by_dtype(groups, self.tensors)
+        self.compression = compression
+        if assignment is None:
+            assignment = [[0]] * len(groups)
+        if len(assignment) != len(groups):
+            raise ValueError(f"{len(assignment)} channel assignments for {len(groups)} buckets")
+        for chans in assignment:
+            if not chans or any(not 0 <= c < len(self.channels) for c in chans):
+                raise ValueError(
+                    f"channel assignment {list(chans)} is outside 0..{len(self.channels) - 1}"
+                )
+        split = _split_by_dtype(groups, self.tensors)
+        self.groups = [group for group, _ in split]
+        self.assignment: list[list[int]] = [list(assignment[origin]) for _, origin in split]
+        """The channel of each slice of each bucket (after splitting buckets by dtype)."""
         self.slots: list[_Slot] = [_Slot(-1, 0, 0)] * len(self.tensors)
         self.buffers: list[torch.Tensor] = []
+        self._wires: list[torch.Tensor | None] = []
         device = self.tensors[0].device
         for bucket, group in enumerate(self.groups):
             offset = 0
@@ -61,7 +93,12 @@ class BucketEngine:
             # The last bucket also carries one "was used" mark per tensor.
             extra = len(self.tensors) if bucket == len(self.groups) - 1 else 0
             dtype = self.tensors[group[0]].dtype
-            self.buffers.append(torch.zeros(offset + extra, dtype=dtype, device=device))
+            buffer = torch.zeros(offset + extra, dtype=dtype, device=device)
+            self.buffers.append(buffer)
+            wire = None
+            if compression is not None and dtype == torch.float32:
+                wire = torch.zeros(buffer.numel(), dtype=COMPRESSIONS[compression], device=device)
+            self._wires.append(wire)
         self._usage = self.buffers[-1][self.buffers[-1].numel() - len(self.tensors) :]
         self._sizes = [len(group) for group in self.groups]
         element = [self.tensors[group[0]].element_size() for group in self.groups]
@@ -69,11 +106,11 @@ class BucketEngine:
             sum(self.tensors[i].numel() for i in group) * size
             for group, size in zip(self.groups, element, strict=True)
         ]
-        """Bytes of gradient data in each bucket (without the usage marks)."""
+        """Bytes of gradient data in each bucket (without the usage marks), before compression."""
         self._pending: list[int] = []
         self._ready: list[bool] = []
         self._used: list[bool] = []
-        self._handles: list[dist.Work | None] = []
+        self._handles: list[list[dist.Work]] = []
         self._next_launch = 0
         self.begin()
 
@@ -82,7 +119,7 @@ class BucketEngine:
         self._pending = list(self._sizes)
         self._ready = [False] * len(self.tensors)
         self._used = [False] * len(self.tensors)
-        self._handles = [None] * len(self.groups)
+        self._handles = [[] for _ in self.groups]
         self._next_launch = 0
 
     def add(self, index: int, grad: torch.Tensor) -> None:
@@ -113,9 +150,12 @@ class BucketEngine:
                 self._ready[index] = True
                 self._pending[slot.bucket] -= 1
         self._launch_ready()
-        for handle in self._handles:
-            if handle is not None:
+        for bucket, handles in enumerate(self._handles):
+            for handle in handles:
                 handle.wait()
+            wire = self._wires[bucket]
+            if wire is not None:
+                self.buffers[bucket].copy_(wire)
         usage = self._usage.tolist()
         averaged: list[torch.Tensor | None] = []
         for index, slot in enumerate(self.slots):
@@ -142,36 +182,52 @@ class BucketEngine:
                 self._usage.copy_(torch.tensor(self._used, dtype=self._usage.dtype))
             # Divide before summing, as DDP does: the average without risking overflow.
             buffer.div_(self.world_size)
-            launched = time.perf_counter()
-            handle = dist.all_reduce(buffer, group=self.process_group, async_op=True)
-            if self.recorder is not None and handle is not None:
-                done = functools.partial(
-                    _report_done, self.recorder, bucket, self.bucket_bytes[bucket], launched
-                )
-                handle.get_future().then(done)
-            self._handles[bucket] = handle
+            wire = self._wires[bucket]
+            if wire is not None:
+                wire.copy_(buffer)
+                buffer = wire
+            chans = self.assignment[bucket]
+            slices = torch.tensor_split(buffer, len(chans)) if len(chans) > 1 else (buffer,)
+            for channel, piece in zip(chans, slices, strict=True):
+                launched = time.perf_counter()
+                handle = dist.all_reduce(piece, group=self.channels[channel], async_op=True)
+                if handle is None:
+                    continue
+                if self.recorder is not None:
+                    nbytes = self.bucket_bytes[bucket] * piece.numel() // max(buffer.numel(), 1)
+                    done = functools.partial(
+                        _report_done, self.recorder, bucket, channel, nbytes, launched
+                    )
+                    handle.get_future().then(done)
+                self._handles[bucket].append(handle)
             self._next_launch += 1
 
 
 def _report_done(
-    recorder: CommRecorder, bucket: int, nbytes: int, launched: float, _future: object
+    recorder: CommRecorder,
+    bucket: int,
+    channel: int,
+    nbytes: int,
+    launched: float,
+    _future: object,
 ) -> None:
     # Runs on the backend's thread when the all-reduce completes: the true end time.
-    recorder(bucket, nbytes, launched, time.perf_counter())
+    recorder(bucket, channel, nbytes, launched, time.perf_counter())
 
 
 def _split_by_dtype(
     groups: Sequence[Sequence[int]], tensors: Sequence[torch.Tensor]
-) -> list[list[int]]:
-    """Split any bucket that mixes dtypes (one flat buffer has one dtype), keeping the order."""
-    result: list[list[int]] = []
-    for group in groups:
+) -> list[tuple[list[int], int]]:
+    """Split any bucket that mixes dtypes (one flat buffer has one dtype), keeping the order;
+    each piece comes with the index of the bucket it came from."""
+    result: list[tuple[list[int], int]] = []
+    for origin, group in enumerate(groups):
         current: list[int] = []
         for index in group:
             if current and tensors[index].dtype != tensors[current[-1]].dtype:
-                result.append(current)
+                result.append((current, origin))
                 current = []
             current.append(index)
         if current:
-            result.append(current)
+            result.append((current, origin))
     return result

@@ -11,13 +11,18 @@ backward) at which it is ready. Four rules, from the literature:
   exactly when the next is ready before this one's all-reduce could start plus one start-up
   ``a``: merging then saves a start-up for at most as much waiting.
 
-:func:`schedule` prices a bucketing on one communication channel (all-reduces run one after
-another, each as soon as its bucket is full and the channel is free). The runtime, the simulator
-and the K-FAC factor fusion all use these same functions.
+:func:`schedule` prices a bucketing on ``k`` communication channels (AIACC-Training): buckets are
+launched in plan order as soon as they are full, each on the channel predicted to be free first;
+a channel runs its all-reduces one after another, and all-reduces on different channels overlap
+at the price the cost model's concurrency terms give. A bucket above ``partition_bytes`` is split
+into slices sent at once on different channels. With one channel this is the plain serial
+timeline of the MG-WFBP paper. The runtime, the simulator and the K-FAC factor fusion all use
+these same functions.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,11 +49,13 @@ class Bucket:
     ready_s: float
     start_s: float
     end_s: float
+    channels: tuple[int, ...] = (0,)
+    """The channel of each slice: one entry unless the bucket is partitioned."""
 
 
 @dataclass(frozen=True)
 class Plan:
-    """A bucketing with its predicted timeline on one channel.
+    """A bucketing with its predicted timeline on ``channels`` channels.
 
     Times are seconds from the start of backward; ``predicted_s`` adds the forward pass, so it
     is the predicted iteration time (excluding the optimizer step).
@@ -60,6 +67,8 @@ class Plan:
     forward_s: float
     cost: CostModel
     tensors: tuple[ReadyTensor, ...] = ()
+    channels: int = 1
+    partition_bytes: float | None = None
 
     @property
     def comm_end_s(self) -> float:
@@ -83,8 +92,14 @@ class Plan:
             f"{self.backward_s * 1e3:.2f} ms, last all-reduce ends {self.comm_end_s * 1e3:.2f} ms "
             f"into backward; cost a={self.cost.a * 1e6:.1f} us, "
             f"b={self.cost.b * 1e9:.3f} ns/byte)",
+            f"{self.channels} channel(s), partition "
+            + (
+                "off"
+                if self.partition_bytes is None
+                else f"above {self.partition_bytes / 1e6:g} MB"
+            ),
             f"{'bucket':>6}  {'tensors':>7}  {'MB':>9}  {'ready ms':>9}  {'start ms':>9}  "
-            f"{'end ms':>9}  first..last",
+            f"{'end ms':>9}  {'channels':>8}  first..last",
         ]
         for number, bucket in enumerate(self.buckets):
             first, last = bucket.indices[0], bucket.indices[-1]
@@ -96,7 +111,7 @@ class Plan:
             lines.append(
                 f"{number:>6}  {len(bucket.indices):>7}  {bucket.nbytes / 1e6:>9.3f}  "
                 f"{bucket.ready_s * 1e3:>9.2f}  {bucket.start_s * 1e3:>9.2f}  "
-                f"{bucket.end_s * 1e3:>9.2f}  {span}"
+                f"{bucket.end_s * 1e3:>9.2f}  {','.join(map(str, bucket.channels)):>8}  {span}"
             )
         return "\n".join(lines)
 
@@ -109,9 +124,11 @@ def schedule(
     backward_s: float | None = None,
     forward_s: float = 0.0,
     strategy: str = "custom",
+    channels: int = 1,
+    partition_bytes: float | None = None,
 ) -> Plan:
-    """Price a bucketing on one channel: each all-reduce starts when its last tensor is ready and
-    the previous all-reduce has ended."""
+    """Price a bucketing: buckets are launched in order, each when its last tensor is ready, on
+    the channel(s) free first; one channel runs its all-reduces one after another."""
     _check_tensors(tensors)
     _check_groups(groups, len(tensors))
     end_of_backward = max((t.ready_s for t in tensors), default=0.0)
@@ -121,16 +138,80 @@ def schedule(
         raise ValueError(
             f"backward_s={backward_s} is before the last tensor is ready ({end_of_backward})"
         )
-    buckets: list[Bucket] = []
-    channel_free = 0.0
-    for group in groups:
-        nbytes = sum(tensors[i].nbytes for i in group)
-        ready = max(tensors[i].ready_s for i in group)
-        start = max(channel_free, ready)
-        end = start + cost.time(nbytes)
-        buckets.append(Bucket(tuple(group), nbytes, ready, start, end))
-        channel_free = end
-    return Plan(strategy, tuple(buckets), backward_s, forward_s, cost, tuple(tensors))
+    clock = ChannelClock(cost, channels, partition_bytes)
+    buckets = [
+        clock.place(
+            tuple(group),
+            sum(tensors[i].nbytes for i in group),
+            max(tensors[i].ready_s for i in group),
+        )
+        for group in groups
+    ]
+    return Plan(
+        strategy,
+        tuple(buckets),
+        backward_s,
+        forward_s,
+        cost,
+        tuple(tensors),
+        channels,
+        partition_bytes,
+    )
+
+
+def slice_count(nbytes: int, channels: int, partition_bytes: float | None) -> int:
+    """How many slices a bucket of ``nbytes`` is cut into: one per started ``partition_bytes``,
+    at most one per channel; the runtime cuts the same way."""
+    if partition_bytes is None or channels == 1 or nbytes <= partition_bytes:
+        return 1
+    return min(channels, math.ceil(nbytes / partition_bytes))
+
+
+class ChannelClock:
+    """The communication timeline of ``channels`` channels, built one bucket at a time.
+
+    Launch order is plan order: a bucket goes out once it is ready and every earlier bucket has
+    gone out. Its slices take the channels predicted to be free first (ties: the lowest index,
+    so every rank computes the same assignment); a slice starts when its channel is free and
+    lasts ``a_j + c_j * b * m`` for ``j`` all-reduces in flight at its start. Earlier ones are not
+    slowed after the fact: the newcomer pays for the sharing, so the total stays right for a
+    shared link while start-ups still overlap.
+    """
+
+    def __init__(self, cost: CostModel, channels: int = 1, partition_bytes: float | None = None):
+        if channels < 1:
+            raise ValueError(f"channels must be >= 1, got {channels}")
+        if partition_bytes is not None and not partition_bytes > 0:
+            raise ValueError(f"partition_bytes must be > 0 (or None), got {partition_bytes}")
+        self.cost = cost
+        self.channels = channels
+        self.partition_bytes = partition_bytes
+        self.free = [0.0] * channels
+        self.launched = 0.0
+        self._flights: list[tuple[float, float]] = []
+
+    def earliest_start(self, ready_s: float) -> float:
+        """When a bucket ready at ``ready_s`` could start if it were sent next."""
+        return max(self.launched, ready_s, min(self.free))
+
+    def place(self, indices: tuple[int, ...], nbytes: int, ready_s: float) -> Bucket:
+        """Send the next bucket; returns it with its predicted start, end and channels."""
+        self.launched = max(self.launched, ready_s)
+        count = slice_count(nbytes, self.channels, self.partition_bytes)
+        chosen = sorted(range(self.channels), key=lambda c: (self.free[c], c))[:count]
+        sizes = [nbytes // count + (1 if k < nbytes % count else 0) for k in range(count)]
+        starts = [max(self.launched, self.free[c]) for c in chosen]
+        ends = []
+        for k, (size, start) in enumerate(zip(sizes, starts, strict=True)):
+            in_flight = sum(1 for begin, end in self._flights if begin <= start < end)
+            siblings = sum(1 for other, s in enumerate(starts) if other != k and s <= start)
+            ends.append(start + self.cost.time(size, 1 + in_flight + siblings))
+        for channel, start, end in zip(chosen, starts, ends, strict=True):
+            self.free[channel] = end
+            self._flights.append((start, end))
+        # Later slices start at or after this launch: what ended before it can no longer overlap.
+        self._flights = [flight for flight in self._flights if flight[1] > self.launched]
+        return Bucket(indices, nbytes, ready_s, min(starts), max(ends), tuple(chosen))
 
 
 def plan_per_tensor(
@@ -138,11 +219,21 @@ def plan_per_tensor(
     cost: CostModel,
     backward_s: float | None = None,
     forward_s: float = 0.0,
+    *,
+    channels: int = 1,
+    partition_bytes: float | None = None,
 ) -> Plan:
     """WFBP: one all-reduce per tensor, launched as soon as it is ready."""
     groups = [[i] for i in range(len(tensors))]
     return schedule(
-        groups, tensors, cost, backward_s=backward_s, forward_s=forward_s, strategy="per-tensor"
+        groups,
+        tensors,
+        cost,
+        backward_s=backward_s,
+        forward_s=forward_s,
+        strategy="per-tensor",
+        channels=channels,
+        partition_bytes=partition_bytes,
     )
 
 
@@ -151,11 +242,21 @@ def plan_single(
     cost: CostModel,
     backward_s: float | None = None,
     forward_s: float = 0.0,
+    *,
+    channels: int = 1,
+    partition_bytes: float | None = None,
 ) -> Plan:
     """SyncEASGD: everything in one all-reduce after the whole backward pass."""
     groups = [list(range(len(tensors)))] if tensors else []
     return schedule(
-        groups, tensors, cost, backward_s=backward_s, forward_s=forward_s, strategy="single"
+        groups,
+        tensors,
+        cost,
+        backward_s=backward_s,
+        forward_s=forward_s,
+        strategy="single",
+        channels=channels,
+        partition_bytes=partition_bytes,
     )
 
 
@@ -167,6 +268,8 @@ def plan_fixed(
     *,
     backward_s: float | None = None,
     forward_s: float = 0.0,
+    channels: int = 1,
+    partition_bytes: float | None = None,
 ) -> Plan:
     """DDP/Horovod: fill a bucket in ready order and close it once it holds ``cap_bytes``.
 
@@ -188,7 +291,14 @@ def plan_fixed(
     if current:
         groups.append(current)
     return schedule(
-        groups, tensors, cost, backward_s=backward_s, forward_s=forward_s, strategy="fixed"
+        groups,
+        tensors,
+        cost,
+        backward_s=backward_s,
+        forward_s=forward_s,
+        strategy="fixed",
+        channels=channels,
+        partition_bytes=partition_bytes,
     )
 
 
@@ -197,6 +307,9 @@ def plan_merged(
     cost: CostModel,
     backward_s: float | None = None,
     forward_s: float = 0.0,
+    *,
+    channels: int = 1,
+    partition_bytes: float | None = None,
 ) -> Plan:
     """MG-WFBP's optimal merge (Theorem 1), in one pass over the ready order.
 
@@ -205,27 +318,61 @@ def plan_merged(
     group exactly when ``ready[i+1] < tau_c + a``: it is ready before that all-reduce could even
     pay its start-up, so merging saves ``a`` while delaying the group by less than ``a``.
     Otherwise the group is sent and the next tensor starts a new one.
+
+    With several channels, "could start" is when the first channel frees up (the same
+    :class:`ChannelClock` that prices the plan): start-ups on idle channels overlap, so fewer
+    merges pay. The greedy rule was derived for one channel, so the result is also compared with
+    the one-channel bucketing, per-tensor buckets and a single bucket, all priced on the same
+    channels, and the fastest is kept.
     """
     _check_tensors(tensors)
+    groups = _merge_greedily(tensors, cost, channels, partition_bytes)
+    candidates = [groups]
+    if channels > 1:
+        candidates.append(_merge_greedily(tensors, cost, 1, None))
+        candidates.append([[i] for i in range(len(tensors))])
+        candidates.append([list(range(len(tensors)))] if tensors else [])
+    plans = [
+        schedule(
+            candidate,
+            tensors,
+            cost,
+            backward_s=backward_s,
+            forward_s=forward_s,
+            strategy="merged",
+            channels=channels,
+            partition_bytes=partition_bytes,
+        )
+        for candidate in candidates
+    ]
+    # min keeps the first of equals: the greedy rule's own plan unless another is faster.
+    return min(plans, key=lambda plan: plan.predicted_s)
+
+
+def _merge_greedily(
+    tensors: Sequence[ReadyTensor],
+    cost: CostModel,
+    channels: int,
+    partition_bytes: float | None,
+) -> list[list[int]]:
     groups: list[list[int]] = []
-    if tensors:
-        channel_free = 0.0
-        current = [0]
-        current_bytes = tensors[0].nbytes
-        for index in range(len(tensors) - 1):
-            start = max(channel_free, tensors[index].ready_s)
-            following = tensors[index + 1]
-            if following.ready_s < start + cost.a:
-                current.append(index + 1)
-                current_bytes += following.nbytes
-            else:
-                channel_free = start + cost.time(current_bytes)
-                groups.append(current)
-                current, current_bytes = [index + 1], following.nbytes
-        groups.append(current)
-    return schedule(
-        groups, tensors, cost, backward_s=backward_s, forward_s=forward_s, strategy="merged"
-    )
+    if not tensors:
+        return groups
+    clock = ChannelClock(cost, channels, partition_bytes)
+    current = [0]
+    current_bytes = tensors[0].nbytes
+    for index in range(len(tensors) - 1):
+        start = clock.earliest_start(tensors[index].ready_s)
+        following = tensors[index + 1]
+        if following.ready_s < start + cost.a:
+            current.append(index + 1)
+            current_bytes += following.nbytes
+        else:
+            clock.place(tuple(current), current_bytes, tensors[index].ready_s)
+            groups.append(current)
+            current, current_bytes = [index + 1], following.nbytes
+    groups.append(current)
+    return groups
 
 
 def plan_optimal(
@@ -234,6 +381,7 @@ def plan_optimal(
     *,
     backward_s: float | None = None,
     forward_s: float = 0.0,
+    channels: int = 1,
 ) -> Plan:
     """The bucketing into contiguous groups that :func:`schedule` prices fastest, exactly.
 
@@ -243,7 +391,15 @@ def plan_optimal(
     over prefixes then finds the minimum in ``O(L^2)``. MG-WFBP's greedy rule is optimal under
     the paper's assumptions; this is the reference it can be checked against, and it is never
     slower under the model than any other planner here.
+
+    That argument holds on one channel only (with several, a later bucket can overtake on another
+    channel), so ``channels > 1`` is refused rather than answered inexactly.
     """
+    if channels != 1:
+        raise ValueError(
+            "the optimal planner is exact on one channel only; use the merged planner with "
+            f"channels={channels}"
+        )
     _check_tensors(tensors)
     count = len(tensors)
     prefix_bytes = [0]
@@ -279,20 +435,36 @@ def make_plan(
     first_cap_bytes: float | None = None,
     backward_s: float | None = None,
     forward_s: float = 0.0,
+    channels: int = 1,
+    partition_bytes: float | None = None,
 ) -> Plan:
-    """Dispatch to the planner named ``strategy`` (one of :data:`STRATEGIES`)."""
-    if strategy == "per-tensor":
-        return plan_per_tensor(tensors, cost, backward_s=backward_s, forward_s=forward_s)
-    if strategy == "single":
-        return plan_single(tensors, cost, backward_s=backward_s, forward_s=forward_s)
+    """Dispatch to the planner named ``strategy`` (one of :data:`STRATEGIES`), priced on
+    ``channels`` channels with buckets above ``partition_bytes`` split across them."""
+    if strategy == "optimal":
+        return plan_optimal(
+            tensors, cost, backward_s=backward_s, forward_s=forward_s, channels=channels
+        )
     if strategy == "fixed":
         return plan_fixed(
-            tensors, cost, cap_bytes, first_cap_bytes, backward_s=backward_s, forward_s=forward_s
+            tensors,
+            cost,
+            cap_bytes,
+            first_cap_bytes,
+            backward_s=backward_s,
+            forward_s=forward_s,
+            channels=channels,
+            partition_bytes=partition_bytes,
         )
-    if strategy == "merged":
-        return plan_merged(tensors, cost, backward_s=backward_s, forward_s=forward_s)
-    if strategy == "optimal":
-        return plan_optimal(tensors, cost, backward_s=backward_s, forward_s=forward_s)
+    planners = {"per-tensor": plan_per_tensor, "single": plan_single, "merged": plan_merged}
+    if strategy in planners:
+        return planners[strategy](
+            tensors,
+            cost,
+            backward_s=backward_s,
+            forward_s=forward_s,
+            channels=channels,
+            partition_bytes=partition_bytes,
+        )
     raise ValueError(f"unknown bucketing strategy '{strategy}'; choose one of {STRATEGIES}")
 
 

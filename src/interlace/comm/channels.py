@@ -1,0 +1,83 @@
+"""Communication channels: several process groups over the same ranks (AIACC-Training).
+
+One process group runs its collectives one after another, so a stream of small all-reduces pays
+every start-up in turn and leaves the link idle in between. ``k`` groups over the same ranks run
+``k`` all-reduces at once. The price of that freedom is ordering: every rank must issue the same
+collectives on the same group in the same order, or the job deadlocks. So the groups are created
+once, identically on every rank, channel 0 is the caller's own group, and which bucket goes on
+which channel is decided by the plan (computed on rank 0 and broadcast), never locally.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from interlace.errors import UsageError
+
+MAX_AUTO_CHANNELS = 4
+"""``channels="auto"`` tries 1..4: AIACC's own auto-tuner rarely went beyond that."""
+
+
+class Channels:
+    """``count`` process groups over the ranks of ``process_group`` (default: the world).
+
+    Creating a group is collective: with the default group every rank of the job must build the
+    same ``Channels``; with a subgroup, every member of it.
+    """
+
+    def __init__(self, count: int, process_group: dist.ProcessGroup | None = None) -> None:
+        if count < 1:
+            raise UsageError(f"channels must be >= 1, got {count}")
+        self.process_group = process_group
+        groups: list[dist.ProcessGroup | None] = [process_group]
+        if count > 1:
+            if process_group is None:
+                ranks = list(range(dist.get_world_size()))
+                groups += [dist.new_group(ranks) for _ in range(count - 1)]
+            else:
+                ranks = dist.get_process_group_ranks(process_group)
+                groups += [
+                    dist.new_group(ranks, use_local_synchronization=True) for _ in range(count - 1)
+                ]
+        self.groups = groups
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def __getitem__(self, channel: int) -> dist.ProcessGroup | None:
+        return self.groups[channel]
+
+
+def check_same_everywhere(
+    value: Any, what: str, process_group: dist.ProcessGroup | None = None
+) -> None:
+    """Raise on every rank if ``value`` differs between ranks, naming the first rank that differs.
+
+    Used before anything is launched on the channels: a mismatch found here is an error message;
+    found later, it would be a hang.
+    """
+    digest = zlib.crc32(repr(value).encode())
+    gathered: list[Any] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(gathered, (digest, repr(value)), group=process_group)
+    for rank, (theirs, text) in enumerate(gathered):
+        if theirs != gathered[0][0]:
+            raise UsageError(
+                f"{what} differs across ranks: rank {rank} has {_shorten(text)} but rank 0 has "
+                f"{_shorten(gathered[0][1])}; every rank must use the same settings"
+            )
+
+
+def assignment_of(groups: Sequence[Sequence[int]], channels: Sequence[Sequence[int]]) -> str:
+    """A compact description of which tensors go on which channels, for cross-rank checks."""
+    return ";".join(
+        f"{','.join(map(str, group))}@{','.join(map(str, chans))}"
+        for group, chans in zip(groups, channels, strict=True)
+    )
+
+
+def _shorten(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
