@@ -135,6 +135,21 @@ def test_tables_show_every_row_and_a_clamped_link(tmp_path: Path) -> None:
     assert (tmp_path / "speedups.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_channel_and_compression_variants_are_named_and_parsed_back() -> None:
+    labels = dp.expand_variants(["ddp", "mgwfbp"], "1,auto", "none,fp16")
+    assert labels == (
+        "ddp",
+        "ddp/fp16",
+        "mgwfbp",
+        "mgwfbp/k=auto",
+        "mgwfbp/fp16",
+        "mgwfbp/k=auto/fp16",
+    )
+    assert dp.parse_variant("mgwfbp/k=auto/fp16") == ("mgwfbp", "auto", "fp16")
+    assert dp.parse_variant("wfbp/k=3") == ("wfbp", 3, None)
+    assert dp.parse_variant("ddp") == ("ddp", 1, None)
+
+
 def test_timed_iterations_are_split_into_even_rounds() -> None:
     assert dp._blocks(12, 3) == [4, 4, 4]
     assert dp._blocks(8, 3) == [3, 3, 2]
@@ -157,6 +172,8 @@ def test_a_tiny_run_on_loopback_writes_rows_table_and_plot(
             "mlp",
             "--strategies",
             "ddp,single,mgwfbp",
+            "--channels",
+            "1,2",
             "--input-shape",
             "1,8,8",
             "--batch-size",
@@ -177,7 +194,13 @@ def test_a_tiny_run_on_loopback_writes_rows_table_and_plot(
     )
     assert status == 0
     rows = json.loads(json_path.read_text())
-    assert [row["strategy"] for row in rows] == ["ddp", "single", "mgwfbp"]
+    assert [row["strategy"] for row in rows] == [
+        "ddp",
+        "single",
+        "single/k=2",
+        "mgwfbp",
+        "mgwfbp/k=2",
+    ]
     for row in rows:
         assert row["model"] == "mlp" and row["link"] == "loopback" and row["ratio"] is None
         assert row["ranks"] == 2 and row["batch"] == 16 and row["samples"] == 4
@@ -194,6 +217,12 @@ def test_a_tiny_run_on_loopback_writes_rows_table_and_plot(
     assert isinstance(by_name["mgwfbp"]["buckets"], int) and by_name["mgwfbp"]["buckets"] >= 1
     assert by_name["mgwfbp"]["plan"].startswith("merged plan")
     assert by_name["mgwfbp"]["cost_b"] is not None
+    two = by_name["mgwfbp/k=2"]
+    assert (two["base_strategy"], two["channels"], two["chosen_channels"]) == ("mgwfbp", "2", 2)
+    assert two["speedup_vs_one_channel"] == pytest.approx(
+        by_name["mgwfbp"]["iteration_s"] / two["iteration_s"]
+    )
+    assert by_name["mgwfbp"]["speedup_vs_one_channel"] is None
     out = capsys.readouterr().out
     assert "| model | batch | target ratio | link |" in out and "| mlp | 16 | - | loopback |" in out
     assert "maximum over ranks per iteration" in out
@@ -216,6 +245,8 @@ def test_a_tiny_run_on_loopback_writes_rows_table_and_plot(
         (["--link", "1gbit", "--no-netem"], "contradict"),
         (["--link", "fast"], "unknown link rate"),
         (["--input-shape", "3,0,32"], "positive"),
+        (["--channels", "1,0"], "--channels must be 'auto' or an integer >= 1"),
+        (["--compression", "fp8"], "unknown 'fp8'"),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from interlace import __version__
-from interlace.cliutil import OneLineArgumentParser, fail
+from interlace.cliutil import OneLineArgumentParser, add_channel_arguments, fail
 from interlace.errors import UsageError
 
 if TYPE_CHECKING:
@@ -87,6 +87,7 @@ def _build_parser() -> OneLineArgumentParser:
     profile.add_argument(
         "--strategy", default="mgwfbp", help="ddp, wfbp, fixed, single, mgwfbp or optimal"
     )
+    add_channel_arguments(profile)
     profile.add_argument("-n", "--nprocs", type=int, default=4, help="ranks (default 4)")
     profile.add_argument("--link", help="emulated link rate per rank, e.g. 1gbit (needs root)")
     profile.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
@@ -151,6 +152,7 @@ def _add_job_arguments(
         default=defaults.bucket_cap_mb,
         help="bucket cap of the ddp and fixed strategies, MB (default: 25, first bucket 1)",
     )
+    add_channel_arguments(parser)
     parser.add_argument(
         "-n",
         "--nprocs",
@@ -215,6 +217,8 @@ def _run_train(args: argparse.Namespace) -> int:
         data=args.data,
         strategy=args.strategy,
         bucket_cap_mb=args.bucket_cap_mb,
+        channels=args.channels,
+        compression=args.compression,
         epochs=args.epochs,
         batch_size=args.batch_size,
         lr=args.lr,
@@ -260,7 +264,7 @@ def _run_profile(args: argparse.Namespace) -> int:
     from interlace import launch
     from interlace.netem import parse_link
     from interlace.profile import ProfileConfig, merge_profiles, profile_rank, write_profile
-    from interlace.strategies import STRATEGIES
+    from interlace.strategies import STRATEGIES, parse_channels
     from interlace.zoo import build_model, load_data
 
     if args.nprocs < 1:
@@ -282,6 +286,8 @@ def _run_profile(args: argparse.Namespace) -> int:
     config = ProfileConfig(
         model=args.model,
         strategy=args.strategy,
+        channels=parse_channels(args.channels),
+        compression=args.compression,
         input_shape=tuple(input_shape),
         num_classes=num_classes,
         batch_size=args.batch_size,
@@ -299,6 +305,8 @@ def _run_profile(args: argparse.Namespace) -> int:
     title = (
         f"{config.model}, {config.strategy}, {args.nprocs} ranks, {link}, "
         f"batch {config.batch_size}/rank"
+        + (f", channels {config.channels}" if config.channels != 1 else "")
+        + (f", {config.compression}" if config.compression else "")
     )
     timeline = merge_profiles(result.values, title)
     trace, picture = write_profile(timeline, args.out)

@@ -22,3 +22,18 @@ def fail(prog: str, message: str, status: int = 2) -> NoReturn:
     """Print ``prog: error: message`` on stderr and exit with ``status``."""
     print(f"{prog}: error: {message}", file=sys.stderr)
     raise SystemExit(status)
+
+
+def add_channel_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--channels`` and ``--compression``, spelled the same by every command that takes them."""
+    parser.add_argument(
+        "--channels",
+        default="1",
+        help="communication channels (process groups used at once): an integer >= 1, or auto "
+        "to choose 1..4 and the partition threshold from measurements (default 1)",
+    )
+    parser.add_argument(
+        "--compression",
+        choices=["fp16", "bf16"],
+        help="send float32 gradient buckets as fp16 or bf16 (averaged in fp32; default: none)",
+    )

@@ -29,6 +29,8 @@ class ProfileConfig:
 
     model: str = "resnet20"
     strategy: str = "mgwfbp"
+    channels: int | str = 1
+    compression: str | None = None
     input_shape: tuple[int, ...] = (3, 32, 32)
     num_classes: int = 10
     batch_size: int = 32
@@ -63,7 +65,13 @@ def profile_rank(config: ProfileConfig) -> RankProfile:
         torch.manual_seed(config.seed)
         model = build_model(config.model, config.input_shape, config.num_classes)
         model = model.to(context.device)
-        wrapped = wrap_model(model, config.strategy, device=context.device)
+        wrapped = wrap_model(
+            model,
+            config.strategy,
+            device=context.device,
+            channels=config.channels,
+            compression=config.compression,
+        )
         optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01, momentum=0.9)
         generator = torch.Generator().manual_seed(config.seed + context.rank)
         inputs = torch.randn(config.batch_size, *config.input_shape, generator=generator)

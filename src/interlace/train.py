@@ -21,10 +21,11 @@ from torch.nn import functional
 from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm import tqdm
 
+from interlace.comm.engine import COMPRESSIONS
 from interlace.distenv import DistContext, init_distributed
 from interlace.errors import UsageError
 from interlace.runlog import RunLog, new_run_dir
-from interlace.strategies import STRATEGIES, wrap_model
+from interlace.strategies import STRATEGIES, parse_channels, wrap_model
 from interlace.zoo import build_model, load_data, make_loader
 
 
@@ -36,6 +37,8 @@ class TrainConfig:
     data: str = "digits"
     strategy: str = "mgwfbp"
     bucket_cap_mb: float | None = None
+    channels: int | str = 1
+    compression: str | None = None
     epochs: int = 15
     batch_size: int = 32
     lr: float = 0.1
@@ -63,6 +66,11 @@ class TrainConfig:
                 self.bucket_cap_mb is None or self.bucket_cap_mb > 0,
                 f"--bucket-cap-mb must be > 0, got {self.bucket_cap_mb}",
             ),
+            (
+                self.compression in (None, *COMPRESSIONS),
+                f"unknown --compression '{self.compression}'; choose one of "
+                f"{', '.join(COMPRESSIONS)}",
+            ),
             (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
             (self.lr > 0 and math.isfinite(self.lr), f"--lr must be > 0, got {self.lr}"),
             (0 <= self.momentum < 1, f"--momentum must be in [0, 1), got {self.momentum}"),
@@ -73,6 +81,7 @@ class TrainConfig:
                 "--max-steps-per-epoch must be >= 1",
             ),
         ]
+        self.channels = parse_channels(self.channels)
         for ok, message in checks:
             if not ok:
                 raise UsageError(message)
@@ -122,7 +131,12 @@ def _train(config: TrainConfig, context: DistContext, run_dir: str | None) -> Tr
     torch.manual_seed(config.seed)
     model = build_model(config.model, input_shape, num_classes).to(context.device)
     parallel_model = wrap_model(
-        model, config.strategy, device=context.device, bucket_cap_mb=config.bucket_cap_mb
+        model,
+        config.strategy,
+        device=context.device,
+        bucket_cap_mb=config.bucket_cap_mb,
+        channels=config.channels,
+        compression=config.compression,
     )
     train_loader = make_loader(
         bundle.train,
@@ -169,7 +183,8 @@ def _train(config: TrainConfig, context: DistContext, run_dir: str | None) -> Tr
         print(
             f"training {config.model} on {bundle.name} ({len(bundle.train)} train / "
             f"{len(bundle.test)} test) with {context.world_size} rank(s), strategy "
-            f"{config.strategy}, "
+            f"{config.strategy}, channels {config.channels}, "
+            f"compression {config.compression or 'none'}, "
             f"global batch {config.batch_size * context.world_size}, run folder {path}",
             flush=True,
         )
@@ -180,6 +195,7 @@ def _train(config: TrainConfig, context: DistContext, run_dir: str | None) -> Tr
     result_accuracy = 0.0
     result_loss = math.nan
     throughput = 0.0
+    plan_reported = False
     try:
         for epoch in range(1, config.epochs + 1):
             sampler = train_loader.sampler
@@ -221,6 +237,10 @@ def _train(config: TrainConfig, context: DistContext, run_dir: str | None) -> Tr
                     "lr": optimizer.param_groups[0]["lr"],
                 }
                 log.append(row)
+                choice = getattr(parallel_model, "channel_choice", "")
+                if choice and not plan_reported:
+                    bar.write(f"communication plan: {choice}", file=sys.stdout)
+                    plan_reported = True
                 bar.write(
                     f"epoch {epoch:3d}/{config.epochs}  train loss {train_loss:.4f}  "
                     f"test loss {test_loss:.4f}  test acc {100 * test_accuracy:6.2f}%  "

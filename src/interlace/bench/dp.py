@@ -223,6 +223,31 @@ def parse_names(text: str, allowed: Sequence[str] | None, what: str, one: str) -
     return names
 
 
+def variant_label(strategy: str, channels: int | str = 1, compression: str | None = None) -> str:
+    """The name of a strategy run with ``channels`` and ``compression``: ``mgwfbp``,
+    ``mgwfbp/k=auto``, ``mgwfbp/k=2/fp16``, ``ddp/fp16``."""
+    label = strategy
+    if channels != 1:
+        label += f"/k={channels}"
+    if compression is not None:
+        label += f"/{compression}"
+    return label
+
+
+def parse_variant(label: str) -> tuple[str, int | str, str | None]:
+    """``(strategy, channels, compression)`` of a :func:`variant_label`."""
+    strategy, *options = label.split("/")
+    channels: int | str = 1
+    compression = None
+    for option in options:
+        if option.startswith("k="):
+            value = option[2:]
+            channels = value if value == "auto" else int(value)
+        else:
+            compression = option
+    return strategy, channels, compression
+
+
 def parse_shape(text: str) -> tuple[int, ...]:
     """``"3,32,32"`` (or ``3x32x32``) -> ``(3, 32, 32)``; every size a positive int."""
     parts = text.replace("x", ",").split(",")
@@ -250,6 +275,9 @@ class StrategySamples:
     cost_a: float | None = None
     cost_b: float | None = None
     plan: str | None = None
+    #: Channels the plan uses (``channels="auto"``: the ones it chose) and why.
+    chosen_channels: int | None = None
+    channel_choice: str | None = None
 
 
 @dataclass(frozen=True)
@@ -313,6 +341,14 @@ class Row:
     cost_a: float | None = None
     cost_b: float | None = None
     plan: str | None = None
+    #: The strategy's base name, the channels and compression it was asked for, the channels
+    #: it used, and its speed-up over the same strategy on one channel in the same launch.
+    base_strategy: str = ""
+    channels: str = "1"
+    compression: str = "none"
+    chosen_channels: int | None = None
+    channel_choice: str | None = None
+    speedup_vs_one_channel: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -339,6 +375,8 @@ def rows_from_measurement(measurement: Measurement, context: LaunchContext) -> l
     rows = []
     for samples in measurement.strategies:
         p25, median, p75 = _quartiles(samples.iteration_s)
+        base, channels, compression = parse_variant(samples.strategy)
+        one_channel = medians.get(variant_label(base, 1, compression))
         rows.append(
             Row(
                 model=measurement.model,
@@ -369,6 +407,14 @@ def rows_from_measurement(measurement: Measurement, context: LaunchContext) -> l
                 cost_a=samples.cost_a,
                 cost_b=samples.cost_b,
                 plan=samples.plan,
+                base_strategy=base,
+                channels=str(channels),
+                compression=compression or "none",
+                chosen_channels=samples.chosen_channels,
+                channel_choice=samples.channel_choice,
+                speedup_vs_one_channel=(
+                    None if one_channel is None or channels == 1 else one_channel / median
+                ),
             )
         )
     return rows
@@ -387,18 +433,23 @@ def _link_text(row: Row) -> str:
 def format_table(rows: Sequence[Row]) -> str:
     """The markdown table: one line per model x ratio x strategy."""
     lines = [
-        "| model | batch | target ratio | link | comm/compute | strategy | iteration ms "
-        "(p25-p75) | vs DDP | buckets | bound ms | time/bound | contended bound ms | "
-        "time/contended |",
-        "|---|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | batch | target ratio | link | comm/compute | strategy | channels | k used | "
+        "compression | iteration ms (p25-p75) | vs DDP | vs 1 channel | buckets | bound ms | "
+        "time/bound | contended bound ms | time/contended |",
+        "|---|---:|---:|---|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         speedup = "-" if row.speedup_vs_ddp is None else f"{row.speedup_vs_ddp:.2f}x"
+        versus_one = (
+            "-" if row.speedup_vs_one_channel is None else f"{row.speedup_vs_one_channel:.2f}x"
+        )
+        used = "-" if row.chosen_channels is None else str(row.chosen_channels)
         lines.append(
             f"| {row.model} | {row.batch} | {_ratio_text(row)} | {_link_text(row)} | "
-            f"{row.comm_compute:.2f} | {row.strategy} | {row.iteration_s * 1e3:.1f} "
+            f"{row.comm_compute:.2f} | {row.base_strategy or row.strategy} | {row.channels} | "
+            f"{used} | {row.compression} | {row.iteration_s * 1e3:.1f} "
             f"({row.iteration_p25_s * 1e3:.1f}-{row.iteration_p75_s * 1e3:.1f}) | {speedup} | "
-            f"{row.buckets} | {row.bound_s * 1e3:.1f} | {row.time_over_bound:.2f} | "
+            f"{versus_one} | {row.buckets} | {row.bound_s * 1e3:.1f} | {row.time_over_bound:.2f} | "
             f"{_ms(row.contended_bound_s)} | {_ratio(row.time_over_contended)} |"
         )
     return "\n".join(lines)
@@ -699,16 +750,18 @@ def _train_step(contender: _Contender, inputs: Any, targets: Any) -> None:
     contender.optimizer.step()
 
 
-def _wrap(model: Any, strategy: str) -> Any:
-    """``strategy``'s wrapper of ``model``; DDP with its own defaults (1 MB first bucket)."""
+def _wrap(model: Any, label: str) -> Any:
+    """The wrapper of ``model`` a :func:`variant_label` names; DDP with its own defaults (1 MB
+    first bucket)."""
     from interlace.strategies import wrap_model
 
-    return wrap_model(model, strategy)
+    strategy, channels, compression = parse_variant(label)
+    return wrap_model(model, strategy, channels=channels, compression=compression)
 
 
 def _is_final(contender: _Contender, steps: int) -> bool:
     """Whether the wrapper's buckets are what it will use from now on."""
-    if contender.strategy == "ddp":
+    if parse_variant(contender.strategy)[0] == "ddp":
         return steps >= _DDP_REBUILD_STEPS
     return getattr(contender.wrapper, "plan", None) is not None
 
@@ -822,8 +875,12 @@ def measure_rank(job: MeasureJob) -> Measurement:
                 cost_a=None if cost is None else cost.a,
                 cost_b=None if cost is None else cost.b,
                 plan=(
-                    plan.describe() if plan is not None and contender.strategy == "mgwfbp" else None
+                    plan.describe()
+                    if plan is not None and parse_variant(contender.strategy)[0] == "mgwfbp"
+                    else None
                 ),
+                chosen_channels=None if plan is None else plan.channels,
+                channel_choice=getattr(contender.wrapper, "channel_choice", None) or None,
             )
         )
     return Measurement(
@@ -887,6 +944,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--strategies",
         help=f"comma-separated strategies (default {','.join(DEFAULT_STRATEGIES)})",
+    )
+    parser.add_argument(
+        "--channels",
+        default="1",
+        help="comma-separated channel settings each interlace strategy runs with, e.g. 1,auto "
+        "or 1,2,4 (default 1); the table gains the channels asked for and used",
+    )
+    parser.add_argument(
+        "--compression",
+        default="none",
+        help="comma-separated compressions each strategy runs with: none, fp16, bf16 "
+        "(default none)",
     )
     parser.add_argument(
         "--ratios",
@@ -995,6 +1064,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         if args.strategies
         else DEFAULT_STRATEGIES
     )
+    strategies = expand_variants(strategies, args.channels, args.compression)
     ratios = (
         parse_ratios(args.ratios) if args.ratios else (QUICK_RATIOS if quick else DEFAULT_RATIOS)
     )
@@ -1042,6 +1112,26 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         json_path=args.json,
         png_path=args.png,
     )
+
+
+def expand_variants(
+    strategies: Sequence[str], channels_text: str, compression_text: str
+) -> tuple[str, ...]:
+    """Every strategy with every channel setting and compression (DDP: one channel only)."""
+    from interlace.strategies import parse_channels
+
+    channel_settings = [parse_channels(part.strip()) for part in channels_text.split(",")]
+    compressions: list[str | None] = []
+    for part in (piece.strip() for piece in compression_text.split(",")):
+        if part not in ("none", "fp16", "bf16"):
+            raise UsageError(f"--compression: unknown {part!r}; choose none, fp16 or bf16")
+        compressions.append(None if part == "none" else part)
+    labels: list[str] = []
+    for strategy in strategies:
+        for compression in compressions:
+            for channels in channel_settings if strategy != "ddp" else [1]:
+                labels.append(variant_label(strategy, channels, compression))
+    return tuple(dict.fromkeys(labels))
 
 
 def _check_models_build(config: BenchConfig) -> None:
