@@ -68,6 +68,9 @@ def test_models_accepts_a_users_callable(tmp_path: Path) -> None:
         (["train", "--strategy", "fastest"], "fastest"),
         (["train", "--bucket-cap-mb", "0"], "--bucket-cap-mb"),
         (["train", "--input-shape", "three"], "three"),
+        (["train", "--channels", "zero"], "--channels must be 'auto' or an integer"),
+        (["train", "--compression", "fp8"], "fp8"),
+        (["train", "--strategy", "ddp", "--channels", "2"], "one channel"),
         (["launch", "-n", "0", "--", "python", "x.py"], "0"),
         (["launch", "-n", "2", "--link", "fast", "--", "python", "x.py"], "fast"),
         (["launch", "-n", "2", "--", "python", "no_such_script.py"], "no_such_script.py"),
@@ -82,10 +85,16 @@ def test_bad_input_is_one_clear_line_and_status_2(args: list[str], needle: str) 
     assert needle in lines[0] and "error" in lines[0]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "mgwfbp"])
-def test_train_runs_end_to_end_on_two_ranks(tmp_path: Path, strategy: str) -> None:
+@pytest.mark.parametrize(
+    ("strategy", "options"),
+    [("ddp", []), ("mgwfbp", []), ("mgwfbp", ["--channels", "auto", "--compression", "fp16"])],
+)
+def test_train_runs_end_to_end_on_two_ranks(
+    tmp_path: Path, strategy: str, options: list[str]
+) -> None:
     done = interlace(
         "train",
+        *options,
         "--model",
         "mlp",
         "--data",
@@ -104,6 +113,9 @@ def test_train_runs_end_to_end_on_two_ranks(tmp_path: Path, strategy: str) -> No
     assert "final test accuracy:" in done.stdout
     assert f"strategy {strategy}" in done.stdout
     assert "epoch   2/2" in done.stdout
+    if options:
+        assert "channels auto, compression fp16" in done.stdout
+        assert "communication plan: channels='auto' chose" in done.stdout
     (run,) = list(tmp_path.iterdir())
     assert (run / "metrics.csv").exists() and (run / "curves.png").exists()
 

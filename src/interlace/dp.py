@@ -530,11 +530,14 @@ def _explain_choice(plan: Plan, candidates: list[Plan], requested: int | str) ->
         for count, candidate in sorted(best_by_count.items())
     )
     a_terms = plan.cost.concurrency
-    measured = ", ".join(f"c({j})={c:.2f}" for j, (_, c) in enumerate(a_terms, start=2))
+    measured = ", ".join(
+        f"a({j})={a_j * 1e3:.2f} ms c({j})={c_j:.2f}"
+        for j, (a_j, c_j) in enumerate(a_terms, start=2)
+    )
     return (
         f"channels='auto' chose {chosen} (weighed {weighed}; measured concurrency "
         f"{measured or 'none'}; more channels only for a predicted gain above "
-        f"{AUTO_MARGIN:.0%})"
+        f"{AUTO_MARGIN:.0%}; a(1)={plan.cost.a * 1e3:.2f} ms)"
     )
 
 

@@ -82,6 +82,13 @@ class TrainConfig:
             ),
         ]
         self.channels = parse_channels(self.channels)
+        checks.append(
+            (
+                self.channels == 1 or self.strategy not in ("ddp", "optimal"),
+                f"--strategy {self.strategy} sends on one channel; --channels needs mgwfbp, "
+                "wfbp, fixed or single",
+            )
+        )
         for ok, message in checks:
             if not ok:
                 raise UsageError(message)
