@@ -217,3 +217,48 @@ def test_a_rank_killed_mid_backward_ends_the_job_with_an_error() -> None:
         run_ranks(_die_mid_backward, 2, None, timeout=60)
     assert failure.value.rank == 1
     assert failure.value.returncode == 7
+
+
+def _refit_run(refit_steps: int) -> dict[str, Any]:
+    torch.manual_seed(5)
+    model = DataParallel(
+        build_model("mlp", (1, 8, 8), 10),
+        profile_steps=2,
+        refit_steps=refit_steps,
+        # A start-up far below what gloo really needs: the refit must raise it.
+        cost_model=CostModel(a=1e-7, b=1e-12),
+    )
+    done_after = None
+    for step in range(12):
+        model(torch.randn(8, 1, 8, 8)).sum().backward()
+        if model.planning_done and done_after is None:
+            done_after = step
+    assert model.cost_model is not None
+    return {
+        "summary": model.refit_summary,
+        "a": model.cost_model.a,
+        "b": model.cost_model.b,
+        "done_after": done_after,
+        "buckets": len(model.plan.buckets) if model.plan else None,
+    }
+
+
+def test_the_cost_model_is_refitted_from_training_and_every_rank_agrees() -> None:
+    first, second = run_ranks(_refit_run, 2, 3, timeout=120)
+    assert first["summary"].startswith("refit from 3 timed iterations")
+    assert ("plan replaced" in first["summary"]) or ("plan kept" in first["summary"])
+    # Real all-reduces take far more than 0.1 us to start: the refitted model saw that.
+    assert first["a"] > 1e-6
+    assert (first["a"], first["b"], first["buckets"]) == (
+        second["a"],
+        second["b"],
+        second["buckets"],
+    )
+    # Planned in the 4th forward (1 warm-up + 2 profiled passes), final after 3 timed ones.
+    assert first["done_after"] == 6
+
+
+def test_refit_steps_zero_keeps_the_first_plan() -> None:
+    (result,) = run_ranks(_refit_run, 1, 0, timeout=60)
+    assert result["summary"] == "" and result["a"] == pytest.approx(1e-7)
+    assert result["done_after"] == 3

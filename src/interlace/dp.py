@@ -10,7 +10,10 @@ process group. With ``bucketing="merged"`` that is MG-WFBP's optimal merge.
 Lifecycle: the first ``profile_steps`` backward passes send all gradients in one all-reduce at the
 end (so the measured ready times are not disturbed by communication), then the ranks agree on
 the slowest rank's timings, rank 0 plans, every rank receives the same plan, and the buckets are
-rebuilt.
+rebuilt. Then, for ``refit_steps`` iterations, the all-reduces are timed as they really run
+(alongside backward, on the cores backward also needs), the cost model is refitted to those times
+and the ranks re-plan once: the plan is replaced only if the refitted model predicts the new one
+faster than the current one.
 
 With ``channels=k`` (AIACC-Training) buckets travel on ``k`` process groups at once, each on the
 channel the plan gives it, and buckets above the partition threshold are split across channels;
@@ -43,7 +46,7 @@ from interlace.comm.channels import (
 )
 from interlace.comm.cost import CostModel
 from interlace.comm.engine import COMPRESSIONS, BucketEngine
-from interlace.comm.plan import Plan, ReadyTensor, make_plan
+from interlace.comm.plan import Plan, ReadyTensor, make_plan, schedule
 from interlace.errors import UsageError
 
 if TYPE_CHECKING:
@@ -74,6 +77,8 @@ class DataParallel(nn.Module):
         profile_steps: backward passes timed before planning (after one warm-up pass);
             default 5 for ``"merged"`` and 1 (just the ready order) for the others.
         cost_model: price of an all-reduce; default: fitted on ``process_group`` (cached).
+        refit_steps: iterations timed after planning to refit the cost model from the
+            all-reduces as they run during training, then re-plan once; 0 keeps the first plan.
         broadcast_buffers: re-send rank 0's buffers (BatchNorm statistics) before every forward,
             as DDP does by default.
         channels: process groups used at once: an int ``k >= 1`` or ``"auto"`` (``k`` in 1..4
@@ -100,6 +105,7 @@ class DataParallel(nn.Module):
         channels: int | str = 1,
         partition_mb: float | str | None = "auto",
         compression: str | None = None,
+        refit_steps: int = 5,
     ) -> None:
         super().__init__()
         bucketing = _ALIASES.get(bucketing, bucketing)
@@ -131,6 +137,8 @@ class DataParallel(nn.Module):
                 "bucketing='optimal' is exact on one channel only; use bucketing='merged' with "
                 f"channels={channels!r}"
             )
+        if refit_steps < 0:
+            raise UsageError(f"refit_steps must be >= 0 (0: never refit), got {refit_steps}")
         if profile_steps is not None and profile_steps < 1:
             raise UsageError(f"profile_steps must be >= 1, got {profile_steps}")
         if not dist.is_available() or not dist.is_initialized():
@@ -150,6 +158,13 @@ class DataParallel(nn.Module):
         self.compression = compression
         self.channel_choice = ""
         """Why the plan uses the channels it does (set when planned)."""
+        self.refit_steps = refit_steps
+        self.refit_summary = ""
+        """What the refit from measured all-reduces found and whether it changed the plan."""
+        self._refit_pending = False
+        self._refit_samples: dict[tuple[int, int], list[float]] = {}
+        self._refit_iterations = 0
+        self._timings: tuple[float, float, list[float]] | None = None
         self.profile_steps = profile_steps or (5 if bucketing == "merged" else 1)
         self._cost_model = cost_model
         self._rank = dist.get_rank(process_group)
@@ -216,6 +231,8 @@ class DataParallel(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._plan_due():
             self._replan()
+        elif self._refit_due():
+            self._refit()
         if self.broadcast_buffers and torch.is_grad_enabled() and self.module.training:
             self._broadcast(list(self.module.buffers()))
         self._forward_start = time.perf_counter()
@@ -242,7 +259,12 @@ class DataParallel(nn.Module):
         """Keep each iteration's forward, per-tensor backward and per-bucket all-reduce times in
         :attr:`last_timeline` (a little overhead per bucket)."""
         self._record = enabled
-        self._engine.recorder = self._on_comm if enabled else None
+        self._engine.recorder = self._on_comm if enabled or self._refit_pending else None
+
+    @property
+    def planning_done(self) -> bool:
+        """Whether the buckets are final: planned, and refitted if a refit was asked for."""
+        return self.plan is not None and not self._refit_pending
 
     @property
     def last_forward_start(self) -> float:
@@ -302,6 +324,8 @@ class DataParallel(nn.Module):
             self._profiled.append([t - start for t in self._ready_times])
             self._profiled_forward.append(self._forward_s)
             self._profiled_backward.append(backward_end - start)
+        if self._refit_pending and self.plan is not None:
+            self._collect_refit_sample()
         if self._record:
             self.last_timeline = self._build_timeline(start, backward_end)
         self._comm_events = []
@@ -340,7 +364,15 @@ class DataParallel(nn.Module):
         if self._rank == 0:
             shared[0] = self._make_plan(forward_s, backward_s, ready)
         dist.broadcast_object_list(shared, src=self._src, group=self.process_group)
-        plan, order, why = shared[0]
+        self._adopt(*shared[0])
+        self._profiled.clear()
+        self._timings = (forward_s, backward_s, ready)
+        if self.refit_steps > 0:
+            self._refit_pending = True
+            self._engine.recorder = self._on_comm
+
+    def _adopt(self, plan: Plan, order: list[int], why: str) -> None:
+        """Rebuild the buckets for ``plan`` (identical on every rank, checked)."""
         groups = [[order[i] for i in group] for group in plan.groups]
         assignment = [list(bucket.channels) for bucket in plan.buckets]
         # The plan came from rank 0, so this holds unless a rank was built differently; if it
@@ -364,12 +396,108 @@ class DataParallel(nn.Module):
         self.channel_choice = why
         if self._rank == 0 and why:
             logger.info("interlace.DataParallel: %s", why)
-        self._profiled.clear()
+
+    # ------------------------------------------------------------------ refit
+
+    def _refit_due(self) -> bool:
+        return self._refit_pending and self._refit_iterations >= self.refit_steps and self._sync
+
+    def _collect_refit_sample(self) -> None:
+        """Each all-reduce's own duration this iteration: from when its channel was free (and
+        it was launched) to its completion, so time queued behind another is not counted."""
+        expected = sum(len(chans) for chans in self._engine.assignment)
+        if len(self._comm_events) != expected:
+            return  # a completion not reported yet; skip this iteration rather than guess
+        channel_free: dict[int, float] = {}
+        for bucket, channel, _, launched, done in sorted(
+            self._comm_events, key=lambda event: event[3]
+        ):
+            start = max(launched, channel_free.get(channel, launched))
+            channel_free[channel] = done
+            self._refit_samples.setdefault((bucket, channel), []).append(done - start)
+        self._refit_iterations += 1
+
+    def _refit(self) -> None:
+        """Fit ``a + b*M`` to the measured all-reduces (slowest rank), re-plan, keep the faster."""
+        self._refit_pending = False
+        self._engine.recorder = self._on_comm if self._record else None
+        assert self.plan is not None and self._cost_model is not None and self._timings
+        # The same keys on every rank (from the shared plan), -1 where this rank timed none, so
+        # the collective below matches everywhere whatever each rank managed to time.
+        keys = [
+            (bucket, channel)
+            for bucket, chans in enumerate(self._engine.assignment)
+            for channel in chans
+        ]
+        local = torch.tensor(
+            [
+                statistics.median(self._refit_samples[key]) if key in self._refit_samples else -1.0
+                for key in keys
+            ],
+            dtype=torch.float64,
+        )
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group)
+        slice_bytes = {
+            (bucket, channel): nbytes
+            for bucket, chans in enumerate(self._engine.assignment)
+            for channel, nbytes in zip(chans, self._engine.slice_bytes(bucket), strict=True)
+        }
+        timed = [(key, value) for key, value in zip(keys, local.tolist(), strict=True) if value > 0]
+        if not timed:
+            # Identical on every rank (it follows from the MAX above).
+            self.refit_summary = "refit skipped: no all-reduce was timed"
+            return
+        durations = [value for _, value in timed]
+        wire_scale = 0.5 if self.compression is not None else 1.0
+        sizes = [slice_bytes[key] * wire_scale for key, _ in timed]
+        old = self._cost_model
+        refitted = old.refitted(sizes, durations)
+        # Every rank prices the current buckets under the refitted model (pure, so identical).
+        current = schedule(
+            self.plan.groups,
+            self.plan.tensors,
+            refitted,
+            backward_s=self.plan.backward_s,
+            forward_s=self.plan.forward_s,
+            strategy=self.plan.strategy,
+            channels=self.plan.channels,
+            partition_bytes=self.plan.partition_bytes,
+        )
+        shared: list[Any] = [None]
+        if self._rank == 0:
+            forward_s, backward_s, ready = self._timings
+            candidate, order, why = self._make_plan(forward_s, backward_s, ready, refitted)
+            replace = candidate.predicted_s < current.predicted_s
+            summary = (
+                f"refit from {self._refit_iterations} timed iterations: a {old.a * 1e3:.3f} -> "
+                f"{refitted.a * 1e3:.3f} ms, b {old.b * 1e9:.3f} -> {refitted.b * 1e9:.3f} "
+                f"ns/byte; re-planned {len(candidate.buckets)} bucket(s) predicted "
+                f"{candidate.predicted_s * 1e3:.2f} ms vs the current {len(current.buckets)} "
+                f"predicted {current.predicted_s * 1e3:.2f} ms under the refitted model: "
+                + ("plan replaced" if replace else "plan kept")
+            )
+            shared[0] = (candidate, order, why, summary) if replace else (None, None, None, summary)
+        dist.broadcast_object_list(shared, src=self._src, group=self.process_group)
+        plan, order, why, summary = shared[0]
+        self._cost_model = refitted
+        self.refit_summary = summary
+        if plan is not None:
+            self._adopt(plan, order, why)
+        else:
+            # Same buckets; their predicted times now come from the refitted model.
+            self.plan = current
+        if self._rank == 0:
+            logger.info("interlace.DataParallel: %s", summary)
 
     def _make_plan(
-        self, forward_s: float, backward_s: float, ready: list[float]
+        self,
+        forward_s: float,
+        backward_s: float,
+        ready: list[float],
+        cost: CostModel | None = None,
     ) -> tuple[Plan, list[int], str]:
-        assert self._cost_model is not None
+        cost = cost or self._cost_model
+        assert cost is not None
         # Ready order; ties (and tensors that never got a gradient, ready at the end) keep the
         # reverse registration order, which is how backward usually visits them.
         clamped = [min(max(value, 0.0), backward_s) for value in ready]
@@ -396,7 +524,7 @@ class DataParallel(nn.Module):
             make_plan(
                 self.bucketing,
                 tensors,
-                self._cost_model,
+                cost,
                 cap_bytes=self.bucket_cap_bytes,
                 first_cap_bytes=self.first_bucket_cap_bytes,
                 backward_s=max(backward_s, tensors[-1].ready_s),

@@ -91,7 +91,7 @@ def profile_rank(config: ProfileConfig) -> RankProfile:
 
         for _ in range(config.warmup):
             step()
-        while ours is not None and ours.plan is None:
+        while ours is not None and not ours.planning_done:
             step()
         if ours is not None:
             ours.record_timeline()
@@ -133,6 +133,8 @@ def profile_rank(config: ProfileConfig) -> RankProfile:
         process = f"rank {context.rank}"
         chosen = [replace(event, process=process) for event in chosen]
         plan = ours.plan.describe() if ours is not None and ours.plan else ""
+        if ours is not None and ours.refit_summary:
+            plan += "\n" + ours.refit_summary
         return RankProfile(context.rank, chosen, times, plan)
     finally:
         if dist.is_initialized():

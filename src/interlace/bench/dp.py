@@ -763,7 +763,7 @@ def _is_final(contender: _Contender, steps: int) -> bool:
     """Whether the wrapper's buckets are what it will use from now on."""
     if parse_variant(contender.strategy)[0] == "ddp":
         return steps >= _DDP_REBUILD_STEPS
-    return getattr(contender.wrapper, "plan", None) is not None
+    return bool(getattr(contender.wrapper, "planning_done", False))
 
 
 def _ddp_buckets(wrapper: Any) -> int | None:

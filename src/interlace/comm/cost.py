@@ -141,6 +141,24 @@ class CostModel:
             raise ValueError("fitting the per-byte cost needs at least one non-empty size")
         return cls(a, max(float(np.dot(x, y) / np.dot(x, x)), 0.0))
 
+    def refitted(self, sizes: Sequence[float], seconds: Sequence[float]) -> CostModel:
+        """This model refitted to all-reduces timed while training ran (sizes in bytes).
+
+        Running beside backward only makes an all-reduce slower than the idle-network calibration
+        did, so the start-up never drops below ``a``: a least-squares intercept from a handful of
+        bucket sizes is noisy, and a start-up fitted too small would make the planner split
+        buckets it should merge. ``b`` is then fitted on top. The concurrency terms were
+        measured relative to one all-reduce alone, so they carry over (start-ups scaled alike).
+        """
+        start_up = self.a
+        if len(set(sizes)) >= 2:
+            start_up = max(self.a, CostModel.fit_points(sizes, seconds).a)
+        fitted = CostModel.fit_slope(start_up, sizes, seconds)
+        scale = fitted.a / self.a if self.a > 0 else 1.0
+        return CostModel(
+            fitted.a, fitted.b, tuple((a_j * scale, c_j) for a_j, c_j in self.concurrency)
+        )
+
     def scaled_to(self, world_size: int, from_world_size: int) -> CostModel:
         """This ring model, fitted on ``from_world_size`` workers, extrapolated to ``world_size``.
 

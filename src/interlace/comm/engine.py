@@ -166,6 +166,15 @@ class BucketEngine:
                 averaged.append(None)
         return averaged
 
+    def slice_bytes(self, bucket: int) -> list[int]:
+        """Gradient bytes in each slice of ``bucket``, as reported to the recorder."""
+        total = self.buffers[bucket].numel()
+        count = len(self.assignment[bucket])
+        return [self._slice_bytes(bucket, numel, total) for numel in _split_sizes(total, count)]
+
+    def _slice_bytes(self, bucket: int, numel: int, total: int) -> int:
+        return self.bucket_bytes[bucket] * numel // max(total, 1)
+
     def _write(self, index: int, grad: torch.Tensor) -> None:
         slot = self.slots[index]
         self.buffers[slot.bucket][slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
@@ -194,7 +203,7 @@ class BucketEngine:
                 if handle is None:
                     continue
                 if self.recorder is not None:
-                    nbytes = self.bucket_bytes[bucket] * piece.numel() // max(buffer.numel(), 1)
+                    nbytes = self._slice_bytes(bucket, piece.numel(), buffer.numel())
                     done = functools.partial(
                         _report_done, self.recorder, bucket, channel, nbytes, launched
                     )
@@ -213,6 +222,12 @@ def _report_done(
 ) -> None:
     # Runs on the backend's thread when the all-reduce completes: the true end time.
     recorder(bucket, channel, nbytes, launched, time.perf_counter())
+
+
+def _split_sizes(total: int, count: int) -> list[int]:
+    """Element counts of ``torch.tensor_split(buffer, count)``: the first ``total % count``
+    slices get one more."""
+    return [total // count + (1 if index < total % count else 0) for index in range(count)]
 
 
 def _split_by_dtype(
