@@ -22,8 +22,10 @@ import torch.distributed as dist
 from interlace.comm.cost import CostModel
 
 DEFAULT_SIZES = (4 * 1024, 64 * 1024, 512 * 1024, 2 * 1024 * 1024, 8 * 1024 * 1024)
-#: Message sizes of :func:`fit_stream_cost_model`: the span of typical gradient buckets.
-STREAM_SIZES = (4 * 1024, 64 * 1024, 512 * 1024, 2 * 1024 * 1024)
+#: Message sizes of :func:`fit_stream_cost_model`: small ones for the start-up, larger ones for
+#: the per-byte cost (the span of gradient buckets).
+STREAM_SMALL_SIZES = (256, 1024, 4 * 1024, 16 * 1024, 64 * 1024)
+STREAM_SIZES = (512 * 1024, 2 * 1024 * 1024)
 
 
 def cache_path() -> Path:
@@ -64,6 +66,7 @@ def time_allreduce(
 def fit_stream_cost_model(
     group: dist.ProcessGroup | None = None,
     *,
+    small_sizes: Sequence[int] = STREAM_SMALL_SIZES,
     sizes: Sequence[int] = STREAM_SIZES,
     count: int = 4,
     repeats: int = 3,
@@ -71,25 +74,31 @@ def fit_stream_cost_model(
 ) -> CostModel:
     """``a + b*M`` fitted on all-reduces issued back to back, as the bucket engine issues them.
 
-    ``a`` is the time per all-reduce of the smallest size in a stream of ``4 * count``; ``b`` the
-    least-squares slope through streams of ``count`` of each larger size (maxima over ranks, so
-    identical everywhere). Unlike :func:`fit_cost_model`, ``a`` is not
-    the time of a 4-byte all-reduce after a barrier: on the emulated cluster a 4 KB all-reduce
-    costs several times a 4-byte one on 4 ranks, and gradients are never 4 bytes.
+    On the emulated cluster the time per all-reduce in such a stream is flat from about 64 bytes
+    to 64 KB (the start-up dominates, and it is noisy: it waits for peers' threads to be
+    scheduled), so ``a`` is the median per-all-reduce time over streams of ``4 * count`` of each
+    of ``small_sizes``; ``b`` is the least-squares slope through streams of ``count`` of each of
+    ``sizes`` on top of it. All are maxima over ranks, so every rank gets the same model. Unlike
+    :func:`fit_cost_model`, ``a`` is not the time of one 4-byte all-reduce after a barrier: that
+    one is several times cheaper on 4 ranks, and gradients are never 4 bytes.
     """
-    # The start-up from a longer stream of the smallest size; the per-byte cost fitted on top of
-    # it, as fit_cost_model does (a free intercept lets a few large messages decide it).
-    medians = torch.tensor(
-        [time_allreduce_stream(4 * count, sizes[0], group=group, repeats=repeats, device=device)]
+    measured = torch.tensor(
+        [
+            time_allreduce_stream(4 * count, size, group=group, repeats=repeats, device=device)
+            for size in small_sizes
+        ]
         + [
             time_allreduce_stream(count, size, group=group, repeats=repeats, device=device)
-            for size in sizes[1:]
+            for size in sizes
         ],
         dtype=torch.float64,
     )
-    dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
-    first, *rest = medians.tolist()
-    return CostModel.fit_slope(first, [float(size - sizes[0]) for size in sizes[1:]], rest)
+    dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
+    values = measured.tolist()
+    start_up = statistics.median(values[: len(small_sizes)])
+    return CostModel.fit_slope(
+        start_up, [float(size) for size in sizes], values[len(small_sizes) :]
+    )
 
 
 def time_allreduce_stream(

@@ -455,6 +455,33 @@ def scaled(trace: Trace, compute: float) -> Trace:
     )
 
 
+def with_totals(trace: Trace, forward_s: float, backward_s: float, step_s: float) -> Trace:
+    """``trace`` with its forward, backward and step lasting the given totals.
+
+    Each layer's forward and backward time is scaled with its pass, so the trace keeps its
+    shape (which layer takes what share, when each tensor is ready) while its totals come from
+    another measurement, e.g. one taken alongside the runs it is compared with.
+    """
+    if min(forward_s, backward_s, step_s) < 0:
+        raise ValueError("totals must be >= 0")
+    forward = forward_s / trace.forward_s if trace.forward_s > 0 else 1.0
+    backward = backward_s / trace.backward_s if trace.backward_s > 0 else 1.0
+    return replace(
+        trace,
+        tensors=tuple(
+            replace(
+                t,
+                layer_forward_s=t.layer_forward_s * forward,
+                layer_backward_s=t.layer_backward_s * backward,
+            )
+            for t in trace.tensors
+        ),
+        forward_s=trace.forward_s * forward,
+        backward_s=trace.backward_s * backward,
+        step_s=step_s,
+    )
+
+
 def from_ready(
     model: str,
     *,

@@ -1,26 +1,41 @@
 """``interlace simulate --validate``: predicted against measured iteration times, per strategy.
 
-For each (model, ranks, link) one launch on the emulated cluster does two things, in order:
+For each (model, ranks, link) one launch on the emulated cluster does, in order:
 
 1. **profile**: an :class:`interlace.DataParallel` with ``bucketing="single"`` trains until it
    has planned; its plan carries the profile it planned from (per-tensor ready times, forward
    and backward, the slowest rank's medians with communication held to the end of backward) and
    the all-reduce cost model it fitted on the live group. With the optimizer step timed apart,
    that is the :class:`~interlace.sim.trace.Trace` ``interlace profile --trace-out`` writes.
-2. **measure**: the data-parallel benchmark's own rank code
+2. **network**: ``a + b*M`` fitted on all-reduces issued back to back, as the bucket engine
+   issues them (:func:`interlace.comm.calibrate.fit_stream_cost_model`).
+3. **measure**: the data-parallel benchmark's own rank code
    (:func:`interlace.bench.dp.measure_rank`) runs every strategy for real, in round-robin
-   blocks, and also times the plain module's forward, backward and step, one all-reduce of all
-   gradients, and the plain iteration with that all-reduce running alongside backward.
+   blocks, and in the same rounds times the plain module's forward, backward and step, one
+   all-reduce of all gradients, and the plain iteration with that all-reduce alongside backward.
 
-The prediction is then :func:`interlace.sim.engine.simulate` on the trace and the fitted cost
-model, for each strategy; it is compared with the strategy's measured median iteration.
+Each strategy's prediction is :func:`interlace.sim.engine.simulate`: planned exactly as
+DataParallel plans (the trace, the fitted cost model), replayed with the streamed cost model,
+and compared with the strategy's measured median iteration.
 
-CPU contention, modelled and said so: 2 cores run the ranks, gloo's threads and the kernel's
-network stack, so compute slows down while an all-reduce is in flight, which a GPU does not
-suffer. The one number that models it, the compute slowdown of
-:class:`~interlace.sim.engine.Contention`, is calibrated per launch from the plain module's
-iteration with one all-reduce alongside backward (:func:`calibrate_contention`): a measurement
-of no strategy being predicted. Rows show the prediction without it too.
+Three things about this machine are modelled, each from a measurement of no strategy, and said
+so in every row:
+
+* **start-ups in a stream**: ranks outnumber cores, so an all-reduce issued right behind
+  another waits for every peer's communication thread to be scheduled; a 4 KB all-reduce in a
+  stream costs several times the 4-byte one after a barrier that DataParallel's planner fits
+  ``a`` on. The planner still plans with its own ``a`` (that is what runs); the replay times
+  all-reduces with the streamed model.
+* **contention**: gloo's threads and the kernel's network stack take cycles from compute while an
+  all-reduce is in flight; :class:`~interlace.sim.engine.Contention`'s compute slowdown is
+  calibrated from the plain iteration with one all-reduce alongside backward
+  (:func:`calibrate_contention`).
+* **load drift**: the machine is shared and its load moves within minutes; the trace keeps its
+  shape but takes its forward, backward and step totals from the plain module timed in the same
+  rounds as the strategies (:func:`~interlace.sim.trace.with_totals`).
+
+Rows also show the naive prediction: the profiled trace as it is, the planner's cost model, no
+contention.
 """
 
 from __future__ import annotations
@@ -40,7 +55,7 @@ from typing import Any
 from interlace.comm.cost import CostModel
 from interlace.errors import UsageError
 from interlace.sim.engine import Contention, simulate
-from interlace.sim.trace import Trace, scaled
+from interlace.sim.trace import Trace, with_totals
 
 PROG = "interlace simulate --validate"
 
@@ -48,9 +63,9 @@ DEFAULT_MODELS: tuple[str, ...] = ("mlp", "resnet20", "transformer")
 DEFAULT_STRATEGIES: tuple[str, ...] = ("wfbp", "fixed", "single", "mgwfbp")
 DEFAULT_RANKS: tuple[int, ...] = (2, 4)
 DEFAULT_LINKS: tuple[str, ...] = ("200mbit", "1gbit")
-DEFAULT_ITERS = 10
+DEFAULT_ITERS = 30
 DEFAULT_WARMUP = 2
-DEFAULT_ROUNDS = 2
+DEFAULT_ROUNDS = 5
 #: Profiling passes of the trace's DataParallel (after its warm-up pass).
 PROFILE_STEPS = 5
 #: Optimizer steps timed for the trace.
@@ -80,8 +95,6 @@ class ValidateSample:
     cost: CostModel
     #: ``a + b*M`` of all-reduces issued back to back, as the bucket engine issues them.
     stream_cost: CostModel
-    #: Forward + backward + step of the plain module right after the profile (medians, seconds).
-    profile_compute_s: float
     measurement: Any  # interlace.bench.dp.Measurement (kept untyped: it imports torch lazily)
 
 
@@ -97,7 +110,7 @@ class ValidationRow:
     #: Prediction with no contention model (compute unaffected by communication).
     predicted_uncontended_s: float
     compute_slowdown: float
-    #: Plain-module compute among the strategies over the same right after the profile.
+    #: Plain-module compute among the strategies over the profiled trace's compute.
     compute_drift: float
     #: The replay's cost model: all-reduces issued back to back.
     stream_a: float
@@ -150,11 +163,15 @@ def rows_from_sample(
     overlapped = statistics.median(measurement.overlapped_s)
     contention = calibrate_contention(backward, allreduce, overlapped - forward - step)
     timing = sample.stream_cost
-    # The machine is shared: its load drifts between the profile and the measurement. The plain
-    # module's compute, timed right after the profile and again among the strategies, says by
-    # how much; the trace's compute times are scaled by that ratio.
-    drift = (forward + backward + step) / sample.profile_compute_s
-    trace = scaled(sample.trace, drift)
+    # The machine is shared and its load drifts over a launch: the trace keeps its shape (each
+    # layer's share, each tensor's ready time relative to backward) but takes its forward,
+    # backward and step totals from the plain module timed in the same round-robin rounds as
+    # the strategies, with no communication. `drift` says how far the load moved.
+    profiled = sample.trace
+    drift = (forward + backward + step) / (
+        profiled.forward_s + profiled.backward_s + profiled.step_s
+    )
+    trace = with_totals(profiled, forward, backward, step)
     measured = {s.strategy: s for s in measurement.strategies}
     rows = []
     for strategy in strategies:
@@ -238,9 +255,7 @@ def validate_rank(job: ValidateJob) -> ValidateSample:
 
     from interlace.bench.dp import (
         MeasureJob,
-        _compute_sample,
         _max_over_ranks,
-        _plain,
         _synthetic_batches,
         _train_step,
         measure_rank,
@@ -287,12 +302,6 @@ def validate_rank(job: ValidateJob) -> ValidateSample:
         workers=dist.get_world_size(),
         source=f"validation profile, {dist.get_world_size()} ranks",
     )
-    plain, plain_optimizer = _plain(job.model, job.input_shape, job.seed)
-    computes = []
-    for index in range(STEP_SAMPLES + 1):
-        sample = _compute_sample(plain, plain_optimizer, *batches[index % len(batches)])
-        computes.append(sum(sample))
-    profile_compute_s = statistics.median(_max_over_ranks(computes[1:]))
     stream_cost = fit_stream_cost_model()
     measurement = measure_rank(
         MeasureJob(
@@ -306,7 +315,7 @@ def validate_rank(job: ValidateJob) -> ValidateSample:
             job.seed,
         )
     )
-    return ValidateSample(trace, cost, stream_cost, profile_compute_s, measurement)
+    return ValidateSample(trace, cost, stream_cost, measurement)
 
 
 # ================================================================================ the command
