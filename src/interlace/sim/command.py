@@ -147,6 +147,8 @@ def run_scaling(args: argparse.Namespace) -> int:
     from interlace.sim.trace import load_trace
 
     workers = parse_workers(args.workers)
+    if args.timelines is not None and args.timelines < 1:
+        raise UsageError(f"--timelines: a worker count must be >= 1, got {args.timelines}")
     strategies = (
         parse_names(args.strategy, tuple(STRATEGIES), "strategy", "strategy")
         if args.strategy
