@@ -42,3 +42,17 @@ def test_ranks_fit_one_model_and_reuse_the_cache(
     assert all(second == CostModel(0.125, 2.5e-9) for _, second in results)
     cached = json.loads((tmp_path / "cost_models.json").read_text())
     assert list(cached) == ["gloo|3|loopback"]
+
+
+def _fit_stream(_: None) -> CostModel:
+    from interlace.comm.calibrate import fit_stream_cost_model
+
+    return fit_stream_cost_model(
+        small_sizes=(256, 4096), sizes=(65536, 1 << 18), count=2, repeats=2
+    )
+
+
+def test_streamed_all_reduces_fit_one_model_everywhere() -> None:
+    results = run_ranks(_fit_stream, 2, None, timeout=120)
+    assert len(set(results)) == 1, results  # maxima over ranks: bit-identical
+    assert results[0].a > 0 and results[0].b >= 0

@@ -1,4 +1,5 @@
-"""The ``interlace`` command: ``launch``, ``train``, ``demo`` and ``models``.
+"""The ``interlace`` command: ``launch``, ``train``, ``demo``, ``profile``, ``bench``, ``simulate``
+and ``models``.
 
 Every subcommand answers bad input with one line on stderr and exit status 2 (see
 :mod:`interlace.cliutil`); a job whose rank fails exits with that rank's status.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from interlace import __version__
@@ -95,6 +97,11 @@ def _build_parser() -> OneLineArgumentParser:
     profile.add_argument("--warmup", type=int, default=8, help="iterations before measuring")
     profile.add_argument("--out", default="profile", help="folder for timeline.json/.png")
     profile.add_argument("--timeout", type=float, default=600.0)
+    profile.add_argument(
+        "--trace-out",
+        metavar="T",
+        help="also write the model's trace for `interlace simulate` (JSON) to T",
+    )
     profile.set_defaults(handler=_run_profile)
 
     bench = commands.add_parser("bench", help="benchmarks that back the README's claims")
@@ -108,6 +115,16 @@ def _build_parser() -> OneLineArgumentParser:
 
     bench_dp_module.add_arguments(bench_dp)
     bench_dp.set_defaults(handler=bench_dp_module.run)
+
+    simulate = commands.add_parser(
+        "simulate",
+        help="predict iteration times at 4..2048 workers from a trace, or --validate them "
+        "against measured runs",
+    )
+    from interlace.sim import command as simulate_module
+
+    simulate_module.add_arguments(simulate)
+    simulate.set_defaults(handler=simulate_module.run)
 
     models = commands.add_parser("models", help="list the model zoo with parameter counts")
     models.add_argument(
@@ -293,8 +310,14 @@ def _run_profile(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         warmup=args.warmup,
         steps=args.steps,
+        trace=args.trace_out is not None,
     )
     config.validate()
+    if args.trace_out is not None and args.strategy == "ddp":
+        raise UsageError(
+            "--trace-out needs an interlace strategy (wfbp, fixed, single, mgwfbp or optimal): "
+            "the trace comes from the profile DataParallel plans with"
+        )
     build_model(config.model, config.input_shape, config.num_classes)
     result = launch.run(
         profile_rank, args.nprocs, link=args.link, args=(config,), timeout=args.timeout
@@ -317,6 +340,12 @@ def _run_profile(args: argparse.Namespace) -> int:
         print(result.values[0].plan)
     print(timeline.caption("rank 0"))
     print(f"timeline: {picture}\ntrace:    {trace} (open in https://ui.perfetto.dev)")
+    if args.trace_out is not None:
+        profiled = next(p.trace for p in result.values if p.trace is not None)
+        # An optimizer step ends when the slowest rank's does.
+        profiled = replace(profiled, step_s=max(p.step_s for p in result.values))
+        written = profiled.save(args.trace_out)
+        print(f"simulator trace: {written} ({profiled.describe()})")
     return 0
 
 

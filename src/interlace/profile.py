@@ -5,6 +5,12 @@ strategy, records its timeline (forward, per-tensor backward, each bucket's all-
 optimizer step), and returns the iteration whose length is the median of the measured ones. The
 launching process merges the ranks into one :class:`~interlace.timeline.Timeline` and writes
 ``timeline.json`` (Chrome trace: open it in https://ui.perfetto.dev) and ``timeline.png``.
+
+With ``trace=True`` (``interlace profile --trace-out T``) rank 0 also returns a simulator
+:class:`~interlace.sim.trace.Trace` of the model (:func:`trace_from_plan`): the ready times,
+forward and backward times DataParallel measured to plan its buckets (communication held to the
+end of backward, the slowest rank's medians), per-layer forward times from forward hooks, the
+optimizer step, and the K-FAC factor sizes of every Linear and Conv2d layer.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -21,6 +28,12 @@ from torch.nn import functional
 from interlace.distenv import init_distributed
 from interlace.errors import UsageError
 from interlace.timeline import Event, Timeline
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from interlace.comm.plan import Plan
+    from interlace.sim.trace import FactorTrace, Trace
 
 
 @dataclass(frozen=True)
@@ -37,6 +50,7 @@ class ProfileConfig:
     warmup: int = 8
     steps: int = 10
     seed: int = 0
+    trace: bool = False
 
     def validate(self) -> None:
         if self.batch_size < 1 or self.steps < 1 or self.warmup < 0:
@@ -51,6 +65,10 @@ class RankProfile:
     events: list[Event]
     iteration_s: list[float]
     plan: str
+    #: Median optimizer step of this rank, seconds.
+    step_s: float = 0.0
+    #: The simulator trace (rank 0, when asked for).
+    trace: Trace | None = None
 
 
 def profile_rank(config: ProfileConfig) -> RankProfile:
@@ -96,8 +114,10 @@ def profile_rank(config: ProfileConfig) -> RankProfile:
         if ours is not None:
             ours.record_timeline()
         measured: list[tuple[float, list[Event]]] = []
+        steps: list[float] = []
         for _ in range(config.steps):
             started, forward_end, backward_end, ended = step()
+            steps.append(ended - backward_end)
             if ours is not None and ours.last_timeline is not None:
                 events = list(ours.last_timeline.events)
                 # DataParallel's times count from its forward start, which follows `started`.
@@ -135,7 +155,21 @@ def profile_rank(config: ProfileConfig) -> RankProfile:
         plan = ours.plan.describe() if ours is not None and ours.plan else ""
         if ours is not None and ours.refit_summary:
             plan += "\n" + ours.refit_summary
-        return RankProfile(context.rank, chosen, times, plan)
+        step_s = statistics.median(steps)
+        trace = None
+        if config.trace and context.rank == 0:
+            if ours is None or ours.plan is None:
+                raise UsageError("a trace needs an interlace strategy (not ddp) to profile with")
+            trace = trace_from_plan(
+                ours.plan,
+                model,
+                config.model,
+                step_s=step_s,
+                layer_forward_s=layer_forward_times(model, inputs),
+                workers=context.world_size,
+                source=f"interlace profile, {context.world_size} ranks, {config.strategy}",
+            )
+        return RankProfile(context.rank, chosen, times, plan, step_s, trace)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -156,3 +190,113 @@ def write_profile(timeline: Timeline, out_dir: str | Path) -> tuple[Path, Path]:
     trace = timeline.to_chrome_trace(folder / "timeline.json")
     picture = timeline.to_png(folder / "timeline.png")
     return trace, picture
+
+
+def trace_from_plan(
+    plan: Plan,
+    module: nn.Module,
+    model: str,
+    *,
+    step_s: float = 0.0,
+    layer_forward_s: dict[str, float] | None = None,
+    workers: int = 1,
+    source: str = "",
+) -> Trace:
+    """A simulator trace from the profile DataParallel planned with.
+
+    ``plan.tensors`` holds the parameters in ready order with the slowest rank's median ready
+    times, and ``plan.forward_s``/``plan.backward_s`` the whole passes, all measured with
+    communication held to the end of backward; ``module`` gives element counts, layers (a
+    parameter's owning module) and K-FAC factor sizes.
+    """
+    from interlace.sim.trace import from_ready
+
+    params = dict(module.named_parameters())
+    names = [tensor.name for tensor in plan.tensors]
+    return from_ready(
+        model,
+        names=names,
+        layers=[name.rpartition(".")[0] or name for name in names],
+        numels=[params[name].numel() for name in names],
+        element_bytes=[params[name].element_size() for name in names],
+        ready_s=[tensor.ready_s for tensor in plan.tensors],
+        forward_s=plan.forward_s,
+        backward_s=plan.backward_s,
+        step_s=step_s,
+        layer_forward_s=layer_forward_s,
+        factors=factor_sizes(module),
+        source=source,
+        workers=workers,
+        notes="ready times: the slowest rank's medians over DataParallel's profiling passes",
+        broadcast_bytes=buffer_broadcast_bytes(module),
+    )
+
+
+def buffer_broadcast_bytes(module: nn.Module) -> list[int]:
+    """Bytes of the buffer broadcasts DataParallel (like DDP) makes before every forward: one
+    flat message per dtype."""
+    by_dtype: dict[str, int] = {}
+    for buffer in module.buffers():
+        by_dtype[str(buffer.dtype)] = (
+            by_dtype.get(str(buffer.dtype), 0) + buffer.numel() * buffer.element_size()
+        )
+    return [nbytes for nbytes in by_dtype.values() if nbytes > 0]
+
+
+def factor_sizes(module: nn.Module) -> list[FactorTrace]:
+    """K-FAC factor dimensions of every Linear and Conv2d layer (the layers K-FAC handles).
+
+    ``A`` covers a layer's input (a Conv2d's unfolded patch) plus a ones column for the bias;
+    ``G`` its output.
+    """
+    from torch import nn
+
+    from interlace.sim.trace import FactorTrace
+
+    factors = []
+    for name, layer in module.named_modules():
+        if isinstance(layer, nn.Linear):
+            a_dim = layer.in_features + (layer.bias is not None)
+            factors.append(FactorTrace(name, a_dim, layer.out_features))
+        elif isinstance(layer, nn.Conv2d):
+            kernel = layer.kernel_size[0] * layer.kernel_size[1]
+            a_dim = layer.in_channels // layer.groups * kernel + (layer.bias is not None)
+            factors.append(FactorTrace(name, a_dim, layer.out_channels))
+    return factors
+
+
+def layer_forward_times(
+    module: nn.Module, inputs: torch.Tensor, repeats: int = 3
+) -> dict[str, float]:
+    """Median forward seconds of every module that owns parameters, timed with hooks.
+
+    Run apart from the measured iterations (the hooks cost a little each), without gradients.
+    """
+    starts: dict[str, float] = {}
+    samples: dict[str, list[float]] = {}
+    handles = []
+
+    def before(name: str) -> object:
+        def hook(_module: nn.Module, _inputs: object) -> None:
+            starts[name] = time.perf_counter()
+
+        return hook
+
+    def after(name: str) -> object:
+        def hook(_module: nn.Module, _inputs: object, _output: object) -> None:
+            samples.setdefault(name, []).append(time.perf_counter() - starts[name])
+
+        return hook
+
+    for name, layer in module.named_modules():
+        if any(True for _ in layer.parameters(recurse=False)):
+            handles.append(layer.register_forward_pre_hook(before(name)))
+            handles.append(layer.register_forward_hook(after(name)))
+    try:
+        with torch.no_grad():
+            for _ in range(repeats):
+                module(inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: statistics.median(values) for name, values in samples.items()}

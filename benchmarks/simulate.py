@@ -1,0 +1,85 @@
+"""The simulator's claims on the MG-WFBP GoogLeNet trace: the scaling table and its speed.
+
+::
+
+    python benchmarks/simulate.py                       # the table, the checks, the timing
+    python benchmarks/simulate.py --per-layer           # one message per layer, as the paper
+    python benchmarks/simulate.py --png docs/simulate/googlenet-osu.png
+
+It loads ``../shared/traces/googlenet_k80_8workers.log``, fits a ring (per-link alpha and beta)
+on the OSU all-reduce logs beside it, simulates every strategy at 11 worker counts (2..2048),
+prints the table with MG-WFBP's speed-ups at 64 workers beside the paper's, checks that MG-WFBP
+is never slower than WFBP or SyncEASGD and that its bucket count never grows, and times the
+simulation (trace loading and network fitting included; median of repeated runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from interlace.sim.engine import STRATEGIES, simulate_scaling
+from interlace.sim.experiments import (
+    check_claims,
+    format_paper_comparison,
+    format_table,
+    plot_scaling,
+    scaling_rows,
+)
+from interlace.sim.network import parse_network
+from interlace.sim.trace import load_trace
+
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+WORKERS = tuple(2**k for k in range(1, 12))  # 2..2048: 11 counts
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--traces", default=str(TRACES), help="folder of the shared traces")
+    parser.add_argument("--per-layer", action="store_true", help="one message per layer")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs (default 5)")
+    parser.add_argument("--png", help="write the scaling-efficiency plot here")
+    args = parser.parse_args()
+    folder = Path(args.traces)
+
+    def run_once() -> tuple[object, list[object]]:
+        trace = load_trace(folder / "googlenet_k80_8workers.log")
+        network = parse_network(f"osu:{folder}")
+        results = simulate_scaling(
+            trace, network, WORKERS, tuple(STRATEGIES), per_layer=args.per_layer
+        )
+        return trace, [network, results]
+
+    seconds = []
+    for _ in range(max(args.repeats, 1)):
+        started = time.perf_counter()
+        run_once()
+        seconds.append(time.perf_counter() - started)
+    trace = load_trace(folder / "googlenet_k80_8workers.log")
+    network = parse_network(f"osu:{folder}")
+    results = simulate_scaling(trace, network, WORKERS, tuple(STRATEGIES), per_layer=args.per_layer)
+    rows = scaling_rows(trace, results)
+    print(trace.describe())
+    print(f"network: {network.describe()} (osu:{folder})")
+    print(f"unit: {'one message per layer' if args.per_layer else 'one message per tensor'}\n")
+    print(format_table(rows))
+    print()
+    print(format_paper_comparison(rows))
+    for note in check_claims(rows):
+        print(note)
+    print(
+        f"\nspeed: {len(STRATEGIES)} strategies x {len(WORKERS)} worker counts "
+        f"({len(results)} simulated iterations), trace loading and OSU fit included: median "
+        f"{statistics.median(seconds):.3f} s over {len(seconds)} runs "
+        f"(min {min(seconds):.3f}, max {max(seconds):.3f})"
+    )
+    if args.png:
+        plot_scaling(rows, args.png)
+        print(f"plot: {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,209 @@
+"""``interlace simulate``: scaling tables from a trace, or ``--validate`` against measured runs.
+
+::
+
+    interlace simulate --trace ../shared/traces/googlenet_k80_8workers.log \\
+        --network osu:../shared/traces --workers 4..2048 --json rows.json --png scaling.png
+    interlace simulate --validate --model resnet20 -n 2 --link 1gbit
+
+The first prints, per worker count and strategy, the simulated iteration time, the speed-ups
+over WFBP and SyncEASGD, the scaling efficiency and the number of buckets, and draws scaling
+efficiency against workers. The second runs :mod:`interlace.sim.validate`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from interlace.errors import UsageError
+
+PROG = "interlace simulate"
+DEFAULT_NETWORK = "ring:10gbit"
+DEFAULT_PNG = "simulate/scaling.png"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``interlace simulate``."""
+    from interlace.sim import validate
+    from interlace.sim.engine import STRATEGIES
+    from interlace.sim.network import NETWORK_HELP
+
+    parser.add_argument(
+        "--trace",
+        metavar="T",
+        help="trace to simulate: an interlace-trace JSON (interlace profile --trace-out) or an "
+        "MG-WFBP Caffe log such as ../shared/traces/googlenet_k80_8workers.log",
+    )
+    parser.add_argument(
+        "--workers",
+        default="4..2048",
+        help="worker counts: 4,8,16 or LOW..HIGH for the powers of two between (default 4..2048)",
+    )
+    parser.add_argument(
+        "--network",
+        default=DEFAULT_NETWORK,
+        help=f"how an all-reduce is priced: {NETWORK_HELP} (default {DEFAULT_NETWORK})",
+    )
+    parser.add_argument(
+        "--strategy",
+        "--strategies",
+        dest="strategy",
+        help=f"comma-separated strategies (default: all of {', '.join(STRATEGIES)}; "
+        f"--validate: {','.join(validate.DEFAULT_STRATEGIES)})",
+    )
+    parser.add_argument(
+        "--per-layer",
+        action="store_true",
+        help="send a layer's tensors as one message (Caffe's unit, as the MG-WFBP paper did)",
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
+    parser.add_argument(
+        "--png",
+        default=DEFAULT_PNG,
+        help=f"scaling-efficiency plot (default {DEFAULT_PNG}; 'none' for no plot)",
+    )
+    parser.add_argument(
+        "--timelines",
+        type=int,
+        metavar="N",
+        help="also write each strategy's simulated timeline at N workers (PNG + Chrome trace) "
+        "next to the plot",
+    )
+    group = parser.add_argument_group("validation against measured runs (--validate)")
+    group.add_argument(
+        "--validate",
+        action="store_true",
+        help="profile zoo models and run each strategy on the emulated cluster; print "
+        "predicted vs measured iteration times (needs root)",
+    )
+    group.add_argument(
+        "--model",
+        help="zoo name(s) or package.module:callable, comma-separated "
+        f"(default {','.join(validate.DEFAULT_MODELS)})",
+    )
+    group.add_argument(
+        "-n",
+        "--nprocs",
+        type=int,
+        help=f"ranks (default: each of {','.join(map(str, validate.DEFAULT_RANKS))})",
+    )
+    group.add_argument(
+        "--link",
+        help=f"emulated link rate(s), comma-separated (default {','.join(validate.DEFAULT_LINKS)})",
+    )
+    group.add_argument(
+        "--iters",
+        type=int,
+        default=validate.DEFAULT_ITERS,
+        help=f"timed iterations per strategy (default {validate.DEFAULT_ITERS})",
+    )
+    group.add_argument(
+        "--warmup",
+        type=int,
+        default=validate.DEFAULT_WARMUP,
+        help=f"untimed iterations per strategy after planning (default {validate.DEFAULT_WARMUP})",
+    )
+    group.add_argument(
+        "--rounds",
+        type=int,
+        default=validate.DEFAULT_ROUNDS,
+        help=f"round-robin blocks (default {validate.DEFAULT_ROUNDS})",
+    )
+    group.add_argument("--batch-size", type=int, help="per-rank batch (default: per model)")
+    group.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds allowed per launch (default 600)"
+    )
+    group.add_argument("--trace-dir", help="also save each launch's profiled trace here")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``interlace simulate`` with parsed ``args``; the exit status."""
+    if args.validate:
+        from interlace.sim.validate import config_from_args, run_validation
+
+        if args.trace:
+            raise UsageError("--validate profiles its own traces; drop --trace")
+        return run_validation(config_from_args(args))
+    if not args.trace:
+        raise UsageError("give --trace T (a trace to simulate) or --validate")
+    return run_scaling(args)
+
+
+def run_scaling(args: argparse.Namespace) -> int:
+    from interlace.bench.dp import parse_names
+    from interlace.sim.engine import STRATEGIES, simulate_scaling
+    from interlace.sim.experiments import (
+        check_claims,
+        format_paper_comparison,
+        format_table,
+        parse_workers,
+        plot_scaling,
+        scaling_rows,
+    )
+    from interlace.sim.network import parse_network
+    from interlace.sim.trace import load_trace
+
+    workers = parse_workers(args.workers)
+    if args.timelines is not None and args.timelines < 1:
+        raise UsageError(f"--timelines: a worker count must be >= 1, got {args.timelines}")
+    strategies = (
+        parse_names(args.strategy, tuple(STRATEGIES), "strategy", "strategy")
+        if args.strategy
+        else tuple(STRATEGIES)
+    )
+    network = parse_network(args.network)
+    trace = load_trace(args.trace)
+    started = time.perf_counter()
+    results = simulate_scaling(trace, network, workers, strategies, per_layer=args.per_layer)
+    elapsed = time.perf_counter() - started
+    rows = scaling_rows(trace, results)
+    print(trace.describe())
+    print(
+        f"network: {network.describe()}; "
+        f"{'one message per layer' if args.per_layer else 'one message per tensor'}"
+    )
+    print(
+        f"simulated {len(strategies)} strategies x {len(workers)} worker counts in "
+        f"{elapsed:.3f} s\n"
+    )
+    print(format_table(rows))
+    comparison = format_paper_comparison(rows)
+    notes = check_claims(rows)
+    if comparison or notes:
+        print()
+    if comparison:
+        print(comparison)
+    for note in notes:
+        print(note)
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps([row.to_dict() for row in rows], indent=1) + "\n")
+    png = None if args.png.lower() == "none" else Path(args.png)
+    if png is not None:
+        plot_scaling(rows, png)
+        print(f"\nscaling plot: {png}")
+    if args.timelines is not None:
+        folder = png.parent if png is not None else Path("simulate")
+        count = args.timelines
+        cost = network.cost(count)
+        from interlace.sim.engine import simulate
+
+        for strategy in strategies:
+            result = simulate(
+                trace,
+                strategy,
+                cost,
+                workers=count,
+                per_layer=args.per_layer,
+                network=network.spec,
+            )
+            timeline = result.timeline()
+            stem = folder / f"timeline-{strategy}-{count}w"
+            timeline.to_png(stem.with_suffix(".png"))
+            timeline.to_chrome_trace(stem.with_suffix(".json"))
+        print(f"timelines at {count} workers: {folder}/timeline-<strategy>-{count}w.png/.json")
+    return 0

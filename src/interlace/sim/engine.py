@@ -1,0 +1,381 @@
+"""Event simulation of one data-parallel training iteration from a trace.
+
+The simulator never decides or prices anything itself: a strategy is a row of
+:data:`STRATEGIES` naming a planner of :mod:`interlace.comm.plan` and its arguments, the buckets
+come from :func:`~interlace.comm.plan.make_plan` fed with the trace's ready times and the
+network's :class:`~interlace.comm.cost.CostModel` at the chosen worker count, exactly as
+:class:`interlace.DataParallel` plans them at run time. What the engine adds is the replay of
+that plan as events in time (:func:`replay`): layers computing one after another, each bucket's
+all-reduce starting once its last tensor is ready and the channel is free, and the iteration's
+forward, backward, communication tail and optimizer step.
+
+On a GPU, compute and communication proceed independently and the replay gives exactly the
+times :func:`~interlace.comm.plan.schedule` gives (a test checks it). On a CPU they share the
+cores: gloo and the kernel's network stack take cycles from backward while an all-reduce is in
+flight. :class:`Contention` models that with one number, the factor by which compute slows
+while communication is in flight, calibrated from a measured run (see
+:mod:`interlace.sim.validate`); the default, 1, is no contention.
+
+A new strategy (the k-channel schedule, K-FAC factor fusion, pipelines) is one more entry of
+:data:`STRATEGIES` or one more caller of :func:`replay`; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from interlace.comm.cost import CostModel
+from interlace.comm.plan import Plan, ReadyTensor, make_plan
+
+if TYPE_CHECKING:
+    from interlace.sim.network import Network
+    from interlace.sim.trace import Trace
+    from interlace.timeline import Timeline
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A data-parallel strategy as the simulator runs it: a planner and its arguments."""
+
+    #: The name ``--strategy`` and the JSON rows use.
+    name: str
+    #: The planner of :func:`interlace.comm.plan.make_plan`.
+    bucketing: str
+    description: str
+    cap_bytes: float = 25e6
+    first_cap_bytes: float | None = None
+
+    def plan(
+        self,
+        tensors: Sequence[ReadyTensor],
+        cost: CostModel,
+        *,
+        backward_s: float,
+        forward_s: float,
+    ) -> Plan:
+        return make_plan(
+            self.bucketing,
+            tensors,
+            cost,
+            cap_bytes=self.cap_bytes,
+            first_cap_bytes=self.first_cap_bytes,
+            backward_s=backward_s,
+            forward_s=forward_s,
+        )
+
+
+#: Every simulated strategy by name. ``fixed`` is DDP's rule as :class:`interlace.DataParallel`
+#: runs it (25 MB, the first bucket 1 MB); ``horovod`` is Horovod's 128 MB fusion buffer (its
+#: 1 ms fusion cycle is not modelled: a bucket is sent when full or at the end of backward).
+STRATEGIES: dict[str, Strategy] = {
+    "single": Strategy("single", "single", "SyncEASGD: one all-reduce after backward"),
+    "wfbp": Strategy("wfbp", "per-tensor", "WFBP: one all-reduce per tensor once it is ready"),
+    "fixed": Strategy("fixed", "fixed", "DDP: 25 MB buckets, the first 1 MB", 25e6, 1e6),
+    "horovod": Strategy("horovod", "fixed", "Horovod: 128 MB fusion buckets", 128e6, None),
+    "mgwfbp": Strategy("mgwfbp", "merged", "MG-WFBP: Theorem 1's optimal merge"),
+    "optimal": Strategy(
+        "optimal", "optimal", "exact best contiguous bucketing (dynamic programming)"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Contention:
+    """How compute and communication slow each other down when they run at once.
+
+    ``compute_slowdown`` >= 1: while an all-reduce is in flight, compute advances at
+    ``1 / compute_slowdown`` of its speed (CPU cores shared with the communication library).
+    """
+
+    compute_slowdown: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.compute_slowdown) and self.compute_slowdown >= 1.0):
+            raise ValueError(f"compute_slowdown must be >= 1, got {self.compute_slowdown}")
+
+
+NO_CONTENTION = Contention()
+
+
+@dataclass(frozen=True)
+class CommEvent:
+    """One bucket's all-reduce as replayed: its tensors, bytes and when it ran."""
+
+    indices: tuple[int, ...]
+    nbytes: int
+    ready_s: float
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One iteration in time; every time in seconds from the start of backward."""
+
+    forward_s: float
+    step_s: float
+    #: Collectives before forward (buffer broadcasts), seconds.
+    pre_forward_s: float
+    #: End of each tensor's backward (its ready time under contention).
+    ready_s: tuple[float, ...]
+    backward_end_s: float
+    comms: tuple[CommEvent, ...]
+
+    @property
+    def comm_end_s(self) -> float:
+        return max((c.end_s for c in self.comms), default=0.0)
+
+    @property
+    def iteration_s(self) -> float:
+        """Buffer broadcasts, forward, then backward and the last all-reduce, whichever ends
+        later, then the step."""
+        return (
+            self.pre_forward_s
+            + self.forward_s
+            + max(self.backward_end_s, self.comm_end_s)
+            + self.step_s
+        )
+
+
+def replay(
+    plan: Plan,
+    contention: Contention = NO_CONTENTION,
+    *,
+    step_s: float = 0.0,
+    cost: CostModel | None = None,
+    pre_forward_bytes: Sequence[int] = (),
+) -> Replay:
+    """Play ``plan`` forward in time as discrete events.
+
+    Backward is the sequence of compute stretches between consecutive ready times of
+    ``plan.tensors`` (then the rest up to ``plan.backward_s``); all-reduces run one at a time in
+    plan order, each once its tensors are all ready and the previous one has ended, and take
+    ``cost.time(bytes)`` (default ``plan.cost``: pass another where the planner's belief and the
+    network's truth differ). Compute advances at ``1/compute_slowdown`` while an all-reduce is
+    in flight. With no contention the times equal :func:`~interlace.comm.plan.schedule`'s.
+    ``pre_forward_bytes`` are collectives made before forward, priced by the same cost.
+    """
+    cost = plan.cost if cost is None else cost
+    tensors = plan.tensors
+    if not tensors:
+        raise ValueError("replaying a plan needs its tensors (plan.tensors is empty)")
+    # Compute work between consecutive ready times, then the tail of backward.
+    work = [tensors[0].ready_s] + [
+        tensors[i].ready_s - tensors[i - 1].ready_s for i in range(1, len(tensors))
+    ]
+    tail = max(plan.backward_s - tensors[-1].ready_s, 0.0)
+    last_of = [max(bucket.indices) for bucket in plan.buckets]
+    durations = [cost.time(bucket.nbytes) for bucket in plan.buckets]
+    slow = 1.0 / contention.compute_slowdown
+
+    ready = [0.0] * len(tensors)
+    comms: list[CommEvent] = []
+    now = 0.0
+    done = 0  # tensors ready so far
+    left = work[0]  # compute left in the current stretch (or the tail, once done == len)
+    in_tail = False
+    backward_end: float | None = None
+    bucket = 0  # next bucket to start
+    comm_left = 0.0  # remaining seconds of the all-reduce in flight (0: channel free)
+    comm_start = 0.0
+    while True:
+        # Everything that happens at `now` without time passing.
+        while backward_end is None and left <= 0.0:
+            if not in_tail:
+                ready[done] = now
+                done += 1
+                if done < len(tensors):
+                    left = work[done]
+                else:
+                    in_tail, left = True, tail
+            else:
+                backward_end = now
+        if comm_left <= 0.0 and bucket < len(plan.buckets) and last_of[bucket] < done:
+            comm_start, comm_left = now, durations[bucket]
+            if comm_left <= 0.0:
+                comms.append(_comm(plan, bucket, ready, now, now))
+                bucket += 1
+                continue
+        if backward_end is not None and comm_left <= 0.0 and bucket >= len(plan.buckets):
+            break
+        rate = slow if comm_left > 0.0 else 1.0
+        to_compute = left / rate if backward_end is None else math.inf
+        to_comm = comm_left if comm_left > 0.0 else math.inf
+        step = min(to_compute, to_comm)
+        if not math.isfinite(step):
+            raise AssertionError("replay stalled: a bucket waits for a tensor never produced")
+        now += step
+        if backward_end is None:
+            left = 0.0 if step == to_compute else left - step * rate
+        if comm_left > 0.0:
+            comm_left = 0.0 if step == to_comm else comm_left - step
+            if comm_left <= 0.0:
+                comms.append(_comm(plan, bucket, ready, comm_start, now))
+                bucket += 1
+    assert backward_end is not None
+    pre_forward_s = sum(cost.time(nbytes) for nbytes in pre_forward_bytes)
+    return Replay(plan.forward_s, step_s, pre_forward_s, tuple(ready), backward_end, tuple(comms))
+
+
+def _comm(plan: Plan, bucket: int, ready: list[float], start: float, end: float) -> CommEvent:
+    indices = plan.buckets[bucket].indices
+    return CommEvent(
+        indices, plan.buckets[bucket].nbytes, max(ready[i] for i in indices), start, end
+    )
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """One strategy on one trace at one worker count."""
+
+    strategy: str
+    workers: int
+    cost: CostModel
+    plan: Plan
+    replay: Replay
+    model: str = ""
+    network: str = ""
+    extra: dict[str, float] = field(default_factory=dict, compare=False)
+
+    @property
+    def iteration_s(self) -> float:
+        return self.replay.iteration_s
+
+    @property
+    def buckets(self) -> int:
+        return len(self.plan.buckets)
+
+    def timeline(self, process: str = "simulated") -> Timeline:
+        """The iteration as a :class:`~interlace.timeline.Timeline` (same PNG and Chrome trace
+        renderer as ``interlace profile``): forward, each tensor's backward and the optimizer
+        step on the compute lane, each bucket's all-reduce on the communication lane."""
+        from interlace.timeline import Timeline
+
+        replayed = self.replay
+        title = f"{self.model or 'trace'}, {self.strategy}, {self.workers} workers, simulated" + (
+            f" ({self.network})" if self.network else ""
+        )
+        timeline = Timeline(title=title)
+        pre = replayed.pre_forward_s
+        if pre > 0:
+            timeline.add("broadcast buffers", "comm", 0.0, pre, lane="all-reduce", process=process)
+        origin = pre + replayed.forward_s
+        timeline.add("forward", "forward", pre, origin, lane="compute", process=process)
+        previous = 0.0
+        for tensor, ready in zip(self.plan.tensors, replayed.ready_s, strict=True):
+            if ready > previous:
+                timeline.add(
+                    tensor.name,
+                    "backward",
+                    origin + previous,
+                    origin + ready,
+                    lane="compute",
+                    process=process,
+                )
+                previous = ready
+        if replayed.backward_end_s > previous:
+            timeline.add(
+                "backward (rest)",
+                "backward",
+                origin + previous,
+                origin + replayed.backward_end_s,
+                lane="compute",
+                process=process,
+            )
+        for number, comm in enumerate(replayed.comms):
+            timeline.add(
+                f"bucket {number} ({comm.nbytes / 1e6:.2f} MB)",
+                "comm",
+                origin + comm.start_s,
+                origin + comm.end_s,
+                lane="all-reduce",
+                process=process,
+                bytes=comm.nbytes,
+                tensors=len(comm.indices),
+                ready_ms=round((origin + comm.ready_s) * 1e3, 3),
+            )
+        end = origin + max(replayed.backward_end_s, replayed.comm_end_s)
+        if replayed.step_s > 0:
+            timeline.add(
+                "optimizer step",
+                "optimizer",
+                end,
+                end + replayed.step_s,
+                lane="compute",
+                process=process,
+            )
+        return timeline
+
+
+def strategy_named(name: str) -> Strategy:
+    """The :data:`STRATEGIES` entry ``name``; a clear error naming the choices otherwise."""
+    from interlace.errors import UsageError
+
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise UsageError(
+            f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}"
+        ) from None
+
+
+def simulate(
+    trace: Trace,
+    strategy: str | Strategy,
+    cost: CostModel,
+    *,
+    workers: int = 0,
+    contention: Contention = NO_CONTENTION,
+    per_layer: bool = False,
+    network: str = "",
+    timing_cost: CostModel | None = None,
+) -> SimResult:
+    """One iteration of ``trace`` with ``strategy`` when an all-reduce costs ``cost``.
+
+    The planner decides with ``cost``; the replay times all-reduces with ``timing_cost``
+    (default ``cost``), for a runtime that plans with one model while its network behaves as
+    another (DataParallel fits ``a`` on isolated all-reduces but issues them back to back).
+    ``per_layer`` sends a layer's tensors as one message (Caffe's unit, as in the MG-WFBP
+    paper's WFBP) instead of one message per tensor (PyTorch's unit).
+    """
+    chosen = strategy if isinstance(strategy, Strategy) else strategy_named(strategy)
+    tensors = trace.ready_tensors(per_layer=per_layer)
+    plan = chosen.plan(tensors, cost, backward_s=trace.backward_s, forward_s=trace.forward_s)
+    replayed = replay(
+        plan,
+        contention,
+        step_s=trace.step_s,
+        cost=timing_cost,
+        pre_forward_bytes=trace.broadcast_bytes,
+    )
+    return SimResult(chosen.name, workers, cost, plan, replayed, trace.model, network)
+
+
+def simulate_scaling(
+    trace: Trace,
+    network: Network,
+    workers: Sequence[int],
+    strategies: Sequence[str],
+    *,
+    per_layer: bool = False,
+) -> list[SimResult]:
+    """Every strategy at every worker count, the network priced at each count."""
+    chosen = [strategy_named(name) for name in strategies]
+    results = []
+    for count in workers:
+        cost = network.cost(count)
+        for strategy in chosen:
+            results.append(
+                simulate(
+                    trace,
+                    strategy,
+                    cost,
+                    workers=count,
+                    per_layer=per_layer,
+                    network=network.spec,
+                )
+            )
+    return results

@@ -1,0 +1,319 @@
+"""Network models for the simulator: the all-reduce cost ``a + b*M`` at any number of workers.
+
+Every model here answers one question, :meth:`Network.cost` ``(workers)``: the
+:class:`~interlace.comm.cost.CostModel` the planners and the schedule price all-reduces with on
+that many workers. They differ in where the two numbers come from:
+
+* :class:`Ring` and :class:`Tree`: ring and double-binary-tree all-reduce over identical links
+  of latency ``alpha``, wire time per byte ``beta`` and reduction time per byte ``gamma``
+  (the formulas of :meth:`CostModel.ring` and :meth:`CostModel.double_binary_tree`);
+* :class:`HierarchicalRing`: nodes of ``G`` GPUs; a ring inside each node, a ring across nodes on
+  each GPU's ``1/G`` share, and a ring inside the node again (reduce-scatter, all-reduce,
+  all-gather: what NCCL and Horovod's hierarchical all-reduce do);
+* :class:`Fitted`: a measured ``a + b*M`` used as it is, or, fitted on ``N`` workers,
+  extrapolated with the ring formula (:meth:`CostModel.scaled_to`);
+* :func:`link_from_osu`: per-link ``alpha`` and ``beta`` recovered from OSU all-reduce logs
+  taken at several worker counts, through the ring formula, for a :class:`Ring` at any size.
+
+The k-channel concurrency of several process groups is a property of the schedule, not of one
+all-reduce; it enters through the planners' channel count, not here.
+
+:func:`parse_network` reads the command line's ``--network`` spec (see its docstring).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from interlace.comm.cost import CostModel, fit_osu_log
+from interlace.errors import UsageError
+
+#: Latency per step of a link when a ``--network`` spec gives none: a small-message round on
+#: 10 GbE with TCP and MPI costs tens of microseconds (the OSU logs of the MG-WFBP cluster fit
+#: 49 us per ring step).
+DEFAULT_LATENCY_S = 25e-6
+#: The link inside a node of :class:`HierarchicalRing` when none is given: PCIe 3.0 x16 class.
+DEFAULT_INTRA_RATE_BPS = 100e9
+DEFAULT_INTRA_LATENCY_S = 5e-6
+#: OSU messages below this are dominated by per-call software costs that a ring's alpha does not
+#: describe; the fits use the larger ones.
+OSU_MIN_BYTES = 0
+
+
+@dataclass(frozen=True)
+class Link:
+    """A point-to-point link: ``alpha`` s per message, ``beta`` s/byte, ``gamma`` s/byte reduced."""
+
+    alpha: float
+    beta: float
+    gamma: float = 0.0
+
+    def __post_init__(self) -> None:
+        values = (self.alpha, self.beta, self.gamma)
+        if not all(math.isfinite(v) and v >= 0 for v in values):
+            raise ValueError(f"link parameters must be finite and >= 0, got {values}")
+
+    @classmethod
+    def from_rate(cls, rate_bps: float, latency_s: float | None = None) -> Link:
+        """A link of ``rate_bps`` bits per second (``latency_s`` default
+        :data:`DEFAULT_LATENCY_S`)."""
+        if not rate_bps > 0:
+            raise ValueError(f"a link rate must be > 0, got {rate_bps}")
+        return cls(DEFAULT_LATENCY_S if latency_s is None else latency_s, 8.0 / rate_bps)
+
+    def describe(self) -> str:
+        rate = 8.0 / self.beta if self.beta > 0 else math.inf
+        text = f"alpha {self.alpha * 1e6:.1f} us, {_rate_text(rate)}"
+        return text + (f", gamma {self.gamma * 1e9:.3f} ns/B" if self.gamma else "")
+
+
+class Network(ABC):
+    """A way to price an all-reduce on any number of workers."""
+
+    #: The ``--network`` spec this model was built from (for tables and file names).
+    spec: str = ""
+
+    @abstractmethod
+    def cost(self, workers: int) -> CostModel:
+        """``a + b*M`` of one all-reduce on ``workers`` workers."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """One line saying what the model is and where its numbers come from."""
+
+
+def _check_workers(workers: int) -> None:
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+
+
+@dataclass(frozen=True)
+class Ring(Network):
+    link: Link
+    spec: str = ""
+
+    def cost(self, workers: int) -> CostModel:
+        _check_workers(workers)
+        return CostModel.ring(workers, self.link.alpha, self.link.beta, self.link.gamma)
+
+    def describe(self) -> str:
+        return f"ring all-reduce, {self.link.describe()}"
+
+
+@dataclass(frozen=True)
+class Tree(Network):
+    link: Link
+    spec: str = ""
+
+    def cost(self, workers: int) -> CostModel:
+        _check_workers(workers)
+        return CostModel.double_binary_tree(
+            workers, self.link.alpha, self.link.beta, self.link.gamma
+        )
+
+    def describe(self) -> str:
+        return f"double binary tree all-reduce, {self.link.describe()}"
+
+
+@dataclass(frozen=True)
+class HierarchicalRing(Network):
+    """Nodes of ``gpus_per_node`` workers: ring reduce-scatter inside the node, ring all-reduce
+    of each worker's ``1/G`` share across nodes (all ``G`` rings at once, one per NIC lane),
+    ring all-gather inside the node. Fewer workers than a node are one partial node."""
+
+    gpus_per_node: int
+    inter: Link
+    intra: Link
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_node < 1:
+            raise ValueError(f"gpus per node must be >= 1, got {self.gpus_per_node}")
+
+    def cost(self, workers: int) -> CostModel:
+        _check_workers(workers)
+        local = min(self.gpus_per_node, workers)
+        nodes = math.ceil(workers / local)
+        # Reduce-scatter then all-gather inside the node is one intra-node ring all-reduce.
+        inside = CostModel.ring(local, self.intra.alpha, self.intra.beta, self.intra.gamma)
+        across = CostModel.ring(nodes, self.inter.alpha, self.inter.beta, self.inter.gamma)
+        # Across nodes each worker carries only its 1/local share of the message.
+        return CostModel(inside.a + across.a, inside.b + across.b / local)
+
+    def describe(self) -> str:
+        return (
+            f"hierarchical ring, {self.gpus_per_node} workers per node; between nodes "
+            f"{self.inter.describe()}; inside a node {self.intra.describe()}"
+        )
+
+
+@dataclass(frozen=True)
+class Fitted(Network):
+    """A measured ``a + b*M``: as it is at every size, or (``fitted_on`` workers) extrapolated
+    with the ring formula."""
+
+    model: CostModel
+    fitted_on: int | None = None
+    spec: str = ""
+
+    def cost(self, workers: int) -> CostModel:
+        _check_workers(workers)
+        if self.fitted_on is None:
+            return self.model
+        return self.model.scaled_to(workers, self.fitted_on)
+
+    def describe(self) -> str:
+        base = f"fitted a={self.model.a * 1e6:.1f} us, b={self.model.b * 1e9:.3f} ns/B"
+        if self.fitted_on is None:
+            return base + " at every worker count"
+        return base + f" on {self.fitted_on} workers, extrapolated as a ring"
+
+
+def fit_ring_link(models: dict[int, CostModel]) -> Link:
+    """Per-link ``alpha`` and ``beta`` that best explain fits at several worker counts.
+
+    A ring on ``N`` workers has ``a = 2(N-1) alpha`` and ``b = 2(N-1)/N beta``; each is a line
+    through the origin in its coefficient, fitted by least squares over the worker counts.
+    """
+    counts = sorted(n for n in models if n >= 2)
+    if not counts:
+        raise UsageError("fitting a ring needs all-reduce times on 2 or more workers")
+    xa = [2.0 * (n - 1) for n in counts]
+    xb = [2.0 * (n - 1) / n for n in counts]
+    alpha = sum(x * models[n].a for x, n in zip(xa, counts, strict=True)) / sum(x * x for x in xa)
+    beta = sum(x * models[n].b for x, n in zip(xb, counts, strict=True)) / sum(x * x for x in xb)
+    return Link(max(alpha, 0.0), max(beta, 0.0))
+
+
+def osu_logs(paths: Sequence[str | Path]) -> list[Path]:
+    """The OSU logs named by ``paths``; a folder stands for its ``osu_allreduce*`` files."""
+    found: list[Path] = []
+    for item in paths:
+        path = Path(item).expanduser()
+        if path.is_dir():
+            found.extend(sorted(path.glob("osu_allreduce*")))
+        elif path.exists():
+            found.append(path)
+        else:
+            raise UsageError(f"--network osu: {path} does not exist")
+    if not found:
+        raise UsageError(f"--network osu: no osu_allreduce* logs in {', '.join(map(str, paths))}")
+    return found
+
+
+def fits_from_osu(paths: Sequence[str | Path]) -> dict[int, CostModel]:
+    """One ``a + b*M`` per worker count found in the OSU logs."""
+    models: dict[int, CostModel] = {}
+    for path in osu_logs(paths):
+        try:
+            models.update(fit_osu_log(path, min_bytes=OSU_MIN_BYTES))
+        except ValueError as error:
+            raise UsageError(f"--network osu: {error}") from None
+    return models
+
+
+def link_from_osu(paths: Sequence[str | Path]) -> tuple[Link, dict[int, CostModel]]:
+    """The per-link ring parameters fitted on OSU logs, and the per-size fits behind them."""
+    models = fits_from_osu(paths)
+    return fit_ring_link(models), models
+
+
+_LATENCY = re.compile(r"^(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)\s*(ns|us|ms|s)$")
+_LATENCY_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+NETWORK_HELP = (
+    "ring:RATE[:LATENCY] | tree:RATE[:LATENCY] | hier:G:RATE[:LATENCY[:INTRA_RATE]] | "
+    "osu:PATH[,PATH...] | fitted:A,B[@N]"
+)
+
+
+def parse_network(text: str) -> Network:
+    """A :class:`Network` from a ``--network`` spec.
+
+    - ``ring:10gbit`` / ``ring:10gbit:50us``: ring all-reduce over links of that rate and
+      per-step latency (default :data:`DEFAULT_LATENCY_S`);
+    - ``tree:10gbit[:50us]``: double binary tree over the same links;
+    - ``hier:8:10gbit[:50us[:100gbit]]``: hierarchical ring, 8 workers per node, the given
+      link between nodes and (default :data:`DEFAULT_INTRA_RATE_BPS`) inside a node;
+    - ``osu:PATH[,PATH...]``: a ring whose per-link alpha and beta are fitted on OSU all-reduce
+      logs at several worker counts (a folder means its ``osu_allreduce*`` files);
+    - ``fitted:A,B``: ``a = A`` seconds and ``b = B`` seconds/byte at every worker count;
+      ``fitted:A,B@N``: fitted on N workers, extrapolated with the ring formula.
+
+    Rates are as ``--link`` writes them (``100mbit``, ``10gbit``); latencies take ``ns``, ``us``,
+    ``ms`` or ``s``.
+    """
+    kind, _, rest = text.strip().partition(":")
+    kind = kind.lower()
+    parts = rest.split(":") if rest else []
+    try:
+        if kind in ("ring", "tree"):
+            if not 1 <= len(parts) <= 2:
+                raise UsageError(f"{kind} takes RATE[:LATENCY]")
+            link = Link.from_rate(_rate(parts[0]), _latency(parts[1]) if len(parts) > 1 else None)
+            return Ring(link, text) if kind == "ring" else Tree(link, text)
+        if kind == "hier":
+            if not 2 <= len(parts) <= 4:
+                raise UsageError("hier takes G:RATE[:LATENCY[:INTRA_RATE]]")
+            try:
+                gpus = int(parts[0])
+            except ValueError:
+                raise UsageError(f"workers per node must be an integer, got {parts[0]!r}") from None
+            if gpus < 1:
+                raise UsageError(f"workers per node must be >= 1, got {gpus}")
+            inter = Link.from_rate(_rate(parts[1]), _latency(parts[2]) if len(parts) > 2 else None)
+            intra_rate = _rate(parts[3]) if len(parts) > 3 else DEFAULT_INTRA_RATE_BPS
+            intra = Link.from_rate(intra_rate, DEFAULT_INTRA_LATENCY_S)
+            return HierarchicalRing(gpus, inter, intra, text)
+        if kind == "osu":
+            if not rest:
+                raise UsageError("osu takes PATH[,PATH...] (OSU logs or a folder of them)")
+            link, _ = link_from_osu([p for p in rest.split(",") if p])
+            return Ring(link, text)
+        if kind == "fitted":
+            body, _, on = rest.partition("@")
+            numbers = body.split(",")
+            if len(numbers) != 2:
+                raise UsageError("fitted takes A,B[@N] (seconds, seconds per byte)")
+            try:
+                a, b = float(numbers[0]), float(numbers[1])
+                fitted_on = int(on) if on else None
+            except ValueError:
+                raise UsageError(f"fitted takes numbers A,B[@N], got {rest!r}") from None
+            if fitted_on is not None and fitted_on < 2:
+                raise UsageError(f"fitted A,B@N needs N >= 2, got {fitted_on}")
+            try:
+                model = CostModel(a, b)
+            except ValueError as error:
+                raise UsageError(str(error)) from None
+            return Fitted(model, fitted_on, text)
+        raise UsageError(f"unknown kind {kind!r}")
+    except UsageError as error:
+        raise UsageError(f"--network {text!r}: {error}; accepted: {NETWORK_HELP}") from None
+
+
+def _rate(text: str) -> float:
+    from interlace.netem import parse_link
+
+    return parse_link(text)
+
+
+def _latency(text: str) -> float:
+    match = _LATENCY.match(text.strip().lower())
+    if match is None:
+        raise UsageError(f"latency {text!r} is not a time such as 25us, 1ms")
+    return float(match[1]) * _LATENCY_UNITS[match[2]]
+
+
+def _rate_text(rate_bps: float) -> str:
+    if not math.isfinite(rate_bps):
+        return "unlimited bandwidth"
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if rate_bps >= scale:
+            return f"{rate_bps / scale:.3g} {unit}"
+    return f"{rate_bps:.3g} bit/s"

@@ -1,0 +1,552 @@
+"""Traces: what one training iteration of a model looks like, as the simulator needs it.
+
+A :class:`Trace` lists the gradient tensors in backward order (the order they become ready),
+each with its name, its layer, its number of elements and bytes, and the forward and backward
+time of that layer; plus the model-level forward, backward and optimizer-step times and the
+K-FAC factor sizes of every layer. Tensors of one layer sit next to each other and share its
+times; a tensor is ready when its layer's backward ends, so the ready time of every tensor is
+the running sum of the layer backward times.
+
+Traces come from two places:
+
+* ``interlace profile --trace-out T`` writes one for any model, measured on this machine or a
+  GPU (:func:`interlace.profile.trace_from_plan` builds it from the profile DataParallel plans
+  with); it is a JSON file (:meth:`Trace.save`, format ``interlace-trace`` version 1);
+* the MG-WFBP authors' Caffe logs (``googlenet_k80_8workers.log``, see
+  ``../shared/traces/README.md``), read by :func:`read_caffe_log`.
+
+:func:`load_trace` reads either. A malformed line is reported as ``FILE:LINE: what is wrong``
+(:class:`TraceFormatError`), so a damaged trace points at itself.
+
+This module needs neither torch nor numpy: simulating thousands of configurations starts fast.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from interlace.comm.plan import ReadyTensor
+from interlace.errors import UsageError
+
+FORMAT = "interlace-trace"
+VERSION = 1
+
+#: Bytes of a float32 gradient element, the Caffe logs' element type.
+FLOAT32_BYTES = 4
+
+#: The MG-WFBP authors' simulator took the forward pass as half of the backward pass (their
+#: logs time only backward); we follow it for traces read from those logs.
+CAFFE_FORWARD_PER_BACKWARD = 0.5
+
+
+class TraceFormatError(UsageError):
+    """A trace file that cannot be read; the message starts with ``FILE:LINE:`` where known."""
+
+
+@dataclass(frozen=True)
+class TensorTrace:
+    """One gradient tensor: its name and layer, its size, and its layer's compute times."""
+
+    name: str
+    layer: str
+    numel: int
+    nbytes: int
+    #: Forward time of the tensor's layer, seconds (shared by the layer's tensors).
+    layer_forward_s: float
+    #: Backward time of the tensor's layer, seconds: from the end of the previous layer's
+    #: backward to the moment this layer's gradients are ready (shared by the layer's tensors).
+    layer_backward_s: float
+
+
+@dataclass(frozen=True)
+class FactorTrace:
+    """K-FAC factor sizes of one layer: ``A`` is ``a_dim x a_dim``, ``G`` is ``g_dim x g_dim``."""
+
+    layer: str
+    a_dim: int
+    g_dim: int
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One iteration of one model on one kind of device (see the module docstring)."""
+
+    model: str
+    #: Tensors in backward order (first ready first).
+    tensors: tuple[TensorTrace, ...]
+    #: Whole forward pass, seconds.
+    forward_s: float
+    #: Whole backward pass, seconds: at least the sum of the layers' backward times (what follows
+    #: the last gradient, if anything, is the rest).
+    backward_s: float
+    #: Optimizer step after backward, seconds (0 where the source does not say).
+    step_s: float = 0.0
+    factors: tuple[FactorTrace, ...] = ()
+    #: Bytes of each collective made before every forward: DDP and DataParallel re-broadcast
+    #: the module's buffers (BatchNorm statistics), one message per dtype. Empty for Caffe.
+    broadcast_bytes: tuple[int, ...] = ()
+    #: Where the trace was measured: device, ranks, link; free text.
+    source: str = ""
+    #: Ranks the trace was profiled with (compute per rank depends on it on a shared CPU).
+    workers: int = 1
+    notes: str = ""
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.tensors:
+            raise ValueError(f"trace of {self.model!r} has no tensors")
+        for value, what in (
+            (self.forward_s, "forward_s"),
+            (self.backward_s, "backward_s"),
+            (self.step_s, "step_s"),
+        ):
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"trace of {self.model!r}: {what} must be >= 0, got {value}")
+        for tensor in self.tensors:
+            if tensor.numel < 1 or tensor.nbytes < 1:
+                raise ValueError(f"tensor {tensor.name!r} has no elements")
+            if not (tensor.layer_backward_s >= 0 and tensor.layer_forward_s >= 0):
+                raise ValueError(f"tensor {tensor.name!r} has a negative layer time")
+        layers_s = self.layer_backward_total_s
+        if self.backward_s < layers_s * (1 - 1e-9):
+            raise ValueError(
+                f"trace of {self.model!r}: backward_s {self.backward_s} is shorter than its "
+                f"layers' backward times together ({layers_s})"
+            )
+
+    # ------------------------------------------------------------------ derived views
+
+    @property
+    def layers(self) -> list[tuple[str, list[int]]]:
+        """Runs of consecutive tensors of one layer: ``(layer, tensor indices)`` in backward
+        order. A layer whose tensors are not adjacent counts once per run."""
+        runs: list[tuple[str, list[int]]] = []
+        for index, tensor in enumerate(self.tensors):
+            if runs and runs[-1][0] == tensor.layer:
+                runs[-1][1].append(index)
+            else:
+                runs.append((tensor.layer, [index]))
+        return runs
+
+    @property
+    def layer_backward_total_s(self) -> float:
+        return sum(self.tensors[indices[0]].layer_backward_s for _, indices in self.layers)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(tensor.nbytes for tensor in self.tensors)
+
+    @property
+    def total_numel(self) -> int:
+        return sum(tensor.numel for tensor in self.tensors)
+
+    def ready_times(self) -> list[float]:
+        """Seconds from the start of backward at which each tensor is ready."""
+        ready = [0.0] * len(self.tensors)
+        clock = 0.0
+        for _, indices in self.layers:
+            clock += self.tensors[indices[0]].layer_backward_s
+            for index in indices:
+                ready[index] = clock
+        return ready
+
+    def ready_tensors(self, per_layer: bool = False) -> list[ReadyTensor]:
+        """The planners' input: every tensor (or, with ``per_layer``, every layer as one
+        message, as Caffe's WFBP sent a layer's weight and bias together) in ready order."""
+        ready = self.ready_times()
+        if not per_layer:
+            return [
+                ReadyTensor(tensor.name, tensor.nbytes, ready[index])
+                for index, tensor in enumerate(self.tensors)
+            ]
+        return [
+            ReadyTensor(layer, sum(self.tensors[i].nbytes for i in indices), ready[indices[-1]])
+            for layer, indices in self.layers
+        ]
+
+    def describe(self) -> str:
+        """One line: model, tensors, layers, size and compute times."""
+        return (
+            f"{self.model}: {len(self.tensors)} tensors in {len(self.layers)} layers, "
+            f"{self.total_numel:,} parameters ({self.total_bytes / 1e6:.2f} MB); forward "
+            f"{self.forward_s * 1e3:.2f} ms, backward {self.backward_s * 1e3:.2f} ms, step "
+            f"{self.step_s * 1e3:.2f} ms" + (f" ({self.source})" if self.source else "")
+        )
+
+    # ------------------------------------------------------------------ JSON
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        return {"format": FORMAT, "version": VERSION, **data}
+
+    def save(self, path: str | Path) -> Path:
+        """Write the trace as JSON: a header, then one tensor per line (diffable, greppable)."""
+        path = Path(path)
+        data = self.to_dict()
+        tensors = data.pop("tensors")
+        factors = data.pop("factors")
+        head = json.dumps(data, indent=1, allow_nan=False)[:-2]
+        lines = [head + ",", ' "tensors": [']
+        lines += [f"  {json.dumps(t, allow_nan=False)}," for t in tensors]
+        lines[-1] = lines[-1].rstrip(",")
+        lines += [" ],", ' "factors": [']
+        lines += [f"  {json.dumps(f, allow_nan=False)}," for f in factors]
+        if factors:
+            lines[-1] = lines[-1].rstrip(",")
+        lines += [" ]", "}"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+
+def load_trace(path: str | Path) -> Trace:
+    """A trace from an ``interlace-trace`` JSON file or an MG-WFBP Caffe log (by content)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise TraceFormatError(f"{path}: cannot read the trace ({error.strerror})") from None
+    if text.lstrip().startswith("{"):
+        return _from_json(path, text)
+    return read_caffe_log(path, text)
+
+
+def _from_json(path: Path, text: str) -> Trace:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise TraceFormatError(f"{path}:{error.lineno}: not valid JSON ({error.msg})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise TraceFormatError(f'{path}:1: not an {FORMAT} file (no "format": "{FORMAT}")')
+    if data.get("version") != VERSION:
+        raise TraceFormatError(
+            f"{path}:1: {FORMAT} version {data.get('version')!r}; this interlace reads "
+            f"version {VERSION}"
+        )
+    lines = text.splitlines()
+
+    def line_of(needle: str, after: int = 0) -> int:
+        for number in range(after, len(lines)):
+            if needle in lines[number]:
+                return number + 1
+        return 1
+
+    tensors: list[TensorTrace] = []
+    cursor = line_of('"tensors"')
+    for index, item in enumerate(data.get("tensors") or []):
+        where = line_of(json.dumps(item.get("name")) if isinstance(item, dict) else "{", cursor)
+        cursor = where
+        try:
+            tensors.append(
+                TensorTrace(
+                    name=str(item["name"]),
+                    layer=str(item["layer"]),
+                    numel=_int(item["numel"]),
+                    nbytes=_int(item["nbytes"]),
+                    layer_forward_s=_float(item["layer_forward_s"]),
+                    layer_backward_s=_float(item["layer_backward_s"]),
+                )
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise TraceFormatError(
+                f"{path}:{where}: tensor {index} is malformed ({_reason(error)}); each needs "
+                "name, layer, numel, nbytes, layer_forward_s and layer_backward_s"
+            ) from None
+    factors: list[FactorTrace] = []
+    cursor = line_of('"factors"')
+    for index, item in enumerate(data.get("factors") or []):
+        where = line_of("{", cursor + 1)
+        cursor = where
+        try:
+            factors.append(
+                FactorTrace(str(item["layer"]), _int(item["a_dim"]), _int(item["g_dim"]))
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise TraceFormatError(
+                f"{path}:{where}: factor {index} is malformed ({_reason(error)}); each needs "
+                "layer, a_dim and g_dim"
+            ) from None
+    try:
+        return Trace(
+            model=str(data["model"]),
+            tensors=tuple(tensors),
+            forward_s=_float(data["forward_s"]),
+            backward_s=_float(data["backward_s"]),
+            step_s=_float(data.get("step_s", 0.0)),
+            factors=tuple(factors),
+            source=str(data.get("source", "")),
+            workers=_int(data.get("workers", 1)),
+            notes=str(data.get("notes", "")),
+            broadcast_bytes=tuple(_int(v) for v in data.get("broadcast_bytes") or ()),
+            extra=dict(data.get("extra") or {}),
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        raise TraceFormatError(f"{path}:1: {_reason(error)}") from None
+
+
+def _reason(error: Exception) -> str:
+    if isinstance(error, KeyError):
+        return f"missing key {error.args[0]!r}"
+    return str(error)
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected an integer, got {value!r}")
+    return value
+
+
+def _float(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"expected a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {value!r}")
+    return float(value)
+
+
+# ---------------------------------------------------------------------- Caffe logs
+
+#: ``... distributed.cpp:112] [i, numel, backward_us, comm_us, merged_comm_us]``
+_CAFFE_RECORD = re.compile(r"\[([^\[\]]*)\]\s*$")
+_NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+_CAFFE_FIELDS = re.compile(
+    rf"^\s*(\d+)\s*,\s*(\d+)\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,"
+    rf"\s*({_NUMBER})\s*$"
+)
+
+
+def read_caffe_log(path: str | Path, text: str | None = None, *, model: str = "") -> Trace:
+    """The last complete iteration of an MG-WFBP Caffe log as a :class:`Trace`.
+
+    Each line ends with ``[i, numel, backward_us, comm_us, merged_comm_us]`` (see
+    ``../shared/traces/README.md``): tensor ``i`` counts from the input side, even ``i`` a
+    layer's weight and odd ``i`` its bias, both carrying the layer's backward time; an iteration
+    is the run of lines ``i = 0, 1, ...`` and backward visits it from the highest ``i`` down.
+    Blank lines and ``#`` comments are skipped; any other line that does not end in such a
+    record, or a record out of sequence, is an error naming the file and line.
+    """
+    path = Path(path)
+    if text is None:
+        try:
+            text = path.read_text()
+        except OSError as error:
+            raise TraceFormatError(f"{path}: cannot read the trace ({error.strerror})") from None
+    iterations: list[list[tuple[int, int, float, float]]] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        record = _CAFFE_RECORD.search(stripped)
+        fields = _CAFFE_FIELDS.match(record[1]) if record else None
+        if fields is None:
+            raise TraceFormatError(
+                f"{path}:{number}: expected a line ending in "
+                f"'[index, numel, backward_us, comm_us, merged_comm_us]', got {stripped[-80:]!r}"
+            )
+        index, numel = int(fields[1]), int(fields[2])
+        backward_us, comm_us = float(fields[3]), float(fields[4])
+        if numel < 1 or backward_us < 0 or comm_us < 0:
+            raise TraceFormatError(
+                f"{path}:{number}: numel must be >= 1 and times >= 0, got {record and record[0]}"
+            )
+        if index == 0:
+            iterations.append([])
+        elif not iterations or index != len(iterations[-1]):
+            expected = len(iterations[-1]) if iterations else 0
+            raise TraceFormatError(
+                f"{path}:{number}: tensor index {index} out of sequence (expected {expected}, "
+                "or 0 to start an iteration)"
+            )
+        iterations[-1].append((number, numel, backward_us * 1e-6, comm_us * 1e-6))
+    if not iterations:
+        raise TraceFormatError(f"{path}:1: no '[index, numel, backward_us, ...]' records")
+    complete = [it for it in iterations if len(it) == len(iterations[0])]
+    last = complete[-1]
+    if len(last) % 2:
+        raise TraceFormatError(
+            f"{path}:{last[-1][0]}: {len(last)} tensors in an iteration; weights and biases "
+            "come in pairs"
+        )
+    tensors: list[TensorTrace] = []
+    factors: list[FactorTrace] = []
+    inexact: list[int] = []
+    for layer in reversed(range(len(last) // 2)):
+        (w_line, w_numel, w_back, _), (b_line, b_numel, b_back, _) = last[2 * layer : 2 * layer + 2]
+        if not math.isclose(w_back, b_back, rel_tol=1e-6):
+            raise TraceFormatError(
+                f"{path}:{b_line}: a bias's backward time ({b_back * 1e6:g} us) differs from its "
+                f"weight's on line {w_line} ({w_back * 1e6:g} us)"
+            )
+        if w_numel % b_numel:
+            inexact.append(w_line)
+        name = f"layer{layer}"
+        for suffix, numel in (("weight", w_numel), ("bias", b_numel)):
+            tensors.append(
+                TensorTrace(
+                    f"{name}.{suffix}",
+                    name,
+                    numel,
+                    numel * FLOAT32_BYTES,
+                    w_back * CAFFE_FORWARD_PER_BACKWARD,
+                    w_back,
+                )
+            )
+        # A Caffe convolution or inner product: G is out x out (bias length), A is the unfolded
+        # input plus the ones column of the bias. A weight that is not a multiple of its bias
+        # (the log pairs a few tensors of different layers) gets the nearest size, said in notes.
+        factors.append(FactorTrace(name, max(round(w_numel / b_numel), 1) + 1, b_numel))
+    backward_s = sum(t.layer_backward_s for t in tensors[::2])
+    return Trace(
+        model=model or _model_from_name(path),
+        tensors=tuple(tensors),
+        forward_s=backward_s * CAFFE_FORWARD_PER_BACKWARD,
+        backward_s=backward_s,
+        step_s=0.0,
+        factors=tuple(factors),
+        source=f"Caffe log {path.name}",
+        workers=_workers_from_name(path),
+        notes=(
+            f"iteration {len(complete)} of {len(iterations)} in the log; forward taken as "
+            f"{CAFFE_FORWARD_PER_BACKWARD:g} x backward per layer, as the authors' simulator did"
+            + (
+                f"; K-FAC A sizes rounded where a weight is not a multiple of its bias (lines "
+                f"{', '.join(map(str, sorted(inexact)))})"
+                if inexact
+                else ""
+            )
+        ),
+        extra={"comm_s": [rec[3] for rec in last]},
+    )
+
+
+def _model_from_name(path: Path) -> str:
+    return path.stem.split("_")[0] or path.stem
+
+
+def _workers_from_name(path: Path) -> int:
+    match = re.search(r"(\d+)\s*workers", path.name)
+    return int(match[1]) if match else 1
+
+
+def scaled(trace: Trace, compute: float) -> Trace:
+    """``trace`` with every compute time multiplied by ``compute`` (e.g. a faster device)."""
+    if not compute > 0:
+        raise ValueError(f"a compute scale must be > 0, got {compute}")
+    return replace(
+        trace,
+        tensors=tuple(
+            replace(
+                t,
+                layer_forward_s=t.layer_forward_s * compute,
+                layer_backward_s=t.layer_backward_s * compute,
+            )
+            for t in trace.tensors
+        ),
+        forward_s=trace.forward_s * compute,
+        backward_s=trace.backward_s * compute,
+        step_s=trace.step_s * compute,
+    )
+
+
+def with_totals(trace: Trace, forward_s: float, backward_s: float, step_s: float) -> Trace:
+    """``trace`` with its forward, backward and step lasting the given totals.
+
+    Each layer's forward and backward time is scaled with its pass, so the trace keeps its
+    shape (which layer takes what share, when each tensor is ready) while its totals come from
+    another measurement, e.g. one taken alongside the runs it is compared with.
+    """
+    if min(forward_s, backward_s, step_s) < 0:
+        raise ValueError("totals must be >= 0")
+    forward = forward_s / trace.forward_s if trace.forward_s > 0 else 1.0
+    backward = backward_s / trace.backward_s if trace.backward_s > 0 else 1.0
+    return replace(
+        trace,
+        tensors=tuple(
+            replace(
+                t,
+                layer_forward_s=t.layer_forward_s * forward,
+                layer_backward_s=t.layer_backward_s * backward,
+            )
+            for t in trace.tensors
+        ),
+        forward_s=trace.forward_s * forward,
+        backward_s=trace.backward_s * backward,
+        step_s=step_s,
+    )
+
+
+def from_ready(
+    model: str,
+    *,
+    names: Sequence[str],
+    layers: Sequence[str],
+    numels: Sequence[int],
+    element_bytes: Sequence[int],
+    ready_s: Sequence[float],
+    forward_s: float,
+    backward_s: float,
+    step_s: float = 0.0,
+    layer_forward_s: dict[str, float] | None = None,
+    factors: Sequence[FactorTrace] = (),
+    source: str = "",
+    workers: int = 1,
+    notes: str = "",
+    broadcast_bytes: Sequence[int] = (),
+) -> Trace:
+    """A trace from measured per-tensor ready times (seconds from the start of backward).
+
+    Tensors must come in ready order. Consecutive tensors of one layer form one run; the run's
+    backward time is from the previous run's last ready time to its own last one, so the trace
+    reproduces every run's ready time exactly. A layer without a measured forward time gets a
+    share of ``forward_s`` in proportion to its backward time.
+    """
+    count = len(names)
+    if not count == len(layers) == len(numels) == len(element_bytes) == len(ready_s):
+        raise ValueError("names, layers, numels, element_bytes and ready_s differ in length")
+    if any(b < a for a, b in itertools.pairwise(ready_s)):
+        raise ValueError("tensors must come in ready order")
+    runs: list[tuple[str, list[int]]] = []
+    for index in range(count):
+        if runs and runs[-1][0] == layers[index]:
+            runs[-1][1].append(index)
+        else:
+            runs.append((layers[index], [index]))
+    backward_of: list[float] = [0.0] * count
+    previous = 0.0
+    for _, indices in runs:
+        end = max(ready_s[indices[-1]], 0.0)
+        for index in indices:
+            backward_of[index] = end - previous
+        previous = end
+    measured = layer_forward_s or {}
+    total_backward = max(previous, 1e-12)
+    tensors = tuple(
+        TensorTrace(
+            names[i],
+            layers[i],
+            numels[i],
+            numels[i] * element_bytes[i],
+            measured.get(layers[i], forward_s * backward_of[i] / total_backward),
+            backward_of[i],
+        )
+        for i in range(count)
+    )
+    return Trace(
+        model=model,
+        tensors=tensors,
+        forward_s=forward_s,
+        backward_s=max(backward_s, previous),
+        step_s=step_s,
+        factors=tuple(factors),
+        source=source,
+        workers=workers,
+        notes=notes,
+        broadcast_bytes=tuple(broadcast_bytes),
+    )

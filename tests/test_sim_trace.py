@@ -1,0 +1,158 @@
+"""Simulator traces: the MG-WFBP Caffe log, our JSON format, and errors that point at the line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from interlace.sim.trace import (
+    FactorTrace,
+    TensorTrace,
+    Trace,
+    TraceFormatError,
+    from_ready,
+    load_trace,
+    scaled,
+)
+
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+GOOGLENET = TRACES / "googlenet_k80_8workers.log"
+needs_traces = pytest.mark.skipif(not GOOGLENET.exists(), reason=f"{GOOGLENET} not present")
+
+LINE = "I0219 13:29:33.944887 66221 distributed.cpp:112] [{}, {}, {}, 0, 0]"
+
+
+def caffe_log(records: list[tuple[int, int, float]]) -> str:
+    return "\n".join(LINE.format(*record) for record in records) + "\n"
+
+
+@needs_traces
+def test_googlenet_log_parses_to_its_documented_counts_and_sizes() -> None:
+    trace = load_trace(GOOGLENET)
+    # README: 128 parameter tensors in 64 layers, 13.38 M parameters, float32.
+    assert len(trace.tensors) == 128
+    assert len(trace.layers) == 64
+    assert trace.total_numel == 13_379_136
+    assert trace.total_bytes == 4 * 13_379_136
+    assert trace.workers == 8
+    # Backward order: the classifier (index 126/127) first, the first convolution last.
+    first, last = trace.tensors[0], trace.tensors[-1]
+    assert (first.name, first.numel, first.layer_backward_s) == (
+        "layer63.weight",
+        1_024_000,
+        pytest.approx(461.088e-6),
+    )
+    assert (last.name, last.numel) == ("layer0.bias", 64)
+    assert last.layer_backward_s == pytest.approx(15143.7e-6)
+    # A layer's time is counted once: weight and bias are ready together.
+    ready = trace.ready_times()
+    assert ready[0] == ready[1] == pytest.approx(461.088e-6)
+    assert ready[-1] == pytest.approx(trace.backward_s)
+    assert trace.forward_s == pytest.approx(trace.backward_s / 2)
+    assert len(trace.factors) == 64
+
+
+def test_the_last_complete_iteration_is_used_and_layers_pair_up(tmp_path: Path) -> None:
+    path = tmp_path / "tiny_2workers.log"
+    first = [(0, 10, 5.0), (1, 2, 5.0), (2, 30, 1.0), (3, 3, 1.0)]
+    second = [(0, 10, 50.0), (1, 2, 50.0), (2, 30, 10.0), (3, 3, 10.0)]
+    path.write_text(caffe_log(first + second))
+    trace = load_trace(path)
+    assert [t.name for t in trace.tensors] == [
+        "layer1.weight",
+        "layer1.bias",
+        "layer0.weight",
+        "layer0.bias",
+    ]
+    assert trace.ready_times() == pytest.approx([10e-6, 10e-6, 60e-6, 60e-6])
+    assert trace.backward_s == pytest.approx(60e-6)
+    assert trace.factors[0] == FactorTrace("layer1", 11, 3)
+    assert trace.workers == 2
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ("I0219 distributed.cpp:112] [2, 30, oops, 0, 0]", "expected a line ending in"),
+        ("I0219 distributed.cpp:112] [7, 30, 1.0, 0, 0]", "tensor index 7 out of sequence"),
+        ("garbage", "expected a line ending in"),
+    ],
+)
+def test_a_malformed_log_line_is_reported_with_file_and_line(
+    tmp_path: Path, bad: str, message: str
+) -> None:
+    path = tmp_path / "broken.log"
+    path.write_text(caffe_log([(0, 10, 5.0), (1, 2, 5.0)]) + bad + "\n")
+    with pytest.raises(TraceFormatError, match=f"^{path}:3: {message}"):
+        load_trace(path)
+
+
+def small_trace() -> Trace:
+    return from_ready(
+        "toy",
+        names=["fc.weight", "fc.bias", "conv.weight"],
+        layers=["fc", "fc", "conv"],
+        numels=[100, 10, 50],
+        element_bytes=[4, 4, 4],
+        ready_s=[0.001, 0.0012, 0.004],
+        forward_s=0.002,
+        backward_s=0.005,
+        step_s=0.0005,
+        layer_forward_s={"conv": 0.0015},
+        factors=[FactorTrace("fc", 11, 10)],
+        broadcast_bytes=[64],
+    )
+
+
+def test_from_ready_keeps_run_ends_and_shares_forward_by_backward() -> None:
+    trace = small_trace()
+    # A layer's tensors are ready when the layer's run ends.
+    assert trace.ready_times() == pytest.approx([0.0012, 0.0012, 0.004])
+    assert trace.tensors[0].layer_backward_s == pytest.approx(0.0012)
+    assert trace.tensors[2].layer_backward_s == pytest.approx(0.0028)
+    assert trace.tensors[2].layer_forward_s == pytest.approx(0.0015)  # measured
+    # Not measured: a share of forward in proportion to backward (1.2 of 4 ms).
+    assert trace.tensors[0].layer_forward_s == pytest.approx(0.002 * 1.2 / 4)
+    per_layer = trace.ready_tensors(per_layer=True)
+    assert [(t.name, t.nbytes) for t in per_layer] == [("fc", 440), ("conv", 200)]
+
+
+def test_json_round_trip(tmp_path: Path) -> None:
+    trace = small_trace()
+    path = trace.save(tmp_path / "toy.json")
+    assert load_trace(path) == trace
+    # One tensor per line, so a malformed tensor can be pointed at.
+    lines = path.read_text().splitlines()
+    number = next(i for i, line in enumerate(lines, 1) if '"conv.weight"' in line)
+    lines[number - 1] = lines[number - 1].replace('"numel": 50', '"numel": "many"')
+    path.write_text("\n".join(lines))
+    with pytest.raises(TraceFormatError, match=rf"^{path}:{number}: tensor 2 is malformed"):
+        load_trace(path)
+
+
+def test_broken_json_names_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text('{\n "format": "interlace-trace",\n "version": 1,\n oops\n}\n')
+    with pytest.raises(TraceFormatError, match=rf"^{path}:4: not valid JSON"):
+        load_trace(path)
+    path.write_text('{"format": "something-else"}')
+    with pytest.raises(TraceFormatError, match="not an interlace-trace file"):
+        load_trace(path)
+
+
+def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(TraceFormatError, match="cannot read the trace"):
+        load_trace(tmp_path / "nope.log")
+
+
+def test_scaled_multiplies_every_compute_time() -> None:
+    trace = scaled(small_trace(), 2.0)
+    assert trace.ready_times() == pytest.approx([0.0024, 0.0024, 0.008])
+    assert (trace.forward_s, trace.backward_s, trace.step_s) == pytest.approx((0.004, 0.01, 0.001))
+
+
+def test_a_backward_shorter_than_its_layers_is_refused() -> None:
+    tensor = TensorTrace("w", "l", 1, 4, 0.0, 0.01)
+    with pytest.raises(ValueError, match="shorter than its layers"):
+        Trace("m", (tensor,), forward_s=0.0, backward_s=0.005)
