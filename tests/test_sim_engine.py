@@ -13,7 +13,14 @@ from hypothesis import strategies as st
 from interlace.comm.cost import CostModel
 from interlace.comm.plan import ReadyTensor, make_plan, schedule
 from interlace.errors import UsageError
-from interlace.sim.engine import STRATEGIES, Contention, replay, simulate, simulate_scaling
+from interlace.sim.engine import (
+    STRATEGIES,
+    Contention,
+    replay,
+    simulate,
+    simulate_scaling,
+    strategy_named,
+)
 from interlace.sim.experiments import check_claims, parse_workers, scaling_rows
 from interlace.sim.network import (
     Fitted,
@@ -93,6 +100,48 @@ def test_replay_without_contention_is_schedule(
         assert [t for c in replayed.comms for t in (c.start_s, c.end_s)] == pytest.approx(
             [t for b in plan.buckets for t in (b.start_s, b.end_s)], abs=1e-12
         )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    gaps=st.lists(st.floats(0.0, 5.0), min_size=1, max_size=20),
+    sizes=st.lists(st.integers(1, 4_000_000), min_size=20, max_size=20),
+    channels=st.integers(2, 4),
+    partition=st.sampled_from([None, 1e6]),
+    c2=st.floats(1.0, 2.0),
+)
+def test_replay_on_several_channels_without_contention_is_the_plans_timeline(
+    gaps: list[float], sizes: list[int], channels: int, partition: float | None, c2: float
+) -> None:
+    ready = [sum(gaps[: i + 1]) * MS for i in range(len(gaps))]
+    tensors = [ReadyTensor(f"t{i}", sizes[i], t) for i, t in enumerate(ready)]
+    cost = CostModel(1 * MS, 1e-9, concurrency=((1.2 * MS, c2), (1.5 * MS, 2.5)))
+    for name in ("per-tensor", "fixed", "merged"):
+        plan = make_plan(
+            name,
+            tensors,
+            cost,
+            cap_bytes=5e6,
+            backward_s=ready[-1],
+            forward_s=1 * MS,
+            channels=channels,
+            partition_bytes=partition,
+        )
+        replayed = replay(plan)
+        assert replayed.iteration_s == pytest.approx(plan.predicted_s, rel=1e-9, abs=1e-12)
+        assert [t for c in replayed.comms for t in (c.start_s, c.end_s)] == pytest.approx(
+            [t for b in plan.buckets for t in (b.start_s, b.end_s)], abs=1e-12
+        )
+
+
+def test_channel_strategies_are_named_with_a_k_suffix() -> None:
+    assert strategy_named("mgwfbp/k=2").channels == 2
+    three = strategy_named("wfbp/k=3")
+    assert (three.name, three.bucketing, three.channels) == ("wfbp/k=3", "per-tensor", 3)
+    with pytest.raises(UsageError, match="one channel"):
+        strategy_named("optimal/k=2")
+    with pytest.raises(UsageError, match="/k=K"):
+        strategy_named("mgwfbp/k=zero")
 
 
 def test_contention_slows_compute_only_while_communication_is_in_flight() -> None:

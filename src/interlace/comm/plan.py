@@ -167,13 +167,19 @@ def slice_count(nbytes: int, channels: int, partition_bytes: float | None) -> in
     return min(channels, math.ceil(nbytes / partition_bytes))
 
 
+def slice_sizes(nbytes: int, count: int) -> list[int]:
+    """Bytes of each of ``count`` slices of a bucket (the first ``nbytes % count`` one more)."""
+    return [nbytes // count + (1 if k < nbytes % count else 0) for k in range(count)]
+
+
 class ChannelClock:
     """The communication timeline of ``channels`` channels, built one bucket at a time.
 
     Launch order is plan order: a bucket goes out once it is ready and every earlier bucket has
     gone out. Its slices take the channels predicted to be free first (ties: the lowest index,
     so every rank computes the same assignment); a slice starts when its channel is free and
-    lasts ``a_j + c_j * b * m`` for ``j`` all-reduces in flight at its start. Earlier ones are not
+    lasts ``a_j + c_j * b * m`` for ``j`` all-reduces in flight at its start (itself and any
+    starting at the same instant included). Earlier ones are not
     slowed after the fact: the newcomer pays for the sharing, so the total stays right for a
     shared link while start-ups still overlap.
     """
@@ -199,16 +205,25 @@ class ChannelClock:
         self.launched = max(self.launched, ready_s)
         count = slice_count(nbytes, self.channels, self.partition_bytes)
         chosen = sorted(range(self.channels), key=lambda c: (self.free[c], c))[:count]
-        sizes = [nbytes // count + (1 if k < nbytes % count else 0) for k in range(count)]
+        sizes = slice_sizes(nbytes, count)
         starts = [max(self.launched, self.free[c]) for c in chosen]
-        ends = []
-        for k, (size, start) in enumerate(zip(sizes, starts, strict=True)):
+        ends = [0.0] * count
+        placed: set[int] = set()
+        # Slices in order of start; each counts what is in flight when it starts: earlier
+        # buckets' all-reduces, siblings already running, and siblings starting at that instant.
+        for k in sorted(range(count), key=lambda k: (starts[k], k)):
+            start = starts[k]
             in_flight = sum(1 for begin, end in self._flights if begin <= start < end)
-            siblings = sum(1 for other, s in enumerate(starts) if other != k and s <= start)
-            ends.append(start + self.cost.time(size, 1 + in_flight + siblings))
-        for channel, start, end in zip(chosen, starts, ends, strict=True):
+            starting = sum(
+                1
+                for other in range(count)
+                if other != k and other not in placed and starts[other] == start
+            )
+            ends[k] = start + self.cost.time(sizes[k], 1 + in_flight + starting)
+            self._flights.append((start, ends[k]))
+            placed.add(k)
+        for channel, end in zip(chosen, ends, strict=True):
             self.free[channel] = end
-            self._flights.append((start, end))
         # Later slices start at or after this launch: what ended before it can no longer overlap.
         self._flights = [flight for flight in self._flights if flight[1] > self.launched]
         return Bucket(indices, nbytes, ready_s, min(starts), max(ends), tuple(chosen))

@@ -51,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--strategy",
         "--strategies",
         dest="strategy",
-        help=f"comma-separated strategies (default: all of {', '.join(STRATEGIES)}; "
+        help=f"comma-separated strategies, each optionally with /k=K for K channels "
+        f"(default: all of {', '.join(STRATEGIES)}; "
         f"--validate: {','.join(validate.DEFAULT_STRATEGIES)})",
     )
     parser.add_argument(
@@ -134,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_scaling(args: argparse.Namespace) -> int:
     from interlace.bench.dp import parse_names
-    from interlace.sim.engine import STRATEGIES, simulate_scaling
+    from interlace.sim.engine import STRATEGIES, simulate_scaling, strategy_named
     from interlace.sim.experiments import (
         check_claims,
         format_paper_comparison,
@@ -150,10 +151,12 @@ def run_scaling(args: argparse.Namespace) -> int:
     if args.timelines is not None and args.timelines < 1:
         raise UsageError(f"--timelines: a worker count must be >= 1, got {args.timelines}")
     strategies = (
-        parse_names(args.strategy, tuple(STRATEGIES), "strategy", "strategy")
+        parse_names(args.strategy, None, "strategy", "strategy")
         if args.strategy
         else tuple(STRATEGIES)
     )
+    for name in strategies:
+        strategy_named(name)  # a clear error for an unknown name, before any work
     network = parse_network(args.network)
     trace = load_trace(args.trace)
     started = time.perf_counter()
@@ -202,7 +205,7 @@ def run_scaling(args: argparse.Namespace) -> int:
                 network=network.spec,
             )
             timeline = result.timeline()
-            stem = folder / f"timeline-{strategy}-{count}w"
+            stem = folder / f"timeline-{strategy.replace('/', '-')}-{count}w"
             timeline.to_png(stem.with_suffix(".png"))
             timeline.to_chrome_trace(stem.with_suffix(".json"))
         print(f"timelines at {count} workers: {folder}/timeline-<strategy>-{count}w.png/.json")

@@ -16,19 +16,22 @@ flight. :class:`Contention` models that with one number, the factor by which com
 while communication is in flight, calibrated from a measured run (see
 :mod:`interlace.sim.validate`); the default, 1, is no contention.
 
-A new strategy (the k-channel schedule, K-FAC factor fusion, pipelines) is one more entry of
-:data:`STRATEGIES` or one more caller of :func:`replay`; nothing else changes.
+Several channels (AIACC-Training) are the same planners priced by the k-channel cost model:
+``mgwfbp/k=2`` is MG-WFBP planned and replayed on two channels, each bucket on the channel the
+plan gave it, a slice lasting ``a_j + c_j * b * m`` for ``j`` all-reduces in flight when it
+starts, exactly as :class:`~interlace.comm.plan.ChannelClock` prices it. Any strategy takes a
+``/k=K`` suffix. K-FAC factor fusion and pipelines are further callers of :func:`replay`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from interlace.comm.cost import CostModel
-from interlace.comm.plan import Plan, ReadyTensor, make_plan
+from interlace.comm.plan import Plan, ReadyTensor, make_plan, slice_sizes
 
 if TYPE_CHECKING:
     from interlace.sim.network import Network
@@ -47,6 +50,8 @@ class Strategy:
     description: str
     cap_bytes: float = 25e6
     first_cap_bytes: float | None = None
+    channels: int = 1
+    partition_bytes: float | None = None
 
     def plan(
         self,
@@ -64,6 +69,8 @@ class Strategy:
             first_cap_bytes=self.first_cap_bytes,
             backward_s=backward_s,
             forward_s=forward_s,
+            channels=self.channels,
+            partition_bytes=self.partition_bytes,
         )
 
 
@@ -79,6 +86,8 @@ STRATEGIES: dict[str, Strategy] = {
     "optimal": Strategy(
         "optimal", "optimal", "exact best contiguous bucketing (dynamic programming)"
     ),
+    "mgwfbp/k=2": Strategy("mgwfbp/k=2", "merged", "MG-WFBP on 2 channels (AIACC)", channels=2),
+    "wfbp/k=4": Strategy("wfbp/k=4", "per-tensor", "WFBP on 4 channels (AIACC)", channels=4),
 }
 
 
@@ -162,6 +171,8 @@ def replay(
     tensors = plan.tensors
     if not tensors:
         raise ValueError("replaying a plan needs its tensors (plan.tensors is empty)")
+    if plan.channels > 1:
+        return _replay_channels(plan, contention, step_s, cost, pre_forward_bytes)
     # Compute work between consecutive ready times, then the tail of backward.
     work = [tensors[0].ready_s] + [
         tensors[i].ready_s - tensors[i - 1].ready_s for i in range(1, len(tensors))
@@ -218,6 +229,139 @@ def replay(
     assert backward_end is not None
     pre_forward_s = sum(cost.time(nbytes) for nbytes in pre_forward_bytes)
     return Replay(plan.forward_s, step_s, pre_forward_s, tuple(ready), backward_end, tuple(comms))
+
+
+def _replay_channels(
+    plan: Plan,
+    contention: Contention,
+    step_s: float,
+    cost: CostModel,
+    pre_forward_bytes: Sequence[int],
+) -> Replay:
+    """:func:`replay` on ``plan.channels`` channels.
+
+    A bucket is launched once its tensors are ready and every earlier bucket was launched; its
+    slices queue on the channels the plan assigned; a channel runs its queue one slice after
+    another. Slices starting together count each other, as in
+    :class:`~interlace.comm.plan.ChannelClock`, so without contention this gives the plan's own
+    times. Compute advances at ``1/compute_slowdown`` while any slice is in flight.
+    """
+    tensors = plan.tensors
+    work = [tensors[0].ready_s] + [
+        tensors[i].ready_s - tensors[i - 1].ready_s for i in range(1, len(tensors))
+    ]
+    tail = max(plan.backward_s - tensors[-1].ready_s, 0.0)
+    last_of = [max(bucket.indices) for bucket in plan.buckets]
+    slow = 1.0 / contention.compute_slowdown
+    queues: list[list[tuple[int, int]]] = [[] for _ in range(plan.channels)]
+    running: dict[int, tuple[int, float]] = {}  # channel -> (bucket, seconds left)
+    slices_left = [len(bucket.channels) for bucket in plan.buckets]
+    first_start: dict[int, float] = {}
+    comms: list[CommEvent | None] = [None] * len(plan.buckets)
+
+    ready = [0.0] * len(tensors)
+    now, done, left = 0.0, 0, work[0]
+    in_tail = False
+    backward_end: float | None = None
+    launched = 0
+    while True:
+        while backward_end is None and left <= 0.0:
+            if not in_tail:
+                ready[done] = now
+                done += 1
+                if done < len(tensors):
+                    left = work[done]
+                else:
+                    in_tail, left = True, tail
+            else:
+                backward_end = now
+        while launched < len(plan.buckets) and last_of[launched] < done:
+            bucket = plan.buckets[launched]
+            sizes = slice_sizes(bucket.nbytes, len(bucket.channels))
+            for channel, size in zip(bucket.channels, sizes, strict=True):
+                queues[channel].append((launched, size))
+            launched += 1
+        # Start what can start now, bucket by bucket in launch order.
+        startable = sorted(
+            (queues[c][0][0], c) for c in range(plan.channels) if c not in running and queues[c]
+        )
+        finished_now = False
+        for number in sorted({bucket for bucket, _ in startable}):
+            channels = [c for bucket, c in startable if bucket == number]
+            concurrent = len(running) + len(channels)
+            for channel in channels:
+                _, size = queues[channel].pop(0)
+                first_start.setdefault(number, now)
+                duration = cost.time(size, concurrent)
+                if duration <= 0.0:
+                    finished_now = (
+                        _finish_slice(
+                            plan,
+                            number,
+                            now,
+                            slices_left=slices_left,
+                            first_start=first_start,
+                            ready=ready,
+                            comms=comms,
+                        )
+                        or finished_now
+                    )
+                else:
+                    running[channel] = (number, duration)
+        if finished_now:
+            continue
+        if (
+            backward_end is not None
+            and not running
+            and launched == len(plan.buckets)
+            and not any(queues)
+        ):
+            break
+        rate = slow if running else 1.0
+        to_compute = left / rate if backward_end is None else math.inf
+        to_comm = min((seconds for _, seconds in running.values()), default=math.inf)
+        step = min(to_compute, to_comm)
+        if not math.isfinite(step):
+            raise AssertionError("replay stalled: a bucket waits for a tensor never produced")
+        now += step
+        if backward_end is None:
+            left = 0.0 if step == to_compute else left - step * rate
+        for channel, (number, seconds) in list(running.items()):
+            if seconds - step <= 1e-15:
+                del running[channel]
+                _finish_slice(
+                    plan,
+                    number,
+                    now,
+                    slices_left=slices_left,
+                    first_start=first_start,
+                    ready=ready,
+                    comms=comms,
+                )
+            else:
+                running[channel] = (number, seconds - step)
+    assert backward_end is not None
+    pre_forward_s = sum(cost.time(nbytes) for nbytes in pre_forward_bytes)
+    events = tuple(event for event in comms if event is not None)
+    return Replay(plan.forward_s, step_s, pre_forward_s, tuple(ready), backward_end, events)
+
+
+def _finish_slice(
+    plan: Plan,
+    number: int,
+    now: float,
+    *,
+    slices_left: list[int],
+    first_start: dict[int, float],
+    ready: list[float],
+    comms: list[CommEvent | None],
+) -> bool:
+    """Count one slice of bucket ``number`` done; record the bucket once all its slices are."""
+    slices_left[number] -= 1
+    if slices_left[number] == 0:
+        comms[number] = _comm(plan, number, ready, first_start[number], now)
+        return True
+    return False
 
 
 def _comm(plan: Plan, bucket: int, ready: list[float], start: float, end: float) -> CommEvent:
@@ -314,12 +458,23 @@ def strategy_named(name: str) -> Strategy:
     """The :data:`STRATEGIES` entry ``name``; a clear error naming the choices otherwise."""
     from interlace.errors import UsageError
 
-    try:
+    if name in STRATEGIES:
         return STRATEGIES[name]
-    except KeyError:
-        raise UsageError(
-            f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}"
-        ) from None
+    base, _, suffix = name.partition("/k=")
+    if base in STRATEGIES and suffix.isdigit() and int(suffix) >= 1:
+        channels = int(suffix)
+        if channels > 1 and STRATEGIES[base].bucketing == "optimal":
+            raise UsageError(f"{name!r}: the optimal planner is exact on one channel only")
+        return replace(
+            STRATEGIES[base],
+            name=name,
+            channels=channels,
+            description=f"{STRATEGIES[base].description}, on {channels} channels",
+        )
+    raise UsageError(
+        f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}, or any of them "
+        "with /k=K for K channels (e.g. mgwfbp/k=3)"
+    )
 
 
 def simulate(
