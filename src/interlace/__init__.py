@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["DataParallel", "__version__"]
+__all__ = ["KFAC", "DataParallel", "__version__"]
 
 if TYPE_CHECKING:
     from interlace.dp import DataParallel
+    from interlace.kfac import KFAC
 
 
 def __getattr__(name: str) -> Any:
@@ -21,4 +22,8 @@ def __getattr__(name: str) -> Any:
         from interlace.dp import DataParallel
 
         return DataParallel
+    if name == "KFAC":
+        from interlace.kfac import KFAC
+
+        return KFAC
     raise AttributeError(f"module 'interlace' has no attribute {name!r}")

@@ -1,0 +1,167 @@
+"""Second-order information of one factor, and the preconditioning formulas that use it.
+
+Two methods, as in kfac-pytorch:
+
+* ``eigen`` (inverse-free): ``F = Q diag(d) Q^T``, and the preconditioned gradient of ``V`` is
+  ``Qg [(Qg^T V Qa) / (dg da^T + damping)] Qa^T``. Damping enters at preconditioning time, so a
+  decomposition stays valid when the damping schedule moves.
+* ``inverse``: ``(F + damping I)^-1`` for each factor, and ``(G + dI)^-1 V (A + dI)^-1``.
+
+A diagonal factor (an embedding's ``A``) is stored as its diagonal vector: its eigenvectors are
+the identity and its inverse is elementwise, so no decomposition is computed for it at all.
+
+Everything here is a pure function of tensors, so the preconditioner, the tests and the
+simulator agree on one definition.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "COMPUTE_METHODS",
+    "DecompositionError",
+    "FactorDecomposition",
+    "decompose",
+    "precondition",
+]
+
+COMPUTE_METHODS = ("eigen", "inverse")
+
+#: How many times a failing decomposition is retried, each time with ten times more damping on
+#: the diagonal, before the caller falls back to the previous decomposition.
+RETRIES = 3
+
+
+class DecompositionError(RuntimeError):
+    """A factor could not be decomposed into finite numbers, even with extra damping."""
+
+
+@dataclass
+class FactorDecomposition:
+    """One factor's second-order information.
+
+    ``eigen``: ``vectors`` (``n x n``, None for a diagonal factor) and ``values`` (``n``).
+    ``inverse``: ``inverse`` (``n x n``), or for a diagonal factor ``values`` holding
+    ``1 / (diag + damping)``.
+    """
+
+    method: str
+    values: torch.Tensor | None = None
+    vectors: torch.Tensor | None = None
+    inverse: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors that travel when the decomposition is broadcast, in a fixed order."""
+        return [t for t in (self.vectors, self.values, self.inverse) if t is not None]
+
+    def replace(self, tensors: list[torch.Tensor]) -> None:
+        """Take new values for :meth:`tensors`, in the same order (after a broadcast)."""
+        if self.vectors is not None:
+            self.vectors = tensors.pop(0)
+        if self.values is not None:
+            self.values = tensors.pop(0)
+        if self.inverse is not None:
+            self.inverse = tensors.pop(0)
+
+
+def empty_like_decomposition(
+    method: str, dim: int, diagonal: bool, dtype: torch.dtype, device: torch.device
+) -> FactorDecomposition:
+    """Buffers of the right shapes for receiving a broadcast decomposition."""
+    if diagonal:
+        return FactorDecomposition(method, values=torch.empty(dim, dtype=dtype, device=device))
+    if method == "eigen":
+        return FactorDecomposition(
+            method,
+            values=torch.empty(dim, dtype=dtype, device=device),
+            vectors=torch.empty(dim, dim, dtype=dtype, device=device),
+        )
+    return FactorDecomposition(method, inverse=torch.empty(dim, dim, dtype=dtype, device=device))
+
+
+def decompose(
+    factor: torch.Tensor, method: str, damping: float, dtype: torch.dtype
+) -> FactorDecomposition:
+    """Decompose (``eigen``) or invert (``inverse``) ``factor`` in ``dtype``.
+
+    A 1-D ``factor`` is a diagonal. Raises :class:`DecompositionError` when even
+    :data:`RETRIES` escalations of the damping give no finite result.
+    """
+    work = factor.to(dtype)
+    if work.dim() == 1:
+        if method == "eigen":
+            return FactorDecomposition(method, values=work.clamp(min=0.0))
+        return FactorDecomposition(method, values=1.0 / (work + damping))
+    if not bool(torch.isfinite(work).all()):
+        raise DecompositionError("the factor holds non-finite values")
+    identity = torch.eye(work.shape[0], dtype=dtype, device=work.device)
+    # Extra diagonal on a retry: zero first, then growing multiples of the damping (or of a
+    # small floor when damping is zero), which lifts near-singular factors into range.
+    extra = [0.0] + [max(damping, 1e-6) * 10.0**k for k in range(1, RETRIES + 1)]
+    last_error = ""
+    for shift in extra:
+        try:
+            if method == "eigen":
+                values, vectors = torch.linalg.eigh(work + shift * identity)
+                # Eigenvalues of a second moment are >= 0; rounding can make small ones negative.
+                result = FactorDecomposition(method, values=values.clamp(min=0.0), vectors=vectors)
+            else:
+                result = FactorDecomposition(
+                    method, inverse=torch.linalg.inv(work + (damping + shift) * identity)
+                )
+        except RuntimeError as error:  # torch.linalg.LinAlgError is a RuntimeError
+            last_error = str(error).splitlines()[0]
+            continue
+        if all(bool(torch.isfinite(t).all()) for t in result.tensors()):
+            return result
+        last_error = "non-finite result"
+    raise DecompositionError(f"{method} decomposition failed: {last_error}")
+
+
+def precondition(
+    grad: torch.Tensor,
+    a: FactorDecomposition,
+    g: FactorDecomposition,
+    damping: float,
+) -> torch.Tensor:
+    """The preconditioned ``(g_dim, a_dim)`` gradient, in ``grad``'s dtype."""
+    work_dtype = (g.values if g.values is not None else g.inverse).dtype  # type: ignore[union-attr]
+    v = grad.to(work_dtype)
+    if g.method == "eigen":
+        # Rotate into both eigenbases, divide by the damped eigenvalue products, rotate back.
+        qg, dg = g.vectors, g.values
+        assert qg is not None and dg is not None
+        rotated = qg.t() @ v
+        if a.vectors is not None:
+            rotated = rotated @ a.vectors
+        assert a.values is not None
+        rotated = rotated / (dg.unsqueeze(1) * a.values.unsqueeze(0) + damping)
+        result = qg @ rotated
+        if a.vectors is not None:
+            result = result @ a.vectors.t()
+    else:
+        assert g.inverse is not None
+        result = g.inverse @ v
+        if a.inverse is not None:
+            result = result @ a.inverse
+        else:
+            assert a.values is not None
+            result = result * a.values.unsqueeze(0)
+    return result.to(grad.dtype)
+
+
+def kl_clip_scale(products: float, kl_clip: float | None, lr: float) -> float:
+    """kfac-pytorch's KL-clip: ``min(1, sqrt(kl_clip / |lr^2 * sum <V', V>|))``.
+
+    ``products`` is ``sum <V', V>`` over all preconditioned layers.
+    """
+    if kl_clip is None:
+        return 1.0
+    total = abs(products * lr * lr)
+    if total == 0.0 or not math.isfinite(total):
+        return 1.0
+    return min(1.0, math.sqrt(kl_clip / total))

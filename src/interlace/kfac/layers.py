@@ -1,0 +1,218 @@
+"""What K-FAC needs from each supported module: its two factors and its gradient as one matrix.
+
+A layer's weight is seen as a matrix ``W`` of shape ``(out, in)`` (``in`` grows by one for the
+bias, whose column holds the bias gradient). K-FAC approximates the Fisher block of ``W`` by
+``A (x) G``, with ``A`` the second moment of the layer's inputs ``a`` (a ones entry appended for
+the bias) and ``G`` that of the gradients ``g`` with respect to its outputs.
+
+Normalisation follows kfac-pytorch, so the same hyperparameters give the same numbers:
+
+* Linear: rows are every leading position (``(-1, in)``), ``A = a^T a / rows``.
+* Conv2d: rows are (sample, output position) patches; both ``a`` and ``g`` are divided by the
+  number of output positions before ``x^T x / rows`` (kfac-pytorch's spatial averaging). Patches
+  are cut by :func:`torch.nn.functional.unfold` with the module's stride, padding *and dilation*
+  (kfac-pytorch ignores dilation, which makes its ``A`` wrong for dilated convolutions).
+* Embedding: the input is a one-hot token, so ``A`` is diagonal: the share of rows that hold
+  each token. It is kept as a vector (``vocab`` numbers instead of ``vocab^2``), and the layer's
+  weight, stored ``(vocab, dim)``, is seen transposed.
+
+Each helper is stateless beyond its module: the running averages live in the preconditioner.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+from torch import nn
+from torch.nn import functional
+
+__all__ = [
+    "Conv2dHelper",
+    "EmbeddingHelper",
+    "LayerHelper",
+    "LinearHelper",
+    "make_helper",
+]
+
+
+class LayerHelper:
+    """The factor and gradient arithmetic of one module kind (see the module docstring)."""
+
+    #: True when ``A`` is diagonal and stored as a vector of its diagonal.
+    diagonal_a = False
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return cast(torch.Tensor, self.module.weight)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        bias = getattr(self.module, "bias", None)
+        return bias if isinstance(bias, torch.Tensor) and bias.requires_grad else None
+
+    @property
+    def a_dim(self) -> int:
+        """Side of ``A`` (inputs, plus one for the bias)."""
+        raise NotImplementedError
+
+    @property
+    def g_dim(self) -> int:
+        """Side of ``G`` (outputs)."""
+        raise NotImplementedError
+
+    def a_factor(self, layer_input: torch.Tensor) -> torch.Tensor:
+        """This batch's ``A`` from the module's input (a vector when :attr:`diagonal_a`)."""
+        raise NotImplementedError
+
+    def g_factor(self, grad_output: torch.Tensor) -> torch.Tensor:
+        """This batch's ``G`` from the gradient with respect to the module's output."""
+        raise NotImplementedError
+
+    def grad_matrix(self) -> torch.Tensor | None:
+        """The gradient as the ``(g_dim, a_dim)`` matrix K-FAC preconditions, or None if absent."""
+        grad = self.weight.grad
+        if grad is None:
+            return None
+        matrix = grad.reshape(grad.shape[0], -1)
+        bias = self.bias
+        if bias is not None:
+            bias_grad = bias.grad if bias.grad is not None else torch.zeros_like(bias)
+            matrix = torch.cat([matrix, bias_grad.reshape(-1, 1)], dim=1)
+        return matrix
+
+    def set_grad(self, matrix: torch.Tensor) -> None:
+        """Write a ``(g_dim, a_dim)`` matrix back into the weight's (and bias's) gradient."""
+        bias = self.bias
+        weight_part = matrix[:, :-1] if bias is not None else matrix
+        weight_grad = cast(torch.Tensor, self.weight.grad)
+        weight_grad.copy_(weight_part.reshape(weight_grad.shape))
+        if bias is not None:
+            if bias.grad is None:
+                bias.grad = torch.zeros_like(bias)
+            bias.grad.copy_(matrix[:, -1].reshape(bias.shape))
+
+    def _with_bias_ones(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return rows
+        return torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
+
+
+def second_moment(rows: torch.Tensor) -> torch.Tensor:
+    """``rows^T rows / len(rows)``, made exactly symmetric (the decompositions assume it)."""
+    moment = rows.t() @ (rows / rows.shape[0])
+    return (moment + moment.t()) / 2.0
+
+
+class LinearHelper(LayerHelper):
+    """:class:`torch.nn.Linear`; every leading position of the input counts as one row."""
+
+    @property
+    def a_dim(self) -> int:
+        return self.weight.shape[1] + int(self.bias is not None)
+
+    @property
+    def g_dim(self) -> int:
+        return self.weight.shape[0]
+
+    def a_factor(self, layer_input: torch.Tensor) -> torch.Tensor:
+        rows = layer_input.reshape(-1, layer_input.shape[-1])
+        return second_moment(self._with_bias_ones(rows))
+
+    def g_factor(self, grad_output: torch.Tensor) -> torch.Tensor:
+        return second_moment(grad_output.reshape(-1, grad_output.shape[-1]))
+
+
+class Conv2dHelper(LayerHelper):
+    """:class:`torch.nn.Conv2d` with ``groups=1``; any stride, padding and dilation."""
+
+    module: nn.Conv2d
+
+    @property
+    def a_dim(self) -> int:
+        kernel_h, kernel_w = self.module.kernel_size
+        return self.module.in_channels * kernel_h * kernel_w + int(self.bias is not None)
+
+    @property
+    def g_dim(self) -> int:
+        return self.module.out_channels
+
+    def a_factor(self, layer_input: torch.Tensor) -> torch.Tensor:
+        conv = self.module
+        if isinstance(conv.padding, str):
+            raise ValueError("string padding is resolved to numbers by Conv2dHelper's caller")
+        # unfold: (batch, in * kh * kw, positions), the same (in, kh, kw) order as weight.view.
+        patches = functional.unfold(
+            layer_input,
+            kernel_size=conv.kernel_size,
+            dilation=conv.dilation,
+            padding=cast(tuple[int, int], conv.padding),
+            stride=conv.stride,
+        )
+        positions = patches.shape[2]
+        rows = patches.transpose(1, 2).reshape(-1, patches.shape[1])
+        return second_moment(self._with_bias_ones(rows) / positions)
+
+    def g_factor(self, grad_output: torch.Tensor) -> torch.Tensor:
+        positions = grad_output.shape[2] * grad_output.shape[3]
+        rows = grad_output.permute(0, 2, 3, 1).reshape(-1, grad_output.shape[1])
+        return second_moment(rows / positions)
+
+
+class EmbeddingHelper(LayerHelper):
+    """:class:`torch.nn.Embedding` (dense gradients): a diagonal ``A`` from token counts."""
+
+    diagonal_a = True
+    module: nn.Embedding
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return None
+
+    @property
+    def a_dim(self) -> int:
+        return self.module.num_embeddings
+
+    @property
+    def g_dim(self) -> int:
+        return self.module.embedding_dim
+
+    def a_factor(self, layer_input: torch.Tensor) -> torch.Tensor:
+        tokens = layer_input.reshape(-1)
+        counts = torch.bincount(tokens, minlength=self.module.num_embeddings)
+        return counts.to(self.weight.dtype) / tokens.numel()
+
+    def g_factor(self, grad_output: torch.Tensor) -> torch.Tensor:
+        return second_moment(grad_output.reshape(-1, grad_output.shape[-1]))
+
+    def grad_matrix(self) -> torch.Tensor | None:
+        grad = self.weight.grad
+        return None if grad is None else grad.t()
+
+    def set_grad(self, matrix: torch.Tensor) -> None:
+        cast(torch.Tensor, self.weight.grad).copy_(matrix.t())
+
+
+def make_helper(module: nn.Module) -> tuple[LayerHelper | None, str]:
+    """The helper for ``module``, or None and the reason K-FAC leaves it to the optimizer."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or not weight.requires_grad:
+        return None, "no trainable weight"
+    if isinstance(module, nn.Linear):
+        return LinearHelper(module), ""
+    if isinstance(module, nn.Conv2d):
+        if module.groups != 1:
+            return None, f"grouped convolution (groups={module.groups}) is not supported"
+        if module.padding_mode != "zeros":
+            return None, f"padding_mode={module.padding_mode!r} is not supported (only 'zeros')"
+        if isinstance(module.padding, str):
+            return None, f"padding={module.padding!r} is not supported; give numbers"
+        return Conv2dHelper(module), ""
+    if isinstance(module, nn.Embedding):
+        if module.sparse:
+            return None, "sparse embedding gradients are not supported"
+        return EmbeddingHelper(module), ""
+    return None, f"{type(module).__name__} has no K-FAC factors"

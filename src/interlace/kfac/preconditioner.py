@@ -1,0 +1,810 @@
+"""``interlace.KFAC``: a distributed K-FAC preconditioner used like kfac-pytorch's.
+
+::
+
+    model = interlace.DataParallel(net)            # or torch DDP, or no wrapper at all
+    precond = interlace.KFAC(model, lr=lambda step: optimizer.param_groups[0]["lr"])
+    loss_fn(model(x), y).backward()                # gradients averaged across ranks
+    precond.step()                                 # gradients preconditioned in place
+    optimizer.step()
+
+One step, every ``factor_update_steps``: the factors each rank collected in its forward and
+backward hooks are averaged across ranks (fused into buckets) and folded into the running
+averages. Every ``inv_update_steps``: each layer's factors are decomposed (or inverted) on the
+one rank that :func:`~interlace.kfac.placement.greedy_placement` gave it and sent to the layer's
+gradient workers; then those workers precondition and, unless every rank is a worker, send the
+result on (see :mod:`interlace.kfac.placement`). Last, kfac-pytorch's KL-clip scales every
+preconditioned gradient by one factor.
+
+Where interlace deliberately differs from kfac-pytorch:
+
+* ``G`` is normalised to the *global* batch: kfac-pytorch builds ``G`` from each rank's
+  gradients of its local mean loss, so on W ranks its ``G`` is W^2 times the one a single process
+  builds from the same global batch, and the effective damping changes with the world size.
+  interlace divides by W^2, so W ranks give exactly the single-process result (the tests check
+  it) and one rank gives exactly kfac-pytorch's numbers. This assumes the usual loss: a mean over
+  the local batch, gradients averaged across ranks.
+* Decompositions are kept in ``state_dict()`` beside the factors, so a resumed run continues
+  exactly even between two decomposition steps (kfac-pytorch recomputes them on load).
+* Output gradients are taken by a tensor hook on the layer's output rather than a module
+  backward hook, so layers followed by in-place operations (``ReLU(inplace=True)``) work.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from interlace.kfac.decomp import (
+    COMPUTE_METHODS,
+    DecompositionError,
+    FactorDecomposition,
+    decompose,
+    empty_like_decomposition,
+    kl_clip_scale,
+    precondition,
+)
+from interlace.kfac.layers import LayerHelper, make_helper
+from interlace.kfac.placement import WorkerGroups, decomposition_cost, greedy_placement
+from interlace.timeline import Event
+
+__all__ = ["KFAC", "PHASES", "KFACWarning"]
+
+#: The K-FAC phases timed by every :meth:`KFAC.step` (seconds in :attr:`KFAC.last_phase_s`).
+#: ``factor_compute`` is the work done in the forward and backward hooks since the last step.
+PHASES = (
+    "factor_compute",
+    "factor_comm",
+    "decomposition",
+    "decomposition_comm",
+    "precondition",
+    "precondition_comm",
+)
+
+#: A hyperparameter: a number, or a callable giving the number for a step count.
+IntHyper = int | Callable[[int], int]
+FloatHyper = float | Callable[[int], float]
+
+
+class KFACWarning(UserWarning):
+    """Something K-FAC skipped or worked around; training goes on."""
+
+
+@dataclass
+class _Layer:
+    """One preconditioned module and all the K-FAC state that belongs to it."""
+
+    name: str
+    helper: LayerHelper
+    owner: int = 0
+    a_sum: torch.Tensor | None = None
+    g_sum: torch.Tensor | None = None
+    a_count: int = 0
+    g_count: int = 0
+    a_factor: torch.Tensor | None = None
+    g_factor: torch.Tensor | None = None
+    a_decomp: FactorDecomposition | None = None
+    g_decomp: FactorDecomposition | None = None
+    handles: list[RemovableHandle] = field(default_factory=list)
+    #: Whether a decomposition step has covered this layer (the same on every rank).
+    decomposed: bool = False
+
+    def reset_batch(self) -> None:
+        self.a_sum = self.g_sum = None
+        self.a_count = self.g_count = 0
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside DataParallel / DDP wrappers (they expose it as ``.module``)."""
+    inner = getattr(model, "module", None)
+    while isinstance(inner, nn.Module):
+        model, inner = inner, getattr(inner, "module", None)
+    return model
+
+
+class KFAC:
+    """Distributed K-FAC preconditioner (SC20 / KAISA), a drop-in for kfac-pytorch's.
+
+    Hyperparameters have kfac-pytorch's names and defaults; ``factor_update_steps``,
+    ``inv_update_steps``, ``damping``, ``factor_decay``, ``kl_clip`` and ``lr`` may also be
+    callables of the step count. ``lr`` is used only by the KL-clip; pass the optimiser's
+    current rate when a schedule changes it. ``grad_worker_fraction`` is 1 (COMM-OPT), 1/world
+    (MEM-OPT) or a fraction between (HYBRID). ``skip_layers`` names modules (by their name in
+    the model, any enclosing module's name, or their class name, case-insensitive) to leave to
+    the optimiser. Linear, Conv2d (groups=1) and dense Embedding layers are preconditioned.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        factor_update_steps: IntHyper = 1,
+        inv_update_steps: IntHyper = 1,
+        damping: FloatHyper = 0.001,
+        factor_decay: FloatHyper = 0.95,
+        kl_clip: FloatHyper | None = 0.001,
+        lr: FloatHyper = 0.1,
+        accumulation_steps: int = 1,
+        compute_method: str = "eigen",
+        grad_worker_fraction: float | None = 1.0,
+        skip_layers: Iterable[str] = (),
+        factor_dtype: torch.dtype | None = None,
+        inv_dtype: torch.dtype = torch.float32,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float = 25.0,
+    ) -> None:
+        if compute_method not in COMPUTE_METHODS:
+            raise ValueError(
+                f"compute_method must be one of {', '.join(COMPUTE_METHODS)}, "
+                f"got {compute_method!r}"
+            )
+        if accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        self._factor_update_steps = factor_update_steps
+        self._inv_update_steps = inv_update_steps
+        self._damping = damping
+        self._factor_decay = factor_decay
+        self._kl_clip = kl_clip
+        self._lr = lr
+        self.accumulation_steps = accumulation_steps
+        self.compute_method = compute_method
+        self.factor_dtype = factor_dtype
+        self.inv_dtype = inv_dtype
+        self.bucket_bytes = int(bucket_cap_mb * 1024 * 1024)
+        self.steps = 0
+        self._check_hyperparameters()
+
+        distributed = dist.is_available() and dist.is_initialized()
+        self.group = process_group if distributed else None
+        self.world_size = dist.get_world_size(process_group) if distributed else 1
+        self.rank = dist.get_rank(process_group) if distributed else 0
+        self._global_ranks = (
+            [dist.get_global_rank(process_group, r) for r in range(self.world_size)]
+            if distributed and process_group is not None
+            else list(range(self.world_size))
+        )
+        fraction = 1.0 if grad_worker_fraction is None else grad_worker_fraction
+        self.worker_groups = WorkerGroups.for_fraction(fraction, self.world_size)
+        self.grad_worker_fraction = self.worker_groups.workers / self.world_size
+
+        #: Seconds spent in each of :data:`PHASES` by the last :meth:`step`.
+        self.last_phase_s: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self._hook_s = 0.0
+        self._spans: list[tuple[str, str, float, float]] = []
+        self._hooks_checked = False
+        self._needs_decomposition = False
+        self._loaded = False
+
+        #: Modules left to the optimiser, with the reason: ``{name: reason}``.
+        self.skipped: dict[str, str] = {}
+        self._layers: list[_Layer] = []
+        self._register(_unwrap(model), {s.lower() for s in skip_layers})
+        self._place()
+        self._block_groups, self._receiver_groups = self._make_groups(distributed)
+        if self.skipped and self.rank == 0:
+            listing = ", ".join(f"{name} ({why})" for name, why in self.skipped.items())
+            warnings.warn(
+                f"K-FAC preconditions {len(self._layers)} layer(s) and leaves "
+                f"{len(self.skipped)} module(s) with parameters to the optimizer: {listing}",
+                KFACWarning,
+                stacklevel=2,
+            )
+
+    # -- hyperparameters ------------------------------------------------------------------
+
+    def _value(self, hyper: Any) -> Any:
+        return hyper(self.steps) if callable(hyper) else hyper
+
+    @property
+    def factor_update_steps(self) -> int:
+        return int(self._value(self._factor_update_steps))
+
+    @property
+    def inv_update_steps(self) -> int:
+        return int(self._value(self._inv_update_steps))
+
+    @property
+    def damping(self) -> float:
+        return float(self._value(self._damping))
+
+    @property
+    def factor_decay(self) -> float:
+        return float(self._value(self._factor_decay))
+
+    @property
+    def kl_clip(self) -> float | None:
+        value = self._value(self._kl_clip)
+        return None if value is None else float(value)
+
+    @property
+    def lr(self) -> float:
+        return float(self._value(self._lr))
+
+    def _check_hyperparameters(self) -> None:
+        checks = [
+            (self.factor_update_steps >= 1, "factor_update_steps must be >= 1"),
+            (self.inv_update_steps >= 1, "inv_update_steps must be >= 1"),
+            (self.damping >= 0, "damping must be >= 0"),
+            (0 <= self.factor_decay < 1, "factor_decay must be in [0, 1)"),
+            (self.kl_clip is None or self.kl_clip > 0, "kl_clip must be > 0 or None"),
+            (self.lr > 0, "lr must be > 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"{message} (at step {self.steps})")
+
+    # -- registration -------------------------------------------------------------------
+
+    def _register(self, model: nn.Module, skip: set[str]) -> None:
+        for name, module in model.named_modules():
+            own_params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            if not own_params:
+                continue
+            # The module's own name and every enclosing module's ("block", "block.0", ...).
+            segments = name.lower().split(".")
+            names = {".".join(segments[: i + 1]) for i in range(len(segments))}
+            if names & skip or type(module).__name__.lower() in skip:
+                self.skipped[name] = "in skip_layers"
+                continue
+            helper, reason = make_helper(module)
+            if helper is None:
+                self.skipped[name] = reason
+                continue
+            layer = _Layer(name or type(module).__name__, helper)
+            layer.handles.append(module.register_forward_hook(partial(self._forward_hook, layer)))
+            self._layers.append(layer)
+        if not self._layers:
+            raise ValueError(
+                "K-FAC found no Linear, Conv2d or Embedding layer with a trainable weight to "
+                "precondition in this model (check skip_layers)"
+            )
+
+    def _place(self) -> None:
+        costs = [
+            decomposition_cost(layer.helper.a_dim, layer.helper.g_dim, layer.helper.diagonal_a)
+            for layer in self._layers
+        ]
+        for layer, owner in zip(
+            self._layers, greedy_placement(costs, self.world_size), strict=True
+        ):
+            layer.owner = owner
+
+    def _make_groups(
+        self, distributed: bool
+    ) -> tuple[dict[int, dist.ProcessGroup | None], dict[int, dist.ProcessGroup | None]]:
+        """Process groups for HYBRID's blocks and receiver groups (the world serves otherwise)."""
+        blocks: dict[int, dist.ProcessGroup | None] = {}
+        receivers: dict[int, dist.ProcessGroup | None] = {}
+        groups = self.worker_groups
+        if not distributed or groups.workers in (1, self.world_size):
+            return blocks, receivers
+        # Every rank creates every group, in the same order: new_group is collective.
+        for block in groups.blocks():
+            created = dist.new_group([self._global_ranks[r] for r in block])
+            blocks[block[0]] = created
+        for members in groups.receiver_groups():
+            created = dist.new_group([self._global_ranks[r] for r in members])
+            receivers[members[0]] = created
+        return blocks, receivers
+
+    @property
+    def layers(self) -> dict[str, int]:
+        """Every preconditioned layer's name and the rank that decomposes its factors."""
+        return {layer.name: layer.owner for layer in self._layers}
+
+    def describe(self) -> str:
+        """A few lines: the layers, their owners and the distribution mode."""
+        mode = (
+            "COMM-OPT"
+            if self.worker_groups.workers == self.world_size
+            else "MEM-OPT"
+            if self.worker_groups.workers == 1
+            else f"HYBRID ({self.worker_groups.workers} gradient workers per layer)"
+        )
+        loads = [0.0] * self.world_size
+        for layer in self._layers:
+            loads[layer.owner] += decomposition_cost(
+                layer.helper.a_dim, layer.helper.g_dim, layer.helper.diagonal_a
+            )
+        lines = [
+            f"K-FAC ({self.compute_method}, {mode}) on {self.world_size} rank(s): "
+            f"{len(self._layers)} layers, decomposition cost per rank "
+            + ", ".join(f"{load / max(sum(loads), 1.0):.0%}" for load in loads)
+        ]
+        for layer in self._layers:
+            lines.append(
+                f"  {layer.name}: A {layer.helper.a_dim}"
+                f"{' (diagonal)' if layer.helper.diagonal_a else ''}, G {layer.helper.g_dim}, "
+                f"rank {layer.owner}"
+            )
+        return "\n".join(lines)
+
+    # -- hooks --------------------------------------------------------------------------
+
+    def _collecting(self, module: nn.Module) -> bool:
+        return (
+            module.training
+            and torch.is_grad_enabled()
+            and self.steps % self.factor_update_steps == 0
+        )
+
+    def _forward_hook(
+        self, layer: _Layer, module: nn.Module, inputs: tuple[Any, ...], output: Any
+    ) -> None:
+        if not self._collecting(module) or not inputs:
+            return
+        started = time.perf_counter()
+        with torch.no_grad():
+            layer_input = inputs[0].detach()
+            if self.factor_dtype is not None and layer_input.is_floating_point():
+                layer_input = layer_input.to(self.factor_dtype)
+            a = layer.helper.a_factor(layer_input)
+            layer.a_sum = a if layer.a_sum is None else layer.a_sum + a
+            layer.a_count += 1
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(partial(self._grad_hook, layer))
+        ended = time.perf_counter()
+        self._hook_s += ended - started
+        self._spans.append((f"A {layer.name}", "factor", started, ended))
+
+    def _grad_hook(self, layer: _Layer, grad: torch.Tensor) -> None:
+        started = time.perf_counter()
+        with torch.no_grad():
+            grad_output = grad.detach()
+            if self.factor_dtype is not None:
+                grad_output = grad_output.to(self.factor_dtype)
+            # Normalised to the global batch (see the module docstring): each rank's output
+            # gradients are W times a single process's, and G is quadratic in them.
+            g = layer.helper.g_factor(grad_output) / float(self.world_size**2)
+            layer.g_sum = g if layer.g_sum is None else layer.g_sum + g
+            layer.g_count += 1
+        ended = time.perf_counter()
+        self._hook_s += ended - started
+        self._spans.append((f"G {layer.name}", "factor", started, ended))
+
+    # -- the step -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Precondition every registered layer's gradient in place (call before the optimiser).
+
+        Gradients must already be averaged across ranks, as DataParallel and DDP leave them
+        after ``backward()``.
+        """
+        self._check_hyperparameters()
+        phases = dict.fromkeys(PHASES, 0.0)
+        phases["factor_compute"] = self._hook_s
+        self._hook_s = 0.0
+        if self.steps % self.factor_update_steps == 0:
+            self._update_factors(phases)
+        if self._loaded:
+            self._loaded = False
+            self._agree_on_decomposition()
+        if self.steps % self.inv_update_steps == 0 or self._needs_decomposition:
+            self._update_decompositions(phases)
+            self._needs_decomposition = False
+        self._precondition(phases)
+        for layer in self._layers:
+            layer.reset_batch()
+        self.last_phase_s = phases
+        self.steps += 1
+
+    def _timed(self, phases: dict[str, float], phase: str, category: str, name: str) -> _Timer:
+        return _Timer(self, phases, phase, category, name)
+
+    def _update_factors(self, phases: dict[str, float]) -> None:
+        started = time.perf_counter()
+        present = torch.tensor(
+            [[layer.a_count > 0, layer.g_count > 0] for layer in self._layers], dtype=torch.int32
+        )
+        if self.world_size > 1:
+            # One small collective so that every rank agrees which layers have factors this
+            # step: a layer seen by some ranks only would otherwise desynchronise the buckets.
+            both = torch.cat([present, -present]).to(self._device())
+            dist.all_reduce(both, op=dist.ReduceOp.MIN, group=self.group)
+            both = both.cpu()
+            everywhere, anywhere = both[: len(self._layers)], -both[len(self._layers) :]
+        else:
+            everywhere = anywhere = present
+        flags = dict(zip((layer.name for layer in self._layers), everywhere.tolist(), strict=True))
+        if not self._hooks_checked:
+            self._hooks_checked = True
+            self._drop_silent_layers(anywhere)
+        ready = [layer for layer in self._layers if all(flags[layer.name])]
+        phases["factor_compute"] += time.perf_counter() - started
+        tensors: list[torch.Tensor] = []
+        for layer in ready:
+            assert layer.a_sum is not None and layer.g_sum is not None
+            tensors += [layer.a_sum / layer.a_count, layer.g_sum / layer.g_count]
+        with self._timed(phases, "factor_comm", "comm", "factor all-reduce"):
+            averaged = self._all_reduce_mean(tensors)
+        with self._timed(phases, "factor_compute", "factor", "running averages"):
+            decay = self.factor_decay
+            for index, layer in enumerate(ready):
+                new_a, new_g = averaged[2 * index], averaged[2 * index + 1]
+                if not (bool(torch.isfinite(new_a).all()) and bool(torch.isfinite(new_g).all())):
+                    warnings.warn(
+                        f"K-FAC: non-finite factors for layer {layer.name} at step "
+                        f"{self.steps}; this step's factors are dropped, the running "
+                        "averages are kept",
+                        KFACWarning,
+                        stacklevel=3,
+                    )
+                    continue
+                layer.a_factor = _running_average(layer.a_factor, new_a, decay)
+                layer.g_factor = _running_average(layer.g_factor, new_g, decay)
+
+    def _drop_silent_layers(self, anywhere: torch.Tensor) -> None:
+        """Unregister layers whose forward hook fired on no rank in the first factor step."""
+        keep: list[_Layer] = []
+        for layer, flags in zip(self._layers, anywhere.tolist(), strict=True):
+            if flags[0]:
+                keep.append(layer)
+                continue
+            for handle in layer.handles:
+                handle.remove()
+            reason = "its forward never ran (its weight is used functionally by its parent)"
+            self.skipped[layer.name] = reason
+            if self.rank == 0:
+                warnings.warn(
+                    f"K-FAC skips layer {layer.name}: {reason}; the optimizer updates it "
+                    "unpreconditioned",
+                    KFACWarning,
+                    stacklevel=4,
+                )
+        if len(keep) != len(self._layers):
+            self._layers = keep
+
+    def _all_reduce_mean(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Average ``tensors`` across ranks in fused buckets of at most ``bucket_cap_mb``."""
+        if self.world_size == 1 or not tensors:
+            return tensors
+        buckets: list[list[int]] = [[]]
+        size = 0
+        for index, tensor in enumerate(tensors):
+            nbytes = tensor.numel() * tensor.element_size()
+            if buckets[-1] and size + nbytes > self.bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(index)
+            size += nbytes
+        flats = [torch.cat([tensors[i].reshape(-1) for i in bucket]) for bucket in buckets]
+        works = [dist.all_reduce(flat, group=self.group, async_op=True) for flat in flats]
+        result: list[torch.Tensor] = list(tensors)
+        for bucket, flat, work in zip(buckets, flats, works, strict=True):
+            assert work is not None
+            work.wait()
+            mean = flat / self.world_size
+            offset = 0
+            for index in bucket:
+                numel = tensors[index].numel()
+                result[index] = mean[offset : offset + numel].view_as(tensors[index])
+                offset += numel
+        return result
+
+    def _update_decompositions(self, phases: dict[str, float]) -> None:
+        damping = self.damping
+        ready = [layer for layer in self._layers if layer.a_factor is not None]
+        with self._timed(phases, "decomposition", "decomposition", "decompositions"):
+            for layer in ready:
+                layer.decomposed = True
+                if layer.owner == self.rank:
+                    self._decompose(layer, damping)
+        if not self.worker_groups.broadcasts_decompositions:
+            return
+        with self._timed(phases, "decomposition_comm", "comm", "decomposition broadcast"):
+            pending = []
+            my_block = self.worker_groups.block_of(self.rank)
+            for layer in ready:
+                if layer.owner not in my_block:
+                    continue
+                if layer.owner != self.rank and layer.a_decomp is None:
+                    self._allocate_decompositions(layer)
+                assert layer.a_decomp is not None and layer.g_decomp is not None
+                parts = layer.a_decomp.tensors() + layer.g_decomp.tensors()
+                flat = torch.cat([t.reshape(-1) for t in parts])
+                work = dist.broadcast(
+                    flat,
+                    src=self._global_ranks[layer.owner],
+                    group=self._block_group(layer.owner),
+                    async_op=True,
+                )
+                pending.append((layer, parts, flat, work))
+            for layer, parts, flat, work in pending:
+                work.wait()
+                if layer.owner == self.rank:
+                    continue
+                unpacked = list(torch.split(flat, [t.numel() for t in parts]))
+                shaped = [u.view_as(t) for u, t in zip(unpacked, parts, strict=True)]
+                assert layer.a_decomp is not None and layer.g_decomp is not None
+                count_a = len(layer.a_decomp.tensors())
+                layer.a_decomp.replace(shaped[:count_a])
+                layer.g_decomp.replace(shaped[count_a:])
+
+    def _decompose(self, layer: _Layer, damping: float) -> None:
+        assert layer.a_factor is not None and layer.g_factor is not None
+        decompositions = []
+        for which, factor, previous in (
+            ("A", layer.a_factor, layer.a_decomp),
+            ("G", layer.g_factor, layer.g_decomp),
+        ):
+            try:
+                decompositions.append(
+                    decompose(factor, self.compute_method, damping, self.inv_dtype)
+                )
+            except DecompositionError as error:
+                fallback = previous
+                what = "keeps the previous decomposition"
+                if fallback is None:
+                    # Nothing earlier to keep: the diagonal of the factor always decomposes.
+                    fallback = decompose(
+                        torch.diagonal(factor).clone() if factor.dim() == 2 else factor,
+                        self.compute_method,
+                        damping,
+                        self.inv_dtype,
+                    )
+                    fallback = _as_dense(fallback, factor)
+                    what = "uses the factor's diagonal"
+                warnings.warn(
+                    f"K-FAC: factor {which} of layer {layer.name} at step {self.steps}: "
+                    f"{error}; it {what}",
+                    KFACWarning,
+                    stacklevel=4,
+                )
+                decompositions.append(fallback)
+        layer.a_decomp, layer.g_decomp = decompositions
+
+    def _allocate_decompositions(self, layer: _Layer) -> None:
+        device = self._device()
+        helper = layer.helper
+        layer.a_decomp = empty_like_decomposition(
+            self.compute_method, helper.a_dim, helper.diagonal_a, self.inv_dtype, device
+        )
+        layer.g_decomp = empty_like_decomposition(
+            self.compute_method, helper.g_dim, False, self.inv_dtype, device
+        )
+
+    def _precondition(self, phases: dict[str, float]) -> None:
+        damping = self.damping
+        # Both conditions are the same on every rank: decompositions are made in lockstep and
+        # gradients are averaged, so every rank takes part in the same broadcasts.
+        layers = [
+            layer
+            for layer in self._layers
+            if layer.decomposed and layer.helper.weight.grad is not None
+        ]
+        if not layers:
+            return
+        grads = {layer.name: layer.helper.grad_matrix() for layer in layers}
+        bad = [name for name, grad in grads.items() if not bool(torch.isfinite(grad).all())]  # type: ignore[arg-type]
+        if bad:
+            warnings.warn(
+                f"K-FAC: non-finite gradient in {', '.join(bad)} at step {self.steps}; "
+                "preconditioning is skipped for this step (factors are untouched)",
+                KFACWarning,
+                stacklevel=3,
+            )
+            return
+        groups = self.worker_groups
+        results: dict[str, torch.Tensor] = {}
+        with self._timed(phases, "precondition", "precondition", "preconditioning"):
+            for layer in layers:
+                if layer.owner in groups.block_of(self.rank):
+                    assert layer.a_decomp is not None and layer.g_decomp is not None
+                    grad = grads[layer.name]
+                    assert grad is not None
+                    results[layer.name] = precondition(
+                        grad, layer.a_decomp, layer.g_decomp, damping
+                    )
+        if groups.broadcasts_gradients:
+            with self._timed(phases, "precondition_comm", "comm", "gradient broadcast"):
+                pending = []
+                for layer in layers:
+                    source = groups.gradient_source(layer.owner, self.rank)
+                    if layer.name not in results:
+                        template = grads[layer.name]
+                        assert template is not None
+                        results[layer.name] = torch.empty_like(template)
+                    buffer = results[layer.name].contiguous()
+                    results[layer.name] = buffer
+                    work = dist.broadcast(
+                        buffer,
+                        src=self._global_ranks[source],
+                        group=self._receiver_group(self.rank),
+                        async_op=True,
+                    )
+                    pending.append(work)
+                for work in pending:
+                    work.wait()
+        with self._timed(phases, "precondition", "precondition", "KL-clip and write-back"):
+            products = 0.0
+            for layer in layers:
+                grad = grads[layer.name]
+                assert grad is not None
+                products += float((results[layer.name] * grad).sum())
+            scale = kl_clip_scale(products, self.kl_clip, self.lr)
+            for layer in layers:
+                layer.helper.set_grad(results[layer.name] * scale)
+
+    def _block_group(self, owner: int) -> dist.ProcessGroup | None:
+        block = self.worker_groups.block_of(owner)
+        return self._block_groups.get(block[0], self.group)
+
+    def _receiver_group(self, rank: int) -> dist.ProcessGroup | None:
+        return self._receiver_groups.get(rank % self.worker_groups.workers, self.group)
+
+    def _device(self) -> torch.device:
+        return self._layers[0].helper.weight.device
+
+    # -- timeline -----------------------------------------------------------------------
+
+    def take_events(self, process: str = "rank 0", origin_s: float = 0.0) -> list[Event]:
+        """The timed spans since the last call as timeline events (hooks, comm, decompositions).
+
+        Times are ``time.perf_counter()`` values minus ``origin_s``. The hook spans land on the
+        ``factor`` lane, collectives on ``kfac comm``, the rest on their own category's lane.
+        """
+        events = [
+            Event(
+                name,
+                category,
+                start - origin_s,
+                end - origin_s,
+                lane="kfac comm" if category == "comm" else category,
+                process=process,
+            )
+            for name, category, start, end in self._spans
+        ]
+        self._spans = []
+        return events
+
+    # -- state --------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step count, plain hyperparameters, and per layer its factors and decompositions."""
+        state: dict[str, Any] = {"steps": self.steps}
+        for key in ("factor_update_steps", "inv_update_steps", "damping", "factor_decay"):
+            value = getattr(self, f"_{key}")
+            if not callable(value):
+                state[key] = value
+        for key in ("kl_clip", "lr"):
+            value = getattr(self, f"_{key}")
+            if not callable(value):
+                state[key] = value
+        layers: dict[str, dict[str, Any]] = {}
+        for layer in self._layers:
+            entry: dict[str, Any] = {"A": layer.a_factor, "G": layer.g_factor}
+            for which, decomposition in (
+                ("A_decomp", layer.a_decomp),
+                ("G_decomp", layer.g_decomp),
+            ):
+                if decomposition is not None:
+                    entry[which] = {
+                        "method": decomposition.method,
+                        "values": decomposition.values,
+                        "vectors": decomposition.vectors,
+                        "inverse": decomposition.inverse,
+                    }
+            layers[layer.name] = entry
+        state["layers"] = layers
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; a layer without saved decompositions is re-decomposed."""
+        self.steps = int(state["steps"])
+        for key in ("factor_update_steps", "inv_update_steps", "damping", "factor_decay"):
+            if key in state:
+                setattr(self, f"_{key}", state[key])
+        for key in ("kl_clip", "lr"):
+            if key in state:
+                setattr(self, f"_{key}", state[key])
+        saved = state.get("layers", {})
+        names = {layer.name for layer in self._layers}
+        unknown = sorted(set(saved) - names)
+        if unknown:
+            raise ValueError(
+                f"K-FAC state has layers this model does not precondition: {', '.join(unknown)}"
+            )
+        device = self._device()
+        for layer in self._layers:
+            entry = saved.get(layer.name)
+            if entry is None:
+                continue
+            layer.a_factor = None if entry["A"] is None else entry["A"].to(device)
+            layer.g_factor = None if entry["G"] is None else entry["G"].to(device)
+            decomps = []
+            for which in ("A_decomp", "G_decomp"):
+                raw = entry.get(which)
+                decomps.append(
+                    None
+                    if raw is None
+                    else FactorDecomposition(
+                        raw["method"],
+                        **{
+                            k: (None if raw[k] is None else raw[k].to(device))
+                            for k in ("values", "vectors", "inverse")
+                        },
+                    )
+                )
+            layer.a_decomp, layer.g_decomp = decomps
+            layer.decomposed = layer.a_factor is not None
+            if layer.decomposed and self._needs_local_decomposition(layer):
+                self._needs_decomposition = True
+        self._loaded = True
+
+    def _agree_on_decomposition(self) -> None:
+        """After a load, decompose again on every rank if any rank lacks a decomposition."""
+        if self.world_size == 1:
+            return
+        flag = torch.tensor([int(self._needs_decomposition)], device=self._device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        self._needs_decomposition = bool(flag.item())
+
+    def _needs_local_decomposition(self, layer: _Layer) -> bool:
+        holds = layer.a_decomp is not None and layer.g_decomp is not None
+        is_worker = layer.owner in self.worker_groups.block_of(self.rank)
+        return is_worker and not holds
+
+    def remove_hooks(self) -> None:
+        """Detach K-FAC from the model (its modules' hooks); the preconditioner is then inert."""
+        for layer in self._layers:
+            for handle in layer.handles:
+                handle.remove()
+            layer.handles.clear()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(layer.name for layer in self._layers)
+
+
+class _Timer:
+    """Adds a block's wall time to one phase and records it as a timeline span."""
+
+    def __init__(
+        self, owner: KFAC, phases: dict[str, float], phase: str, category: str, name: str
+    ) -> None:
+        self.owner, self.phases, self.phase = owner, phases, phase
+        self.category, self.name = category, name
+        self.started = 0.0
+
+    def __enter__(self) -> None:
+        self.started = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        ended = time.perf_counter()
+        self.phases[self.phase] += ended - self.started
+        self.owner._spans.append((self.name, self.category, self.started, ended))
+
+
+def _running_average(current: torch.Tensor | None, new: torch.Tensor, decay: float) -> torch.Tensor:
+    """``decay * current + (1 - decay) * new``, starting from the identity (kfac-pytorch's)."""
+    if current is None:
+        current = (
+            torch.ones_like(new)
+            if new.dim() == 1
+            else torch.eye(new.shape[0], dtype=new.dtype, device=new.device)
+        )
+    return decay * current + (1.0 - decay) * new
+
+
+def _as_dense(decomposition: FactorDecomposition, factor: torch.Tensor) -> FactorDecomposition:
+    """A diagonal fallback decomposition in the dense shapes the broadcast buffers expect."""
+    if factor.dim() == 1:
+        return decomposition
+    n = factor.shape[0]
+    values = decomposition.values
+    assert values is not None
+    eye = torch.eye(n, dtype=values.dtype, device=values.device)
+    if decomposition.method == "eigen":
+        return FactorDecomposition("eigen", values=values, vectors=eye)
+    return FactorDecomposition("inverse", inverse=torch.diag(values))

@@ -1,0 +1,336 @@
+"""K-FAC placement, layer coverage, robustness, state and wrappers (numerics elsewhere)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional
+
+from interlace.kfac import KFAC, PHASES, KFACWarning
+from interlace.kfac.layers import make_helper
+from interlace.kfac.placement import (
+    WorkerGroups,
+    decomposition_cost,
+    greedy_placement,
+    rank_loads,
+    worker_count,
+)
+from interlace.testing import run_ranks
+from interlace.zoo import build_model
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(inplace=True), nn.Linear(8, 3))
+
+
+def _train_step(
+    model: nn.Module, precond: KFAC, optimizer: torch.optim.Optimizer, seed: int
+) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(16, 6, generator=generator)
+    targets = torch.randint(0, 3, (16,), generator=generator)
+    optimizer.zero_grad()
+    functional.cross_entropy(model(inputs), targets).backward()
+    precond.step()
+    optimizer.step()
+
+
+# -- placement -------------------------------------------------------------------------------
+
+
+def test_greedy_placement_puts_the_largest_first_on_the_least_loaded_rank() -> None:
+    # Hand-worked: 8 -> r0; 7 -> r1; 5 -> r2; 4 -> r2 (5 < 7 < 8); 3 -> r1 (7 < 8 = 9? no: r1 7)
+    # then loads r0 8, r1 10, r2 9 and 1 -> r0.
+    costs = [3.0, 8.0, 4.0, 7.0, 1.0, 5.0]
+    owners = greedy_placement(costs, 3)
+    assert owners == [1, 0, 2, 1, 0, 2]
+    assert rank_loads(costs, owners, 3) == [9.0, 10.0, 9.0]
+    # Ties go to the lowest rank, and one rank takes everything.
+    assert greedy_placement([1.0, 1.0], 2) == [0, 1]
+    assert greedy_placement([5.0, 2.0], 1) == [0, 0]
+    with pytest.raises(ValueError, match="ranks"):
+        greedy_placement([1.0], 0)
+
+
+def test_placement_of_resnet32_on_4_ranks_is_within_1_2x_of_ideal() -> None:
+    model = build_model("resnet32", (3, 32, 32), 10)
+    costs = []
+    for module in model.modules():
+        helper, _ = make_helper(module)
+        if helper is not None:
+            costs.append(decomposition_cost(helper.a_dim, helper.g_dim, helper.diagonal_a))
+    # The first convolution, 30 in 15 blocks, 2 projection shortcuts and the classifier.
+    assert len(costs) == 34
+    loads = rank_loads(costs, greedy_placement(costs, 4), 4)
+    ideal = sum(costs) / 4
+    assert max(costs) <= ideal  # balance is possible at all
+    assert max(loads) / ideal <= 1.2
+
+
+def test_worker_groups_follow_kaisa() -> None:
+    hybrid = WorkerGroups.for_fraction(0.5, 8)
+    assert hybrid.workers == 4
+    assert hybrid.blocks() == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert hybrid.receiver_groups() == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    # A layer owned by rank 6: its gradient workers are 4..7; rank 1 hears from rank 5.
+    assert hybrid.block_of(6) == (4, 5, 6, 7)
+    assert hybrid.gradient_source(6, 1) == 5
+    assert hybrid.broadcasts_decompositions and hybrid.broadcasts_gradients
+
+    comm_opt = WorkerGroups.for_fraction(1.0, 4)
+    assert comm_opt.broadcasts_decompositions and not comm_opt.broadcasts_gradients
+    mem_opt = WorkerGroups.for_fraction(0.25, 4)
+    assert not mem_opt.broadcasts_decompositions and mem_opt.broadcasts_gradients
+    assert mem_opt.receiver_groups() == [(0, 1, 2, 3)]
+    assert mem_opt.gradient_source(2, 0) == 2
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.5, 0.3, 0.375])
+def test_impossible_grad_worker_fractions_are_refused(fraction: float) -> None:
+    with pytest.raises(ValueError, match="grad_worker_fraction"):
+        worker_count(fraction, 8)
+
+
+# -- layers and registration -----------------------------------------------------------------
+
+
+class _Mixed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.grouped = nn.Conv2d(4, 4, 3, padding=1, groups=2)
+        self.norm = nn.BatchNorm2d(4)
+        self.attention = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(self.grouped(self.conv(x)))
+        tokens = x.flatten(2).transpose(1, 2)
+        attended, _ = self.attention(tokens, tokens, tokens)
+        return self.head(attended.mean(dim=1))
+
+
+def test_unsupported_layers_are_listed_once_and_silent_layers_skipped_with_a_warning() -> None:
+    torch.manual_seed(0)
+    model = _Mixed()
+    with pytest.warns(KFACWarning) as start_up:
+        precond = KFAC(model)
+    assert len(start_up) == 1
+    listing = str(start_up[0].message)
+    assert "grouped" in listing and "norm" in listing and "attention" in listing
+    assert set(precond.layers) == {"conv", "attention.out_proj", "head"}
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs, targets = torch.randn(4, 2, 4, 4), torch.tensor([0, 1, 2, 0])
+    # MultiheadAttention uses out_proj's weight without calling it: skipped, never a crash.
+    with pytest.warns(KFACWarning, match=r"attention\.out_proj"):
+        functional.cross_entropy(model(inputs), targets).backward()
+        precond.step()
+    optimizer.step()
+    assert set(precond.layers) == {"conv", "head"}
+    assert "forward never ran" in precond.skipped["attention.out_proj"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer.zero_grad()
+        functional.cross_entropy(model(inputs), targets).backward()
+        precond.step()
+
+
+def test_skip_layers_match_names_parents_and_classes() -> None:
+    model = nn.Sequential(
+        nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), nn.Linear(4, 2)
+    )
+    with pytest.warns(KFACWarning):
+        by_parent = KFAC(model, skip_layers=["1"])
+    assert set(by_parent.layers) == {"0", "2"}
+    by_parent.remove_hooks()
+    with pytest.raises(ValueError, match="no Linear, Conv2d or Embedding"):
+        KFAC(model, skip_layers=["linear"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"compute_method": "cholesky"}, "compute_method"),
+        ({"damping": -1.0}, "damping"),
+        ({"factor_decay": 1.0}, "factor_decay"),
+        ({"inv_update_steps": 0}, "inv_update_steps"),
+        ({"kl_clip": 0.0}, "kl_clip"),
+        ({"accumulation_steps": 0}, "accumulation_steps"),
+        ({"grad_worker_fraction": 0.0}, "grad_worker_fraction"),
+    ],
+)
+def test_bad_hyperparameters_are_clear_errors(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        KFAC(_mlp(), **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_model_without_supported_layers_is_refused() -> None:
+    with pytest.raises(ValueError, match="no Linear, Conv2d or Embedding"):
+        KFAC(nn.Sequential(nn.BatchNorm1d(3)))
+
+
+def test_hyperparameters_may_be_callables_of_the_step() -> None:
+    model = _mlp()
+    seen: list[int] = []
+
+    def damping(step: int) -> float:
+        seen.append(step)
+        return 0.01 / (step + 1)
+
+    precond = KFAC(model, damping=damping, inv_update_steps=lambda step: 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for seed in range(3):
+        _train_step(model, precond, optimizer, seed)
+    assert precond.damping == pytest.approx(0.01 / 4)
+    assert {0, 1, 2} <= set(seen)
+    # Decompositions only on even steps: step 1 spent no time decomposing.
+    assert precond.last_phase_s["decomposition"] > 0
+
+
+# -- robustness ------------------------------------------------------------------------------
+
+
+def test_a_non_finite_gradient_skips_preconditioning_and_keeps_the_factors() -> None:
+    model = _mlp()
+    precond = KFAC(model, factor_update_steps=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _train_step(model, precond, optimizer, 0)
+    factors = copy.deepcopy(precond.state_dict()["layers"])
+
+    inputs = torch.randn(16, 6)
+    inputs[0, 0] = float("nan")
+    optimizer.zero_grad()
+    functional.cross_entropy(model(inputs), torch.zeros(16, dtype=torch.long)).backward()
+    raw = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    with pytest.warns(KFACWarning) as caught:
+        precond.step()
+    messages = " ".join(str(w.message) for w in caught)
+    assert "non-finite factors" in messages and "non-finite gradient" in messages
+    after = [p.grad for p in model.parameters() if p.grad is not None]
+    for before, now in zip(raw, after, strict=True):
+        torch.testing.assert_close(now, before, equal_nan=True)  # left as they were
+    for name, saved in factors.items():
+        state = precond.state_dict()["layers"][name]
+        torch.testing.assert_close(state["A"], saved["A"])
+        torch.testing.assert_close(state["G"], saved["G"])
+        assert bool(torch.isfinite(state["A"]).all())
+
+
+def test_a_failing_decomposition_falls_back_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _mlp()
+    precond = KFAC(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _train_step(model, precond, optimizer, 0)
+    kept = precond.state_dict()["layers"]["0"]["A_decomp"]["vectors"].clone()
+
+    def broken(*args: object, **kwargs: object) -> object:
+        raise torch.linalg.LinAlgError("the algorithm failed to converge")
+
+    monkeypatch.setattr(torch.linalg, "eigh", broken)
+    with pytest.warns(KFACWarning, match="keeps the previous decomposition"):
+        _train_step(model, precond, optimizer, 1)
+    torch.testing.assert_close(precond.state_dict()["layers"]["0"]["A_decomp"]["vectors"], kept)
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+    # With nothing earlier to keep, the factor's diagonal stands in.
+    fresh = _mlp()
+    fresh_precond = KFAC(fresh)
+    with pytest.warns(KFACWarning, match="diagonal"):
+        _train_step(fresh, fresh_precond, torch.optim.SGD(fresh.parameters(), lr=0.1), 0)
+    assert all(bool(torch.isfinite(p).all()) for p in fresh.parameters())
+
+
+# -- state -----------------------------------------------------------------------------------
+
+
+def test_a_resumed_run_continues_exactly_between_decomposition_steps() -> None:
+    def make() -> tuple[nn.Module, KFAC, torch.optim.Optimizer]:
+        model = _mlp()
+        precond = KFAC(model, inv_update_steps=3, factor_update_steps=2, kl_clip=0.01)
+        return model, precond, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    model, precond, optimizer = make()
+    for seed in range(4):  # stops between two decomposition steps (0, 3, 6)
+        _train_step(model, precond, optimizer, seed)
+    saved = copy.deepcopy((model.state_dict(), optimizer.state_dict(), precond.state_dict()))
+    for seed in range(4, 8):
+        _train_step(model, precond, optimizer, seed)
+
+    resumed, resumed_precond, resumed_optimizer = make()
+    resumed.load_state_dict(saved[0])
+    resumed_optimizer.load_state_dict(saved[1])
+    resumed_precond.load_state_dict(saved[2])
+    assert resumed_precond.steps == 4
+    for seed in range(4, 8):
+        _train_step(resumed, resumed_precond, resumed_optimizer, seed)
+    for expected, got in zip(model.parameters(), resumed.parameters(), strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_state_of_another_model_is_refused() -> None:
+    precond = KFAC(_mlp())
+    with pytest.raises(ValueError, match="does not precondition"):
+        precond.load_state_dict({"steps": 1, "layers": {"encoder.fc": {"A": None, "G": None}}})
+
+
+def test_phases_and_timeline_events_are_recorded() -> None:
+    model = _mlp()
+    precond = KFAC(model)
+    _train_step(model, precond, torch.optim.SGD(model.parameters(), lr=0.1), 0)
+    assert set(precond.last_phase_s) == set(PHASES)
+    assert precond.last_phase_s["factor_compute"] > 0
+    assert precond.last_phase_s["decomposition"] > 0
+    assert precond.last_phase_s["precondition"] > 0
+    events = precond.take_events()
+    categories = {event.category for event in events}
+    assert {"factor", "decomposition", "precondition"} <= categories
+    assert precond.take_events() == []
+
+
+# -- under data-parallel wrappers ------------------------------------------------------------
+
+
+def _wrapped_training(wrapper: str) -> list[list[float]]:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from interlace.dp import DataParallel
+
+    model = _mlp()
+    wrapped: nn.Module = DistributedDataParallel(model) if wrapper == "ddp" else DataParallel(model)
+    precond = KFAC(wrapped, grad_worker_fraction=0.5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rank = dist.get_rank()
+    for seed in range(4):
+        generator = torch.Generator().manual_seed(seed)
+        inputs = torch.randn(16, 6, generator=generator)
+        targets = torch.randint(0, 3, (16,), generator=generator)
+        local = slice(8 * rank, 8 * rank + 8)
+        optimizer.zero_grad()
+        functional.cross_entropy(wrapped(inputs[local]), targets[local]).backward()
+        precond.step()
+        optimizer.step()
+    return [p.detach().reshape(-1).tolist() for p in model.parameters()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrapper", ["ddp", "interlace"])
+def test_kfac_under_data_parallel_wrappers_matches_one_process(wrapper: str) -> None:
+    ranks = run_ranks(_wrapped_training, 2, wrapper, timeout=120)
+    assert ranks[0] == ranks[1]  # every rank holds the same model
+
+    model = _mlp()
+    precond = KFAC(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for seed in range(4):
+        _train_step(model, precond, optimizer, seed)
+    for got, expected in zip(ranks[0], model.parameters(), strict=True):
+        torch.testing.assert_close(
+            torch.tensor(got), expected.detach().reshape(-1), rtol=1e-4, atol=1e-6
+        )
