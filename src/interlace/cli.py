@@ -115,6 +115,13 @@ def _build_parser() -> OneLineArgumentParser:
 
     bench_dp_module.add_arguments(bench_dp)
     bench_dp.set_defaults(handler=bench_dp_module.run)
+    bench_kfac = benchmarks.add_parser(
+        "kfac", help="distributed K-FAC's per-phase iteration breakdown on the emulated cluster"
+    )
+    from interlace.bench import kfac as bench_kfac_module
+
+    bench_kfac_module.add_arguments(bench_kfac)
+    bench_kfac.set_defaults(handler=bench_kfac_module.run)
 
     simulate = commands.add_parser(
         "simulate",
