@@ -95,16 +95,31 @@ class LayerHelper:
                 bias.grad = torch.zeros_like(bias)
             bias.grad.copy_(matrix[:, -1].reshape(bias.shape))
 
-    def _with_bias_ones(self, rows: torch.Tensor) -> torch.Tensor:
+    def _input_moment(
+        self, gram: torch.Tensor, column_sum: torch.Tensor, count: int
+    ) -> torch.Tensor:
+        """``A`` from the sums over rows ``x^T x`` and ``x``: with a bias, the rows carry an
+        appended one, so ``A = [[x^T x, sum x], [sum x^T, count]] / count``. Built from the sums
+        rather than by appending a ones column, which would copy every row."""
         if self.bias is None:
-            return rows
-        return torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
+            return symmetric(gram / count)
+        size = gram.shape[0] + 1
+        moment = gram.new_empty(size, size)
+        moment[:-1, :-1] = gram
+        moment[:-1, -1] = column_sum
+        moment[-1, :-1] = column_sum
+        moment[-1, -1] = count
+        return symmetric(moment / count)
+
+
+def symmetric(matrix: torch.Tensor) -> torch.Tensor:
+    """``(M + M^T) / 2``: exactly symmetric, as the decompositions assume."""
+    return (matrix + matrix.t()) / 2.0
 
 
 def second_moment(rows: torch.Tensor) -> torch.Tensor:
-    """``rows^T rows / len(rows)``, made exactly symmetric (the decompositions assume it)."""
-    moment = rows.t() @ (rows / rows.shape[0])
-    return (moment + moment.t()) / 2.0
+    """``rows^T rows / len(rows)``, made exactly symmetric."""
+    return symmetric((rows.t() @ rows) / rows.shape[0])
 
 
 class LinearHelper(LayerHelper):
@@ -120,7 +135,7 @@ class LinearHelper(LayerHelper):
 
     def a_factor(self, layer_input: torch.Tensor) -> torch.Tensor:
         rows = layer_input.reshape(-1, layer_input.shape[-1])
-        return second_moment(self._with_bias_ones(rows))
+        return self._input_moment(rows.t() @ rows, rows.sum(dim=0), rows.shape[0])
 
     def g_factor(self, grad_output: torch.Tensor) -> torch.Tensor:
         return second_moment(grad_output.reshape(-1, grad_output.shape[-1]))
@@ -153,13 +168,20 @@ class Conv2dHelper(LayerHelper):
             stride=conv.stride,
         )
         positions = patches.shape[2]
-        rows = patches.transpose(1, 2).reshape(-1, patches.shape[1])
-        return second_moment(self._with_bias_ones(rows) / positions)
+        # Per sample (in*kh*kw, positions) @ its transpose, summed: no copy of the patches into
+        # one (rows, in*kh*kw) matrix. kfac-pytorch divides every patch by the number of
+        # positions before the moment, i.e. the moment by its square.
+        gram = torch.bmm(patches, patches.transpose(1, 2)).sum(dim=0)
+        rows = patches.shape[0] * positions
+        moment = self._input_moment(gram, patches.sum(dim=(0, 2)), rows)
+        return moment / float(positions * positions)
 
     def g_factor(self, grad_output: torch.Tensor) -> torch.Tensor:
         positions = grad_output.shape[2] * grad_output.shape[3]
-        rows = grad_output.permute(0, 2, 3, 1).reshape(-1, grad_output.shape[1])
-        return second_moment(rows / positions)
+        per_sample = grad_output.reshape(grad_output.shape[0], grad_output.shape[1], positions)
+        gram = torch.bmm(per_sample, per_sample.transpose(1, 2)).sum(dim=0)
+        rows = grad_output.shape[0] * positions
+        return symmetric(gram / float(rows * positions * positions))
 
 
 class EmbeddingHelper(LayerHelper):

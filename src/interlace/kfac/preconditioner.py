@@ -182,6 +182,7 @@ class KFAC:
         self.last_phase_s: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self._hook_s = 0.0
         self._spans: list[tuple[str, str, float, float]] = []
+        self._last_spans: list[tuple[str, str, float, float]] = []
         self._hooks_checked = False
         self._needs_decomposition = False
         self._loaded = False
@@ -398,6 +399,8 @@ class KFAC:
         for layer in self._layers:
             layer.reset_batch()
         self.last_phase_s = phases
+        # Only the latest step's spans are kept, so memory stays bounded when nobody asks.
+        self._last_spans, self._spans = self._spans, []
         self.steps += 1
 
     def _timed(self, phases: dict[str, float], phase: str, category: str, name: str) -> _Timer:
@@ -650,7 +653,8 @@ class KFAC:
     # -- timeline -----------------------------------------------------------------------
 
     def take_events(self, process: str = "rank 0", origin_s: float = 0.0) -> list[Event]:
-        """The timed spans since the last call as timeline events (hooks, comm, decompositions).
+        """The latest step's timed spans (its hooks, collectives, decompositions) and any
+        since, as timeline events; each span is returned once.
 
         Times are ``time.perf_counter()`` values minus ``origin_s``. The hook spans land on the
         ``factor`` lane, collectives on ``kfac comm``, the rest on their own category's lane.
@@ -664,9 +668,9 @@ class KFAC:
                 lane="kfac comm" if category == "comm" else category,
                 process=process,
             )
-            for name, category, start, end in self._spans
+            for name, category, start, end in self._last_spans + self._spans
         ]
-        self._spans = []
+        self._last_spans, self._spans = [], []
         return events
 
     # -- state --------------------------------------------------------------------------
