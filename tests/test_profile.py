@@ -62,3 +62,33 @@ def test_profile_writes_a_trace_with_every_ranks_compute_and_buckets(tmp_path: P
         assert sum(e.category == "optimizer" for e in events) == 1
         # The first all-reduce starts during backward, not after it: communication overlaps.
         assert comm[0].start_s < max(e.end_s for e in backward)
+
+
+def test_profile_with_kfac_draws_its_phases_after_backward(tmp_path: Path) -> None:
+    out = tmp_path / "profile"
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "interlace", "profile", "--model", "mlp", "--data"),
+            *("digits", "-n", "2", "--steps", "2", "--warmup", "1", "--batch-size", "16"),
+            *("--optimizer", "kfac", "--out", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "K-FAC (eigen, COMM-OPT) on 2 rank(s): 13 layers" in done.stdout
+    timeline = Timeline.from_chrome_trace(out / "timeline.json")
+    for rank in ("rank 0", "rank 1"):
+        events = [e for e in timeline.events if e.process == rank]
+        lanes = {e.lane for e in events}
+        assert {"kfac", "kfac comm"} <= lanes
+        names = {e.name for e in events}
+        assert {"factor all-reduce", "decompositions", "decomposition broadcast"} <= names
+        backward_end = max(e.end_s for e in events if e.category == "backward")
+        (decompositions,) = [e for e in events if e.name == "decompositions"]
+        (step,) = [e for e in events if e.category == "optimizer"]
+        assert backward_end <= decompositions.start_s <= decompositions.end_s <= step.start_s
+        # Factors of A are taken in forward hooks: during the pass, before backward ends.
+        assert min(e.start_s for e in events if e.name.startswith("A ")) < backward_end

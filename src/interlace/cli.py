@@ -95,6 +95,12 @@ def _build_parser() -> OneLineArgumentParser:
     profile.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
     profile.add_argument("--steps", type=int, default=10, help="iterations measured")
     profile.add_argument("--warmup", type=int, default=8, help="iterations before measuring")
+    profile.add_argument(
+        "--optimizer",
+        choices=("sgd", "kfac"),
+        default="sgd",
+        help="kfac: K-FAC (kfac-pytorch's defaults) before each SGD step, drawn on its own lanes",
+    )
     profile.add_argument("--out", default="profile", help="folder for timeline.json/.png")
     profile.add_argument("--timeout", type=float, default=600.0)
     profile.add_argument(
@@ -318,6 +324,7 @@ def _run_profile(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         steps=args.steps,
         trace=args.trace_out is not None,
+        optimizer=args.optimizer,
     )
     config.validate()
     if args.trace_out is not None and args.strategy == "ddp":
@@ -337,6 +344,7 @@ def _run_profile(args: argparse.Namespace) -> int:
         f"batch {config.batch_size}/rank"
         + (f", channels {config.channels}" if config.channels != 1 else "")
         + (f", {config.compression}" if config.compression else "")
+        + (", K-FAC" if config.optimizer == "kfac" else "")
     )
     timeline = merge_profiles(result.values, title)
     trace, picture = write_profile(timeline, args.out)

@@ -51,10 +51,15 @@ class ProfileConfig:
     steps: int = 10
     seed: int = 0
     trace: bool = False
+    #: ``sgd``, or ``kfac``: :class:`interlace.KFAC` (kfac-pytorch's defaults) before each step,
+    #: its phases drawn on a ``kfac`` and a ``kfac comm`` lane.
+    optimizer: str = "sgd"
 
     def validate(self) -> None:
         if self.batch_size < 1 or self.steps < 1 or self.warmup < 0:
             raise UsageError("--batch-size and --steps must be >= 1 and --warmup >= 0")
+        if self.optimizer not in ("sgd", "kfac"):
+            raise UsageError(f"--optimizer must be sgd or kfac, got {self.optimizer!r}")
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,7 @@ class RankProfile:
 def profile_rank(config: ProfileConfig) -> RankProfile:
     """Run on every rank of a launched job; returns this rank's median iteration."""
     from interlace.dp import DataParallel
+    from interlace.kfac import KFAC
     from interlace.strategies import wrap_model
     from interlace.zoo import build_model
 
@@ -96,16 +102,20 @@ def profile_rank(config: ProfileConfig) -> RankProfile:
         targets = torch.randint(0, config.num_classes, (config.batch_size,), generator=generator)
         inputs, targets = inputs.to(context.device), targets.to(context.device)
         ours = wrapped if isinstance(wrapped, DataParallel) else None
+        precond = KFAC(wrapped, lr=0.01) if config.optimizer == "kfac" else None
 
-        def step() -> tuple[float, float, float, float]:
+        def step() -> tuple[float, float, float, float, float]:
             started = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             loss = functional.cross_entropy(wrapped(inputs), targets)
             forward_end = time.perf_counter()
             loss.backward()
             backward_end = time.perf_counter()
+            if precond is not None:
+                precond.step()
+            optimizer_start = time.perf_counter()
             optimizer.step()
-            return started, forward_end, backward_end, time.perf_counter()
+            return started, forward_end, backward_end, optimizer_start, time.perf_counter()
 
         for _ in range(config.warmup):
             step()
@@ -116,8 +126,8 @@ def profile_rank(config: ProfileConfig) -> RankProfile:
         measured: list[tuple[float, list[Event]]] = []
         steps: list[float] = []
         for _ in range(config.steps):
-            started, forward_end, backward_end, ended = step()
-            steps.append(ended - backward_end)
+            started, forward_end, backward_end, optimizer_start, ended = step()
+            steps.append(ended - optimizer_start)
             if ours is not None and ours.last_timeline is not None:
                 events = list(ours.last_timeline.events)
                 # DataParallel's times count from its forward start, which follows `started`.
@@ -137,11 +147,17 @@ def profile_rank(config: ProfileConfig) -> RankProfile:
                         lane="compute",
                     ),
                 ]
+            if precond is not None:
+                # K-FAC's hook work ran inside forward and backward; its step follows backward.
+                events += [
+                    replace(event, lane="kfac comm" if event.category == "comm" else "kfac")
+                    for event in precond.take_events(origin_s=started)
+                ]
             events.append(
                 Event(
                     "optimizer step",
                     "optimizer",
-                    backward_end - started,
+                    optimizer_start - started,
                     ended - started,
                     lane="compute",
                 )
@@ -153,6 +169,8 @@ def profile_rank(config: ProfileConfig) -> RankProfile:
         process = f"rank {context.rank}"
         chosen = [replace(event, process=process) for event in chosen]
         plan = ours.plan.describe() if ours is not None and ours.plan else ""
+        if precond is not None:
+            plan += "\n" + precond.describe().splitlines()[0]
         if ours is not None and ours.refit_summary:
             plan += "\n" + ours.refit_summary
         step_s = statistics.median(steps)
