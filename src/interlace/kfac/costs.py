@@ -1,0 +1,189 @@
+"""Measured cost models for SPD-KFAC's load-balancing placement (PAPERS.md section 4).
+
+LBP decides, factor by factor, whether decomposing a factor locally on every rank is cheaper
+than decomposing it once and broadcasting the result, then balances the broadcast ones over the
+ranks. Both sides of that decision are priced by models fitted to measurements on this machine:
+
+* :class:`DecompositionCostModel`: ``c0 + c2 n^2 + c3 n^3`` seconds for one ``n x n``
+  eigendecomposition (or inverse), fitted to timings of ``torch.linalg.eigh`` (or ``inv``).
+  The ``n^3`` term is the arithmetic; ``n^2`` covers memory traffic and the ``O(n^2)`` steps
+  of the solver, which dominate at the small sizes where the local-or-broadcast decision falls;
+  ``c0`` is the launch and solver set-up overhead.
+* Broadcasts are priced with the all-reduce model :class:`interlace.comm.cost.CostModel`
+  (``a + b M`` seconds for ``M`` bytes), fitted to timed broadcasts or reusing the all-reduce
+  fit (a broadcast moves no more data than an all-reduce). There is deliberately no second
+  linear model here: :data:`BroadcastCostModel` is that class, and :func:`broadcast_time`
+  prices one factor's decomposition with it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from interlace.comm.cost import CostModel
+from interlace.kfac.decomp import COMPUTE_METHODS
+
+__all__ = [
+    "BroadcastCostModel",
+    "DecompositionCostModel",
+    "broadcast_time",
+    "decomposition_numel",
+]
+
+#: Broadcasts are priced by the all-reduce cost model (see the module docstring).
+BroadcastCostModel = CostModel
+
+
+@dataclass(frozen=True)
+class DecompositionCostModel:
+    """``time(n) = c0 + c2 n^2 + c3 n^3`` seconds to decompose one dense ``n x n`` factor."""
+
+    c3: float
+    c2: float
+    c0: float
+
+    def __post_init__(self) -> None:
+        for name, value in (("c3", self.c3), ("c2", self.c2), ("c0", self.c0)):
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be finite and >= 0, got {value}")
+
+    def time(self, n: int, diagonal: bool = False) -> float:
+        """Seconds to decompose an ``n x n`` factor.
+
+        A diagonal factor needs no decomposition (its inverse is elementwise), and an empty one
+        nothing at all: both cost zero. Non-negative coefficients make the time non-decreasing
+        in ``n``.
+        """
+        if diagonal or n <= 0:
+            return 0.0
+        return self.c0 + self.c2 * n**2 + self.c3 * n**3
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[int, float]]) -> DecompositionCostModel:
+        """Non-negative least squares through measured ``(n, seconds)`` samples.
+
+        Residuals are relative (each row is divided by its time), so a 32 x 32 factor's fraction
+        of a millisecond counts as much as a 512 x 512 factor's tens: the local-or-broadcast
+        decision is made among the small factors. With three unknowns, exact NNLS is cheap:
+        the solution is the unconstrained least-squares fit on its own support, so every subset
+        of the coefficients is fitted and the best fit with no negative coefficient is kept.
+        """
+        if not samples:
+            raise ValueError("fitting a decomposition cost model needs (size, seconds) samples")
+        sizes = np.asarray([float(n) for n, _ in samples])
+        seconds = np.asarray([float(t) for _, t in samples])
+        if not (np.all(np.isfinite(sizes)) and np.all(np.isfinite(seconds))):
+            raise ValueError("decomposition timings must be finite")
+        if np.any(sizes <= 0) or np.any(seconds < 0):
+            raise ValueError("decomposition samples need sizes > 0 and times >= 0")
+        if np.unique(sizes).size < 3:
+            raise ValueError(
+                "fitting c0 + c2 n^2 + c3 n^3 needs samples of at least three distinct sizes"
+            )
+        # A zero time (below the clock's resolution) is weighted as the smallest positive one.
+        positive = seconds[seconds > 0]
+        floor = float(positive.min()) if positive.size else 1.0
+        weights = 1.0 / np.maximum(seconds, floor)
+        columns = np.stack([sizes**3, sizes**2, np.ones_like(sizes)], axis=1) * weights[:, None]
+        target = seconds * weights
+        # Columns differ by up to ~1e8 in scale; normalising them keeps lstsq well conditioned.
+        scale = np.linalg.norm(columns, axis=0)
+        columns = columns / scale
+        best: tuple[float, np.ndarray] | None = None
+        for support_size in range(1, 4):
+            for support in itertools.combinations(range(3), support_size):
+                chosen = list(support)
+                solution, *_ = np.linalg.lstsq(columns[:, chosen], target, rcond=None)
+                if np.any(solution < 0):
+                    continue
+                coefficients = np.zeros(3)
+                coefficients[chosen] = solution
+                residual = float(np.sum((columns @ coefficients - target) ** 2))
+                # Strictly better only: equal residuals keep the smaller support (found first).
+                if best is None or residual < best[0]:
+                    best = (residual, coefficients)
+        # A single column always fits with a non-negative coefficient (targets are >= 0).
+        assert best is not None
+        c3, c2, c0 = (float(value) for value in best[1] / scale)
+        return cls(c3=c3, c2=c2, c0=c0)
+
+    @classmethod
+    def measure(
+        cls,
+        method: str,
+        device: torch.device | str,
+        dtype: torch.dtype = torch.float32,
+        sizes: Sequence[int] = (32, 64, 128, 256, 512),
+        repeats: int = 3,
+    ) -> DecompositionCostModel:
+        """Time ``eigh`` (``"eigen"``) or ``inv`` (``"inverse"``) on this device, then fit.
+
+        Each size is decomposed once untimed (the first call loads solver kernels and
+        workspaces) and then ``repeats`` times on fresh random SPD matrices; the median time
+        per size goes to :meth:`fit`. CUDA work is synchronised around each timing.
+        """
+        if method not in COMPUTE_METHODS:
+            raise ValueError(f"method must be one of {COMPUTE_METHODS}, got {method!r}")
+        if repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {repeats}")
+        device = torch.device(device)
+        generator = torch.Generator().manual_seed(0)
+        samples = []
+        for n in sizes:
+            matrices = [_random_spd(n, dtype, device, generator) for _ in range(repeats + 1)]
+            timings = [_time_decomposition(method, matrix) for matrix in matrices]
+            samples.append((n, statistics.median(timings[1:])))
+        return cls.fit(samples)
+
+
+def _random_spd(
+    n: int, dtype: torch.dtype, device: torch.device, generator: torch.Generator
+) -> torch.Tensor:
+    """A well-conditioned SPD matrix like a damped factor: ``X X^T / n + I``."""
+    x = torch.randn(n, n, generator=generator, dtype=torch.float64)
+    return (x @ x.T / n + torch.eye(n, dtype=torch.float64)).to(device=device, dtype=dtype)
+
+
+def _synchronise(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_decomposition(method: str, matrix: torch.Tensor) -> float:
+    """Seconds for one decomposition of ``matrix``, with the device drained before and after."""
+    _synchronise(matrix.device)
+    start = time.perf_counter()
+    if method == "eigen":
+        torch.linalg.eigh(matrix)
+    else:
+        torch.linalg.inv(matrix)
+    _synchronise(matrix.device)
+    return time.perf_counter() - start
+
+
+def decomposition_numel(method: str, dim: int, diagonal: bool = False) -> int:
+    """Numbers broadcast for one factor's decomposition, as the preconditioner sends them.
+
+    ``eigen``: eigenvectors and eigenvalues, ``n^2 + n``; ``inverse``: the ``n x n`` inverse;
+    a diagonal factor: its ``n`` values either way.
+    """
+    if method not in COMPUTE_METHODS:
+        raise ValueError(f"method must be one of {COMPUTE_METHODS}, got {method!r}")
+    if diagonal:
+        return dim
+    return dim * dim + dim if method == "eigen" else dim * dim
+
+
+def broadcast_time(
+    model: CostModel, method: str, dim: int, diagonal: bool = False, element_size: int = 4
+) -> float:
+    """Seconds to broadcast one factor's decomposition, priced by ``model`` (``a + b M``)."""
+    return model.time(decomposition_numel(method, dim, diagonal) * element_size)
