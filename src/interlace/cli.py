@@ -159,7 +159,7 @@ def _build_parser() -> OneLineArgumentParser:
 def _add_job_arguments(
     parser: argparse.ArgumentParser, default_epochs: int, default_nprocs: int = 1
 ) -> None:
-    from interlace.train import TrainConfig
+    from interlace.train import OPTIMIZERS, TrainConfig
 
     defaults = TrainConfig()
     parser.add_argument(
@@ -220,6 +220,55 @@ def _add_job_arguments(
     parser.add_argument("--out", help="exact run folder to write (default: a new one in runs/)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--timeout", type=float, help="stop the whole job after this many seconds")
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=defaults.optimizer,
+        help="sgd (SGD with momentum) or kfac (K-FAC preconditioning in front of that same SGD, "
+        f"schedule and all; default {defaults.optimizer})",
+    )
+    kfac = parser.add_argument_group("K-FAC (with --optimizer kfac; defaults are kfac-pytorch's)")
+    kfac.add_argument(
+        "--kfac-factor-update-steps",
+        type=int,
+        default=defaults.kfac_factor_update_steps,
+        metavar="N",
+        help="update the Kronecker factors every N steps",
+    )
+    kfac.add_argument(
+        "--kfac-inv-update-steps",
+        type=int,
+        default=defaults.kfac_inv_update_steps,
+        metavar="N",
+        help="decompose (or invert) the factors every N steps",
+    )
+    kfac.add_argument(
+        "--kfac-damping", type=float, default=defaults.kfac_damping, help="Tikhonov damping"
+    )
+    kfac.add_argument(
+        "--kfac-factor-decay",
+        type=float,
+        default=defaults.kfac_factor_decay,
+        help="running-average decay of the factors, in [0, 1)",
+    )
+    kfac.add_argument(
+        "--kfac-kl-clip",
+        type=float,
+        default=defaults.kfac_kl_clip,
+        help="KL-clip bound on the preconditioned step (0: no clip)",
+    )
+    kfac.add_argument(
+        "--kfac-compute-method",
+        default=defaults.kfac_compute_method,
+        help="eigen (eigendecompositions) or inverse (damped inverses)",
+    )
+    kfac.add_argument(
+        "--kfac-grad-worker-fraction",
+        type=float,
+        default=defaults.kfac_grad_worker_fraction,
+        metavar="F",
+        help="share of ranks preconditioning each layer: 1 COMM-OPT, 1/n MEM-OPT, between HYBRID",
+    )
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -237,6 +286,7 @@ def _shape(text: str) -> tuple[int, ...]:
 def _run_train(args: argparse.Namespace) -> int:
     from interlace import launch
     from interlace.distenv import in_launched_job
+    from interlace.kfac.placement import worker_count
     from interlace.netem import parse_link
     from interlace.runlog import new_run_dir
     from interlace.train import TrainConfig, _label, train_rank
@@ -262,6 +312,14 @@ def _run_train(args: argparse.Namespace) -> int:
         max_steps_per_epoch=args.max_steps_per_epoch,
         runs_dir=args.runs_dir,
         progress=not args.no_progress,
+        optimizer=args.optimizer,
+        kfac_factor_update_steps=args.kfac_factor_update_steps,
+        kfac_inv_update_steps=args.kfac_inv_update_steps,
+        kfac_damping=args.kfac_damping,
+        kfac_factor_decay=args.kfac_factor_decay,
+        kfac_kl_clip=args.kfac_kl_clip,
+        kfac_compute_method=args.kfac_compute_method,
+        kfac_grad_worker_fraction=args.kfac_grad_worker_fraction,
     )
     config.validate()
 
@@ -274,6 +332,11 @@ def _run_train(args: argparse.Namespace) -> int:
         raise UsageError(f"-n must be >= 1, got {args.nprocs}")
     if args.link is not None:
         parse_link(args.link)
+    if config.optimizer == "kfac":
+        try:
+            worker_count(config.kfac_grad_worker_fraction, args.nprocs)
+        except ValueError as error:
+            raise UsageError(f"--kfac-grad-worker-fraction: {error}") from None
     # Check the model and data here, once, so a typo is one line rather than N tracebacks.
     bundle = load_data(config.data, synthetic_size=config.synthetic_size, seed=config.seed)
     build_model(

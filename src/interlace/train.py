@@ -3,6 +3,11 @@
 Each rank runs :func:`train_rank`; ``interlace train -n N`` starts N of them through the launcher,
 and the same code runs unchanged as a script under ``torchrun``. Rank 0 shows a progress bar,
 prints one line per epoch and writes the run folder (see :mod:`interlace.runlog`).
+
+``optimizer="kfac"`` puts :class:`interlace.KFAC` in front of the same SGD-with-momentum
+optimiser and schedule: K-FAC preconditions the averaged gradients, SGD applies them. Everything
+else (data, model, communication strategy, learning-rate schedule) is unchanged, so a K-FAC run
+and an SGD run of one config differ only in the preconditioning.
 """
 
 from __future__ import annotations
@@ -24,9 +29,14 @@ from tqdm import tqdm
 from interlace.comm.engine import COMPRESSIONS
 from interlace.distenv import DistContext, init_distributed
 from interlace.errors import UsageError
+from interlace.kfac import KFAC
+from interlace.kfac.decomp import COMPUTE_METHODS
 from interlace.runlog import RunLog, new_run_dir
 from interlace.strategies import STRATEGIES, parse_channels, wrap_model
 from interlace.zoo import build_model, load_data, make_loader
+
+#: The ``--optimizer`` choices: plain SGD with momentum, or K-FAC in front of it.
+OPTIMIZERS = ("sgd", "kfac")
 
 
 @dataclass
@@ -52,6 +62,18 @@ class TrainConfig:
     max_steps_per_epoch: int | None = None
     runs_dir: str = "runs"
     progress: bool = True
+    optimizer: str = "sgd"
+    # K-FAC's options (used when optimizer == "kfac"), with kfac-pytorch's defaults; see
+    # interlace.KFAC. A K-FAC run keeps every SGD option above: lr, momentum, weight decay and
+    # the warm-up + cosine schedule apply to the preconditioned gradients.
+    kfac_factor_update_steps: int = 1
+    kfac_inv_update_steps: int = 1
+    kfac_damping: float = 0.001
+    kfac_factor_decay: float = 0.95
+    #: The KL-clip bound; 0 turns the clip off (kfac-pytorch's ``kl_clip=None``).
+    kfac_kl_clip: float = 0.001
+    kfac_compute_method: str = "eigen"
+    kfac_grad_worker_fraction: float = 1.0
     extra: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -79,6 +101,40 @@ class TrainConfig:
             (
                 self.max_steps_per_epoch is None or self.max_steps_per_epoch >= 1,
                 "--max-steps-per-epoch must be >= 1",
+            ),
+            (
+                self.optimizer in OPTIMIZERS,
+                f"unknown --optimizer '{self.optimizer}'; choose one of {', '.join(OPTIMIZERS)}",
+            ),
+            (
+                self.kfac_factor_update_steps >= 1,
+                f"--kfac-factor-update-steps must be >= 1, got {self.kfac_factor_update_steps}",
+            ),
+            (
+                self.kfac_inv_update_steps >= 1,
+                f"--kfac-inv-update-steps must be >= 1, got {self.kfac_inv_update_steps}",
+            ),
+            (
+                self.kfac_damping >= 0 and math.isfinite(self.kfac_damping),
+                f"--kfac-damping must be >= 0, got {self.kfac_damping}",
+            ),
+            (
+                0 <= self.kfac_factor_decay < 1,
+                f"--kfac-factor-decay must be in [0, 1), got {self.kfac_factor_decay}",
+            ),
+            (
+                self.kfac_kl_clip >= 0 and math.isfinite(self.kfac_kl_clip),
+                f"--kfac-kl-clip must be >= 0 (0 turns the clip off), got {self.kfac_kl_clip}",
+            ),
+            (
+                self.kfac_compute_method in COMPUTE_METHODS,
+                f"unknown --kfac-compute-method '{self.kfac_compute_method}'; choose one of "
+                f"{', '.join(COMPUTE_METHODS)}",
+            ),
+            (
+                0 < self.kfac_grad_worker_fraction <= 1,
+                "--kfac-grad-worker-fraction must be in (0, 1] (1 COMM-OPT, 1/n MEM-OPT), got "
+                f"{self.kfac_grad_worker_fraction}",
             ),
         ]
         self.channels = parse_channels(self.channels)
@@ -175,6 +231,7 @@ def _train(config: TrainConfig, context: DistContext, run_dir: str | None) -> Tr
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, _Schedule(total_steps, round(config.warmup_epochs * steps_per_epoch))
     )
+    precond = _make_kfac(config, parallel_model, optimizer) if config.optimizer == "kfac" else None
 
     log: RunLog | None = None
     if context.is_main:
@@ -195,6 +252,8 @@ def _train(config: TrainConfig, context: DistContext, run_dir: str | None) -> Tr
             f"global batch {config.batch_size * context.world_size}, run folder {path}",
             flush=True,
         )
+        if precond is not None:
+            print(precond.describe().splitlines()[0], flush=True)
 
     show_bar = context.is_main and config.progress and sys.stderr.isatty()
     bar = tqdm(total=total_steps, disable=not show_bar, unit="step", dynamic_ncols=True)
@@ -219,6 +278,8 @@ def _train(config: TrainConfig, context: DistContext, run_dir: str | None) -> Tr
                 optimizer.zero_grad(set_to_none=True)
                 loss = functional.cross_entropy(parallel_model(inputs), targets)
                 loss.backward()
+                if precond is not None:
+                    precond.step()
                 optimizer.step()
                 schedule.step()
                 loss_sum[0] += loss.detach().double() * targets.numel()
@@ -303,6 +364,51 @@ def _eval_loader(
     # twice, and the reported accuracy must be over exactly the test split.
     indices = list(range(context.rank, len(dataset), context.world_size))  # type: ignore[arg-type]
     return DataLoader(Subset(dataset, indices), batch_size=max(batch_size, 64), shuffle=False)
+
+
+def _make_kfac(
+    config: TrainConfig, parallel_model: nn.Module, optimizer: torch.optim.Optimizer
+) -> KFAC:
+    """K-FAC on the wrapped model, its KL-clip following the optimiser's scheduled rate.
+
+    What K-FAC refuses only once it sees the job (a ``--kfac-grad-worker-fraction`` that does
+    not split this world size evenly, a model with no layer to precondition) becomes a
+    :class:`UsageError` naming the flag, like every other bad setting.
+    """
+    try:
+        return KFAC(
+            parallel_model,
+            factor_update_steps=config.kfac_factor_update_steps,
+            inv_update_steps=config.kfac_inv_update_steps,
+            damping=config.kfac_damping,
+            factor_decay=config.kfac_factor_decay,
+            kl_clip=config.kfac_kl_clip or None,
+            lr=_CurrentLr(optimizer),
+            compute_method=config.kfac_compute_method,
+            grad_worker_fraction=config.kfac_grad_worker_fraction,
+        )
+    except ValueError as error:
+        flag = (
+            "--kfac-grad-worker-fraction"
+            if "grad_worker_fraction" in str(error)
+            else "--optimizer kfac"
+        )
+        raise UsageError(f"{flag}: {error}") from None
+
+
+class _CurrentLr:
+    """The optimiser's current learning rate, as K-FAC's ``lr`` callable (for its KL-clip).
+
+    K-FAC's KL-clip bounds the step ``lr * preconditioned gradient``, so it must see the rate the
+    warm-up + cosine schedule has set now, not the peak. A class rather than a closure so it
+    pickles, like :class:`_Schedule`.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def __call__(self, step: int) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
 
 
 class _Schedule:
