@@ -20,6 +20,7 @@ def test_the_table_has_one_column_per_phase() -> None:
         compute_method="eigen",
         grad_worker_fraction=1.0,
         inv_update_steps=1,
+        placement="greedy",
         layers=3,
         iteration_ms=12.5,
         phases_ms={key: float(index) for index, (key, _) in enumerate(COLUMNS)},
@@ -83,6 +84,7 @@ def test_a_tiny_run_on_loopback_writes_rows_and_a_timeline(
         (["--grad-worker-fraction", "0.3", "--no-netem"], "--grad-worker-fraction"),
         (["--inv-update-steps", "0", "--no-netem"], "--inv-update-steps"),
         (["--iters", "0", "--no-netem"], "--iters"),
+        (["--placement", "lbp", "--grad-worker-fraction", "0.5", "--no-netem"], "--placement"),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(

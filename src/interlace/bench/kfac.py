@@ -82,6 +82,7 @@ class KfacJob:
     grad_worker_fraction: float
     inv_update_steps: int
     timeline: bool
+    placement: str = "greedy"
 
 
 @dataclass
@@ -95,6 +96,7 @@ class KfacRow:
     compute_method: str
     grad_worker_fraction: float
     inv_update_steps: int
+    placement: str
     layers: int
     iteration_ms: float
     phases_ms: dict[str, float] = field(default_factory=dict)
@@ -137,6 +139,7 @@ def measure_rank(job: KfacJob) -> dict[str, Any]:
         compute_method=job.compute_method,
         grad_worker_fraction=job.grad_worker_fraction,
         inv_update_steps=job.inv_update_steps,
+        placement=job.placement,
     )
     generator = torch.Generator().manual_seed(job.seed * 1000 + rank)
     batches = [
@@ -297,6 +300,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="decompose every K steps (default 1, so every phase shows in every iteration)",
     )
+    parser.add_argument(
+        "--placement",
+        choices=("greedy", "round-robin", "lbp"),
+        default="greedy",
+        help="where decompositions are computed (default greedy, SC20/KAISA)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     parser.add_argument(
@@ -331,6 +340,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"-n must be >= 1, got {args.nprocs}")
     if args.iters < 1 or args.warmup < 0:
         raise UsageError("--iters must be >= 1 and --warmup >= 0")
+    if args.placement == "lbp" and args.grad_worker_fraction < 1:
+        raise UsageError("--placement lbp needs --grad-worker-fraction 1 (COMM-OPT)")
     if args.inv_update_steps < 1:
         raise UsageError(f"--inv-update-steps must be >= 1, got {args.inv_update_steps}")
     try:
@@ -364,6 +375,7 @@ def run(args: argparse.Namespace) -> int:
                 grad_worker_fraction=args.grad_worker_fraction,
                 inv_update_steps=args.inv_update_steps,
                 timeline=bool(args.png) and index == 0,
+                placement=args.placement,
             )
             sink = io.StringIO()
             result = launch.run(
@@ -392,6 +404,7 @@ def run(args: argparse.Namespace) -> int:
                     compute_method=job.compute_method,
                     grad_worker_fraction=job.grad_worker_fraction,
                     inv_update_steps=job.inv_update_steps,
+                    placement=job.placement,
                     layers=value["layers"],
                     iteration_ms=medians["iteration"] * 1e3,
                     phases_ms={key: medians[key] * 1e3 for key, _ in COLUMNS},
@@ -402,7 +415,8 @@ def run(args: argparse.Namespace) -> int:
             bar.write(format_table(rows[-1:]).splitlines()[-1])
     print(
         f"\nK-FAC phase breakdown ({args.compute_method}, grad_worker_fraction "
-        f"{args.grad_worker_fraction:g}, decompositions every {args.inv_update_steps} step(s)), "
+        f"{args.grad_worker_fraction:g}, {args.placement} placement, decompositions every "
+        f"{args.inv_update_steps} step(s)), "
         f"{args.nprocs} ranks on {link or 'loopback'}; per-rank batch per model "
         f"({', '.join(f'{r.model} {r.batch}' for r in rows)}); medians over {args.iters} "
         "iterations of the maximum over ranks:\n"

@@ -13,7 +13,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -49,13 +49,53 @@ def time_allreduce(
     device: torch.device | None = None,
 ) -> float:
     """Median seconds of one all-reduce of ``nbytes`` (float32) on ``group``, on this rank."""
+    return _time_collective(
+        lambda tensor: dist.all_reduce(tensor, group=group),
+        nbytes,
+        group,
+        repeats=repeats,
+        warmup=warmup,
+        device=device,
+    )
+
+
+def time_broadcast(
+    nbytes: int,
+    source: int,
+    group: dist.ProcessGroup | None = None,
+    *,
+    repeats: int = 5,
+    warmup: int = 2,
+    device: torch.device | None = None,
+) -> float:
+    """Median seconds of one broadcast of ``nbytes`` from global rank ``source``, on this rank."""
+    return _time_collective(
+        lambda tensor: dist.broadcast(tensor, src=source, group=group),
+        nbytes,
+        group,
+        repeats=repeats,
+        warmup=warmup,
+        device=device,
+    )
+
+
+def _time_collective(
+    collective: Callable[[torch.Tensor], object],
+    nbytes: int,
+    group: dist.ProcessGroup | None,
+    *,
+    repeats: int,
+    warmup: int,
+    device: torch.device | None,
+) -> float:
+    """Median seconds of ``collective`` on ``nbytes`` of float32, all ranks started together."""
     device = device or torch.device("cpu")
     tensor = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=device)
     samples = []
     for index in range(warmup + repeats):
         dist.barrier(group)
         started = time.perf_counter()
-        dist.all_reduce(tensor, group=group)
+        collective(tensor)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if index >= warmup:

@@ -67,6 +67,24 @@ class FactorDecomposition:
         if self.inverse is not None:
             self.inverse = tensors.pop(0)
 
+    def flatten(self) -> torch.Tensor:
+        """:meth:`tensors` back to back in one 1-D buffer, so one collective sends them all."""
+        return torch.cat([t.reshape(-1) for t in self.tensors()])
+
+    def load_flat(self, flat: torch.Tensor) -> None:
+        """Take new values from a buffer laid out as :meth:`flatten` lays out this one's.
+
+        The receiving side of a broadcast: this decomposition gives the shapes (it was made
+        by :func:`empty_like_decomposition`, or is the previous decomposition), ``flat`` the
+        numbers. The new tensors are views of ``flat``.
+        """
+        shapes = self.tensors()
+        expected = sum(t.numel() for t in shapes)
+        if flat.numel() != expected:
+            raise ValueError(f"a flat decomposition of {flat.numel()} numbers, expected {expected}")
+        pieces = torch.split(flat, [t.numel() for t in shapes])
+        self.replace([piece.view_as(t) for piece, t in zip(pieces, shapes, strict=True)])
+
 
 def empty_like_decomposition(
     method: str, dim: int, diagonal: bool, dtype: torch.dtype, device: torch.device

@@ -11,10 +11,20 @@
 One step, every ``factor_update_steps``: the factors each rank collected in its forward and
 backward hooks are averaged across ranks (fused into buckets) and folded into the running
 averages. Every ``inv_update_steps``: each layer's factors are decomposed (or inverted) on the
-one rank that :func:`~interlace.kfac.placement.greedy_placement` gave it and sent to the layer's
-gradient workers; then those workers precondition and, unless every rank is a worker, send the
-result on (see :mod:`interlace.kfac.placement`). Last, kfac-pytorch's KL-clip scales every
-preconditioned gradient by one factor.
+one rank that the placement gave it and sent to the layer's gradient workers; then those workers
+precondition and, unless every rank is a worker, send the result on (see
+:mod:`interlace.kfac.placement`). Last, kfac-pytorch's KL-clip scales every preconditioned
+gradient by one factor.
+
+Placements (the ``placement`` argument):
+
+* ``"greedy"`` (default, SC20 / KAISA): a layer's two factors on one rank, largest layers first
+  onto the least-loaded rank (:func:`~interlace.kfac.placement.greedy_placement`).
+* ``"round-robin"``: layer ``i`` on rank ``i % world``, the size-blind baseline.
+* ``"lbp"`` (SPD-KFAC, COMM-OPT only): each *factor* on its own, from
+  :func:`~interlace.kfac.placement.lbp_placement` priced with measured cost models: a factor
+  cheaper to decompose than to broadcast is decomposed on every rank, the others on one rank
+  each and broadcast, one collective per factor, as soon as it is ready.
 
 Where interlace deliberately differs from kfac-pytorch:
 
@@ -44,6 +54,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from interlace.comm.calibrate import time_broadcast
+from interlace.comm.cost import CostModel
+from interlace.kfac.costs import DecompositionCostModel, broadcast_time
 from interlace.kfac.decomp import (
     COMPUTE_METHODS,
     DecompositionError,
@@ -54,10 +67,27 @@ from interlace.kfac.decomp import (
     precondition,
 )
 from interlace.kfac.layers import LayerHelper, make_helper
-from interlace.kfac.placement import WorkerGroups, decomposition_cost, greedy_placement
+from interlace.kfac.placement import (
+    FactorItem,
+    WorkerGroups,
+    decomposition_cost,
+    greedy_placement,
+    lbp_placement,
+    predicted_makespan,
+    round_robin_placement,
+    schedule_order,
+)
 from interlace.timeline import Event
 
-__all__ = ["KFAC", "PHASES", "KFACWarning"]
+__all__ = ["KFAC", "PHASES", "PLACEMENTS", "KFACWarning"]
+
+#: Values of ``KFAC(placement=...)``: where decompositions are computed (see the module doc).
+PLACEMENTS = ("round-robin", "greedy", "lbp")
+
+#: Bytes per broadcast timed to fit LBP's broadcast cost model (besides 4 bytes for the
+#: start-up): the span of small and medium factors' decompositions, where LBP's
+#: local-or-broadcast decisions fall.
+BROADCAST_SIZES = (64 * 1024, 512 * 1024, 2 * 1024 * 1024)
 
 #: The K-FAC phases timed by every :meth:`KFAC.step` (seconds in :attr:`KFAC.last_phase_s`).
 #: ``factor_compute`` is the work done in the forward and backward hooks since the last step.
@@ -85,7 +115,15 @@ class _Layer:
 
     name: str
     helper: LayerHelper
+    #: The rank that decomposes both factors (layer-level placements); see :attr:`KFAC.layers`
+    #: for what it means under LBP.
     owner: int = 0
+    #: Per-factor owners (None: decomposed on every rank) and positions in the global
+    #: decomposition order; used by the LBP placement only.
+    a_owner: int | None = 0
+    g_owner: int | None = 0
+    a_order: int = 0
+    g_order: int = 0
     a_sum: torch.Tensor | None = None
     g_sum: torch.Tensor | None = None
     a_count: int = 0
@@ -121,6 +159,12 @@ class KFAC:
     (MEM-OPT) or a fraction between (HYBRID). ``skip_layers`` names modules (by their name in
     the model, any enclosing module's name, or their class name, case-insensitive) to leave to
     the optimiser. Linear, Conv2d (groups=1) and dense Embedding layers are preconditioned.
+
+    ``placement`` is one of :data:`PLACEMENTS` (see the module docstring). ``"lbp"`` prices
+    each factor with ``decomposition_cost`` and ``broadcast_cost``; left out, they are measured
+    at start-up on the live group (decompositions on this rank's device in ``inv_dtype``, rank
+    0's fit taken by every rank; broadcasts timed on every rank, slowest rank's medians) so
+    every rank derives the same placement. Passed in, they must be the same on every rank.
     """
 
     def __init__(
@@ -141,7 +185,18 @@ class KFAC:
         inv_dtype: torch.dtype = torch.float32,
         process_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float = 25.0,
+        placement: str = "greedy",
+        decomposition_cost: DecompositionCostModel | None = None,
+        broadcast_cost: CostModel | None = None,
     ) -> None:
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
+        if placement == "lbp" and grad_worker_fraction is not None and grad_worker_fraction < 1:
+            raise ValueError(
+                "placement='lbp' needs grad_worker_fraction=1 (COMM-OPT): it broadcasts each "
+                f"factor's decomposition to every rank, got grad_worker_fraction="
+                f"{grad_worker_fraction}; use placement='greedy' for MEM-OPT or HYBRID"
+            )
         if compute_method not in COMPUTE_METHODS:
             raise ValueError(
                 f"compute_method must be one of {', '.join(COMPUTE_METHODS)}, "
@@ -162,6 +217,10 @@ class KFAC:
         self.factor_dtype = factor_dtype
         self.inv_dtype = inv_dtype
         self.bucket_bytes = int(bucket_cap_mb * 1024 * 1024)
+        self.placement = placement
+        #: LBP's cost models (None for the layer-level placements and on a single rank).
+        self.decomposition_cost = decomposition_cost
+        self.broadcast_cost = broadcast_cost
         self.steps = 0
         self._check_hyperparameters()
 
@@ -272,14 +331,100 @@ class KFAC:
             )
 
     def _place(self) -> None:
-        costs = [
-            decomposition_cost(layer.helper.a_dim, layer.helper.g_dim, layer.helper.diagonal_a)
-            for layer in self._layers
-        ]
-        for layer, owner in zip(
-            self._layers, greedy_placement(costs, self.world_size), strict=True
-        ):
-            layer.owner = owner
+        """Give every layer (or, for LBP, every factor) its owner; the same on every rank."""
+        if self.placement == "lbp":
+            self._place_factors()
+            return
+        if self.placement == "round-robin":
+            owners = round_robin_placement(len(self._layers), self.world_size)
+        else:
+            costs = [
+                decomposition_cost(layer.helper.a_dim, layer.helper.g_dim, layer.helper.diagonal_a)
+                for layer in self._layers
+            ]
+            owners = greedy_placement(costs, self.world_size)
+        for layer, owner in zip(self._layers, owners, strict=True):
+            layer.owner = layer.a_owner = layer.g_owner = owner
+
+    def _factor_items(self) -> list[FactorItem]:
+        """Every layer's ``A`` then ``G``, in layer order: the factors LBP places."""
+        items: list[FactorItem] = []
+        for layer in self._layers:
+            items.append(FactorItem(layer.helper.a_dim, layer.helper.diagonal_a))
+            items.append(FactorItem(layer.helper.g_dim))
+        return items
+
+    def _decompose_s(self, n: int) -> float:
+        assert self.decomposition_cost is not None
+        return self.decomposition_cost.time(n)
+
+    def _broadcast_s(self, n: int) -> float:
+        assert self.broadcast_cost is not None
+        return broadcast_time(
+            self.broadcast_cost, self.compute_method, n, element_size=self.inv_dtype.itemsize
+        )
+
+    def _place_factors(self) -> None:
+        """LBP: per-factor owners and the one global order every rank decomposes and sends in.
+
+        On one rank nothing is sent, so everything is local and nothing is measured.
+        """
+        items = self._factor_items()
+        if self.world_size == 1:
+            owners: list[int | None] = [None] * len(items)
+            order = list(range(len(items)))
+        else:
+            if self.decomposition_cost is None:
+                self.decomposition_cost = self._measure_decomposition_cost()
+            if self.broadcast_cost is None:
+                self.broadcast_cost = self._measure_broadcast_cost()
+            owners = lbp_placement(items, self.world_size, self._decompose_s, self._broadcast_s)
+            order = schedule_order(
+                items, owners, self.world_size, self._decompose_s, self._broadcast_s
+            )
+        position = {factor: index for index, factor in enumerate(order)}
+        for index, layer in enumerate(self._layers):
+            layer.a_owner, layer.g_owner = owners[2 * index], owners[2 * index + 1]
+            layer.a_order, layer.g_order = position[2 * index], position[2 * index + 1]
+            # The summary owner behind :attr:`layers` (see there).
+            owned = [o for o in (layer.a_owner, layer.g_owner) if o is not None]
+            layer.owner = owned[0] if owned else 0
+
+    def _measure_decomposition_cost(self) -> DecompositionCostModel:
+        """Fit decomposition times on this rank's device, then take rank 0's fit everywhere.
+
+        Every rank measures (so the machine is as busy as in training), but fits differ a
+        little between ranks, and different placements would deadlock the broadcasts.
+        """
+        device = self._device()
+        fitted = DecompositionCostModel.measure(self.compute_method, device, self.inv_dtype)
+        coefficients = torch.tensor(
+            [fitted.c3, fitted.c2, fitted.c0], dtype=torch.float64, device=device
+        )
+        dist.broadcast(coefficients, src=self._global_ranks[0], group=self.group)
+        c3, c2, c0 = coefficients.cpu().tolist()
+        return DecompositionCostModel(c3=c3, c2=c2, c0=c0)
+
+    def _measure_broadcast_cost(self) -> CostModel:
+        """``a + b M`` for a broadcast on this group, fitted like all-reduces are calibrated.
+
+        Mirrors :func:`interlace.comm.calibrate.fit_cost_model` (median per size, the slowest
+        rank's medians, a 4-byte message for the start-up, least squares for the per-byte
+        cost on top), with broadcasts from rank 0 in place of all-reduces.
+        """
+        device = self._device()
+        medians = torch.tensor(
+            [
+                time_broadcast(size, self._global_ranks[0], self.group, device=device)
+                for size in (4, *BROADCAST_SIZES)
+            ],
+            dtype=torch.float64,
+            device=device,
+        )
+        # A collective ends when its slowest rank does, and every rank must fit the same model.
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=self.group)
+        tiny, *rest = medians.cpu().tolist()
+        return CostModel.fit_slope(tiny, [float(size) for size in BROADCAST_SIZES], rest)
 
     def _make_groups(
         self, distributed: bool
@@ -301,11 +446,29 @@ class KFAC:
 
     @property
     def layers(self) -> dict[str, int]:
-        """Every preconditioned layer's name and the rank that decomposes its factors."""
+        """Every preconditioned layer's name and the rank that decomposes its factors.
+
+        Under LBP a layer's two factors may have different owners, or none (decomposed on
+        every rank): this gives the owner of ``A``, else of ``G``, else 0 (rank 0 decomposes
+        local factors like every rank). :attr:`factor_owners` has the full answer.
+        """
         return {layer.name: layer.owner for layer in self._layers}
 
+    @property
+    def factor_owners(self) -> dict[str, tuple[int | None, int | None]]:
+        """Every layer's ``(A owner, G owner)``; None means decomposed locally on every rank.
+
+        With a layer-level placement both are the layer's owner.
+        """
+        return {layer.name: (layer.a_owner, layer.g_owner) for layer in self._layers}
+
     def describe(self) -> str:
-        """A few lines: the layers, their owners and the distribution mode."""
+        """A few lines: the distribution mode and placement, per-rank load, the layers' owners.
+
+        The first line is a one-line summary. Layer-level placements give each rank's share of
+        the ``n^3`` decomposition cost; LBP gives each rank's predicted seconds of decomposition
+        (its own factors plus the local ones) and the predicted makespan under its cost models.
+        """
         mode = (
             "COMM-OPT"
             if self.worker_groups.workers == self.world_size
@@ -313,23 +476,55 @@ class KFAC:
             if self.worker_groups.workers == 1
             else f"HYBRID ({self.worker_groups.workers} gradient workers per layer)"
         )
-        loads = [0.0] * self.world_size
-        for layer in self._layers:
-            loads[layer.owner] += decomposition_cost(
-                layer.helper.a_dim, layer.helper.g_dim, layer.helper.diagonal_a
-            )
-        lines = [
+        # Run headers and tests match this prefix, so the placement comes after it.
+        head = (
             f"K-FAC ({self.compute_method}, {mode}) on {self.world_size} rank(s): "
-            f"{len(self._layers)} layers, decomposition cost per rank "
-            + ", ".join(f"{load / max(sum(loads), 1.0):.0%}" for load in loads)
-        ]
-        for layer in self._layers:
-            lines.append(
-                f"  {layer.name}: A {layer.helper.a_dim}"
-                f"{' (diagonal)' if layer.helper.diagonal_a else ''}, G {layer.helper.g_dim}, "
-                f"rank {layer.owner}"
+            f"{len(self._layers)} layers, {self.placement} placement, "
+        )
+        if self.placement == "lbp":
+            head += self._describe_lbp_load()
+        else:
+            loads = [0.0] * self.world_size
+            for layer in self._layers:
+                loads[layer.owner] += decomposition_cost(
+                    layer.helper.a_dim, layer.helper.g_dim, layer.helper.diagonal_a
+                )
+            head += "decomposition cost per rank " + ", ".join(
+                f"{load / max(sum(loads), 1.0):.0%}" for load in loads
             )
+        lines = [head]
+        for layer in self._layers:
+            helper = layer.helper
+            a_text = f"A {helper.a_dim}{' (diagonal)' if helper.diagonal_a else ''}"
+            if self.placement == "lbp":
+                lines.append(
+                    f"  {layer.name}: {a_text} {_where(layer.a_owner)}, "
+                    f"G {helper.g_dim} {_where(layer.g_owner)}"
+                )
+            else:
+                lines.append(f"  {layer.name}: {a_text}, G {helper.g_dim}, rank {layer.owner}")
         return "\n".join(lines)
+
+    def _describe_lbp_load(self) -> str:
+        if self.decomposition_cost is None or self.broadcast_cost is None:
+            return "every factor decomposed locally (nothing to send)"
+        items = self._factor_items()
+        owners = [o for layer in self._layers for o in (layer.a_owner, layer.g_owner)]
+        seconds = [0.0 if item.diagonal else self._decompose_s(item.dim) for item in items]
+        local = sum(s for s, owner in zip(seconds, owners, strict=True) if owner is None)
+        loads = [local] * self.world_size
+        for cost, owner in zip(seconds, owners, strict=True):
+            if owner is not None:
+                loads[owner] += cost
+        makespan = predicted_makespan(
+            items, owners, self.world_size, self._decompose_s, self._broadcast_s
+        )
+        kept = sum(owner is None for owner in owners)
+        return (
+            f"{kept} of {len(owners)} factors local, predicted decomposition ms per rank "
+            + ", ".join(f"{load * 1e3:.2f}" for load in loads)
+            + f", predicted makespan {makespan * 1e3:.2f} ms"
+        )
 
     # -- hooks --------------------------------------------------------------------------
 
@@ -497,6 +692,9 @@ class KFAC:
         return result
 
     def _update_decompositions(self, phases: dict[str, float]) -> None:
+        if self.placement == "lbp":
+            self._update_factor_decompositions(phases)
+            return
         damping = self.damping
         ready = [layer for layer in self._layers if layer.a_factor is not None]
         with self._timed(phases, "decomposition", "decomposition", "decompositions"):
@@ -535,38 +733,117 @@ class KFAC:
                 layer.a_decomp.replace(shaped[:count_a])
                 layer.g_decomp.replace(shaped[count_a:])
 
+    def _update_factor_decompositions(self, phases: dict[str, float]) -> None:
+        """LBP's decomposition step: owned factors decomposed and broadcast one by one.
+
+        Every rank walks the same global order (owned factors in Johnson's order, then the
+        local ones, from :func:`~interlace.kfac.placement.schedule_order`): for an owned
+        factor its owner decomposes it and starts the broadcast at once, while the others
+        post the matching broadcast into a buffer and move on, so collectives are issued in
+        one order everywhere (no deadlock) and each owner's sends start as early as its
+        decompositions allow. Local factors come last, as they delay no send; then all
+        broadcasts are waited for and unpacked.
+
+        All broadcasts share the one process group, so they run one after another in that
+        order, while :func:`~interlace.kfac.placement.predicted_makespan` lets different
+        owners' sends overlap; a group per owner would close that gap.
+        """
+        damping = self.damping
+        ready = [layer for layer in self._layers if layer.a_factor is not None]
+        factors = sorted(
+            [(layer.a_order, layer, "A") for layer in ready]
+            + [(layer.g_order, layer, "G") for layer in ready],
+            key=lambda entry: entry[0],
+        )
+        pending: list[tuple[_Layer, str, torch.Tensor, dist.Work | None]] = []
+        with self._timed(phases, "decomposition", "decomposition", "decompositions"):
+            for _, layer, which in factors:
+                layer.decomposed = True
+                owner = layer.a_owner if which == "A" else layer.g_owner
+                if owner is None or owner == self.rank:
+                    self._decompose_factor(layer, which, damping)
+                if owner is None:
+                    continue
+                if owner != self.rank and self._held_decomposition(layer, which) is None:
+                    self._allocate_decomposition(layer, which)
+                # The owner's numbers, or a receive buffer shaped like them.
+                flat = self._decomposition_of(layer, which).flatten()
+                work = dist.broadcast(
+                    flat, src=self._global_ranks[owner], group=self.group, async_op=True
+                )
+                pending.append((layer, which, flat, work))
+        if not pending:
+            return
+        with self._timed(phases, "decomposition_comm", "comm", "decomposition broadcast"):
+            for layer, which, flat, work in pending:
+                assert work is not None
+                work.wait()
+                owner = layer.a_owner if which == "A" else layer.g_owner
+                if owner != self.rank:
+                    self._decomposition_of(layer, which).load_flat(flat)
+
+    @staticmethod
+    def _held_decomposition(layer: _Layer, which: str) -> FactorDecomposition | None:
+        return layer.a_decomp if which == "A" else layer.g_decomp
+
+    @staticmethod
+    def _decomposition_of(layer: _Layer, which: str) -> FactorDecomposition:
+        decomposition = layer.a_decomp if which == "A" else layer.g_decomp
+        assert decomposition is not None
+        return decomposition
+
+    def _allocate_decomposition(self, layer: _Layer, which: str) -> None:
+        """A receive buffer for one factor's broadcast decomposition."""
+        helper = layer.helper
+        dim, diagonal = (helper.a_dim, helper.diagonal_a) if which == "A" else (helper.g_dim, False)
+        buffer = empty_like_decomposition(
+            self.compute_method, dim, diagonal, self.inv_dtype, self._device()
+        )
+        if which == "A":
+            layer.a_decomp = buffer
+        else:
+            layer.g_decomp = buffer
+
     def _decompose(self, layer: _Layer, damping: float) -> None:
-        assert layer.a_factor is not None and layer.g_factor is not None
-        decompositions = []
-        for which, factor, previous in (
-            ("A", layer.a_factor, layer.a_decomp),
-            ("G", layer.g_factor, layer.g_decomp),
-        ):
-            try:
-                decompositions.append(
-                    decompose(factor, self.compute_method, damping, self.inv_dtype)
+        self._decompose_factor(layer, "A", damping)
+        self._decompose_factor(layer, "G", damping)
+
+    def _decompose_factor(self, layer: _Layer, which: str, damping: float) -> None:
+        """Decompose one of the layer's factors in place, falling back when that fails.
+
+        The fallback is the previous decomposition, or on the first step the factor's
+        diagonal in the dense shapes (receivers' broadcast buffers expect those).
+        """
+        factor = layer.a_factor if which == "A" else layer.g_factor
+        previous = layer.a_decomp if which == "A" else layer.g_decomp
+        assert factor is not None
+        try:
+            result = decompose(factor, self.compute_method, damping, self.inv_dtype)
+        except DecompositionError as error:
+            fallback = previous
+            what = "keeps the previous decomposition"
+            if fallback is None:
+                # Nothing earlier to keep: the diagonal of the factor always decomposes.
+                fallback = decompose(
+                    torch.diagonal(factor).clone() if factor.dim() == 2 else factor,
+                    self.compute_method,
+                    damping,
+                    self.inv_dtype,
                 )
-            except DecompositionError as error:
-                fallback = previous
-                what = "keeps the previous decomposition"
-                if fallback is None:
-                    # Nothing earlier to keep: the diagonal of the factor always decomposes.
-                    fallback = decompose(
-                        torch.diagonal(factor).clone() if factor.dim() == 2 else factor,
-                        self.compute_method,
-                        damping,
-                        self.inv_dtype,
-                    )
-                    fallback = _as_dense(fallback, factor)
-                    what = "uses the factor's diagonal"
-                warnings.warn(
-                    f"K-FAC: factor {which} of layer {layer.name} at step {self.steps}: "
-                    f"{error}; it {what}",
-                    KFACWarning,
-                    stacklevel=4,
-                )
-                decompositions.append(fallback)
-        layer.a_decomp, layer.g_decomp = decompositions
+                fallback = _as_dense(fallback, factor)
+                what = "uses the factor's diagonal"
+            warnings.warn(
+                f"K-FAC: factor {which} of layer {layer.name} at step {self.steps}: "
+                f"{error}; it {what}",
+                KFACWarning,
+                # Through the caller, _update_decompositions and step to the user's code.
+                stacklevel=5,
+            )
+            result = fallback
+        if which == "A":
+            layer.a_decomp = result
+        else:
+            layer.g_decomp = result
 
     def _allocate_decompositions(self, layer: _Layer) -> None:
         device = self._device()
@@ -788,6 +1065,11 @@ class _Timer:
         ended = time.perf_counter()
         self.phases[self.phase] += ended - self.started
         self.owner._spans.append((self.name, self.category, self.started, ended))
+
+
+def _where(owner: int | None) -> str:
+    """Where LBP decomposes a factor, for :meth:`KFAC.describe`."""
+    return "local" if owner is None else f"on rank {owner}"
 
 
 def _running_average(current: torch.Tensor | None, new: torch.Tensor, decay: float) -> torch.Tensor:
