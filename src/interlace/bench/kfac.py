@@ -7,8 +7,9 @@ made) it times iterations and splits each into the phases SPD-KFAC's breakdown u
 
 * forward + backward: the plain module's, timed in the same rounds with no hooks and no
   communication (the compute every strategy must do);
-* gradient comm: what data parallelism adds to forward + backward beyond that compute and the
-  factor work done in K-FAC's hooks (the exposed part of the gradient all-reduces);
+* gradient comm: what data parallelism adds to that compute, from a second copy of the model
+  under DataParallel alone (no K-FAC), timed in the same rounds: the exposed part of the
+  gradient all-reduces;
 * factor compute, factor comm, decomposition, decomposition comm, preconditioning and
   preconditioning comm: :attr:`interlace.KFAC.last_phase_s`;
 * optimizer step.
@@ -132,6 +133,7 @@ def measure_rank(job: KfacJob) -> dict[str, Any]:
     plain = build_model(job.model, job.input_shape, NUM_CLASSES)
     model = copy.deepcopy(plain)
     wrapped = DataParallel(model)
+    data_parallel_only = DataParallel(copy.deepcopy(plain))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     precond = KFAC(
         wrapped,
@@ -168,23 +170,24 @@ def measure_rank(job: KfacJob) -> dict[str, Any]:
         sample["iteration"] = end - start
         return sample
 
-    def plain_pass(step: int) -> float:
+    def passes(module: Any, step: int) -> float:
         inputs, targets = batches[step % _BATCHES]
         dist.barrier()
         start = time.perf_counter()
-        plain.zero_grad()
-        functional.cross_entropy(plain(inputs), targets).backward()
+        module.zero_grad()
+        functional.cross_entropy(module(inputs), targets).backward()
         return time.perf_counter() - start
 
     step = 0
-    while step < job.warmup or not wrapped.planning_done:
+    while step < job.warmup or not (wrapped.planning_done and data_parallel_only.planning_done):
         kfac_iteration(step)
+        passes(data_parallel_only, step)
         step += 1
         if step > _MAX_WARMUP_STEPS:
             raise RuntimeError(f"{job.model}: DataParallel did not finish planning in warm-up")
     precond.take_events()
 
-    keys = [*PHASES, "passes", "optimizer", "iteration", "plain"]
+    keys = [*PHASES, "passes", "optimizer", "iteration", "plain", "data_parallel"]
     samples: dict[str, list[float]] = {key: [] for key in keys}
     events: list[dict[str, Any]] = []
     for index in range(job.iters):
@@ -195,18 +198,16 @@ def measure_rank(job: KfacJob) -> dict[str, Any]:
         sample = kfac_iteration(step + index)
         if last and job.timeline:
             events = _iteration_events(wrapped, precond, rank, sample)
-        sample["plain"] = plain_pass(step + index)
+        sample["plain"] = passes(plain, step + index)
+        sample["data_parallel"] = passes(data_parallel_only, step + index)
         for key in keys:
             samples[key].append(sample[key])
     maxima = {key: _max_over_ranks(values) for key, values in samples.items()}
     medians = {key: statistics.median(values) for key, values in maxima.items()}
-    # Data parallelism's share of forward + backward: what the wrapped passes took beyond the
-    # plain module's compute and the factor work done in K-FAC's hooks.
+    # Data parallelism's share of forward + backward: the wrapped passes beyond the plain ones.
     exposed = [
-        max(0.0, passes - plain - factor)
-        for passes, plain, factor in zip(
-            maxima["passes"], maxima["plain"], maxima["factor_compute"], strict=True
-        )
+        max(0.0, wrapped_s - plain_s)
+        for wrapped_s, plain_s in zip(maxima["data_parallel"], maxima["plain"], strict=True)
     ]
     medians["gradient_comm"] = statistics.median(exposed)
     medians["forward_backward"] = medians["plain"]
