@@ -298,3 +298,67 @@ def test_every_strategy_has_a_timeline_with_its_buckets() -> None:
 def test_unknown_strategy_is_named() -> None:
     with pytest.raises(UsageError, match="unknown strategy 'nope'"):
         simulate(toy_trace([1], [4]), "nope", CostModel(0, 0))
+
+
+@pytest.mark.parametrize(
+    ("gaps", "sizes", "channels", "c2"),
+    [
+        # A later bucket's slice takes a channel before an earlier bucket's second slice starts.
+        ([0.0, 1.0, 0.0, 0.0], [1, 500_003, 1_000_001, 1], 2, 1.0),
+        # Two slices of one bucket start at the same instant up to float rounding.
+        (
+            [
+                0.0,
+                2.0,
+                0.0,
+                0.0,
+                0.0,
+                1.0,
+                0.0,
+                3.237983874070707,
+                1.0,
+                1.0,
+                1.0,
+                1.0,
+                1.0,
+                0.0,
+                1.172972290138925,
+            ],
+            [
+                1000001,
+                1000001,
+                3631001,
+                3322207,
+                1000001,
+                1000001,
+                1000001,
+                3622413,
+                3962933,
+                1,
+                500003,
+                500003,
+                2758168,
+                1000001,
+                500003,
+            ],
+            4,
+            2.0,
+        ),
+    ],
+)
+def test_replay_equals_the_plan_in_cases_found_by_search(
+    gaps: list[float], sizes: list[int], channels: int, c2: float
+) -> None:
+    ready = [sum(gaps[: i + 1]) * MS for i in range(len(gaps))]
+    tensors = [ReadyTensor(f"t{i}", sizes[i], t) for i, t in enumerate(ready)]
+    cost = CostModel(1 * MS, 1e-9, concurrency=((1.2 * MS, c2), (1.5 * MS, 2.5)))
+    plan = make_plan(
+        "per-tensor",
+        tensors,
+        cost,
+        backward_s=ready[-1],
+        forward_s=1 * MS,
+        channels=channels,
+        partition_bytes=1e6,
+    )
+    assert replay(plan).iteration_s == pytest.approx(plan.predicted_s, rel=1e-9)

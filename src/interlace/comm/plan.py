@@ -172,6 +172,10 @@ def slice_sizes(nbytes: int, count: int) -> list[int]:
     return [nbytes // count + (1 if k < nbytes % count else 0) for k in range(count)]
 
 
+#: Times closer than this are one instant: sums of float seconds differ in the last bits.
+_SAME_INSTANT_S = 1e-12
+
+
 class ChannelClock:
     """The communication timeline of ``channels`` channels, built one bucket at a time.
 
@@ -213,11 +217,19 @@ class ChannelClock:
         # buckets' all-reduces, siblings already running, and siblings starting at that instant.
         for k in sorted(range(count), key=lambda k: (starts[k], k)):
             start = starts[k]
-            in_flight = sum(1 for begin, end in self._flights if begin <= start < end)
+            # Up to rounding, one ending at this very instant is no longer in flight and one
+            # starting at this instant is.
+            in_flight = sum(
+                1
+                for begin, end in self._flights
+                if begin <= start + _SAME_INSTANT_S and start < end - _SAME_INSTANT_S
+            )
             starting = sum(
                 1
                 for other in range(count)
-                if other != k and other not in placed and starts[other] == start
+                if other != k
+                and other not in placed
+                and abs(starts[other] - start) <= _SAME_INSTANT_S
             )
             ends[k] = start + self.cost.time(sizes[k], 1 + in_flight + starting)
             self._flights.append((start, ends[k]))

@@ -288,7 +288,10 @@ def _replay_channels(
         finished_now = False
         for number in sorted({bucket for bucket, _ in startable}):
             channels = [c for bucket, c in startable if bucket == number]
-            concurrent = len(running) + len(channels)
+            # As ChannelClock prices it, the newcomer in launch order pays for sharing: a slice
+            # of a later bucket that got its channel first does not slow this one.
+            concurrent = sum(1 for bucket, _ in running.values() if bucket <= number)
+            concurrent += len(channels)
             for channel in channels:
                 _, size = queues[channel].pop(0)
                 first_start.setdefault(number, now)
