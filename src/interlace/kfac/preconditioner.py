@@ -26,6 +26,22 @@ Placements (the ``placement`` argument):
   cheaper to decompose than to broadcast is decomposed on every rank, the others on one rank
   each and broadcast, one collective per factor, as soon as it is ready.
 
+Factor communication (the ``factor_comm`` argument):
+
+* ``"bulk"`` (default): ``step()`` all-reduces every factor at once, in buckets of at most
+  ``bucket_cap_mb``.
+* ``"pipelined"`` (SPD-KFAC, PAPERS.md section 4): each factor's upper triangle
+  (:func:`~interlace.kfac.packing.pack_upper`) is all-reduced as soon as its hook computes it,
+  overlapping the rest of the forward and backward passes, on a process group of its own so it
+  never interleaves with a data-parallel wrapper's gradient all-reduces. ``fusion`` picks the
+  buckets (:mod:`interlace.kfac.fusion`): ``"none"`` one per factor, ``"fixed"`` up to
+  ``bucket_cap_mb`` in ready order, ``"merged"`` MG-WFBP's rule on ready times profiled over
+  ``profile_steps`` factor steps (the slowest rank's) and ``factor_cost`` (fitted on the factor
+  group when not given), so every rank launches the same buckets. The first factor step is always
+  bulk (it finds the layers whose hooks never fire); the layer set is then taken as fixed. With
+  ``accumulation_steps > 1``, or on one rank, factors are sent in bulk. ``step()`` waits for the
+  outstanding all-reduces; that exposed wait is ``last_phase_s["factor_comm"]``.
+
 Where interlace deliberately differs from kfac-pytorch:
 
 * ``G`` is normalised to the *global* batch: kfac-pytorch builds ``G`` from each rank's
@@ -54,7 +70,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from interlace.comm.calibrate import time_broadcast
+from interlace.comm.calibrate import fit_cost_model, time_broadcast
 from interlace.comm.cost import CostModel
 from interlace.kfac.costs import DecompositionCostModel, broadcast_time
 from interlace.kfac.decomp import (
@@ -66,7 +82,9 @@ from interlace.kfac.decomp import (
     kl_clip_scale,
     precondition,
 )
+from interlace.kfac.fusion import FUSIONS, BucketLauncher, make_groups
 from interlace.kfac.layers import LayerHelper, make_helper
+from interlace.kfac.packing import pack_upper, packed_size, unpack_upper
 from interlace.kfac.placement import (
     FactorItem,
     WorkerGroups,
@@ -79,10 +97,13 @@ from interlace.kfac.placement import (
 )
 from interlace.timeline import Event
 
-__all__ = ["KFAC", "PHASES", "PLACEMENTS", "KFACWarning"]
+__all__ = ["FACTOR_COMMS", "FUSIONS", "KFAC", "PHASES", "PLACEMENTS", "KFACWarning"]
 
 #: Values of ``KFAC(placement=...)``: where decompositions are computed (see the module doc).
 PLACEMENTS = ("round-robin", "greedy", "lbp")
+
+#: Values of ``KFAC(factor_comm=...)``: how factors are averaged across ranks (see the module doc).
+FACTOR_COMMS = ("bulk", "pipelined")
 
 #: Bytes per broadcast timed to fit LBP's broadcast cost model (besides 4 bytes for the
 #: start-up): the span of small and medium factors' decompositions, where LBP's
@@ -165,6 +186,10 @@ class KFAC:
     at start-up on the live group (decompositions on this rank's device in ``inv_dtype``, rank
     0's fit taken by every rank; broadcasts timed on every rank, slowest rank's medians) so
     every rank derives the same placement. Passed in, they must be the same on every rank.
+
+    ``factor_comm`` (``"bulk"`` or ``"pipelined"``), ``fusion`` (``"none"``, ``"fixed"`` or
+    ``"merged"``, used by ``"pipelined"`` only), ``profile_steps`` and ``factor_cost`` (the same on
+    every rank) choose how factors are averaged across ranks; see the module docstring.
     """
 
     def __init__(
@@ -188,7 +213,19 @@ class KFAC:
         placement: str = "greedy",
         decomposition_cost: DecompositionCostModel | None = None,
         broadcast_cost: CostModel | None = None,
+        factor_comm: str = "bulk",
+        fusion: str = "none",
+        profile_steps: int = 3,
+        factor_cost: CostModel | None = None,
     ) -> None:
+        if factor_comm not in FACTOR_COMMS:
+            raise ValueError(
+                f"factor_comm must be one of {', '.join(FACTOR_COMMS)}, got {factor_comm!r}"
+            )
+        if fusion not in FUSIONS:
+            raise ValueError(f"fusion must be one of {', '.join(FUSIONS)}, got {fusion!r}")
+        if profile_steps < 1:
+            raise ValueError(f"profile_steps must be >= 1, got {profile_steps}")
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
         if placement == "lbp" and grad_worker_fraction is not None and grad_worker_fraction < 1:
@@ -221,6 +258,18 @@ class KFAC:
         #: LBP's cost models (None for the layer-level placements and on a single rank).
         self.decomposition_cost = decomposition_cost
         self.broadcast_cost = broadcast_cost
+        self.factor_comm = factor_comm
+        self.fusion = fusion
+        self.profile_steps = profile_steps
+        #: The all-reduce cost model behind ``fusion="merged"`` (given, or fitted when needed).
+        self.factor_cost = factor_cost
+        #: The pipelined factor buckets in use (indices into :attr:`factor_order`); None until
+        #: pipelining starts, singletons while ``"merged"`` profiles.
+        self.factor_plan: list[list[int]] | None = None
+        #: The factors' ready order pipelining uses: ``(layer name, "A" or "G")``.
+        self.factor_order: list[tuple[str, str]] = []
+        self._pipe: _FactorPipeline | None = None
+        self._fired: list[tuple[str, str]] = []
         self.steps = 0
         self._check_hyperparameters()
 
@@ -252,6 +301,12 @@ class KFAC:
         self._register(_unwrap(model), {s.lower() for s in skip_layers})
         self._place()
         self._block_groups, self._receiver_groups = self._make_groups(distributed)
+        # Pipelined factor all-reduces start inside the hooks, while DataParallel's gradient
+        # all-reduces run on the default group: a group of their own keeps the two sequences
+        # apart (new_group is collective, so every rank creates it here, in the same order).
+        self._factor_group: dist.ProcessGroup | None = None
+        if factor_comm == "pipelined" and distributed and self.world_size > 1:
+            self._factor_group = dist.new_group(self._global_ranks)
         if self.skipped and self.rank == 0:
             listing = ", ".join(f"{name} ({why})" for name, why in self.skipped.items())
             warnings.warn(
@@ -548,6 +603,7 @@ class KFAC:
             a = layer.helper.a_factor(layer_input)
             layer.a_sum = a if layer.a_sum is None else layer.a_sum + a
             layer.a_count += 1
+            self._factor_ready(layer, "A", a, layer.a_count)
         if isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(partial(self._grad_hook, layer))
         ended = time.perf_counter()
@@ -565,9 +621,17 @@ class KFAC:
             g = layer.helper.g_factor(grad_output) / float(self.world_size**2)
             layer.g_sum = g if layer.g_sum is None else layer.g_sum + g
             layer.g_count += 1
+            self._factor_ready(layer, "G", g, layer.g_count)
         ended = time.perf_counter()
         self._hook_s += ended - started
         self._spans.append((f"G {layer.name}", "factor", started, ended))
+
+    def _factor_ready(self, layer: _Layer, which: str, factor: torch.Tensor, count: int) -> None:
+        """Hand a fresh factor to the pipeline, or note its ready order before pipelining."""
+        if self._pipe is not None:
+            self._pipe.offer((layer.name, which), factor)
+        elif self.factor_comm == "pipelined" and count == 1:
+            self._fired.append((layer.name, which))
 
     # -- the step -----------------------------------------------------------------------
 
@@ -583,7 +647,13 @@ class KFAC:
         phases["factor_compute"] = self._hook_s
         self._hook_s = 0.0
         if self.steps % self.factor_update_steps == 0:
-            self._update_factors(phases)
+            if self._pipe is not None:
+                self._update_factors_pipelined(phases)
+            else:
+                self._update_factors(phases)
+                if self._wants_pipeline():
+                    self._start_pipeline()
+        self._fired = []
         if self._loaded:
             self._loaded = False
             self._agree_on_decomposition()
@@ -627,6 +697,13 @@ class KFAC:
             tensors += [layer.a_sum / layer.a_count, layer.g_sum / layer.g_count]
         with self._timed(phases, "factor_comm", "comm", "factor all-reduce"):
             averaged = self._all_reduce_mean(tensors)
+        self._fold(phases, ready, averaged)
+
+    def _fold(
+        self, phases: dict[str, float], ready: list[_Layer], averaged: list[torch.Tensor]
+    ) -> None:
+        """Fold each ready layer's averaged ``A`` and ``G`` (alternating in ``averaged``) into its
+        running averages, dropping a layer's non-finite factors for this step."""
         with self._timed(phases, "factor_compute", "factor", "running averages"):
             decay = self.factor_decay
             for index, layer in enumerate(ready):
@@ -637,11 +714,142 @@ class KFAC:
                         f"{self.steps}; this step's factors are dropped, the running "
                         "averages are kept",
                         KFACWarning,
-                        stacklevel=3,
+                        stacklevel=4,
                     )
                     continue
                 layer.a_factor = _running_average(layer.a_factor, new_a, decay)
                 layer.g_factor = _running_average(layer.g_factor, new_g, decay)
+
+    # -- pipelined factor communication (SPD-KFAC) ---------------------------------------
+
+    def _wants_pipeline(self) -> bool:
+        """Whether to pipeline factor all-reduces from the next factor-update step on.
+
+        Only with several ranks (one has nothing to send) and without micro-batch accumulation:
+        with ``accumulation_steps > 1`` a factor is only complete after the last micro-batch,
+        so launching it from the hook would send a partial sum; bulk is kept there.
+        """
+        return (
+            self.factor_comm == "pipelined"
+            and self._factor_group is not None
+            and self.accumulation_steps == 1
+        )
+
+    def _start_pipeline(self) -> None:
+        """After the first (bulk) factor step: fix the factors' ready order and first buckets.
+
+        That step also dropped the silent layers, so the layer set is taken as fixed from here
+        on. The ready order is rank 0's hook order, broadcast so that every rank indexes the
+        plan the same way (factors rank 0 never saw go last, in layer order).
+        """
+        position = {layer.name: index for index, layer in enumerate(self._layers)}
+        count = 2 * len(self._layers)
+        codes = torch.full((count,), -1, dtype=torch.int64)
+        seen = [
+            2 * position[name] + (which == "G") for name, which in self._fired if name in position
+        ]
+        seen = list(dict.fromkeys(seen))
+        codes[: len(seen)] = torch.tensor(seen, dtype=torch.int64)
+        codes = codes.to(self._device())
+        dist.broadcast(codes, src=self._global_ranks[0], group=self._factor_group)
+        order = [int(code) for code in codes.cpu().tolist() if code >= 0]
+        order += [code for code in range(count) if code not in set(order)]
+        keys: list[tuple[str, str]] = []
+        numels: list[int] = []
+        dtypes: list[torch.dtype] = []
+        for code in order:
+            layer, is_g = self._layers[code // 2], code % 2 == 1
+            helper = layer.helper
+            if is_g:
+                numels.append(packed_size(helper.g_dim))
+                factor = layer.g_factor
+            else:
+                numels.append(helper.a_dim if helper.diagonal_a else packed_size(helper.a_dim))
+                factor = layer.a_factor
+            dtypes.append(helper.weight.dtype if factor is None else factor.dtype)
+            keys.append((layer.name, "G" if is_g else "A"))
+        self.factor_order = keys
+        self._pipe = _FactorPipeline(self, keys, numels, dtypes)
+        if self.fusion == "merged":
+            # Per-factor launches while the ready times are profiled.
+            self._pipe.profiling = True
+            self._set_factor_plan(make_groups("none", self._pipe.nbytes))
+        else:
+            self._set_factor_plan(
+                make_groups(self.fusion, self._pipe.nbytes, cap_bytes=self.bucket_bytes)
+            )
+
+    def _set_factor_plan(self, groups: list[list[int]]) -> None:
+        assert self._pipe is not None
+        self.factor_plan = groups
+        self._pipe.groups = groups
+        self._pipe.reset()
+
+    def _update_factors_pipelined(self, phases: dict[str, float]) -> None:
+        """The factor step when the hooks have already launched the all-reduces.
+
+        Flushes the buckets still open (a factor missing on this rank is sent as zeros, so every
+        rank issues the same collectives), then one small all-reduce agrees which layers every
+        rank has and whether any rank saw a layer twice (a module called twice per step): the
+        sums sent then hold only the first call, so the step falls back to the bulk all-reduce
+        of the accumulated factors.
+        """
+        pipe = self._pipe
+        assert pipe is not None
+        started = time.perf_counter()
+        pipe.flush()
+        counts = torch.tensor(
+            [[layer.a_count, layer.g_count] for layer in self._layers], dtype=torch.int64
+        )
+        present = (counts > 0).to(torch.int64).reshape(-1)
+        repeated = int(bool((counts > 1).any()))
+        flags = torch.cat([present, torch.tensor([-repeated])]).to(self._device())
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self._factor_group)
+        flags = flags.cpu()
+        everywhere = flags[:-1].reshape(-1, 2).tolist()
+        any_repeated = int(flags[-1]) < 0
+        ready = [layer for layer, both in zip(self._layers, everywhere, strict=True) if all(both)]
+        phases["factor_compute"] += time.perf_counter() - started
+        with self._timed(phases, "factor_comm", "comm", "factor all-reduce wait"):
+            summed = pipe.wait()
+        if any_repeated:
+            tensors: list[torch.Tensor] = []
+            for layer in ready:
+                assert layer.a_sum is not None and layer.g_sum is not None
+                tensors += [layer.a_sum / layer.a_count, layer.g_sum / layer.g_count]
+            with self._timed(phases, "factor_comm", "comm", "factor all-reduce"):
+                averaged = self._all_reduce_mean(tensors)
+        else:
+            averaged = []
+            for layer in ready:
+                helper = layer.helper
+                for which, dim, diagonal, local in (
+                    ("A", helper.a_dim, helper.diagonal_a, layer.a_sum),
+                    ("G", helper.g_dim, False, layer.g_sum),
+                ):
+                    assert local is not None
+                    mean = summed[pipe.index[(layer.name, which)]] / self.world_size
+                    averaged.append(unpack_upper(mean, dim, diagonal=diagonal).to(local.dtype))
+        self._fold(phases, ready, averaged)
+        if pipe.profiling:
+            pipe.record_profile()
+            if pipe.profiled >= self.profile_steps:
+                self._plan_merged()
+        pipe.reset()
+
+    def _plan_merged(self) -> None:
+        """Merged buckets from the profiled ready times (slowest rank's) and the cost model."""
+        pipe = self._pipe
+        assert pipe is not None
+        ready = torch.tensor(pipe.mean_ready_s(), dtype=torch.float64, device=self._device())
+        # Every rank must derive the same plan: the same times, sizes and cost model.
+        dist.all_reduce(ready, op=dist.ReduceOp.MAX, group=self._factor_group)
+        if self.factor_cost is None:
+            self.factor_cost = fit_cost_model(self._factor_group, device=self._device())
+        pipe.profiling = False
+        self._set_factor_plan(
+            make_groups("merged", pipe.nbytes, ready_s=ready.cpu().tolist(), cost=self.factor_cost)
+        )
 
     def _drop_silent_layers(self, anywhere: torch.Tensor) -> None:
         """Unregister layers whose forward hook fired on no rank in the first factor step."""
@@ -1046,6 +1254,103 @@ class KFAC:
 
     def __iter__(self) -> Iterator[str]:
         return iter(layer.name for layer in self._layers)
+
+
+class _FactorPipeline:
+    """The in-hook communicator of pipelined factor all-reduces (one factor step at a time).
+
+    Factors are indexed by their position in the ready order (``keys``). :meth:`offer` packs a
+    factor's upper triangle and launches every bucket that is now complete, in plan order, as an
+    async SUM all-reduce on the KFAC's dedicated factor group; :meth:`flush` launches the rest
+    and :meth:`wait` collects the sums. While profiling it also notes each factor's ready time,
+    seconds since the first factor of the step (about the start of the forward pass).
+    """
+
+    def __init__(
+        self, owner: KFAC, keys: list[tuple[str, str]], numels: list[int], dtypes: list[torch.dtype]
+    ) -> None:
+        self.owner = owner
+        self.index = {key: position for position, key in enumerate(keys)}
+        self.numels = numels
+        self.dtypes = dtypes
+        #: Packed bytes of each factor, in ready order.
+        self.nbytes = [n * d.itemsize for n, d in zip(numels, dtypes, strict=True)]
+        self.groups: list[list[int]] = [[i] for i in range(len(keys))]
+        self.profiling = False
+        self.profiled = 0
+        self._ready_sum = [0.0] * len(keys)
+        self._ready_count = [0] * len(keys)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget this step's factors (collectives must have been waited for)."""
+        self.launcher = BucketLauncher(self.groups)
+        self.packed: dict[int, torch.Tensor] = {}
+        self.ready_s: dict[int, float] = {}
+        self.origin: float | None = None
+        self.pending: list[tuple[int, torch.Tensor, dist.Work | None, float]] = []
+
+    def offer(self, key: tuple[str, str], factor: torch.Tensor) -> None:
+        now = time.perf_counter()
+        if self.origin is None:
+            self.origin = now
+        position = self.index.get(key)
+        # A second call of the same module in one step is caught by step()'s counts.
+        if position is None or position in self.packed:
+            return
+        packed = pack_upper(factor)
+        # The all-reduce works in place, and a diagonal factor is the hook's own tensor.
+        self.packed[position] = packed.clone() if packed is factor else packed
+        self.ready_s[position] = now - self.origin
+        for bucket in self.launcher.add(position):
+            self._launch(bucket)
+
+    def flush(self) -> None:
+        for bucket in self.launcher.rest():
+            self._launch(bucket)
+
+    def _launch(self, bucket: int) -> None:
+        members = self.groups[bucket]
+        device = self.owner._device()
+        parts = [
+            self.packed[i]
+            if i in self.packed
+            else torch.zeros(self.numels[i], dtype=self.dtypes[i], device=device)
+            for i in members
+        ]
+        flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+        started = time.perf_counter()
+        work = dist.all_reduce(flat, group=self.owner._factor_group, async_op=True)
+        self.pending.append((bucket, flat, work, started))
+
+    def wait(self) -> dict[int, torch.Tensor]:
+        """Every factor's all-reduced sum (1-D, packed), by ready position."""
+        sums: dict[int, torch.Tensor] = {}
+        for bucket, flat, work, started in self.pending:
+            assert work is not None
+            work.wait()
+            members = self.groups[bucket]
+            self.owner._spans.append(
+                (f"factor bucket {bucket} ({len(members)})", "comm", started, time.perf_counter())
+            )
+            pieces = torch.split(flat, [self.numels[i] for i in members])
+            for i, piece in zip(members, pieces, strict=True):
+                sums[i] = piece
+        self.pending = []
+        return sums
+
+    def record_profile(self) -> None:
+        self.profiled += 1
+        for position, ready in self.ready_s.items():
+            self._ready_sum[position] += ready
+            self._ready_count[position] += 1
+
+    def mean_ready_s(self) -> list[float]:
+        """Each factor's mean profiled ready time (0 for one never seen on this rank)."""
+        return [
+            total / count if count else 0.0
+            for total, count in zip(self._ready_sum, self._ready_count, strict=True)
+        ]
 
 
 class _Timer:

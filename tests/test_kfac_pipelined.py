@@ -1,0 +1,305 @@
+"""Pipelined factor communication (SPD-KFAC): the fusion rules, and equal results in every mode.
+
+The fusion functions are checked against hand-worked groupings. The multi-rank tests check that
+pipelined all-reduces (per factor, fixed buckets, merged buckets) precondition exactly like the
+bulk all-reduce and like one process, alone and under interlace.DataParallel, whose gradient
+all-reduces run at the same time as the factor all-reduces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional
+
+from interlace import KFAC
+from interlace.comm.cost import CostModel
+from interlace.kfac.fusion import BucketLauncher, fixed_groups, make_groups, merged_groups
+from interlace.testing import run_ranks
+
+DTYPE = torch.float64
+GLOBAL_BATCH = 8
+STEPS = 4
+VOCAB = 10
+#: Start-up free, a second per byte: after the first factor's all-reduce the channel stays busy
+#: past any real ready time, so MG-WFBP merges every later factor into one bucket whatever the
+#: profiled times are: the plan [[0], [1, ..., n-1]], deterministic and really merged.
+MERGING_COST = CostModel(0.0, 1.0)
+
+# -- the fusion rules ------------------------------------------------------------------------
+
+
+def test_none_gives_one_bucket_per_factor() -> None:
+    assert make_groups("none", [8, 16, 4]) == [[0], [1], [2]]
+
+
+def test_fixed_fills_buckets_up_to_the_cap_in_ready_order() -> None:
+    sizes = [40, 50, 20, 100, 30, 30, 30]
+    # 40+50 fits 100, +20 does not; 20 alone then +100 overflows; 100 is a bucket by itself.
+    assert fixed_groups(sizes, 100) == [[0, 1], [2], [3], [4, 5, 6]]
+    assert make_groups("fixed", [250, 10], cap_bytes=100) == [[0], [1]]
+    with pytest.raises(ValueError, match="cap"):
+        fixed_groups(sizes, 0)
+
+
+def test_merged_follows_mg_wfbp() -> None:
+    cost = CostModel(a=1.0, b=0.01)
+    # Factor 0 ready at 0 starts at 0; factor 1 (ready 0.5 < 0 + a) joins it. Factor 2 ready at
+    # 5 is after 0.5 + a, so [0, 1] goes (0.5 .. 0.5 + 1 + 2 = 3.5); factor 3 at 5.5 < 5 + a
+    # joins 2; factor 4 at 20 is alone.
+    ready = [0.0, 0.5, 5.0, 5.5, 20.0]
+    sizes = [100, 100, 100, 100, 100]
+    assert merged_groups(sizes, ready, cost) == [[0, 1], [2, 3], [4]]
+    # The channel busy after factor 0 makes everything after it wait, so it all merges.
+    assert merged_groups([10, 10, 10, 10], [0.0, 1.0, 2.0, 3.0], MERGING_COST) == [
+        [0],
+        [1, 2, 3],
+    ]
+    # Slightly unsorted (averaged) times are taken as a running maximum, not refused.
+    assert merged_groups([1, 1], [0.2, 0.1], CostModel(0.0, 0.0)) == [[0], [1]]
+    with pytest.raises(ValueError, match="ready times"):
+        make_groups("merged", [1, 2])
+    with pytest.raises(ValueError, match="fusion"):
+        make_groups("smart", [1])
+
+
+def test_launcher_launches_complete_buckets_in_plan_order() -> None:
+    launcher = BucketLauncher([[0, 1], [2], [3, 4]])
+    assert launcher.add(2) == []  # bucket 1 is complete but bucket 0 is not out yet
+    assert launcher.add(0) == []
+    assert launcher.add(0) == []  # a repeat counts once
+    assert launcher.add(1) == [0, 1]
+    assert launcher.add(3) == []
+    assert launcher.launched == 2
+    assert launcher.rest() == [2]  # the flush
+    assert launcher.rest() == []
+    with pytest.raises(ValueError, match="no bucket"):
+        launcher.add(7)
+    with pytest.raises(ValueError, match="cover"):
+        BucketLauncher([[0], [2]])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"factor_comm": "eager"}, "factor_comm"),
+        ({"factor_comm": "pipelined", "fusion": "smart"}, "fusion"),
+        ({"fusion": "fixed", "profile_steps": 0}, "profile_steps"),
+    ],
+)
+def test_bad_options_are_refused(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        KFAC(nn.Linear(3, 2), **kwargs)
+
+
+def test_pipelined_on_one_process_is_bulk() -> None:
+    """One rank sends nothing: pipelined falls back to bulk and gives its numbers."""
+    bulk = _train(0, 1, {})
+    pipelined = _train(0, 1, {"factor_comm": "pipelined", "fusion": "merged"})
+    for ours, theirs in zip(pipelined["grads"], bulk["grads"], strict=True):
+        for name, value in theirs.items():
+            torch.testing.assert_close(ours[name], value, rtol=0, atol=0)
+    assert pipelined["plan"] is None
+
+
+# -- equal results on several ranks ----------------------------------------------------------
+
+
+class Net(nn.Module):
+    """Embedding (a diagonal ``A``) -> mean over tokens -> three Linear layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 6)
+        self.body = nn.Sequential(
+            nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 3)
+        )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.body(self.embed(tokens).mean(dim=1))
+        return out
+
+
+def _build() -> nn.Module:
+    torch.manual_seed(4321)
+    return Net().to(DTYPE)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(200 + step)
+    inputs = torch.randint(0, VOCAB, (GLOBAL_BATCH, 5), generator=generator)
+    return inputs, torch.randint(0, 3, (GLOBAL_BATCH,), generator=generator)
+
+
+def _train(rank: int, world: int, options: dict[str, Any], wrap: bool = False) -> dict[str, Any]:
+    """``STEPS`` K-FAC steps on this rank's share of each global batch, plain SGD between."""
+    model = _build()
+    wrapped: nn.Module = model
+    if wrap:
+        from interlace.dp import DataParallel
+
+        wrapped = DataParallel(model)
+    precond = KFAC(
+        wrapped,
+        factor_update_steps=1,
+        inv_update_steps=1,
+        damping=0.01,
+        factor_decay=0.5,
+        inv_dtype=DTYPE,
+        **options,
+    )
+    share = GLOBAL_BATCH // world
+    grads = []
+    comm_s = []
+    for step in range(STEPS):
+        inputs, targets = _batch(step)
+        local = slice(rank * share, (rank + 1) * share)
+        model.zero_grad(set_to_none=True)
+        functional.cross_entropy(wrapped(inputs[local]), targets[local]).backward()
+        if world > 1 and not wrap:
+            for param in model.parameters():
+                assert param.grad is not None
+                dist.all_reduce(param.grad)
+                param.grad /= world
+        precond.step()
+        comm_s.append(precond.last_phase_s["factor_comm"])
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})  # type: ignore[union-attr]
+        with torch.no_grad():
+            for param in model.parameters():
+                param.sub_(0.1 * param.grad)
+    spans = [event.name for event in precond.take_events() if event.category == "comm"]
+    precond.remove_hooks()
+    return {
+        "grads": grads,
+        "plan": precond.factor_plan,
+        "factors": len(precond.factor_order),
+        "comm_s": comm_s,
+        "spans": spans,
+    }
+
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "bulk": {},
+    "none": {"factor_comm": "pipelined", "fusion": "none"},
+    # 1 KB: the four layers' packed factors (28 to 1088 bytes) fill several buckets.
+    "fixed": {"factor_comm": "pipelined", "fusion": "fixed", "bucket_cap_mb": 1 / 1024},
+    "merged": {
+        "factor_comm": "pipelined",
+        "fusion": "merged",
+        "profile_steps": 1,
+        "factor_cost": MERGING_COST,
+    },
+}
+
+
+def _rank_configs() -> dict[str, dict[str, Any]]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return {name: _train(rank, world, options) for name, options in CONFIGS.items()}
+
+
+def _labelled(what: str) -> Callable[[str], str]:
+    """A message for assert_close that names the step and parameter."""
+    return lambda message: f"{what}: {message}"
+
+
+def _assert_same(
+    ours: list[dict[str, torch.Tensor]], theirs: list[dict[str, torch.Tensor]]
+) -> None:
+    for step, (mine, reference) in enumerate(zip(ours, theirs, strict=True)):
+        for name, value in reference.items():
+            # Sums in another order differ in the last bits, which decompositions amplify a little.
+            atol = 1e-9 * float(value.abs().max())
+            torch.testing.assert_close(
+                mine[name], value, rtol=1e-6, atol=atol, msg=_labelled(f"step {step} {name}")
+            )
+
+
+@pytest.mark.slow
+def test_pipelined_fusions_precondition_like_bulk_and_one_process() -> None:
+    per_rank = run_ranks(_rank_configs, 4, timeout=180)
+    single = _train(0, 1, {})
+    for rank, records in enumerate(per_rank):
+        for name, record in records.items():
+            _assert_same(record["grads"], single["grads"])
+            if name != "bulk":
+                _assert_same(record["grads"], records["bulk"]["grads"])
+            assert record["plan"] == per_rank[0][name]["plan"], f"rank {rank} {name}"
+    records = per_rank[0]
+    assert records["bulk"]["plan"] is None
+    factors = records["none"]["factors"]
+    assert factors == 8
+    assert records["none"]["plan"] == [[i] for i in range(factors)]
+    assert 1 < len(records["fixed"]["plan"]) < factors
+    merged = records["merged"]["plan"]
+    assert 1 < len(merged) < factors
+    assert merged == [[0], list(range(1, factors))]
+    assert any(span.startswith("factor bucket") for span in records["merged"]["spans"])
+
+
+def _rank_data_parallel() -> dict[str, Any]:
+    options = CONFIGS["merged"]
+    return _train(dist.get_rank(), dist.get_world_size(), options, wrap=True)
+
+
+@pytest.mark.slow
+def test_pipelined_merged_under_data_parallel_matches_one_process() -> None:
+    per_rank = run_ranks(_rank_data_parallel, 2, timeout=120)
+    single = _train(0, 1, {})
+    for record in per_rank:
+        _assert_same(record["grads"], single["grads"])
+        assert record["plan"] == [[0], list(range(1, record["factors"]))]
+
+
+class Twice(nn.Module):
+    """A layer called twice per forward: its hooks fire twice per step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(torch.tanh(self.shared(torch.tanh(self.shared(x)))))
+        return out
+
+
+def _train_twice(rank: int, world: int, options: dict[str, Any]) -> list[list[float]]:
+    torch.manual_seed(99)
+    model = Twice().to(DTYPE)
+    precond = KFAC(model, damping=0.01, factor_decay=0.5, inv_dtype=DTYPE, **options)
+    share = GLOBAL_BATCH // world
+    grads = []
+    for step in range(3):
+        generator = torch.Generator().manual_seed(300 + step)
+        inputs = torch.randn(GLOBAL_BATCH, 6, generator=generator, dtype=DTYPE)
+        targets = torch.randint(0, 3, (GLOBAL_BATCH,), generator=generator)
+        local = slice(rank * share, (rank + 1) * share)
+        model.zero_grad(set_to_none=True)
+        functional.cross_entropy(model(inputs[local]), targets[local]).backward()
+        for param in model.parameters():
+            assert param.grad is not None
+            if world > 1:
+                dist.all_reduce(param.grad)
+                param.grad /= world
+        precond.step()
+        grads.append([float(v) for p in model.parameters() for v in p.grad.reshape(-1)])  # type: ignore[union-attr]
+    return grads
+
+
+def _rank_twice() -> list[list[float]]:
+    options = {"factor_comm": "pipelined", "fusion": "fixed"}
+    return _train_twice(dist.get_rank(), dist.get_world_size(), options)
+
+
+@pytest.mark.slow
+def test_a_layer_called_twice_falls_back_to_bulk_and_stays_exact() -> None:
+    """The pipeline sent only the first call's factors; step() notices and sends the sums."""
+    per_rank = run_ranks(_rank_twice, 2, timeout=120)
+    single = _train_twice(0, 1, {})
+    for grads in per_rank:
+        torch.testing.assert_close(torch.tensor(grads), torch.tensor(single), rtol=1e-6, atol=1e-12)
