@@ -706,9 +706,10 @@ class KFAC:
         running averages, dropping a layer's non-finite factors for this step."""
         with self._timed(phases, "factor_compute", "factor", "running averages"):
             decay = self.factor_decay
+            finite = _all_finite(averaged)
             for index, layer in enumerate(ready):
                 new_a, new_g = averaged[2 * index], averaged[2 * index + 1]
-                if not (bool(torch.isfinite(new_a).all()) and bool(torch.isfinite(new_g).all())):
+                if not (finite[2 * index] and finite[2 * index + 1]):
                     warnings.warn(
                         f"K-FAC: non-finite factors for layer {layer.name} at step "
                         f"{self.steps}; this step's factors are dropped, the running "
@@ -1075,7 +1076,8 @@ class KFAC:
         if not layers:
             return
         grads = {layer.name: layer.helper.grad_matrix() for layer in layers}
-        bad = [name for name, grad in grads.items() if not bool(torch.isfinite(grad).all())]  # type: ignore[arg-type]
+        checked = [grad for grad in grads.values() if grad is not None]
+        bad = [name for name, ok in zip(grads, _all_finite(checked), strict=True) if not ok]
         if bad:
             warnings.warn(
                 f"K-FAC: non-finite gradient in {', '.join(bad)} at step {self.steps}; "
@@ -1116,11 +1118,12 @@ class KFAC:
                 for work in pending:
                     work.wait()
         with self._timed(phases, "precondition", "precondition", "KL-clip and write-back"):
-            products = 0.0
-            for layer in layers:
-                grad = grads[layer.name]
-                assert grad is not None
-                products += float((results[layer.name] * grad).sum())
+            # One sum on the device and one read back, not a device sync per layer.
+            per_layer = [
+                (results[layer.name] * grads[layer.name]).sum(dtype=torch.float64)  # type: ignore[operator]
+                for layer in layers
+            ]
+            products = float(torch.stack(per_layer).sum())
             scale = kl_clip_scale(products, self.kl_clip, self.lr)
             for layer in layers:
                 layer.helper.set_grad(results[layer.name] * scale)
@@ -1375,6 +1378,14 @@ class _Timer:
 def _where(owner: int | None) -> str:
     """Where LBP decomposes a factor, for :meth:`KFAC.describe`."""
     return "local" if owner is None else f"on rank {owner}"
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> list[bool]:
+    """Whether each tensor is all finite, read back from the device once for all of them."""
+    if not tensors:
+        return []
+    flags: list[bool] = torch.stack([torch.isfinite(t).all() for t in tensors]).tolist()
+    return flags
 
 
 def _running_average(current: torch.Tensor | None, new: torch.Tensor, decay: float) -> torch.Tensor:
