@@ -98,6 +98,17 @@ class MLP(nn.Module):
         out: Tensor = self.net(x)
         return out
 
+    def pipeline_blocks(self) -> list[nn.Module]:
+        """Blocks for pipeline stages: each Linear+ReLU (the first with the flatten), the head.
+
+        The blocks hold this model's own layers, so they share its parameters.
+        """
+        layers = list(self.net)
+        blocks: list[nn.Module] = [nn.Sequential(*layers[:3])]  # flatten, linear, relu
+        blocks += [nn.Sequential(*layers[i : i + 2]) for i in range(3, len(layers) - 1, 2)]
+        blocks.append(layers[-1])
+        return blocks
+
 
 # --------------------------------------------------------------------------------------------
 # CIFAR ResNets
@@ -131,6 +142,22 @@ class _BasicBlock(nn.Module):
         out = F.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
         return F.relu(out + self.shortcut(x))
+
+
+class _PoolHead(nn.Module):
+    """Global average pooling, flatten and a classifier: the tail of the ResNet and VGG forwards.
+
+    Holds the model's own modules, so a pipeline stage built from it shares their parameters.
+    """
+
+    def __init__(self, pool: nn.Module, classifier: nn.Module) -> None:
+        super().__init__()
+        self.pool = pool
+        self.classifier = classifier
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.classifier(torch.flatten(self.pool(x), 1))
+        return out
 
 
 class CifarResNet(nn.Module):
@@ -183,6 +210,17 @@ class CifarResNet(nn.Module):
         out = torch.flatten(self.pool(out), 1)
         logits: Tensor = self.fc(out)
         return logits
+
+    def pipeline_blocks(self) -> list[nn.Module]:
+        """Blocks for pipeline stages: the stem, each basic block, then pool+flatten+fc.
+
+        The blocks hold this model's own modules, so they share its parameters.
+        """
+        blocks: list[nn.Module] = [self.stem]
+        for stage in self.stages.children():
+            blocks += stage.children()
+        blocks.append(_PoolHead(self.pool, self.fc))
+        return blocks
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,6 +296,21 @@ class VGG11(nn.Module):
         logits: Tensor = self.classifier(out)
         return logits
 
+    def pipeline_blocks(self) -> list[nn.Module]:
+        """Blocks for pipeline stages: each conv+bn+relu (with a max-pool after it), then the head.
+
+        The head is pool+flatten+classifier. The blocks hold this model's own modules, so they
+        share its parameters.
+        """
+        groups: list[list[nn.Module]] = []
+        for layer in self.features:
+            if isinstance(layer, nn.Conv2d):
+                groups.append([])
+            groups[-1].append(layer)
+        blocks: list[nn.Module] = [nn.Sequential(*group) for group in groups]
+        blocks.append(_PoolHead(self.pool, self.classifier))
+        return blocks
+
 
 # --------------------------------------------------------------------------------------------
 # Transformer
@@ -303,6 +356,56 @@ class _EncoderBlock(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.norm1(x))
         out: Tensor = x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+        return out
+
+
+def _patches(x: Tensor, patch: int, pad: tuple[int, int]) -> Tensor:
+    """Cut images ``[B, C, H, W]`` into flattened patches ``[B, tokens, C * patch * patch]``.
+
+    ``pad`` is the zero padding ``(right, bottom)`` that makes the sides multiples of ``patch``.
+    """
+    if pad != (0, 0):
+        x = F.pad(x, (0, pad[0], 0, pad[1]))
+    p = patch
+    batch, channels, height, width = x.shape
+    x = x.reshape(batch, channels, height // p, p, width // p, p)
+    x = x.permute(0, 2, 4, 1, 3, 5)  # [B, rows, cols, C, p, p]
+    return x.reshape(batch, (height // p) * (width // p), channels * p * p)
+
+
+class _TokenEmbedding(nn.Module):
+    """The first part of :class:`PatchTransformer`'s forward: embed the tokens, add positions.
+
+    It registers the transformer's own ``embed`` module and ``pos`` Parameter (the same objects,
+    which stay registered on the transformer too), so a pipeline stage built from it trains the
+    model's weights.
+    """
+
+    def __init__(
+        self, embed: nn.Module, pos: nn.Parameter, patch: int, pad: tuple[int, int]
+    ) -> None:
+        super().__init__()
+        self.embed = embed
+        self.pos = pos
+        self.patch = patch
+        self.pad = pad
+
+    def forward(self, x: Tensor) -> Tensor:
+        tokens = self.embed(x) if self.patch == 0 else self.embed(_patches(x, self.patch, self.pad))
+        out: Tensor = tokens + self.pos
+        return out
+
+
+class _TokenHead(nn.Module):
+    """The last part of :class:`PatchTransformer`'s forward: mean over tokens, LayerNorm, head."""
+
+    def __init__(self, norm: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+        self.head = head
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.head(self.norm(x.mean(dim=1)))
         return out
 
 
@@ -375,13 +478,7 @@ class PatchTransformer(nn.Module):
 
     def _tokens(self, x: Tensor) -> Tensor:
         """Cut images ``[B, C, H, W]`` into flattened patches ``[B, tokens, C * patch * patch]``."""
-        if self.pad != (0, 0):
-            x = F.pad(x, (0, self.pad[0], 0, self.pad[1]))
-        p = self.patch
-        batch, channels, height, width = x.shape
-        x = x.reshape(batch, channels, height // p, p, width // p, p)
-        x = x.permute(0, 2, 4, 1, 3, 5)  # [B, rows, cols, C, p, p]
-        return x.reshape(batch, (height // p) * (width // p), channels * p * p)
+        return _patches(x, self.patch, self.pad)
 
     def forward(self, x: Tensor) -> Tensor:
         """Logits ``[batch, num_classes]`` for images ``[batch, C, H, W]`` or ids ``[batch, T]``."""
@@ -389,6 +486,17 @@ class PatchTransformer(nn.Module):
         out = self.blocks(tokens + self.pos)
         logits: Tensor = self.head(self.norm(out.mean(dim=1)))
         return logits
+
+    def pipeline_blocks(self) -> list[nn.Module]:
+        """Blocks for pipeline stages: embedding (+ positions), each encoder block, the head.
+
+        The head is mean over tokens, LayerNorm and the Linear classifier. The blocks hold this
+        model's own modules and its ``pos`` Parameter, so they share its parameters.
+        """
+        blocks: list[nn.Module] = [_TokenEmbedding(self.embed, self.pos, self.patch, self.pad)]
+        blocks += list(self.blocks)
+        blocks.append(_TokenHead(self.norm, self.head))
+        return blocks
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""Pipeline model parallelism: partitioning, schedules, weight prediction and the runtime."""

@@ -1,0 +1,308 @@
+"""Cutting a model into pipeline stages of balanced cost.
+
+A pipeline runs only as fast as its slowest stage: every other stage waits for it once per
+micro-batch. So the model is first seen as a sequence of blocks (:func:`pipeline_blocks`), each
+block is given a cost (measured forward+backward time, :func:`profile_block_times`, or its
+parameter count), and the blocks are cut into contiguous stages that minimise the largest stage
+cost (:func:`balance_stages`). :func:`plan_stages` does all three and returns a
+:class:`StagePlan`; :func:`stage_module` gives the blocks of one stage.
+
+Stages are contiguous because activations flow only from one block to the next: a stage holding
+blocks 2 and 5 but not 3 would send its activations out and back again.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from interlace.errors import UsageError
+
+__all__ = [
+    "PLAN_BY",
+    "StagePlan",
+    "balance_stages",
+    "pipeline_blocks",
+    "plan_stages",
+    "profile_block_times",
+    "stage_module",
+]
+
+#: The costs :func:`plan_stages` can balance: measured seconds or parameter counts.
+PLAN_BY: tuple[str, ...] = ("time", "params")
+
+
+def _check_num_stages(num_stages: int, num_blocks: int) -> None:
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if num_stages > num_blocks:
+        raise ValueError(
+            f"cannot cut {num_blocks} block(s) into {num_stages} non-empty stages; use at most "
+            f"{num_blocks} stages or split the model into finer blocks"
+        )
+
+
+def balance_stages(costs: Sequence[float], num_stages: int) -> list[tuple[int, int]]:
+    """Cut ``costs`` into ``num_stages`` contiguous non-empty ``[start, end)`` ranges.
+
+    The cut minimises the largest stage sum exactly. Among cuts that reach that minimum, each stage
+    in turn takes as many blocks as it can (the one whose end positions are lexicographically
+    largest). The rule is deterministic, and it leaves the last stage, which also computes the loss
+    that no block cost includes, no heavier than it needs to be.
+
+    Dynamic programming over suffixes, ``O(num_stages * len(costs) ** 2)``: instant for the tens to
+    hundreds of blocks a model is cut into. Stage sums are always differences of the same prefix
+    sums, so the optimum and the tie-breaking compare identical floating-point values.
+
+    Raises :class:`ValueError` when ``num_stages < 1``, ``num_stages > len(costs)``, or a cost is
+    negative or not finite.
+    """
+    n = len(costs)
+    _check_num_stages(num_stages, n)
+    values = [float(c) for c in costs]
+    for index, value in enumerate(values):
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"block costs must be finite and >= 0, got {value} at index {index}")
+    prefix = [0.0]
+    for value in values:
+        prefix.append(prefix[-1] + value)
+
+    def span(start: int, end: int) -> float:
+        return prefix[end] - prefix[start]
+
+    # best[m][i]: the smallest possible largest stage sum when [i, n) is cut into m stages
+    # (inf where fewer than m blocks remain).
+    inf = math.inf
+    best: list[list[float]] = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    for i in range(n):
+        best[1][i] = span(i, n)
+    for m in range(2, num_stages + 1):
+        for i in range(n - m + 1):
+            best[m][i] = min(max(span(i, j), best[m - 1][j]) for j in range(i + 1, n - m + 2))
+    bottleneck = best[num_stages][0]
+
+    bounds: list[tuple[int, int]] = []
+    start = 0
+    for stage in range(num_stages - 1):
+        remaining = num_stages - stage - 1
+        end = max(
+            j
+            for j in range(start + 1, n - remaining + 1)
+            if span(start, j) <= bottleneck and best[remaining][j] <= bottleneck
+        )
+        bounds.append((start, end))
+        start = end
+    bounds.append((start, n))
+    return bounds
+
+
+def pipeline_blocks(model: nn.Module) -> nn.Sequential:
+    """``model`` as a sequence of blocks whose composition is ``model(x)``.
+
+    An :class:`torch.nn.Sequential` is its own block sequence and is returned as is. Any other
+    model must say where it can be cut by defining ``pipeline_blocks()``, returning a list of
+    modules that share the model's parameters (all the zoo models do): a generic module's
+    ``forward`` can do anything with its children, so the cut points cannot be guessed.
+
+    Raises :class:`~interlace.errors.UsageError` otherwise.
+    """
+    if isinstance(model, nn.Sequential):
+        return model
+    method = getattr(model, "pipeline_blocks", None)
+    if not callable(method):
+        raise UsageError(
+            f"cannot cut a {type(model).__name__} into pipeline stages: the model must be an "
+            "nn.Sequential or define pipeline_blocks() returning the list of modules whose "
+            "composition is its forward()"
+        )
+    blocks = list(method())
+    if not blocks or not all(isinstance(block, nn.Module) for block in blocks):
+        raise UsageError(
+            f"{type(model).__name__}.pipeline_blocks() must return a non-empty list of "
+            "nn.Module blocks whose composition is the model's forward()"
+        )
+    return nn.Sequential(*blocks)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _run_block(block: nn.Module, leaf: Tensor, params: list[nn.Parameter]) -> Tensor:
+    """One forward and backward of ``block`` on ``leaf``; returns the output."""
+    inputs: list[Tensor] = [leaf] if leaf.requires_grad else []
+    inputs += params
+    # clone() makes a non-leaf copy: in-place ops on it are allowed and the stored input (or the
+    # caller's sample) stays intact; it costs one copy of the activations, small next to a block.
+    out: Tensor = block(leaf.clone())
+    if inputs and out.requires_grad:
+        torch.autograd.grad(out, inputs, grad_outputs=torch.ones_like(out), allow_unused=True)
+    return out
+
+
+def profile_block_times(blocks: nn.Sequential, sample: Tensor, repeats: int = 3) -> list[float]:
+    """Seconds of forward plus backward of each block on ``sample``: the median of ``repeats``.
+
+    Each block runs alone on the previous block's output (detached, requiring grad when floating
+    point, as a stage receives its input from the one before), and a ones-like gradient is
+    backpropagated through it to its input and its parameters, which is the work a pipeline stage
+    does per micro-batch. One untimed warm-up precedes the ``repeats`` timed runs, so one-off costs
+    (allocator growth, kernel selection) do not count.
+
+    Profiling leaves the model as it found it: gradients are taken with
+    :func:`torch.autograd.grad` so no ``.grad`` is written, and buffers (BatchNorm running
+    statistics) are restored afterwards. Each run feeds the block a fresh copy of its input, so a
+    block that starts with an in-place operation neither fails on a leaf nor corrupts the input of
+    the next run. Blocks run in whatever mode (train or eval) they are in.
+
+    Raises :class:`ValueError` for ``repeats < 1``.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    device = sample.device
+    saved_buffers = [(buffer, buffer.detach().clone()) for buffer in blocks.buffers()]
+    times: list[float] = []
+    try:
+        with torch.enable_grad():
+            current = sample.detach()
+            for block in blocks:
+                params = [p for p in block.parameters() if p.requires_grad]
+                floating = current.is_floating_point() or current.is_complex()
+                leaf = current.detach().requires_grad_(floating)
+                current = _run_block(block, leaf, params).detach()  # warm-up; next input
+                samples = []
+                for _ in range(repeats):
+                    _synchronize(device)
+                    begin = time.perf_counter()
+                    _run_block(block, leaf, params)
+                    _synchronize(device)
+                    samples.append(time.perf_counter() - begin)
+                times.append(statistics.median(samples))
+    finally:
+        with torch.no_grad():
+            for buffer, saved in saved_buffers:
+                buffer.copy_(saved)
+    return times
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Where a block sequence is cut into pipeline stages, and what each block costs.
+
+    ``bounds`` are the half-open block ranges of the stages, in order; ``costs`` is the cost of
+    every block (seconds when ``by == "time"``, parameter counts when ``by == "params"``).
+    """
+
+    bounds: tuple[tuple[int, int], ...]
+    costs: tuple[float, ...]
+    by: str
+
+    def __post_init__(self) -> None:
+        expected = 0
+        for start, end in self.bounds:
+            if start != expected or end <= start:
+                raise ValueError(
+                    f"stage bounds must be contiguous non-empty ranges starting at 0, "
+                    f"got {self.bounds}"
+                )
+            expected = end
+        if not self.bounds or expected != len(self.costs):
+            raise ValueError(
+                f"stage bounds {self.bounds} do not cover the {len(self.costs)} block costs"
+            )
+
+    @property
+    def num_stages(self) -> int:
+        """How many stages the plan has."""
+        return len(self.bounds)
+
+    @property
+    def stage_costs(self) -> tuple[float, ...]:
+        """The total cost of each stage."""
+        return tuple(math.fsum(self.costs[start:end]) for start, end in self.bounds)
+
+    @property
+    def imbalance(self) -> float:
+        """Largest stage cost over the mean: 1.0 is perfect, 2.0 means the pipeline runs at half.
+
+        A plan whose costs are all zero counts as perfectly balanced.
+        """
+        stage_costs = self.stage_costs
+        mean = math.fsum(stage_costs) / len(stage_costs)
+        return max(stage_costs) / mean if mean > 0 else 1.0
+
+    def describe(self) -> str:
+        """A table of the stages: block range, block count, cost and share of the total."""
+        unit = "ms" if self.by == "time" else self.by
+        scale = 1e3 if self.by == "time" else 1.0
+        total = math.fsum(self.costs)
+        rows = [f"{'stage':>5}  {'blocks':>9}  {'n':>3}  {'cost (' + unit + ')':>14}  {'share':>6}"]
+        for stage, ((start, end), cost) in enumerate(
+            zip(self.bounds, self.stage_costs, strict=True)
+        ):
+            share = cost / total if total > 0 else 1.0 / self.num_stages
+            span = f"{start}" if end - start == 1 else f"{start}-{end - 1}"
+            rows.append(
+                f"{stage:>5}  {span:>9}  {end - start:>3}  {cost * scale:>14.6g}  {share:>6.1%}"
+            )
+        rows.append(f"imbalance (max / mean stage cost): {self.imbalance:.3f}")
+        return "\n".join(rows)
+
+
+def plan_stages(
+    blocks: nn.Sequential, num_stages: int, *, by: str = "time", sample: Tensor | None = None
+) -> StagePlan:
+    """Cut ``blocks`` into ``num_stages`` stages of balanced cost.
+
+    ``by="time"`` balances forward+backward seconds measured on ``sample`` (a representative
+    micro-batch, required) with :func:`profile_block_times`: the right measure for throughput.
+    ``by="params"`` balances parameter counts, which needs no sample and is deterministic: the
+    right measure when memory for weights and optimizer state is the constraint.
+
+    Raises :class:`ValueError` for an unknown ``by``, a missing sample with ``by="time"``, or a
+    stage count that is < 1 or larger than the number of blocks.
+    """
+    if by not in PLAN_BY:
+        raise ValueError(f"unknown stage cost {by!r}; choose one of {', '.join(PLAN_BY)}")
+    _check_num_stages(num_stages, len(blocks))
+    if by == "time":
+        if sample is None:
+            raise ValueError(
+                "plan_stages(by='time') measures each block, so it needs sample=, a "
+                "representative input batch; or use by='params'"
+            )
+        costs = profile_block_times(blocks, sample)
+    else:
+        costs = [float(sum(p.numel() for p in block.parameters())) for block in blocks]
+    bounds = balance_stages(costs, num_stages)
+    return StagePlan(bounds=tuple(bounds), costs=tuple(costs), by=by)
+
+
+def stage_module(blocks: nn.Sequential, plan: StagePlan, stage: int) -> nn.Sequential:
+    """The blocks of stage ``stage`` as an :class:`torch.nn.Sequential` sharing their modules.
+
+    The blocks keep their names from ``blocks`` (``"3"``, ``"4"``, ...), so a stage's state dict
+    keys match those of the whole block sequence.
+
+    Raises :class:`ValueError` when ``plan`` was made for a different number of blocks or
+    ``stage`` is out of range.
+    """
+    if len(blocks) != len(plan.costs):
+        raise ValueError(
+            f"the plan covers {len(plan.costs)} blocks but the sequence has {len(blocks)}; "
+            "make the plan from these blocks"
+        )
+    if not 0 <= stage < plan.num_stages:
+        raise ValueError(f"stage must be in [0, {plan.num_stages}), got {stage}")
+    start, end = plan.bounds[stage]
+    part = blocks[start:end]
+    if not isinstance(part, nn.Sequential):  # a subclass that indexes differently
+        part = nn.Sequential(*(blocks[i] for i in range(start, end)))
+    return part

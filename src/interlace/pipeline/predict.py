@@ -1,0 +1,163 @@
+"""SpecTrain weight prediction: the weights a stage will have by the time its gradient lands.
+
+In an asynchronous 1F1B pipeline a micro-batch's forward pass on stage ``k`` runs on weights that
+are several optimizer steps older than the ones its backward pass meets, and older still than the
+weights its gradient is finally applied to. That staleness, different on every stage, is what
+hurts convergence. SpecTrain (Chen et al., 2018) hides it by running each pass on a *prediction*
+of the weights at the time the gradient is applied: with SGD momentum the step direction changes
+slowly, so ``s`` steps ahead the weights are close to
+
+    W_hat = W - s * lr * v
+
+where ``v`` is the momentum buffer (``v <- gamma * v + g``, ``W <- W - lr * v``). Stage ``k``
+(0-based) of ``N`` predicts ``s_fwd = floor(k / 2) + N - k - 1`` steps ahead in its forward pass
+and ``s_bwd = floor(k / 2)`` in its backward pass (:func:`version_difference`): the first stage
+waits longest for its gradient, the last stage least.
+
+Everything here is a pure function of tensors already held by the model and optimizer: nothing is
+modified in place, and every prediction is a new tensor that does not require grad, so swapping it
+into a stage for one pass cannot disturb the real weights or the optimizer state.
+
+How :func:`predicted_parameters` treats the variants of :class:`torch.optim.SGD`:
+
+* **Weight decay.** torch adds ``weight_decay * W`` to the gradient *before* the momentum update,
+  so ``v`` already carries the decay term; the prediction uses ``v`` alone, adding the decay again
+  would count it twice.
+* **Nesterov.** The actual step is ``g + gamma * v`` rather than ``v``. In steady state
+  ``g = (1 - gamma) * v``, so the step is again ``v``; the prediction uses ``v``.
+* **Dampening.** ``v <- gamma * v + (1 - dampening) * g`` and the step is still ``lr * v``, so
+  ``v`` is exactly the step per unit of learning rate; the prediction uses ``v``. (torch forbids
+  Nesterov together with dampening, so the two never combine.)
+* **maximize=True.** torch negates the gradient before it enters ``v``, so ``W <- W - lr * v``
+  still holds and needs no special case.
+* **No momentum buffer yet.** Before a parameter's first optimizer step (or for a parameter that
+  has never had a gradient, or that the optimizer does not manage at all) there is no direction to
+  extrapolate along, and the weights will not move on their own: the prediction is the current
+  weights, unchanged.
+* **Not SGD, or momentum 0.** Without a momentum buffer there is nothing to predict from, and
+  other optimizers (Adam's step is not ``lr * state``) would need their own rule; such an
+  optimizer is rejected by :func:`check_predictable` with a :class:`~interlace.errors.UsageError`
+  rather than silently run without prediction. Subclasses of :class:`torch.optim.SGD` are accepted
+  and assumed to keep its update rule.
+
+Only parameters are predicted. Buffers such as BatchNorm's running statistics are not updated by
+the optimizer, so there is nothing to extrapolate, and they are never touched here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+
+from interlace.errors import UsageError
+
+__all__ = ["check_predictable", "predict_weights", "predicted_parameters", "version_difference"]
+
+
+def version_difference(stage: int, num_stages: int) -> tuple[int, int]:
+    """How many optimizer steps stage ``stage`` of ``num_stages`` predicts ahead: ``(fwd, bwd)``.
+
+    ``s_fwd = stage // 2 + num_stages - stage - 1`` and ``s_bwd = stage // 2`` (SpecTrain's rule
+    for the asynchronous 1F1B schedule). For four stages that is ``(3, 0), (2, 0), (2, 1), (1, 1)``;
+    a single stage is plain synchronous SGD, ``(0, 0)``.
+
+    Raises :class:`ValueError` when ``num_stages < 1`` or ``stage`` is not in
+    ``[0, num_stages)``.
+    """
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if not 0 <= stage < num_stages:
+        raise ValueError(
+            f"stage must be in [0, {num_stages}) for a {num_stages}-stage pipeline, got {stage}"
+        )
+    s_bwd = stage // 2
+    s_fwd = s_bwd + num_stages - stage - 1
+    return s_fwd, s_bwd
+
+
+def predict_weights(weight: Tensor, momentum_buffer: Tensor | None, lr: float, s: int) -> Tensor:
+    """The weights ``s`` SGD-momentum steps ahead: a new ``weight - s * lr * momentum_buffer``.
+
+    Neither ``weight`` nor ``momentum_buffer`` is modified, and the result never shares storage
+    with them and does not require grad, so it can be swapped into a module for one pass and
+    thrown away. With no momentum buffer (no optimizer step yet) or ``s == 0`` it is a copy of the
+    current weights.
+
+    Raises :class:`ValueError` for ``s < 0``, a non-finite ``lr``, or a buffer whose shape differs
+    from the weight's.
+    """
+    if s < 0:
+        raise ValueError(f"the number of steps to predict ahead must be >= 0, got s={s}")
+    if not math.isfinite(lr):
+        raise ValueError(f"lr must be finite, got {lr}")
+    if momentum_buffer is not None and momentum_buffer.shape != weight.shape:
+        raise ValueError(
+            f"momentum buffer of shape {tuple(momentum_buffer.shape)} does not match the weight "
+            f"of shape {tuple(weight.shape)}"
+        )
+    if momentum_buffer is None or s == 0:
+        return weight.detach().clone()
+    # torch.sub with alpha allocates the result: one fused op, nothing written in place.
+    return torch.sub(weight.detach(), momentum_buffer.detach(), alpha=s * lr)
+
+
+def check_predictable(optimizer: torch.optim.Optimizer) -> None:
+    """Raise :class:`~interlace.errors.UsageError` unless ``optimizer`` supports weight prediction.
+
+    SpecTrain extrapolates along the momentum buffer of :class:`torch.optim.SGD`, so it needs that
+    optimizer with ``momentum > 0`` in every parameter group; anything else would run the pipeline
+    on stale weights without saying so.
+    """
+    if not isinstance(optimizer, torch.optim.SGD):
+        raise UsageError(
+            "SpecTrain weight prediction needs torch.optim.SGD with momentum > 0, got "
+            f"{type(optimizer).__name__}; build the optimizer as "
+            "torch.optim.SGD(params, lr=..., momentum=0.9) or turn weight prediction off"
+        )
+    for index, group in enumerate(optimizer.param_groups):
+        momentum = float(group.get("momentum", 0.0))
+        if not momentum > 0:
+            raise UsageError(
+                "SpecTrain weight prediction needs torch.optim.SGD with momentum > 0, but "
+                f"parameter group {index} has momentum={momentum}; pass momentum=0.9 (or another "
+                "positive value) to torch.optim.SGD or turn weight prediction off"
+            )
+
+
+def predicted_parameters(
+    named_parameters: Iterable[tuple[str, nn.Parameter]],
+    optimizer: torch.optim.Optimizer,
+    s: int,
+) -> dict[str, Tensor]:
+    """Predict every parameter ``s`` steps ahead from ``optimizer``'s lr and momentum buffers.
+
+    Each parameter uses the learning rate of its own parameter group and its
+    ``optimizer.state[p]["momentum_buffer"]``; a parameter without a buffer yet, or not managed by
+    ``optimizer``, is predicted as its current value (see the module docstring for why). Returns
+    ``name -> new tensor``; nothing in the model or the optimizer is modified.
+
+    Raises :class:`~interlace.errors.UsageError` when ``optimizer`` is not
+    :class:`torch.optim.SGD` with momentum > 0 (:func:`check_predictable`), and
+    :class:`ValueError` for ``s < 0``.
+    """
+    check_predictable(optimizer)
+    if s < 0:
+        raise ValueError(f"the number of steps to predict ahead must be >= 0, got s={s}")
+    lr_of: dict[int, float] = {}
+    for group in optimizer.param_groups:
+        lr = float(group["lr"])
+        for param in group["params"]:
+            lr_of[id(param)] = lr
+    predicted: dict[str, Tensor] = {}
+    for name, param in named_parameters:
+        group_lr = lr_of.get(id(param))
+        # .get, not [], so looking does not add an empty entry to the optimizer's defaultdict.
+        buffer = optimizer.state.get(param, {}).get("momentum_buffer")
+        if group_lr is None or not isinstance(buffer, Tensor):
+            predicted[name] = predict_weights(param, None, 0.0, s)
+        else:
+            predicted[name] = predict_weights(param, buffer, group_lr, s)
+    return predicted

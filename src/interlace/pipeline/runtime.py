@@ -1,0 +1,535 @@
+"""Executing a pipeline schedule on one rank: one stage, point-to-point messages, weight policies.
+
+A :class:`PipelineStage` holds one stage's module and optimizer and runs the actions that
+:mod:`interlace.pipeline.schedule` lists for it, in order:
+
+* **Messages.** An activation (forward) or a gradient (backward) is one tensor of any shape and
+  floating dtype. Each goes as two point-to-point sends batched together
+  (:func:`torch.distributed.batch_isend_irecv`): a small header (dtype and shape) on one tag and
+  the payload on another. The receiver posts the header receives of the whole schedule up front
+  and, between its computations, posts the payload receive of every header that has arrived, so
+  a transfer runs while the receiver computes; sends are waited on before the schedule returns
+  (every handle is waited on). Only stage 0 reads inputs and only the last stage reads targets;
+  the stages in between need nothing from the data.
+* **Weights.** Synchronous schedules compute with the stage's parameters and update once per
+  step. The asynchronous ones update after every backward, so a batch's backward on stage
+  ``k`` comes ``N - k - 1`` updates after its forward; ``naive`` recomputes the stage on the
+  saved input with the latest weights, ``pipedream`` keeps the forward's graph over a stashed
+  copy of the weights, ``spectrain`` computes with predicted weights
+  (:func:`interlace.pipeline.predict.predicted_parameters`), which are new tensors: the real
+  parameters are never overwritten, so autograd never sees an in-place swap. A recomputation
+  restores the random-number state of its forward (dropout draws the same mask) and leaves the
+  buffers as the forward left them (BatchNorm's running statistics are updated once per batch,
+  and never predicted).
+* **Timeline.** Every action is timed; :meth:`PipelineStage.take_events` returns the events for
+  :class:`interlace.timeline.Timeline`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from interlace.errors import UsageError
+from interlace.pipeline.predict import check_predictable, predicted_parameters
+from interlace.pipeline.schedule import (
+    ASYNCHRONOUS,
+    SCHEDULES,
+    Action,
+    Op,
+    Schedule,
+    Weights,
+    build_schedule,
+)
+from interlace.timeline import Event
+
+#: Tags of the two messages that carry one tensor: its header, then its payload.
+_HEADER_TAG = 1
+_PAYLOAD_TAG = 2
+#: A header is ``[dtype code, ndim, size_0, ..., size_7]``.
+_MAX_DIMS = 8
+_HEADER_LEN = 2 + _MAX_DIMS
+_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+Batch = tuple[Tensor, Tensor]
+
+
+@dataclass
+class StepResult:
+    """What one call of :meth:`PipelineStage.run` did on this rank."""
+
+    #: Loss of every (micro-)batch, on the last stage only (empty elsewhere).
+    losses: list[float] = field(default_factory=list)
+    #: Samples that went through the pipeline.
+    samples: int = 0
+    #: Weight updates made on this stage.
+    updates: int = 0
+    #: Wall time of the call.
+    seconds: float = 0.0
+
+
+def _header(tensor: Tensor) -> Tensor:
+    if tensor.dtype not in _DTYPES:
+        raise UsageError(
+            f"a pipeline stage passed a {tensor.dtype} tensor; stages must exchange floating "
+            f"tensors ({', '.join(str(d) for d in _DTYPES)})"
+        )
+    if tensor.dim() > _MAX_DIMS:
+        raise UsageError(
+            f"a pipeline stage passed a tensor of {tensor.dim()} dimensions; at most {_MAX_DIMS}"
+        )
+    shape = list(tensor.shape) + [0] * (_MAX_DIMS - tensor.dim())
+    return torch.tensor([_DTYPES.index(tensor.dtype), tensor.dim(), *shape], dtype=torch.int64)
+
+
+def _irecv(tensor: Tensor, peer: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work:
+    work = dist.irecv(tensor, peer, group=group, tag=tag)
+    if work is None:  # only when this rank is outside ``group``, which the stage rules out
+        raise RuntimeError(f"rank {dist.get_rank()} cannot receive from rank {peer}: not in group")
+    return work
+
+
+class _Inbox:
+    """The messages one stage receives from one peer, in order, received ahead where possible."""
+
+    def __init__(self, peer: int, count: int, group: dist.ProcessGroup | None) -> None:
+        self.peer = peer
+        self.group = group
+        self.headers = [torch.empty(_HEADER_LEN, dtype=torch.int64) for _ in range(count)]
+        self.header_work = [_irecv(header, peer, group, _HEADER_TAG) for header in self.headers]
+        self.payloads: list[Tensor | None] = [None] * count
+        self.payload_work: list[dist.Work | None] = [None] * count
+        self.posted = 0  # payload receives posted so far (they must be posted in order)
+        self.taken = 0  # messages handed out so far
+
+    def _post_payload(self, index: int, device: torch.device) -> None:
+        header = self.headers[index].tolist()
+        dtype, ndim = _DTYPES[header[0]], header[1]
+        payload = torch.empty(header[2 : 2 + ndim], dtype=dtype, device=device)
+        self.payloads[index] = payload
+        self.payload_work[index] = dist.irecv(
+            payload, self.peer, group=self.group, tag=_PAYLOAD_TAG
+        )
+        self.posted += 1
+
+    def poll(self, device: torch.device) -> None:
+        """Post the payload receive of every header that has already arrived."""
+        while self.posted < len(self.headers) and self.header_work[self.posted].is_completed():
+            self.header_work[self.posted].wait()
+            self._post_payload(self.posted, device)
+
+    def take(self, index: int, device: torch.device) -> Tensor:
+        """Message ``index``, waiting for it."""
+        while self.posted <= index:
+            self.header_work[self.posted].wait()
+            self._post_payload(self.posted, device)
+        if index != self.taken:
+            raise RuntimeError(
+                f"messages must be taken in order: asked for {index}, next {self.taken}"
+            )
+        work, payload = self.payload_work[index], self.payloads[index]
+        assert work is not None and payload is not None
+        work.wait()
+        self.payloads[index] = None
+        self.payload_work[index] = None
+        self.taken += 1
+        return payload
+
+    def check_drained(self) -> None:
+        """Fail loudly if the schedule left a message untaken (its handle would never be waited).
+
+        A gloo receive handle is waited on exactly once: waiting again would wait for a second
+        message into the same buffer. So every handle is waited on where its message is taken.
+        """
+        if self.taken != len(self.headers):
+            raise RuntimeError(
+                f"{len(self.headers) - self.taken} messages from rank {self.peer} were not taken"
+            )
+
+
+@dataclass
+class _InFlight:
+    """What a stage keeps of one batch between its forward and its backward."""
+
+    input: Tensor | None = None
+    output: Tensor | None = None  # the graph's root, when the backward reuses the forward's graph
+    leaves: dict[str, Tensor] | None = None  # weight copies that graph was built over
+    rng_state: Tensor | None = None
+    target: Tensor | None = None
+    scale: float = 1.0
+
+
+class PipelineStage:
+    """One rank's stage of a pipeline: its module, its optimizer, and the schedule it runs.
+
+    ``stage`` is this rank's position (0-based) among ``num_stages``; ``ranks[k]`` is the global
+    rank that holds stage ``k`` (default: stage ``k`` on rank ``k``). ``schedule`` is one of
+    :data:`~interlace.pipeline.schedule.SCHEDULES`; with ``gpipe`` and ``1f1b`` each mini-batch
+    is cut into ``microbatches`` micro-batches and the loss is the mini-batch mean (the last
+    stage's ``loss_fn`` must average over its batch, as torch's losses do by default), so the
+    update equals the unpipelined model's on that mini-batch. ``spectrain`` needs
+    :class:`torch.optim.SGD` with momentum (it predicts from the momentum buffer).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        stage: int,
+        num_stages: int,
+        schedule: str,
+        loss_fn: LossFn | None = None,
+        microbatches: int = 4,
+        ranks: Sequence[int] | None = None,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        if schedule not in SCHEDULES:
+            raise UsageError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if not 0 <= stage < num_stages:
+            raise UsageError(f"stage {stage} is out of range for {num_stages} stages")
+        if microbatches < 1:
+            raise UsageError(f"microbatches must be >= 1, got {microbatches}")
+        if stage == num_stages - 1 and loss_fn is None:
+            raise UsageError("the last pipeline stage needs a loss_fn")
+        if schedule == "spectrain":
+            check_predictable(optimizer)
+        self.module = module
+        self.optimizer = optimizer
+        self.stage = stage
+        self.num_stages = num_stages
+        self.schedule_name = schedule
+        self.loss_fn = loss_fn
+        self.microbatches = microbatches
+        self.ranks = list(ranks) if ranks is not None else list(range(num_stages))
+        if len(self.ranks) != num_stages:
+            raise UsageError(f"ranks lists {len(self.ranks)} ranks for {num_stages} stages")
+        self.group = group
+        self.device = device or next((p.device for p in module.parameters()), torch.device("cpu"))
+        self.is_first = stage == 0
+        self.is_last = stage == num_stages - 1
+        self._events: list[Event] = []
+        self._sends: list[tuple[list[dist.Work], tuple[Tensor, ...]]] = []
+        self._process = f"stage {stage}"
+
+    # ---------------------------------------------------------------------------------------
+    # public API
+    # ---------------------------------------------------------------------------------------
+
+    @property
+    def asynchronous(self) -> bool:
+        """True for the schedules that update after every backward (no flush)."""
+        return self.schedule_name in ASYNCHRONOUS
+
+    def run(self, batches: Iterable[Batch] | None, num_batches: int) -> StepResult:
+        """Train on ``num_batches`` mini-batches from ``batches``; every stage calls it together.
+
+        Stage 0 uses the inputs and the last stage the targets of each ``(input, target)``
+        pair; the stages in between may pass ``None``. Synchronous schedules run one step (one
+        update) per mini-batch; the asynchronous ones run all of them as one stream, filling
+        and draining the pipeline once.
+        """
+        if num_batches < 1:
+            raise UsageError(f"num_batches must be >= 1, got {num_batches}")
+        if batches is None and (self.is_first or self.is_last):
+            raise UsageError(f"pipeline stage {self.stage} needs the batches (inputs or targets)")
+        started = time.perf_counter()
+        result = StepResult()
+        source = iter(batches) if batches is not None else None
+        self.module.train()
+        if self.asynchronous:
+            schedule = build_schedule(self.schedule_name, self.num_stages, num_batches)
+            units = (self._next_batch(source) for _ in range(num_batches))
+            self._execute(schedule, _unit_batches(units), result)
+        else:
+            schedule = build_schedule(self.schedule_name, self.num_stages, self.microbatches)
+            for _ in range(num_batches):
+                batch = self._next_batch(source)
+                self._execute(schedule, self._split(batch), result)
+        result.seconds = time.perf_counter() - started
+        return result
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[Batch] | None, num_batches: int) -> tuple[int, int]:
+        """Forward-only pass over ``num_batches`` batches: (correct, total) on every stage.
+
+        The last stage counts correct arg-max predictions; the count is then sent to every
+        stage, so all ranks return the same pair.
+        """
+        source = iter(batches) if batches is not None else None
+        self.module.eval()
+        inbox = self._inbox(self.stage - 1, num_batches) if not self.is_first else None
+        correct = total = 0
+        for index in range(num_batches):
+            batch = self._next_batch(source)
+            x = batch[0] if self.is_first and batch is not None else None
+            if inbox is not None:
+                x = inbox.take(index, self.device)
+            assert x is not None
+            out = self.module(x.to(self.device))
+            if self.is_last:
+                assert batch is not None
+                target = batch[1].to(self.device)
+                correct += int((out.argmax(dim=-1) == target).sum())
+                total += int(target.numel())
+            else:
+                self._send(out.detach(), self.stage + 1)
+        self._finish_sends()
+        if inbox is not None:
+            inbox.check_drained()
+        counts = torch.tensor([correct, total], dtype=torch.int64)
+        dist.broadcast(counts, self.ranks[-1], group=self.group)
+        self.module.train()
+        return int(counts[0]), int(counts[1])
+
+    def take_events(self) -> list[Event]:
+        """The timed actions since the last call (forward, backward, comm, optimizer)."""
+        events, self._events = self._events, []
+        return events
+
+    # ---------------------------------------------------------------------------------------
+    # executing a schedule
+    # ---------------------------------------------------------------------------------------
+
+    def _next_batch(self, source: Iterator[Batch] | None) -> Batch | None:
+        if source is None:
+            return None
+        try:
+            return next(source)
+        except StopIteration:
+            raise UsageError(
+                f"pipeline stage {self.stage} ran out of batches: pass num_batches no larger "
+                "than the number of batches"
+            ) from None
+
+    def _split(self, batch: Batch | None) -> list[tuple[Batch | None, float]]:
+        """Micro-batches of a mini-batch, each with its share of the mini-batch's samples."""
+        if batch is None:
+            return [(None, 1.0)] * self.microbatches
+        inputs, targets = batch
+        if inputs.shape[0] < self.microbatches:
+            raise UsageError(
+                f"a mini-batch of {inputs.shape[0]} samples cannot be cut into "
+                f"{self.microbatches} micro-batches; use a larger batch or fewer micro-batches"
+            )
+        total = inputs.shape[0]
+        xs = torch.tensor_split(inputs, self.microbatches)
+        ys = torch.tensor_split(targets, self.microbatches)
+        return [((x, y), x.shape[0] / total) for x, y in zip(xs, ys, strict=True)]
+
+    def _inbox(self, peer_stage: int, count: int) -> _Inbox:
+        return _Inbox(self.ranks[peer_stage], count, self.group)
+
+    def _execute(
+        self,
+        schedule: Schedule,
+        units: Sequence[tuple[Batch | None, float]] | Iterator[tuple[Batch | None, float]],
+        result: StepResult,
+    ) -> None:
+        actions = schedule.for_stage(self.stage)
+        n = schedule.num_batches
+        acts = self._inbox(self.stage - 1, n) if not self.is_first else None
+        grads = self._inbox(self.stage + 1, n) if not self.is_last else None
+        unit_iter = iter(units)
+        flight: dict[int, _InFlight] = {}
+        for action in actions:
+            for inbox in (acts, grads):
+                if inbox is not None:
+                    inbox.poll(self.device)
+            if action.op is Op.FORWARD:
+                batch, scale = next(unit_iter)
+                state = _InFlight(scale=scale)
+                if self.is_first:
+                    assert batch is not None
+                    state.input = batch[0].to(self.device)
+                else:
+                    assert acts is not None
+                    started = time.perf_counter()
+                    state.input = acts.take(action.batch, self.device)
+                    self._record("recv act", "comm", started, action.batch)
+                if self.is_last:
+                    assert batch is not None
+                    state.target = batch[1].to(self.device)
+                    result.samples += int(batch[1].shape[0])
+                flight[action.batch] = state
+                self._forward(action, state, result)
+            elif action.op is Op.BACKWARD:
+                state = flight.pop(action.batch)
+                grad_out = None
+                if grads is not None:
+                    started = time.perf_counter()
+                    grad_out = grads.take(action.batch, self.device)
+                    self._record("recv grad", "comm", started, action.batch)
+                self._backward(action, state, grad_out)
+            elif action.op is Op.UPDATE:
+                started = time.perf_counter()
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                result.updates += 1
+                self._record("update", "optimizer", started, action.batch)
+        self._finish_sends()
+        for inbox in (acts, grads):
+            if inbox is not None:
+                inbox.check_drained()
+
+    def _leaves(self, action: Action) -> dict[str, Tensor] | None:
+        """The weight tensors a computation uses in place of the parameters, or None for them.
+
+        A prediction is a new tensor; PipeDream's stash is a copy taken at the forward (only
+        where an update falls before the backward), which the kept graph then holds.
+        """
+        if action.weights is Weights.PREDICTED and action.ahead > 0:
+            predicted = predicted_parameters(
+                self.module.named_parameters(), self.optimizer, action.ahead
+            )
+            return {name: t.requires_grad_(True) for name, t in predicted.items()}
+        stash = self.schedule_name == "pipedream" and not self._reuses_graph_plainly()
+        if stash and action.op is Op.FORWARD:
+            return {
+                name: p.detach().clone().requires_grad_(True)
+                for name, p in self.module.named_parameters()
+            }
+        return None
+
+    def _reuses_graph_plainly(self) -> bool:
+        """True where no update falls between a batch's forward and backward on this stage."""
+        return not self.asynchronous or self.is_last
+
+    def _keeps_graph(self) -> bool:
+        """Whether the backward reuses the forward's graph (the same weights in both passes).
+
+        Otherwise (``naive`` and ``spectrain`` before the last stage) the forward runs without
+        a graph and the backward recomputes the stage with its own weights.
+        """
+        return self._reuses_graph_plainly() or self.schedule_name == "pipedream"
+
+    def _call(self, leaves: dict[str, Tensor] | None, x: Tensor) -> Tensor:
+        out = self.module(x) if leaves is None else functional_call(self.module, leaves, (x,))
+        if not isinstance(out, Tensor):
+            raise UsageError(
+                f"pipeline stage {self.stage} returned {type(out).__name__}; every stage must "
+                "return one tensor"
+            )
+        return out
+
+    def _forward(self, action: Action, state: _InFlight, result: StepResult) -> None:
+        started = time.perf_counter()
+        assert state.input is not None
+        x = state.input
+        keep = self._keeps_graph()
+        if keep and not self.is_first:
+            x.requires_grad_(True)
+        if not keep:
+            state.rng_state = torch.get_rng_state()
+        leaves = self._leaves(action)
+        with torch.set_grad_enabled(keep):
+            out = self._call(leaves, x)
+            if self.is_last:
+                assert self.loss_fn is not None and state.target is not None
+                loss = self.loss_fn(out, state.target)
+                result.losses.append(float(loss.detach()))
+                out = loss * state.scale
+        if keep:
+            state.output, state.leaves = out, leaves
+        self._record("forward", "forward", started, action.batch)
+        if not self.is_last:
+            self._send(out.detach(), self.stage + 1)
+
+    def _backward(self, action: Action, state: _InFlight, grad_out: Tensor | None) -> None:
+        started = time.perf_counter()
+        assert state.input is not None
+        if state.output is None:
+            out, leaves = self._recompute(action, state)
+        else:
+            out, leaves = state.output, state.leaves
+        if self.is_last:
+            out.backward()
+        else:
+            assert grad_out is not None
+            out.backward(grad_out)
+        if leaves is not None:
+            self._accumulate(leaves)
+        self._record("backward", "backward", started, action.batch)
+        if not self.is_first:
+            grad_in = state.input.grad
+            if grad_in is None:
+                raise UsageError(
+                    f"pipeline stage {self.stage}'s output does not depend on its input; "
+                    "every stage after the first must use the activation it receives"
+                )
+            self._send(grad_in, self.stage - 1)
+
+    def _recompute(
+        self, action: Action, state: _InFlight
+    ) -> tuple[Tensor, dict[str, Tensor] | None]:
+        """The stage's output on the saved input with the backward's weights, with a graph."""
+        assert state.input is not None
+        x = state.input
+        if not self.is_first:
+            x.requires_grad_(True)
+        leaves = self._leaves(action)
+        saved_buffers = [b.detach().clone() for b in self.module.buffers()]
+        with torch.random.fork_rng(devices=[]):
+            if state.rng_state is not None:
+                torch.set_rng_state(state.rng_state)
+            with torch.enable_grad():
+                out = self._call(leaves, x)
+        with torch.no_grad():
+            for buffer, saved in zip(self.module.buffers(), saved_buffers, strict=True):
+                buffer.copy_(saved)
+        return out, leaves
+
+    def _accumulate(self, leaves: dict[str, Tensor]) -> None:
+        """Add the gradients that landed on weight copies to the real parameters' ``.grad``."""
+        for name, param in self.module.named_parameters():
+            grad = leaves[name].grad
+            if grad is None:
+                continue
+            param.grad = grad if param.grad is None else param.grad + grad
+
+    # ---------------------------------------------------------------------------------------
+    # messages and events
+    # ---------------------------------------------------------------------------------------
+
+    def _send(self, tensor: Tensor, peer_stage: int) -> None:
+        started = time.perf_counter()
+        payload = tensor.contiguous()
+        header = _header(payload)
+        peer = self.ranks[peer_stage]
+        ops = [
+            dist.P2POp(dist.isend, header, peer, self.group, _HEADER_TAG),
+            dist.P2POp(dist.isend, payload, peer, self.group, _PAYLOAD_TAG),
+        ]
+        works = dist.batch_isend_irecv(ops)
+        self._sends.append((works, (header, payload)))
+        # Completed sends release their buffers; the rest are waited on at the end.
+        self._sends = [(w, t) for w, t in self._sends if not all(x.is_completed() for x in w)]
+        self._record("send " + ("act" if peer_stage > self.stage else "grad"), "comm", started)
+
+    def _finish_sends(self) -> None:
+        for works, _ in self._sends:
+            for work in works:
+                work.wait()
+        self._sends = []
+
+    def _record(self, name: str, category: str, started: float, batch: int | None = None) -> None:
+        args: dict[str, object] = {} if batch is None else {"batch": batch}
+        lane = "comm" if category == "comm" else "compute"
+        self._events.append(
+            Event(name, category, started, time.perf_counter(), lane, self._process, args)
+        )
+
+
+def _unit_batches(
+    batches: Iterable[Batch | None],
+) -> Iterator[tuple[Batch | None, float]]:
+    for batch in batches:
+        yield batch, 1.0
