@@ -17,6 +17,17 @@ made) it times iterations and splits each into the phases SPD-KFAC's breakdown u
 Every sample is the maximum over ranks (a phase ends when its slowest rank is done) and a cell
 is the median over iterations, so the phases need not add up to the iteration exactly. With
 ``--png`` the last iteration of the first model is drawn as a timeline, one process per rank.
+
+``--ablation`` is SPD-KFAC's ablation instead: per model, one launch trains four copies of the
+model (identical initial weights, the same batches), each under its own DataParallel and its own
+:class:`interlace.KFAC` in one of the :data:`ABLATION_MODES` (``dkfac``: bulk factor all-reduce
+and greedy placement; ``pipelined``: factors all-reduced from the hooks in merged buckets;
+``lbp``: SPD-KFAC's load-balancing placement; ``spd``: both). The modes' iterations alternate
+round-robin (the first mode rotating every round), so the machine's drift slows every mode
+alike. Each mode gets the same phase breakdown (forward + backward and gradient comm are shared,
+measured once per round), its K-FAC model's own forward + backward (hooks, overlapped factor
+all-reduces and all), and its speed-up over ``dkfac`` in the same launch. ``--png`` then draws
+grouped bars, one panel per model, one bar per mode stacked by phase.
 """
 
 from __future__ import annotations
@@ -55,6 +66,20 @@ DEFAULT_TIMEOUT_S = 900.0
 _MAX_WARMUP_STEPS = 50
 _BATCHES = 4
 
+#: SPD-KFAC's ablation (``--ablation``): each mode's ``(factor_comm, fusion, placement)``, all
+#: from the one :class:`interlace.KFAC`. ``dkfac`` is the baseline every speed-up is against.
+ABLATION_MODES: dict[str, tuple[str, str, str]] = {
+    "dkfac": ("bulk", "none", "greedy"),
+    "pipelined": ("pipelined", "merged", "greedy"),
+    "lbp": ("bulk", "none", "lbp"),
+    "spd": ("pipelined", "merged", "lbp"),
+}
+BASELINE_MODE = "dkfac"
+DEFAULT_ABLATION_MODELS: tuple[str, ...] = ("resnet20", "resnet56", "vgg11", "transformer")
+#: The ablation's extra column: the K-FAC model's own forward + backward (DataParallel's gradient
+#: all-reduces, the factor hooks and, when pipelined, the factor all-reduces they launch).
+KFAC_PASSES = ("kfac_passes", "fwd+bwd+hooks")
+
 #: Columns of the table, in order: (key, heading).
 COLUMNS: tuple[tuple[str, str], ...] = (
     ("forward_backward", "fwd+bwd"),
@@ -84,6 +109,7 @@ class KfacJob:
     inv_update_steps: int
     timeline: bool
     placement: str = "greedy"
+    factor_update_steps: int = 1
 
 
 @dataclass
@@ -101,6 +127,54 @@ class KfacRow:
     layers: int
     iteration_ms: float
     phases_ms: dict[str, float] = field(default_factory=dict)
+    factor_update_steps: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class AblationJob:
+    """What every rank of one ``--ablation`` launch measures: ``modes`` side by side."""
+
+    model: str
+    batch: int
+    input_shape: tuple[int, ...]
+    seed: int
+    iters: int
+    warmup: int
+    compute_method: str
+    factor_update_steps: int
+    inv_update_steps: int
+    modes: tuple[str, ...] = tuple(ABLATION_MODES)
+
+
+@dataclass
+class AblationRow:
+    """One (model, mode) of the ablation (seconds, medians of maxima over ranks).
+
+    ``phases_s`` holds the :data:`COLUMNS` phases and :data:`KFAC_PASSES`; ``factor_buckets`` is
+    the number of pipelined factor all-reduces per factor step (None for bulk), and
+    ``local_factors`` how many factors LBP decomposes on every rank (None for greedy).
+    """
+
+    model: str
+    mode: str
+    factor_comm: str
+    fusion: str
+    placement: str
+    ranks: int
+    link: str
+    batch: int
+    factor_update_steps: int
+    inv_update_steps: int
+    layers: int
+    iters: int
+    iteration_s: float
+    speedup_vs_dkfac: float | None
+    phases_s: dict[str, float] = field(default_factory=dict)
+    factor_buckets: int | None = None
+    local_factors: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -140,6 +214,7 @@ def measure_rank(job: KfacJob) -> dict[str, Any]:
         lr=0.01,
         compute_method=job.compute_method,
         grad_worker_fraction=job.grad_worker_fraction,
+        factor_update_steps=job.factor_update_steps,
         inv_update_steps=job.inv_update_steps,
         placement=job.placement,
     )
@@ -220,6 +295,181 @@ def measure_rank(job: KfacJob) -> dict[str, Any]:
     }
 
 
+@dataclass
+class _Contender:
+    """One ablation mode on one rank: its own copy of the model, wrapper, optimizer and K-FAC."""
+
+    mode: str
+    wrapped: Any
+    optimizer: Any
+    precond: Any
+
+    def settled(self) -> bool:
+        """Whether every plan is final: DataParallel's buckets, and for pipelined factors the
+        merged buckets (one bulk factor step, then ``profile_steps`` profiled ones)."""
+        if not self.wrapped.planning_done:
+            return False
+        precond = self.precond
+        if precond.factor_comm != "pipelined":
+            return True
+        return bool(precond.steps > precond.profile_steps * precond.factor_update_steps)
+
+
+def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
+    """One rank of an ablation launch: every mode on its own copy of the model, interleaved.
+
+    Every round runs one iteration of each mode (the first mode rotating from round to round),
+    then the plain module's passes and DataParallel's alone, each behind a barrier.
+    """
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn import functional
+
+    from interlace.dp import DataParallel
+    from interlace.kfac import KFAC, PHASES
+    from interlace.zoo import build_model
+
+    rank = dist.get_rank()
+    torch.manual_seed(job.seed)
+    plain = build_model(job.model, job.input_shape, NUM_CLASSES)
+    data_parallel_only = DataParallel(copy.deepcopy(plain))
+    contenders: list[_Contender] = []
+    lbp_costs: dict[str, Any] = {}
+    # The same order on every rank: KFAC creates process groups and measures LBP's costs with
+    # collectives. The LBP modes share one measurement, so they share one placement.
+    for mode in job.modes:
+        factor_comm, fusion, placement = ABLATION_MODES[mode]
+        model = copy.deepcopy(plain)
+        wrapped = DataParallel(model)
+        precond = KFAC(
+            wrapped,
+            lr=0.01,
+            compute_method=job.compute_method,
+            grad_worker_fraction=1.0,
+            factor_update_steps=job.factor_update_steps,
+            inv_update_steps=job.inv_update_steps,
+            placement=placement,
+            factor_comm=factor_comm,
+            fusion=fusion,
+            **(lbp_costs if placement == "lbp" else {}),
+        )
+        if placement == "lbp" and not lbp_costs:
+            lbp_costs = {
+                "decomposition_cost": precond.decomposition_cost,
+                "broadcast_cost": precond.broadcast_cost,
+            }
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        contenders.append(_Contender(mode, wrapped, optimizer, precond))
+    generator = torch.Generator().manual_seed(job.seed * 1000 + rank)
+    batches = [
+        (
+            torch.randn(job.batch, *job.input_shape, generator=generator),
+            torch.randint(0, NUM_CLASSES, (job.batch,), generator=generator),
+        )
+        for _ in range(_BATCHES)
+    ]
+
+    def kfac_iteration(contender: _Contender, step: int) -> dict[str, float]:
+        inputs, targets = batches[step % _BATCHES]
+        dist.barrier()
+        start = time.perf_counter()
+        contender.optimizer.zero_grad()
+        loss = functional.cross_entropy(contender.wrapped(inputs), targets)
+        loss.backward()
+        backward_end = time.perf_counter()
+        contender.precond.step()
+        precond_end = time.perf_counter()
+        contender.optimizer.step()
+        end = time.perf_counter()
+        sample = dict(contender.precond.last_phase_s)
+        sample[KFAC_PASSES[0]] = backward_end - start
+        sample["optimizer"] = end - precond_end
+        sample["iteration"] = end - start
+        return sample
+
+    def passes(module: Any, step: int) -> float:
+        inputs, targets = batches[step % _BATCHES]
+        dist.barrier()
+        start = time.perf_counter()
+        module.zero_grad()
+        functional.cross_entropy(module(inputs), targets).backward()
+        return time.perf_counter() - start
+
+    def one_round(step: int) -> tuple[dict[str, dict[str, float]], float, float]:
+        first = step % len(contenders)
+        samples = {
+            contender.mode: kfac_iteration(contender, step)
+            for contender in contenders[first:] + contenders[:first]
+        }
+        return samples, passes(plain, step), passes(data_parallel_only, step)
+
+    # Warm up until every plan is final, then one more round on the final plans.
+    step = 0
+    settled_at: int | None = None
+    while step < job.warmup or settled_at is None or step <= settled_at:
+        one_round(step)
+        step += 1
+        if (
+            settled_at is None
+            and data_parallel_only.planning_done
+            and all(contender.settled() for contender in contenders)
+        ):
+            settled_at = step
+        if step > _MAX_WARMUP_STEPS:
+            raise RuntimeError(f"{job.model}: the plans were not final after the warm-up")
+
+    keys = [*PHASES, KFAC_PASSES[0], "optimizer", "iteration"]
+    samples: dict[str, dict[str, list[float]]] = {
+        mode: {key: [] for key in keys} for mode in job.modes
+    }
+    plain_s: list[float] = []
+    data_parallel_s: list[float] = []
+    for index in range(job.iters):
+        round_samples, plain_sample, data_parallel_sample = one_round(step + index)
+        for mode, sample in round_samples.items():
+            for key in keys:
+                samples[mode][key].append(sample[key])
+        plain_s.append(plain_sample)
+        data_parallel_s.append(data_parallel_sample)
+    # One collective for every series: the maximum over ranks of each sample.
+    series = [samples[mode][key] for mode in job.modes for key in keys]
+    series += [plain_s, data_parallel_s]
+    flat = _max_over_ranks([value for values in series for value in values])
+    maxima = [flat[i * job.iters : (i + 1) * job.iters] for i in range(len(series))]
+    plain_max, data_parallel_max = maxima[-2], maxima[-1]
+    forward_backward = statistics.median(plain_max)
+    # Data parallelism's share of forward + backward: the wrapped passes beyond the plain ones.
+    gradient_comm = statistics.median(
+        max(0.0, wrapped_s - plain_s)
+        for wrapped_s, plain_s in zip(data_parallel_max, plain_max, strict=True)
+    )
+    medians: dict[str, dict[str, float]] = {}
+    for m, mode in enumerate(job.modes):
+        medians[mode] = {
+            key: statistics.median(maxima[m * len(keys) + k]) for k, key in enumerate(keys)
+        }
+        medians[mode]["forward_backward"] = forward_backward
+        medians[mode]["gradient_comm"] = gradient_comm
+    return {
+        "medians": medians,
+        "layers": len(contenders[0].precond.layers),
+        "factor_buckets": {
+            c.mode: len(c.precond.factor_plan) if c.precond.factor_plan is not None else None
+            for c in contenders
+        },
+        "local_factors": {
+            c.mode: sum(
+                owner is None for pair in c.precond.factor_owners.values() for owner in pair
+            )
+            if c.precond.placement == "lbp"
+            else None
+            for c in contenders
+        },
+    }
+
+
 def _iteration_events(
     wrapped: Any, precond: Any, rank: int, sample: dict[str, float]
 ) -> list[dict[str, Any]]:
@@ -272,9 +522,9 @@ def _iteration_events(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--models",
-        default=",".join(DEFAULT_MODELS),
         help="comma-separated zoo names or package.module:callable "
-        f"(default {','.join(DEFAULT_MODELS)})",
+        f"(default {','.join(DEFAULT_MODELS)}; with --ablation "
+        f"{','.join(DEFAULT_ABLATION_MODELS)})",
     )
     parser.add_argument("--model", help="one model (zoo name or package.module:callable)")
     parser.add_argument("-n", "--nprocs", type=int, default=DEFAULT_NPROCS)
@@ -296,6 +546,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="1 = COMM-OPT (default), 1/N = MEM-OPT, between = HYBRID",
     )
     parser.add_argument(
+        "--factor-update-steps",
+        type=int,
+        default=1,
+        help="all-reduce and fold the factors every K steps (default 1, so factor "
+        "communication is in every iteration)",
+    )
+    parser.add_argument(
         "--inv-update-steps",
         type=int,
         default=1,
@@ -304,13 +561,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--placement",
         choices=("greedy", "round-robin", "lbp"),
-        default="greedy",
-        help="where decompositions are computed (default greedy, SC20/KAISA)",
+        help="where decompositions are computed (default greedy, SC20/KAISA; not with "
+        "--ablation, whose modes set it)",
+    )
+    parser.add_argument(
+        "--ablation",
+        action="store_true",
+        help="SPD-KFAC's ablation: the modes "
+        + ", ".join(
+            f"{mode} ({comm}, {fusion} fusion, {placement})"
+            for mode, (comm, fusion, placement) in ABLATION_MODES.items()
+        )
+        + " side by side in one launch per model, with their speed-ups over dkfac",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     parser.add_argument(
-        "--png", metavar="PATH", help="timeline of the first model's last iteration (PNG)"
+        "--png",
+        metavar="PATH",
+        help="timeline of the first model's last iteration (PNG); with --ablation, bars of "
+        "every mode's iteration time stacked by phase",
     )
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
 
@@ -328,23 +598,224 @@ def format_table(rows: Sequence[KfacRow]) -> str:
     return "\n".join(lines)
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def ablation_rows(
+    model: str,
+    value: dict[str, Any],
+    *,
+    ranks: int,
+    link: str,
+    batch: int,
+    factor_update_steps: int,
+    inv_update_steps: int,
+    iters: int,
+) -> list[AblationRow]:
+    """One row per mode from an ablation launch's value (:func:`measure_ablation_rank`'s),
+    each with its speed-up over :data:`BASELINE_MODE` (None when that mode was not run)."""
+    medians: dict[str, dict[str, float]] = value["medians"]
+    baseline = medians.get(BASELINE_MODE, {}).get("iteration")
+    rows: list[AblationRow] = []
+    for mode, phases in medians.items():
+        factor_comm, fusion, placement = ABLATION_MODES[mode]
+        iteration = phases["iteration"]
+        rows.append(
+            AblationRow(
+                model=model,
+                mode=mode,
+                factor_comm=factor_comm,
+                fusion=fusion,
+                placement=placement,
+                ranks=ranks,
+                link=link,
+                batch=batch,
+                factor_update_steps=factor_update_steps,
+                inv_update_steps=inv_update_steps,
+                layers=value["layers"],
+                iters=iters,
+                iteration_s=iteration,
+                speedup_vs_dkfac=baseline / iteration if baseline and iteration > 0 else None,
+                phases_s={key: phases[key] for key, _ in (*COLUMNS, KFAC_PASSES)},
+                factor_buckets=value.get("factor_buckets", {}).get(mode),
+                local_factors=value.get("local_factors", {}).get(mode),
+            )
+        )
+    return rows
+
+
+def format_ablation_table(rows: Sequence[AblationRow]) -> str:
+    """One line per (model, mode): iteration, speed-up over dkfac, the phases (ms)."""
+    head = [
+        "model",
+        "mode",
+        "iteration ms",
+        "vs dkfac",
+        *(title + " ms" for _, title in (*COLUMNS, KFAC_PASSES)),
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    for row in rows:
+        speedup = "-" if row.speedup_vs_dkfac is None else f"{row.speedup_vs_dkfac:.2f}x"
+        cells = [row.model, row.mode, _ms(row.iteration_s), speedup]
+        cells += [_ms(row.phases_s.get(key, 0.0)) for key, _ in (*COLUMNS, KFAC_PASSES)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def factor_comm_share(rows: Sequence[AblationRow]) -> dict[str, float]:
+    """Per model, the fraction of dkfac's iteration spent in factor communication."""
+    return {
+        row.model: row.phases_s.get("factor_comm", 0.0) / row.iteration_s
+        for row in rows
+        if row.mode == BASELINE_MODE and row.iteration_s > 0
+    }
+
+
+def format_ablation_header(
+    rows: Sequence[AblationRow], *, ranks: int, link: str, compute_method: str, iters: int
+) -> str:
+    """The regime in a few lines: ranks, link, batches, update intervals, and how much of
+    dkfac's iteration factor communication takes (the part the pipelined modes can hide)."""
+    first = rows[0] if rows else None
+    factor_steps = first.factor_update_steps if first else 1
+    inv_steps = first.inv_update_steps if first else 1
+    batches = ", ".join(
+        dict.fromkeys(f"{row.model} {row.batch}" for row in rows)  # first-seen order
+    )
+    modes = "; ".join(
+        f"{mode} = {comm} factor all-reduce"
+        + (f" ({fusion} buckets)" if comm == "pipelined" else "")
+        + f", {placement} placement"
+        for mode, (comm, fusion, placement) in ABLATION_MODES.items()
+    )
+    lines = [
+        f"SPD-KFAC ablation: {ranks} ranks on {link}, per-rank batch ({batches or 'none'}); "
+        f"factors all-reduced every {factor_steps} step(s), decomposed ({compute_method}, "
+        f"COMM-OPT) every {inv_steps} step(s); medians over {iters} iterations of the maximum "
+        "over ranks, the modes interleaved round-robin in one launch per model.",
+        f"Modes: {modes}.",
+    ]
+    by_model = {row.model: row for row in rows if row.mode == BASELINE_MODE}
+    shares = factor_comm_share(rows)
+    if shares:
+        lines.append(
+            "Factor comm share of dkfac's iteration: "
+            + ", ".join(
+                f"{model} {share:.0%} ({_ms(by_model[model].phases_s.get('factor_comm', 0.0))} "
+                f"of {_ms(by_model[model].iteration_s)} ms)"
+                for model, share in shares.items()
+            )
+            + "."
+        )
+    return "\n".join(lines)
+
+
+def plot_ablation(rows: Sequence[AblationRow], path: str | Path, title: str = "") -> None:
+    """Grouped bars: a panel per model, a bar per mode stacked by phase (the medians; what the
+    phases leave of the measured iteration is drawn as "other"), the measured iteration as a
+    black tick and the speed-up over dkfac above each bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(row.model for row in rows))
+    if not models:
+        raise ValueError("no rows to plot")
+    modes = list(dict.fromkeys(row.mode for row in rows))
+    figure, axes = plt.subplots(
+        1, len(models), figsize=(max(6.4, 2.6 * len(models) + 1.6), 4.6), squeeze=False
+    )
+    colours = plt.get_cmap("tab10")
+    stack = [*COLUMNS, ("other", "other (overlap, hooks, noise)")]
+    for panel, model in zip(axes[0], models, strict=True):
+        highest = 0.0
+        for position, mode in enumerate(modes):
+            row = next((r for r in rows if r.model == model and r.mode == mode), None)
+            if row is None:
+                continue
+            bottom = 0.0
+            for index, (key, label) in enumerate(stack):
+                if key == "other":
+                    height = max(0.0, row.iteration_s - bottom / 1e3) * 1e3
+                    colour: Any = "lightgrey"
+                else:
+                    height = row.phases_s.get(key, 0.0) * 1e3
+                    colour = colours(index % 10)
+                panel.bar(
+                    position,
+                    height,
+                    bottom=bottom,
+                    width=0.7,
+                    color=colour,
+                    label=label if position == 0 and model == models[0] else None,
+                )
+                bottom += height
+            top = row.iteration_s * 1e3
+            highest = max(highest, top, bottom)
+            panel.hlines(top, position - 0.38, position + 0.38, color="black", linewidth=1.5)
+            if row.speedup_vs_dkfac is not None:
+                panel.annotate(
+                    f"{row.speedup_vs_dkfac:.2f}x",
+                    (position, max(top, bottom)),
+                    textcoords="offset points",
+                    xytext=(0, 3),
+                    ha="center",
+                    fontsize=7,
+                )
+        panel.set_xticks(range(len(modes)))
+        panel.set_xticklabels(modes, fontsize=8)
+        panel.set_title(model)
+        panel.grid(axis="y", alpha=0.3)
+        # Room above the tallest bar for its speed-up label.
+        panel.set_ylim(0.0, max(highest, 1e-3) * 1.12)
+    axes[0][0].set_ylabel("iteration ms (median of max over ranks)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="lower center", ncol=5, fontsize=7, frameon=False)
+    figure.suptitle(
+        (title or "SPD-KFAC ablation: iteration time by phase")
+        + "\n(black tick: measured iteration; label: speed-up vs dkfac)",
+        fontsize=10,
+    )
+    figure.tight_layout(rect=(0.0, 0.1, 1.0, 1.0))
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def models_from_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--model``, else ``--models``, else the defaults (the ablation's with ``--ablation``)."""
+    if args.model:
+        return (args.model,)
+    if args.models:
+        return parse_names(args.models, None, "models", "model")
+    return DEFAULT_ABLATION_MODELS if args.ablation else DEFAULT_MODELS
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; the exit status."""
-    from tqdm import tqdm
-
-    from interlace import launch, netem
+    from interlace import netem
     from interlace.kfac.placement import worker_count
     from interlace.netem import parse_link
 
-    models = (args.model,) if args.model else parse_names(args.models, None, "models", "model")
+    models = models_from_args(args)
     if args.nprocs < 1:
         raise UsageError(f"-n must be >= 1, got {args.nprocs}")
     if args.iters < 1 or args.warmup < 0:
         raise UsageError("--iters must be >= 1 and --warmup >= 0")
+    if args.ablation:
+        if args.placement is not None:
+            raise UsageError("--placement is set by each --ablation mode; leave it out")
+        if args.grad_worker_fraction != 1:
+            raise UsageError("--ablation runs COMM-OPT (lbp needs it): --grad-worker-fraction 1")
+        if args.nprocs < 2:
+            raise UsageError(f"--ablation needs -n >= 2 (nothing is sent on {args.nprocs})")
     if args.placement == "lbp" and args.grad_worker_fraction < 1:
         raise UsageError("--placement lbp needs --grad-worker-fraction 1 (COMM-OPT)")
     if args.inv_update_steps < 1:
         raise UsageError(f"--inv-update-steps must be >= 1, got {args.inv_update_steps}")
+    if args.factor_update_steps < 1:
+        raise UsageError(f"--factor-update-steps must be >= 1, got {args.factor_update_steps}")
     try:
         worker_count(args.grad_worker_fraction, args.nprocs)
     except ValueError as exc:
@@ -359,6 +830,115 @@ def run(args: argparse.Namespace) -> int:
                 f"{exc}; run as root, or pass --no-netem to measure on loopback"
             ) from exc
         link = args.link
+    if args.ablation:
+        return _run_ablation(args, models, link)
+    return _run_breakdown(args, models, link)
+
+
+def _launch(fn: Any, job: Any, args: argparse.Namespace, link: str | None) -> Any:
+    """Rank 0's value of ``fn(job)`` on the ranks, or the failure as a string.
+
+    A launch that lost a rank to a signal is run once more (see
+    :data:`interlace.bench.dp._SIGNAL_RETRIES`: a rare SIGABRT inside gloo that no rerun
+    repeats).
+    """
+    from interlace import launch
+
+    detail = ""
+    for attempt in range(2):
+        sink = io.StringIO()
+        result = launch.run(
+            rank_entry,
+            args.nprocs,
+            link,
+            args=(fn, job, args.timeout),
+            timeout=args.timeout,
+            output=sink,
+        )
+        if result.ok:
+            return result.values[0]
+        rank = result.failed_rank
+        trace = result.tracebacks.get(rank, "") if rank is not None else ""
+        if result.timed_out:
+            detail = f"timed out after {args.timeout:g} s (--timeout)"
+        else:
+            detail = f"rank {rank} failed with status {result.returncode}\n{trace.strip()}"
+        if result.returncode <= 128 or result.timed_out or attempt:
+            break
+    return detail
+
+
+def _run_ablation(args: argparse.Namespace, models: Sequence[str], link: str | None) -> int:
+    from tqdm import tqdm
+
+    rows: list[AblationRow] = []
+    failures: list[str] = []
+    link_text = link or "loopback"
+    with tqdm(total=len(models), unit="model", desc=PROG, dynamic_ncols=True) as bar:
+        for model in models:
+            bar.set_postfix_str(model)
+            job = AblationJob(
+                model=model,
+                batch=args.batch or DEFAULT_BATCH.get(model, FALLBACK_BATCH),
+                input_shape=tuple(args.input_shape),
+                seed=args.seed,
+                iters=args.iters,
+                warmup=args.warmup,
+                compute_method=args.compute_method,
+                factor_update_steps=args.factor_update_steps,
+                inv_update_steps=args.inv_update_steps,
+            )
+            value = _launch(measure_ablation_rank, job, args, link)
+            bar.update(1)
+            if isinstance(value, str):
+                failures.append(f"{model}: {value}")
+                bar.write(failures[-1])
+                continue
+            new_rows = ablation_rows(
+                model,
+                value,
+                ranks=args.nprocs,
+                link=link_text,
+                batch=job.batch,
+                factor_update_steps=job.factor_update_steps,
+                inv_update_steps=job.inv_update_steps,
+                iters=job.iters,
+            )
+            rows += new_rows
+            for line in format_ablation_table(new_rows).splitlines()[2:]:
+                bar.write(line)
+    header = format_ablation_header(
+        rows,
+        ranks=args.nprocs,
+        link=link_text,
+        compute_method=args.compute_method,
+        iters=args.iters,
+    )
+    print(f"\n{header}\n")
+    print(format_ablation_table(rows))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps([row.to_dict() for row in rows], indent=1) + "\n")
+        print(f"\nrows written to {args.json}")
+    if args.png and rows:
+        Path(args.png).parent.mkdir(parents=True, exist_ok=True)
+        plot_ablation(
+            rows,
+            args.png,
+            title=f"SPD-KFAC ablation: iteration time by phase, {args.nprocs} ranks on {link_text}",
+        )
+        print(f"chart written to {args.png}")
+    for failure in failures:
+        print(f"{PROG}: {failure}")
+    return 1 if failures else 0
+
+
+def _run_breakdown(args: argparse.Namespace, models: Sequence[str], link: str | None) -> int:
+    from tqdm import tqdm
+
+    from interlace import launch
+
+    placement = args.placement or "greedy"
     rows: list[KfacRow] = []
     failures: list[str] = []
     events: list[dict[str, Any]] = []
@@ -376,7 +956,8 @@ def run(args: argparse.Namespace) -> int:
                 grad_worker_fraction=args.grad_worker_fraction,
                 inv_update_steps=args.inv_update_steps,
                 timeline=bool(args.png) and index == 0,
-                placement=args.placement,
+                placement=placement,
+                factor_update_steps=args.factor_update_steps,
             )
             sink = io.StringIO()
             result = launch.run(
@@ -409,6 +990,7 @@ def run(args: argparse.Namespace) -> int:
                     layers=value["layers"],
                     iteration_ms=medians["iteration"] * 1e3,
                     phases_ms={key: medians[key] * 1e3 for key, _ in COLUMNS},
+                    factor_update_steps=job.factor_update_steps,
                 )
             )
             if job.timeline:
@@ -416,8 +998,13 @@ def run(args: argparse.Namespace) -> int:
             bar.write(format_table(rows[-1:]).splitlines()[-1])
     print(
         f"\nK-FAC phase breakdown ({args.compute_method}, grad_worker_fraction "
-        f"{args.grad_worker_fraction:g}, {args.placement} placement, decompositions every "
-        f"{args.inv_update_steps} step(s)), "
+        f"{args.grad_worker_fraction:g}, {placement} placement, "
+        + (
+            f"factors every {args.factor_update_steps} steps, "
+            if args.factor_update_steps != 1
+            else ""
+        )
+        + f"decompositions every {args.inv_update_steps} step(s)), "
         f"{args.nprocs} ranks on {link or 'loopback'}; per-rank batch per model "
         f"({', '.join(f'{r.model} {r.batch}' for r in rows)}); medians over {args.iters} "
         "iterations of the maximum over ranks:\n"

@@ -805,7 +805,9 @@ class KFAC:
         present = (counts > 0).to(torch.int64).reshape(-1)
         repeated = int(bool((counts > 1).any()))
         flags = torch.cat([present, torch.tensor([-repeated])]).to(self._device())
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self._factor_group)
+        # On the main group, idle once backward has returned: on the factor group this small
+        # all-reduce would queue behind the buckets still in flight and hide their wait here.
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.group)
         flags = flags.cpu()
         everywhere = flags[:-1].reshape(-1, 2).tolist()
         any_repeated = int(flags[-1]) < 0
