@@ -1,0 +1,75 @@
+"""This rank's stage of a model, cut by one plan that every rank agrees on.
+
+Every rank builds the whole model from the same seed (so the weights agree without sending
+them), turns it into blocks (:func:`~interlace.pipeline.partition.pipeline_blocks`) and keeps
+its own stage. A plan balanced by measured time would differ from rank to rank (each rank times
+the blocks on its own, noisy, core), so rank 0's plan is the one used: it is broadcast, and a
+model whose blocks differ across ranks is a clear error rather than a stage mismatch later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from interlace.errors import UsageError
+from interlace.pipeline.partition import (
+    StagePlan,
+    pipeline_blocks,
+    plan_stages,
+    stage_module,
+)
+
+
+@dataclass(frozen=True)
+class LocalStage:
+    """This rank's part of a pipelined model."""
+
+    module: nn.Sequential
+    plan: StagePlan
+    stage: int
+    num_stages: int
+
+
+def _block_signature(blocks: nn.Sequential) -> list[tuple[str, int]]:
+    return [(type(block).__name__, sum(p.numel() for p in block.parameters())) for block in blocks]
+
+
+def local_stage(
+    model: nn.Module,
+    *,
+    num_stages: int,
+    stage: int,
+    by: str = "time",
+    sample: Tensor | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> LocalStage:
+    """Cut ``model`` into ``num_stages`` stages by rank 0's plan and return stage ``stage``.
+
+    ``by`` and ``sample`` are :func:`~interlace.pipeline.partition.plan_stages`'s. Every rank of
+    ``group`` (the default group when None) must call it; with a one-rank world (no process
+    group) the local plan is used.
+    """
+    blocks = pipeline_blocks(model)
+    if num_stages > len(blocks):
+        raise UsageError(
+            f"the model has {len(blocks)} blocks, too few for {num_stages} pipeline stages; "
+            "use fewer stages (-n) or a deeper model"
+        )
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    plan: StagePlan | None = None
+    if not distributed or dist.get_rank(group) == 0:
+        plan = plan_stages(blocks, num_stages, by=by, sample=sample)
+    if distributed:
+        shared: list[object] = [plan, _block_signature(blocks)]
+        dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0) if group else 0)
+        plan = shared[0]  # type: ignore[assignment]
+        if shared[1] != _block_signature(blocks):
+            raise UsageError(
+                f"rank {dist.get_rank()} built a model whose pipeline blocks differ from rank "
+                "0's; every rank must build the same model"
+            )
+    assert isinstance(plan, StagePlan)
+    return LocalStage(stage_module(blocks, plan, stage), plan, stage, num_stages)
