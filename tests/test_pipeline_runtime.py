@@ -209,7 +209,7 @@ def test_policies_really_differ() -> None:
         assert max(float((a - b).abs().max()) for a, b in zip(naive, other, strict=True)) > 1e-6
 
 
-def _eval_rank(num_stages: int) -> tuple[int, int]:
+def _eval_rank(num_stages: int) -> tuple[int, int, float]:
     stage = dist.get_rank()
     module = _stages(num_stages)[stage]
     optimizer = torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)
@@ -221,7 +221,8 @@ def _eval_rank(num_stages: int) -> tuple[int, int]:
         schedule="1f1b",
         loss_fn=nn.functional.cross_entropy,
     )
-    return runner.evaluate(_data(3), 3)
+    result = runner.evaluate(_data(3), 3)
+    return result.correct, result.total, result.mean_loss
 
 
 def test_evaluate_counts_correct_predictions_on_every_rank() -> None:
@@ -229,7 +230,10 @@ def test_evaluate_counts_correct_predictions_on_every_rank() -> None:
     model = nn.Sequential(*_stages(4))
     with torch.no_grad():
         correct = sum(int((model(x).argmax(-1) == y).sum()) for x, y in _data(3))
-    assert results == [(correct, 3 * BATCH)] * 4
+        loss = sum(float(nn.functional.cross_entropy(model(x), y)) for x, y in _data(3)) / 3
+    assert [r[:2] for r in results] == [(correct, 3 * BATCH)] * 4
+    for result in results:
+        assert result[2] == pytest.approx(loss, rel=1e-9)
 
 
 class _FailsOnThirdCall(nn.Module):

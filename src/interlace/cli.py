@@ -159,7 +159,13 @@ def _build_parser() -> OneLineArgumentParser:
 def _add_job_arguments(
     parser: argparse.ArgumentParser, default_epochs: int, default_nprocs: int = 1
 ) -> None:
-    from interlace.train import OPTIMIZERS, TrainConfig
+    from interlace.train import (
+        OPTIMIZERS,
+        PARALLELISMS,
+        PARTITION_BY,
+        PIPELINE_SCHEDULES,
+        TrainConfig,
+    )
 
     defaults = TrainConfig()
     parser.add_argument(
@@ -226,6 +232,37 @@ def _add_job_arguments(
         default=defaults.optimizer,
         help="sgd (SGD with momentum) or kfac (K-FAC preconditioning in front of that same SGD, "
         f"schedule and all; default {defaults.optimizer})",
+    )
+    pipeline = parser.add_argument_group(
+        "pipeline parallelism (with --parallel pipeline: one stage per rank, -n stages)"
+    )
+    pipeline.add_argument(
+        "--parallel",
+        choices=PARALLELISMS,
+        default=defaults.parallel,
+        help="data: replicate the model (--strategy); pipeline: cut it into -n stages, "
+        "--batch-size then being the mini-batch through the pipeline (default data)",
+    )
+    pipeline.add_argument(
+        "--schedule",
+        choices=PIPELINE_SCHEDULES,
+        default=defaults.schedule,
+        help="gpipe or 1f1b (synchronous, micro-batches, one update per mini-batch); "
+        "spectrain, pipedream or naive (asynchronous 1F1B, an update per mini-batch, "
+        f"with predicted, stashed or latest weights); default {defaults.schedule}",
+    )
+    pipeline.add_argument(
+        "--microbatches",
+        type=int,
+        default=defaults.microbatches,
+        help=f"micro-batches per mini-batch of gpipe and 1f1b (default {defaults.microbatches})",
+    )
+    pipeline.add_argument(
+        "--partition-by",
+        choices=PARTITION_BY,
+        default=defaults.partition_by,
+        help="balance stages by measured forward+backward time or by parameter count "
+        f"(default {defaults.partition_by})",
     )
     kfac = parser.add_argument_group("K-FAC (with --optimizer kfac; defaults are kfac-pytorch's)")
     kfac.add_argument(
@@ -320,6 +357,10 @@ def _run_train(args: argparse.Namespace) -> int:
         kfac_kl_clip=args.kfac_kl_clip,
         kfac_compute_method=args.kfac_compute_method,
         kfac_grad_worker_fraction=args.kfac_grad_worker_fraction,
+        parallel=args.parallel,
+        schedule=args.schedule,
+        microbatches=args.microbatches,
+        partition_by=args.partition_by,
     )
     config.validate()
 

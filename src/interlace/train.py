@@ -37,6 +37,12 @@ from interlace.zoo import build_model, load_data, make_loader
 
 #: The ``--optimizer`` choices: plain SGD with momentum, or K-FAC in front of it.
 OPTIMIZERS = ("sgd", "kfac")
+#: The ``--parallel`` choices: the model replicated (data parallel) or cut into stages.
+PARALLELISMS = ("data", "pipeline")
+#: The ``--schedule`` choices of ``--parallel pipeline`` (see interlace.pipeline.schedule).
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "pipedream", "spectrain", "naive")
+#: How ``--parallel pipeline`` balances its stages (see interlace.pipeline.partition).
+PARTITION_BY = ("time", "params")
 
 
 @dataclass
@@ -74,6 +80,12 @@ class TrainConfig:
     kfac_kl_clip: float = 0.001
     kfac_compute_method: str = "eigen"
     kfac_grad_worker_fraction: float = 1.0
+    # Pipeline parallelism (used when parallel == "pipeline"; see interlace.pipeline). There
+    # --batch-size is the mini-batch that goes through the pipeline, so also the global batch.
+    parallel: str = "data"
+    schedule: str = "spectrain"
+    microbatches: int = 4
+    partition_by: str = "time"
     extra: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -137,6 +149,30 @@ class TrainConfig:
                 f"{self.kfac_grad_worker_fraction}",
             ),
         ]
+        checks += [
+            (
+                self.parallel in PARALLELISMS,
+                f"unknown --parallel '{self.parallel}'; choose one of {', '.join(PARALLELISMS)}",
+            ),
+            (
+                self.schedule in PIPELINE_SCHEDULES,
+                f"unknown --schedule '{self.schedule}'; choose one of "
+                f"{', '.join(PIPELINE_SCHEDULES)}",
+            ),
+            (self.microbatches >= 1, f"--microbatches must be >= 1, got {self.microbatches}"),
+            (
+                self.parallel != "pipeline"
+                or self.schedule not in ("gpipe", "1f1b")
+                or self.batch_size >= self.microbatches,
+                f"--batch-size {self.batch_size} cannot be cut into {self.microbatches} "
+                "micro-batches; raise --batch-size or lower --microbatches",
+            ),
+            (
+                self.partition_by in PARTITION_BY,
+                f"unknown --partition-by '{self.partition_by}'; choose one of "
+                f"{', '.join(PARTITION_BY)}",
+            ),
+        ]
         self.channels = parse_channels(self.channels)
         checks.append(
             (
@@ -170,6 +206,10 @@ def train_rank(config: TrainConfig, run_dir: str | None = None) -> TrainResult:
     config.validate()
     context = init_distributed()
     try:
+        if config.parallel == "pipeline":
+            from interlace.pipeline.trainer import train_pipeline
+
+            return train_pipeline(config, context, run_dir)
         return _train(config, context, run_dir)
     finally:
         if dist.is_initialized():

@@ -75,6 +75,19 @@ class StepResult:
     seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class EvalResult:
+    """A forward-only pass's score, the same on every stage."""
+
+    correct: int
+    total: int
+    mean_loss: float
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / max(self.total, 1)
+
+
 def _header(tensor: Tensor) -> Tensor:
     if tensor.dtype not in _DTYPES:
         raise UsageError(
@@ -176,6 +189,8 @@ class PipelineStage:
     stage's ``loss_fn`` must average over its batch, as torch's losses do by default), so the
     update equals the unpipelined model's on that mini-batch. ``spectrain`` needs
     :class:`torch.optim.SGD` with momentum (it predicts from the momentum buffer).
+    ``on_update`` is called after every optimizer step (a learning-rate scheduler's ``step``,
+    a progress bar), which the asynchronous schedules take inside :meth:`run`.
     """
 
     def __init__(
@@ -191,6 +206,7 @@ class PipelineStage:
         ranks: Sequence[int] | None = None,
         group: dist.ProcessGroup | None = None,
         device: torch.device | None = None,
+        on_update: Callable[[], object] | None = None,
     ) -> None:
         if schedule not in SCHEDULES:
             raise UsageError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
@@ -214,6 +230,7 @@ class PipelineStage:
             raise UsageError(f"ranks lists {len(self.ranks)} ranks for {num_stages} stages")
         self.group = group
         self.device = device or next((p.device for p in module.parameters()), torch.device("cpu"))
+        self.on_update = on_update
         self.is_first = stage == 0
         self.is_last = stage == num_stages - 1
         self._events: list[Event] = []
@@ -258,16 +275,17 @@ class PipelineStage:
         return result
 
     @torch.no_grad()
-    def evaluate(self, batches: Iterable[Batch] | None, num_batches: int) -> tuple[int, int]:
-        """Forward-only pass over ``num_batches`` batches: (correct, total) on every stage.
+    def evaluate(self, batches: Iterable[Batch] | None, num_batches: int) -> EvalResult:
+        """Forward-only pass over ``num_batches`` batches, scored on the last stage.
 
-        The last stage counts correct arg-max predictions; the count is then sent to every
-        stage, so all ranks return the same pair.
+        The last stage counts correct arg-max predictions and sums the loss; the result is then
+        sent to every stage, so all ranks return the same :class:`EvalResult`.
         """
         source = iter(batches) if batches is not None else None
         self.module.eval()
         inbox = self._inbox(self.stage - 1, num_batches) if not self.is_first else None
         correct = total = 0
+        loss_sum = 0.0
         for index in range(num_batches):
             batch = self._next_batch(source)
             x = batch[0] if self.is_first and batch is not None else None
@@ -276,19 +294,21 @@ class PipelineStage:
             assert x is not None
             out = self.module(x.to(self.device))
             if self.is_last:
-                assert batch is not None
+                assert batch is not None and self.loss_fn is not None
                 target = batch[1].to(self.device)
                 correct += int((out.argmax(dim=-1) == target).sum())
                 total += int(target.numel())
+                loss_sum += float(self.loss_fn(out, target)) * int(target.numel())
             else:
                 self._send(out.detach(), self.stage + 1)
         self._finish_sends()
         if inbox is not None:
             inbox.check_drained()
-        counts = torch.tensor([correct, total], dtype=torch.int64)
+        counts = torch.tensor([correct, total, loss_sum], dtype=torch.float64)
         dist.broadcast(counts, self.ranks[-1], group=self.group)
         self.module.train()
-        return int(counts[0]), int(counts[1])
+        seen = int(counts[1])
+        return EvalResult(int(counts[0]), seen, float(counts[2]) / max(seen, 1))
 
     def take_events(self) -> list[Event]:
         """The timed actions since the last call (forward, backward, comm, optimizer)."""
@@ -374,6 +394,8 @@ class PipelineStage:
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 result.updates += 1
+                if self.on_update is not None:
+                    self.on_update()
                 self._record("update", "optimizer", started, action.batch)
         self._finish_sends()
         for inbox in (acts, grads):
@@ -446,7 +468,9 @@ class PipelineStage:
     def _backward(self, action: Action, state: _InFlight, grad_out: Tensor | None) -> None:
         started = time.perf_counter()
         assert state.input is not None
+        saved_buffers: list[Tensor] = []
         if state.output is None:
+            saved_buffers = [b.detach().clone() for b in self.module.buffers()]
             out, leaves = self._recompute(action, state)
         else:
             out, leaves = state.output, state.leaves
@@ -455,6 +479,12 @@ class PipelineStage:
         else:
             assert grad_out is not None
             out.backward(grad_out)
+        if saved_buffers:
+            # The recomputation moved BatchNorm's running statistics a second time for this
+            # batch; put back the forward's. Only after backward: autograd saved them.
+            with torch.no_grad():
+                for buffer, saved in zip(self.module.buffers(), saved_buffers, strict=True):
+                    buffer.copy_(saved)
         if leaves is not None:
             self._accumulate(leaves)
         self._record("backward", "backward", started, action.batch)
@@ -476,15 +506,11 @@ class PipelineStage:
         if not self.is_first:
             x.requires_grad_(True)
         leaves = self._leaves(action)
-        saved_buffers = [b.detach().clone() for b in self.module.buffers()]
         with torch.random.fork_rng(devices=[]):
             if state.rng_state is not None:
                 torch.set_rng_state(state.rng_state)
             with torch.enable_grad():
                 out = self._call(leaves, x)
-        with torch.no_grad():
-            for buffer, saved in zip(self.module.buffers(), saved_buffers, strict=True):
-                buffer.copy_(saved)
         return out, leaves
 
     def _accumulate(self, leaves: dict[str, Tensor]) -> None:

@@ -1,0 +1,171 @@
+"""Training with the model pipelined over the job's ranks: ``interlace train --parallel pipeline``.
+
+Rank ``k`` holds stage ``k`` of ``N = world size`` stages (cut by rank 0's plan, see
+:mod:`interlace.pipeline.stages`). Every rank builds the same data loaders (one data stream,
+the same shuffle on every rank); stage 0 reads the inputs, the last stage the targets. The
+mini-batch is ``--batch-size``: the whole batch goes through the pipeline (cut into
+micro-batches for ``gpipe`` and ``1f1b``), so it is also the global batch, which makes a
+pipelined run comparable with a data-parallel one of ``batch_size / N`` per rank.
+
+The learning-rate schedule (warm-up then cosine) advances once per update, as in data-parallel
+training; the asynchronous schedules update once per mini-batch as well, so both see the same
+schedule. Each epoch is one stream: the pipeline fills at its start and drains at its end, then
+the test split is scored through the pipeline.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional
+from tqdm import tqdm
+
+from interlace.distenv import DistContext
+from interlace.errors import UsageError
+from interlace.pipeline.runtime import PipelineStage
+from interlace.pipeline.stages import local_stage
+from interlace.runlog import RunLog, new_run_dir
+from interlace.train import TrainConfig, TrainResult, _config_record, _label, _Schedule
+from interlace.zoo import build_model, load_data, make_loader
+
+
+def train_pipeline(config: TrainConfig, context: DistContext, run_dir: str | None) -> TrainResult:
+    """Train ``config.model`` pipelined over the job's ranks; same result on every rank."""
+    if config.optimizer != "sgd":
+        raise UsageError("--parallel pipeline trains with SGD and momentum; drop --optimizer kfac")
+    if config.schedule == "spectrain" and config.momentum <= 0:
+        raise UsageError("--schedule spectrain predicts from the momentum: use --momentum > 0")
+    bundle = load_data(config.data, synthetic_size=config.synthetic_size, seed=config.seed)
+    torch.manual_seed(config.seed)
+    model = build_model(config.model, bundle.input_shape, bundle.num_classes)
+    train_loader = make_loader(
+        bundle.train, config.batch_size, shuffle=True, seed=config.seed, drop_last=True
+    )
+    test_loader = make_loader(bundle.test, max(config.batch_size, 64), shuffle=False)
+    sample = next(iter(train_loader))[0][: max(1, config.batch_size // config.microbatches)]
+    local = local_stage(
+        model,
+        num_stages=context.world_size,
+        stage=context.rank,
+        by=config.partition_by,
+        sample=sample,
+    )
+    module = local.module.to(context.device)
+    steps_per_epoch = len(train_loader)
+    if config.max_steps_per_epoch is not None:
+        steps_per_epoch = min(steps_per_epoch, config.max_steps_per_epoch)
+    if steps_per_epoch == 0:
+        raise UsageError(
+            f"the training split of '{bundle.name}' has {len(bundle.train)} samples, fewer "
+            f"than one mini-batch of {config.batch_size}; lower --batch-size"
+        )
+    optimizer = torch.optim.SGD(
+        module.parameters(),
+        lr=config.lr,
+        momentum=config.momentum,
+        weight_decay=config.weight_decay,
+    )
+    total_steps = config.epochs * steps_per_epoch
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, _Schedule(total_steps, round(config.warmup_epochs * steps_per_epoch))
+    )
+    show_bar = context.is_main and config.progress and sys.stderr.isatty()
+    bar = tqdm(total=total_steps, disable=not show_bar, unit="step", dynamic_ncols=True)
+
+    def after_update() -> None:
+        schedule.step()
+        bar.update(1)
+
+    stage = PipelineStage(
+        module,
+        optimizer,
+        stage=context.rank,
+        num_stages=context.world_size,
+        schedule=config.schedule,
+        loss_fn=functional.cross_entropy,
+        microbatches=config.microbatches,
+        device=context.device,
+        on_update=after_update,
+    )
+    log: RunLog | None = None
+    if context.is_main:
+        path = (
+            Path(run_dir)
+            if run_dir
+            else new_run_dir(
+                config.runs_dir,
+                f"{_label(config.model)}-{_label(config.data)}-pipe{context.world_size}",
+            )
+        )
+        log = RunLog(path, _config_record(config, context))
+        print(
+            f"training {config.model} on {bundle.name} pipelined over {context.world_size} "
+            f"stage(s), schedule {config.schedule}, mini-batch {config.batch_size}"
+            + (
+                f" in {config.microbatches} micro-batches"
+                if config.schedule in ("gpipe", "1f1b")
+                else ""
+            )
+            + f", run folder {path}",
+            flush=True,
+        )
+        print(local.plan.describe(), flush=True)
+
+    accuracy, train_loss, throughput = 0.0, math.nan, 0.0
+    last = context.world_size - 1
+    try:
+        for epoch in range(1, config.epochs + 1):
+            sampler = train_loader.sampler
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)
+            result = stage.run(train_loader, steps_per_epoch)
+            test = stage.evaluate(test_loader, len(test_loader))
+            # The last stage saw the losses; every rank gets the epoch's mean and wall time.
+            stats = torch.tensor(
+                [sum(result.losses) / max(len(result.losses), 1), result.seconds],
+                dtype=torch.float64,
+            )
+            dist.broadcast(stats, last)
+            train_loss = float(stats[0])
+            throughput = steps_per_epoch * config.batch_size / float(stats[1])
+            accuracy = test.accuracy
+            if log is not None:
+                log.append(
+                    {
+                        "epoch": epoch,
+                        "train_loss": train_loss,
+                        "test_loss": test.mean_loss,
+                        "test_accuracy": accuracy,
+                        "samples_per_s": throughput,
+                        "epoch_s": float(stats[1]),
+                        "lr": optimizer.param_groups[0]["lr"],
+                    }
+                )
+                bar.write(
+                    f"epoch {epoch:3d}/{config.epochs}  train loss {train_loss:.4f}  "
+                    f"test loss {test.mean_loss:.4f}  test acc {100 * accuracy:6.2f}%  "
+                    f"{throughput:8.1f} samples/s",
+                    file=sys.stdout,
+                )
+                sys.stdout.flush()
+    finally:
+        bar.close()
+    if log is not None:
+        log.plot(f"{config.model} on {bundle.name}, {config.schedule} over {last + 1} stages")
+        print(
+            f"final test accuracy: {100 * accuracy:.2f}% after {config.epochs} epochs "
+            f"({throughput:.1f} samples/s); metrics in {log.metrics_path}, curves in "
+            f"{log.curves_path}",
+            flush=True,
+        )
+    return TrainResult(
+        final_test_accuracy=accuracy,
+        final_train_loss=train_loss,
+        samples_per_s=throughput,
+        run_dir=str(log.path) if log is not None else None,
+        epochs=config.epochs,
+    )
