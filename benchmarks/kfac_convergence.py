@@ -47,6 +47,7 @@ DEFAULT_INV_UPDATE_STEPS = 10
 DEFAULT_FACTOR_UPDATE_STEPS = 1
 DEFAULT_KL_CLIP = 0.0001
 DEFAULT_FACTOR_DECAY = 0.95
+DEFAULT_G_NORMALIZATION = "kfac-pytorch"
 
 
 def main() -> int:
@@ -77,6 +78,14 @@ def main() -> int:
         "--kfac-kl-clip", type=float, default=DEFAULT_KL_CLIP, help="0 turns the clip off"
     )
     parser.add_argument("--kfac-factor-decay", type=float, default=DEFAULT_FACTOR_DECAY)
+    parser.add_argument(
+        "--kfac-g-normalization",
+        choices=("kfac-pytorch", "per-example"),
+        default=DEFAULT_G_NORMALIZATION,
+    )
+    parser.add_argument(
+        "--lr", type=float, default=0.1, help="peak learning rate of both optimisers (0.1)"
+    )
     parser.add_argument("--json", metavar="PATH", help="write one row per run as a JSON list")
     parser.add_argument("--png", metavar="PATH", help="draw test accuracy against epochs")
     args = parser.parse_args()
@@ -104,6 +113,8 @@ def main() -> int:
                 kfac_factor_update_steps=args.kfac_factor_update_steps,
                 kfac_kl_clip=args.kfac_kl_clip,
                 kfac_factor_decay=args.kfac_factor_decay,
+                kfac_g_normalization=args.kfac_g_normalization,
+                lr=args.lr,
                 progress=False,
                 runs_dir=runs,
             )
@@ -123,7 +134,7 @@ def main() -> int:
         row["target"] = args.target
     print(
         f"\ndigits, {args.nprocs} ranks x batch {job.batch_size}, {args.epochs} epochs, "
-        f"{args.strategy}, SGD lr {job.lr:g} momentum {job.momentum:g} wd {job.weight_decay:g}, "
+        f"{args.strategy}, SGD lr {args.lr:g} momentum {job.momentum:g} wd {job.weight_decay:g}, "
         f"{job.warmup_epochs:g} warm-up epoch(s) + cosine; K-FAC damping {args.kfac_damping}, "
         f"inv_update_steps {args.kfac_inv_update_steps}, factor_update_steps "
         f"{args.kfac_factor_update_steps}, kl_clip {args.kfac_kl_clip or 'off'}, factor_decay "

@@ -334,3 +334,26 @@ def test_kfac_under_data_parallel_wrappers_matches_one_process(wrapper: str) -> 
         torch.testing.assert_close(
             torch.tensor(got), expected.detach().reshape(-1), rtol=1e-4, atol=1e-6
         )
+
+
+def test_per_example_g_is_the_mean_loss_g_times_the_squared_batch() -> None:
+    """``g_normalization="per-example"``: G of each example's loss, A unchanged."""
+    factors = {}
+    for normalization in ("kfac-pytorch", "per-example"):
+        model = _mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        precond = KFAC(model, g_normalization=normalization, factor_decay=0.5)
+        _train_step(model, precond, optimizer, seed=3)
+        factors[normalization] = [(layer.a_factor, layer.g_factor) for layer in precond._layers]
+    batch = 16  # _train_step's batch; one process, so the global batch
+    for (a_mean, g_mean), (a_each, g_each) in zip(
+        factors["kfac-pytorch"], factors["per-example"], strict=True
+    ):
+        assert a_mean is not None and g_mean is not None and g_each is not None
+        torch.testing.assert_close(a_each, a_mean)
+        # The running average starts from the identity (kfac-pytorch's convention): after one
+        # step with decay 0.5 it is 0.5 I + 0.5 G, and only the G part scales.
+        start = 0.5 * torch.eye(g_mean.shape[0])
+        torch.testing.assert_close(g_each - start, (g_mean - start) * batch**2)
+    with pytest.raises(ValueError, match="g_normalization must be one of"):
+        KFAC(_mlp(), g_normalization="per-token")

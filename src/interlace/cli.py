@@ -306,6 +306,13 @@ def _add_job_arguments(
         metavar="F",
         help="share of ranks preconditioning each layer: 1 COMM-OPT, 1/n MEM-OPT, between HYBRID",
     )
+    kfac.add_argument(
+        "--kfac-g-normalization",
+        choices=("kfac-pytorch", "per-example"),
+        default=defaults.kfac_g_normalization,
+        help="G from gradients of the mean loss (kfac-pytorch) or of each example's loss "
+        "(the per-example Fisher: G times the squared global batch)",
+    )
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -357,6 +364,7 @@ def _run_train(args: argparse.Namespace) -> int:
         kfac_kl_clip=args.kfac_kl_clip,
         kfac_compute_method=args.kfac_compute_method,
         kfac_grad_worker_fraction=args.kfac_grad_worker_fraction,
+        kfac_g_normalization=args.kfac_g_normalization,
         parallel=args.parallel,
         schedule=args.schedule,
         microbatches=args.microbatches,

@@ -80,6 +80,7 @@ class TrainConfig:
     kfac_kl_clip: float = 0.001
     kfac_compute_method: str = "eigen"
     kfac_grad_worker_fraction: float = 1.0
+    kfac_g_normalization: str = "kfac-pytorch"
     # Pipeline parallelism (used when parallel == "pipeline"; see interlace.pipeline). There
     # --batch-size is the mini-batch that goes through the pipeline, so also the global batch.
     parallel: str = "data"
@@ -426,11 +427,14 @@ def _make_kfac(
             lr=_CurrentLr(optimizer),
             compute_method=config.kfac_compute_method,
             grad_worker_fraction=config.kfac_grad_worker_fraction,
+            g_normalization=config.kfac_g_normalization,
         )
     except ValueError as error:
         flag = (
             "--kfac-grad-worker-fraction"
             if "grad_worker_fraction" in str(error)
+            else "--kfac-g-normalization"
+            if "g_normalization" in str(error)
             else "--optimizer kfac"
         )
         raise UsageError(f"{flag}: {error}") from None

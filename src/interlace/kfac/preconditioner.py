@@ -102,6 +102,8 @@ __all__ = ["FACTOR_COMMS", "FUSIONS", "KFAC", "PHASES", "PLACEMENTS", "KFACWarni
 #: Values of ``KFAC(placement=...)``: where decompositions are computed (see the module doc).
 PLACEMENTS = ("round-robin", "greedy", "lbp")
 
+#: Values of ``KFAC(g_normalization=...)``: how ``G`` is scaled (see :class:`KFAC`).
+G_NORMALIZATIONS = ("kfac-pytorch", "per-example")
 #: Values of ``KFAC(factor_comm=...)``: how factors are averaged across ranks (see the module doc).
 FACTOR_COMMS = ("bulk", "pipelined")
 
@@ -190,6 +192,12 @@ class KFAC:
     ``factor_comm`` (``"bulk"`` or ``"pipelined"``), ``fusion`` (``"none"``, ``"fixed"`` or
     ``"merged"``, used by ``"pipelined"`` only), ``profile_steps`` and ``factor_cost`` (the same on
     every rank) choose how factors are averaged across ranks; see the module docstring.
+
+    ``g_normalization="per-example"`` scales ``G`` by the squared global batch: the factor of
+    the per-example Fisher (Martens and Grosse; kfac-pytorch's early ``batch_averaged=True``)
+    rather than kfac-pytorch's current one, built from gradients of the mean loss, whose
+    eigenvalues are ``batch^2`` smaller so that a damping of 1e-3 dominates them. Damping then
+    means the same thing at every batch size.
     """
 
     def __init__(
@@ -217,6 +225,7 @@ class KFAC:
         fusion: str = "none",
         profile_steps: int = 3,
         factor_cost: CostModel | None = None,
+        g_normalization: str = "kfac-pytorch",
     ) -> None:
         if factor_comm not in FACTOR_COMMS:
             raise ValueError(
@@ -226,6 +235,12 @@ class KFAC:
             raise ValueError(f"fusion must be one of {', '.join(FUSIONS)}, got {fusion!r}")
         if profile_steps < 1:
             raise ValueError(f"profile_steps must be >= 1, got {profile_steps}")
+        if g_normalization not in G_NORMALIZATIONS:
+            raise ValueError(
+                f"g_normalization must be one of {', '.join(G_NORMALIZATIONS)}, "
+                f"got {g_normalization!r}"
+            )
+        self.g_normalization = g_normalization
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
         if placement == "lbp" and grad_worker_fraction is not None and grad_worker_fraction < 1:
@@ -619,6 +634,9 @@ class KFAC:
             # Normalised to the global batch (see the module docstring): each rank's output
             # gradients are W times a single process's, and G is quadratic in them.
             g = layer.helper.g_factor(grad_output) / float(self.world_size**2)
+            if self.g_normalization == "per-example":
+                # Gradients of a mean loss carry 1/(global batch); undo it in G (quadratic).
+                g = g * float(grad_output.shape[0] * self.world_size) ** 2
             layer.g_sum = g if layer.g_sum is None else layer.g_sum + g
             layer.g_count += 1
             self._factor_ready(layer, "G", g, layer.g_count)
