@@ -8,7 +8,9 @@
 
 The first prints, per worker count and strategy, the simulated iteration time, the speed-ups
 over WFBP and SyncEASGD, the scaling efficiency and the number of buckets, and draws scaling
-efficiency against workers. The second runs :mod:`interlace.sim.validate`.
+efficiency against workers. K-FAC strategies (``--strategy dkfac,spd``, see
+:mod:`interlace.sim.kfac`) add a table of their phases. The second runs
+:mod:`interlace.sim.validate`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``interlace simulate``."""
     from interlace.sim import validate
     from interlace.sim.engine import STRATEGIES
+    from interlace.sim.kfac import KFAC_COSTS_HELP, KFAC_STRATEGIES
     from interlace.sim.network import NETWORK_HELP
 
     parser.add_argument(
@@ -53,7 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="strategy",
         help=f"comma-separated strategies, each optionally with /k=K for K channels "
         f"(default: all of {', '.join(STRATEGIES)}; "
-        f"--validate: {','.join(validate.DEFAULT_STRATEGIES)})",
+        f"--validate: {','.join(validate.DEFAULT_STRATEGIES)}), or K-FAC strategies "
+        f"({', '.join(KFAC_STRATEGIES)}; they need a trace with factor sizes)",
+    )
+    parser.add_argument(
+        "--kfac-costs",
+        metavar="SPEC",
+        help=f"what K-FAC strategies take beyond the trace: {KFAC_COSTS_HELP}",
     )
     parser.add_argument(
         "--per-layer",
@@ -144,6 +153,12 @@ def run_scaling(args: argparse.Namespace) -> int:
         plot_scaling,
         scaling_rows,
     )
+    from interlace.sim.kfac import (
+        KFAC_STRATEGIES,
+        check_trace,
+        format_phase_table,
+        parse_kfac_costs,
+    )
     from interlace.sim.network import parse_network
     from interlace.sim.trace import load_trace
 
@@ -156,11 +171,20 @@ def run_scaling(args: argparse.Namespace) -> int:
         else tuple(STRATEGIES)
     )
     for name in strategies:
-        strategy_named(name)  # a clear error for an unknown name, before any work
+        if name not in KFAC_STRATEGIES:
+            strategy_named(name)  # a clear error for an unknown name, before any work
+    kfac = any(name in KFAC_STRATEGIES for name in strategies)
+    if args.kfac_costs and not kfac:
+        raise UsageError("--kfac-costs prices K-FAC strategies; name one with --strategy")
     network = parse_network(args.network)
     trace = load_trace(args.trace)
+    if kfac:
+        check_trace(trace, str(args.trace))
+    kfac_costs = parse_kfac_costs(args.kfac_costs) if kfac else None
     started = time.perf_counter()
-    results = simulate_scaling(trace, network, workers, strategies, per_layer=args.per_layer)
+    results = simulate_scaling(
+        trace, network, workers, strategies, per_layer=args.per_layer, kfac_costs=kfac_costs
+    )
     elapsed = time.perf_counter() - started
     rows = scaling_rows(trace, results)
     print(trace.describe())
@@ -168,11 +192,16 @@ def run_scaling(args: argparse.Namespace) -> int:
         f"network: {network.describe()}; "
         f"{'one message per layer' if args.per_layer else 'one message per tensor'}"
     )
+    if kfac_costs is not None:
+        print(kfac_costs.describe())
     print(
         f"simulated {len(strategies)} strategies x {len(workers)} worker counts in "
         f"{elapsed:.3f} s\n"
     )
     print(format_table(rows))
+    phases = format_phase_table(rows)
+    if phases:
+        print("\nK-FAC phases (ms):\n" + phases)
     comparison = format_paper_comparison(rows)
     notes = check_claims(rows)
     if comparison or notes:
@@ -192,17 +221,14 @@ def run_scaling(args: argparse.Namespace) -> int:
     if args.timelines is not None:
         folder = png.parent if png is not None else Path("simulate")
         count = args.timelines
-        cost = network.cost(count)
-        from interlace.sim.engine import simulate
-
         for strategy in strategies:
-            result = simulate(
+            (result,) = simulate_scaling(
                 trace,
-                strategy,
-                cost,
-                workers=count,
+                network,
+                [count],
+                [strategy],
                 per_layer=args.per_layer,
-                network=network.spec,
+                kfac_costs=kfac_costs,
             )
             timeline = result.timeline()
             stem = folder / f"timeline-{strategy.replace('/', '-')}-{count}w"

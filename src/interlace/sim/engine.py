@@ -20,7 +20,9 @@ Several channels (AIACC-Training) are the same planners priced by the k-channel 
 ``mgwfbp/k=2`` is MG-WFBP planned and replayed on two channels, each bucket on the channel the
 plan gave it, a slice lasting ``a_j + c_j * b * m`` for ``j`` all-reduces in flight when it
 starts, exactly as :class:`~interlace.comm.plan.ChannelClock` prices it. Any strategy takes a
-``/k=K`` suffix. K-FAC factor fusion and pipelines are further callers of :func:`replay`.
+``/k=K`` suffix. K-FAC factor fusion and pipelines are further callers of :func:`replay`: the
+D-KFAC and SPD-KFAC strategies (:mod:`interlace.sim.kfac`) replay gradient and factor buckets on
+one link through it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from interlace.comm.cost import CostModel
 from interlace.comm.plan import Plan, ReadyTensor, make_plan, slice_sizes
 
 if TYPE_CHECKING:
+    from interlace.sim.kfac import KfacCosts
     from interlace.sim.network import Network
     from interlace.sim.trace import Trace
     from interlace.timeline import Timeline
@@ -474,9 +477,17 @@ def strategy_named(name: str) -> Strategy:
             channels=channels,
             description=f"{STRATEGIES[base].description}, on {channels} channels",
         )
+    from interlace.sim.kfac import KFAC_STRATEGIES
+
+    if name in KFAC_STRATEGIES:
+        raise UsageError(
+            f"{name!r} is a K-FAC strategy: simulate it with interlace.sim.kfac.simulate_kfac "
+            "or simulate_scaling"
+        )
     raise UsageError(
         f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}, or any of them "
-        "with /k=K for K channels (e.g. mgwfbp/k=3)"
+        "with /k=K for K channels (e.g. mgwfbp/k=3), or a K-FAC strategy "
+        f"({', '.join(KFAC_STRATEGIES)})"
     )
 
 
@@ -519,17 +530,40 @@ def simulate_scaling(
     strategies: Sequence[str],
     *,
     per_layer: bool = False,
+    kfac_costs: KfacCosts | None = None,
 ) -> list[SimResult]:
-    """Every strategy at every worker count, the network priced at each count."""
-    chosen = [strategy_named(name) for name in strategies]
-    results = []
+    """Every strategy at every worker count, the network priced at each count.
+
+    K-FAC strategies (:data:`interlace.sim.kfac.KFAC_STRATEGIES`) run through
+    :func:`interlace.sim.kfac.simulate_kfac` with ``kfac_costs``; they need the trace's factor
+    sizes.
+    """
+    from interlace.sim.kfac import KFAC_STRATEGIES, check_trace, simulate_kfac
+
+    chosen = {name: strategy_named(name) for name in strategies if name not in KFAC_STRATEGIES}
+    if len(chosen) < len(strategies):
+        check_trace(trace)
+    results: list[SimResult] = []
     for count in workers:
         cost = network.cost(count)
-        for strategy in chosen:
+        for name in strategies:
+            if name in KFAC_STRATEGIES:
+                results.append(
+                    simulate_kfac(
+                        trace,
+                        name,
+                        cost,
+                        count,
+                        costs=kfac_costs,
+                        per_layer=per_layer,
+                        network=network.spec,
+                    )
+                )
+                continue
             results.append(
                 simulate(
                     trace,
-                    strategy,
+                    chosen[name],
                     cost,
                     workers=count,
                     per_layer=per_layer,
