@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -110,6 +111,7 @@ def test_a_tiny_run_on_loopback_writes_rows_and_a_timeline(
         (["--ablation", "--placement", "lbp", "--no-netem"], "--placement"),
         (["--ablation", "--grad-worker-fraction", "0.5", "--no-netem"], "--grad-worker-fraction"),
         (["--ablation", "-n", "1", "--no-netem"], "-n >= 2"),
+        (["--compare", "kfac-pytorch", "--no-netem"], "add --ablation"),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(
@@ -317,3 +319,74 @@ def test_a_tiny_ablation_on_loopback_measures_the_four_modes(
     # Bulk modes wait for the whole factor all-reduce in step(); the others launched it earlier.
     assert by_mode["dkfac"]["phases_s"]["factor_comm"] > 0
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compare_without_kfac_pytorch_says_how_to_install_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+
+    def no_kfac(name: str, *args: object) -> object:
+        if name.split(".", maxsplit=1)[0] == "kfac":
+            return None
+        return real_find_spec(name, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(importlib.util, "find_spec", no_kfac)
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["bench", "kfac", "--ablation", "--compare", "kfac-pytorch", "--no-netem"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "not on PyPI" in err and "gpauloski/kfac-pytorch" in err
+
+
+#: A stand-in with kfac-pytorch's import path and constructor, so the wiring of --compare runs
+#: here (kfac-pytorch itself is not installable from PyPI). It preconditions with interlace's
+#: K-FAC; the test checks the plumbing, not kfac-pytorch's speed.
+_STAND_IN = """
+from interlace.kfac import KFAC
+
+
+class KFACPreconditioner:
+    def __init__(self, model, *, factor_update_steps, inv_update_steps, lr, compute_method):
+        self._layers = {"stand-in": None}
+        self.precond = KFAC(
+            model,
+            factor_update_steps=factor_update_steps,
+            inv_update_steps=inv_update_steps,
+            lr=lr,
+            compute_method=compute_method,
+        )
+
+    def step(self):
+        self.precond.step()
+"""
+
+
+@pytest.mark.slow
+def test_compare_runs_the_peer_beside_the_modes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    package = tmp_path / "peer" / "kfac"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "preconditioner.py").write_text(_STAND_IN)
+    monkeypatch.syspath_prepend(str(tmp_path / "peer"))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'peer'}:{os.environ.get('PYTHONPATH', '')}")
+    rows_path = tmp_path / "rows.json"
+    status = cli.main(
+        [
+            "bench", "kfac", "--ablation", "--compare", "kfac-pytorch", "--no-netem",
+            "-n", "2", "--model", "mlp", "--input-shape", "1,8,8", "--batch", "8",
+            "--iters", "2", "--warmup", "1", "--json", str(rows_path),
+        ]
+    )  # fmt: skip
+    assert status == 0
+    rows = {row["mode"]: row for row in json.loads(rows_path.read_text())}
+    assert set(rows) == {*MODES, "kfac-pytorch"}
+    peer = rows["kfac-pytorch"]
+    assert peer["iteration_s"] > 0 and peer["speedup_vs_dkfac"] > 0
+    # It keeps no phase timings: only the passes every mode shares are filled in.
+    assert set(peer["phases_s"]) == {"forward_backward", "gradient_comm"}
+    assert "| mlp | kfac-pytorch |" in capsys.readouterr().out

@@ -75,6 +75,21 @@ ABLATION_MODES: dict[str, tuple[str, str, str]] = {
     "spd": ("pipelined", "merged", "lbp"),
 }
 BASELINE_MODE = "dkfac"
+#: ``--compare kfac-pytorch`` adds this contender: kfac-pytorch's ``KFACPreconditioner`` with its
+#: defaults (COMM-OPT, factors all-reduced from its hooks) and the run's update intervals.
+KFAC_PYTORCH_MODE = "kfac-pytorch"
+COMPARE_CHOICES = (KFAC_PYTORCH_MODE,)
+#: How to get kfac-pytorch, which is not on PyPI.
+KFAC_PYTORCH_INSTALL = "pip install git+https://github.com/gpauloski/kfac-pytorch"
+
+
+def mode_settings(mode: str) -> tuple[str, str, str]:
+    """``(factor_comm, fusion, placement)`` of an ablation mode or of the compared peer."""
+    if mode == KFAC_PYTORCH_MODE:
+        return ("kfac-pytorch", "kfac-pytorch", "kaisa")
+    return ABLATION_MODES[mode]
+
+
 DEFAULT_ABLATION_MODELS: tuple[str, ...] = ("resnet20", "resnet56", "vgg11", "transformer")
 #: The ablation's extra column: the K-FAC model's own forward + backward (DataParallel's gradient
 #: all-reduces, the factor hooks and, when pipelined, the factor all-reduces they launch).
@@ -315,6 +330,39 @@ class _Contender:
         return bool(precond.steps > precond.profile_steps * precond.factor_update_steps)
 
 
+class _KfacPytorch:
+    """kfac-pytorch's ``KFACPreconditioner`` (its defaults) seen through what a contender needs.
+
+    It keeps no phase timings, so :attr:`last_phase_s` stays zero and the row shows only the
+    iteration; its factors go out from its own hooks (``update_factors_in_hook=True``).
+    """
+
+    factor_comm = "kfac-pytorch"
+    placement = "kaisa"
+    factor_plan = None
+
+    def __init__(self, model: Any, job: AblationJob) -> None:
+        self.factor_owners: dict[str, Any] = {}
+        # An optional peer, not a dependency: checked by check_kfac_pytorch before launching.
+        from kfac.preconditioner import KFACPreconditioner  # type: ignore[import-not-found]
+
+        self.inner = KFACPreconditioner(
+            model,
+            factor_update_steps=job.factor_update_steps,
+            inv_update_steps=job.inv_update_steps,
+            lr=0.01,
+            compute_method=job.compute_method,
+        )
+        from interlace.kfac import PHASES
+
+        self.last_phase_s = dict.fromkeys(PHASES, 0.0)
+        layers = getattr(self.inner, "_layers", None)
+        self.layers = list(layers) if layers is not None else []
+
+    def step(self) -> None:
+        self.inner.step()
+
+
 def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
     """One rank of an ablation launch: every mode on its own copy of the model, interleaved.
 
@@ -340,9 +388,13 @@ def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
     # The same order on every rank: KFAC creates process groups and measures LBP's costs with
     # collectives. The LBP modes share one measurement, so they share one placement.
     for mode in job.modes:
-        factor_comm, fusion, placement = ABLATION_MODES[mode]
         model = copy.deepcopy(plain)
         wrapped = DataParallel(model)
+        if mode == KFAC_PYTORCH_MODE:
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            contenders.append(_Contender(mode, wrapped, optimizer, _KfacPytorch(wrapped, job)))
+            continue
+        factor_comm, fusion, placement = ABLATION_MODES[mode]
         precond = KFAC(
             wrapped,
             lr=0.01,
@@ -574,6 +626,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
         + " side by side in one launch per model, with their speed-ups over dkfac",
     )
+    parser.add_argument(
+        "--compare",
+        choices=COMPARE_CHOICES,
+        help="with --ablation, also run kfac-pytorch's KFACPreconditioner (its defaults, the "
+        f"same update intervals) side by side; needs it installed: {KFAC_PYTORCH_INSTALL}",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     parser.add_argument(
@@ -619,8 +677,9 @@ def ablation_rows(
     baseline = medians.get(BASELINE_MODE, {}).get("iteration")
     rows: list[AblationRow] = []
     for mode, phases in medians.items():
-        factor_comm, fusion, placement = ABLATION_MODES[mode]
+        factor_comm, fusion, placement = mode_settings(mode)
         iteration = phases["iteration"]
+        measured_phases = mode != KFAC_PYTORCH_MODE
         rows.append(
             AblationRow(
                 model=model,
@@ -637,7 +696,13 @@ def ablation_rows(
                 iters=iters,
                 iteration_s=iteration,
                 speedup_vs_dkfac=baseline / iteration if baseline and iteration > 0 else None,
-                phases_s={key: phases[key] for key, _ in (*COLUMNS, KFAC_PASSES)},
+                # kfac-pytorch does not time its phases: only its iteration is known (and the
+                # passes every mode shares).
+                phases_s={
+                    key: phases[key]
+                    for key, _ in (*COLUMNS, KFAC_PASSES)
+                    if measured_phases or key in ("forward_backward", "gradient_comm")
+                },
                 factor_buckets=value.get("factor_buckets", {}).get(mode),
                 local_factors=value.get("local_factors", {}).get(mode),
             )
@@ -658,7 +723,10 @@ def format_ablation_table(rows: Sequence[AblationRow]) -> str:
     for row in rows:
         speedup = "-" if row.speedup_vs_dkfac is None else f"{row.speedup_vs_dkfac:.2f}x"
         cells = [row.model, row.mode, _ms(row.iteration_s), speedup]
-        cells += [_ms(row.phases_s.get(key, 0.0)) for key, _ in (*COLUMNS, KFAC_PASSES)]
+        cells += [
+            _ms(row.phases_s[key]) if key in row.phases_s else "-"
+            for key, _ in (*COLUMNS, KFAC_PASSES)
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -810,6 +878,10 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--ablation runs COMM-OPT (lbp needs it): --grad-worker-fraction 1")
         if args.nprocs < 2:
             raise UsageError(f"--ablation needs -n >= 2 (nothing is sent on {args.nprocs})")
+    if args.compare is not None:
+        if not args.ablation:
+            raise UsageError("--compare runs beside the modes of --ablation; add --ablation")
+        check_kfac_pytorch()
     if args.placement == "lbp" and args.grad_worker_fraction < 1:
         raise UsageError("--placement lbp needs --grad-worker-fraction 1 (COMM-OPT)")
     if args.inv_update_steps < 1:
@@ -833,6 +905,21 @@ def run(args: argparse.Namespace) -> int:
     if args.ablation:
         return _run_ablation(args, models, link)
     return _run_breakdown(args, models, link)
+
+
+def check_kfac_pytorch() -> None:
+    """Raise :class:`UsageError`, saying how to install it, unless kfac-pytorch is importable."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("kfac.preconditioner") is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        raise UsageError(
+            "--compare kfac-pytorch needs kfac-pytorch, which is not installed (it is not on "
+            f"PyPI): {KFAC_PYTORCH_INSTALL}, then run again"
+        )
 
 
 def _launch(fn: Any, job: Any, args: argparse.Namespace, link: str | None) -> Any:
@@ -887,6 +974,7 @@ def _run_ablation(args: argparse.Namespace, models: Sequence[str], link: str | N
                 compute_method=args.compute_method,
                 factor_update_steps=args.factor_update_steps,
                 inv_update_steps=args.inv_update_steps,
+                modes=tuple(ABLATION_MODES) + ((args.compare,) if args.compare else ()),
             )
             value = _launch(measure_ablation_rank, job, args, link)
             bar.update(1)
