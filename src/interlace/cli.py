@@ -128,6 +128,14 @@ def _build_parser() -> OneLineArgumentParser:
 
     bench_kfac_module.add_arguments(bench_kfac)
     bench_kfac.set_defaults(handler=bench_kfac_module.run)
+    bench_pipeline = benchmarks.add_parser(
+        "pipeline",
+        help="pipeline schedules vs DataParallel and torch's pipelines at equal global batch",
+    )
+    from interlace.bench import pipeline as bench_pipeline_module
+
+    bench_pipeline_module.add_arguments(bench_pipeline)
+    bench_pipeline.set_defaults(handler=bench_pipeline_module.run)
 
     simulate = commands.add_parser(
         "simulate",
