@@ -164,6 +164,18 @@ class _Layer:
         self.a_count = self.g_count = 0
 
 
+class _SharedGroups(list[dist.ProcessGroup]):
+    """Process groups that a deep copy shares rather than copies.
+
+    A deep copy of a model copies its hooks, and with them this preconditioner; a process
+    group cannot be copied (it is a handle on live connections), so the copy refers to the
+    same groups.
+    """
+
+    def __deepcopy__(self, memo: dict[int, object]) -> _SharedGroups:
+        return self
+
+
 def _unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside DataParallel / DDP wrappers (they expose it as ``.module``)."""
     inner = getattr(model, "module", None)
@@ -322,6 +334,14 @@ class KFAC:
         self._factor_group: dist.ProcessGroup | None = None
         if factor_comm == "pipelined" and distributed and self.world_size > 1:
             self._factor_group = dist.new_group(self._global_ranks)
+        # LBP's placement assumes different owners' broadcasts run at the same time (each
+        # owner's sends leave through its own link); on one group they would queue behind each
+        # other, so each owner broadcasts on a group of its own.
+        self._owner_groups = _SharedGroups()
+        if placement == "lbp" and distributed and self.world_size > 1:
+            self._owner_groups.extend(
+                dist.new_group(self._global_ranks) for _ in range(self.world_size)
+            )
         if self.skipped and self.rank == 0:
             listing = ", ".join(f"{name} ({why})" for name, why in self.skipped.items())
             warnings.warn(
@@ -973,9 +993,9 @@ class KFAC:
         decompositions allow. Local factors come last, as they delay no send; then all
         broadcasts are waited for and unpacked.
 
-        All broadcasts share the one process group, so they run one after another in that
-        order, while :func:`~interlace.kfac.placement.predicted_makespan` lets different
-        owners' sends overlap; a group per owner would close that gap.
+        Each owner broadcasts on a process group of its own, so different owners' sends run
+        at the same time, as :func:`~interlace.kfac.placement.predicted_makespan` assumes; one
+        owner's broadcasts keep their order.
         """
         damping = self.damping
         ready = [layer for layer in self._layers if layer.a_factor is not None]
@@ -997,8 +1017,9 @@ class KFAC:
                     self._allocate_decomposition(layer, which)
                 # The owner's numbers, or a receive buffer shaped like them.
                 flat = self._decomposition_of(layer, which).flatten()
+                group = self._owner_groups[owner] if self._owner_groups else self.group
                 work = dist.broadcast(
-                    flat, src=self._global_ranks[owner], group=self.group, async_op=True
+                    flat, src=self._global_ranks[owner], group=group, async_op=True
                 )
                 pending.append((layer, which, flat, work))
         if not pending:
