@@ -42,6 +42,7 @@ def test_defaults_compare_every_schedule_on_a_slow_link() -> None:
         "naive",
         "pipedream",
         "spectrain",
+        "spectrain-reuse",
         "dp",
         "torch-gpipe",
         "torch-1f1b",

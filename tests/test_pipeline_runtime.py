@@ -110,7 +110,9 @@ def test_synchronous_schedules_give_the_unpipelined_gradients(num_stages: int) -
 LR, MOMENTUM = 0.05, 0.9
 
 
-def _async_rank(schedule: str, num_stages: int, count: int) -> list[Tensor]:
+def _async_rank(
+    schedule: str, num_stages: int, count: int, spectrain_backward: str = "recompute"
+) -> list[Tensor]:
     stage = dist.get_rank()
     module = _stages(num_stages)[stage]
     optimizer = torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)
@@ -121,6 +123,7 @@ def _async_rank(schedule: str, num_stages: int, count: int) -> list[Tensor]:
         num_stages=num_stages,
         schedule=schedule,
         loss_fn=nn.functional.cross_entropy,
+        spectrain_backward=spectrain_backward,
     )
     data = _data(count) if stage in (0, num_stages - 1) else None
     result = runner.run(data, count)
@@ -128,7 +131,9 @@ def _async_rank(schedule: str, num_stages: int, count: int) -> list[Tensor]:
     return [p.detach().clone() for p in module.parameters()]
 
 
-def _reference(schedule: str, num_stages: int, count: int) -> list[Tensor]:
+def _reference(
+    schedule: str, num_stages: int, count: int, spectrain_backward: str = "recompute"
+) -> list[Tensor]:
     """The asynchronous pipeline's arithmetic, one mini-batch at a time in one process.
 
     Stage k runs batch b's forward after max(0, b - (N - k - 1)) updates and its backward after
@@ -160,6 +165,9 @@ def _reference(schedule: str, num_stages: int, count: int) -> list[Tensor]:
         for k in reversed(range(num_stages)):
             if schedule == "pipedream":
                 w = version_weights(k, forward_versions[k], 0)
+            elif schedule == "spectrain" and spectrain_backward == "reuse":
+                # The forward's prediction, made from the forward's version of the weights.
+                w = version_weights(k, forward_versions[k], k // 2 + num_stages - k - 1)
             else:
                 ahead = k // 2 if schedule == "spectrain" else 0
                 w = version_weights(k, b, ahead)
@@ -183,30 +191,37 @@ def _reference(schedule: str, num_stages: int, count: int) -> list[Tensor]:
     return [t for k in range(num_stages) for t in weights[k][count].values()]
 
 
-ASYNC_SCHEDULES = ("naive", "pipedream", "spectrain")
+ASYNC_CASES = (
+    ("naive", "recompute"),
+    ("pipedream", "recompute"),
+    ("spectrain", "recompute"),
+    ("spectrain", "reuse"),
+)
 
 
 def _async_cases_rank(num_stages: int, count: int) -> list[list[Tensor]]:
-    return [_async_rank(schedule, num_stages, count) for schedule in ASYNC_SCHEDULES]
+    return [_async_rank(schedule, num_stages, count, how) for schedule, how in ASYNC_CASES]
 
 
 @pytest.mark.parametrize("num_stages", [2, 4])
 def test_asynchronous_schedules_match_a_sequential_reference(num_stages: int) -> None:
     count = 7
     per_stage = run_ranks(_async_cases_rank, num_stages, num_stages, count, timeout=90)
-    for case, schedule in enumerate(ASYNC_SCHEDULES):
+    for case, (schedule, how) in enumerate(ASYNC_CASES):
         got = [t for stage in per_stage for t in stage[case]]
-        expected = _reference(schedule, num_stages, count)
+        expected = _reference(schedule, num_stages, count, how)
         assert len(got) == len(expected), schedule
         for g, e in zip(got, expected, strict=True):
-            torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-12, msg=schedule)
+            torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-12, msg=f"{schedule} {how}")
 
 
 def test_policies_really_differ() -> None:
     """The reference itself tells the three policies apart (the test above is not vacuous)."""
     naive, stash, spec = (_reference(s, 4, 7) for s in ("naive", "pipedream", "spectrain"))
-    for other in (stash, spec):
+    reuse = _reference("spectrain", 4, 7, "reuse")
+    for other in (stash, spec, reuse):
         assert max(float((a - b).abs().max()) for a, b in zip(naive, other, strict=True)) > 1e-6
+    assert max(float((a - b).abs().max()) for a, b in zip(spec, reuse, strict=True)) > 1e-9
 
 
 def _eval_rank(num_stages: int) -> tuple[int, int, float]:

@@ -266,6 +266,14 @@ def _add_job_arguments(
         help=f"micro-batches per mini-batch of gpipe and 1f1b (default {defaults.microbatches})",
     )
     pipeline.add_argument(
+        "--spectrain-backward",
+        choices=("recompute", "reuse"),
+        default=defaults.spectrain_backward,
+        help="spectrain's backward: recompute the stage with weights predicted at backward "
+        "time (the paper's rule) or reuse the forward's prediction and graph (no second "
+        f"forward); default {defaults.spectrain_backward}",
+    )
+    pipeline.add_argument(
         "--partition-by",
         choices=PARTITION_BY,
         default=defaults.partition_by,
@@ -377,6 +385,7 @@ def _run_train(args: argparse.Namespace) -> int:
         schedule=args.schedule,
         microbatches=args.microbatches,
         partition_by=args.partition_by,
+        spectrain_backward=args.spectrain_backward,
     )
     config.validate()
 

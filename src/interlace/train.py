@@ -87,6 +87,7 @@ class TrainConfig:
     schedule: str = "spectrain"
     microbatches: int = 4
     partition_by: str = "time"
+    spectrain_backward: str = "recompute"
     extra: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -167,6 +168,11 @@ class TrainConfig:
                 or self.batch_size >= self.microbatches,
                 f"--batch-size {self.batch_size} cannot be cut into {self.microbatches} "
                 "micro-batches; raise --batch-size or lower --microbatches",
+            ),
+            (
+                self.spectrain_backward in ("recompute", "reuse"),
+                f"unknown --spectrain-backward '{self.spectrain_backward}'; choose recompute or "
+                "reuse",
             ),
             (
                 self.partition_by in PARTITION_BY,

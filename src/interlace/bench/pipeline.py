@@ -61,7 +61,17 @@ from interlace.timeline import Event, Timeline
 PROG = "interlace bench pipeline"
 
 #: The interlace pipeline schedules, then the baselines, in table order.
-INTERLACE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "naive", "pipedream", "spectrain")
+INTERLACE_SCHEDULES: tuple[str, ...] = (
+    "gpipe",
+    "1f1b",
+    "naive",
+    "pipedream",
+    "spectrain",
+    "spectrain-reuse",
+)
+#: ``spectrain-reuse`` is SpecTrain whose backward reuses the forward's prediction (and graph)
+#: instead of computing the stage again: ``PipelineStage(spectrain_backward="reuse")``.
+REUSE_SUFFIX = "-reuse"
 SYNCHRONOUS: tuple[str, ...] = ("gpipe", "1f1b")
 TORCH_SCHEDULES: tuple[str, ...] = ("torch-gpipe", "torch-1f1b")
 SCHEDULES: tuple[str, ...] = (*INTERLACE_SCHEDULES, "dp", *TORCH_SCHEDULES)
@@ -104,7 +114,12 @@ def describe_schedule(schedule: str, microbatches: int, ranks: int) -> str:
     if schedule in SYNCHRONOUS:
         return f"{microbatches} micro-batches, flush"
     if schedule in INTERLACE_SCHEDULES:
-        policy = {"naive": "latest weights", "pipedream": "stashed", "spectrain": "predicted"}
+        policy = {
+            "naive": "latest weights",
+            "pipedream": "stashed",
+            "spectrain": "predicted",
+            "spectrain-reuse": "predicted, forward's reused",
+        }
         return f"async 1F1B, {policy[schedule]}"
     if schedule == DP_BASELINE:
         return f"{ranks} x 1/{ranks} batch, merged buckets"
@@ -492,14 +507,16 @@ def _build_contender(
     module = stage_module(pipeline_blocks(model), plan, rank)
     optimizer = sgd(module.parameters())
     if schedule in INTERLACE_SCHEDULES:
+        reuse = schedule.endswith(REUSE_SUFFIX)
         stage = PipelineStage(
             module,
             optimizer,
             stage=rank,
             num_stages=ranks,
-            schedule=schedule,
+            schedule=schedule.removesuffix(REUSE_SUFFIX),
             loss_fn=functional.cross_entropy,
             microbatches=job.microbatches,
+            spectrain_backward="reuse" if reuse else "recompute",
         )
 
         def train_interlace(batches: Sequence[tuple[Any, Any]]) -> float | None:

@@ -7,9 +7,9 @@ A :class:`PipelineStage` holds one stage's module and optimizer and runs the act
   floating dtype. Each goes as two point-to-point sends batched together
   (:func:`torch.distributed.batch_isend_irecv`): a small header (dtype and shape) on one tag and
   the payload on another. The receiver posts the header receives of the whole schedule up front
-  and, between its computations, posts the payload receive of every header that has arrived, so
-  a transfer runs while the receiver computes; sends are waited on before the schedule returns
-  (every handle is waited on). Only stage 0 reads inputs and only the last stage reads targets;
+  and a small thread posts each payload's receive the moment its header lands, so a transfer
+  runs while the receiver computes; sends are waited on before the schedule returns (every
+  handle is waited on). Only stage 0 reads inputs and only the last stage reads targets;
   the stages in between need nothing from the data.
 * **Weights.** Synchronous schedules compute with the stage's parameters and update once per
   step. The asynchronous ones update after every backward, so a batch's backward on stage
@@ -27,6 +27,7 @@ A :class:`PipelineStage` holds one stage's module and optimizer and runs the act
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -56,6 +57,9 @@ _PAYLOAD_TAG = 2
 _MAX_DIMS = 8
 _HEADER_LEN = 2 + _MAX_DIMS
 _DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+#: Values of ``PipelineStage(spectrain_backward=...)``: which weights SpecTrain's backward uses.
+SPECTRAIN_BACKWARDS = ("recompute", "reuse")
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 Batch = tuple[Tensor, Tensor]
@@ -110,43 +114,60 @@ def _irecv(tensor: Tensor, peer: int, group: dist.ProcessGroup | None, tag: int)
 
 
 class _Inbox:
-    """The messages one stage receives from one peer, in order, received ahead where possible."""
+    """The messages one stage receives from one peer, in order, each received as it arrives.
 
-    def __init__(self, peer: int, count: int, group: dist.ProcessGroup | None) -> None:
+    The header receives of the whole schedule are posted up front. gloo moves a payload only
+    once its receive is posted, so a small thread waits on each header in turn and posts the
+    payload's receive the moment the header lands: the transfer then runs while the stage
+    computes, instead of starting when the stage next asks for it. The stage takes messages
+    in order and waits on each payload handle exactly once (waiting on a gloo receive twice
+    would wait for a second message).
+    """
+
+    def __init__(
+        self, peer: int, count: int, group: dist.ProcessGroup | None, device: torch.device
+    ) -> None:
         self.peer = peer
         self.group = group
+        self.device = device
         self.headers = [torch.empty(_HEADER_LEN, dtype=torch.int64) for _ in range(count)]
         self.header_work = [_irecv(header, peer, group, _HEADER_TAG) for header in self.headers]
         self.payloads: list[Tensor | None] = [None] * count
         self.payload_work: list[dist.Work | None] = [None] * count
-        self.posted = 0  # payload receives posted so far (they must be posted in order)
+        self.arrived = [threading.Event() for _ in range(count)]
+        self.error: BaseException | None = None
         self.taken = 0  # messages handed out so far
-
-    def _post_payload(self, index: int, device: torch.device) -> None:
-        header = self.headers[index].tolist()
-        dtype, ndim = _DTYPES[header[0]], header[1]
-        payload = torch.empty(header[2 : 2 + ndim], dtype=dtype, device=device)
-        self.payloads[index] = payload
-        self.payload_work[index] = dist.irecv(
-            payload, self.peer, group=self.group, tag=_PAYLOAD_TAG
+        self._thread = threading.Thread(
+            target=self._post_payloads, name=f"interlace-inbox-{peer}", daemon=True
         )
-        self.posted += 1
+        self._thread.start()
 
-    def poll(self, device: torch.device) -> None:
-        """Post the payload receive of every header that has already arrived."""
-        while self.posted < len(self.headers) and self.header_work[self.posted].is_completed():
-            self.header_work[self.posted].wait()
-            self._post_payload(self.posted, device)
+    def _post_payloads(self) -> None:
+        try:
+            for index, header_work in enumerate(self.header_work):
+                header_work.wait()
+                header = self.headers[index].tolist()
+                dtype, ndim = _DTYPES[header[0]], header[1]
+                payload = torch.empty(header[2 : 2 + ndim], dtype=dtype, device=self.device)
+                self.payloads[index] = payload
+                self.payload_work[index] = _irecv(payload, self.peer, self.group, _PAYLOAD_TAG)
+                self.arrived[index].set()
+        except BaseException as error:  # handed to the stage, which raises it in take()
+            self.error = error
+            for event in self.arrived:
+                event.set()
 
-    def take(self, index: int, device: torch.device) -> Tensor:
+    def take(self, index: int) -> Tensor:
         """Message ``index``, waiting for it."""
-        while self.posted <= index:
-            self.header_work[self.posted].wait()
-            self._post_payload(self.posted, device)
         if index != self.taken:
             raise RuntimeError(
                 f"messages must be taken in order: asked for {index}, next {self.taken}"
             )
+        self.arrived[index].wait()
+        if self.error is not None:
+            raise RuntimeError(
+                f"receiving from rank {self.peer} failed: {self.error}"
+            ) from self.error
         work, payload = self.payload_work[index], self.payloads[index]
         assert work is not None and payload is not None
         work.wait()
@@ -156,15 +177,12 @@ class _Inbox:
         return payload
 
     def check_drained(self) -> None:
-        """Fail loudly if the schedule left a message untaken (its handle would never be waited).
-
-        A gloo receive handle is waited on exactly once: waiting again would wait for a second
-        message into the same buffer. So every handle is waited on where its message is taken.
-        """
+        """Fail loudly if the schedule left a message untaken (its handle never waited on)."""
         if self.taken != len(self.headers):
             raise RuntimeError(
                 f"{len(self.headers) - self.taken} messages from rank {self.peer} were not taken"
             )
+        self._thread.join()
 
 
 @dataclass
@@ -189,6 +207,12 @@ class PipelineStage:
     stage's ``loss_fn`` must average over its batch, as torch's losses do by default), so the
     update equals the unpipelined model's on that mini-batch. ``spectrain`` needs
     :class:`torch.optim.SGD` with momentum (it predicts from the momentum buffer).
+    ``spectrain_backward`` says which weights SpecTrain's backward uses: ``"recompute"`` (the
+    paper's rule: predicted ``floor(k/2)`` updates ahead of the weights at backward time, which
+    with autograd means computing the stage again on the saved input) or ``"reuse"`` (the
+    forward's prediction, whose graph is kept: both aim at the same future version of the
+    weights, and the stage's forward is not run twice, for the memory of one graph per batch
+    in flight, as PipeDream's stashing needs).
     ``on_update`` is called after every optimizer step (a learning-rate scheduler's ``step``,
     a progress bar), which the asynchronous schedules take inside :meth:`run`.
     """
@@ -207,6 +231,7 @@ class PipelineStage:
         group: dist.ProcessGroup | None = None,
         device: torch.device | None = None,
         on_update: Callable[[], object] | None = None,
+        spectrain_backward: str = "recompute",
     ) -> None:
         if schedule not in SCHEDULES:
             raise UsageError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
@@ -218,6 +243,12 @@ class PipelineStage:
             raise UsageError("the last pipeline stage needs a loss_fn")
         if schedule == "spectrain":
             check_predictable(optimizer)
+        if spectrain_backward not in SPECTRAIN_BACKWARDS:
+            raise UsageError(
+                f"spectrain_backward must be one of {', '.join(SPECTRAIN_BACKWARDS)}, "
+                f"got {spectrain_backward!r}"
+            )
+        self.spectrain_backward = spectrain_backward
         self.module = module
         self.optimizer = optimizer
         self.stage = stage
@@ -290,7 +321,7 @@ class PipelineStage:
             batch = self._next_batch(source)
             x = batch[0] if self.is_first and batch is not None else None
             if inbox is not None:
-                x = inbox.take(index, self.device)
+                x = inbox.take(index)
             assert x is not None
             out = self.module(x.to(self.device))
             if self.is_last:
@@ -346,7 +377,7 @@ class PipelineStage:
         return [((x, y), x.shape[0] / total) for x, y in zip(xs, ys, strict=True)]
 
     def _inbox(self, peer_stage: int, count: int) -> _Inbox:
-        return _Inbox(self.ranks[peer_stage], count, self.group)
+        return _Inbox(self.ranks[peer_stage], count, self.group, self.device)
 
     def _execute(
         self,
@@ -361,9 +392,6 @@ class PipelineStage:
         unit_iter = iter(units)
         flight: dict[int, _InFlight] = {}
         for action in actions:
-            for inbox in (acts, grads):
-                if inbox is not None:
-                    inbox.poll(self.device)
             if action.op is Op.FORWARD:
                 batch, scale = next(unit_iter)
                 state = _InFlight(scale=scale)
@@ -373,7 +401,7 @@ class PipelineStage:
                 else:
                     assert acts is not None
                     started = time.perf_counter()
-                    state.input = acts.take(action.batch, self.device)
+                    state.input = acts.take(action.batch)
                     self._record("recv act", "comm", started, action.batch)
                 if self.is_last:
                     assert batch is not None
@@ -386,7 +414,7 @@ class PipelineStage:
                 grad_out = None
                 if grads is not None:
                     started = time.perf_counter()
-                    grad_out = grads.take(action.batch, self.device)
+                    grad_out = grads.take(action.batch)
                     self._record("recv grad", "comm", started, action.batch)
                 self._backward(action, state, grad_out)
             elif action.op is Op.UPDATE:
@@ -431,6 +459,8 @@ class PipelineStage:
         Otherwise (``naive`` and ``spectrain`` before the last stage) the forward runs without
         a graph and the backward recomputes the stage with its own weights.
         """
+        if self.schedule_name == "spectrain" and self.spectrain_backward == "reuse":
+            return True
         return self._reuses_graph_plainly() or self.schedule_name == "pipedream"
 
     def _call(self, leaves: dict[str, Tensor] | None, x: Tensor) -> Tensor:

@@ -90,6 +90,7 @@ def train_pipeline(config: TrainConfig, context: DistContext, run_dir: str | Non
         microbatches=config.microbatches,
         device=context.device,
         on_update=after_update,
+        spectrain_backward=config.spectrain_backward,
     )
     log: RunLog | None = None
     if context.is_main:
