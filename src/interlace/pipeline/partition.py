@@ -242,6 +242,8 @@ class StagePlan:
         """A table of the stages: block range, block count, cost and share of the total."""
         unit = "ms" if self.by == "time" else self.by
         scale = 1e3 if self.by == "time" else 1.0
+        # Milliseconds to two decimals; parameter counts as whole numbers with separators.
+        spec = ".2f" if self.by == "time" else ",.0f"
         total = math.fsum(self.costs)
         rows = [f"{'stage':>5}  {'blocks':>9}  {'n':>3}  {'cost (' + unit + ')':>14}  {'share':>6}"]
         for stage, ((start, end), cost) in enumerate(
@@ -250,7 +252,7 @@ class StagePlan:
             share = cost / total if total > 0 else 1.0 / self.num_stages
             span = f"{start}" if end - start == 1 else f"{start}-{end - 1}"
             rows.append(
-                f"{stage:>5}  {span:>9}  {end - start:>3}  {cost * scale:>14.6g}  {share:>6.1%}"
+                f"{stage:>5}  {span:>9}  {end - start:>3}  {cost * scale:>14{spec}}  {share:>6.1%}"
             )
         rows.append(f"imbalance (max / mean stage cost): {self.imbalance:.3f}")
         return "\n".join(rows)
