@@ -52,6 +52,25 @@ def _data(count: int) -> list[tuple[Tensor, Tensor]]:
     ]
 
 
+def _runner(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    num_stages: int,
+    schedule: str,
+    **options: Any,
+) -> PipelineStage:
+    """This rank's stage (rank = stage) with the tests' loss."""
+    return PipelineStage(
+        module,
+        optimizer,
+        stage=dist.get_rank(),
+        num_stages=num_stages,
+        schedule=schedule,
+        loss_fn=nn.functional.cross_entropy,
+        **options,
+    )
+
+
 class _RecordingSGD(torch.optim.SGD):
     """SGD that keeps a copy of the gradients it was handed at every step."""
 
@@ -69,15 +88,7 @@ def _sync_rank(schedule: str, num_stages: int, microbatches: int) -> list[Tensor
     stage = dist.get_rank()
     module = _stages(num_stages)[stage]
     optimizer = _RecordingSGD(module.parameters(), lr=0.1)
-    runner = PipelineStage(
-        module,
-        optimizer,
-        stage=stage,
-        num_stages=num_stages,
-        schedule=schedule,
-        loss_fn=nn.functional.cross_entropy,
-        microbatches=microbatches,
-    )
+    runner = _runner(module, optimizer, num_stages, schedule, microbatches=microbatches)
     data = _data(1) if stage in (0, num_stages - 1) else None
     result = runner.run(data, 1)
     assert result.updates == 1
@@ -116,15 +127,7 @@ def _async_rank(
     stage = dist.get_rank()
     module = _stages(num_stages)[stage]
     optimizer = torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)
-    runner = PipelineStage(
-        module,
-        optimizer,
-        stage=stage,
-        num_stages=num_stages,
-        schedule=schedule,
-        loss_fn=nn.functional.cross_entropy,
-        spectrain_backward=spectrain_backward,
-    )
+    runner = _runner(module, optimizer, num_stages, schedule, spectrain_backward=spectrain_backward)
     data = _data(count) if stage in (0, num_stages - 1) else None
     result = runner.run(data, count)
     assert result.updates == count
@@ -228,14 +231,7 @@ def _eval_rank(num_stages: int) -> tuple[int, int, float]:
     stage = dist.get_rank()
     module = _stages(num_stages)[stage]
     optimizer = torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)
-    runner = PipelineStage(
-        module,
-        optimizer,
-        stage=stage,
-        num_stages=num_stages,
-        schedule="1f1b",
-        loss_fn=nn.functional.cross_entropy,
-    )
+    runner = _runner(module, optimizer, num_stages, "1f1b")
     result = runner.evaluate(_data(3), 3)
     return result.correct, result.total, result.mean_loss
 
@@ -272,14 +268,7 @@ def _dying_rank(num_stages: int) -> None:
     if stage == 1:
         module = _FailsOnThirdCall(module)
     optimizer = torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)
-    runner = PipelineStage(
-        module,
-        optimizer,
-        stage=stage,
-        num_stages=num_stages,
-        schedule="spectrain",
-        loss_fn=nn.functional.cross_entropy,
-    )
+    runner = _runner(module, optimizer, num_stages, "spectrain")
     runner.run(_data(8) if stage in (0, num_stages - 1) else None, 8)
 
 

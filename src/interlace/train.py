@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -258,39 +259,21 @@ def _train(config: TrainConfig, context: DistContext, run_dir: str | None) -> Tr
         drop_last=True,
     )
     test_loader = _eval_loader(bundle.test, config.batch_size, context)
-    steps_per_epoch = len(train_loader)
-    if config.max_steps_per_epoch is not None:
-        steps_per_epoch = min(steps_per_epoch, config.max_steps_per_epoch)
-    if steps_per_epoch == 0:
-        raise UsageError(
-            f"the training split of '{bundle.name}' has {len(bundle.train)} samples, fewer than "
-            f"one global batch of {config.batch_size} x {context.world_size} ranks; lower "
-            f"--batch-size or -n"
-        )
+    steps_per_epoch = steps_in_epoch(
+        config,
+        len(train_loader),
+        f"the training split of '{bundle.name}' has {len(bundle.train)} samples, fewer than "
+        f"one global batch of {config.batch_size} x {context.world_size} ranks; lower "
+        "--batch-size or -n",
+    )
 
-    optimizer = torch.optim.SGD(
-        model.parameters(),
-        lr=config.lr,
-        momentum=config.momentum,
-        weight_decay=config.weight_decay,
-    )
+    optimizer, schedule = sgd_with_schedule(model.parameters(), config, steps_per_epoch)
     total_steps = config.epochs * steps_per_epoch
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, _Schedule(total_steps, round(config.warmup_epochs * steps_per_epoch))
-    )
     precond = _make_kfac(config, parallel_model, optimizer) if config.optimizer == "kfac" else None
 
-    log: RunLog | None = None
-    if context.is_main:
-        path = (
-            Path(run_dir)
-            if run_dir
-            else new_run_dir(
-                config.runs_dir,
-                f"{_label(config.model)}-{_label(config.data)}-n{context.world_size}",
-            )
-        )
-        log = RunLog(path, _config_record(config, context))
+    log = open_run_log(config, context, run_dir, f"n{context.world_size}")
+    if log is not None:
+        path = log.path
         print(
             f"training {config.model} on {bundle.name} ({len(bundle.train)} train / "
             f"{len(bundle.test)} test) with {context.world_size} rank(s), strategy "
@@ -367,12 +350,12 @@ def _train(config: TrainConfig, context: DistContext, run_dir: str | None) -> Tr
         bar.close()
 
     if log is not None:
-        log.plot(f"{config.model} on {bundle.name}, {context.world_size} rank(s)")
-        print(
-            f"final test accuracy: {100 * result_accuracy:.2f}% after {config.epochs} epochs "
-            f"({throughput:.1f} samples/s); metrics in {log.metrics_path}, curves in "
-            f"{log.curves_path}",
-            flush=True,
+        finish_run_log(
+            log,
+            f"{config.model} on {bundle.name}, {context.world_size} rank(s)",
+            result_accuracy,
+            config.epochs,
+            throughput,
         )
     return TrainResult(
         final_test_accuracy=result_accuracy,
@@ -380,6 +363,62 @@ def _train(config: TrainConfig, context: DistContext, run_dir: str | None) -> Tr
         samples_per_s=throughput,
         run_dir=str(log.path) if log is not None else None,
         epochs=config.epochs,
+    )
+
+
+def steps_in_epoch(config: TrainConfig, loader_steps: int, too_small: str) -> int:
+    """Steps per epoch: the loader's, cut to ``--max-steps-per-epoch``; ``too_small`` is the
+    error when not even one batch fits."""
+    steps = loader_steps
+    if config.max_steps_per_epoch is not None:
+        steps = min(steps, config.max_steps_per_epoch)
+    if steps == 0:
+        raise UsageError(too_small)
+    return steps
+
+
+def sgd_with_schedule(
+    parameters: Iterable[torch.nn.Parameter], config: TrainConfig, steps_per_epoch: int
+) -> tuple[torch.optim.SGD, torch.optim.lr_scheduler.LambdaLR]:
+    """The job's SGD with momentum and its warm-up + cosine schedule, stepped once per update."""
+    optimizer = torch.optim.SGD(
+        parameters,
+        lr=config.lr,
+        momentum=config.momentum,
+        weight_decay=config.weight_decay,
+    )
+    total_steps = config.epochs * steps_per_epoch
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, _Schedule(total_steps, round(config.warmup_epochs * steps_per_epoch))
+    )
+    return optimizer, schedule
+
+
+def open_run_log(
+    config: TrainConfig, context: DistContext, run_dir: str | None, suffix: str
+) -> RunLog | None:
+    """Rank 0's run folder (``run_dir``, or a new one named after model, data and ``suffix``);
+    None on the other ranks."""
+    if not context.is_main:
+        return None
+    path = (
+        Path(run_dir)
+        if run_dir
+        else new_run_dir(config.runs_dir, f"{_label(config.model)}-{_label(config.data)}-{suffix}")
+    )
+    return RunLog(path, _config_record(config, context))
+
+
+def finish_run_log(
+    log: RunLog, title: str, accuracy: float, epochs: int, samples_per_s: float
+) -> None:
+    """Draw the curves and print the final line every training job ends with."""
+    log.plot(title)
+    print(
+        f"final test accuracy: {100 * accuracy:.2f}% after {epochs} epochs "
+        f"({samples_per_s:.1f} samples/s); metrics in {log.metrics_path}, curves in "
+        f"{log.curves_path}",
+        flush=True,
     )
 
 

@@ -1142,14 +1142,64 @@ def _check_models_build(config: BenchConfig) -> None:
         build_model(model, config.input_shape, NUM_CLASSES)
 
 
-class _LaunchFailedError(RuntimeError):
-    pass
+class LaunchFailedError(RuntimeError):
+    """A benchmark launch failed for good: the message names the rank, its traceback and the
+    ranks' last lines of output (or the timeout)."""
 
 
 #: A launch whose rank was killed by a signal is run once more: one in a few dozen launches on
 #: the emulated cluster loses a rank to a SIGABRT inside gloo ("terminate called without an
 #: active exception") that no rerun repeats, and a long benchmark should not lose a row to it.
-_SIGNAL_RETRIES = 1
+SIGNAL_RETRIES = 1
+
+
+def launch_on_ranks(
+    fn: Callable[[_T], Any],
+    job: _T,
+    *,
+    nprocs: int,
+    link: str | None,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+    note: Callable[[str], None] = print,
+    prog: str = PROG,
+) -> Any:
+    """Run ``fn(job)`` on ``nprocs`` gloo ranks (on the emulated ``link``, or loopback when
+    None); rank 0's value, or :class:`LaunchFailedError` with the cause. Every benchmark's
+    launches go through here, so all of them share the one retry rule (:data:`SIGNAL_RETRIES`).
+    """
+    from interlace import launch
+
+    detail = ""
+    for attempt in range(SIGNAL_RETRIES + 1):
+        sink = io.StringIO()
+        result = launch.run(
+            rank_entry,
+            nprocs,
+            link,
+            args=(fn, job, timeout_s),
+            timeout=timeout_s,
+            env=env,
+            output=sink,
+        )
+        if result.ok:
+            return result.values[0]
+        if result.timed_out:
+            detail = f"timed out after {timeout_s:g} s (--timeout)"
+        else:
+            rank = result.failed_rank
+            trace = result.tracebacks.get(rank, "") if rank is not None else ""
+            detail = f"rank {rank} failed with status {result.returncode}\n{trace.rstrip()}"
+        output = sink.getvalue().strip()
+        if output:
+            detail += "\n--- output of the ranks (last lines) ---\n" + "\n".join(
+                output.splitlines()[-20:]
+            )
+        killed = result.returncode > 128 and not result.timed_out
+        if not killed or attempt == SIGNAL_RETRIES:
+            break
+        note(f"{prog}: a rank was killed by a signal; running the launch again\n{detail}")
+    raise LaunchFailedError(detail)
 
 
 def _launch(
@@ -1161,38 +1211,16 @@ def _launch(
     *,
     note: Callable[[str], None] = print,
 ) -> Any:
-    """Run ``fn(job)`` on the ranks; rank 0's value, or _LaunchFailedError with the cause."""
-    from interlace import launch
-
-    for attempt in range(_SIGNAL_RETRIES + 1):
-        sink = io.StringIO()
-        result = launch.run(
-            rank_entry,
-            config.nprocs,
-            link,
-            args=(fn, job, config.timeout_s),
-            timeout=config.timeout_s,
-            env={"INTERLACE_CACHE_DIR": cache_dir},
-            output=sink,
-        )
-        if result.ok:
-            return result.values[0]
-        if result.timed_out:
-            detail = f"timed out after {config.timeout_s:g} s (--timeout)"
-        else:
-            rank = result.failed_rank
-            trace = result.tracebacks.get(rank, "") if rank is not None else ""
-            detail = f"rank {rank} failed with status {result.returncode}\n{trace.rstrip()}"
-        output = sink.getvalue().strip()
-        if output:
-            detail += "\n--- output of the ranks (last lines) ---\n" + "\n".join(
-                output.splitlines()[-20:]
-            )
-        killed = result.returncode > 128 and not result.timed_out
-        if not killed or attempt == _SIGNAL_RETRIES:
-            break
-        note(f"{PROG}: a rank was killed by a signal; running the launch again\n{detail}")
-    raise _LaunchFailedError(detail)
+    """:func:`launch_on_ranks` with this benchmark's ranks, timeout and fresh cost-model cache."""
+    return launch_on_ranks(
+        fn,
+        job,
+        nprocs=config.nprocs,
+        link=link,
+        timeout_s=config.timeout_s,
+        env={"INTERLACE_CACHE_DIR": cache_dir},
+        note=note,
+    )
 
 
 @dataclass
@@ -1299,7 +1327,7 @@ def run(args: argparse.Namespace) -> int:
                     found = _launch(
                         calibrate_rank, job, config, config.ref_link, cache_dir, note=bar.write
                     )
-                except _LaunchFailedError as exc:
+                except LaunchFailedError as exc:
                     print(f"{PROG}: calibration failed: {exc}", file=sys.stderr)
                     return 1
                 calibrations = {c.model: c for c in found}
@@ -1328,7 +1356,7 @@ def run(args: argparse.Namespace) -> int:
                     measurement = _launch(
                         measure_rank, measure, config, link, cache_dir, note=bar.write
                     )
-                except _LaunchFailedError as exc:
+                except LaunchFailedError as exc:
                     message = f"{plan.model} at {plan.context.link}: {exc}"
                     failures.append(message)
                     bar.write(f"{PROG}: launch failed: {message}")

@@ -33,11 +33,10 @@ grouped bars, one panel per model, one bar per mode stacked by phase.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,9 +46,10 @@ from interlace.bench.dp import (
     DEFAULT_INPUT_SHAPE,
     FALLBACK_BATCH,
     NUM_CLASSES,
+    LaunchFailedError,
+    launch_on_ranks,
     parse_names,
     parse_shape,
-    rank_entry,
 )
 from interlace.errors import UsageError
 
@@ -922,37 +922,23 @@ def check_kfac_pytorch() -> None:
         )
 
 
-def _launch(fn: Any, job: Any, args: argparse.Namespace, link: str | None) -> Any:
-    """Rank 0's value of ``fn(job)`` on the ranks, or the failure as a string.
-
-    A launch that lost a rank to a signal is run once more (see
-    :data:`interlace.bench.dp._SIGNAL_RETRIES`: a rare SIGABRT inside gloo that no rerun
-    repeats).
-    """
-    from interlace import launch
-
-    detail = ""
-    for attempt in range(2):
-        sink = io.StringIO()
-        result = launch.run(
-            rank_entry,
-            args.nprocs,
-            link,
-            args=(fn, job, args.timeout),
-            timeout=args.timeout,
-            output=sink,
+def _launch(
+    fn: Any, job: Any, args: argparse.Namespace, link: str | None, note: Callable[[str], None]
+) -> Any:
+    """Rank 0's value of ``fn(job)`` on the ranks, or the failure as a string (the shared
+    launcher's retry rule: :func:`interlace.bench.dp.launch_on_ranks`)."""
+    try:
+        return launch_on_ranks(
+            fn,
+            job,
+            nprocs=args.nprocs,
+            link=link,
+            timeout_s=args.timeout,
+            note=note,
+            prog=PROG,
         )
-        if result.ok:
-            return result.values[0]
-        rank = result.failed_rank
-        trace = result.tracebacks.get(rank, "") if rank is not None else ""
-        if result.timed_out:
-            detail = f"timed out after {args.timeout:g} s (--timeout)"
-        else:
-            detail = f"rank {rank} failed with status {result.returncode}\n{trace.strip()}"
-        if result.returncode <= 128 or result.timed_out or attempt:
-            break
-    return detail
+    except LaunchFailedError as exc:
+        return str(exc)
 
 
 def _run_ablation(args: argparse.Namespace, models: Sequence[str], link: str | None) -> int:
@@ -976,7 +962,7 @@ def _run_ablation(args: argparse.Namespace, models: Sequence[str], link: str | N
                 inv_update_steps=args.inv_update_steps,
                 modes=tuple(ABLATION_MODES) + ((args.compare,) if args.compare else ()),
             )
-            value = _launch(measure_ablation_rank, job, args, link)
+            value = _launch(measure_ablation_rank, job, args, link, bar.write)
             bar.update(1)
             if isinstance(value, str):
                 failures.append(f"{model}: {value}")
@@ -1024,8 +1010,6 @@ def _run_ablation(args: argparse.Namespace, models: Sequence[str], link: str | N
 def _run_breakdown(args: argparse.Namespace, models: Sequence[str], link: str | None) -> int:
     from tqdm import tqdm
 
-    from interlace import launch
-
     placement = args.placement or "greedy"
     rows: list[KfacRow] = []
     failures: list[str] = []
@@ -1047,23 +1031,12 @@ def _run_breakdown(args: argparse.Namespace, models: Sequence[str], link: str | 
                 placement=placement,
                 factor_update_steps=args.factor_update_steps,
             )
-            sink = io.StringIO()
-            result = launch.run(
-                rank_entry,
-                args.nprocs,
-                link,
-                args=(measure_rank, job, args.timeout),
-                timeout=args.timeout,
-                output=sink,
-            )
+            value = _launch(measure_rank, job, args, link, bar.write)
             bar.update(1)
-            if not result.ok:
-                rank = result.failed_rank
-                trace = result.tracebacks.get(rank, "") if rank is not None else ""
-                failures.append(f"{model}: rank {rank} failed\n{trace.strip()}")
+            if isinstance(value, str):
+                failures.append(f"{model}: {value}")
                 bar.write(failures[-1])
                 continue
-            value = result.values[0]
             medians = value["medians"]
             rows.append(
                 KfacRow(

@@ -38,7 +38,6 @@ axis from the block's start, so the flush's bubble shows next to the stream.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import math
 import os
@@ -53,7 +52,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from interlace.bench.dp import NUM_CLASSES, parse_names, parse_shape, rank_entry
+from interlace.bench.dp import (
+    NUM_CLASSES,
+    LaunchFailedError,
+    launch_on_ranks,
+    parse_names,
+    parse_shape,
+)
 from interlace.cliutil import OneLineArgumentParser
 from interlace.errors import UsageError
 from interlace.timeline import Event, Timeline
@@ -96,14 +101,10 @@ DEFAULT_INPUT_SHAPE: tuple[int, ...] = (3, 32, 32)
 DEFAULT_TIMEOUT_S = 1200.0
 DEFAULT_LR = 0.01
 DEFAULT_MOMENTUM = 0.9
-
 #: Distinct synthetic mini-batches cycled through.
 _BATCHES = 4
 #: Upper bound on warm-up steps spent waiting for DataParallel's plan (a bug otherwise).
 _MAX_PLAN_STEPS = 50
-#: A launch whose rank was killed by a signal is run once more (see
-#: :data:`interlace.bench.dp._SIGNAL_RETRIES`: a rare SIGABRT inside gloo no rerun repeats).
-_SIGNAL_RETRIES = 1
 
 
 # ================================================================================ pure parts
@@ -902,49 +903,6 @@ def _check_models(config: BenchConfig) -> None:
             )
 
 
-class _LaunchFailedError(RuntimeError):
-    pass
-
-
-def _launch(
-    job: PipelineJob, config: BenchConfig, cache_dir: str, note: Callable[[str], None]
-) -> Any:
-    """Rank 0's value of :func:`measure_rank` on the ranks; a rank killed by a signal earns
-    one rerun."""
-    from interlace import launch
-
-    detail = ""
-    for attempt in range(_SIGNAL_RETRIES + 1):
-        sink = io.StringIO()
-        result = launch.run(
-            rank_entry,
-            config.nprocs,
-            config.link,
-            args=(measure_rank, job, config.timeout_s),
-            timeout=config.timeout_s,
-            env={"INTERLACE_CACHE_DIR": cache_dir},
-            output=sink,
-        )
-        if result.ok:
-            return result.values[0]
-        if result.timed_out:
-            detail = f"timed out after {config.timeout_s:g} s (--timeout)"
-        else:
-            rank = result.failed_rank
-            trace = result.tracebacks.get(rank, "") if rank is not None else ""
-            detail = f"rank {rank} failed with status {result.returncode}\n{trace.rstrip()}"
-        output = sink.getvalue().strip()
-        if output:
-            detail += "\n--- output of the ranks (last lines) ---\n" + "\n".join(
-                output.splitlines()[-20:]
-            )
-        killed = result.returncode > 128 and not result.timed_out
-        if not killed or attempt == _SIGNAL_RETRIES:
-            break
-        note(f"{PROG}: a rank was killed by a signal; running the launch again\n{detail}")
-    raise _LaunchFailedError(detail)
-
-
 def describe_conditions(config: BenchConfig) -> str:
     """When and where the rows were measured."""
     import torch
@@ -1029,8 +987,17 @@ def run(args: argparse.Namespace) -> int:
                     timeline=bool(config.png_path) and timeline_path is None,
                 )
                 try:
-                    value = _launch(job, config, cache_dir, bar.write)
-                except _LaunchFailedError as exc:
+                    value = launch_on_ranks(
+                        measure_rank,
+                        job,
+                        nprocs=config.nprocs,
+                        link=config.link,
+                        timeout_s=config.timeout_s,
+                        env={"INTERLACE_CACHE_DIR": cache_dir},
+                        note=bar.write,
+                        prog=PROG,
+                    )
+                except LaunchFailedError as exc:
                     failures.append(f"{model}: {exc}")
                     bar.write(f"{PROG}: launch failed: {failures[-1]}")
                     bar.update(1)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -28,8 +27,14 @@ from interlace.distenv import DistContext
 from interlace.errors import UsageError
 from interlace.pipeline.runtime import PipelineStage
 from interlace.pipeline.stages import local_stage
-from interlace.runlog import RunLog, new_run_dir
-from interlace.train import TrainConfig, TrainResult, _config_record, _label, _Schedule
+from interlace.train import (
+    TrainConfig,
+    TrainResult,
+    finish_run_log,
+    open_run_log,
+    sgd_with_schedule,
+    steps_in_epoch,
+)
 from interlace.zoo import build_model, load_data, make_loader
 
 
@@ -55,24 +60,14 @@ def train_pipeline(config: TrainConfig, context: DistContext, run_dir: str | Non
         sample=sample,
     )
     module = local.module.to(context.device)
-    steps_per_epoch = len(train_loader)
-    if config.max_steps_per_epoch is not None:
-        steps_per_epoch = min(steps_per_epoch, config.max_steps_per_epoch)
-    if steps_per_epoch == 0:
-        raise UsageError(
-            f"the training split of '{bundle.name}' has {len(bundle.train)} samples, fewer "
-            f"than one mini-batch of {config.batch_size}; lower --batch-size"
-        )
-    optimizer = torch.optim.SGD(
-        module.parameters(),
-        lr=config.lr,
-        momentum=config.momentum,
-        weight_decay=config.weight_decay,
+    steps_per_epoch = steps_in_epoch(
+        config,
+        len(train_loader),
+        f"the training split of '{bundle.name}' has {len(bundle.train)} samples, fewer "
+        f"than one mini-batch of {config.batch_size}; lower --batch-size",
     )
+    optimizer, schedule = sgd_with_schedule(module.parameters(), config, steps_per_epoch)
     total_steps = config.epochs * steps_per_epoch
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, _Schedule(total_steps, round(config.warmup_epochs * steps_per_epoch))
-    )
     show_bar = context.is_main and config.progress and sys.stderr.isatty()
     bar = tqdm(total=total_steps, disable=not show_bar, unit="step", dynamic_ncols=True)
 
@@ -92,17 +87,8 @@ def train_pipeline(config: TrainConfig, context: DistContext, run_dir: str | Non
         on_update=after_update,
         spectrain_backward=config.spectrain_backward,
     )
-    log: RunLog | None = None
-    if context.is_main:
-        path = (
-            Path(run_dir)
-            if run_dir
-            else new_run_dir(
-                config.runs_dir,
-                f"{_label(config.model)}-{_label(config.data)}-pipe{context.world_size}",
-            )
-        )
-        log = RunLog(path, _config_record(config, context))
+    log = open_run_log(config, context, run_dir, f"pipe{context.world_size}")
+    if log is not None:
         print(
             f"training {config.model} on {bundle.name} pipelined over {context.world_size} "
             f"stage(s), schedule {config.schedule}, mini-batch {config.batch_size}"
@@ -111,7 +97,7 @@ def train_pipeline(config: TrainConfig, context: DistContext, run_dir: str | Non
                 if config.schedule in ("gpipe", "1f1b")
                 else ""
             )
-            + f", run folder {path}",
+            + f", run folder {log.path}",
             flush=True,
         )
         print(local.plan.describe(), flush=True)
@@ -156,12 +142,12 @@ def train_pipeline(config: TrainConfig, context: DistContext, run_dir: str | Non
     finally:
         bar.close()
     if log is not None:
-        log.plot(f"{config.model} on {bundle.name}, {config.schedule} over {last + 1} stages")
-        print(
-            f"final test accuracy: {100 * accuracy:.2f}% after {config.epochs} epochs "
-            f"({throughput:.1f} samples/s); metrics in {log.metrics_path}, curves in "
-            f"{log.curves_path}",
-            flush=True,
+        finish_run_log(
+            log,
+            f"{config.model} on {bundle.name}, {config.schedule} over {last + 1} stages",
+            accuracy,
+            config.epochs,
+            throughput,
         )
     return TrainResult(
         final_test_accuracy=accuracy,

@@ -345,8 +345,8 @@ def run_validation(config: ValidateConfig) -> int:
         DEFAULT_BATCH,
         DEFAULT_INPUT_SHAPE,
         FALLBACK_BATCH,
+        LaunchFailedError,
         _launch,
-        _LaunchFailedError,
     )
 
     try:
@@ -383,7 +383,7 @@ def run_validation(config: ValidateConfig) -> int:
                 bench = _bench_config(config, nprocs)
                 try:
                     sample = _launch(validate_rank, job, bench, link, cache_dir, note=bar.write)
-                except _LaunchFailedError as exc:
+                except LaunchFailedError as exc:
                     failures.append(f"{model}, {nprocs} ranks, {link}: {exc}")
                     bar.write(f"{PROG}: launch failed: {failures[-1]}")
                     bar.update(1)
