@@ -43,6 +43,12 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=8, help="epochs per run (default 8)")
     parser.add_argument("--batch-size", type=int, default=32, help="mini-batch (default 32)")
     parser.add_argument("--lr", type=float, default=0.5, help="peak learning rate (default 0.5)")
+    parser.add_argument(
+        "--chunks",
+        type=int,
+        default=1,
+        help="pieces each mini-batch travels in through the asynchronous schedules (default 1)",
+    )
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     parser.add_argument(
         "--schedules",
@@ -68,6 +74,7 @@ def main() -> int:
                 seed=seed,
                 parallel="pipeline",
                 schedule=schedule,
+                chunks=args.chunks,
                 progress=False,
                 runs_dir=runs,
             )
@@ -86,6 +93,7 @@ def main() -> int:
                     "stages": args.nprocs,
                     "lr": args.lr,
                     "batch_size": args.batch_size,
+                    "chunks": 1 if schedule in ("gpipe", "1f1b") else args.chunks,
                     "test_accuracy": [m["test_accuracy"] for m in metrics],
                     "final_test_accuracy": metrics[-1]["test_accuracy"],
                     "samples_per_s": metrics[-1]["samples_per_s"],
@@ -95,7 +103,8 @@ def main() -> int:
     total_s = time.perf_counter() - started
     print(
         f"\n{args.model} on digits pipelined over {args.nprocs} stages, mini-batch "
-        f"{args.batch_size}, {args.epochs} epochs, SGD lr {args.lr:g} momentum 0.9 "
+        f"{args.batch_size} (asynchronous: {args.chunks} chunk(s)), {args.epochs} epochs, "
+        f"SGD lr {args.lr:g} momentum 0.9 "
         f"wd 5e-4, warm-up + cosine; seeds {', '.join(map(str, seeds))}\n"
     )
     print(_table(rows, schedules, seeds))
@@ -109,7 +118,9 @@ def main() -> int:
 
 
 def _median_final(rows: list[dict[str, Any]], schedule: str) -> float:
-    return statistics.median(r["final_test_accuracy"] for r in rows if r["schedule"] == schedule)
+    return float(
+        statistics.median(r["final_test_accuracy"] for r in rows if r["schedule"] == schedule)
+    )
 
 
 def _table(rows: list[dict[str, Any]], schedules: list[str], seeds: list[int]) -> str:

@@ -192,7 +192,10 @@ def test_ratios_are_dashes_without_their_baselines() -> None:
     rows = rows_from_value(value, _regime(), block=2)
     assert all(row.vs_torch_gpipe is None and row.vs_dp is None for row in rows)
     table = format_table(rows)
-    assert "| m | spectrain | async 1F1B, predicted | 256.0 | 256.0-256.0 | - | - | 0.25 |" in table
+    assert (
+        "| m | spectrain | async 1F1B, predicted, 4 chunks | 256.0 | 256.0-256.0 | - | - | 0.25 |"
+        in table
+    )
 
 
 def test_the_table_has_the_promised_columns() -> None:

@@ -122,12 +122,23 @@ LR, MOMENTUM = 0.05, 0.9
 
 
 def _async_rank(
-    schedule: str, num_stages: int, count: int, spectrain_backward: str = "recompute"
+    schedule: str,
+    num_stages: int,
+    count: int,
+    spectrain_backward: str = "recompute",
+    chunks: int = 1,
 ) -> list[Tensor]:
     stage = dist.get_rank()
     module = _stages(num_stages)[stage]
     optimizer = torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)
-    runner = _runner(module, optimizer, num_stages, schedule, spectrain_backward=spectrain_backward)
+    runner = _runner(
+        module,
+        optimizer,
+        num_stages,
+        schedule,
+        spectrain_backward=spectrain_backward,
+        chunks=chunks,
+    )
     data = _data(count) if stage in (0, num_stages - 1) else None
     result = runner.run(data, count)
     assert result.updates == count
@@ -194,28 +205,39 @@ def _reference(
     return [t for k in range(num_stages) for t in weights[k][count].values()]
 
 
+# (schedule, SpecTrain's backward, chunks): a mini-batch streamed in pieces (3 cuts the 16
+# samples unevenly, 6/5/5) makes the same update as one piece, for every policy.
 ASYNC_CASES = (
-    ("naive", "recompute"),
-    ("pipedream", "recompute"),
-    ("spectrain", "recompute"),
-    ("spectrain", "reuse"),
+    ("naive", "recompute", 1),
+    ("pipedream", "recompute", 1),
+    ("spectrain", "recompute", 1),
+    ("spectrain", "reuse", 1),
+    ("naive", "recompute", 3),
+    ("pipedream", "recompute", 2),
+    ("spectrain", "recompute", 3),
+    ("spectrain", "reuse", 2),
 )
 
 
 def _async_cases_rank(num_stages: int, count: int) -> list[list[Tensor]]:
-    return [_async_rank(schedule, num_stages, count, how) for schedule, how in ASYNC_CASES]
+    return [
+        _async_rank(schedule, num_stages, count, how, chunks)
+        for schedule, how, chunks in ASYNC_CASES
+    ]
 
 
 @pytest.mark.parametrize("num_stages", [2, 4])
 def test_asynchronous_schedules_match_a_sequential_reference(num_stages: int) -> None:
     count = 7
     per_stage = run_ranks(_async_cases_rank, num_stages, num_stages, count, timeout=90)
-    for case, (schedule, how) in enumerate(ASYNC_CASES):
+    for case, (schedule, how, chunks) in enumerate(ASYNC_CASES):
         got = [t for stage in per_stage for t in stage[case]]
         expected = _reference(schedule, num_stages, count, how)
         assert len(got) == len(expected), schedule
         for g, e in zip(got, expected, strict=True):
-            torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-12, msg=f"{schedule} {how}")
+            torch.testing.assert_close(
+                g, e, rtol=1e-9, atol=1e-12, msg=f"{schedule} {how} chunks={chunks}"
+            )
 
 
 def test_policies_really_differ() -> None:
@@ -288,3 +310,7 @@ def test_bad_configuration_is_a_clear_error() -> None:
         PipelineStage(module, sgd, stage=0, num_stages=2, schedule="interleaved")
     with pytest.raises(ValueError, match="needs a loss_fn"):
         PipelineStage(module, sgd, stage=1, num_stages=2, schedule="gpipe")
+    with pytest.raises(ValueError, match="asynchronous schedules"):
+        PipelineStage(module, sgd, stage=0, num_stages=2, schedule="gpipe", chunks=2)
+    with pytest.raises(ValueError, match="chunks must be >= 1"):
+        PipelineStage(module, sgd, stage=0, num_stages=2, schedule="naive", chunks=0)

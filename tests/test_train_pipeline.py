@@ -13,8 +13,8 @@ from interlace.runlog import read_metrics
 from interlace.train import TrainConfig, TrainResult, train_rank
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "spectrain"])
-def test_a_pipelined_resnet_learns_digits(tmp_path: Path, schedule: str) -> None:
+@pytest.mark.parametrize(("schedule", "chunks"), [("gpipe", 1), ("spectrain", 1), ("spectrain", 4)])
+def test_a_pipelined_resnet_learns_digits(tmp_path: Path, schedule: str, chunks: int) -> None:
     config = TrainConfig(
         model="resnet20",
         data="digits",
@@ -22,6 +22,7 @@ def test_a_pipelined_resnet_learns_digits(tmp_path: Path, schedule: str) -> None
         batch_size=32,
         parallel="pipeline",
         schedule=schedule,
+        chunks=chunks,
         partition_by="params",
         progress=False,
     )
@@ -49,6 +50,8 @@ def test_a_pipelined_resnet_learns_digits(tmp_path: Path, schedule: str) -> None
         ({"parallel": "pipeline", "microbatches": 0}, "--microbatches"),
         ({"parallel": "pipeline", "schedule": "gpipe", "batch_size": 2}, "micro-batches"),
         ({"parallel": "pipeline", "partition_by": "luck"}, "--partition-by"),
+        ({"parallel": "pipeline", "chunks": 0}, "--chunks"),
+        ({"parallel": "pipeline", "schedule": "naive", "batch_size": 2, "chunks": 4}, "chunks"),
     ],
 )
 def test_bad_pipeline_settings_name_their_flag(changes: dict[str, object], flag: str) -> None:

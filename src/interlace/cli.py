@@ -266,6 +266,15 @@ def _add_job_arguments(
         help=f"micro-batches per mini-batch of gpipe and 1f1b (default {defaults.microbatches})",
     )
     pipeline.add_argument(
+        "--chunks",
+        type=int,
+        default=defaults.chunks,
+        help="pieces each mini-batch travels in through spectrain, pipedream or naive, all with "
+        "the mini-batch's weights and one update: a stage starts on the first while the rest "
+        "are in transit (faster on slow links; BatchNorm then normalises per piece); "
+        f"default {defaults.chunks}",
+    )
+    pipeline.add_argument(
         "--spectrain-backward",
         choices=("recompute", "reuse"),
         default=defaults.spectrain_backward,
@@ -386,6 +395,7 @@ def _run_train(args: argparse.Namespace) -> int:
         microbatches=args.microbatches,
         partition_by=args.partition_by,
         spectrain_backward=args.spectrain_backward,
+        chunks=args.chunks,
     )
     config.validate()
 

@@ -89,6 +89,8 @@ class TrainConfig:
     microbatches: int = 4
     partition_by: str = "time"
     spectrain_backward: str = "recompute"
+    # Pieces each mini-batch travels in through an asynchronous schedule (1: whole).
+    chunks: int = 1
     extra: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -169,6 +171,14 @@ class TrainConfig:
                 or self.batch_size >= self.microbatches,
                 f"--batch-size {self.batch_size} cannot be cut into {self.microbatches} "
                 "micro-batches; raise --batch-size or lower --microbatches",
+            ),
+            (self.chunks >= 1, f"--chunks must be >= 1, got {self.chunks}"),
+            (
+                self.parallel != "pipeline"
+                or self.schedule in ("gpipe", "1f1b")
+                or self.batch_size >= self.chunks,
+                f"--batch-size {self.batch_size} cannot be cut into {self.chunks} chunks; raise "
+                "--batch-size or lower --chunks",
             ),
             (
                 self.spectrain_backward in ("recompute", "reuse"),

@@ -5,7 +5,9 @@ Every contender trains the same model on the same ranks at an **equal global bat
 * ``gpipe`` and ``1f1b`` (:mod:`interlace.pipeline`) cut each mini-batch of ``B`` into
   ``--microbatches`` micro-batches and update once per mini-batch (a flush);
 * ``naive``, ``pipedream`` and ``spectrain`` stream mini-batches of ``B``, an update per
-  mini-batch on every stage, asynchronous 1F1B without a flush;
+  mini-batch on every stage, asynchronous 1F1B without a flush; each mini-batch travels in
+  ``--microbatches`` chunks computed with its weights (``PipelineStage(chunks=...)``), so a
+  stage starts on the first chunk while the rest are in transit;
 * ``dp``: :class:`interlace.DataParallel` (MG-WFBP's merged buckets) over the same ranks, each
   rank ``B / N`` samples per step;
 * ``torch-gpipe`` and ``torch-1f1b``: ``torch.distributed.pipelining``'s ``ScheduleGPipe`` and
@@ -125,7 +127,8 @@ def describe_schedule(schedule: str, microbatches: int, ranks: int) -> str:
             "spectrain": "predicted",
             "spectrain-reuse": "predicted, forward's reused",
         }
-        return f"async 1F1B, {policy[schedule]}"
+        pieces = f", {microbatches} chunks" if microbatches > 1 else ""
+        return f"async 1F1B, {policy[schedule]}{pieces}"
     if schedule == DP_BASELINE:
         return f"{ranks} x 1/{ranks} batch, merged buckets"
     return f"{microbatches} micro-batches, torch.distributed.pipelining"
@@ -341,7 +344,8 @@ def format_header(
         f"{PROG}: {ranks} ranks = {ranks} pipeline stages on {link}; global batch {batch} per "
         f"mini-batch for every contender (gpipe, 1f1b, torch-*: {microbatches} micro-batches of "
         f"{batch // max(microbatches, 1)}, one update per mini-batch; naive, pipedream, "
-        f"spectrain: a stream of mini-batches of {batch}, an update per mini-batch; dp: "
+        f"spectrain: a stream of mini-batches of {batch} in {microbatches} chunks, an update "
+        "per mini-batch; dp: "
         f"{shard} per rank).",
         f"Timing: {warmup} warm-up mini-batches each (dp also until its buckets are final), then "
         f"{iters} rounds of one block of {block} mini-batches per contender, interleaved, the "
@@ -522,6 +526,9 @@ def _build_contender(
             loss_fn=functional.cross_entropy,
             microbatches=job.microbatches,
             spectrain_backward="reuse" if reuse else "recompute",
+            # The asynchronous schedules stream each mini-batch in as many pieces as the
+            # synchronous ones cut it into, so every contender moves the same messages.
+            chunks=1 if schedule in SYNCHRONOUS else job.microbatches,
         )
 
         def train_interlace(batches: Sequence[tuple[Any, Any]]) -> float | None:
@@ -764,7 +771,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--microbatches",
         type=int,
         default=DEFAULT_MICROBATCHES,
-        help="micro-batches per mini-batch of gpipe, 1f1b and torch's schedules "
+        help="pieces per mini-batch: micro-batches of gpipe, 1f1b and torch's schedules, "
+        "chunks streamed with the mini-batch's weights by naive, pipedream and spectrain "
         f"(default {DEFAULT_MICROBATCHES})",
     )
     parser.add_argument(

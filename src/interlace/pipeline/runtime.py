@@ -186,15 +186,23 @@ class _Inbox:
 
 
 @dataclass
-class _InFlight:
-    """What a stage keeps of one batch between its forward and its backward."""
+class _Piece:
+    """One piece of a batch between its forward and its backward on this stage."""
 
     input: Tensor | None = None
     output: Tensor | None = None  # the graph's root, when the backward reuses the forward's graph
-    leaves: dict[str, Tensor] | None = None  # weight copies that graph was built over
     rng_state: Tensor | None = None
     target: Tensor | None = None
-    scale: float = 1.0
+    scale: float = 1.0  # its share of the mini-batch's samples (scales the last stage's loss)
+
+
+@dataclass
+class _InFlight:
+    """What a stage keeps of one batch between its forward and its backward: its pieces (one,
+    or ``chunks`` for a streamed asynchronous mini-batch) and the weight copies they used."""
+
+    pieces: list[_Piece]
+    leaves: dict[str, Tensor] | None = None  # weight copies a kept graph was built over
 
 
 class PipelineStage:
@@ -213,6 +221,12 @@ class PipelineStage:
     forward's prediction, whose graph is kept: both aim at the same future version of the
     weights, and the stage's forward is not run twice, for the memory of one graph per batch
     in flight, as PipeDream's stashing needs).
+    ``chunks`` (asynchronous schedules) streams each mini-batch through the stages in that many
+    pieces along the batch, all with the mini-batch's weights and one update per mini-batch: a
+    stage starts on the first piece while the others are still in transit, so a mini-batch's
+    round trip stops paying every link's full transfer in turn. The update is the same as
+    with one piece, except that BatchNorm normalises each piece with its own statistics (as
+    GPipe's micro-batches do).
     ``on_update`` is called after every optimizer step (a learning-rate scheduler's ``step``,
     a progress bar), which the asynchronous schedules take inside :meth:`run`.
     """
@@ -232,6 +246,7 @@ class PipelineStage:
         device: torch.device | None = None,
         on_update: Callable[[], object] | None = None,
         spectrain_backward: str = "recompute",
+        chunks: int = 1,
     ) -> None:
         if schedule not in SCHEDULES:
             raise UsageError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
@@ -239,6 +254,13 @@ class PipelineStage:
             raise UsageError(f"stage {stage} is out of range for {num_stages} stages")
         if microbatches < 1:
             raise UsageError(f"microbatches must be >= 1, got {microbatches}")
+        if chunks < 1:
+            raise UsageError(f"chunks must be >= 1, got {chunks}")
+        if chunks > 1 and schedule not in ASYNCHRONOUS:
+            raise UsageError(
+                f"chunks applies to the asynchronous schedules ({', '.join(ASYNCHRONOUS)}); "
+                f"{schedule} cuts a mini-batch with microbatches="
+            )
         if stage == num_stages - 1 and loss_fn is None:
             raise UsageError("the last pipeline stage needs a loss_fn")
         if schedule == "spectrain":
@@ -256,6 +278,7 @@ class PipelineStage:
         self.schedule_name = schedule
         self.loss_fn = loss_fn
         self.microbatches = microbatches
+        self.chunks = chunks
         self.ranks = list(ranks) if ranks is not None else list(range(num_stages))
         if len(self.ranks) != num_stages:
             raise UsageError(f"ranks lists {len(self.ranks)} ranks for {num_stages} stages")
@@ -379,6 +402,33 @@ class PipelineStage:
     def _inbox(self, peer_stage: int, count: int) -> _Inbox:
         return _Inbox(self.ranks[peer_stage], count, self.group, self.device)
 
+    def _pieces(self, batch: Batch | None, scale: float) -> list[_Piece]:
+        """A unit's pieces: the whole unit, or its ``chunks`` parts for an asynchronous stream.
+
+        Stage 0 holds their inputs and the last stage their targets; the pieces' scales split
+        the unit's share of the mini-batch by sample count.
+        """
+        count = self.chunks if self.asynchronous else 1
+        if batch is None:
+            return [_Piece(scale=scale / count) for _ in range(count)]
+        inputs, targets = batch
+        if inputs.shape[0] < count:
+            raise UsageError(
+                f"a mini-batch of {inputs.shape[0]} samples cannot be cut into {count} chunks; "
+                "use a larger batch or fewer chunks"
+            )
+        total = inputs.shape[0]
+        xs = torch.tensor_split(inputs, count)
+        ys = torch.tensor_split(targets, count)
+        return [
+            _Piece(
+                input=x.to(self.device) if self.is_first else None,
+                target=y.to(self.device) if self.is_last else None,
+                scale=scale * x.shape[0] / total,
+            )
+            for x, y in zip(xs, ys, strict=True)
+        ]
+
     def _execute(
         self,
         schedule: Schedule,
@@ -386,7 +436,7 @@ class PipelineStage:
         result: StepResult,
     ) -> None:
         actions = schedule.for_stage(self.stage)
-        n = schedule.num_batches
+        n = schedule.num_batches * self._pieces_per_unit()
         acts = self._inbox(self.stage - 1, n) if not self.is_first else None
         grads = self._inbox(self.stage + 1, n) if not self.is_last else None
         unit_iter = iter(units)
@@ -394,29 +444,14 @@ class PipelineStage:
         for action in actions:
             if action.op is Op.FORWARD:
                 batch, scale = next(unit_iter)
-                state = _InFlight(scale=scale)
-                if self.is_first:
-                    assert batch is not None
-                    state.input = batch[0].to(self.device)
-                else:
-                    assert acts is not None
-                    started = time.perf_counter()
-                    state.input = acts.take(action.batch)
-                    self._record("recv act", "comm", started, action.batch)
+                state = _InFlight(self._pieces(batch, scale))
                 if self.is_last:
                     assert batch is not None
-                    state.target = batch[1].to(self.device)
                     result.samples += int(batch[1].shape[0])
                 flight[action.batch] = state
-                self._forward(action, state, result)
+                self._forward(action, state, result, acts)
             elif action.op is Op.BACKWARD:
-                state = flight.pop(action.batch)
-                grad_out = None
-                if grads is not None:
-                    started = time.perf_counter()
-                    grad_out = grads.take(action.batch)
-                    self._record("recv grad", "comm", started, action.batch)
-                self._backward(action, state, grad_out)
+                self._backward(action, flight.pop(action.batch), grads)
             elif action.op is Op.UPDATE:
                 started = time.perf_counter()
                 self.optimizer.step()
@@ -429,6 +464,9 @@ class PipelineStage:
         for inbox in (acts, grads):
             if inbox is not None:
                 inbox.check_drained()
+
+    def _pieces_per_unit(self) -> int:
+        return self.chunks if self.asynchronous else 1
 
     def _leaves(self, action: Action) -> dict[str, Tensor] | None:
         """The weight tensors a computation uses in place of the parameters, or None for them.
@@ -472,43 +510,76 @@ class PipelineStage:
             )
         return out
 
-    def _forward(self, action: Action, state: _InFlight, result: StepResult) -> None:
+    def _take(self, inbox: _Inbox, action: Action, piece: int, what: str) -> Tensor:
+        """Piece ``piece`` of ``action``'s batch from ``inbox``, the wait timed."""
         started = time.perf_counter()
-        assert state.input is not None
-        x = state.input
-        keep = self._keeps_graph()
-        if keep and not self.is_first:
-            x.requires_grad_(True)
-        if not keep:
-            state.rng_state = torch.get_rng_state()
-        leaves = self._leaves(action)
-        with torch.set_grad_enabled(keep):
-            out = self._call(leaves, x)
-            if self.is_last:
-                assert self.loss_fn is not None and state.target is not None
-                loss = self.loss_fn(out, state.target)
-                result.losses.append(float(loss.detach()))
-                out = loss * state.scale
-        if keep:
-            state.output, state.leaves = out, leaves
-        self._record("forward", "forward", started, action.batch)
-        if not self.is_last:
-            self._send(out.detach(), self.stage + 1)
+        tensor = inbox.take(action.batch * self._pieces_per_unit() + piece)
+        self._record(f"recv {what}", "comm", started, action.batch)
+        return tensor
 
-    def _backward(self, action: Action, state: _InFlight, grad_out: Tensor | None) -> None:
-        started = time.perf_counter()
-        assert state.input is not None
+    def _forward(
+        self, action: Action, state: _InFlight, result: StepResult, acts: _Inbox | None
+    ) -> None:
+        keep = self._keeps_graph()
+        leaves = self._leaves(action)  # one set of weights for every piece of the batch
+        for index, piece in enumerate(state.pieces):
+            if acts is not None:
+                piece.input = self._take(acts, action, index, "act")
+            started = time.perf_counter()
+            assert piece.input is not None
+            x = piece.input
+            if keep and not self.is_first:
+                x.requires_grad_(True)
+            if not keep:
+                piece.rng_state = torch.get_rng_state()
+            with torch.set_grad_enabled(keep):
+                out = self._call(leaves, x)
+                if self.is_last:
+                    assert self.loss_fn is not None and piece.target is not None
+                    loss = self.loss_fn(out, piece.target)
+                    result.losses.append(float(loss.detach()))
+                    out = loss * piece.scale
+            if keep:
+                piece.output = out
+            self._record("forward", "forward", started, action.batch)
+            if not self.is_last:
+                self._send(out.detach(), self.stage + 1)
+        if keep:
+            state.leaves = leaves
+
+    def _backward(self, action: Action, state: _InFlight, grads: _Inbox | None) -> None:
+        recompute = state.pieces[0].output is None
         saved_buffers: list[Tensor] = []
-        if state.output is None:
+        leaves = state.leaves
+        if recompute:
             saved_buffers = [b.detach().clone() for b in self.module.buffers()]
-            out, leaves = self._recompute(action, state)
-        else:
-            out, leaves = state.output, state.leaves
-        if self.is_last:
-            out.backward()
-        else:
-            assert grad_out is not None
-            out.backward(grad_out)
+            leaves = self._leaves(action)  # the backward's weights, shared by every piece
+        for index, piece in enumerate(state.pieces):
+            # Recompute before taking the gradient: the recomputation needs only the saved
+            # input, so it runs while the gradient may still be in transit.
+            out = piece.output
+            if recompute:
+                started = time.perf_counter()
+                out = self._recompute(piece, leaves)
+                self._record("recompute", "forward", started, action.batch)
+            assert out is not None
+            grad_out = None if grads is None else self._take(grads, action, index, "grad")
+            started = time.perf_counter()
+            if self.is_last:
+                out.backward()
+            else:
+                assert grad_out is not None
+                out.backward(grad_out)
+            self._record("backward", "backward", started, action.batch)
+            if not self.is_first:
+                assert piece.input is not None
+                grad_in = piece.input.grad
+                if grad_in is None:
+                    raise UsageError(
+                        f"pipeline stage {self.stage}'s output does not depend on its input; "
+                        "every stage after the first must use the activation it receives"
+                    )
+                self._send(grad_in, self.stage - 1)
         if saved_buffers:
             # The recomputation moved BatchNorm's running statistics a second time for this
             # batch; put back the forward's. Only after backward: autograd saved them.
@@ -517,31 +588,19 @@ class PipelineStage:
                     buffer.copy_(saved)
         if leaves is not None:
             self._accumulate(leaves)
-        self._record("backward", "backward", started, action.batch)
-        if not self.is_first:
-            grad_in = state.input.grad
-            if grad_in is None:
-                raise UsageError(
-                    f"pipeline stage {self.stage}'s output does not depend on its input; "
-                    "every stage after the first must use the activation it receives"
-                )
-            self._send(grad_in, self.stage - 1)
 
-    def _recompute(
-        self, action: Action, state: _InFlight
-    ) -> tuple[Tensor, dict[str, Tensor] | None]:
-        """The stage's output on the saved input with the backward's weights, with a graph."""
-        assert state.input is not None
-        x = state.input
+    def _recompute(self, piece: _Piece, leaves: dict[str, Tensor] | None) -> Tensor:
+        """The stage's output on a piece's saved input with the backward's weights, with a
+        graph, drawing the forward's random numbers."""
+        assert piece.input is not None
+        x = piece.input
         if not self.is_first:
             x.requires_grad_(True)
-        leaves = self._leaves(action)
         with torch.random.fork_rng(devices=[]):
-            if state.rng_state is not None:
-                torch.set_rng_state(state.rng_state)
+            if piece.rng_state is not None:
+                torch.set_rng_state(piece.rng_state)
             with torch.enable_grad():
-                out = self._call(leaves, x)
-        return out, leaves
+                return self._call(leaves, x)
 
     def _accumulate(self, leaves: dict[str, Tensor]) -> None:
         """Add the gradients that landed on weight copies to the real parameters' ``.grad``."""

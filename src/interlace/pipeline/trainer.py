@@ -86,6 +86,7 @@ def train_pipeline(config: TrainConfig, context: DistContext, run_dir: str | Non
         device=context.device,
         on_update=after_update,
         spectrain_backward=config.spectrain_backward,
+        chunks=1 if config.schedule in ("gpipe", "1f1b") else config.chunks,
     )
     log = open_run_log(config, context, run_dir, f"pipe{context.world_size}")
     if log is not None:
@@ -95,7 +96,7 @@ def train_pipeline(config: TrainConfig, context: DistContext, run_dir: str | Non
             + (
                 f" in {config.microbatches} micro-batches"
                 if config.schedule in ("gpipe", "1f1b")
-                else ""
+                else (f" in {config.chunks} chunks" if config.chunks > 1 else "")
             )
             + f", run folder {log.path}",
             flush=True,
