@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import statistics
 import time
 from collections.abc import Iterator
@@ -420,7 +421,8 @@ class DataParallel(nn.Module):
         self._refit_iterations += 1
 
     def _refit(self) -> None:
-        """Fit ``a + b*M`` to the measured all-reduces (slowest rank), re-plan, keep the faster."""
+        """Fit ``a + b*M`` to the measured all-reduces (each as timed by the last rank to join
+        it), re-plan, keep the faster plan."""
         self._refit_pending = False
         self._engine.recorder = self._on_comm if self._record else None
         assert self.plan is not None and self._cost_model is not None and self._timings
@@ -431,20 +433,30 @@ class DataParallel(nn.Module):
             for bucket, chans in enumerate(self._engine.assignment)
             for channel in chans
         ]
+        # The least over ranks: an all-reduce completes only once the last rank has joined it,
+        # so the ranks that launched it earlier also timed their wait for that rank (compute
+        # skew, not communication); the last rank to join timed the all-reduce itself. An
+        # untimed key is +inf, which the minimum ignores unless no rank timed it.
         local = torch.tensor(
             [
-                statistics.median(self._refit_samples[key]) if key in self._refit_samples else -1.0
+                statistics.median(self._refit_samples[key])
+                if key in self._refit_samples
+                else math.inf
                 for key in keys
             ],
             dtype=torch.float64,
         )
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group)
+        dist.all_reduce(local, op=dist.ReduceOp.MIN, group=self.process_group)
         slice_bytes = {
             (bucket, channel): nbytes
             for bucket, chans in enumerate(self._engine.assignment)
             for channel, nbytes in zip(chans, self._engine.slice_bytes(bucket), strict=True)
         }
-        timed = [(key, value) for key, value in zip(keys, local.tolist(), strict=True) if value > 0]
+        timed = [
+            (key, value)
+            for key, value in zip(keys, local.tolist(), strict=True)
+            if 0 < value < math.inf
+        ]
         if not timed:
             # Identical on every rank (it follows from the MAX above).
             self.refit_summary = "refit skipped: no all-reduce was timed"

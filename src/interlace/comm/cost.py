@@ -17,6 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
+INTERCEPT_SPREAD = 4.0
+"""How far apart (largest over smallest) the sizes of timed all-reduces must be before their
+least-squares intercept is trusted as a start-up cost."""
+
 
 @dataclass(frozen=True)
 class CostModel:
@@ -145,14 +149,19 @@ class CostModel:
         """This model refitted to all-reduces timed while training ran (sizes in bytes).
 
         Running beside backward only makes an all-reduce slower than the idle-network calibration
-        did, so the start-up never drops below ``a``: a least-squares intercept from a handful of
+        did, so the start-up never drops below ``a``; it is refitted only from sizes at least
+        :data:`INTERCEPT_SPREAD` apart whose fit rises with size (two buckets of 1.0 and 1.2 MB
+        put a 50 ms "start-up" through noise, and the planner then merged every gradient into
+        one bucket with no overlap left): a least-squares intercept from a handful of
         bucket sizes is noisy, and a start-up fitted too small would make the planner split
         buckets it should merge. ``b`` is then fitted on top. The concurrency terms were
         measured relative to one all-reduce alone, so they carry over (start-ups scaled alike).
         """
         start_up = self.a
-        if len(set(sizes)) >= 2:
-            start_up = max(self.a, CostModel.fit_points(sizes, seconds).a)
+        if len(set(sizes)) >= 2 and max(sizes) >= INTERCEPT_SPREAD * min(sizes):
+            fitted_points = CostModel.fit_points(sizes, seconds)
+            if fitted_points.b > 0:  # a flat or falling fit says nothing about the start-up
+                start_up = max(self.a, fitted_points.a)
         fitted = CostModel.fit_slope(start_up, sizes, seconds)
         scale = fitted.a / self.a if self.a > 0 else 1.0
         return CostModel(
