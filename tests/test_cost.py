@@ -103,8 +103,8 @@ def test_refit_never_lowers_the_start_up_below_the_calibration() -> None:
     assert refit.a == pytest.approx(1e-3)
     # b by least squares through (M, T - a): (1e6 * 1e-3 + 2e6 * 3e-3) / (1e12 + 4e12).
     assert refit.b == pytest.approx(1.4e-9)
-    # Sizes too close together (or a fit that falls with size): the intercept is noise, so
-    # the start-up is kept. 1.0 and 1.2 MB at 50 and 49 ms would otherwise say a = 50 ms.
+    # Sizes too close together: their intercept is noise, so the start-up is kept (1.0 and
+    # 1.2 MB at 50 and 49 ms would otherwise say a = 50 ms).
     close = calibrated.refitted([1.0e6, 1.2e6], [50e-3, 49e-3])
     assert close.a == pytest.approx(1e-3)
     assert close.b == pytest.approx((1.0e6 * 49e-3 + 1.2e6 * 48e-3) / (1.0e12 + 1.44e12))

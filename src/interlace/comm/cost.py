@@ -150,18 +150,17 @@ class CostModel:
 
         Running beside backward only makes an all-reduce slower than the idle-network calibration
         did, so the start-up never drops below ``a``; it is refitted only from sizes at least
-        :data:`INTERCEPT_SPREAD` apart whose fit rises with size (two buckets of 1.0 and 1.2 MB
-        put a 50 ms "start-up" through noise, and the planner then merged every gradient into
-        one bucket with no overlap left): a least-squares intercept from a handful of
-        bucket sizes is noisy, and a start-up fitted too small would make the planner split
-        buckets it should merge. ``b`` is then fitted on top. The concurrency terms were
-        measured relative to one all-reduce alone, so they carry over (start-ups scaled alike).
+        :data:`INTERCEPT_SPREAD` apart (the intercept through two buckets of similar size is
+        mostly noise, and a start-up of tens of milliseconds makes the planner merge every
+        gradient into one bucket, leaving nothing to overlap): a least-squares intercept from a
+        handful of bucket sizes is noisy, and a start-up fitted too small would make the
+        planner split buckets it should merge. ``b`` is then fitted on top. The concurrency
+        terms were measured relative to one all-reduce alone, so they carry over (start-ups
+        scaled alike).
         """
         start_up = self.a
         if len(set(sizes)) >= 2 and max(sizes) >= INTERCEPT_SPREAD * min(sizes):
-            fitted_points = CostModel.fit_points(sizes, seconds)
-            if fitted_points.b > 0:  # a flat or falling fit says nothing about the start-up
-                start_up = max(self.a, fitted_points.a)
+            start_up = max(self.a, CostModel.fit_points(sizes, seconds).a)
         fitted = CostModel.fit_slope(start_up, sizes, seconds)
         scale = fitted.a / self.a if self.a > 0 else 1.0
         return CostModel(
