@@ -51,6 +51,7 @@ def test_a_pipelined_resnet_learns_digits(tmp_path: Path, schedule: str, chunks:
         ({"parallel": "pipeline", "schedule": "gpipe", "batch_size": 2}, "micro-batches"),
         ({"parallel": "pipeline", "partition_by": "luck"}, "--partition-by"),
         ({"parallel": "pipeline", "chunks": 0}, "--chunks"),
+        ({"parallel": "pipeline", "schedule": "gpipe", "chunks": 2}, "--microbatches"),
         ({"parallel": "pipeline", "schedule": "naive", "batch_size": 2, "chunks": 4}, "chunks"),
     ],
 )

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from typing import NoReturn
+
+from interlace.errors import UsageError
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
@@ -22,6 +25,28 @@ def fail(prog: str, message: str, status: int = 2) -> NoReturn:
     """Print ``prog: error: message`` on stderr and exit with ``status``."""
     print(f"{prog}: error: {message}", file=sys.stderr)
     raise SystemExit(status)
+
+
+def standalone_main(
+    prog: str,
+    description: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int],
+    argv: list[str] | None = None,
+) -> int:
+    """A subcommand run on its own (``python benchmarks/X.py``): parse, run, and answer a
+    usage error or Ctrl-C with one line and the exit status ``interlace`` itself would give."""
+    parser = OneLineArgumentParser(prog=prog, description=description)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except UsageError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 def add_channel_arguments(parser: argparse.ArgumentParser) -> None:

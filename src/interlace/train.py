@@ -32,6 +32,7 @@ from interlace.distenv import DistContext, init_distributed
 from interlace.errors import UsageError
 from interlace.kfac import KFAC
 from interlace.kfac.decomp import COMPUTE_METHODS
+from interlace.pipeline.schedule import ASYNCHRONOUS, SCHEDULES, SYNCHRONOUS
 from interlace.runlog import RunLog, new_run_dir
 from interlace.strategies import STRATEGIES, parse_channels, wrap_model
 from interlace.zoo import build_model, load_data, make_loader
@@ -41,7 +42,7 @@ OPTIMIZERS = ("sgd", "kfac")
 #: The ``--parallel`` choices: the model replicated (data parallel) or cut into stages.
 PARALLELISMS = ("data", "pipeline")
 #: The ``--schedule`` choices of ``--parallel pipeline`` (see interlace.pipeline.schedule).
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "pipedream", "spectrain", "naive")
+PIPELINE_SCHEDULES = SCHEDULES
 #: How ``--parallel pipeline`` balances its stages (see interlace.pipeline.partition).
 PARTITION_BY = ("time", "params")
 
@@ -167,15 +168,20 @@ class TrainConfig:
             (self.microbatches >= 1, f"--microbatches must be >= 1, got {self.microbatches}"),
             (
                 self.parallel != "pipeline"
-                or self.schedule not in ("gpipe", "1f1b")
+                or self.schedule not in SYNCHRONOUS
                 or self.batch_size >= self.microbatches,
                 f"--batch-size {self.batch_size} cannot be cut into {self.microbatches} "
                 "micro-batches; raise --batch-size or lower --microbatches",
             ),
             (self.chunks >= 1, f"--chunks must be >= 1, got {self.chunks}"),
             (
+                self.chunks == 1 or self.schedule not in SYNCHRONOUS,
+                f"--chunks applies to {', '.join(ASYNCHRONOUS)}; {self.schedule} cuts a "
+                "mini-batch with --microbatches",
+            ),
+            (
                 self.parallel != "pipeline"
-                or self.schedule in ("gpipe", "1f1b")
+                or self.schedule in SYNCHRONOUS
                 or self.batch_size >= self.chunks,
                 f"--batch-size {self.batch_size} cannot be cut into {self.chunks} chunks; raise "
                 "--batch-size or lower --chunks",

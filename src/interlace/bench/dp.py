@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from interlace.cliutil import OneLineArgumentParser
+from interlace.cliutil import standalone_main
 from interlace.errors import UsageError
 
 PROG = "interlace bench dp"
@@ -1410,18 +1410,11 @@ def _one_line(rows: Sequence[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``interlace bench dp`` on its own (``python benchmarks/dp.py``); the exit status."""
-    parser = OneLineArgumentParser(
-        prog=PROG,
-        description="Compare data-parallel strategies with PyTorch DDP on the emulated cluster, "
+    return standalone_main(
+        PROG,
+        "Compare data-parallel strategies with PyTorch DDP on the emulated cluster, "
         "at link rates chosen for target communication/compute ratios.",
+        add_arguments,
+        run,
+        argv,
     )
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except UsageError as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130

@@ -61,7 +61,7 @@ from interlace.bench.dp import (
     parse_names,
     parse_shape,
 )
-from interlace.cliutil import OneLineArgumentParser
+from interlace.cliutil import standalone_main
 from interlace.errors import UsageError
 from interlace.timeline import Event, Timeline
 
@@ -1079,18 +1079,11 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``interlace bench pipeline`` on its own (``python benchmarks/pipeline.py``)."""
-    parser = OneLineArgumentParser(
-        prog=PROG,
-        description="Compare interlace's pipeline schedules with DataParallel and "
+    return standalone_main(
+        PROG,
+        "Compare interlace's pipeline schedules with DataParallel and "
         "torch.distributed.pipelining at equal global batch on the emulated cluster.",
+        add_arguments,
+        run,
+        argv,
     )
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except UsageError as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130

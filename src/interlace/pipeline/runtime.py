@@ -408,7 +408,7 @@ class PipelineStage:
         Stage 0 holds their inputs and the last stage their targets; the pieces' scales split
         the unit's share of the mini-batch by sample count.
         """
-        count = self.chunks if self.asynchronous else 1
+        count = self._pieces_per_unit()
         if batch is None:
             return [_Piece(scale=scale / count) for _ in range(count)]
         inputs, targets = batch

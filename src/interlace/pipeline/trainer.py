@@ -26,6 +26,7 @@ from tqdm import tqdm
 from interlace.distenv import DistContext
 from interlace.errors import UsageError
 from interlace.pipeline.runtime import PipelineStage
+from interlace.pipeline.schedule import SYNCHRONOUS
 from interlace.pipeline.stages import local_stage
 from interlace.train import (
     TrainConfig,
@@ -86,7 +87,7 @@ def train_pipeline(config: TrainConfig, context: DistContext, run_dir: str | Non
         device=context.device,
         on_update=after_update,
         spectrain_backward=config.spectrain_backward,
-        chunks=1 if config.schedule in ("gpipe", "1f1b") else config.chunks,
+        chunks=config.chunks,
     )
     log = open_run_log(config, context, run_dir, f"pipe{context.world_size}")
     if log is not None:
@@ -95,7 +96,7 @@ def train_pipeline(config: TrainConfig, context: DistContext, run_dir: str | Non
             f"stage(s), schedule {config.schedule}, mini-batch {config.batch_size}"
             + (
                 f" in {config.microbatches} micro-batches"
-                if config.schedule in ("gpipe", "1f1b")
+                if config.schedule in SYNCHRONOUS
                 else (f" in {config.chunks} chunks" if config.chunks > 1 else "")
             )
             + f", run folder {log.path}",
