@@ -84,30 +84,3 @@ def test_osu_logs_fit_the_alpha_beta_model(workers: int) -> None:
     )
     assert errors[len(errors) // 2] < 0.08
     assert errors[-1] < 0.25
-
-
-def test_refit_recovers_a_slower_link_and_keeps_the_concurrency_ratios() -> None:
-    calibrated = CostModel(a=1e-3, b=1e-9, concurrency=((1.5e-3, 1.8),))
-    sizes = [1e4, 2e5, 1e6, 4e6]
-    slower = [3e-3 + 2.5e-9 * size for size in sizes]  # what training really saw
-    refit = calibrated.refitted(sizes, slower)
-    assert refit.a == pytest.approx(3e-3) and refit.b == pytest.approx(2.5e-9)
-    assert refit.concurrency[0] == pytest.approx((4.5e-3, 1.8))
-
-
-def test_refit_never_lowers_the_start_up_below_the_calibration() -> None:
-    calibrated = CostModel(a=1e-3, b=1e-9)
-    sizes = [1e6, 2e6]
-    # Proportional times whose intercept would be 0: the start-up stays at the calibrated 1 ms.
-    refit = calibrated.refitted(sizes, [2e-3, 4e-3])
-    assert refit.a == pytest.approx(1e-3)
-    # b by least squares through (M, T - a): (1e6 * 1e-3 + 2e6 * 3e-3) / (1e12 + 4e12).
-    assert refit.b == pytest.approx(1.4e-9)
-    # Sizes too close together: their intercept is noise, so the start-up is kept (1.0 and
-    # 1.2 MB at 50 and 49 ms would otherwise say a = 50 ms).
-    close = calibrated.refitted([1.0e6, 1.2e6], [50e-3, 49e-3])
-    assert close.a == pytest.approx(1e-3)
-    assert close.b == pytest.approx((1.0e6 * 49e-3 + 1.2e6 * 48e-3) / (1.0e12 + 1.44e12))
-    # One size only: the start-up is kept and b fitted on top.
-    single = calibrated.refitted([1e6], [5e-3])
-    assert (single.a, single.b) == pytest.approx((1e-3, 4e-9))

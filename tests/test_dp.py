@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from interlace.comm.cost import CostModel
+from interlace.comm.tuning import PlanTrials
 from interlace.dp import DataParallel
 from interlace.errors import RankFailedError, UsageError
 from interlace.testing import run_ranks
@@ -219,46 +221,74 @@ def test_a_rank_killed_mid_backward_ends_the_job_with_an_error() -> None:
     assert failure.value.returncode == 7
 
 
-def _refit_run(refit_steps: int) -> dict[str, Any]:
+def _tuned_run(settings: tuple[int, bool]) -> dict[str, Any]:
+    tune_steps, evaluate = settings
     torch.manual_seed(5)
     model = DataParallel(
         build_model("mlp", (1, 8, 8), 10),
         profile_steps=2,
-        refit_steps=refit_steps,
-        # A start-up far below what gloo really needs: the refit must raise it.
-        cost_model=CostModel(a=1e-7, b=1e-12),
+        tune_steps=tune_steps,
+        # A start-up so small that the merge rule keeps several buckets, which DDP's single
+        # bucket (this model is under 1 MB) then differs from.
+        cost_model=CostModel(a=1e-6, b=1e-12),
     )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     done_after = None
-    for step in range(12):
+    for step in range(60):
+        optimizer.zero_grad()
         model(torch.randn(8, 1, 8, 8)).sum().backward()
+        optimizer.step()
+        if evaluate and step % 7 == 3:
+            # Evaluation passes in between: they must neither count nor break the trials.
+            with torch.no_grad():
+                model.eval()
+                model(torch.randn(8, 1, 8, 8))
+                model.train()
         if model.planning_done and done_after is None:
             done_after = step
-    assert model.cost_model is not None
+    assert model.plan is not None
     return {
-        "summary": model.refit_summary,
-        "a": model.cost_model.a,
-        "b": model.cost_model.b,
+        "summary": model.tuning_summary,
+        "results": model.tuning_results,
+        "groups": model.plan.groups,
         "done_after": done_after,
-        "buckets": len(model.plan.buckets) if model.plan else None,
     }
 
 
-def test_the_cost_model_is_refitted_from_training_and_every_rank_agrees() -> None:
-    first, second = run_ranks(_refit_run, 2, 3, timeout=120)
-    assert first["summary"].startswith("refit from 3 timed iterations")
-    assert ("plan replaced" in first["summary"]) or ("plan kept" in first["summary"])
-    # Real all-reduces take far more than 0.1 us to start: the refitted model saw that.
-    assert first["a"] > 1e-6
-    assert (first["a"], first["b"], first["buckets"]) == (
-        second["a"],
-        second["b"],
-        second["buckets"],
-    )
-    # Planned in the 4th forward (1 warm-up + 2 profiled passes), final after 3 timed ones.
-    assert first["done_after"] == 6
+def _trial_iterations(candidates: int) -> int:
+    """Iterations the trials take with one timed iteration per schedule entry."""
+    schedule = PlanTrials([str(i) for i in range(candidates)], steps=1).schedule
+    changes = sum(1 for before, after in itertools.pairwise(schedule) if before != after)
+    return len(schedule) + 1 + changes
 
 
-def test_refit_steps_zero_keeps_the_first_plan() -> None:
-    (result,) = run_ranks(_refit_run, 1, 0, timeout=60)
-    assert result["summary"] == "" and result["a"] == pytest.approx(1e-7)
+def test_candidate_plans_are_tried_and_the_fastest_measured_is_kept_on_every_rank() -> None:
+    first, second = run_ranks(_tuned_run, 2, (1, False), timeout=120)
+    assert first["summary"].startswith("tuned by measured iteration time")
+    assert first["summary"] == second["summary"] and first["groups"] == second["groups"]
+    labels = [label for label, _, _ in first["results"]]
+    assert labels[0].startswith("the cost model's plan")
+    assert any(label.endswith("DDP's buckets (1 MB first, 25 MB)") for label in labels)
+    assert len(labels) >= 2
+    # The plan kept is the candidate with the least median, and its buckets are in use.
+    kept = min(first["results"], key=lambda result: result[2])
+    assert first["summary"].endswith(f"kept {kept[0]}")
+    assert len(first["groups"]) == kept[1]
+    # Planned at step 3 (1 warm-up + 2 profiled passes). Then 1 timed iteration per entry of
+    # the schedule, 1 untimed at the start and after each change of buckets; the winner is
+    # chosen at the next forward.
+    assert first["done_after"] == 3 + _trial_iterations(len(labels))
+
+
+def test_evaluation_passes_during_the_trials_are_not_timed_and_break_nothing() -> None:
+    first, second = run_ranks(_tuned_run, 2, (1, True), timeout=120)
+    assert first["summary"].startswith("tuned by measured iteration time")
+    assert first["groups"] == second["groups"]
+    # A span with an evaluation pass in it is dropped, so the trials take longer.
+    assert first["done_after"] > 3 + _trial_iterations(len(first["results"]))
+
+
+def test_tune_steps_zero_keeps_the_cost_models_plan() -> None:
+    (result,) = run_ranks(_tuned_run, 1, (0, False), timeout=60)
+    assert result["summary"] == "" and result["results"] == []
     assert result["done_after"] == 3

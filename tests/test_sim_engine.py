@@ -183,6 +183,19 @@ def test_planning_and_timing_costs_can_differ() -> None:
     assert result.plan.cost == believed
 
 
+def test_a_run_s_own_buckets_are_replayed_instead_of_planned() -> None:
+    trace = toy_trace([1, 2, 3], [1_000_000] * 3)
+    cost = CostModel(1 * MS, 1e-9)
+    # The run kept t0 alone and t1 with t2: 1..3 ms, then 2 MB from 3 ms to 6 ms.
+    result = simulate(trace, "mgwfbp", cost, buckets=[["t0"], ["t1", "t2"]])
+    assert [t for c in result.replay.comms for t in (c.start_s, c.end_s)] == pytest.approx(
+        [1 * MS, 3 * MS, 3 * MS, 6 * MS]
+    )
+    assert result.buckets == 2 and result.iteration_s == pytest.approx(9 * MS)
+    with pytest.raises(ValueError, match="does not have: t9"):
+        simulate(trace, "mgwfbp", cost, buckets=[["t0", "t1", "t2", "t9"]])
+
+
 # ---------------------------------------------------------------------- network models
 
 

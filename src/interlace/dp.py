@@ -10,23 +10,23 @@ process group. With ``bucketing="merged"`` that is MG-WFBP's optimal merge.
 Lifecycle: the first ``profile_steps`` backward passes send all gradients in one all-reduce at the
 end (so the measured ready times are not disturbed by communication), then the ranks agree on
 the slowest rank's timings, rank 0 plans, every rank receives the same plan, and the buckets are
-rebuilt. Then, for ``refit_steps`` iterations, the all-reduces are timed as they really run
-(alongside backward, on the cores backward also needs), the cost model is refitted to those times
-and the ranks re-plan once: the plan is replaced only if the refitted model predicts the new one
-faster than the current one.
+rebuilt. Where several plans are worth weighing (``bucketing="merged"`` or ``"optimal"``, or
+``channels="auto"``), the ranks then try each candidate for ``tune_steps`` real iterations per
+round (:mod:`interlace.comm.tuning`) and keep the one measured fastest: the cost model prices an
+all-reduce alone, but not what it costs the backward pass it overlaps when both need the same
+cores.
 
 With ``channels=k`` (AIACC-Training) buckets travel on ``k`` process groups at once, each on the
 channel the plan gives it, and buckets above the partition threshold are split across channels;
-``channels="auto"`` measures what concurrency costs on the live group and lets the planner's
-predicted iteration time choose ``k`` in 1..4 and the threshold. ``compression="fp16"|"bf16"``
-sends float32 buckets in half precision.
+``channels="auto"`` measures what concurrency costs on the live group, lets the planner's
+predicted iteration time choose the threshold for each ``k`` in 1..4, and the trials choose
+``k``. ``compression="fp16"|"bf16"`` sends float32 buckets in half precision.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import statistics
 import time
 from collections.abc import Iterator
@@ -47,7 +47,14 @@ from interlace.comm.channels import (
 )
 from interlace.comm.cost import CostModel
 from interlace.comm.engine import COMPRESSIONS, BucketEngine
-from interlace.comm.plan import Plan, ReadyTensor, make_plan, schedule
+from interlace.comm.plan import Plan, ReadyTensor, make_plan
+from interlace.comm.tuning import (
+    START_UP_SCALES,
+    PlanTrials,
+    describe_trials,
+    fastest,
+    scale_start_up,
+)
 from interlace.errors import UsageError
 
 if TYPE_CHECKING:
@@ -80,14 +87,16 @@ class DataParallel(nn.Module):
         profile_steps: backward passes timed before planning (after one warm-up pass);
             default 5 for ``"merged"`` and 1 (just the ready order) for the others.
         cost_model: price of an all-reduce; default: fitted on ``process_group`` (cached).
-        refit_steps: iterations timed after planning to refit the cost model from the
-            all-reduces as they run during training, then re-plan once; 0 keeps the first plan.
+        tune_steps: timed iterations per candidate plan and round when several plans are
+            weighed (the cost model's plan, the merge rule with larger start-ups, DDP's
+            buckets, and with ``channels="auto"`` the best plan for each channel count); the
+            fastest measured is kept. 0 keeps the cost model's plan untried.
         broadcast_buffers: re-send rank 0's buffers (BatchNorm statistics) before every forward,
             as DDP does by default.
         channels: process groups used at once: an int ``k >= 1`` or ``"auto"`` (``k`` in 1..4
-            and the partition threshold chosen by predicted iteration time, from the
-            concurrency measured on the live group). Creating channels is collective: every
-            rank of ``process_group`` wraps with the same value.
+            chosen by measured iteration time, the partition threshold for each ``k`` by
+            predicted time from the concurrency measured on the live group). Creating channels
+            is collective: every rank of ``process_group`` wraps with the same value.
         partition_mb: buckets larger than this are split into slices sent at once on different
             channels; ``None`` never splits, ``"auto"`` lets the planner choose.
         compression: ``None``, ``"fp16"`` or ``"bf16"``: float32 buckets are averaged in float32,
@@ -108,7 +117,7 @@ class DataParallel(nn.Module):
         channels: int | str = 1,
         partition_mb: float | str | None = "auto",
         compression: str | None = None,
-        refit_steps: int = 5,
+        tune_steps: int = 2,
     ) -> None:
         super().__init__()
         bucketing = _ALIASES.get(bucketing, bucketing)
@@ -140,8 +149,10 @@ class DataParallel(nn.Module):
                 "bucketing='optimal' is exact on one channel only; use bucketing='merged' with "
                 f"channels={channels!r}"
             )
-        if refit_steps < 0:
-            raise UsageError(f"refit_steps must be >= 0 (0: never refit), got {refit_steps}")
+        if tune_steps < 0:
+            raise UsageError(
+                f"tune_steps must be >= 0 (0: keep the cost model's plan), got {tune_steps}"
+            )
         if profile_steps is not None and profile_steps < 1:
             raise UsageError(f"profile_steps must be >= 1, got {profile_steps}")
         if not dist.is_available() or not dist.is_initialized():
@@ -161,13 +172,16 @@ class DataParallel(nn.Module):
         self.compression = compression
         self.channel_choice = ""
         """Why the plan uses the channels it does (set when planned)."""
-        self.refit_steps = refit_steps
-        self.refit_summary = ""
-        """What the refit from measured all-reduces found and whether it changed the plan."""
-        self._refit_pending = False
-        self._refit_samples: dict[tuple[int, int], list[float]] = {}
-        self._refit_iterations = 0
-        self._timings: tuple[float, float, list[float]] | None = None
+        self.tune_steps = tune_steps
+        self.tuning_summary = ""
+        """The candidate plans' measured iteration times and which was kept (set when done)."""
+        self.tuning_results: list[tuple[str, int, float]] = []
+        """Per candidate tried: its label, its bucket count, its median iteration seconds on
+        the slowest rank (set when the trials end)."""
+        self._candidates: list[tuple[Plan, list[int], str, str]] = []
+        self._trials: PlanTrials | None = None
+        self._entered = 0.0
+        self._timed_from: float | None = None
         self.profile_steps = profile_steps or (5 if bucketing == "merged" else 1)
         self._cost_model = cost_model
         self._rank = dist.get_rank(process_group)
@@ -232,10 +246,12 @@ class DataParallel(nn.Module):
     # ------------------------------------------------------------------ public API
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        entered = time.perf_counter()
         if self._plan_due():
             self._replan()
-        elif self._refit_due():
-            self._refit()
+        elif self._trials is not None:
+            self._tune(entered)
+        self._entered = entered
         if self.broadcast_buffers and torch.is_grad_enabled() and self.module.training:
             self._broadcast(list(self.module.buffers()))
         self._forward_start = time.perf_counter()
@@ -262,12 +278,12 @@ class DataParallel(nn.Module):
         """Keep each iteration's forward, per-tensor backward and per-bucket all-reduce times in
         :attr:`last_timeline` (a little overhead per bucket)."""
         self._record = enabled
-        self._engine.recorder = self._on_comm if enabled or self._refit_pending else None
+        self._engine.recorder = self._on_comm if enabled else None
 
     @property
     def planning_done(self) -> bool:
-        """Whether the buckets are final: planned, and refitted if a refit was asked for."""
-        return self.plan is not None and not self._refit_pending
+        """Whether the buckets are final: planned, and the candidate plans tried if any were."""
+        return self.plan is not None and self._trials is None
 
     @property
     def last_forward_start(self) -> float:
@@ -327,8 +343,9 @@ class DataParallel(nn.Module):
             self._profiled.append([t - start for t in self._ready_times])
             self._profiled_forward.append(self._forward_s)
             self._profiled_backward.append(backward_end - start)
-        if self._refit_pending and self.plan is not None:
-            self._collect_refit_sample()
+        if self._trials is not None:
+            # The iteration that began at this forward synchronised: the next forward ends it.
+            self._timed_from = self._entered
         if self._record:
             self.last_timeline = self._build_timeline(start, backward_end)
         self._comm_events = []
@@ -365,14 +382,15 @@ class DataParallel(nn.Module):
             )
         shared: list[Any] = [None]
         if self._rank == 0:
-            shared[0] = self._make_plan(forward_s, backward_s, ready)
+            shared[0] = self._candidate_plans(forward_s, backward_s, ready)
         dist.broadcast_object_list(shared, src=self._src, group=self.process_group)
-        self._adopt(*shared[0])
+        self._candidates = shared[0]
         self._profiled.clear()
-        self._timings = (forward_s, backward_s, ready)
-        if self.refit_steps > 0:
-            self._refit_pending = True
-            self._engine.recorder = self._on_comm
+        if len(self._candidates) > 1:
+            self._trials = PlanTrials([label for *_, label in self._candidates], self.tune_steps)
+        self._adopt(*self._candidates[0][:3])
+        if self._trials is None:
+            self._candidates = []
 
     def _adopt(self, plan: Plan, order: list[int], why: str) -> None:
         """Rebuild the buckets for ``plan`` (identical on every rank, checked)."""
@@ -400,108 +418,87 @@ class DataParallel(nn.Module):
         if self._rank == 0 and why:
             logger.info("interlace.DataParallel: %s", why)
 
-    # ------------------------------------------------------------------ refit
+    # ------------------------------------------------------------------ trials
 
-    def _refit_due(self) -> bool:
-        return self._refit_pending and self._refit_iterations >= self.refit_steps and self._sync
-
-    def _collect_refit_sample(self) -> None:
-        """Each all-reduce's own duration this iteration: from when its channel was free (and
-        it was launched) to its completion, so time queued behind another is not counted."""
-        expected = sum(len(chans) for chans in self._engine.assignment)
-        if len(self._comm_events) != expected:
-            return  # a completion not reported yet; skip this iteration rather than guess
-        channel_free: dict[int, float] = {}
-        for bucket, channel, _, launched, done in sorted(
-            self._comm_events, key=lambda event: event[3]
-        ):
-            start = max(launched, channel_free.get(channel, launched))
-            channel_free[channel] = done
-            self._refit_samples.setdefault((bucket, channel), []).append(done - start)
-        self._refit_iterations += 1
-
-    def _refit(self) -> None:
-        """Fit ``a + b*M`` to the measured all-reduces (each as timed by the last rank to join
-        it), re-plan, keep the faster plan."""
-        self._refit_pending = False
-        self._engine.recorder = self._on_comm if self._record else None
-        assert self.plan is not None and self._cost_model is not None and self._timings
-        # The same keys on every rank (from the shared plan), -1 where this rank timed none, so
-        # the collective below matches everywhere whatever each rank managed to time.
-        keys = [
-            (bucket, channel)
-            for bucket, chans in enumerate(self._engine.assignment)
-            for channel in chans
-        ]
-        # The least over ranks: an all-reduce completes only once the last rank has joined it,
-        # so the ranks that launched it earlier also timed their wait for that rank (compute
-        # skew, not communication); the last rank to join timed the all-reduce itself. An
-        # untimed key is +inf, which the minimum ignores unless no rank timed it.
-        local = torch.tensor(
-            [
-                statistics.median(self._refit_samples[key])
-                if key in self._refit_samples
-                else math.inf
-                for key in keys
-            ],
-            dtype=torch.float64,
-        )
-        dist.all_reduce(local, op=dist.ReduceOp.MIN, group=self.process_group)
-        slice_bytes = {
-            (bucket, channel): nbytes
-            for bucket, chans in enumerate(self._engine.assignment)
-            for channel, nbytes in zip(chans, self._engine.slice_bytes(bucket), strict=True)
-        }
-        timed = [
-            (key, value)
-            for key, value in zip(keys, local.tolist(), strict=True)
-            if 0 < value < math.inf
-        ]
-        if not timed:
-            # Identical on every rank (it follows from the MAX above).
-            self.refit_summary = "refit skipped: no all-reduce was timed"
+    def _tune(self, entered: float) -> None:
+        """At the start of a forward: time the iteration that just ended, and switch to the next
+        candidate (or the winner) when the trials say so. Every rank runs the same iterations,
+        so every rank switches at the same forward."""
+        assert self._trials is not None
+        if not (torch.is_grad_enabled() and self.module.training):
+            self._timed_from = None  # an evaluation pass in between: that span is not training
             return
-        durations = [value for _, value in timed]
-        wire_scale = 0.5 if self.compression is not None else 1.0
-        sizes = [slice_bytes[key] * wire_scale for key, _ in timed]
-        old = self._cost_model
-        refitted = old.refitted(sizes, durations)
-        # Every rank prices the current buckets under the refitted model (pure, so identical).
-        current = schedule(
-            self.plan.groups,
-            self.plan.tensors,
-            refitted,
-            backward_s=self.plan.backward_s,
-            forward_s=self.plan.forward_s,
-            strategy=self.plan.strategy,
-            channels=self.plan.channels,
-            partition_bytes=self.plan.partition_bytes,
-        )
-        shared: list[Any] = [None]
-        if self._rank == 0:
-            forward_s, backward_s, ready = self._timings
-            candidate, order, why = self._make_plan(forward_s, backward_s, ready, refitted)
-            replace = candidate.predicted_s < current.predicted_s
-            summary = (
-                f"refit from {self._refit_iterations} timed iterations: a {old.a * 1e3:.3f} -> "
-                f"{refitted.a * 1e3:.3f} ms, b {old.b * 1e9:.3f} -> {refitted.b * 1e9:.3f} "
-                f"ns/byte; re-planned {len(candidate.buckets)} bucket(s) predicted "
-                f"{candidate.predicted_s * 1e3:.2f} ms vs the current {len(current.buckets)} "
-                f"predicted {current.predicted_s * 1e3:.2f} ms under the refitted model: "
-                + ("plan replaced" if replace else "plan kept")
+        if self._timed_from is None or not self._sync:
+            return
+        seconds = entered - self._timed_from
+        self._timed_from = None
+        if not self._trials.record(seconds):
+            return
+        if not self._trials.finished:
+            self._adopt(*self._candidates[self._trials.current][:3])
+            return
+        # The slowest rank's medians: an iteration is over only when every rank is done.
+        medians = torch.tensor(self._trials.medians(), dtype=torch.float64)
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=self.process_group)
+        labels = [label for *_, label in self._candidates]
+        chosen = fastest(medians.tolist())
+        self.tuning_summary = describe_trials(labels, medians.tolist(), chosen)
+        self.tuning_results = [
+            (label, len(plan.buckets), median)
+            for (plan, *_), label, median in zip(
+                self._candidates, labels, medians.tolist(), strict=True
             )
-            shared[0] = (candidate, order, why, summary) if replace else (None, None, None, summary)
-        dist.broadcast_object_list(shared, src=self._src, group=self.process_group)
-        plan, order, why, summary = shared[0]
-        self._cost_model = refitted
-        self.refit_summary = summary
-        if plan is not None:
-            self._adopt(plan, order, why)
-        else:
-            # Same buckets; their predicted times now come from the refitted model.
-            self.plan = current
+        ]
+        if self._candidates[chosen][0] is not self.plan:
+            self._adopt(*self._candidates[chosen][:3])
+        self._trials = None
+        self._candidates = []
         if self._rank == 0:
-            logger.info("interlace.DataParallel: %s", summary)
+            logger.info("interlace.DataParallel: %s", self.tuning_summary)
+
+    def _candidate_plans(
+        self, forward_s: float, backward_s: float, ready: list[float]
+    ) -> list[tuple[Plan, list[int], str, str]]:
+        """The plans worth trying, the cost model's own first, without duplicates: with
+        ``"merged"``/``"optimal"`` the same rule with larger start-ups (each bucket launched
+        during backward costs that backward more than the idle-network fit knows) and DDP's
+        buckets; with ``channels="auto"`` the best plan for each channel count."""
+        cost = self._cost_model
+        assert cost is not None
+        found = [(*self._make_plan(forward_s, backward_s, ready), "the cost model's plan")]
+        if self.tune_steps > 0:
+            if self.bucketing in ("merged", "optimal"):
+                for factor in START_UP_SCALES:
+                    scaled = self._make_plan(
+                        forward_s, backward_s, ready, scale_start_up(cost, factor)
+                    )
+                    found.append((*scaled, f"start-up x{factor:g}"))
+                fixed = self._make_plan(forward_s, backward_s, ready, bucketing="fixed")
+                found.append(
+                    (
+                        *fixed,
+                        f"DDP's buckets ({self.first_bucket_cap_bytes / 1e6:g} MB first, "
+                        f"{self.bucket_cap_bytes / 1e6:g} MB)",
+                    )
+                )
+            if self.channels_requested == "auto":
+                for count in range(1, len(self._channels) + 1):
+                    on_count = self._make_plan(forward_s, backward_s, ready, channel_counts=[count])
+                    found.append((*on_count, f"{count} channel(s)"))
+        # One trial per distinct bucketing; a candidate found twice carries both names.
+        distinct: dict[Any, tuple[Plan, list[int], str, str]] = {}
+        for plan, order, why, label in found:
+            key = (
+                tuple(tuple(group) for group in plan.groups),
+                tuple(bucket.channels for bucket in plan.buckets),
+                plan.partition_bytes,
+            )
+            if key in distinct:
+                first = distinct[key]
+                distinct[key] = (*first[:3], f"{first[3]} = {label}")
+            else:
+                distinct[key] = (plan, order, why, label)
+        return list(distinct.values())
 
     def _make_plan(
         self,
@@ -509,9 +506,16 @@ class DataParallel(nn.Module):
         backward_s: float,
         ready: list[float],
         cost: CostModel | None = None,
+        *,
+        bucketing: str | None = None,
+        channel_counts: list[int] | None = None,
     ) -> tuple[Plan, list[int], str]:
+        """The plan ``bucketing`` (default: this wrapper's) makes under ``cost`` (default: the
+        fitted model): over ``channel_counts`` (default: as requested), the fastest predicted,
+        or one with fewer channels within :data:`AUTO_MARGIN` of it."""
         cost = cost or self._cost_model
         assert cost is not None
+        bucketing = bucketing or self.bucketing
         # Ready order; ties (and tensors that never got a gradient, ready at the end) keep the
         # reverse registration order, which is how backward usually visits them.
         clamped = [min(max(value, 0.0), backward_s) for value in ready]
@@ -525,18 +529,19 @@ class DataParallel(nn.Module):
             )
             for i in order
         ]
-        counts = (
-            range(1, len(self._channels) + 1)
-            if self.channels_requested == "auto"
-            else [len(self._channels)]
-        )
+        if channel_counts is not None:
+            counts: list[int] = channel_counts
+        elif self.channels_requested == "auto":
+            counts = list(range(1, len(self._channels) + 1))
+        else:
+            counts = [len(self._channels)]
         if self.partition_mb == "auto":
             partitions: list[float | None] = [None, *(mb * 1e6 for mb in PARTITION_CANDIDATES_MB)]
         else:
             partitions = [None if self.partition_mb is None else float(self.partition_mb) * 1e6]
         candidates = [
             make_plan(
-                self.bucketing,
+                bucketing,
                 tensors,
                 cost,
                 cap_bytes=self.bucket_cap_bytes,

@@ -171,8 +171,8 @@ def profile_rank(config: ProfileConfig) -> RankProfile:
         plan = ours.plan.describe() if ours is not None and ours.plan else ""
         if precond is not None:
             plan += "\n" + precond.describe().splitlines()[0]
-        if ours is not None and ours.refit_summary:
-            plan += "\n" + ours.refit_summary
+        if ours is not None and ours.tuning_summary:
+            plan += "\n" + ours.tuning_summary
         step_s = statistics.median(steps)
         trace = None
         if config.trace and context.rank == 0:

@@ -308,6 +308,7 @@ def _train(config: TrainConfig, context: DistContext, run_dir: str | None) -> Tr
     result_loss = math.nan
     throughput = 0.0
     plan_reported = False
+    tuning_reported = False
     try:
         for epoch in range(1, config.epochs + 1):
             sampler = train_loader.sampler
@@ -355,6 +356,10 @@ def _train(config: TrainConfig, context: DistContext, run_dir: str | None) -> Tr
                 if choice and not plan_reported:
                     bar.write(f"communication plan: {choice}", file=sys.stdout)
                     plan_reported = True
+                tuning = getattr(parallel_model, "tuning_summary", "")
+                if tuning and not tuning_reported:
+                    bar.write(f"communication plan {tuning}", file=sys.stdout)
+                    tuning_reported = True
                 bar.write(
                     f"epoch {epoch:3d}/{config.epochs}  train loss {train_loss:.4f}  "
                     f"test loss {test_loss:.4f}  test acc {100 * test_accuracy:6.2f}%  "

@@ -103,7 +103,7 @@ QUICK_ROUNDS = 2
 _BATCHES = 4
 #: Upper bound on warm-up steps spent waiting for a wrapper's plan; a wrapper that never plans
 #: is a bug, reported instead of looping forever.
-_MAX_PLAN_STEPS = 50
+_MAX_PLAN_STEPS = 200
 #: DDP rebuilds its buckets in gradient-ready order during its second iteration.
 _DDP_REBUILD_STEPS = 2
 
@@ -278,6 +278,10 @@ class StrategySamples:
     #: Channels the plan uses (``channels="auto"``: the ones it chose) and why.
     chosen_channels: int | None = None
     channel_choice: str | None = None
+    #: The final plan's buckets as tensor names, in launch order (DataParallel only), and what
+    #: its trials of candidate plans measured.
+    bucket_tensors: list[list[str]] | None = None
+    tuning: str | None = None
 
 
 @dataclass(frozen=True)
@@ -348,6 +352,8 @@ class Row:
     compression: str = "none"
     chosen_channels: int | None = None
     channel_choice: str | None = None
+    #: What DataParallel's trials of candidate plans measured, and which plan it kept.
+    tuning: str | None = None
     speedup_vs_one_channel: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -412,6 +418,7 @@ def rows_from_measurement(measurement: Measurement, context: LaunchContext) -> l
                 compression=compression or "none",
                 chosen_channels=samples.chosen_channels,
                 channel_choice=samples.channel_choice,
+                tuning=samples.tuning,
                 speedup_vs_one_channel=(
                     None if one_channel is None or channels == 1 else one_channel / median
                 ),
@@ -881,6 +888,12 @@ def measure_rank(job: MeasureJob) -> Measurement:
                 ),
                 chosen_channels=None if plan is None else plan.channels,
                 channel_choice=getattr(contender.wrapper, "channel_choice", None) or None,
+                bucket_tensors=(
+                    None
+                    if plan is None
+                    else [[plan.tensors[i].name for i in bucket.indices] for bucket in plan.buckets]
+                ),
+                tuning=getattr(contender.wrapper, "tuning_summary", None) or None,
             )
         )
     return Measurement(
@@ -1364,6 +1377,9 @@ def run(args: argparse.Namespace) -> int:
                     new_rows = rows_from_measurement(measurement, plan.context)
                     rows.extend(new_rows)
                     bar.write(_one_line(new_rows))
+                    for row in new_rows:
+                        if row.tuning:
+                            bar.write(f"  {row.strategy} {row.tuning}")
                 bar.update(1)
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)

@@ -110,7 +110,7 @@ DEFAULT_MOMENTUM = 0.9
 #: Distinct synthetic mini-batches cycled through.
 _BATCHES = 4
 #: Upper bound on warm-up steps spent waiting for DataParallel's plan (a bug otherwise).
-_MAX_PLAN_STEPS = 50
+_MAX_PLAN_STEPS = 200
 
 
 # ================================================================================ pure parts

@@ -17,10 +17,6 @@ from pathlib import Path
 
 import numpy as np
 
-INTERCEPT_SPREAD = 4.0
-"""How far apart (largest over smallest) the sizes of timed all-reduces must be before their
-least-squares intercept is trusted as a start-up cost."""
-
 
 @dataclass(frozen=True)
 class CostModel:
@@ -144,28 +140,6 @@ class CostModel:
         if x.shape != y.shape or x.size < 1 or not np.any(x > 0):
             raise ValueError("fitting the per-byte cost needs at least one non-empty size")
         return cls(a, max(float(np.dot(x, y) / np.dot(x, x)), 0.0))
-
-    def refitted(self, sizes: Sequence[float], seconds: Sequence[float]) -> CostModel:
-        """This model refitted to all-reduces timed while training ran (sizes in bytes).
-
-        Running beside backward only makes an all-reduce slower than the idle-network calibration
-        did, so the start-up never drops below ``a``; it is refitted only from sizes at least
-        :data:`INTERCEPT_SPREAD` apart (the intercept through two buckets of similar size is
-        mostly noise, and a start-up of tens of milliseconds makes the planner merge every
-        gradient into one bucket, leaving nothing to overlap): a least-squares intercept from a
-        handful of bucket sizes is noisy, and a start-up fitted too small would make the
-        planner split buckets it should merge. ``b`` is then fitted on top. The concurrency
-        terms were measured relative to one all-reduce alone, so they carry over (start-ups
-        scaled alike).
-        """
-        start_up = self.a
-        if len(set(sizes)) >= 2 and max(sizes) >= INTERCEPT_SPREAD * min(sizes):
-            start_up = max(self.a, CostModel.fit_points(sizes, seconds).a)
-        fitted = CostModel.fit_slope(start_up, sizes, seconds)
-        scale = fitted.a / self.a if self.a > 0 else 1.0
-        return CostModel(
-            fitted.a, fitted.b, tuple((a_j * scale, c_j) for a_j, c_j in self.concurrency)
-        )
 
     def scaled_to(self, world_size: int, from_world_size: int) -> CostModel:
         """This ring model, fitted on ``from_world_size`` workers, extrapolated to ``world_size``.

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from interlace.comm.cost import CostModel
-from interlace.comm.plan import Plan, ReadyTensor, make_plan, slice_sizes
+from interlace.comm.plan import Plan, ReadyTensor, make_plan, schedule, slice_sizes
 
 if TYPE_CHECKING:
     from interlace.sim.kfac import KfacCosts
@@ -501,6 +501,7 @@ def simulate(
     per_layer: bool = False,
     network: str = "",
     timing_cost: CostModel | None = None,
+    buckets: Sequence[Sequence[str]] | None = None,
 ) -> SimResult:
     """One iteration of ``trace`` with ``strategy`` when an all-reduce costs ``cost``.
 
@@ -508,11 +509,30 @@ def simulate(
     (default ``cost``), for a runtime that plans with one model while its network behaves as
     another (DataParallel fits ``a`` on isolated all-reduces but issues them back to back).
     ``per_layer`` sends a layer's tensors as one message (Caffe's unit, as in the MG-WFBP
-    paper's WFBP) instead of one message per tensor (PyTorch's unit).
+    paper's WFBP) instead of one message per tensor (PyTorch's unit). ``buckets`` (tensor
+    names, in launch order) replays a bucketing a run actually used instead of planning one:
+    DataParallel keeps whichever candidate plan it measured fastest, which the cost model
+    alone cannot foresee.
     """
     chosen = strategy if isinstance(strategy, Strategy) else strategy_named(strategy)
     tensors = trace.ready_tensors(per_layer=per_layer)
-    plan = chosen.plan(tensors, cost, backward_s=trace.backward_s, forward_s=trace.forward_s)
+    if buckets is None:
+        plan = chosen.plan(tensors, cost, backward_s=trace.backward_s, forward_s=trace.forward_s)
+    else:
+        position = {tensor.name: index for index, tensor in enumerate(tensors)}
+        missing = sorted({name for bucket in buckets for name in bucket} - set(position))
+        if missing:
+            raise ValueError(
+                f"the buckets name tensors the trace does not have: {', '.join(missing[:5])}"
+            )
+        plan = schedule(
+            [[position[name] for name in bucket] for bucket in buckets],
+            tensors,
+            cost,
+            backward_s=max(trace.backward_s, *(t.ready_s for t in tensors)),
+            forward_s=trace.forward_s,
+            strategy=chosen.name,
+        )
     replayed = replay(
         plan,
         contention,

@@ -175,9 +175,14 @@ def rows_from_sample(
     measured = {s.strategy: s for s in measurement.strategies}
     rows = []
     for strategy in strategies:
-        result = simulate(trace, strategy, sample.cost, contention=contention, timing_cost=timing)
-        plain = simulate(sample.trace, strategy, sample.cost)
         samples = measured[strategy]
+        # The buckets the run ended with (DataParallel may keep a candidate other than the cost
+        # model's plan after measuring them); DDP's are its own and not exported.
+        used = samples.bucket_tensors if samples.chosen_channels in (None, 1) else None
+        result = simulate(
+            trace, strategy, sample.cost, contention=contention, timing_cost=timing, buckets=used
+        )
+        plain = simulate(sample.trace, strategy, sample.cost, buckets=used)
         measured_s = statistics.median(samples.iteration_s)
         rows.append(
             ValidationRow(

@@ -1,0 +1,110 @@
+"""Choosing among candidate plans by the iteration time each one is measured to give.
+
+A cost model fitted on an idle network prices an all-reduce by itself. What it cannot see is what
+the all-reduce costs the computation it overlaps: where the same cores run the collectives and
+the backward pass (training on CPUs, or a host whose network stack competes with the data
+loader), every bucket launched during backward slows that backward by a roughly fixed amount, so
+fewer, larger buckets win more often than the model predicts. Rather than guess that amount,
+:class:`PlanTrials` runs each candidate plan for a few real iterations and keeps the fastest, as
+Horovod's autotuner does for its fusion buffer.
+
+The schedule runs the candidates in order, then in reverse, and again (:data:`ROUNDS` passes), so
+a drift of the machine's load during the trials favours no candidate; after each change of plan
+one iteration is not timed (new buffers, first all-reduces of new sizes). The class is pure
+bookkeeping: the runtime feeds it iteration times and rebuilds buckets when it says so.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+from interlace.comm.cost import CostModel
+
+START_UP_SCALES = (4.0, 16.0, 64.0)
+"""Besides the fitted start-up, the merge rule is also run with the start-up times these factors:
+each is one candidate of the trials (from 'merge little' to 'nearly one bucket')."""
+
+ROUNDS = 4
+"""Passes over the candidates, alternately forward and backward. On a shared machine the same
+plan measures 5-10% apart from one minute to the next; several short passes let every
+candidate sample every period of the trials."""
+
+
+def scale_start_up(cost: CostModel, factor: float) -> CostModel:
+    """``cost`` with every start-up (alone and concurrent) ``factor`` times larger."""
+    return CostModel(
+        cost.a * factor,
+        cost.b,
+        tuple((a_j * factor, c_j) for a_j, c_j in cost.concurrency),
+    )
+
+
+class PlanTrials:
+    """Which candidate runs now, and the iteration times each one has shown so far."""
+
+    def __init__(self, labels: Sequence[str], steps: int, rounds: int = ROUNDS) -> None:
+        if len(labels) < 2:
+            raise ValueError(f"trials need at least two candidates, got {len(labels)}")
+        if steps < 1 or rounds < 1:
+            raise ValueError(f"trials need steps >= 1 and rounds >= 1, got {steps}, {rounds}")
+        self.labels = list(labels)
+        self.steps = steps
+        forward = list(range(len(labels)))
+        self.schedule: list[int] = []
+        for round_index in range(rounds):
+            self.schedule += forward if round_index % 2 == 0 else forward[::-1]
+        self.samples: list[list[float]] = [[] for _ in labels]
+        self.position = 0
+        self._timed_here = 0
+        self._warming_up = True
+
+    @property
+    def current(self) -> int:
+        """The candidate whose buckets should be in use now."""
+        return self.schedule[min(self.position, len(self.schedule) - 1)]
+
+    @property
+    def finished(self) -> bool:
+        return self.position >= len(self.schedule)
+
+    def record(self, seconds: float) -> bool:
+        """Take one iteration's time; True when the next iteration needs other buckets (another
+        candidate, or the trials are over and the winner must be chosen)."""
+        if self.finished:
+            raise RuntimeError("the trials are over; no more iteration times are taken")
+        if self._warming_up:
+            self._warming_up = False
+            return False
+        self.samples[self.current].append(seconds)
+        self._timed_here += 1
+        if self._timed_here < self.steps:
+            return False
+        before = self.current
+        self.position += 1
+        self._timed_here = 0
+        if self.finished:
+            return True
+        # The same candidate twice in a row (where the order turns): no rebuild, no warm-up.
+        self._warming_up = self.current != before
+        return self._warming_up
+
+    def medians(self) -> list[float]:
+        """Each candidate's median iteration time (all rounds together)."""
+        return [statistics.median(samples) for samples in self.samples]
+
+
+def fastest(medians: Sequence[float]) -> int:
+    """The candidate with the least median time; the earlier one on a tie (the fitted model's
+    own plan comes first)."""
+    return min(range(len(medians)), key=lambda index: (medians[index], index))
+
+
+def describe_trials(labels: Sequence[str], medians: Sequence[float], chosen: int) -> str:
+    """One line: every candidate's measured median, and which was kept."""
+    weighed = ", ".join(
+        f"{label} {median * 1e3:.1f} ms" for label, median in zip(labels, medians, strict=True)
+    )
+    return (
+        f"tuned by measured iteration time (slowest rank, median): {weighed}; kept {labels[chosen]}"
+    )
