@@ -325,13 +325,20 @@ class DataParallel(nn.Module):
         backward_end = time.perf_counter()
         self._in_backward = False
         averaged = self._engine.finish()
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
         for param, grad in zip(self._params, averaged, strict=True):
             if grad is None:
                 param.grad = None
             elif param.grad is None:
                 param.grad = grad.clone()
             else:
-                param.grad.copy_(grad)
+                targets.append(param.grad)
+                sources.append(grad)
+        # One batched copy: a Python-level copy per parameter costs more than the copying on
+        # models of many small tensors.
+        if targets:
+            torch._foreach_copy_(targets, sources)
         self._after_backward(backward_end)
         self._engine.begin()
 
@@ -597,10 +604,10 @@ class DataParallel(nn.Module):
             for group in by_dtype.values():
                 flat = torch.cat([t.reshape(-1) for t in group])
                 dist.broadcast(flat, src=self._src, group=self.process_group)
-                offset = 0
-                for tensor in group:
-                    tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-                    offset += tensor.numel()
+                pieces = torch.split(flat, [t.numel() for t in group])
+                torch._foreach_copy_(
+                    group, [piece.view_as(t) for piece, t in zip(pieces, group, strict=True)]
+                )
 
     # ------------------------------------------------------------------ timeline
 

@@ -100,6 +100,13 @@ class BucketEngine:
                 wire = torch.zeros(buffer.numel(), dtype=COMPRESSIONS[compression], device=device)
             self._wires.append(wire)
         self._usage = self.buffers[-1][self.buffers[-1].numel() - len(self.tensors) :]
+        # Each tensor's place in its bucket, shaped like the tensor: made once, so a gradient
+        # costs one copy in the hook (backward runs one hook per tensor; slicing and reshaping
+        # there each time cost more than the copy for the small ones).
+        self._views: list[torch.Tensor] = [
+            self.buffers[slot.bucket][slot.offset : slot.offset + slot.numel].view_as(tensor)
+            for slot, tensor in zip(self.slots, self.tensors, strict=True)
+        ]
         self._sizes = [len(group) for group in self.groups]
         element = [self.tensors[group[0]].element_size() for group in self.groups]
         self.bucket_bytes: list[int] = [
@@ -145,10 +152,9 @@ class BucketEngine:
         """
         for index, ready in enumerate(self._ready):
             if not ready:
-                slot = self.slots[index]
-                self.buffers[slot.bucket][slot.offset : slot.offset + slot.numel].zero_()
+                self._views[index].zero_()
                 self._ready[index] = True
-                self._pending[slot.bucket] -= 1
+                self._pending[self.slots[index].bucket] -= 1
         self._launch_ready()
         for bucket, handles in enumerate(self._handles):
             for handle in handles:
@@ -157,14 +163,7 @@ class BucketEngine:
             if wire is not None:
                 self.buffers[bucket].copy_(wire)
         usage = self._usage.tolist()
-        averaged: list[torch.Tensor | None] = []
-        for index, slot in enumerate(self.slots):
-            if usage[index] > 0:
-                flat = self.buffers[slot.bucket][slot.offset : slot.offset + slot.numel]
-                averaged.append(flat.view_as(self.tensors[index]))
-            else:
-                averaged.append(None)
-        return averaged
+        return [view if used > 0 else None for view, used in zip(self._views, usage, strict=True)]
 
     def slice_bytes(self, bucket: int) -> list[int]:
         """Gradient bytes in each slice of ``bucket``, as reported to the recorder."""
@@ -176,8 +175,7 @@ class BucketEngine:
         return self.bucket_bytes[bucket] * numel // max(total, 1)
 
     def _write(self, index: int, grad: torch.Tensor) -> None:
-        slot = self.slots[index]
-        self.buffers[slot.bucket][slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
+        self._views[index].copy_(grad)
 
     def _launch_ready(self) -> None:
         # Strictly in plan order: a complete bucket waits for earlier incomplete ones, so all
