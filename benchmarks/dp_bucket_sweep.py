@@ -23,9 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-#: Untimed iterations per contender before timing: DDP rebuilds its buckets at its second, and
-#: interlace plans and runs its trials (all contenders get the same number, enough for both).
-WARMUP_STEPS = 60
+#: Untimed iterations per contender once its buckets are final (DDP rebuilds its buckets at its
+#: second iteration; interlace's are final when it has planned and run its trials).
+WARMUP_STEPS = 5
+#: A wrapper with no final plan after this many iterations is a bug, reported, not waited on.
+MAX_PLAN_STEPS = 300
 
 
 @dataclass(frozen=True)
@@ -92,11 +94,15 @@ def sweep_rank(job: SweepJob) -> list[dict[str, Any]]:
         functional.cross_entropy(wrapper(inputs), targets).backward()
         optimizer.step()
 
-    for _, wrapper, optimizer, _ in runs:
+    for label, wrapper, optimizer, _ in runs:
+        steps = 0
+        while not getattr(wrapper, "planning_done", True):
+            if steps >= MAX_PLAN_STEPS:
+                raise RuntimeError(f"{label}: no final plan after {steps} steps")
+            step(wrapper, optimizer)
+            steps += 1
         for _ in range(WARMUP_STEPS):
             step(wrapper, optimizer)
-        if not getattr(wrapper, "planning_done", True):
-            raise RuntimeError(f"no final plan after {WARMUP_STEPS} steps")
     for round_index, block in enumerate(_blocks(job.iters, job.rounds)):
         shift = round_index % len(runs)
         for _, wrapper, optimizer, times in runs[shift:] + runs[:shift]:

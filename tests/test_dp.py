@@ -292,3 +292,42 @@ def test_tune_steps_zero_keeps_the_cost_models_plan() -> None:
     (result,) = run_ranks(_tuned_run, 1, (0, False), timeout=60)
     assert result["summary"] == "" and result["results"] == []
     assert result["done_after"] == 3
+
+
+def _buffers_like_ddp(_: None) -> dict[str, float]:
+    """BatchNorm statistics against DDP's (which re-sends rank 0's buffers before every forward)
+    through training steps and an evaluation pass; then, after a training-mode pass without
+    gradients on rank-specific data, a training step on the same batch everywhere must leave
+    every rank with the same statistics (rank 0's, updated alike)."""
+    torch.manual_seed(3)
+    reference = build_model("resnet20", (1, 8, 8), 10)
+    ours = DataParallel(copy.deepcopy(reference), bucketing="fixed", cost_model=COST)
+    ddp = DistributedDataParallel(reference)
+    generator = torch.Generator().manual_seed(50 + dist.get_rank())  # rank-specific batches
+    worst = 0.0
+    for step in range(5):
+        inputs = torch.randn(4, 1, 8, 8, generator=generator)
+        for model in (ddp, ours):
+            if step == 3:
+                model.eval()
+                with torch.no_grad():
+                    model(inputs)
+                model.train()
+            model(inputs).sum().backward()
+        for a, b in zip(ours.module.buffers(), reference.buffers(), strict=True):
+            worst = max(worst, _relative(a.double(), b.double()))
+    with torch.no_grad():
+        ours(torch.randn(4, 1, 8, 8, generator=generator) * 2)  # updates this rank's statistics
+    shared = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(7))
+    ours(shared).sum().backward()
+    flat = torch.cat([b.double().reshape(-1) for b in ours.module.buffers()])
+    gathered = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    spread = max(_relative(other, gathered[0]) for other in gathered)
+    return {"vs_ddp": worst, "across_ranks": spread}
+
+
+def test_buffers_follow_rank_zero_before_every_training_forward_like_ddp() -> None:
+    for result in run_ranks(_buffers_like_ddp, 2, None, timeout=120):
+        assert result["vs_ddp"] < 1e-6
+        assert result["across_ranks"] < 1e-12

@@ -62,6 +62,10 @@ if TYPE_CHECKING:
 
 BUCKETINGS = ("merged", "per-tensor", "fixed", "single", "optimal")
 _ALIASES = {"mgwfbp": "merged", "wfbp": "per-tensor", "syncesgd": "single", "synceasgd": "single"}
+EVEN_BUCKET_COUNTS = (4, 8)
+"""With ``"merged"``/``"optimal"``, the trials also weigh gradients cut into about this many
+buckets of equal bytes (DDP-style caps of total/count): on the emulated cluster a few even
+buckets beat both DDP's default 25 MB and the merge rule's uneven ones on small models."""
 PARTITION_CANDIDATES_MB = (0.25, 1.0, 4.0)
 """Partition thresholds the planner weighs (besides none) when ``partition_mb="auto"``."""
 AUTO_MARGIN = 0.10
@@ -182,6 +186,8 @@ class DataParallel(nn.Module):
         self._trials: PlanTrials | None = None
         self._entered = 0.0
         self._timed_from: float | None = None
+        self._buffers_in_flight: tuple[dist.Work | None, list[torch.Tensor], torch.Tensor] | None
+        self._buffers_in_flight = None
         self.profile_steps = profile_steps or (5 if bucketing == "merged" else 1)
         self._cost_model = cost_model
         self._rank = dist.get_rank(process_group)
@@ -252,11 +258,21 @@ class DataParallel(nn.Module):
         elif self._trials is not None:
             self._tune(entered)
         self._entered = entered
-        if self.broadcast_buffers and torch.is_grad_enabled() and self.module.training:
-            self._broadcast(list(self.module.buffers()))
+        syncs_buffers = self.broadcast_buffers and torch.is_grad_enabled() and self.module.training
+        if syncs_buffers:
+            self._receive_buffers()
+        elif self._buffers_in_flight is not None and self.module.training:
+            # A training-mode pass without gradients may update the buffers too: the snapshot
+            # in flight would be stale, so the next training forward broadcasts afresh.
+            handle = self._buffers_in_flight[0]
+            if handle is not None:
+                handle.wait()
+            self._buffers_in_flight = None
         self._forward_start = time.perf_counter()
         output = self.module(*inputs, **kwargs)
         self._forward_s = time.perf_counter() - self._forward_start
+        if syncs_buffers:
+            self._send_buffers()
         self._backward_start = None
         if torch.is_grad_enabled() and self._sync:
             for tensor in _tensors_in(output):
@@ -488,6 +504,16 @@ class DataParallel(nn.Module):
                         f"{self.bucket_cap_bytes / 1e6:g} MB)",
                     )
                 )
+                total = sum(p.numel() * p.element_size() for p in self._params)
+                for count in EVEN_BUCKET_COUNTS:
+                    even = self._make_plan(
+                        forward_s,
+                        backward_s,
+                        ready,
+                        bucketing="fixed",
+                        caps=(total / count, total / count),
+                    )
+                    found.append((*even, f"{count} even buckets"))
             if self.channels_requested == "auto":
                 for count in range(1, len(self._channels) + 1):
                     on_count = self._make_plan(forward_s, backward_s, ready, channel_counts=[count])
@@ -516,6 +542,7 @@ class DataParallel(nn.Module):
         *,
         bucketing: str | None = None,
         channel_counts: list[int] | None = None,
+        caps: tuple[float, float] | None = None,
     ) -> tuple[Plan, list[int], str]:
         """The plan ``bucketing`` (default: this wrapper's) makes under ``cost`` (default: the
         fitted model): over ``channel_counts`` (default: as requested), the fastest predicted,
@@ -551,8 +578,8 @@ class DataParallel(nn.Module):
                 bucketing,
                 tensors,
                 cost,
-                cap_bytes=self.bucket_cap_bytes,
-                first_cap_bytes=self.first_bucket_cap_bytes,
+                cap_bytes=caps[1] if caps else self.bucket_cap_bytes,
+                first_cap_bytes=caps[0] if caps else self.first_bucket_cap_bytes,
                 backward_s=max(backward_s, tensors[-1].ready_s),
                 forward_s=forward_s,
                 channels=count,
@@ -594,20 +621,45 @@ class DataParallel(nn.Module):
     def _broadcast_state(self) -> None:
         self._broadcast([*self._params, *self.module.buffers()])
 
+    def _send_buffers(self) -> None:
+        """Start broadcasting rank 0's buffers as this forward left them, for the next forward.
+
+        DDP re-sends the buffers before every forward and waits for them. Nothing changes them
+        between the end of one training forward and the start of the next (evaluation passes
+        read them, they do not update them), so the same values can travel during backward,
+        where the link has time, instead of in front of the next forward, where it would cost
+        a start-up every iteration. A snapshot travels, so the next forward may update the
+        buffers while it is in flight."""
+        buffers = list(self.module.buffers())
+        if not buffers:
+            return
+        ordered, flat = _pack_bytes(buffers)
+        handle = dist.broadcast(flat, src=self._src, group=self.process_group, async_op=True)
+        self._buffers_in_flight = (handle, ordered, flat)
+
+    def _receive_buffers(self) -> None:
+        """Before a training forward: rank 0's buffers, from the broadcast started after the
+        previous one (or now, the first time)."""
+        if self._buffers_in_flight is None:
+            self._broadcast(list(self.module.buffers()))
+            return
+        handle, ordered, flat = self._buffers_in_flight
+        self._buffers_in_flight = None
+        if handle is not None:
+            handle.wait()
+        if self._rank != 0:
+            _unpack_bytes(ordered, flat)
+
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
-        """Rank 0's values into ``tensors``, one flat broadcast per dtype (one per tensor would pay
-        a start-up each: dozens of BatchNorm buffers every forward)."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for tensor in tensors:
-            by_dtype.setdefault(tensor.dtype, []).append(tensor)
-        with torch.no_grad():
-            for group in by_dtype.values():
-                flat = torch.cat([t.reshape(-1) for t in group])
-                dist.broadcast(flat, src=self._src, group=self.process_group)
-                pieces = torch.split(flat, [t.numel() for t in group])
-                torch._foreach_copy_(
-                    group, [piece.view_as(t) for piece, t in zip(pieces, group, strict=True)]
-                )
+        """Rank 0's values into ``tensors`` in one broadcast of their bytes, whatever their
+        dtypes: every collective pays a start-up, and BatchNorm's float statistics and integer
+        counters are re-sent before every forward (a broadcast per dtype measured about 8%
+        of a resnet20 iteration on the emulated cluster)."""
+        if not tensors:
+            return
+        ordered, flat = _pack_bytes(tensors)
+        dist.broadcast(flat, src=self._src, group=self.process_group)
+        _unpack_bytes(ordered, flat)
 
     # ------------------------------------------------------------------ timeline
 
@@ -693,6 +745,25 @@ def _explain_choice(plan: Plan, candidates: list[Plan], requested: int | str) ->
         f"{measured or 'none'}; more channels only for a predicted gain above "
         f"{AUTO_MARGIN:.0%}; a(1)={plan.cost.a * 1e3:.2f} ms)"
     )
+
+
+def _pack_bytes(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``tensors``, widest elements first (so each starts at an offset its dtype can be viewed
+    at), and a copy of all their bytes in one flat tensor."""
+    ordered = sorted(tensors, key=lambda t: -t.element_size())
+    with torch.no_grad():
+        flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in ordered])
+    return ordered, flat
+
+
+def _unpack_bytes(ordered: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy ``flat``'s bytes back into ``ordered`` (as :func:`_pack_bytes` laid them out)."""
+    pieces = torch.split(flat, [t.numel() * t.element_size() for t in ordered])
+    with torch.no_grad():
+        torch._foreach_copy_(
+            ordered,
+            [piece.view(t.dtype).view_as(t) for piece, t in zip(pieces, ordered, strict=True)],
+        )
 
 
 def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
