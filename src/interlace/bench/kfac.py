@@ -63,7 +63,7 @@ DEFAULT_ITERS = 10
 DEFAULT_WARMUP = 3
 DEFAULT_TIMEOUT_S = 900.0
 #: Upper bound on warm-up steps spent waiting for the data-parallel plan (a bug otherwise).
-_MAX_WARMUP_STEPS = 50
+_MAX_WARMUP_STEPS = 300
 _BATCHES = 4
 
 #: SPD-KFAC's ablation (``--ablation``): each mode's ``(factor_comm, fusion, placement)``, all
