@@ -112,6 +112,7 @@ def _auto_choice() -> dict[str, Any]:
         channels="auto",
         profile_steps=1,
         cost_model=LATENCY_BOUND,
+        tune_steps=0,  # the planner's own choice; the measured one is tested below
     )
     for _ in range(3):
         model(torch.randn(4, 1, 8, 8)).sum().backward()
@@ -131,6 +132,45 @@ def test_auto_chooses_the_same_channels_on_every_rank_and_says_why() -> None:
     assert reports[0]["channels"] > 1
     assert "channels='auto' chose" in reports[0]["why"]
     assert "k=1:" in reports[0]["why"]
+
+
+def _measured_choice() -> dict[str, Any]:
+    torch.manual_seed(3)
+    model = DataParallel(
+        build_model("mlp", (1, 8, 8), 10),
+        bucketing="per-tensor",
+        channels="auto",
+        profile_steps=1,
+        cost_model=LATENCY_BOUND,
+        tune_steps=1,
+    )
+    steps = 0
+    while not model.planning_done:
+        model(torch.randn(4, 1, 8, 8)).sum().backward()
+        steps += 1
+        assert steps < 100, "the trials never ended"
+    assert model.plan is not None
+    return {
+        "channels": model.plan.channels,
+        "assignment": model._engine.assignment,
+        "why": model.channel_choice,
+        "results": model.tuning_results,
+    }
+
+
+def test_auto_keeps_the_channel_count_its_trials_measured_fastest_on_every_rank() -> None:
+    reports = run_ranks(_measured_choice, 2, timeout=180)
+    assert reports[0] == reports[1]
+    first = reports[0]
+    assert first["why"].startswith(f"channels='auto' kept {first['channels']} channel(s)")
+    labels = [label for label, _, _ in first["results"]]
+    # Every channel count was tried (alone or as the same plan as another candidate).
+    for count in range(1, 5):
+        assert any(f"{count} channel(s)" in label for label in labels), (count, labels)
+    # The plan in use is the candidate with the least median (the model's own plan is also the
+    # best plan for its channel count, so every label names a count).
+    kept = min(first["results"], key=lambda result: result[2])
+    assert f"{first['channels']} channel(s)" in kept[0]
 
 
 def _mismatched_channels() -> None:

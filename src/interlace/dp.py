@@ -411,7 +411,10 @@ class DataParallel(nn.Module):
         self._profiled.clear()
         if len(self._candidates) > 1:
             self._trials = PlanTrials([label for *_, label in self._candidates], self.tune_steps)
-        self._adopt(*self._candidates[0][:3])
+            # A candidate on trial is not a choice: nothing to announce until the trials end.
+            self._adopt(*self._candidates[0][:2], "")
+        else:
+            self._adopt(*self._candidates[0][:3])
         if self._trials is None:
             self._candidates = []
 
@@ -458,7 +461,7 @@ class DataParallel(nn.Module):
         if not self._trials.record(seconds):
             return
         if not self._trials.finished:
-            self._adopt(*self._candidates[self._trials.current][:3])
+            self._adopt(*self._candidates[self._trials.current][:2], "")
             return
         # The slowest rank's medians: an iteration is over only when every rank is done.
         medians = torch.tensor(self._trials.medians(), dtype=torch.float64)
@@ -472,8 +475,18 @@ class DataParallel(nn.Module):
                 self._candidates, labels, medians.tolist(), strict=True
             )
         ]
-        if self._candidates[chosen][0] is not self.plan:
-            self._adopt(*self._candidates[chosen][:3])
+        plan, order, why, _ = self._candidates[chosen]
+        if self.channels_requested == "auto":
+            why = (
+                f"channels='auto' kept {plan.channels} channel(s) by measured iteration time "
+                f"(the planner's prediction: {why or 'one channel'})"
+            )
+        if plan is self.plan:
+            self.channel_choice = why  # already in use: no rebuild
+            if self._rank == 0 and why:
+                logger.info("interlace.DataParallel: %s", why)
+        else:
+            self._adopt(plan, order, why)
         self._trials = None
         self._candidates = []
         if self._rank == 0:
@@ -651,10 +664,9 @@ class DataParallel(nn.Module):
             _unpack_bytes(ordered, flat)
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
-        """Rank 0's values into ``tensors`` in one broadcast of their bytes, whatever their
-        dtypes: every collective pays a start-up, and BatchNorm's float statistics and integer
-        counters are re-sent before every forward (a broadcast per dtype measured about 8%
-        of a resnet20 iteration on the emulated cluster)."""
+        """Rank 0's values into ``tensors``, now, in one broadcast of their bytes whatever their
+        dtypes (every collective pays a start-up): the state at wrap time, and the buffers when
+        no snapshot is in flight."""
         if not tensors:
             return
         ordered, flat = _pack_bytes(tensors)

@@ -165,12 +165,6 @@ class BucketEngine:
         usage = self._usage.tolist()
         return [view if used > 0 else None for view, used in zip(self._views, usage, strict=True)]
 
-    def slice_bytes(self, bucket: int) -> list[int]:
-        """Gradient bytes in each slice of ``bucket``, as reported to the recorder."""
-        total = self.buffers[bucket].numel()
-        count = len(self.assignment[bucket])
-        return [self._slice_bytes(bucket, numel, total) for numel in _split_sizes(total, count)]
-
     def _slice_bytes(self, bucket: int, numel: int, total: int) -> int:
         return self.bucket_bytes[bucket] * numel // max(total, 1)
 
@@ -220,12 +214,6 @@ def _report_done(
 ) -> None:
     # Runs on the backend's thread when the all-reduce completes: the true end time.
     recorder(bucket, channel, nbytes, launched, time.perf_counter())
-
-
-def _split_sizes(total: int, count: int) -> list[int]:
-    """Element counts of ``torch.tensor_split(buffer, count)``: the first ``total % count``
-    slices get one more."""
-    return [total // count + (1 if index < total % count else 0) for index in range(count)]
 
 
 def _split_by_dtype(
