@@ -115,7 +115,10 @@ def test_train_runs_end_to_end_on_two_ranks(
     assert "epoch   2/2" in done.stdout
     if options:
         assert "channels auto, compression fp16" in done.stdout
-        assert "communication plan: channels='auto' chose" in done.stdout
+        # The kept count once the trials end, or word that they had not ended yet.
+        assert "communication plan: channels='auto' kept" in done.stdout or (
+            "communication plan: still on trial" in done.stdout
+        )
     (run,) = list(tmp_path.iterdir())
     assert (run / "metrics.csv").exists() and (run / "curves.png").exists()
 

@@ -417,10 +417,11 @@ def _pythonpath(base: Mapping[str, str]) -> str:
 
 
 def _wait_for(
-    rank: int, proc: subprocess.Popen[bytes], exits: queue.Queue[tuple[int, int]]
+    rank: int, proc: subprocess.Popen[bytes], exits: queue.Queue[tuple[int, int, float]]
 ) -> None:
-    """Report ``(rank, status)`` on ``exits`` when the rank's process ends."""
-    exits.put((rank, proc.wait()))
+    """Report ``(rank, status, wall-clock time)`` on ``exits`` when the rank's process ends."""
+    status = proc.wait()
+    exits.put((rank, status, time.time()))
 
 
 def _describe_exit(returncode: int) -> tuple[str, int]:
@@ -550,7 +551,7 @@ def _run_job(
     port = master_port if master_port is not None else _free_port()
     run_id = f"interlace-{uuid.uuid4().hex[:12]}"
 
-    exits: queue.Queue[tuple[int, int]] = queue.Queue()
+    exits: queue.Queue[tuple[int, int, float]] = queue.Queue()
     for rank in range(nprocs):
         rank_env = _rank_env(
             rank,
@@ -619,7 +620,7 @@ def _run_job(
             break
         try:
             # Bounded waits keep the main thread responsive to Ctrl-C on every platform.
-            rank, status = exits.get(timeout=0.5 if wait_s is None else min(wait_s, 0.5))
+            rank, status, exited_at = exits.get(timeout=0.5 if wait_s is None else min(wait_s, 0.5))
         except queue.Empty:
             continue
         running.discard(rank)
@@ -627,10 +628,12 @@ def _run_job(
             continue
         how, returncode = _describe_exit(status)
         failed_rank = rank
-        first = _earliest_error(workdir, nprocs) if is_worker else None
+        first = _earliest_error(workdir, nprocs, before=exited_at) if is_worker else None
         if first is not None and first[0] != rank:
             # A rank that raises makes its peers fail in their collectives a moment later, and
-            # a peer can exit first; the exception caught earliest is the cause to report.
+            # a peer can exit first; the exception caught earliest is the cause to report. Only
+            # one caught before this exit, though: a rank that died without raising (killed,
+            # os._exit) makes its peers raise after it, and the death is the cause.
             failed_rank, returncode = first
             how = f"failed with status {returncode} (rank {rank} {how} after it)"
         others = len(running - {failed_rank})
@@ -671,12 +674,18 @@ def _read_result(workdir: Path, rank: int) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
-def _earliest_error(workdir: Path, nprocs: int) -> tuple[int, int] | None:
-    """``(rank, status)`` of the callable rank whose exception was caught first, if any."""
+def _earliest_error(workdir: Path, nprocs: int, before: float) -> tuple[int, int] | None:
+    """``(rank, status)`` of the callable rank whose exception was caught first, if one was
+    caught before the wall-clock time ``before``."""
     errors = []
     for rank in range(nprocs):
         record = _read_result(workdir, rank)
-        if record is not None and not record.get("ok") and "time" in record:
+        if (
+            record is not None
+            and not record.get("ok")
+            and "time" in record
+            and float(record["time"]) < before
+        ):
             errors.append((float(record["time"]), rank, int(record.get("status", 1))))
     if not errors:
         return None

@@ -369,6 +369,13 @@ def _train(config: TrainConfig, context: DistContext, run_dir: str | None) -> Tr
                 sys.stdout.flush()
     finally:
         bar.close()
+    if log is not None and not getattr(parallel_model, "planning_done", True):
+        print(
+            "communication plan: still on trial when training ended (DataParallel tries its "
+            "candidate plans for real before keeping one; a longer run, or tune_steps=0, ends "
+            "them sooner)",
+            flush=True,
+        )
 
     if log is not None:
         finish_run_log(
