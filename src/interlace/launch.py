@@ -56,6 +56,9 @@ PROG = "interlace launch"
 #: Seconds between SIGTERM and SIGKILL when stopping ranks: long enough for a rank to flush its
 #: output and run its ``finally`` blocks, short enough that a failed job is over in seconds.
 GRACE_S = 3.0
+#: After a rank that raised exits, how long to wait for a peer that died without raising (whose
+#: death would be the cause) before reporting the raising rank.
+CAUSE_WINDOW_S = 1.0
 
 #: Exit status of a job stopped by ``timeout`` (the convention of coreutils ``timeout``).
 TIMEOUT_STATUS = 124
@@ -626,14 +629,22 @@ def _run_job(
         running.discard(rank)
         if status == 0:
             continue
+        if is_worker and _read_result(workdir, rank) is not None:
+            # This rank raised. If a peer died without raising (killed, os._exit), its death
+            # broke this rank's collective and is the cause, though the peer's exit may reach
+            # us a moment later on a loaded machine: wait briefly for one.
+            abrupt = _abrupt_exit_soon(exits, running, workdir, CAUSE_WINDOW_S)
+            if abrupt is not None:
+                rank, status, exited_at = abrupt
+                running.discard(rank)
         how, returncode = _describe_exit(status)
         failed_rank = rank
         first = _earliest_error(workdir, nprocs, before=exited_at) if is_worker else None
         if first is not None and first[0] != rank:
             # A rank that raises makes its peers fail in their collectives a moment later, and
             # a peer can exit first; the exception caught earliest is the cause to report. Only
-            # one caught before this exit, though: a rank that died without raising (killed,
-            # os._exit) makes its peers raise after it, and the death is the cause.
+            # one caught before this exit, though: a rank that died without raising makes its
+            # peers raise after it, and the death is the cause.
             failed_rank, returncode = first
             how = f"failed with status {returncode} (rank {rank} {how} after it)"
         others = len(running - {failed_rank})
@@ -672,6 +683,29 @@ def _read_result(workdir: Path, rank: int) -> dict[str, Any] | None:
     except Exception as exc:  # e.g. the value's class cannot be imported in the launcher
         return {"ok": False, "traceback": f"could not read rank {rank}'s result: {exc!r}"}
     return record if isinstance(record, dict) else None
+
+
+def _abrupt_exit_soon(
+    exits: queue.Queue[tuple[int, int, float]],
+    running: set[int],
+    workdir: Path,
+    window_s: float,
+) -> tuple[int, int, float] | None:
+    """The first rank to exit non-zero without an exception record within ``window_s``, if
+    any (the exits of ranks that raised are taken off the queue meanwhile)."""
+    deadline = time.monotonic() + window_s
+    while running:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        try:
+            rank, status, exited_at = exits.get(timeout=remaining)
+        except queue.Empty:
+            return None
+        running.discard(rank)
+        if status != 0 and _read_result(workdir, rank) is None:
+            return rank, status, exited_at
+    return None
 
 
 def _earliest_error(workdir: Path, nprocs: int, before: float) -> tuple[int, int] | None:
