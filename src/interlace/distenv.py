@@ -31,9 +31,27 @@ def in_launched_job() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def default_backend() -> str:
-    """NCCL when this process has a GPU, gloo otherwise."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+#: Names the backend outright (``gloo`` or ``nccl``), e.g. to keep a job on CPU on a GPU node.
+BACKEND_VARIABLE = "INTERLACE_BACKEND"
+
+
+def default_backend(local_rank: int | None = None) -> str:
+    """NCCL when this rank has a GPU of its own, gloo otherwise; ``$INTERLACE_BACKEND`` overrides.
+
+    NCCL needs one GPU per rank on a node. With more local ranks than GPUs (``interlace train
+    -n 4`` on a one-GPU workstation) every rank runs on CPU over gloo instead, rather than a
+    mix of devices or a failure inside NCCL.
+    """
+    chosen = os.environ.get(BACKEND_VARIABLE, "").strip().lower()
+    if chosen:
+        if chosen not in ("gloo", "nccl"):
+            raise ValueError(f"${BACKEND_VARIABLE} must be gloo or nccl, got {chosen!r}")
+        return chosen
+    if not torch.cuda.is_available():
+        return "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1)))
+    return "nccl" if max(local_rank + 1, local_world) <= torch.cuda.device_count() else "gloo"
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> DistContext:
@@ -43,8 +61,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> Di
     parallelism) run as a plain single process. ``timeout_s`` bounds every collective, so a peer
     that vanished ends this rank with an error instead of a hang.
     """
-    backend = backend or default_backend()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    backend = backend or default_backend(local_rank)
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -75,3 +93,14 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a tensor sent through ``group`` must live: this rank's GPU for NCCL, else the CPU.
+
+    Small control messages (timings, flags, chosen plans) are built on the host; NCCL accepts
+    only CUDA tensors, so they are placed here before they travel.
+    """
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -55,6 +55,7 @@ from interlace.comm.tuning import (
     fastest,
     scale_start_up,
 )
+from interlace.distenv import collective_device
 from interlace.errors import UsageError
 
 if TYPE_CHECKING:
@@ -391,7 +392,9 @@ class DataParallel(nn.Module):
             statistics.median(self._profiled_backward),
             *[statistics.median(step[i] for step in self._profiled) for i in range(count)],
         ]
-        timings = torch.tensor(local, dtype=torch.float64)
+        timings = torch.tensor(
+            local, dtype=torch.float64, device=collective_device(self.process_group)
+        )
         # The slowest rank's times: a bucket's all-reduce completes only once every rank has
         # produced it, so the plan must fit the rank that gets there last.
         dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=self.process_group)
@@ -464,7 +467,11 @@ class DataParallel(nn.Module):
             self._adopt(*self._candidates[self._trials.current][:2], "")
             return
         # The slowest rank's medians: an iteration is over only when every rank is done.
-        medians = torch.tensor(self._trials.medians(), dtype=torch.float64)
+        medians = torch.tensor(
+            self._trials.medians(),
+            dtype=torch.float64,
+            device=collective_device(self.process_group),
+        )
         dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=self.process_group)
         labels = [label for *_, label in self._candidates]
         chosen = fastest(medians.tolist())

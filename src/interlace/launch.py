@@ -58,7 +58,7 @@ PROG = "interlace launch"
 GRACE_S = 3.0
 #: After a rank that raised exits, how long to wait for a peer that died without raising (whose
 #: death would be the cause) before reporting the raising rank.
-CAUSE_WINDOW_S = 1.0
+CAUSE_WINDOW_S = 2.0
 
 #: Exit status of a job stopped by ``timeout`` (the convention of coreutils ``timeout``).
 TIMEOUT_STATUS = 124
@@ -639,7 +639,11 @@ def _run_job(
                 running.discard(rank)
         how, returncode = _describe_exit(status)
         failed_rank = rank
-        first = _earliest_error(workdir, nprocs, before=exited_at) if is_worker else None
+        # A rank that died without raising is the cause: a peer's exception cannot kill it, it
+        # can only make it raise too. Its exit may be seen late on a loaded machine, after the
+        # exceptions its death caused were caught, so their times must not outrank it.
+        raised = is_worker and _read_result(workdir, rank) is not None
+        first = _earliest_error(workdir, nprocs, before=exited_at) if raised else None
         if first is not None and first[0] != rank:
             # A rank that raises makes its peers fail in their collectives a moment later, and
             # a peer can exit first; the exception caught earliest is the cause to report. Only

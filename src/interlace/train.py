@@ -292,7 +292,8 @@ def _train(config: TrainConfig, context: DistContext, run_dir: str | None) -> Tr
         path = log.path
         print(
             f"training {config.model} on {bundle.name} ({len(bundle.train)} train / "
-            f"{len(bundle.test)} test) with {context.world_size} rank(s), strategy "
+            f"{len(bundle.test)} test) with {context.world_size} rank(s) on "
+            f"{context.device.type} ({context.backend}), strategy "
             f"{config.strategy}, channels {config.channels}, "
             f"compression {config.compression or 'none'}, "
             f"global batch {config.batch_size * context.world_size}, run folder {path}",

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from interlace.comm.cost import CostModel
+from interlace.distenv import collective_device
 
 DEFAULT_SIZES = (4 * 1024, 64 * 1024, 512 * 1024, 2 * 1024 * 1024, 8 * 1024 * 1024)
 #: Message sizes of :func:`fit_stream_cost_model`: small ones for the start-up, larger ones for
@@ -132,6 +133,7 @@ def fit_stream_cost_model(
             for size in sizes
         ],
         dtype=torch.float64,
+        device=collective_device(group),
     )
     dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
     values = measured.tolist()
@@ -283,7 +285,7 @@ def fit_concurrency(
         subset = groups[:count]
         measured.append(time_concurrent_allreduce(4, subset, repeats, warmup, device))
         measured.append(time_concurrent_allreduce(nbytes, subset, repeats, warmup, device))
-    medians = torch.tensor(measured, dtype=torch.float64)
+    medians = torch.tensor(measured, dtype=torch.float64, device=collective_device(first))
     dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=first)
     values = medians.tolist()
     tiny_1, large_1 = values[0], values[1]

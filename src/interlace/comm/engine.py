@@ -162,6 +162,10 @@ class BucketEngine:
             wire = self._wires[bucket]
             if wire is not None:
                 self.buffers[bucket].copy_(wire)
+        if all(self._used):
+            # This rank used every tensor, so every sum of marks is positive: no need to read
+            # them back (on a GPU that read would wait for the whole backward to finish).
+            return list(self._views)
         usage = self._usage.tolist()
         return [view if used > 0 else None for view, used in zip(self._views, usage, strict=True)]
 
@@ -180,7 +184,10 @@ class BucketEngine:
             if bucket == len(self.groups) - 1:
                 # Every tensor is accounted for once the last bucket is complete: write all the
                 # usage marks in one copy rather than one tensor write per gradient.
-                self._usage.copy_(torch.tensor(self._used, dtype=self._usage.dtype))
+                if all(self._used):
+                    self._usage.fill_(1)
+                else:
+                    self._usage.copy_(torch.tensor(self._used, dtype=self._usage.dtype))
             # Divide before summing, as DDP does: the average without risking overflow.
             buffer.div_(self.world_size)
             wire = self._wires[bucket]

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from interlace.distenv import collective_device
 from interlace.errors import UsageError
 from interlace.pipeline.predict import check_predictable, predicted_parameters
 from interlace.pipeline.schedule import (
@@ -103,7 +104,9 @@ def _header(tensor: Tensor) -> Tensor:
             f"a pipeline stage passed a tensor of {tensor.dim()} dimensions; at most {_MAX_DIMS}"
         )
     shape = list(tensor.shape) + [0] * (_MAX_DIMS - tensor.dim())
-    return torch.tensor([_DTYPES.index(tensor.dtype), tensor.dim(), *shape], dtype=torch.int64)
+    return torch.tensor(
+        [_DTYPES.index(tensor.dtype), tensor.dim(), *shape], dtype=torch.int64, device=tensor.device
+    )
 
 
 def _irecv(tensor: Tensor, peer: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work:
@@ -130,7 +133,9 @@ class _Inbox:
         self.peer = peer
         self.group = group
         self.device = device
-        self.headers = [torch.empty(_HEADER_LEN, dtype=torch.int64) for _ in range(count)]
+        self.headers = [
+            torch.empty(_HEADER_LEN, dtype=torch.int64, device=device) for _ in range(count)
+        ]
         self.header_work = [_irecv(header, peer, group, _HEADER_TAG) for header in self.headers]
         self.payloads: list[Tensor | None] = [None] * count
         self.payload_work: list[dist.Work | None] = [None] * count
@@ -358,7 +363,9 @@ class PipelineStage:
         self._finish_sends()
         if inbox is not None:
             inbox.check_drained()
-        counts = torch.tensor([correct, total, loss_sum], dtype=torch.float64)
+        counts = torch.tensor(
+            [correct, total, loss_sum], dtype=torch.float64, device=collective_device(self.group)
+        )
         dist.broadcast(counts, self.ranks[-1], group=self.group)
         self.module.train()
         seen = int(counts[1])

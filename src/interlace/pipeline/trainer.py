@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.nn import functional
 from tqdm import tqdm
 
-from interlace.distenv import DistContext
+from interlace.distenv import DistContext, collective_device
 from interlace.errors import UsageError
 from interlace.pipeline.runtime import PipelineStage
 from interlace.pipeline.schedule import SYNCHRONOUS
@@ -117,6 +117,7 @@ def train_pipeline(config: TrainConfig, context: DistContext, run_dir: str | Non
             stats = torch.tensor(
                 [sum(result.losses) / max(len(result.losses), 1), result.seconds],
                 dtype=torch.float64,
+                device=collective_device(),
             )
             dist.broadcast(stats, last)
             train_loss = float(stats[0])

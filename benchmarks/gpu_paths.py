@@ -1,0 +1,192 @@
+"""The GPU path measured: decompositions on GPU vs CPU, and training steps on one GPU over NCCL.
+
+Needs a CUDA device (exits with a message without one). Prints two markdown tables::
+
+    python benchmarks/gpu_paths.py --json gpu.json
+
+1. **Decompositions** (what K-FAC's placement prices): median seconds of ``torch.linalg.eigh``
+   and of a Cholesky inverse of a damped SPD ``n x n`` matrix in float32, on this GPU and on
+   the CPU, for each ``--dims``, and the GPU's speed-up.
+2. **Training steps** on one rank (NCCL, world size 1, CUDA tensors), CIFAR-shaped batches of
+   ``--batch-size`` on resnet20 and resnet56: forward + backward + SGD step with torch DDP,
+   with interlace's DataParallel (MG-WFBP plan, trials on), and with K-FAC in front of SGD
+   (D-KFAC and SPD-KFAC modes, factors every step, decompositions every 10). Every
+   configuration is timed in alternating rounds within one process, so the ratios are side by
+   side. With one rank there is nothing to overlap: the DataParallel column is the wrapper's
+   overhead, and the K-FAC columns are the cost of its factors and decompositions on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional
+from torch.nn.parallel import DistributedDataParallel
+
+from interlace import KFAC, DataParallel
+from interlace.kfac.decomp import COMPUTE_METHODS
+from interlace.testing import run_ranks
+from interlace.zoo import build_model
+
+
+def _spd(n: int, device: torch.device, generator: torch.Generator) -> torch.Tensor:
+    x = torch.randn(n, n, generator=generator, dtype=torch.float64)
+    return (x @ x.T / n + 0.01 * torch.eye(n, dtype=torch.float64)).to(device, torch.float32)
+
+
+def _decompose(method: str, matrix: torch.Tensor) -> None:
+    if method == "eigen":
+        torch.linalg.eigh(matrix)
+    else:
+        torch.cholesky_inverse(torch.linalg.cholesky(matrix))
+
+
+def time_decomposition(method: str, n: int, device: torch.device, repeats: int) -> float:
+    """Median seconds of one decomposition of a damped ``n x n`` SPD matrix on ``device``."""
+    generator = torch.Generator().manual_seed(n)
+    matrices = [_spd(n, device, generator) for _ in range(repeats + 1)]
+    times = []
+    for matrix in matrices:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        _decompose(method, matrix)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])  # the first call loads the solver
+
+
+def decomposition_rows(dims: list[int], repeats: int) -> list[dict[str, Any]]:
+    rows = []
+    for method in COMPUTE_METHODS:
+        for n in dims:
+            gpu = time_decomposition(method, n, torch.device("cuda"), repeats)
+            cpu = time_decomposition(method, n, torch.device("cpu"), max(1, repeats // 2))
+            rows.append({"method": method, "n": n, "gpu_s": gpu, "cpu_s": cpu})
+    return rows
+
+
+_CONFIGS = ("ddp", "dataparallel", "kfac-dkfac", "kfac-spd")
+
+
+def _train_steps(model_name: str, batch_size: int, steps: int, rounds: int) -> dict[str, Any]:
+    """On one NCCL rank: median seconds per training step of every configuration."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.backends.cudnn.benchmark = True
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(batch_size, 3, 32, 32, generator=generator).to(device)
+    targets = torch.randint(0, 10, (batch_size,), generator=generator).to(device)
+    runners: dict[str, tuple[nn.Module, torch.optim.Optimizer, KFAC | None]] = {}
+    for config in _CONFIGS:
+        torch.manual_seed(0)
+        model = build_model(model_name, (3, 32, 32), 10).to(device)
+        precond = None
+        if config == "ddp":
+            wrapped: nn.Module = DistributedDataParallel(model, device_ids=[device.index])
+        else:
+            wrapped = DataParallel(model)
+        if config.startswith("kfac"):
+            spd = config == "kfac-spd"
+            precond = KFAC(
+                wrapped,
+                inv_update_steps=10,
+                factor_comm="pipelined" if spd else "bulk",
+                fusion="merged" if spd else "none",
+                placement="lbp" if spd else "greedy",
+            )
+        optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01, momentum=0.9)
+        runners[config] = (wrapped, optimizer, precond)
+
+    def step(config: str) -> None:
+        model, optimizer, precond = runners[config]
+        optimizer.zero_grad(set_to_none=True)
+        functional.cross_entropy(model(inputs), targets).backward()
+        if precond is not None:
+            precond.step()
+        optimizer.step()
+
+    # Warm up each (cuDNN autotuning, DataParallel's profiling, planning and plan trials).
+    for config in _CONFIGS:
+        for _ in range(60):
+            step(config)
+    torch.cuda.synchronize()
+    samples: dict[str, list[float]] = {config: [] for config in _CONFIGS}
+    for round_index in range(rounds):
+        order = _CONFIGS if round_index % 2 == 0 else tuple(reversed(_CONFIGS))
+        for config in order:
+            for _ in range(steps):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                step(config)
+                torch.cuda.synchronize()
+                samples[config].append(time.perf_counter() - start)
+    return {config: statistics.median(values) for config, values in samples.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dims", default="64,256,1024,2048,4096", help="factor dimensions")
+    parser.add_argument("--repeats", type=int, default=5, help="timed decompositions per size")
+    parser.add_argument("--models", default="resnet20,resnet56")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/gpu_paths.py needs a CUDA GPU; none is visible here.", file=sys.stderr)
+        return 2
+
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    decompositions = decomposition_rows([int(d) for d in args.dims.split(",")], args.repeats)
+    print("\n| method | n | GPU ms | CPU ms | GPU speed-up |\n|---|---:|---:|---:|---:|")
+    for row in decompositions:
+        print(
+            f"| {row['method']} | {row['n']} | {row['gpu_s'] * 1e3:.2f} | "
+            f"{row['cpu_s'] * 1e3:.2f} | {row['cpu_s'] / row['gpu_s']:.1f}x |"
+        )
+
+    training = []
+    for model_name in args.models.split(","):
+        medians = run_ranks(
+            _train_steps,
+            1,
+            model_name,
+            args.batch_size,
+            args.steps,
+            args.rounds,
+            backend="nccl",
+            timeout=600,
+        )[0]
+        training.append({"model": model_name, "batch_size": args.batch_size, **medians})
+    print(
+        f"\nms per training step, one rank over NCCL, batch {args.batch_size} of 3x32x32\n"
+        "\n| model | torch DDP | DataParallel | vs DDP | K-FAC (D-KFAC) | K-FAC (SPD) "
+        "| SPD vs D-KFAC |\n|---|---:|---:|---:|---:|---:|---:|"
+    )
+    for row in training:
+        print(
+            f"| {row['model']} | {row['ddp'] * 1e3:.2f} | {row['dataparallel'] * 1e3:.2f} | "
+            f"{row['ddp'] / row['dataparallel']:.2f}x | {row['kfac-dkfac'] * 1e3:.2f} | "
+            f"{row['kfac-spd'] * 1e3:.2f} | {row['kfac-dkfac'] / row['kfac-spd']:.2f}x |"
+        )
+    if args.json:
+        args.json.write_text(
+            json.dumps({"decompositions": decompositions, "training": training}, indent=2)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    # The rank unpickles its function by module name, which "__main__" is not for it: run
+    # main() from the module imported under its own name (this directory is on its path).
+    import gpu_paths
+
+    raise SystemExit(gpu_paths.main())

@@ -1,0 +1,56 @@
+"""Which backend and device a rank joins with: NCCL only where every local rank has a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from interlace import distenv
+
+
+def _gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "local_rank", "local_world", "expected"),
+    [
+        (0, 0, 1, "gloo"),
+        (1, 0, 1, "nccl"),
+        (1, 0, 4, "gloo"),  # four ranks, one GPU: all on CPU, not a mix
+        (1, 3, 4, "gloo"),
+        (4, 3, 4, "nccl"),
+        (8, 1, 2, "nccl"),
+    ],
+)
+def test_nccl_only_when_every_local_rank_has_a_gpu(
+    monkeypatch: pytest.MonkeyPatch, gpus: int, local_rank: int, local_world: int, expected: str
+) -> None:
+    _gpus(monkeypatch, gpus)
+    monkeypatch.delenv(distenv.BACKEND_VARIABLE, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
+    assert distenv.default_backend() == expected
+
+
+def test_the_environment_variable_overrides_the_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    _gpus(monkeypatch, 1)
+    monkeypatch.setenv(distenv.BACKEND_VARIABLE, "GLOO")
+    assert distenv.default_backend(0) == "gloo"
+    monkeypatch.setenv(distenv.BACKEND_VARIABLE, "mpi")
+    with pytest.raises(ValueError, match=r"INTERLACE_BACKEND must be gloo or nccl, got 'mpi'"):
+        distenv.default_backend(0)
+
+
+def test_a_lone_process_on_cpu_gets_a_one_rank_gloo_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv(distenv.BACKEND_VARIABLE, raising=False)
+    _gpus(monkeypatch, 0)
+    context = distenv.init_distributed(timeout_s=30)
+    try:
+        assert (context.rank, context.world_size, context.backend) == (0, 1, "gloo")
+        assert context.device == torch.device("cpu") and context.is_main
+    finally:
+        torch.distributed.destroy_process_group()
