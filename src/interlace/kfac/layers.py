@@ -10,7 +10,7 @@ Normalisation follows kfac-pytorch, so the same hyperparameters give the same nu
 * Linear: rows are every leading position (``(-1, in)``), ``A = a^T a / rows``.
 * Conv2d: rows are (sample, output position) patches; both ``a`` and ``g`` are divided by the
   number of output positions before ``x^T x / rows`` (kfac-pytorch's spatial averaging). Patches
-  are cut by :func:`torch.nn.functional.unfold` with the module's stride, padding *and dilation*
+  are cut as strided windows with the module's stride, padding *and dilation*
   (kfac-pytorch ignores dilation, which makes its ``A`` wrong for dilated convolutions).
 * Embedding: the input is a one-hot token, so ``A`` is diagonal: the share of rows that hold
   each token. It is kept as a vector (``vocab`` numbers instead of ``vocab^2``), and the layer's
@@ -156,32 +156,55 @@ class Conv2dHelper(LayerHelper):
         return self.module.out_channels
 
     def a_factor(self, layer_input: torch.Tensor) -> torch.Tensor:
-        conv = self.module
-        if isinstance(conv.padding, str):
-            raise ValueError("string padding is resolved to numbers by Conv2dHelper's caller")
-        # unfold: (batch, in * kh * kw, positions), the same (in, kh, kw) order as weight.view.
-        patches = functional.unfold(
-            layer_input,
-            kernel_size=conv.kernel_size,
-            dilation=conv.dilation,
-            padding=cast(tuple[int, int], conv.padding),
-            stride=conv.stride,
-        )
-        positions = patches.shape[2]
-        # Per sample (in*kh*kw, positions) @ its transpose, summed: no copy of the patches into
-        # one (rows, in*kh*kw) matrix. kfac-pytorch divides every patch by the number of
-        # positions before the moment, i.e. the moment by its square.
-        gram = torch.bmm(patches, patches.transpose(1, 2)).sum(dim=0)
-        rows = patches.shape[0] * positions
-        moment = self._input_moment(gram, patches.sum(dim=(0, 2)), rows)
+        patches = self._patches(layer_input)
+        positions = patches.shape[1] // layer_input.shape[0]
+        # One product of the (in*kh*kw, rows) patch matrix with its transpose. kfac-pytorch
+        # divides every patch by the number of positions before the moment, i.e. the moment by
+        # its square.
+        gram = patches @ patches.t()
+        rows = patches.shape[1]
+        moment = self._input_moment(gram, patches.sum(dim=1), rows)
         return moment / float(positions * positions)
 
     def g_factor(self, grad_output: torch.Tensor) -> torch.Tensor:
+        channels = grad_output.shape[1]
         positions = grad_output.shape[2] * grad_output.shape[3]
-        per_sample = grad_output.reshape(grad_output.shape[0], grad_output.shape[1], positions)
-        gram = torch.bmm(per_sample, per_sample.transpose(1, 2)).sum(dim=0)
-        rows = grad_output.shape[0] * positions
-        return symmetric(gram / float(rows * positions * positions))
+        # (out, batch * positions): one product for the whole batch, not one per sample.
+        columns = grad_output.transpose(0, 1).reshape(channels, -1)
+        rows = columns.shape[1]
+        return symmetric((columns @ columns.t()) / float(rows * positions * positions))
+
+    def _patches(self, layer_input: torch.Tensor) -> torch.Tensor:
+        """Every receptive field as a column: ``(in * kh * kw, batch * positions)``.
+
+        The rows are in ``weight.view(out, -1)``'s (in, kh, kw) order, the columns cover
+        every (sample, output position) pair. Cut as one strided view of the padded input and
+        copied once: :func:`torch.nn.functional.unfold` launches one kernel per sample on a
+        GPU, which cost several times the convolution itself.
+        """
+        conv = self.module
+        if isinstance(conv.padding, str):
+            raise ValueError("string padding is resolved to numbers by Conv2dHelper's caller")
+        (kernel_h, kernel_w), (stride_h, stride_w) = conv.kernel_size, conv.stride
+        (dilation_h, dilation_w), (pad_h, pad_w) = conv.dilation, conv.padding
+        padded = functional.pad(layer_input, (pad_w, pad_w, pad_h, pad_h))
+        batch, channels, height, width = padded.shape
+        out_h = (height - dilation_h * (kernel_h - 1) - 1) // stride_h + 1
+        out_w = (width - dilation_w * (kernel_w - 1) - 1) // stride_w + 1
+        step_n, step_c, step_h, step_w = padded.stride()
+        windows = padded.as_strided(
+            (channels, kernel_h, kernel_w, batch, out_h, out_w),
+            (
+                step_c,
+                step_h * dilation_h,
+                step_w * dilation_w,
+                step_n,
+                step_h * stride_h,
+                step_w * stride_w,
+            ),
+            padded.storage_offset(),
+        )
+        return windows.reshape(channels * kernel_h * kernel_w, batch * out_h * out_w)
 
 
 class EmbeddingHelper(LayerHelper):
