@@ -32,7 +32,7 @@ from interlace.sim.network import (
     parse_network,
 )
 from interlace.sim.trace import Trace, from_ready, load_trace
-from interlace.sim.validate import ValidateSample, calibrate_contention, rows_from_sample
+from interlace.sim.validate import calibrate_contention
 
 MS = 1e-3
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
@@ -171,45 +171,6 @@ def test_calibrated_contention_reproduces_the_measured_overlap(
     assert replay(plan, found).backward_end_s == pytest.approx(measured * MS)
     # No slower than the longer of the two: no contention.
     assert calibrate_contention(b * MS, c * MS, b * MS).compute_slowdown == 1.0
-
-
-def _validate_sample(partial: bool) -> ValidateSample:
-    from interlace.bench.dp import Measurement, StrategySamples
-
-    # Forward 2 ms, backward 10 ms, step 1 ms. The whole all-reduce (40 ms) outlasts backward;
-    # with it alongside, backward and the all-reduce took 42 ms together, which cannot tell
-    # compute slowed 4.2x from an all-reduce 2 ms late. The partial one (4 ms) with backward
-    # took 12 ms: X = C + B - C/s gives s = 2.
-    extra = (
-        {"partial_bytes": 100, "partial_allreduce_s": [4 * MS], "partial_overlapped_s": [15 * MS]}
-        if partial
-        else {}
-    )
-    measurement = Measurement(
-        model="toy",
-        batch=8,
-        ranks=2,
-        gradient_bytes=3_000_000,
-        tensors=3,
-        strategies=[StrategySamples("wfbp", [20 * MS], 3, 4)],
-        forward_s=[2 * MS],
-        backward_s=[10 * MS],
-        step_s=[1 * MS],
-        allreduce_s=[40 * MS],
-        overlapped_s=[45 * MS],
-        **extra,  # type: ignore[arg-type]
-    )
-    trace = toy_trace([2, 6, 10], [1_000_000] * 3)
-    cost = CostModel(1 * MS, 1e-9)
-    return ValidateSample(trace, cost, cost, measurement)
-
-
-def test_contention_is_calibrated_on_the_all_reduce_that_ends_within_backward() -> None:
-    (row,) = rows_from_sample(_validate_sample(partial=True), "200mbit", ["wfbp"])
-    assert row.compute_slowdown == pytest.approx(2.0)
-    # Without the partial pair, the whole one's upper bound (X / B) is all there is.
-    (old,) = rows_from_sample(_validate_sample(partial=False), "200mbit", ["wfbp"])
-    assert old.compute_slowdown == pytest.approx(4.2)
 
 
 def test_planning_and_timing_costs_can_differ() -> None:

@@ -301,12 +301,6 @@ class Measurement:
     #: Iterations of the plain module with one all-reduce of all gradients running alongside
     #: backward (see :func:`_overlapped_sample`); empty when not measured.
     overlapped_s: list[float] = field(default_factory=list)
-    #: The same pair with an all-reduce of only the first ``partial_bytes`` of the gradients,
-    #: sized to end well within backward, so that how much it slows compute can be told apart
-    #: from waiting for it (see :func:`interlace.sim.validate.calibrate_contention`).
-    partial_bytes: int = 0
-    partial_allreduce_s: list[float] = field(default_factory=list)
-    partial_overlapped_s: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -839,26 +833,16 @@ def measure_rank(job: MeasureJob) -> Measurement:
         for _ in range(job.warmup):
             _train_step(contender, *next_batch())
         contender.warmup_steps = steps + job.warmup
-    warm_backward = [
-        _compute_sample(plain, plain_optimizer, *next_batch())[1] for _ in range(max(job.warmup, 1))
-    ]
-    whole_s = _allreduce_sample(flat)
+    for _ in range(max(job.warmup, 1)):
+        _compute_sample(plain, plain_optimizer, *next_batch())
+    _allreduce_sample(flat)
     _overlapped_sample(plain, plain_optimizer, *next_batch(), alongside)
-    # A share of the gradients whose all-reduce takes about half of backward (every rank the
-    # same size: the smallest share any rank asks for).
-    share = torch.tensor([min(1.0, 0.5 * statistics.median(warm_backward) / max(whole_s, 1e-9))])
-    dist.all_reduce(share, op=dist.ReduceOp.MIN)
-    partial_numel = max(1, int(flat.numel() * float(share)))
-    partial, partial_alongside = flat[:partial_numel], alongside[:partial_numel]
-    _overlapped_sample(plain, plain_optimizer, *next_batch(), partial_alongside)
 
     forwards: list[float] = []
     backwards: list[float] = []
     steps_s: list[float] = []
     allreduces: list[float] = []
     overlapped: list[float] = []
-    partial_allreduces: list[float] = []
-    partial_overlapped: list[float] = []
     slots: list[_Contender | None] = [*contenders, None]  # None: the reference measurements
     for round_index, block in enumerate(_blocks(job.iters, job.rounds)):
         # Rotate the order every round so no strategy always runs first or after the same one.
@@ -875,10 +859,6 @@ def measure_rank(job: MeasureJob) -> Measurement:
                     allreduces.append(_allreduce_sample(flat))
                     overlapped.append(
                         _overlapped_sample(plain, plain_optimizer, *next_batch(), alongside)
-                    )
-                    partial_allreduces.append(_allreduce_sample(partial))
-                    partial_overlapped.append(
-                        _overlapped_sample(plain, plain_optimizer, *next_batch(), partial_alongside)
                     )
                 continue
             dist.barrier()
@@ -928,9 +908,6 @@ def measure_rank(job: MeasureJob) -> Measurement:
         step_s=_max_over_ranks(steps_s),
         allreduce_s=_max_over_ranks(allreduces),
         overlapped_s=_max_over_ranks(overlapped),
-        partial_bytes=partial_numel * flat.element_size(),
-        partial_allreduce_s=_max_over_ranks(partial_allreduces),
-        partial_overlapped_s=_max_over_ranks(partial_overlapped),
     )
 
 

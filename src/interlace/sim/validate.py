@@ -28,9 +28,8 @@ so in every row:
   all-reduces with the streamed model.
 * **contention**: gloo's threads and the kernel's network stack take cycles from compute while an
   all-reduce is in flight; :class:`~interlace.sim.engine.Contention`'s compute slowdown is
-  calibrated from the plain iteration with one all-reduce alongside backward, of a share of the
-  gradients sized to end within backward (:func:`calibrate_contention`): one that outlasted
-  backward would not say how much of its length was compute slowed and how much waiting.
+  calibrated from the plain iteration with one all-reduce alongside backward
+  (:func:`calibrate_contention`).
 * **load drift**: the machine is shared and its load moves within minutes; the trace keeps its
   shape but takes its forward, backward and step totals from the plain module timed in the same
   rounds as the strategies (:func:`~interlace.sim.trace.with_totals`).
@@ -161,15 +160,8 @@ def rows_from_sample(
     backward = statistics.median(measurement.backward_s)
     step = statistics.median(measurement.step_s)
     allreduce = statistics.median(measurement.allreduce_s)
-    # Calibrated on the all-reduce sized to end within backward where the launch has one: an
-    # all-reduce that outlasts backward hides how much it slowed compute behind waiting for it.
-    if measurement.partial_allreduce_s and measurement.partial_overlapped_s:
-        probe_s = statistics.median(measurement.partial_allreduce_s)
-        overlapped = statistics.median(measurement.partial_overlapped_s)
-    else:
-        probe_s = allreduce
-        overlapped = statistics.median(measurement.overlapped_s)
-    contention = calibrate_contention(backward, probe_s, overlapped - forward - step)
+    overlapped = statistics.median(measurement.overlapped_s)
+    contention = calibrate_contention(backward, allreduce, overlapped - forward - step)
     timing = sample.stream_cost
     # The machine is shared and its load drifts over a launch: the trace keeps its shape (each
     # layer's share, each tensor's ready time relative to backward) but takes its forward,
