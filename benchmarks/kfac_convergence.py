@@ -86,6 +86,12 @@ def main() -> int:
     parser.add_argument(
         "--lr", type=float, default=0.1, help="peak learning rate of both optimisers (0.1)"
     )
+    parser.add_argument(
+        "--weight-decay",
+        type=float,
+        default=TrainConfig().weight_decay,
+        help="weight decay of both optimisers (default: the job's, 5e-4)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write one row per run as a JSON list")
     parser.add_argument("--png", metavar="PATH", help="draw test accuracy against epochs")
     args = parser.parse_args()
@@ -115,6 +121,7 @@ def main() -> int:
                 kfac_factor_decay=args.kfac_factor_decay,
                 kfac_g_normalization=args.kfac_g_normalization,
                 lr=args.lr,
+                weight_decay=args.weight_decay,
                 progress=False,
                 runs_dir=runs,
             )
@@ -134,7 +141,7 @@ def main() -> int:
         row["target"] = args.target
     print(
         f"\ndigits, {args.nprocs} ranks x batch {job.batch_size}, {args.epochs} epochs, "
-        f"{args.strategy}, SGD lr {args.lr:g} momentum {job.momentum:g} wd {job.weight_decay:g}, "
+        f"{args.strategy}, SGD lr {args.lr:g} momentum {job.momentum:g} wd {args.weight_decay:g}, "
         f"{job.warmup_epochs:g} warm-up epoch(s) + cosine; K-FAC damping {args.kfac_damping}, "
         f"inv_update_steps {args.kfac_inv_update_steps}, factor_update_steps "
         f"{args.kfac_factor_update_steps}, kl_clip {args.kfac_kl_clip or 'off'}, factor_decay "
