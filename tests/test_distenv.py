@@ -52,5 +52,7 @@ def test_a_lone_process_on_cpu_gets_a_one_rank_gloo_group(monkeypatch: pytest.Mo
     try:
         assert (context.rank, context.world_size, context.backend) == (0, 1, "gloo")
         assert context.device == torch.device("cpu") and context.is_main
+        # Control messages of a gloo group stay on the host.
+        assert distenv.collective_device() == torch.device("cpu")
     finally:
         torch.distributed.destroy_process_group()
