@@ -277,10 +277,17 @@ def test_cli_bad_input(argv: list[str], expected: str, capsys: pytest.CaptureFix
 def test_cli_runs_script_and_returns_its_status(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
+    # Rank 1 fails only once rank 0 has printed: otherwise the launcher may stop rank 0 (as it
+    # should) before a loaded machine has even started it.
+    printed = tmp_path / "rank0-printed"
     script = _write(
         tmp_path / "job.py",
-        "import os, sys\nprint('rank', os.environ['RANK'], sys.argv[1:])\n"
-        "sys.exit(4 if os.environ['RANK'] == '1' else 0)\n",
+        "import os, sys, time\nprint('rank', os.environ['RANK'], sys.argv[1:], flush=True)\n"
+        f"marker = {str(printed)!r}\n"
+        "if os.environ['RANK'] == '0':\n    open(marker, 'w').close()\n    sys.exit(0)\n"
+        "end = time.monotonic() + 30\n"
+        "while not os.path.exists(marker) and time.monotonic() < end:\n    time.sleep(0.01)\n"
+        "sys.exit(4)\n",
     )
     status = launch.main(["-n", "2", "--", "python", script, "--flag", "v"])
     out = capfd.readouterr()
@@ -289,6 +296,7 @@ def test_cli_runs_script_and_returns_its_status(
     assert "[rank 1] rank 1 ['--flag', 'v']" in out.out
     assert "interlace launch: rank 1 exited with status 4" in out.err
     # The command without a leading `--` works too.
+    printed.unlink()
     assert launch.main(["-n", "1", script, "x"]) == 0
 
 
