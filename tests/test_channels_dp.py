@@ -104,16 +104,22 @@ def test_compressed_buckets_average_close_to_float32(compression: str, tolerance
 LATENCY_BOUND = CostModel(a=5e-3, b=1e-9, concurrency=((5e-3, 1.2), (5e-3, 1.4), (5e-3, 1.6)))
 
 
-def _auto_choice() -> dict[str, Any]:
+def _auto_model(name: str, tune_steps: int) -> DataParallel:
+    """Per-tensor buckets, ``channels="auto"``, the latency-bound cost model above."""
     torch.manual_seed(3)
-    model = DataParallel(
-        build_model("transformer", (1, 8, 8), 10),
+    return DataParallel(
+        build_model(name, (1, 8, 8), 10),
         bucketing="per-tensor",
         channels="auto",
         profile_steps=1,
         cost_model=LATENCY_BOUND,
-        tune_steps=0,  # the planner's own choice; the measured one is tested below
+        tune_steps=tune_steps,
     )
+
+
+def _auto_choice() -> dict[str, Any]:
+    # tune_steps=0: the planner's own choice; the measured one is tested below.
+    model = _auto_model("transformer", tune_steps=0)
     for _ in range(3):
         model(torch.randn(4, 1, 8, 8)).sum().backward()
     assert model.plan is not None
@@ -135,15 +141,7 @@ def test_auto_chooses_the_same_channels_on_every_rank_and_says_why() -> None:
 
 
 def _measured_choice() -> dict[str, Any]:
-    torch.manual_seed(3)
-    model = DataParallel(
-        build_model("mlp", (1, 8, 8), 10),
-        bucketing="per-tensor",
-        channels="auto",
-        profile_steps=1,
-        cost_model=LATENCY_BOUND,
-        tune_steps=1,
-    )
+    model = _auto_model("mlp", tune_steps=1)
     steps = 0
     while not model.planning_done:
         model(torch.randn(4, 1, 8, 8)).sum().backward()

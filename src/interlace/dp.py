@@ -422,7 +422,15 @@ class DataParallel(nn.Module):
             self._candidates = []
 
     def _adopt(self, plan: Plan, order: list[int], why: str) -> None:
-        """Rebuild the buckets for ``plan`` (identical on every rank, checked)."""
+        """Rebuild the buckets for ``plan`` (identical on every rank, checked), unless it is the
+        plan in use already; record and announce ``why`` it was chosen."""
+        if plan is not self.plan:
+            self._rebuild(plan, order)
+        self.channel_choice = why
+        if self._rank == 0 and why:
+            logger.info("interlace.DataParallel: %s", why)
+
+    def _rebuild(self, plan: Plan, order: list[int]) -> None:
         groups = [[order[i] for i in group] for group in plan.groups]
         assignment = [list(bucket.channels) for bucket in plan.buckets]
         # The plan came from rank 0, so this holds unless a rank was built differently; if it
@@ -443,9 +451,6 @@ class DataParallel(nn.Module):
         )
         self._engine.recorder = recorder
         self.plan = plan
-        self.channel_choice = why
-        if self._rank == 0 and why:
-            logger.info("interlace.DataParallel: %s", why)
 
     # ------------------------------------------------------------------ trials
 
@@ -488,12 +493,7 @@ class DataParallel(nn.Module):
                 f"channels='auto' kept {plan.channels} channel(s) by measured iteration time "
                 f"(the planner's prediction: {why or 'one channel'})"
             )
-        if plan is self.plan:
-            self.channel_choice = why  # already in use: no rebuild
-            if self._rank == 0 and why:
-                logger.info("interlace.DataParallel: %s", why)
-        else:
-            self._adopt(plan, order, why)
+        self._adopt(plan, order, why)
         self._trials = None
         self._candidates = []
         if self._rank == 0:

@@ -420,11 +420,10 @@ def _pythonpath(base: Mapping[str, str]) -> str:
 
 
 def _wait_for(
-    rank: int, proc: subprocess.Popen[bytes], exits: queue.Queue[tuple[int, int, float]]
+    rank: int, proc: subprocess.Popen[bytes], exits: queue.Queue[tuple[int, int]]
 ) -> None:
-    """Report ``(rank, status, wall-clock time)`` on ``exits`` when the rank's process ends."""
-    status = proc.wait()
-    exits.put((rank, status, time.time()))
+    """Report ``(rank, status)`` on ``exits`` when the rank's process ends."""
+    exits.put((rank, proc.wait()))
 
 
 def _describe_exit(returncode: int) -> tuple[str, int]:
@@ -554,7 +553,7 @@ def _run_job(
     port = master_port if master_port is not None else _free_port()
     run_id = f"interlace-{uuid.uuid4().hex[:12]}"
 
-    exits: queue.Queue[tuple[int, int, float]] = queue.Queue()
+    exits: queue.Queue[tuple[int, int]] = queue.Queue()
     for rank in range(nprocs):
         rank_env = _rank_env(
             rank,
@@ -623,7 +622,7 @@ def _run_job(
             break
         try:
             # Bounded waits keep the main thread responsive to Ctrl-C on every platform.
-            rank, status, exited_at = exits.get(timeout=0.5 if wait_s is None else min(wait_s, 0.5))
+            rank, status = exits.get(timeout=0.5 if wait_s is None else min(wait_s, 0.5))
         except queue.Empty:
             continue
         running.discard(rank)
@@ -635,7 +634,7 @@ def _run_job(
             # us a moment later on a loaded machine: wait briefly for one.
             abrupt = _abrupt_exit_soon(exits, running, workdir, CAUSE_WINDOW_S)
             if abrupt is not None:
-                rank, status, exited_at = abrupt
+                rank, status = abrupt
                 running.discard(rank)
         how, returncode = _describe_exit(status)
         failed_rank = rank
@@ -643,12 +642,10 @@ def _run_job(
         # can only make it raise too. Its exit may be seen late on a loaded machine, after the
         # exceptions its death caused were caught, so their times must not outrank it.
         raised = is_worker and _read_result(workdir, rank) is not None
-        first = _earliest_error(workdir, nprocs, before=exited_at) if raised else None
+        first = _earliest_error(workdir, nprocs) if raised else None
         if first is not None and first[0] != rank:
             # A rank that raises makes its peers fail in their collectives a moment later, and
-            # a peer can exit first; the exception caught earliest is the cause to report. Only
-            # one caught before this exit, though: a rank that died without raising makes its
-            # peers raise after it, and the death is the cause.
+            # a peer can exit first; the exception caught earliest is the cause to report.
             failed_rank, returncode = first
             how = f"failed with status {returncode} (rank {rank} {how} after it)"
         others = len(running - {failed_rank})
@@ -690,11 +687,11 @@ def _read_result(workdir: Path, rank: int) -> dict[str, Any] | None:
 
 
 def _abrupt_exit_soon(
-    exits: queue.Queue[tuple[int, int, float]],
+    exits: queue.Queue[tuple[int, int]],
     running: set[int],
     workdir: Path,
     window_s: float,
-) -> tuple[int, int, float] | None:
+) -> tuple[int, int] | None:
     """The first rank to exit non-zero without an exception record within ``window_s``, if
     any (the exits of ranks that raised are taken off the queue meanwhile)."""
     deadline = time.monotonic() + window_s
@@ -703,27 +700,21 @@ def _abrupt_exit_soon(
         if remaining <= 0:
             return None
         try:
-            rank, status, exited_at = exits.get(timeout=remaining)
+            rank, status = exits.get(timeout=remaining)
         except queue.Empty:
             return None
         running.discard(rank)
         if status != 0 and _read_result(workdir, rank) is None:
-            return rank, status, exited_at
+            return rank, status
     return None
 
 
-def _earliest_error(workdir: Path, nprocs: int, before: float) -> tuple[int, int] | None:
-    """``(rank, status)`` of the callable rank whose exception was caught first, if one was
-    caught before the wall-clock time ``before``."""
+def _earliest_error(workdir: Path, nprocs: int) -> tuple[int, int] | None:
+    """``(rank, status)`` of the callable rank whose exception was caught first, if any."""
     errors = []
     for rank in range(nprocs):
         record = _read_result(workdir, rank)
-        if (
-            record is not None
-            and not record.get("ok")
-            and "time" in record
-            and float(record["time"]) < before
-        ):
+        if record is not None and not record.get("ok") and "time" in record:
             errors.append((float(record["time"]), rank, int(record.get("status", 1))))
     if not errors:
         return None
