@@ -176,4 +176,9 @@ def test_tiny_validation_gives_finite_rows(tmp_path: Path) -> None:
         assert (row["model"], row["ranks"], row["link"]) == ("mlp", 2, "1gbit")
         assert math.isfinite(row["predicted_s"]) and row["predicted_s"] > 0
         assert math.isfinite(row["measured_s"]) and row["measured_s"] > 0
+        # The contention probes ran beside the strategies and calibrated the replay.
+        assert row["probes"]["stream_count"] == 26  # the mlp's gradient tensors
+        assert row["probes"]["stream_done_s"] > 0 and row["stream_a"] > 0
+        assert 0.0 <= row["transfer_rate"] <= 1.0
+        assert row["compute_slowdown"] >= 1.0 and row["startup_compute_slowdown"] >= 1.0
     assert "median" in done.stdout

@@ -301,6 +301,9 @@ class Measurement:
     #: Iterations of the plain module with one all-reduce of all gradients running alongside
     #: backward (see :func:`_overlapped_sample`); empty when not measured.
     overlapped_s: list[float] = field(default_factory=list)
+    #: The simulator's contention probes (a :class:`interlace.sim.contention.ContentionSamples`)
+    #: when the job asked for them.
+    contention: Any = None
 
 
 @dataclass(frozen=True)
@@ -590,6 +593,9 @@ class MeasureJob:
     warmup: int
     rounds: int
     seed: int = 0
+    #: Also take the simulator's contention probes (:mod:`interlace.sim.contention`) in the
+    #: reference slot of every round.
+    probe_contention: bool = False
 
 
 @dataclass
@@ -837,6 +843,11 @@ def measure_rank(job: MeasureJob) -> Measurement:
         _compute_sample(plain, plain_optimizer, *next_batch())
     _allreduce_sample(flat)
     _overlapped_sample(plain, plain_optimizer, *next_batch(), alongside)
+    probe = None
+    if job.probe_contention:
+        from interlace.sim.contention import ContentionProbe
+
+        probe = ContentionProbe(plain, plain_optimizer, alongside)
 
     forwards: list[float] = []
     backwards: list[float] = []
@@ -860,6 +871,8 @@ def measure_rank(job: MeasureJob) -> Measurement:
                     overlapped.append(
                         _overlapped_sample(plain, plain_optimizer, *next_batch(), alongside)
                     )
+                    if probe is not None:
+                        probe.sample(next_batch)
                 continue
             dist.barrier()
             for _ in range(block):
@@ -908,6 +921,7 @@ def measure_rank(job: MeasureJob) -> Measurement:
         step_s=_max_over_ranks(steps_s),
         allreduce_s=_max_over_ranks(allreduces),
         overlapped_s=_max_over_ranks(overlapped),
+        contention=None if probe is None else probe.finish(),
     )
 
 

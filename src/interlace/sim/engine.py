@@ -11,10 +11,13 @@ forward, backward, communication tail and optimizer step.
 
 On a GPU, compute and communication proceed independently and the replay gives exactly the
 times :func:`~interlace.comm.plan.schedule` gives (a test checks it). On a CPU they share the
-cores: gloo and the kernel's network stack take cycles from backward while an all-reduce is in
-flight. :class:`Contention` models that with one number, the factor by which compute slows
-while communication is in flight, calibrated from a measured run (see
-:mod:`interlace.sim.validate`); the default, 1, is no contention.
+cores, and each slows the other: gloo's threads and the kernel's network stack take cycles from
+backward, and an all-reduce whose peers' threads wait behind a computing thread to be scheduled
+makes little progress until backward ends. :class:`Contention` models both, each from a
+measurement of no strategy (see :mod:`interlace.sim.validate`): the factor by which compute
+slows while communication is in flight, and the fraction of its own speed at which an
+all-reduce's start-up and its bytes progress while backward computes. The default is no
+contention.
 
 Several channels (AIACC-Training) are the same planners priced by the k-channel cost model:
 ``mgwfbp/k=2`` is MG-WFBP planned and replayed on two channels, each bucket on the channel the
@@ -98,15 +101,90 @@ STRATEGIES: dict[str, Strategy] = {
 class Contention:
     """How compute and communication slow each other down when they run at once.
 
-    ``compute_slowdown`` >= 1: while an all-reduce is in flight, compute advances at
-    ``1 / compute_slowdown`` of its speed (CPU cores shared with the communication library).
+    An all-reduce is a start-up (the cost model's ``a``: handshakes that need every peer's
+    communication thread scheduled) and then its bytes (the rest of its time). While backward
+    computes, its start-up progresses at ``startup_rate`` and its bytes at ``transfer_rate`` of
+    their speed on idle cores (in [0, 1]); an all-reduce that starts after backward, or the part
+    of one left when backward ends, runs at full speed. Compute advances at
+    ``1 / startup_compute_slowdown`` of its speed while a start-up is in flight and at
+    ``1 / compute_slowdown`` while only bytes are (both >= 1: cores shared with the
+    communication library and the kernel's network stack).
     """
 
     compute_slowdown: float = 1.0
+    startup_rate: float = 1.0
+    transfer_rate: float = 1.0
+    startup_compute_slowdown: float = 1.0
+    #: Whether an all-reduce may do its start-up while the one before it has bytes on the wire
+    #: (gloo runs each process group's collectives on two worker threads; the bytes of both
+    #: share one connection per peer, so they still go one all-reduce at a time). Applies to one
+    #: channel; on several, each channel runs its own queue as the plan assigned it.
+    startup_behind_transfer: bool = False
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.compute_slowdown) and self.compute_slowdown >= 1.0):
-            raise ValueError(f"compute_slowdown must be >= 1, got {self.compute_slowdown}")
+        for name in ("compute_slowdown", "startup_compute_slowdown"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 1.0):
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        for name in ("startup_rate", "transfer_rate"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
+
+
+@dataclass
+class _InFlight:
+    """One all-reduce (or slice) in flight: its start-up, then its bytes, in seconds of work."""
+
+    startup_left: float
+    transfer_left: float
+
+    @classmethod
+    def priced(cls, cost: CostModel, nbytes: float, concurrent: int = 1) -> _InFlight:
+        total = cost.time(nbytes, concurrent)
+        startup = min(cost.concurrent_terms(concurrent)[0], total)
+        return cls(startup, total - startup)
+
+    @property
+    def done(self) -> bool:
+        return self.startup_left <= _EPSILON_S and self.transfer_left <= _EPSILON_S
+
+    @property
+    def starting(self) -> bool:
+        return self.startup_left > _EPSILON_S
+
+    def compute_rate(self, contention: Contention) -> float:
+        """The speed of compute while this one is in flight."""
+        if self.starting:
+            return 1.0 / contention.startup_compute_slowdown
+        return 1.0 / contention.compute_slowdown
+
+    def rate(self, contention: Contention, computing: bool) -> float:
+        if not computing:
+            return 1.0
+        if self.starting:
+            return contention.startup_rate
+        return contention.transfer_rate
+
+    def until_event(self, contention: Contention, computing: bool) -> float:
+        """Seconds until this one ends its current phase (inf while it makes no progress)."""
+        rate = self.rate(contention, computing)
+        left = self.startup_left if self.starting else self.transfer_left
+        return left / rate if rate > 0.0 else math.inf
+
+    def advance(self, seconds: float, contention: Contention, computing: bool) -> None:
+        work = seconds * self.rate(contention, computing)
+        if self.starting:
+            left = self.startup_left - work
+            self.startup_left = left if left > _EPSILON_S else 0.0
+        else:
+            left = self.transfer_left - work
+            self.transfer_left = left if left > _EPSILON_S else 0.0
+
+
+#: Work left below this (seconds) counts as none: phase ends computed as ``left / rate`` and then
+#: subtracted back come out a few ulps off.
+_EPSILON_S = 1e-12
 
 
 NO_CONTENTION = Contention()
@@ -135,6 +213,9 @@ class Replay:
     ready_s: tuple[float, ...]
     backward_end_s: float
     comms: tuple[CommEvent, ...]
+    #: Synchronisation at the end of backward's communication (see
+    #: :class:`interlace.sim.contention.Calibration`), seconds.
+    sync_s: float = 0.0
 
     @property
     def comm_end_s(self) -> float:
@@ -143,11 +224,12 @@ class Replay:
     @property
     def iteration_s(self) -> float:
         """Buffer broadcasts, forward, then backward and the last all-reduce, whichever ends
-        later, then the step."""
+        later, the synchronisation, then the step."""
         return (
             self.pre_forward_s
             + self.forward_s
             + max(self.backward_end_s, self.comm_end_s)
+            + self.sync_s
             + self.step_s
         )
 
@@ -166,8 +248,9 @@ def replay(
     ``plan.tensors`` (then the rest up to ``plan.backward_s``); all-reduces run one at a time in
     plan order, each once its tensors are all ready and the previous one has ended, and take
     ``cost.time(bytes)`` (default ``plan.cost``: pass another where the planner's belief and the
-    network's truth differ). Compute advances at ``1/compute_slowdown`` while an all-reduce is
-    in flight. With no contention the times equal :func:`~interlace.comm.plan.schedule`'s.
+    network's truth differ). ``contention`` slows each by the other while backward computes and
+    may let a start-up run behind the previous all-reduce's bytes (see :class:`Contention`).
+    With no contention the times equal :func:`~interlace.comm.plan.schedule`'s.
     ``pre_forward_bytes`` are collectives made before forward, priced by the same cost.
     """
     cost = plan.cost if cost is None else cost
@@ -182,8 +265,6 @@ def replay(
     ]
     tail = max(plan.backward_s - tensors[-1].ready_s, 0.0)
     last_of = [max(bucket.indices) for bucket in plan.buckets]
-    durations = [cost.time(bucket.nbytes) for bucket in plan.buckets]
-    slow = 1.0 / contention.compute_slowdown
 
     ready = [0.0] * len(tensors)
     comms: list[CommEvent] = []
@@ -193,8 +274,10 @@ def replay(
     in_tail = False
     backward_end: float | None = None
     bucket = 0  # next bucket to start
-    comm_left = 0.0  # remaining seconds of the all-reduce in flight (0: channel free)
-    comm_start = 0.0
+    # All-reduces in flight, oldest first: (bucket, work left, start). Bytes go one all-reduce
+    # at a time; with `startup_behind_transfer` a second may do its start-up meanwhile.
+    flights: list[tuple[int, _InFlight, float]] = []
+    most = 2 if contention.startup_behind_transfer else 1
     while True:
         # Everything that happens at `now` without time passing.
         while backward_end is None and left <= 0.0:
@@ -207,28 +290,39 @@ def replay(
                     in_tail, left = True, tail
             else:
                 backward_end = now
-        if comm_left <= 0.0 and bucket < len(plan.buckets) and last_of[bucket] < done:
-            comm_start, comm_left = now, durations[bucket]
-            if comm_left <= 0.0:
-                comms.append(_comm(plan, bucket, ready, now, now))
-                bucket += 1
-                continue
-        if backward_end is not None and comm_left <= 0.0 and bucket >= len(plan.buckets):
+        if (
+            bucket < len(plan.buckets)
+            and last_of[bucket] < done
+            and len(flights) < most
+            and not any(flight.starting for _, flight, _ in flights)
+        ):
+            flights.append((bucket, _InFlight.priced(cost, plan.buckets[bucket].nbytes), now))
+            bucket += 1
+            continue
+        if flights and flights[0][1].done:
+            number, _, started = flights.pop(0)
+            comms.append(_comm(plan, number, ready, started, now))
+            continue
+        if backward_end is not None and not flights and bucket >= len(plan.buckets):
             break
-        rate = slow if comm_left > 0.0 else 1.0
-        to_compute = left / rate if backward_end is None else math.inf
-        to_comm = comm_left if comm_left > 0.0 else math.inf
+        computing = backward_end is None
+        # A later all-reduce whose start-up is over waits for the wire.
+        moving = [
+            flight for index, (_, flight, _) in enumerate(flights) if index == 0 or flight.starting
+        ]
+        rate = min((flight.compute_rate(contention) for _, flight, _ in flights), default=1.0)
+        to_compute = left / rate if computing else math.inf
+        to_comm = min(
+            (flight.until_event(contention, computing) for flight in moving), default=math.inf
+        )
         step = min(to_compute, to_comm)
         if not math.isfinite(step):
             raise AssertionError("replay stalled: a bucket waits for a tensor never produced")
         now += step
-        if backward_end is None:
+        if computing:
             left = 0.0 if step == to_compute else left - step * rate
-        if comm_left > 0.0:
-            comm_left = 0.0 if step == to_comm else comm_left - step
-            if comm_left <= 0.0:
-                comms.append(_comm(plan, bucket, ready, comm_start, now))
-                bucket += 1
+        for flight in moving:
+            flight.advance(step, contention, computing)
     assert backward_end is not None
     pre_forward_s = sum(cost.time(nbytes) for nbytes in pre_forward_bytes)
     return Replay(plan.forward_s, step_s, pre_forward_s, tuple(ready), backward_end, tuple(comms))
@@ -247,7 +341,8 @@ def _replay_channels(
     slices queue on the channels the plan assigned; a channel runs its queue one slice after
     another. Slices starting together count each other, as in
     :class:`~interlace.comm.plan.ChannelClock`, so without contention this gives the plan's own
-    times. Compute advances at ``1/compute_slowdown`` while any slice is in flight.
+    times. Each slice's start-up and bytes progress at ``contention``'s rates while backward
+    computes, and compute at the slowest rate any slice in flight allows.
     """
     tensors = plan.tensors
     work = [tensors[0].ready_s] + [
@@ -255,9 +350,8 @@ def _replay_channels(
     ]
     tail = max(plan.backward_s - tensors[-1].ready_s, 0.0)
     last_of = [max(bucket.indices) for bucket in plan.buckets]
-    slow = 1.0 / contention.compute_slowdown
     queues: list[list[tuple[int, int]]] = [[] for _ in range(plan.channels)]
-    running: dict[int, tuple[int, float]] = {}  # channel -> (bucket, seconds left)
+    running: dict[int, tuple[int, _InFlight]] = {}  # channel -> (bucket, slice in flight)
     slices_left = [len(bucket.channels) for bucket in plan.buckets]
     first_start: dict[int, float] = {}
     comms: list[CommEvent | None] = [None] * len(plan.buckets)
@@ -298,8 +392,8 @@ def _replay_channels(
             for channel in channels:
                 _, size = queues[channel].pop(0)
                 first_start.setdefault(number, now)
-                duration = cost.time(size, concurrent)
-                if duration <= 0.0:
+                flight = _InFlight.priced(cost, size, concurrent)
+                if flight.done:
                     finished_now = (
                         _finish_slice(
                             plan,
@@ -313,7 +407,7 @@ def _replay_channels(
                         or finished_now
                     )
                 else:
-                    running[channel] = (number, duration)
+                    running[channel] = (number, flight)
         if finished_now:
             continue
         if (
@@ -323,17 +417,22 @@ def _replay_channels(
             and not any(queues)
         ):
             break
-        rate = slow if running else 1.0
-        to_compute = left / rate if backward_end is None else math.inf
-        to_comm = min((seconds for _, seconds in running.values()), default=math.inf)
+        computing = backward_end is None
+        rate = min((flight.compute_rate(contention) for _, flight in running.values()), default=1.0)
+        to_compute = left / rate if computing else math.inf
+        to_comm = min(
+            (flight.until_event(contention, computing) for _, flight in running.values()),
+            default=math.inf,
+        )
         step = min(to_compute, to_comm)
         if not math.isfinite(step):
             raise AssertionError("replay stalled: a bucket waits for a tensor never produced")
         now += step
-        if backward_end is None:
+        if computing:
             left = 0.0 if step == to_compute else left - step * rate
-        for channel, (number, seconds) in list(running.items()):
-            if seconds - step <= 1e-15:
+        for channel, (number, flight) in list(running.items()):
+            flight.advance(step, contention, computing)
+            if flight.done:
                 del running[channel]
                 _finish_slice(
                     plan,
@@ -344,8 +443,6 @@ def _replay_channels(
                     ready=ready,
                     comms=comms,
                 )
-            else:
-                running[channel] = (number, seconds - step)
     assert backward_end is not None
     pre_forward_s = sum(cost.time(nbytes) for nbytes in pre_forward_bytes)
     events = tuple(event for event in comms if event is not None)
@@ -448,6 +545,16 @@ class SimResult:
                 ready_ms=round((origin + comm.ready_s) * 1e3, 3),
             )
         end = origin + max(replayed.backward_end_s, replayed.comm_end_s)
+        if replayed.sync_s > 0:
+            timeline.add(
+                "synchronise",
+                "comm",
+                end,
+                end + replayed.sync_s,
+                lane="all-reduce",
+                process=process,
+            )
+            end += replayed.sync_s
         if replayed.step_s > 0:
             timeline.add(
                 "optimizer step",
@@ -502,6 +609,7 @@ def simulate(
     network: str = "",
     timing_cost: CostModel | None = None,
     buckets: Sequence[Sequence[str]] | None = None,
+    sync_s: float = 0.0,
 ) -> SimResult:
     """One iteration of ``trace`` with ``strategy`` when an all-reduce costs ``cost``.
 
@@ -512,7 +620,8 @@ def simulate(
     paper's WFBP) instead of one message per tensor (PyTorch's unit). ``buckets`` (tensor
     names, in launch order) replays a bucketing a run actually used instead of planning one:
     DataParallel keeps whichever candidate plan it measured fastest, which the cost model
-    alone cannot foresee.
+    alone cannot foresee. ``sync_s`` is added after backward's communication (a measured
+    synchronisation cost, :class:`interlace.sim.contention.Calibration`).
     """
     chosen = strategy if isinstance(strategy, Strategy) else strategy_named(strategy)
     tensors = trace.ready_tensors(per_layer=per_layer)
@@ -540,6 +649,8 @@ def simulate(
         cost=timing_cost,
         pre_forward_bytes=trace.broadcast_bytes,
     )
+    if sync_s:
+        replayed = replace(replayed, sync_s=sync_s)
     return SimResult(chosen.name, workers, cost, plan, replayed, trace.model, network)
 
 

@@ -8,28 +8,34 @@ For each (model, ranks, link) one launch on the emulated cluster does, in order:
    the all-reduce cost model it fitted on the live group. With the optimizer step timed apart,
    that is the :class:`~interlace.sim.trace.Trace` ``interlace profile --trace-out`` writes.
 2. **network**: ``a + b*M`` fitted on all-reduces issued back to back, as the bucket engine
-   issues them (:func:`interlace.comm.calibrate.fit_stream_cost_model`).
+   issues them (:func:`interlace.comm.calibrate.fit_stream_cost_model`); the replay keeps its
+   per-byte ``b`` (its start-up comes from the probes below).
 3. **measure**: the data-parallel benchmark's own rank code
    (:func:`interlace.bench.dp.measure_rank`) runs every strategy for real, in round-robin
    blocks, and in the same rounds times the plain module's forward, backward and step, one
-   all-reduce of all gradients, and the plain iteration with that all-reduce alongside backward.
+   all-reduce of all gradients, and the contention probes.
 
 Each strategy's prediction is :func:`interlace.sim.engine.simulate`: planned exactly as
-DataParallel plans (the trace, the fitted cost model), replayed with the streamed cost model,
-and compared with the strategy's measured median iteration.
+DataParallel plans (the trace, the fitted cost model), replayed with the calibrated start-up,
+per-byte cost, contention and synchronisation, and compared with the strategy's measured median
+iteration.
 
-Three things about this machine are modelled, each from a measurement of no strategy, and said
-so in every row:
+What this machine does to an iteration is modelled from probes of the plain module taken in the
+same rounds as the strategies (:mod:`interlace.sim.contention`), never from a strategy being
+predicted, and said in every row:
 
-* **start-ups in a stream**: ranks outnumber cores, so an all-reduce issued right behind
-  another waits for every peer's communication thread to be scheduled; a 4 KB all-reduce in a
-  stream costs several times the 4-byte one after a barrier that DataParallel's planner fits
-  ``a`` on. The planner still plans with its own ``a`` (that is what runs); the replay times
-  all-reduces with the streamed model.
-* **contention**: gloo's threads and the kernel's network stack take cycles from compute while an
-  all-reduce is in flight; :class:`~interlace.sim.engine.Contention`'s compute slowdown is
-  calibrated from the plain iteration with one all-reduce alongside backward
-  (:func:`calibrate_contention`).
+* **start-ups**: ranks outnumber cores, so an all-reduce issued from backward's hooks waits for
+  every peer's communication thread to be scheduled, several times the 4-byte one after a
+  barrier that DataParallel's planner fits ``a`` on, and by an amount that moves between
+  launches. The replay prices every all-reduce's start-up with the pace of a stream of small
+  all-reduces issued from the plain module's gradient hooks. The planner still plans with its
+  own ``a`` (that is what runs).
+* **contention**: compute slows while start-ups or bytes are in flight, and bytes progress
+  slower beside backward than alone (:class:`~interlace.sim.engine.Contention`, from the same
+  stream's backward and from backward with one all-reduce of all gradients alongside); gloo's
+  two worker threads let a start-up run behind the previous all-reduce's bytes.
+* **synchronisation**: the plain iteration with its all-reduce, ranks started together, against
+  its pieces timed apart after barriers.
 * **load drift**: the machine is shared and its load moves within minutes; the trace keeps its
   shape but takes its forward, backward and step totals from the plain module timed in the same
   rounds as the strategies (:func:`~interlace.sim.trace.with_totals`).
@@ -48,12 +54,13 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from interlace.comm.cost import CostModel
 from interlace.errors import UsageError
+from interlace.sim.contention import calibrate
 from interlace.sim.engine import Contention, simulate
 from interlace.sim.trace import Trace, with_totals
 
@@ -109,10 +116,11 @@ class ValidationRow:
     error: float
     #: Prediction with no contention model (compute unaffected by communication).
     predicted_uncontended_s: float
+    #: The calibrated :class:`~interlace.sim.engine.Contention`.
     compute_slowdown: float
     #: Plain-module compute among the strategies over the profiled trace's compute.
     compute_drift: float
-    #: The replay's cost model: all-reduces issued back to back.
+    #: The replay's cost model: the start-up probe's pace and the streamed fit's per-byte term.
     stream_a: float
     stream_b: float
     predicted_buckets: int
@@ -120,35 +128,23 @@ class ValidationRow:
     comm_compute: float
     cost_a: float
     cost_b: float
+    #: The plain module's medians in the same rounds (slowest rank): forward, backward, step,
+    #: one all-reduce of all gradients, and the iteration with that all-reduce alongside backward.
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    step_s: float = 0.0
+    allreduce_s: float = 0.0
+    overlapped_s: float = 0.0
+    #: The replay's cost model's time for one all-reduce of all gradients.
+    predicted_allreduce_s: float = 0.0
+    startup_rate: float = 1.0
+    transfer_rate: float = 1.0
+    startup_compute_slowdown: float = 1.0
+    #: Medians of the contention probes (:class:`~interlace.sim.contention.ContentionSamples`).
+    probes: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def calibrate_contention(
-    backward_s: float, allreduce_s: float, overlapped_backward_s: float
-) -> Contention:
-    """The compute slowdown that explains a backward pass run with one all-reduce alongside.
-
-    The all-reduce (``allreduce_s`` alone) starts with backward (``backward_s`` alone); the two
-    together took ``overlapped_backward_s``. If compute runs at ``1/s`` while communication is
-    in flight, and backward outlasts the all-reduce, together they take
-    ``C + (B - C/s)``; solving for ``s`` gives ``s = C / (C + B - X)``. A pair that took no
-    longer than the longer of the two shows no contention (``s = 1``); a pair that took as long
-    as both in a row stalls compute entirely, capped at 100.
-    """
-    b, c, x = backward_s, allreduce_s, overlapped_backward_s
-    if not (b > 0 and c > 0 and x > 0):
-        return Contention()
-    if x <= max(b, c):
-        return Contention()
-    if c >= b:
-        # The all-reduce outlasts backward: X = B*s (compute slowed the whole way), if B*s > C.
-        return Contention(min(x / b, 100.0))
-    room = c + b - x
-    if room <= c / 100.0:
-        return Contention(100.0)
-    return Contention(min(max(c / room, 1.0), 100.0))
 
 
 def rows_from_sample(
@@ -161,8 +157,27 @@ def rows_from_sample(
     step = statistics.median(measurement.step_s)
     allreduce = statistics.median(measurement.allreduce_s)
     overlapped = statistics.median(measurement.overlapped_s)
-    contention = calibrate_contention(backward, allreduce, overlapped - forward - step)
     timing = sample.stream_cost
+    contention = Contention()
+    sync = 0.0
+    calibration = (
+        calibrate(
+            measurement.contention,
+            forward_s=forward,
+            backward_s=backward,
+            step_s=step,
+            allreduce_s=allreduce,
+            startup_behind_transfer=True,  # the emulated cluster runs gloo
+        )
+        if measurement.contention is not None
+        else None
+    )
+    if calibration is not None:
+        contention, sync = calibration.contention, calibration.sync_s
+        # Start-ups as the probe, issued from backward's hooks in the same rounds, paid them
+        # (the fit's, from one moment before the rounds and after a barrier, moves with load).
+        timing = CostModel(calibration.startup_s, timing.b)
+    probe_medians = measurement.contention.medians() if measurement.contention is not None else {}
     # The machine is shared and its load drifts over a launch: the trace keeps its shape (each
     # layer's share, each tensor's ready time relative to backward) but takes its forward,
     # backward and step totals from the plain module timed in the same round-robin rounds as
@@ -180,7 +195,13 @@ def rows_from_sample(
         # model's plan after measuring them); DDP's are its own and not exported.
         used = samples.bucket_tensors if samples.chosen_channels in (None, 1) else None
         result = simulate(
-            trace, strategy, sample.cost, contention=contention, timing_cost=timing, buckets=used
+            trace,
+            strategy,
+            sample.cost,
+            contention=contention,
+            timing_cost=timing,
+            buckets=used,
+            sync_s=sync,
         )
         plain = simulate(sample.trace, strategy, sample.cost, buckets=used)
         measured_s = statistics.median(samples.iteration_s)
@@ -203,6 +224,16 @@ def rows_from_sample(
                 comm_compute=allreduce / (forward + backward + step),
                 cost_a=sample.cost.a,
                 cost_b=sample.cost.b,
+                forward_s=forward,
+                backward_s=backward,
+                step_s=step,
+                allreduce_s=allreduce,
+                overlapped_s=overlapped,
+                predicted_allreduce_s=timing.time(measurement.gradient_bytes),
+                startup_rate=contention.startup_rate,
+                transfer_rate=contention.transfer_rate,
+                startup_compute_slowdown=contention.startup_compute_slowdown,
+                probes=probe_medians,
             )
         )
     return rows
@@ -217,8 +248,9 @@ def error_summary(rows: Sequence[ValidationRow]) -> tuple[float, float]:
 def format_table(rows: Sequence[ValidationRow]) -> str:
     lines = [
         "| model | ranks | link | comm/compute | strategy | predicted ms | measured ms | error "
-        "| naive ms (error) | a ms fit/stream | slowdown | drift | buckets pred/meas |",
-        "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| naive ms (error) | a ms fit/probe | comm rate start/bytes | compute slowdown "
+        "start/bytes | drift | buckets pred/meas |",
+        "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         plain_error = (row.predicted_uncontended_s - row.measured_s) / row.measured_s
@@ -227,7 +259,9 @@ def format_table(rows: Sequence[ValidationRow]) -> str:
             f"{row.strategy} | {row.predicted_s * 1e3:.1f} | {row.measured_s * 1e3:.1f} | "
             f"{row.error * 100:+.1f}% | {row.predicted_uncontended_s * 1e3:.1f} "
             f"({plain_error * 100:+.1f}%) | {row.cost_a * 1e3:.2f}/{row.stream_a * 1e3:.2f} | "
-            f"{row.compute_slowdown:.2f} | {row.compute_drift:.2f} | "
+            f"{row.startup_rate:.2f}/{row.transfer_rate:.2f} | "
+            f"{row.startup_compute_slowdown:.2f}/{row.compute_slowdown:.2f} | "
+            f"{row.compute_drift:.2f} | "
             f"{row.predicted_buckets}/{row.measured_buckets} |"
         )
     return "\n".join(lines)
@@ -318,6 +352,7 @@ def validate_rank(job: ValidateJob) -> ValidateSample:
             job.warmup,
             job.rounds,
             job.seed,
+            probe_contention=True,
         )
     )
     return ValidateSample(trace, cost, stream_cost, measurement)

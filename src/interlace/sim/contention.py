@@ -1,0 +1,296 @@
+"""How communication and compute slow each other on shared cores: probes and calibration.
+
+On the emulated cluster ranks outnumber cores, and an all-reduce beside a computing thread is
+not what it is alone: each handshake waits for every peer's communication thread to be
+scheduled, compute loses cycles to gloo and the kernel's network stack, and the start-up of an
+all-reduce costs what the machine's state of the moment makes it cost (it moves by 2x between
+launches minutes apart). So the replay does not take these from a fit made once: it takes them
+from probes of the plain module made in the same rounds as the strategies it is compared with
+(:class:`ContentionProbe`), none of them a strategy:
+
+* **start-ups**: backward with one small all-reduce (:data:`SMALL_BYTES`) issued from each
+  parameter's gradient hook, as per-tensor all-reduces are issued: how long backward took, and
+  when the last all-reduce ended;
+* **bytes**: backward with one all-reduce of all gradients issued as it starts: the same two
+  times (the all-reduce alone is the plain measurement the benchmark already takes);
+* **synchronisation**: the plain iteration with that all-reduce after backward, ranks started
+  together, against its pieces each timed after a barrier.
+
+:func:`calibrate` turns them into a :class:`Calibration`: the start-up the replay prices every
+all-reduce with, a :class:`~interlace.sim.engine.Contention` (:func:`progress_rate` and
+:func:`compute_slowdown` say how) and a synchronisation cost per iteration.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from interlace.sim.engine import Contention
+
+#: Bytes of each all-reduce in the start-up probe: a norm layer's parameter, all start-up.
+SMALL_BYTES = 256
+#: The most a compute slowdown is taken to be (a pair that took as long as both in series).
+MAX_SLOWDOWN = 100.0
+
+
+@dataclass
+class ContentionSamples:
+    """Per-round samples (seconds, maxima over ranks) of the three probes; see the module doc."""
+
+    stream_count: int = 0
+    stream_backward_s: list[float] = field(default_factory=list)
+    stream_done_s: list[float] = field(default_factory=list)
+    flat_backward_s: list[float] = field(default_factory=list)
+    flat_done_s: list[float] = field(default_factory=list)
+    serial_s: list[float] = field(default_factory=list)
+
+    def medians(self) -> dict[str, float]:
+        """Each sample list's median (and the stream's length), for reports."""
+        values: dict[str, float] = {"stream_count": float(self.stream_count)}
+        for name in (
+            "stream_backward_s",
+            "stream_done_s",
+            "flat_backward_s",
+            "flat_done_s",
+            "serial_s",
+        ):
+            samples = getattr(self, name)
+            if samples:
+                values[name] = statistics.median(samples)
+        return values
+
+
+def progress_rate(alone_s: float, backward_s: float, done_s: float, head_s: float = 0.0) -> float:
+    """The fraction of its idle speed at which communication progressed while backward ran.
+
+    Work that takes ``alone_s`` on idle cores was issued as a backward of ``backward_s`` began
+    and ended ``done_s`` after it. ``head_s`` seconds at the start were spent on something else
+    (e.g. start-ups priced separately) and are not counted. If the work ended within backward it
+    ran at ``alone_s / done_s`` throughout; otherwise it ran at full speed after backward, so
+    backward saw ``alone_s - (done_s - backward_s)`` of it. Clamped to [0, 1].
+    """
+    if alone_s <= 0.0:
+        return 1.0
+    window = min(done_s, backward_s) - head_s
+    if window <= 0.0:
+        return 1.0 if done_s <= backward_s else 0.0
+    progressed = alone_s if done_s <= backward_s else alone_s - (done_s - backward_s)
+    return min(max(progressed / window, 0.0), 1.0)
+
+
+def compute_slowdown(
+    plain_s: float,
+    backward_s: float,
+    done_s: float,
+    head_s: float = 0.0,
+    head_slowdown: float = 1.0,
+) -> float:
+    """The factor compute slowed by while communication was in flight.
+
+    A backward of ``plain_s`` alone took ``backward_s`` with communication in flight from its
+    start until ``overlap = min(done_s, backward_s)``, the first ``head_s`` of it at a known
+    ``head_slowdown``: ``plain_s = head_s / head_slowdown + (overlap - head_s) / s +
+    (backward_s - overlap)``, solved for ``s``. At least 1, at most :data:`MAX_SLOWDOWN`.
+    """
+    overlap = min(done_s, backward_s)
+    window = overlap - head_s
+    if window <= 0.0 or backward_s <= plain_s:
+        return 1.0
+    room = plain_s - backward_s + overlap - head_s / head_slowdown
+    if room <= window / MAX_SLOWDOWN:
+        return MAX_SLOWDOWN
+    return min(max(window / room, 1.0), MAX_SLOWDOWN)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the probes say about this machine, for the replay."""
+
+    contention: Contention
+    #: Seconds per all-reduce start-up, as the start-up probe paced them.
+    startup_s: float
+    #: Seconds an iteration spends synchronising that its pieces timed apart do not show: the
+    #: plain iteration with its all-reduce, ranks started together, less its forward, backward,
+    #: step and all-reduce each timed after a barrier (ranks drifting apart over compute, and
+    #: waking from the wait). At least 0.
+    sync_s: float
+
+
+def calibrate(
+    samples: ContentionSamples,
+    *,
+    forward_s: float,
+    backward_s: float,
+    step_s: float,
+    allreduce_s: float,
+    startup_behind_transfer: bool = False,
+) -> Calibration | None:
+    """:class:`Calibration` from the probes and the plain module's medians in the same rounds
+    (forward, backward, step, one all-reduce of all gradients); None without probes.
+
+    The start-up probe's all-reduces were issued from backward's hooks, one per gradient
+    tensor, as per-tensor WFBP issues them; on this machine they are bound by their start-ups
+    (backward produces tensors faster than they go), so the stream's pace, its end over its
+    length, is the start-up as such a stream pays it. That pace already includes backward's
+    company, so start-ups progress at it throughout (``startup_rate`` 1: a stream on idle cores
+    is no faster here, its threads wake slower); the stream's backward gives the compute
+    slowdown while start-ups are in flight. The all-reduce of all gradients is one start-up
+    and then bytes: its end gives the transfer rate and its backward the compute slowdown while
+    bytes are in flight. ``startup_behind_transfer`` is the backend's (True for gloo; see
+    :class:`~interlace.sim.engine.Contention`).
+    """
+    if not (samples.stream_done_s and samples.flat_done_s and samples.stream_count > 0):
+        return None
+    stream_backward = statistics.median(samples.stream_backward_s)
+    stream_done = statistics.median(samples.stream_done_s)
+    flat_backward = statistics.median(samples.flat_backward_s)
+    flat_done = statistics.median(samples.flat_done_s)
+    startup = stream_done / samples.stream_count
+    startup_compute = compute_slowdown(backward_s, stream_backward, stream_done)
+    if startup >= min(flat_done, flat_backward):
+        # The start-up outlasted the overlap: nothing tells bytes from start-ups.
+        transfer_rate, transfer_compute = 1.0, startup_compute
+    else:
+        transfer_rate = progress_rate(
+            max(allreduce_s - startup, 0.0), flat_backward, flat_done, startup
+        )
+        transfer_compute = compute_slowdown(
+            backward_s, flat_backward, flat_done, startup, startup_compute
+        )
+    pieces = forward_s + backward_s + step_s + allreduce_s
+    sync = max(statistics.median(samples.serial_s) - pieces, 0.0) if samples.serial_s else 0.0
+    contention = Contention(
+        compute_slowdown=transfer_compute,
+        transfer_rate=transfer_rate,
+        startup_compute_slowdown=startup_compute,
+        startup_behind_transfer=startup_behind_transfer,
+    )
+    return Calibration(contention, startup, sync)
+
+
+# ================================================================================ rank side
+
+
+def _backward_with(
+    model: Any,
+    optimizer: Any,
+    batch: tuple[Any, Any],
+    *,
+    issue_at_start: Callable[[], list[Any]],
+    issued: list[Any],
+) -> tuple[float, float]:
+    """Backward of the plain module with all-reduces alongside: those ``issue_at_start`` makes
+    as it starts and those hooks append to ``issued`` during it. Returns the seconds of backward
+    and from its start to the end of the last all-reduce."""
+    import torch.distributed as dist
+    from torch.nn import functional
+
+    inputs, targets = batch
+    optimizer.zero_grad()
+    loss = functional.cross_entropy(model(inputs), targets)
+    issued.clear()
+    dist.barrier()
+    start = time.perf_counter()
+    issued.extend(issue_at_start())
+    loss.backward()
+    backward_end = time.perf_counter()
+    ends: list[float] = []
+    for handle in list(issued):
+        if handle is not None:
+            handle.wait()
+            ends.append(time.perf_counter())
+    issued.clear()
+    optimizer.zero_grad()
+    return backward_end - start, (max(ends) if ends else backward_end) - start
+
+
+class ContentionProbe:
+    """The rank side: takes :class:`ContentionSamples` beside the plain module's measurements.
+
+    It hooks every parameter of ``model`` (the plain module the benchmark times); the hooks
+    issue the start-up probe's all-reduces only while it samples.
+    """
+
+    def __init__(self, model: Any, optimizer: Any, flat: Any) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.model = model
+        self.optimizer = optimizer
+        self.flat = flat
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.small = [torch.zeros(SMALL_BYTES // 4) for _ in params]
+        self._issued: list[Any] = []
+        self._armed = False
+
+        def hook_for(index: int) -> Callable[[Any], None]:
+            def hook(_param: Any) -> None:
+                if self._armed:
+                    self._issued.append(dist.all_reduce(self.small[index], async_op=True))
+
+            return hook
+
+        for index, param in enumerate(params):
+            param.register_post_accumulate_grad_hook(hook_for(index))
+        self.samples = ContentionSamples(stream_count=len(params))
+        self._raw: dict[str, list[float]] = {
+            "stream_backward_s": [],
+            "stream_done_s": [],
+            "flat_backward_s": [],
+            "flat_done_s": [],
+            "serial_s": [],
+        }
+
+    def _startups(self, batch: tuple[Any, Any]) -> tuple[float, float]:
+        self._armed = True
+        try:
+            return _backward_with(
+                self.model, self.optimizer, batch, issue_at_start=list, issued=self._issued
+            )
+        finally:
+            self._armed = False
+
+    def sample(self, next_batch: Callable[[], tuple[Any, Any]]) -> None:
+        """One sample of each probe."""
+        import torch.distributed as dist
+
+        raw = self._raw
+        backward, done = self._startups(next_batch())
+        raw["stream_backward_s"].append(backward)
+        raw["stream_done_s"].append(done)
+        backward, done = _backward_with(
+            self.model,
+            self.optimizer,
+            next_batch(),
+            issue_at_start=lambda: [dist.all_reduce(self.flat, async_op=True)],
+            issued=self._issued,
+        )
+        raw["flat_backward_s"].append(backward)
+        raw["flat_done_s"].append(done)
+        raw["serial_s"].append(self._serial(*next_batch()))
+
+    def _serial(self, inputs: Any, targets: Any) -> float:
+        """One plain iteration with the all-reduce of all gradients after backward, the ranks
+        started together and not synchronised again until that all-reduce."""
+        import torch.distributed as dist
+        from torch.nn import functional
+
+        dist.barrier()
+        start = time.perf_counter()
+        self.optimizer.zero_grad()
+        functional.cross_entropy(self.model(inputs), targets).backward()
+        dist.all_reduce(self.flat)
+        self.optimizer.step()
+        return time.perf_counter() - start
+
+    def finish(self) -> ContentionSamples:
+        """The samples, each a maximum over ranks (collective: every rank calls it)."""
+        from interlace.bench.dp import _max_over_ranks
+
+        for name, values in self._raw.items():
+            setattr(self.samples, name, _max_over_ranks(values))
+        return self.samples
