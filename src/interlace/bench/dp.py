@@ -659,14 +659,18 @@ def _compute_sample(
     return forward_end - start, backward_end - forward_end, time.perf_counter() - backward_end
 
 
-def _overlapped_sample(model: Any, optimizer: Any, inputs: Any, targets: Any, flat: Any) -> float:
-    """Seconds of one plain iteration with an all-reduce of ``flat`` (all gradients' bytes)
-    launched as backward starts and awaited before the step.
+def _overlapped_sample(
+    model: Any, optimizer: Any, inputs: Any, targets: Any, flat: Any
+) -> tuple[float, float, float]:
+    """One plain iteration with an all-reduce of ``flat`` (all gradients' bytes) launched as
+    backward starts and awaited before the step: seconds of the iteration, of its backward, and
+    from backward's start to the all-reduce's end.
 
     The ideal-overlap bound assumes communication costs compute nothing. On a CPU that is false:
     gloo and the kernel's network stack run on the cores the ranks compute on. This is the
     ideal overlap as the machine can actually run it (every byte sendable from the start of
-    backward, one start-up), so a strategy's distance from it is the strategy's own doing.
+    backward, one start-up), so a strategy's distance from it is the strategy's own doing. The
+    simulator's contention calibration reads the other two times.
     """
     import torch.distributed as dist
     from torch.nn import functional
@@ -675,12 +679,19 @@ def _overlapped_sample(model: Any, optimizer: Any, inputs: Any, targets: Any, fl
     start = time.perf_counter()
     optimizer.zero_grad()
     loss = functional.cross_entropy(model(inputs), targets)
+    backward_start = time.perf_counter()
     handle = dist.all_reduce(flat, async_op=True)
     loss.backward()
+    backward_end = time.perf_counter()
     if handle is not None:
         handle.wait()
+    comm_end = time.perf_counter()
     optimizer.step()
-    return time.perf_counter() - start
+    return (
+        time.perf_counter() - start,
+        backward_end - backward_start,
+        comm_end - backward_start,
+    )
 
 
 def _allreduce_sample(flat: Any) -> float:
@@ -847,7 +858,7 @@ def measure_rank(job: MeasureJob) -> Measurement:
     if job.probe_contention:
         from interlace.sim.contention import ContentionProbe
 
-        probe = ContentionProbe(plain, plain_optimizer, alongside)
+        probe = ContentionProbe(plain, plain_optimizer, flat)
 
     forwards: list[float] = []
     backwards: list[float] = []
@@ -868,10 +879,12 @@ def measure_rank(job: MeasureJob) -> Measurement:
                     backwards.append(backward_s)
                     steps_s.append(step_s)
                     allreduces.append(_allreduce_sample(flat))
-                    overlapped.append(
-                        _overlapped_sample(plain, plain_optimizer, *next_batch(), alongside)
+                    iteration_s, overlapped_backward_s, overlapped_done_s = _overlapped_sample(
+                        plain, plain_optimizer, *next_batch(), alongside
                     )
+                    overlapped.append(iteration_s)
                     if probe is not None:
+                        probe.add_bulk(overlapped_backward_s, overlapped_done_s)
                         probe.sample(next_batch)
                 continue
             dist.barrier()

@@ -12,7 +12,8 @@ from probes of the plain module made in the same rounds as the strategies it is 
   parameter's gradient hook, as per-tensor all-reduces are issued: how long backward took, and
   when the last all-reduce ended (after one untimed such stream, to settle the connection);
 * **bytes**: backward with one all-reduce of all gradients issued as it starts: the same two
-  times (the all-reduce alone is the plain measurement the benchmark already takes);
+  times, read from the benchmark's own overlapped iteration (the all-reduce alone is its plain
+  measurement too);
 * **synchronisation**: the plain iteration with that all-reduce after backward, ranks started
   together, against its pieces each timed after a barrier.
 
@@ -175,17 +176,11 @@ def calibrate(
 # ================================================================================ rank side
 
 
-def _backward_with(
-    model: Any,
-    optimizer: Any,
-    batch: tuple[Any, Any],
-    *,
-    issue_at_start: Callable[[], list[Any]],
-    issued: list[Any],
+def _backward_with_startups(
+    model: Any, optimizer: Any, batch: tuple[Any, Any], issued: list[Any]
 ) -> tuple[float, float]:
-    """Backward of the plain module with all-reduces alongside: those ``issue_at_start`` makes
-    as it starts and those hooks append to ``issued`` during it. Returns the seconds of backward
-    and from its start to the end of the last all-reduce."""
+    """Backward of the plain module while its hooks append all-reduces to ``issued``: seconds
+    of backward, and from its start to the end of the last all-reduce."""
     import torch.distributed as dist
     from torch.nn import functional
 
@@ -195,11 +190,10 @@ def _backward_with(
     issued.clear()
     dist.barrier()
     start = time.perf_counter()
-    issued.extend(issue_at_start())
     loss.backward()
     backward_end = time.perf_counter()
     ends: list[float] = []
-    for handle in list(issued):
+    for handle in issued:
         if handle is not None:
             handle.wait()
             ends.append(time.perf_counter())
@@ -248,16 +242,19 @@ class ContentionProbe:
     def _startups(self, batch: tuple[Any, Any]) -> tuple[float, float]:
         self._armed = True
         try:
-            return _backward_with(
-                self.model, self.optimizer, batch, issue_at_start=list, issued=self._issued
-            )
+            return _backward_with_startups(self.model, self.optimizer, batch, self._issued)
         finally:
             self._armed = False
 
-    def sample(self, next_batch: Callable[[], tuple[Any, Any]]) -> None:
-        """One sample of each probe."""
-        import torch.distributed as dist
+    def add_bulk(self, backward_s: float, done_s: float) -> None:
+        """The bytes probe: the benchmark's own plain iteration with the all-reduce of all
+        gradients launched as backward starts (:func:`interlace.bench.dp._overlapped_sample`),
+        its backward and the all-reduce's end, both from backward's start."""
+        self._raw["flat_backward_s"].append(backward_s)
+        self._raw["flat_done_s"].append(done_s)
 
+    def sample(self, next_batch: Callable[[], tuple[Any, Any]]) -> None:
+        """One sample of the start-up and synchronisation probes (after :meth:`add_bulk`)."""
         raw = self._raw
         # Small all-reduces right after a bulk one (the round's all-reduce of all gradients)
         # pace up to 2x slower for a while (measured: 1.7 against 0.8 ms per all-reduce on
@@ -267,15 +264,6 @@ class ContentionProbe:
         backward, done = self._startups(next_batch())
         raw["stream_backward_s"].append(backward)
         raw["stream_done_s"].append(done)
-        backward, done = _backward_with(
-            self.model,
-            self.optimizer,
-            next_batch(),
-            issue_at_start=lambda: [dist.all_reduce(self.flat, async_op=True)],
-            issued=self._issued,
-        )
-        raw["flat_backward_s"].append(backward)
-        raw["flat_done_s"].append(done)
         raw["serial_s"].append(self._serial(*next_batch()))
 
     def _serial(self, inputs: Any, targets: Any) -> float:

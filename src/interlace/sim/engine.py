@@ -241,6 +241,7 @@ def replay(
     step_s: float = 0.0,
     cost: CostModel | None = None,
     pre_forward_bytes: Sequence[int] = (),
+    sync_s: float = 0.0,
 ) -> Replay:
     """Play ``plan`` forward in time as discrete events.
 
@@ -251,14 +252,29 @@ def replay(
     network's truth differ). ``contention`` slows each by the other while backward computes and
     may let a start-up run behind the previous all-reduce's bytes (see :class:`Contention`).
     With no contention the times equal :func:`~interlace.comm.plan.schedule`'s.
-    ``pre_forward_bytes`` are collectives made before forward, priced by the same cost.
+    ``pre_forward_bytes`` are collectives made before forward, priced by the same cost;
+    ``sync_s`` is a synchronisation after backward's communication (a measured cost, see
+    :class:`interlace.sim.contention.Calibration`).
     """
     cost = plan.cost if cost is None else cost
-    tensors = plan.tensors
-    if not tensors:
+    if not plan.tensors:
         raise ValueError("replaying a plan needs its tensors (plan.tensors is empty)")
     if plan.channels > 1:
-        return _replay_channels(plan, contention, step_s, cost, pre_forward_bytes)
+        played = _replay_channels(plan, contention, step_s, cost, pre_forward_bytes)
+    else:
+        played = _replay_one_channel(plan, contention, step_s, cost, pre_forward_bytes)
+    return replace(played, sync_s=sync_s) if sync_s else played
+
+
+def _replay_one_channel(
+    plan: Plan,
+    contention: Contention,
+    step_s: float,
+    cost: CostModel,
+    pre_forward_bytes: Sequence[int],
+) -> Replay:
+    """:func:`replay` on one channel."""
+    tensors = plan.tensors
     # Compute work between consecutive ready times, then the tail of backward.
     work = [tensors[0].ready_s] + [
         tensors[i].ready_s - tensors[i - 1].ready_s for i in range(1, len(tensors))
@@ -648,9 +664,8 @@ def simulate(
         step_s=trace.step_s,
         cost=timing_cost,
         pre_forward_bytes=trace.broadcast_bytes,
+        sync_s=sync_s,
     )
-    if sync_s:
-        replayed = replace(replayed, sync_s=sync_s)
     return SimResult(chosen.name, workers, cost, plan, replayed, trace.model, network)
 
 
