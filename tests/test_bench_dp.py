@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import pytest
 from interlace.bench import dp
 from interlace.errors import UsageError
 from interlace.netem import parse_link
+from interlace.testing import run_ranks
 
 # ---------------------------------------------------------------------------- rate selection
 
@@ -156,6 +159,33 @@ def test_timed_iterations_are_split_into_even_rounds() -> None:
     assert dp._blocks(2, 5) == [1, 1]
 
 
+@pytest.mark.parametrize("slots", [1, 2, 3, 4, 5, 6, 7])
+def test_round_orders_balance_positions_and_predecessors(slots: int) -> None:
+    # A balanced Latin square: over `slots` rounds (2x for an odd count) each slot takes every
+    # position equally often and follows every other slot equally often.
+    rounds = slots if slots % 2 == 0 else 2 * slots
+    orders = [dp._round_order(slots, index) for index in range(rounds)]
+    for order in orders:
+        assert sorted(order) == list(range(slots))
+    per_round = rounds // slots
+    for position in range(slots):
+        assert Counter(order[position] for order in orders) == dict.fromkeys(
+            range(slots), per_round
+        )
+    follows = Counter((a, b) for order in orders for a, b in itertools.pairwise(order))
+    expected = {(a, b): per_round for a in range(slots) for b in range(slots) if a != b}
+    assert follows == expected
+
+
+def test_the_old_rotation_would_have_kept_predecessors() -> None:
+    # The reason for the design: with 6 slots, 5 rounds already put every slot behind at
+    # least 3 different ones (a rotation gives each exactly one).
+    orders = [dp._round_order(6, index) for index in range(5)]
+    for slot in range(6):
+        before = {order[order.index(slot) - 1] for order in orders if order.index(slot) > 0}
+        assert len(before) >= 3
+
+
 # ---------------------------------------------------------------------------- a real run
 
 
@@ -273,3 +303,28 @@ def test_run_raises_usage_error_for_the_lead_cli() -> None:
     dp.add_arguments(parser)
     with pytest.raises(UsageError, match="unknown model"):
         dp.run(parser.parse_args(["--models", "nope"]))
+
+
+def _completion_before_wait() -> tuple[float, float, int]:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.ones(64)
+    issued = time.perf_counter()
+    handle = dist.all_reduce(tensor, async_op=True)
+    ends = dp.record_completion(handle)
+    time.sleep(0.5)  # stands in for a backward that outlasts the all-reduce
+    handle.wait()
+    waited = time.perf_counter()
+    return ends[0] - issued, waited - issued, len(ends)
+
+
+def test_record_completion_gives_the_collectives_own_end() -> None:
+    # A wait after a long backward returns no earlier than that backward; the recorded end is
+    # the all-reduce's, long before.
+    for own, waited, count in run_ranks(_completion_before_wait, 2, timeout=120):
+        assert count == 1
+        assert waited >= 0.5
+        assert 0.0 < own < 0.4

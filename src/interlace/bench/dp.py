@@ -593,8 +593,9 @@ class MeasureJob:
     warmup: int
     rounds: int
     seed: int = 0
-    #: Also take the simulator's contention probes (:mod:`interlace.sim.contention`) in the
-    #: reference slot of every round.
+    #: Also take the simulator's contention probes (:mod:`interlace.sim.contention`) in every
+    #: round: the start-up and synchronisation probes as a block of their own, the bytes probe
+    #: in the reference slot.
     probe_contention: bool = False
 
 
@@ -681,17 +682,32 @@ def _overlapped_sample(
     loss = functional.cross_entropy(model(inputs), targets)
     backward_start = time.perf_counter()
     handle = dist.all_reduce(flat, async_op=True)
+    ends = record_completion(handle)
     loss.backward()
     backward_end = time.perf_counter()
     if handle is not None:
         handle.wait()
-    comm_end = time.perf_counter()
+    comm_end = ends[0] if ends else time.perf_counter()
     optimizer.step()
     return (
         time.perf_counter() - start,
         backward_end - backward_start,
         comm_end - backward_start,
     )
+
+
+def record_completion(handle: Any) -> list[float]:
+    """A list that receives ``time.perf_counter()`` when the async collective ``handle``
+    completes (empty until then; stays empty for a None handle).
+
+    Read after waiting on it, the time is the collective's own end, which may lie before the
+    wait: an end read when a wait after backward returns is never earlier than backward's.
+    """
+    ends: list[float] = []
+    if handle is not None:
+        # The callback runs on the backend's thread as the collective completes.
+        handle.get_future().then(lambda _future: ends.append(time.perf_counter()))
+    return ends
 
 
 def _allreduce_sample(flat: Any) -> float:
@@ -809,9 +825,33 @@ def _blocks(iters: int, rounds: int) -> list[int]:
     return [iters // rounds + (1 if index < iters % rounds else 0) for index in range(rounds)]
 
 
+def _round_order(slots: int, round_index: int) -> list[int]:
+    """The order of ``slots`` in round ``round_index``: rows of a balanced Latin square
+    (Williams design). Over ``slots`` rounds (twice that for an odd count) every slot runs once
+    in every position and right after every other slot equally often.
+
+    What a block follows changes how it runs (small all-reduces right after a bulk one pace up
+    to 2x slower on the emulated cluster); a plain rotation keeps each slot behind the same one
+    every round, so that carry-over would land on the same slot every time.
+    """
+    first = [0]
+    low, high = 1, slots - 1
+    while low <= high:
+        first.append(low)
+        low += 1
+        if low <= high:
+            first.append(high)
+            high -= 1
+    row = [(slot + round_index) % slots for slot in first]
+    if slots % 2 == 1 and (round_index // slots) % 2 == 1:
+        row.reverse()
+    return row
+
+
 def measure_rank(job: MeasureJob) -> Measurement:
-    """Warm every strategy up, then time them all in rotating round-robin blocks, with the
-    plain module's compute and the all-reduce of all gradients measured in the same rounds."""
+    """Warm every strategy up, then time them all in round-robin blocks (a new order every
+    round), with the plain module's compute and the all-reduce of all gradients measured in the
+    same rounds."""
     import torch
     import torch.distributed as dist
 
@@ -854,22 +894,25 @@ def measure_rank(job: MeasureJob) -> Measurement:
         _compute_sample(plain, plain_optimizer, *next_batch())
     _allreduce_sample(flat)
     _overlapped_sample(plain, plain_optimizer, *next_batch(), alongside)
-    probe = None
-    if job.probe_contention:
-        from interlace.sim.contention import ContentionProbe
+    from interlace.sim.contention import ContentionProbe
 
-        probe = ContentionProbe(plain, plain_optimizer, flat)
+    probe = ContentionProbe(plain, plain_optimizer, flat) if job.probe_contention else None
 
     forwards: list[float] = []
     backwards: list[float] = []
     steps_s: list[float] = []
     allreduces: list[float] = []
     overlapped: list[float] = []
-    slots: list[_Contender | None] = [*contenders, None]  # None: the reference measurements
+    # None: the reference measurements; the probe: its own block, timed like a strategy's.
+    slots: list[_Contender | ContentionProbe | None] = [*contenders, None]
+    if probe is not None:
+        slots.append(probe)
     for round_index, block in enumerate(_blocks(job.iters, job.rounds)):
-        # Rotate the order every round so no strategy always runs first or after the same one.
-        shift = round_index % len(slots)
-        for slot in slots[shift:] + slots[:shift]:
+        # A new order every round, so no strategy always runs first or after the same one.
+        for slot in (slots[index] for index in _round_order(len(slots), round_index)):
+            if isinstance(slot, ContentionProbe):
+                slot.block(block, next_batch)
+                continue
             if slot is None:
                 for _ in range(block):
                     forward_s, backward_s, step_s = _compute_sample(
@@ -885,7 +928,6 @@ def measure_rank(job: MeasureJob) -> Measurement:
                     overlapped.append(iteration_s)
                     if probe is not None:
                         probe.add_bulk(overlapped_backward_s, overlapped_done_s)
-                        probe.sample(next_batch)
                 continue
             dist.barrier()
             for _ in range(block):

@@ -8,14 +8,15 @@ launches minutes apart). So the replay does not take these from a fit made once:
 from probes of the plain module made in the same rounds as the strategies it is compared with
 (:class:`ContentionProbe`), none of them a strategy:
 
-* **start-ups**: backward with one small all-reduce (:data:`SMALL_BYTES`) issued from each
-  parameter's gradient hook, as per-tensor all-reduces are issued: how long backward took, and
-  when the last all-reduce ended (after one untimed such stream, to settle the connection);
+* **start-ups**: plain iterations whose backward issues one small all-reduce
+  (:data:`SMALL_BYTES`) from each parameter's gradient hook, as per-tensor all-reduces are
+  issued, run back to back in a block of their own in every round, as a strategy's block is
+  run: how long backward took, and when the last all-reduce ended;
 * **bytes**: backward with one all-reduce of all gradients issued as it starts: the same two
   times, read from the benchmark's own overlapped iteration (the all-reduce alone is its plain
   measurement too);
-* **synchronisation**: the plain iteration with that all-reduce after backward, ranks started
-  together, against its pieces each timed after a barrier.
+* **synchronisation**: plain iterations with that all-reduce after backward, back to back in
+  the same block as the start-up probe, against their pieces each timed after a barrier.
 
 :func:`calibrate` turns them into a :class:`Calibration`: the start-up the replay prices every
 all-reduce with, a :class:`~interlace.sim.engine.Contention` (:func:`progress_rate` and
@@ -115,9 +116,9 @@ class Calibration:
     #: Seconds per all-reduce start-up, as the start-up probe paced them.
     startup_s: float
     #: Seconds an iteration spends synchronising that its pieces timed apart do not show: the
-    #: plain iteration with its all-reduce, ranks started together, less its forward, backward,
-    #: step and all-reduce each timed after a barrier (ranks drifting apart over compute, and
-    #: waking from the wait). At least 0.
+    #: plain iteration with its all-reduce, run back to back, less its forward, backward, step
+    #: and all-reduce each timed after a barrier (ranks drifting apart over compute and waiting
+    #: for the slowest, and waking from the wait). At least 0.
     sync_s: float
 
 
@@ -176,30 +177,29 @@ def calibrate(
 # ================================================================================ rank side
 
 
-def _backward_with_startups(
+def _iteration_with_startups(
     model: Any, optimizer: Any, batch: tuple[Any, Any], issued: list[Any]
 ) -> tuple[float, float]:
-    """Backward of the plain module while its hooks append all-reduces to ``issued``: seconds
-    of backward, and from its start to the end of the last all-reduce."""
-    import torch.distributed as dist
+    """One plain iteration whose backward's hooks append all-reduces to ``issued``: seconds of
+    backward, and from backward's start to the end of the last all-reduce."""
     from torch.nn import functional
 
     inputs, targets = batch
     optimizer.zero_grad()
     loss = functional.cross_entropy(model(inputs), targets)
     issued.clear()
-    dist.barrier()
     start = time.perf_counter()
     loss.backward()
     backward_end = time.perf_counter()
-    ends: list[float] = []
+    # Waited for after backward: the stream outlasts backward on every model measured (a
+    # completion callback per all-reduce would say when one ran dry earlier, but each takes the
+    # GIL on gloo's threads and slowed the stream by 5-15%).
     for handle in issued:
-        if handle is not None:
-            handle.wait()
-            ends.append(time.perf_counter())
+        handle.wait()
+    end = time.perf_counter()
     issued.clear()
-    optimizer.zero_grad()
-    return backward_end - start, (max(ends) if ends else backward_end) - start
+    optimizer.step()
+    return backward_end - start, end - start
 
 
 class ContentionProbe:
@@ -224,7 +224,9 @@ class ContentionProbe:
         def hook_for(index: int) -> Callable[[Any], None]:
             def hook(_param: Any) -> None:
                 if self._armed:
-                    self._issued.append(dist.all_reduce(self.small[index], async_op=True))
+                    handle = dist.all_reduce(self.small[index], async_op=True)
+                    if handle is not None:
+                        self._issued.append(handle)
 
             return hook
 
@@ -239,12 +241,33 @@ class ContentionProbe:
             "serial_s": [],
         }
 
-    def _startups(self, batch: tuple[Any, Any]) -> tuple[float, float]:
+    def block(self, iterations: int, next_batch: Callable[[], tuple[Any, Any]]) -> None:
+        """The start-up and synchronisation probes: ``iterations`` plain iterations of each,
+        back to back, timed as a strategy's block is (collective).
+
+        Timed one by one after barriers, the start-up streams were bimodal (0.6 to 1.9 ms per
+        all-reduce within one launch, 2 ranks) and their median moved by 2x between launches
+        while per-tensor WFBP's did not; and an iteration that follows another straight away
+        waits longer at its all-reduce for the slowest rank than one started after a barrier
+        (5 ms longer on 4 ranks at 1 Gbit/s, transformer). Run as strategies run, they pay
+        what the strategies pay.
+        """
+        import torch.distributed as dist
+
+        dist.barrier()
         self._armed = True
         try:
-            return _backward_with_startups(self.model, self.optimizer, batch, self._issued)
+            for _ in range(iterations):
+                backward, done = _iteration_with_startups(
+                    self.model, self.optimizer, next_batch(), self._issued
+                )
+                self._raw["stream_backward_s"].append(backward)
+                self._raw["stream_done_s"].append(done)
         finally:
             self._armed = False
+        dist.barrier()
+        for _ in range(iterations):
+            self._raw["serial_s"].append(self._serial(*next_batch()))
 
     def add_bulk(self, backward_s: float, done_s: float) -> None:
         """The bytes probe: the benchmark's own plain iteration with the all-reduce of all
@@ -253,26 +276,11 @@ class ContentionProbe:
         self._raw["flat_backward_s"].append(backward_s)
         self._raw["flat_done_s"].append(done_s)
 
-    def sample(self, next_batch: Callable[[], tuple[Any, Any]]) -> None:
-        """One sample of the start-up and synchronisation probes (after :meth:`add_bulk`)."""
-        raw = self._raw
-        # Small all-reduces right after a bulk one (the round's all-reduce of all gradients)
-        # pace up to 2x slower for a while (measured: 1.7 against 0.8 ms per all-reduce on
-        # 2 ranks), and timed so, the probe over-priced WFBP's start-ups by up to 38% on
-        # 2 ranks. One untimed stream first lets the connection settle; the second is sampled.
-        self._startups(next_batch())
-        backward, done = self._startups(next_batch())
-        raw["stream_backward_s"].append(backward)
-        raw["stream_done_s"].append(done)
-        raw["serial_s"].append(self._serial(*next_batch()))
-
     def _serial(self, inputs: Any, targets: Any) -> float:
-        """One plain iteration with the all-reduce of all gradients after backward, the ranks
-        started together and not synchronised again until that all-reduce."""
+        """One plain iteration with the all-reduce of all gradients after backward."""
         import torch.distributed as dist
         from torch.nn import functional
 
-        dist.barrier()
         start = time.perf_counter()
         self.optimizer.zero_grad()
         functional.cross_entropy(self.model(inputs), targets).backward()

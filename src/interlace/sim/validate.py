@@ -28,14 +28,15 @@ predicted, and said in every row:
   every peer's communication thread to be scheduled, several times the 4-byte one after a
   barrier that DataParallel's planner fits ``a`` on, and by an amount that moves between
   launches. The replay prices every all-reduce's start-up with the pace of a stream of small
-  all-reduces issued from the plain module's gradient hooks. The planner still plans with its
+  all-reduces issued from the plain module's gradient hooks, in back-to-back iterations run as
+  a block of their own in every round, as a strategy's are. The planner still plans with its
   own ``a`` (that is what runs).
 * **contention**: compute slows while start-ups or bytes are in flight, and bytes progress
   slower beside backward than alone (:class:`~interlace.sim.engine.Contention`, from the same
   stream's backward and from backward with one all-reduce of all gradients alongside); gloo's
   two worker threads let a start-up run behind the previous all-reduce's bytes.
-* **synchronisation**: the plain iteration with its all-reduce, ranks started together, against
-  its pieces timed apart after barriers.
+* **synchronisation**: the plain iteration with its all-reduce, run back to back as strategies
+  run, against its pieces timed apart after barriers.
 * **load drift**: the machine is shared and its load moves within minutes; the trace keeps its
   shape but takes its forward, backward and step totals from the plain module timed in the same
   rounds as the strategies (:func:`~interlace.sim.trace.with_totals`).
