@@ -21,31 +21,37 @@ from interlace.sim.engine import Contention, Replay, replay
 MS = 1e-3
 
 
-def test_startup_and_transfer_progress_at_their_rates_while_backward_computes() -> None:
+def test_bytes_progress_at_their_rate_while_backward_computes() -> None:
     # One 1 MB tensor ready at 0; a = 2 ms, b = 4 ms/MB; backward lasts 10 ms.
-    # Start-up at 1/2: 4 ms for its 2 ms. Bytes at 1/4 from 4 to 10 ms: 1.5 of 4 ms done; the
-    # other 2.5 ms at full speed after backward: ends at 12.5 ms.
+    # The start-up is priced as paid beside backward: 0..2 ms. Bytes at 1/4 from 2 to 10 ms:
+    # 2 of 4 ms done; the other 2 ms at full speed after backward: ends at 12 ms.
     tensors = [ReadyTensor("t0", 1_000_000, 0.0)]
     plan = schedule([[0]], tensors, CostModel(2 * MS, 4e-9), backward_s=10 * MS)
-    played = replay(plan, Contention(startup_rate=0.5, transfer_rate=0.25))
+    played = replay(plan, Contention(transfer_rate=0.25))
     assert played.backward_end_s == pytest.approx(10 * MS)
-    assert played.comms[0].end_s == pytest.approx(12.5 * MS)
+    assert played.comms[0].end_s == pytest.approx(12 * MS)
     # With no contention it is the plan's own time: 0..6 ms.
     assert replay(plan).comms[0].end_s == pytest.approx(6 * MS)
 
 
-def test_a_stalled_startup_waits_for_backward_and_compute_slows_by_phase() -> None:
-    # Start-ups make no progress while backward computes, which slows to 1/2 meanwhile: the
-    # 10 ms backward takes 20 ms; the all-reduce (a = 2 ms, no bytes) then runs 20..22 ms.
+def test_compute_slows_by_the_phase_in_flight() -> None:
+    # A start-up (a = 2 ms, no bytes) slows the 10 ms backward to 1/2 while it runs, 0..2 ms:
+    # 1 ms of compute done, the other 9 ms at full speed, so backward ends at 11 ms.
     tensors = [ReadyTensor("t0", 4, 0.0)]
     plan = schedule([[0]], tensors, CostModel(2 * MS, 0.0), backward_s=10 * MS)
-    played = replay(plan, Contention(startup_rate=0.0, startup_compute_slowdown=2.0))
-    assert played.backward_end_s == pytest.approx(20 * MS)
-    assert played.comms[0].start_s == pytest.approx(0.0)
-    assert played.comms[0].end_s == pytest.approx(22 * MS)
+    played = replay(plan, Contention(startup_compute_slowdown=2.0))
+    assert played.backward_end_s == pytest.approx(11 * MS)
+    assert played.comms[0].end_s == pytest.approx(2 * MS)
     # A slowdown while bytes are in flight does not apply to a start-up.
-    only_bytes = replay(plan, Contention(startup_rate=0.0, compute_slowdown=3.0))
+    only_bytes = replay(plan, Contention(compute_slowdown=3.0))
     assert only_bytes.backward_end_s == pytest.approx(10 * MS)
+    # Bytes (b = 4 ms/MB, 1 MB, at full speed) slow compute by 3 from 2 to 6 ms: 4/3 ms of
+    # compute there, 2 ms before; the remaining 8 - 4/3 ms after, so backward ends at 12 2/3 ms.
+    big = [ReadyTensor("t0", 1_000_000, 0.0)]
+    plan_big = schedule([[0]], big, CostModel(2 * MS, 4e-9), backward_s=10 * MS)
+    slowed = replay(plan_big, Contention(compute_slowdown=3.0))
+    assert slowed.comms[0].end_s == pytest.approx(6 * MS)
+    assert slowed.backward_end_s == pytest.approx((6 + 10 - 2 - 4 / 3) * MS)
 
 
 def test_a_startup_can_run_behind_the_previous_transfer() -> None:
@@ -67,8 +73,8 @@ def test_a_startup_can_run_behind_the_previous_transfer() -> None:
 
 
 def test_contention_rejects_impossible_numbers() -> None:
-    with pytest.raises(ValueError, match="startup_rate"):
-        Contention(startup_rate=1.5)
+    with pytest.raises(ValueError, match="transfer_rate"):
+        Contention(transfer_rate=1.5)
     with pytest.raises(ValueError, match="transfer_rate"):
         Contention(transfer_rate=-0.1)
     with pytest.raises(ValueError, match="startup_compute_slowdown"):
@@ -143,7 +149,6 @@ def test_calibration_recovers_the_contention_the_probes_were_played_with(
     assert found.startup_s == pytest.approx(a)
     assert found.sync_s == pytest.approx(sync)
     got = found.contention
-    assert got.startup_rate == 1.0
     assert got.startup_compute_slowdown == pytest.approx(truth.startup_compute_slowdown)
     assert got.transfer_rate == pytest.approx(truth.transfer_rate)
     assert got.compute_slowdown == pytest.approx(truth.compute_slowdown)

@@ -138,8 +138,8 @@ def calibrate(
     tensor, as per-tensor WFBP issues them; on this machine they are bound by their start-ups
     (backward produces tensors faster than they go), so the stream's pace, its end over its
     length, is the start-up as such a stream pays it. That pace already includes backward's
-    company, so start-ups progress at it throughout (``startup_rate`` 1: a stream on idle cores
-    is no faster here, its threads wake slower); the stream's backward gives the compute
+    company, so the replay runs start-ups at it throughout (a stream on idle cores is no faster
+    here, its threads wake slower); the stream's backward gives the compute
     slowdown while start-ups are in flight. The all-reduce of all gradients is one start-up
     and then bytes: its end gives the transfer rate and its backward the compute slowdown while
     bytes are in flight. ``startup_behind_transfer`` is the backend's (True for gloo; see
@@ -205,34 +205,19 @@ def _iteration_with_startups(
 class ContentionProbe:
     """The rank side: takes :class:`ContentionSamples` beside the plain module's measurements.
 
-    It hooks every parameter of ``model`` (the plain module the benchmark times); the hooks
-    issue the start-up probe's all-reduces only while it samples.
+    While its block runs it hooks every parameter of ``model`` (the plain module the benchmark
+    times), so the benchmark's own timings of that module see no hooks.
     """
 
     def __init__(self, model: Any, optimizer: Any, flat: Any) -> None:
         import torch
-        import torch.distributed as dist
 
         self.model = model
         self.optimizer = optimizer
         self.flat = flat
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.small = [torch.zeros(SMALL_BYTES // 4) for _ in params]
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self.small = [torch.zeros(SMALL_BYTES // 4) for _ in self._params]
         self._issued: list[Any] = []
-        self._armed = False
-
-        def hook_for(index: int) -> Callable[[Any], None]:
-            def hook(_param: Any) -> None:
-                if self._armed:
-                    handle = dist.all_reduce(self.small[index], async_op=True)
-                    if handle is not None:
-                        self._issued.append(handle)
-
-            return hook
-
-        for index, param in enumerate(params):
-            param.register_post_accumulate_grad_hook(hook_for(index))
-        self.samples = ContentionSamples(stream_count=len(params))
         self._raw: dict[str, list[float]] = {
             "stream_backward_s": [],
             "stream_done_s": [],
@@ -254,8 +239,19 @@ class ContentionProbe:
         """
         import torch.distributed as dist
 
+        def hook_for(index: int) -> Callable[[Any], None]:
+            def hook(_param: Any) -> None:
+                handle = dist.all_reduce(self.small[index], async_op=True)
+                if handle is not None:
+                    self._issued.append(handle)
+
+            return hook
+
+        hooks = [
+            param.register_post_accumulate_grad_hook(hook_for(index))
+            for index, param in enumerate(self._params)
+        ]
         dist.barrier()
-        self._armed = True
         try:
             for _ in range(iterations):
                 backward, done = _iteration_with_startups(
@@ -264,7 +260,8 @@ class ContentionProbe:
                 self._raw["stream_backward_s"].append(backward)
                 self._raw["stream_done_s"].append(done)
         finally:
-            self._armed = False
+            for hook in hooks:
+                hook.remove()
         dist.barrier()
         for _ in range(iterations):
             self._raw["serial_s"].append(self._serial(*next_batch()))
@@ -292,6 +289,5 @@ class ContentionProbe:
         """The samples, each a maximum over ranks (collective: every rank calls it)."""
         from interlace.bench.dp import _max_over_ranks
 
-        for name, values in self._raw.items():
-            setattr(self.samples, name, _max_over_ranks(values))
-        return self.samples
+        maxima = {name: _max_over_ranks(values) for name, values in self._raw.items()}
+        return ContentionSamples(stream_count=len(self._params), **maxima)

@@ -15,9 +15,8 @@ cores, and each slows the other: gloo's threads and the kernel's network stack t
 backward, and an all-reduce whose peers' threads wait behind a computing thread to be scheduled
 makes little progress until backward ends. :class:`Contention` models both, each from a
 measurement of no strategy (see :mod:`interlace.sim.validate`): the factor by which compute
-slows while communication is in flight, and the fraction of its own speed at which an
-all-reduce's start-up and its bytes progress while backward computes. The default is no
-contention.
+slows while a start-up or bytes are in flight, and the fraction of their own speed at which an
+all-reduce's bytes progress while backward computes. The default is no contention.
 
 Several channels (AIACC-Training) are the same planners priced by the k-channel cost model:
 ``mgwfbp/k=2`` is MG-WFBP planned and replayed on two channels, each bucket on the channel the
@@ -103,16 +102,16 @@ class Contention:
 
     An all-reduce is a start-up (the cost model's ``a``: handshakes that need every peer's
     communication thread scheduled) and then its bytes (the rest of its time). While backward
-    computes, its start-up progresses at ``startup_rate`` and its bytes at ``transfer_rate`` of
-    their speed on idle cores (in [0, 1]); an all-reduce that starts after backward, or the part
-    of one left when backward ends, runs at full speed. Compute advances at
+    computes, its bytes progress at ``transfer_rate`` of their speed on idle cores (in [0, 1]);
+    the start-up is priced as paid beside backward (its ``a`` comes from a stream issued from
+    backward's hooks, see :mod:`interlace.sim.contention`), so it always runs at its own pace;
+    bytes left when backward ends run at full speed. Compute advances at
     ``1 / startup_compute_slowdown`` of its speed while a start-up is in flight and at
     ``1 / compute_slowdown`` while only bytes are (both >= 1: cores shared with the
     communication library and the kernel's network stack).
     """
 
     compute_slowdown: float = 1.0
-    startup_rate: float = 1.0
     transfer_rate: float = 1.0
     startup_compute_slowdown: float = 1.0
     #: Whether an all-reduce may do its start-up while the one before it has bytes on the wire
@@ -126,10 +125,8 @@ class Contention:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 1.0):
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        for name in ("startup_rate", "transfer_rate"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and 0.0 <= value <= 1.0):
-                raise ValueError(f"{name} must be in [0, 1], got {value}")
+        if not (math.isfinite(self.transfer_rate) and 0.0 <= self.transfer_rate <= 1.0):
+            raise ValueError(f"transfer_rate must be in [0, 1], got {self.transfer_rate}")
 
 
 @dataclass
@@ -145,13 +142,15 @@ class _InFlight:
         startup = min(cost.concurrent_terms(concurrent)[0], total)
         return cls(startup, total - startup)
 
+    # Work is exact until advanced; :meth:`advance` snaps a rounding residue to 0, so a phase
+    # is over exactly when its work is 0 (an all-reduce priced below the residue still runs).
     @property
     def done(self) -> bool:
-        return self.startup_left <= _EPSILON_S and self.transfer_left <= _EPSILON_S
+        return self.startup_left <= 0.0 and self.transfer_left <= 0.0
 
     @property
     def starting(self) -> bool:
-        return self.startup_left > _EPSILON_S
+        return self.startup_left > 0.0
 
     def compute_rate(self, contention: Contention) -> float:
         """The speed of compute while this one is in flight."""
@@ -160,11 +159,9 @@ class _InFlight:
         return 1.0 / contention.compute_slowdown
 
     def rate(self, contention: Contention, computing: bool) -> float:
-        if not computing:
-            return 1.0
-        if self.starting:
-            return contention.startup_rate
-        return contention.transfer_rate
+        if computing and not self.starting:
+            return contention.transfer_rate
+        return 1.0
 
     def until_event(self, contention: Contention, computing: bool) -> float:
         """Seconds until this one ends its current phase (inf while it makes no progress)."""
@@ -259,36 +256,77 @@ def replay(
     cost = plan.cost if cost is None else cost
     if not plan.tensors:
         raise ValueError("replaying a plan needs its tensors (plan.tensors is empty)")
+    backward = _Backward(plan)
     if plan.channels > 1:
-        played = _replay_channels(plan, contention, step_s, cost, pre_forward_bytes)
+        comms = _replay_channels(plan, contention, cost, backward)
     else:
-        played = _replay_one_channel(plan, contention, step_s, cost, pre_forward_bytes)
-    return replace(played, sync_s=sync_s) if sync_s else played
+        comms = _replay_one_channel(plan, contention, cost, backward)
+    assert backward.end_s is not None
+    return Replay(
+        plan.forward_s,
+        step_s,
+        sum(cost.time(nbytes) for nbytes in pre_forward_bytes),
+        tuple(backward.ready_s),
+        backward.end_s,
+        comms,
+        sync_s,
+    )
+
+
+class _Backward:
+    """Backward's compute as a replay plays it: the stretches between consecutive ready times of
+    ``plan.tensors``, then the rest up to ``plan.backward_s``, each at whatever speed contention
+    leaves it; it records when each tensor became ready and when backward ended."""
+
+    def __init__(self, plan: Plan) -> None:
+        tensors = plan.tensors
+        self._work = [tensors[0].ready_s] + [
+            tensors[i].ready_s - tensors[i - 1].ready_s for i in range(1, len(tensors))
+        ]
+        self._tail = max(plan.backward_s - tensors[-1].ready_s, 0.0)
+        self._left = self._work[0]  # compute left in the current stretch (or the tail)
+        self._in_tail = False
+        #: Tensors ready so far, and when each became ready.
+        self.done = 0
+        self.ready_s = [0.0] * len(tensors)
+        #: When backward ended (None while it computes).
+        self.end_s: float | None = None
+
+    @property
+    def computing(self) -> bool:
+        return self.end_s is None
+
+    def settle(self, now: float) -> None:
+        """Record every tensor (and backward's end) that is done at ``now``."""
+        while self.end_s is None and self._left <= 0.0:
+            if self._in_tail:
+                self.end_s = now
+            else:
+                self.ready_s[self.done] = now
+                self.done += 1
+                if self.done < len(self._work):
+                    self._left = self._work[self.done]
+                else:
+                    self._in_tail, self._left = True, self._tail
+
+    def until_stretch_end(self, rate: float) -> float:
+        """Seconds until the current stretch ends at ``rate`` of full speed (inf once done)."""
+        return self._left / rate if self.computing else math.inf
+
+    def advance(self, seconds: float, rate: float, stretch_ends: bool) -> None:
+        """``seconds`` pass at ``rate``; ``stretch_ends`` when they are exactly
+        :meth:`until_stretch_end` (no rounding left over)."""
+        if self.computing:
+            self._left = 0.0 if stretch_ends else self._left - seconds * rate
 
 
 def _replay_one_channel(
-    plan: Plan,
-    contention: Contention,
-    step_s: float,
-    cost: CostModel,
-    pre_forward_bytes: Sequence[int],
-) -> Replay:
-    """:func:`replay` on one channel."""
-    tensors = plan.tensors
-    # Compute work between consecutive ready times, then the tail of backward.
-    work = [tensors[0].ready_s] + [
-        tensors[i].ready_s - tensors[i - 1].ready_s for i in range(1, len(tensors))
-    ]
-    tail = max(plan.backward_s - tensors[-1].ready_s, 0.0)
+    plan: Plan, contention: Contention, cost: CostModel, backward: _Backward
+) -> tuple[CommEvent, ...]:
+    """:func:`replay` on one channel: its all-reduces (``backward`` is played alongside)."""
     last_of = [max(bucket.indices) for bucket in plan.buckets]
-
-    ready = [0.0] * len(tensors)
     comms: list[CommEvent] = []
     now = 0.0
-    done = 0  # tensors ready so far
-    left = work[0]  # compute left in the current stretch (or the tail, once done == len)
-    in_tail = False
-    backward_end: float | None = None
     bucket = 0  # next bucket to start
     # All-reduces in flight, oldest first: (bucket, work left, start). Bytes go one all-reduce
     # at a time; with `startup_behind_transfer` a second may do its start-up meanwhile.
@@ -296,19 +334,10 @@ def _replay_one_channel(
     most = 2 if contention.startup_behind_transfer else 1
     while True:
         # Everything that happens at `now` without time passing.
-        while backward_end is None and left <= 0.0:
-            if not in_tail:
-                ready[done] = now
-                done += 1
-                if done < len(tensors):
-                    left = work[done]
-                else:
-                    in_tail, left = True, tail
-            else:
-                backward_end = now
+        backward.settle(now)
         if (
             bucket < len(plan.buckets)
-            and last_of[bucket] < done
+            and last_of[bucket] < backward.done
             and len(flights) < most
             and not any(flight.starting for _, flight, _ in flights)
         ):
@@ -317,17 +346,17 @@ def _replay_one_channel(
             continue
         if flights and flights[0][1].done:
             number, _, started = flights.pop(0)
-            comms.append(_comm(plan, number, ready, started, now))
+            comms.append(_comm(plan, number, backward.ready_s, started, now))
             continue
-        if backward_end is not None and not flights and bucket >= len(plan.buckets):
+        if not backward.computing and not flights and bucket >= len(plan.buckets):
             break
-        computing = backward_end is None
+        computing = backward.computing
         # A later all-reduce whose start-up is over waits for the wire.
         moving = [
             flight for index, (_, flight, _) in enumerate(flights) if index == 0 or flight.starting
         ]
         rate = min((flight.compute_rate(contention) for _, flight, _ in flights), default=1.0)
-        to_compute = left / rate if computing else math.inf
+        to_compute = backward.until_stretch_end(rate)
         to_comm = min(
             (flight.until_event(contention, computing) for flight in moving), default=math.inf
         )
@@ -335,23 +364,17 @@ def _replay_one_channel(
         if not math.isfinite(step):
             raise AssertionError("replay stalled: a bucket waits for a tensor never produced")
         now += step
-        if computing:
-            left = 0.0 if step == to_compute else left - step * rate
+        backward.advance(step, rate, step == to_compute)
         for flight in moving:
             flight.advance(step, contention, computing)
-    assert backward_end is not None
-    pre_forward_s = sum(cost.time(nbytes) for nbytes in pre_forward_bytes)
-    return Replay(plan.forward_s, step_s, pre_forward_s, tuple(ready), backward_end, tuple(comms))
+    return tuple(comms)
 
 
 def _replay_channels(
-    plan: Plan,
-    contention: Contention,
-    step_s: float,
-    cost: CostModel,
-    pre_forward_bytes: Sequence[int],
-) -> Replay:
-    """:func:`replay` on ``plan.channels`` channels.
+    plan: Plan, contention: Contention, cost: CostModel, backward: _Backward
+) -> tuple[CommEvent, ...]:
+    """:func:`replay` on ``plan.channels`` channels: their all-reduces (``backward`` is played
+    alongside).
 
     A bucket is launched once its tensors are ready and every earlier bucket was launched; its
     slices queue on the channels the plan assigned; a channel runs its queue one slice after
@@ -360,11 +383,6 @@ def _replay_channels(
     times. Each slice's start-up and bytes progress at ``contention``'s rates while backward
     computes, and compute at the slowest rate any slice in flight allows.
     """
-    tensors = plan.tensors
-    work = [tensors[0].ready_s] + [
-        tensors[i].ready_s - tensors[i - 1].ready_s for i in range(1, len(tensors))
-    ]
-    tail = max(plan.backward_s - tensors[-1].ready_s, 0.0)
     last_of = [max(bucket.indices) for bucket in plan.buckets]
     queues: list[list[tuple[int, int]]] = [[] for _ in range(plan.channels)]
     running: dict[int, tuple[int, _InFlight]] = {}  # channel -> (bucket, slice in flight)
@@ -372,23 +390,12 @@ def _replay_channels(
     first_start: dict[int, float] = {}
     comms: list[CommEvent | None] = [None] * len(plan.buckets)
 
-    ready = [0.0] * len(tensors)
-    now, done, left = 0.0, 0, work[0]
-    in_tail = False
-    backward_end: float | None = None
+    ready = backward.ready_s
+    now = 0.0
     launched = 0
     while True:
-        while backward_end is None and left <= 0.0:
-            if not in_tail:
-                ready[done] = now
-                done += 1
-                if done < len(tensors):
-                    left = work[done]
-                else:
-                    in_tail, left = True, tail
-            else:
-                backward_end = now
-        while launched < len(plan.buckets) and last_of[launched] < done:
+        backward.settle(now)
+        while launched < len(plan.buckets) and last_of[launched] < backward.done:
             bucket = plan.buckets[launched]
             sizes = slice_sizes(bucket.nbytes, len(bucket.channels))
             for channel, size in zip(bucket.channels, sizes, strict=True):
@@ -427,15 +434,15 @@ def _replay_channels(
         if finished_now:
             continue
         if (
-            backward_end is not None
+            not backward.computing
             and not running
             and launched == len(plan.buckets)
             and not any(queues)
         ):
             break
-        computing = backward_end is None
+        computing = backward.computing
         rate = min((flight.compute_rate(contention) for _, flight in running.values()), default=1.0)
-        to_compute = left / rate if computing else math.inf
+        to_compute = backward.until_stretch_end(rate)
         to_comm = min(
             (flight.until_event(contention, computing) for _, flight in running.values()),
             default=math.inf,
@@ -444,8 +451,7 @@ def _replay_channels(
         if not math.isfinite(step):
             raise AssertionError("replay stalled: a bucket waits for a tensor never produced")
         now += step
-        if computing:
-            left = 0.0 if step == to_compute else left - step * rate
+        backward.advance(step, rate, step == to_compute)
         for channel, (number, flight) in list(running.items()):
             flight.advance(step, contention, computing)
             if flight.done:
@@ -459,10 +465,7 @@ def _replay_channels(
                     ready=ready,
                     comms=comms,
                 )
-    assert backward_end is not None
-    pre_forward_s = sum(cost.time(nbytes) for nbytes in pre_forward_bytes)
-    events = tuple(event for event in comms if event is not None)
-    return Replay(plan.forward_s, step_s, pre_forward_s, tuple(ready), backward_end, events)
+    return tuple(event for event in comms if event is not None)
 
 
 def _finish_slice(

@@ -138,7 +138,6 @@ class ValidationRow:
     overlapped_s: float = 0.0
     #: The replay's cost model's time for one all-reduce of all gradients.
     predicted_allreduce_s: float = 0.0
-    startup_rate: float = 1.0
     transfer_rate: float = 1.0
     startup_compute_slowdown: float = 1.0
     #: Medians of the contention probes (:class:`~interlace.sim.contention.ContentionSamples`).
@@ -231,7 +230,6 @@ def rows_from_sample(
                 allreduce_s=allreduce,
                 overlapped_s=overlapped,
                 predicted_allreduce_s=timing.time(measurement.gradient_bytes),
-                startup_rate=contention.startup_rate,
                 transfer_rate=contention.transfer_rate,
                 startup_compute_slowdown=contention.startup_compute_slowdown,
                 probes=probe_medians,
@@ -249,7 +247,7 @@ def error_summary(rows: Sequence[ValidationRow]) -> tuple[float, float]:
 def format_table(rows: Sequence[ValidationRow]) -> str:
     lines = [
         "| model | ranks | link | comm/compute | strategy | predicted ms | measured ms | error "
-        "| naive ms (error) | a ms fit/probe | comm rate start/bytes | compute slowdown "
+        "| naive ms (error) | a ms fit/probe | bytes rate | compute slowdown "
         "start/bytes | drift | buckets pred/meas |",
         "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -260,7 +258,7 @@ def format_table(rows: Sequence[ValidationRow]) -> str:
             f"{row.strategy} | {row.predicted_s * 1e3:.1f} | {row.measured_s * 1e3:.1f} | "
             f"{row.error * 100:+.1f}% | {row.predicted_uncontended_s * 1e3:.1f} "
             f"({plain_error * 100:+.1f}%) | {row.cost_a * 1e3:.2f}/{row.stream_a * 1e3:.2f} | "
-            f"{row.startup_rate:.2f}/{row.transfer_rate:.2f} | "
+            f"{row.transfer_rate:.2f} | "
             f"{row.startup_compute_slowdown:.2f}/{row.compute_slowdown:.2f} | "
             f"{row.compute_drift:.2f} | "
             f"{row.predicted_buckets}/{row.measured_buckets} |"
