@@ -10,13 +10,19 @@ import pytest
 from interlace.comm.cost import CostModel
 from interlace.comm.plan import ReadyTensor, schedule
 from interlace.sim.contention import (
+    MIXED_BYTES,
+    SMALL_BYTES,
     Calibration,
     ContentionSamples,
     calibrate,
     compute_slowdown,
+    fit_startup_overlap,
+    mixed_sizes,
+    overlap_probe_end,
     progress_rate,
 )
 from interlace.sim.engine import Contention, Replay, replay
+from interlace.sim.trace import TensorTrace, Trace
 
 MS = 1e-3
 
@@ -56,20 +62,60 @@ def test_compute_slows_by_the_phase_in_flight() -> None:
 
 def test_a_startup_can_run_behind_the_previous_transfer() -> None:
     # Bucket 0: 1 MB (a = 1 ms, bytes 10 ms), bucket 1: 4 bytes, both ready at 0, backward 0.
-    # One at a time: 0..11, 11..12 ms. With a start-up behind a transfer, bucket 1's start-up
-    # runs 1..2 ms while bucket 0's bytes are on the wire; its (nil) bytes follow at 11 ms.
+    # One at a time: 0..11, 11..12 ms. With a start-up fully behind a transfer, bucket 1's
+    # start-up runs 1..2 ms while bucket 0's bytes are on the wire, and its 4 bytes (0.04 us)
+    # then share the wire with them: it ends at 2 ms and bucket 0 at 11 ms (each + 0.04 us).
     tensors = [ReadyTensor("big", 1_000_000, 0.0), ReadyTensor("tiny", 4, 0.0)]
     plan = schedule([[0], [1]], tensors, CostModel(1 * MS, 1e-8), backward_s=0.0)
     serial = replay(plan)
     assert [c.end_s for c in serial.comms] == pytest.approx([11 * MS, 12 * MS], abs=1e-7)
-    behind = replay(plan, Contention(startup_behind_transfer=True))
+    behind = replay(plan, Contention(startup_overlap=1.0))
     assert [c.start_s for c in behind.comms] == pytest.approx([0.0, 1 * MS])
-    assert [c.end_s for c in behind.comms] == pytest.approx([11 * MS, 11 * MS], abs=1e-7)
-    # Two start-ups never overlap: a third bucket waits for the second's start-up to end.
+    assert [c.end_s for c in behind.comms] == pytest.approx([11 * MS, 2 * MS], abs=1e-7)
+    # Two start-ups never overlap, and no more than two all-reduces are in flight: a third
+    # bucket starts when the second has ended, at 2 ms, and ends at 3 ms.
     three = [*tensors, ReadyTensor("tiny2", 4, 0.0)]
     plan3 = schedule([[0], [1], [2]], three, CostModel(1 * MS, 1e-8), backward_s=0.0)
-    ends = [c.end_s for c in replay(plan3, Contention(startup_behind_transfer=True)).comms]
-    assert ends == pytest.approx([11 * MS, 11 * MS, 12 * MS], abs=1e-7)
+    played = replay(plan3, Contention(startup_overlap=1.0)).comms
+    assert [c.start_s for c in played] == pytest.approx([0.0, 1 * MS, 2 * MS], abs=1e-7)
+    assert [c.end_s for c in played] == pytest.approx([11 * MS, 2 * MS, 3 * MS], abs=1e-6)
+
+
+def test_bytes_in_flight_together_share_the_wire() -> None:
+    # Two 100 kB all-reduces (a = 1 ms, 1 ms of bytes each), both ready at 0, full overlap:
+    # bucket 0's bytes go 1..2 ms while bucket 1's start-up runs behind them; bucket 1's bytes
+    # begin as bucket 0's end, so they never share: 2..3 ms.
+    tensors = [ReadyTensor("a", 100_000, 0.0), ReadyTensor("b", 100_000, 0.0)]
+    plan = schedule([[0], [1]], tensors, CostModel(1 * MS, 1e-8), backward_s=0.0)
+    ends = [c.end_s for c in replay(plan, Contention(startup_overlap=1.0)).comms]
+    assert ends == pytest.approx([2 * MS, 3 * MS], abs=1e-9)
+    # With a start-up at half speed behind the bytes, bucket 1 has 0.5 ms of its start-up left
+    # at 2 ms (runs alone 2..2.5), then its bytes: ends at 3.5 ms.
+    half = [c.end_s for c in replay(plan, Contention(startup_overlap=0.5)).comms]
+    assert half == pytest.approx([2 * MS, 3.5 * MS], abs=1e-9)
+    # A 3 ms transfer in front: bucket 1's bytes (from 2 ms) and bucket 0's remaining 2 ms share
+    # the wire at half speed each until bucket 1's are done at 4 ms; bucket 0's last 1 ms
+    # goes alone, 4..5 ms.
+    long_first = [ReadyTensor("a", 300_000, 0.0), ReadyTensor("b", 100_000, 0.0)]
+    plan_long = schedule([[0], [1]], long_first, CostModel(1 * MS, 1e-8), backward_s=0.0)
+    shared = [c.end_s for c in replay(plan_long, Contention(startup_overlap=1.0)).comms]
+    assert shared == pytest.approx([5 * MS, 4 * MS], abs=1e-9)
+
+
+def test_a_startup_behind_a_transfer_goes_at_the_overlap() -> None:
+    # As above, but bucket 0's bytes take only 0.2 ms (20 kB): bucket 1 starts behind them at
+    # 1 ms at a quarter of its speed, does 0.05 ms of its 1 ms start-up by 1.2 ms, and the
+    # remaining 0.95 ms at full speed once the wire is its own: it ends at 2.15 ms.
+    tensors = [ReadyTensor("mid", 20_000, 0.0), ReadyTensor("tiny", 4, 0.0)]
+    plan = schedule([[0], [1]], tensors, CostModel(1 * MS, 1e-8), backward_s=0.0)
+    played = replay(plan, Contention(startup_overlap=0.25))
+    # (The tiny one's 4 bytes add 0.04 us.)
+    assert [c.end_s for c in played.comms] == pytest.approx([1.2 * MS, 2.15 * MS], abs=1e-7)
+    # No overlap is one at a time; full overlap ends the second's start-up at 2 ms.
+    serial = [c.end_s for c in replay(plan, Contention(startup_overlap=0.0)).comms]
+    full = [c.end_s for c in replay(plan, Contention(startup_overlap=1.0)).comms]
+    assert serial == pytest.approx([1.2 * MS, 2.2 * MS], abs=1e-7)
+    assert full == pytest.approx([1.2 * MS, 2.0 * MS], abs=1e-7)
 
 
 def test_contention_rejects_impossible_numbers() -> None:
@@ -81,6 +127,8 @@ def test_contention_rejects_impossible_numbers() -> None:
         Contention(startup_compute_slowdown=0.5)
     with pytest.raises(ValueError, match="compute_slowdown"):
         Contention(compute_slowdown=math.inf)
+    with pytest.raises(ValueError, match="startup_overlap"):
+        Contention(startup_overlap=1.01)
 
 
 def test_progress_rate_and_compute_slowdown_by_hand() -> None:
@@ -159,16 +207,9 @@ def test_calibration_recovers_the_contention_the_probes_were_played_with(
     assert _flat_probe(got, cost, nbytes, backward).comm_end_s == pytest.approx(flat.comm_end_s)
 
 
-def test_calibration_needs_probes_and_keeps_the_backends_overlap() -> None:
+def test_calibration_needs_probes_and_leaves_the_overlap_to_the_trace() -> None:
     def found(samples: ContentionSamples) -> Calibration | None:
-        return calibrate(
-            samples,
-            forward_s=0.001,
-            backward_s=0.01,
-            step_s=0.001,
-            allreduce_s=0.01,
-            startup_behind_transfer=True,
-        )
+        return calibrate(samples, forward_s=0.001, backward_s=0.01, step_s=0.001, allreduce_s=0.01)
 
     assert found(ContentionSamples()) is None
     probes = ContentionSamples(
@@ -182,5 +223,51 @@ def test_calibration_needs_probes_and_keeps_the_backends_overlap() -> None:
     )
     calibration = found(probes)
     assert calibration is not None
-    assert calibration.contention.startup_behind_transfer
+    assert calibration.contention.startup_overlap == 0.0
     assert calibration.sync_s == 0.0
+
+
+def _trace(count: int, backward_ms: float) -> Trace:
+    """``count`` one-tensor layers whose gradients come evenly over a backward."""
+    layer = backward_ms * MS / count
+    return Trace(
+        "probe",
+        tuple(TensorTrace(f"t{i}", f"l{i}", 1, 4, 0.0, layer) for i in range(count)),
+        forward_s=1 * MS,
+        # A hair past the last layer, which the sum of the layers may round above.
+        backward_s=backward_ms * MS + 1e-9,
+    )
+
+
+def test_overlap_probe_end_by_hand() -> None:
+    # Two tensors, ready at 0 and at the 0 ms backward's end: a 256-byte then a 128 KB
+    # all-reduce (a = 1 ms, 10 ns/byte: 2.56 us and 1.31072 ms of bytes), serial with no
+    # overlap: 1.00256 ms, then 1 + 1.31072 ms more.
+    trace = _trace(2, 0.0)
+    timing = CostModel(1 * MS, 1e-8)
+    serial = overlap_probe_end(trace, timing, Contention(), 0.0)
+    assert serial == pytest.approx(2 * MS + (SMALL_BYTES + MIXED_BYTES) * 1e-8)
+    # With full overlap the second start-up runs behind the first's 2.56 us of bytes.
+    full = overlap_probe_end(trace, timing, Contention(), 1.0)
+    assert full == pytest.approx(serial - SMALL_BYTES * 1e-8)
+    assert mixed_sizes(5) == [SMALL_BYTES, MIXED_BYTES, SMALL_BYTES, MIXED_BYTES, SMALL_BYTES]
+
+
+@pytest.mark.parametrize("truth", [0.0, 0.3, 0.8, 1.0])
+def test_the_overlap_is_found_from_the_probe_it_was_played_with(truth: float) -> None:
+    # 12 tensors over a 4 ms backward, start-ups of 0.5 ms, 128 KB in 1.3 ms: start-ups wait
+    # behind bytes, so the probe's end moves with the overlap.
+    trace = _trace(12, 4.0)
+    timing = CostModel(0.5 * MS, 1e-8)
+    contention = Contention(compute_slowdown=1.2, transfer_rate=0.7, startup_compute_slowdown=1.4)
+    end = overlap_probe_end(trace, timing, contention, truth)
+    samples = ContentionSamples(mixed_done_s=[end, end * 0.9, end * 1.1])
+    found = fit_startup_overlap(samples, trace, timing, contention)
+    assert found is not None
+    assert found == pytest.approx(truth, abs=1e-3)
+    # Later than serial and earlier than full overlap clamp to the ends of the range.
+    late = ContentionSamples(mixed_done_s=[overlap_probe_end(trace, timing, contention, 0.0) * 2])
+    early = ContentionSamples(mixed_done_s=[1e-6])
+    assert fit_startup_overlap(late, trace, timing, contention) == 0.0
+    assert fit_startup_overlap(early, trace, timing, contention) == 1.0
+    assert fit_startup_overlap(ContentionSamples(), trace, timing, contention) is None

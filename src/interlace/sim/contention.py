@@ -12,6 +12,10 @@ from probes of the plain module made in the same rounds as the strategies it is 
   (:data:`SMALL_BYTES`) from each parameter's gradient hook, as per-tensor all-reduces are
   issued, run back to back in a block of their own in every round, as a strategy's block is
   run: how long backward took, and when the last all-reduce ended;
+* **overlap**: the same stream with every second all-reduce :data:`MIXED_BYTES` long (a fixed
+  mix, not the model's own sizes), run back to back in the same block: when its last
+  all-reduce ended says how far a start-up went on while the previous all-reduce's bytes were
+  on the wire (:func:`fit_startup_overlap`);
 * **bytes**: backward with one all-reduce of all gradients issued as it starts: the same two
   times, read from the benchmark's own overlapped iteration (the all-reduce alone is its plain
   measurement too);
@@ -20,7 +24,9 @@ from probes of the plain module made in the same rounds as the strategies it is 
 
 :func:`calibrate` turns them into a :class:`Calibration`: the start-up the replay prices every
 all-reduce with, a :class:`~interlace.sim.engine.Contention` (:func:`progress_rate` and
-:func:`compute_slowdown` say how) and a synchronisation cost per iteration.
+:func:`compute_slowdown` say how) and a synchronisation cost per iteration;
+:func:`fit_startup_overlap` then finds the contention's start-up overlap by replaying the
+overlap probe on the model's trace.
 """
 
 from __future__ import annotations
@@ -28,13 +34,18 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from interlace.sim.engine import Contention
+from interlace.comm.cost import CostModel
+from interlace.sim.engine import Contention, simulate
+from interlace.sim.trace import Trace
 
 #: Bytes of each all-reduce in the start-up probe: a norm layer's parameter, all start-up.
 SMALL_BYTES = 256
+#: Bytes of every second all-reduce in the overlap probe: the size of a mid-sized layer's
+#: weight, long enough on the wire for the next start-up to run behind it.
+MIXED_BYTES = 128 * 1024
 #: The most a compute slowdown is taken to be (a pair that took as long as both in series).
 MAX_SLOWDOWN = 100.0
 
@@ -46,6 +57,8 @@ class ContentionSamples:
     stream_count: int = 0
     stream_backward_s: list[float] = field(default_factory=list)
     stream_done_s: list[float] = field(default_factory=list)
+    mixed_backward_s: list[float] = field(default_factory=list)
+    mixed_done_s: list[float] = field(default_factory=list)
     flat_backward_s: list[float] = field(default_factory=list)
     flat_done_s: list[float] = field(default_factory=list)
     serial_s: list[float] = field(default_factory=list)
@@ -56,6 +69,8 @@ class ContentionSamples:
         for name in (
             "stream_backward_s",
             "stream_done_s",
+            "mixed_backward_s",
+            "mixed_done_s",
             "flat_backward_s",
             "flat_done_s",
             "serial_s",
@@ -129,7 +144,6 @@ def calibrate(
     backward_s: float,
     step_s: float,
     allreduce_s: float,
-    startup_behind_transfer: bool = False,
 ) -> Calibration | None:
     """:class:`Calibration` from the probes and the plain module's medians in the same rounds
     (forward, backward, step, one all-reduce of all gradients); None without probes.
@@ -142,8 +156,8 @@ def calibrate(
     here, its threads wake slower); the stream's backward gives the compute
     slowdown while start-ups are in flight. The all-reduce of all gradients is one start-up
     and then bytes: its end gives the transfer rate and its backward the compute slowdown while
-    bytes are in flight. ``startup_behind_transfer`` is the backend's (True for gloo; see
-    :class:`~interlace.sim.engine.Contention`).
+    bytes are in flight. The contention's start-up overlap is left at 0: it needs the model's
+    trace (:func:`fit_startup_overlap`).
     """
     if not (samples.stream_done_s and samples.flat_done_s and samples.stream_count > 0):
         return None
@@ -169,9 +183,72 @@ def calibrate(
         compute_slowdown=transfer_compute,
         transfer_rate=transfer_rate,
         startup_compute_slowdown=startup_compute,
-        startup_behind_transfer=startup_behind_transfer,
     )
     return Calibration(contention, startup, sync)
+
+
+def mixed_sizes(count: int) -> list[int]:
+    """The overlap probe's all-reduce sizes in the order backward's hooks issue them."""
+    return [MIXED_BYTES if index % 2 else SMALL_BYTES for index in range(count)]
+
+
+def overlap_probe_end(
+    trace: Trace, timing: CostModel, contention: Contention, overlap: float
+) -> float:
+    """When the overlap probe's last all-reduce ends, from backward's start, as the replay plays
+    it: ``trace``'s ready times carrying :func:`mixed_sizes`, one per tensor, on one channel."""
+    sizes = mixed_sizes(len(trace.tensors))
+    probe = replace(
+        trace,
+        tensors=tuple(
+            replace(tensor, numel=nbytes // 4, nbytes=nbytes)
+            for tensor, nbytes in zip(trace.tensors, sizes, strict=True)
+        ),
+    )
+    played = simulate(
+        probe, "wfbp", timing, contention=replace(contention, startup_overlap=overlap)
+    ).replay
+    return played.comm_end_s
+
+
+def fit_startup_overlap(
+    samples: ContentionSamples,
+    trace: Trace,
+    timing: CostModel,
+    contention: Contention,
+    *,
+    tolerance: float = 1e-4,
+) -> float | None:
+    """The start-up overlap (:attr:`~interlace.sim.engine.Contention.startup_overlap`) with
+    which the replay ends the overlap probe when it was measured to end; None without that
+    probe.
+
+    The probe is replayed on ``trace`` (the plain module's ready times and totals from the same
+    rounds) with the calibrated ``timing`` (start-up pace and per-byte cost) and
+    ``contention``. A later end than even strictly serial all-reduces give is 0; an earlier end
+    than fully overlapped start-ups give is 1. Between them the end falls as the overlap grows,
+    so it is found by bisection.
+
+    Measured on the emulated cluster, the overlap is what moves between configurations: with 2
+    ranks on 2 cores a start-up has no free core while the bytes before it are sent and the
+    probe ends as late as start-ups and bytes in series; with 4 ranks the start-ups are slow
+    enough to hide every byte.
+    """
+    if not samples.mixed_done_s or len(trace.tensors) < 2:
+        return None
+    measured = statistics.median(samples.mixed_done_s)
+    low, high = 0.0, 1.0
+    if measured >= overlap_probe_end(trace, timing, contention, low):
+        return low
+    if measured <= overlap_probe_end(trace, timing, contention, high):
+        return high
+    while high - low > tolerance:
+        middle = (low + high) / 2
+        if overlap_probe_end(trace, timing, contention, middle) > measured:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
 
 
 # ================================================================================ rank side
@@ -216,19 +293,25 @@ class ContentionProbe:
         self.optimizer = optimizer
         self.flat = flat
         self._params = [p for p in model.parameters() if p.requires_grad]
-        self.small = [torch.zeros(SMALL_BYTES // 4) for _ in self._params]
+        count = len(self._params)
+        self._streams = {
+            "stream": [torch.zeros(SMALL_BYTES // 4) for _ in range(count)],
+            "mixed": [torch.zeros(nbytes // 4) for nbytes in mixed_sizes(count)],
+        }
         self._issued: list[Any] = []
         self._raw: dict[str, list[float]] = {
             "stream_backward_s": [],
             "stream_done_s": [],
+            "mixed_backward_s": [],
+            "mixed_done_s": [],
             "flat_backward_s": [],
             "flat_done_s": [],
             "serial_s": [],
         }
 
     def block(self, iterations: int, next_batch: Callable[[], tuple[Any, Any]]) -> None:
-        """The start-up and synchronisation probes: ``iterations`` plain iterations of each,
-        back to back, timed as a strategy's block is (collective).
+        """The start-up, overlap and synchronisation probes: ``iterations`` plain iterations of
+        each, back to back, timed as a strategy's block is (collective).
 
         Timed one by one after barriers, the start-up streams were bimodal (0.6 to 1.9 ms per
         all-reduce within one launch, 2 ranks) and their median moved by 2x between launches
@@ -239,29 +322,28 @@ class ContentionProbe:
         """
         import torch.distributed as dist
 
-        def hook_for(index: int) -> Callable[[Any], None]:
-            def hook(_param: Any) -> None:
-                handle = dist.all_reduce(self.small[index], async_op=True)
-                if handle is not None:
-                    self._issued.append(handle)
+        # The all-reduces of the stream being probed, in the order the hooks issue them.
+        stream: list[Any] = []
 
-            return hook
+        def hook(_param: Any) -> None:
+            handle = dist.all_reduce(stream[len(self._issued)], async_op=True)
+            if handle is not None:
+                self._issued.append(handle)
 
-        hooks = [
-            param.register_post_accumulate_grad_hook(hook_for(index))
-            for index, param in enumerate(self._params)
-        ]
-        dist.barrier()
+        hooks = [param.register_post_accumulate_grad_hook(hook) for param in self._params]
         try:
-            for _ in range(iterations):
-                backward, done = _iteration_with_startups(
-                    self.model, self.optimizer, next_batch(), self._issued
-                )
-                self._raw["stream_backward_s"].append(backward)
-                self._raw["stream_done_s"].append(done)
+            for name, tensors in self._streams.items():
+                stream[:] = tensors
+                dist.barrier()
+                for _ in range(iterations):
+                    backward, done = _iteration_with_startups(
+                        self.model, self.optimizer, next_batch(), self._issued
+                    )
+                    self._raw[f"{name}_backward_s"].append(backward)
+                    self._raw[f"{name}_done_s"].append(done)
         finally:
-            for hook in hooks:
-                hook.remove()
+            for handle in hooks:
+                handle.remove()
         dist.barrier()
         for _ in range(iterations):
             self._raw["serial_s"].append(self._serial(*next_batch()))

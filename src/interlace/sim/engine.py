@@ -114,19 +114,25 @@ class Contention:
     compute_slowdown: float = 1.0
     transfer_rate: float = 1.0
     startup_compute_slowdown: float = 1.0
-    #: Whether an all-reduce may do its start-up while the one before it has bytes on the wire
-    #: (gloo runs each process group's collectives on two worker threads; the bytes of both
-    #: share one connection per peer, so they still go one all-reduce at a time). Applies to one
-    #: channel; on several, each channel runs its own queue as the plan assigned it.
-    startup_behind_transfer: bool = False
+    #: The speed, as a fraction of its own, at which an all-reduce's start-up progresses while
+    #: the one before it has bytes on the wire: 0 runs all-reduces strictly one after another;
+    #: above 0 a second one may start meanwhile (gloo runs each process group's collectives on
+    #: two worker threads) and, its start-up over, shares the wire with the first one's bytes
+    #: (one connection per peer, messages interleaved). How much a start-up gets done behind
+    #: bytes depends on whether the cores are free
+    #: (:func:`interlace.sim.contention.fit_startup_overlap`). Applies to one channel; on
+    #: several, each channel runs its own queue as the plan assigned it.
+    startup_overlap: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("compute_slowdown", "startup_compute_slowdown"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 1.0):
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if not (math.isfinite(self.transfer_rate) and 0.0 <= self.transfer_rate <= 1.0):
-            raise ValueError(f"transfer_rate must be in [0, 1], got {self.transfer_rate}")
+        for name in ("transfer_rate", "startup_overlap"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
 
 
 @dataclass
@@ -158,19 +164,32 @@ class _InFlight:
             return 1.0 / contention.startup_compute_slowdown
         return 1.0 / contention.compute_slowdown
 
-    def rate(self, contention: Contention, computing: bool) -> float:
-        if computing and not self.starting:
-            return contention.transfer_rate
-        return 1.0
+    def rate(
+        self, contention: Contention, computing: bool, behind: bool = False, sharing: int = 1
+    ) -> float:
+        """The speed of its current phase: a start-up ``behind`` another all-reduce's bytes goes
+        at the start-up overlap; bytes share the wire with ``sharing`` all-reduces' bytes."""
+        if self.starting:
+            return contention.startup_overlap if behind else 1.0
+        return (contention.transfer_rate if computing else 1.0) / sharing
 
-    def until_event(self, contention: Contention, computing: bool) -> float:
+    def until_event(
+        self, contention: Contention, computing: bool, behind: bool = False, sharing: int = 1
+    ) -> float:
         """Seconds until this one ends its current phase (inf while it makes no progress)."""
-        rate = self.rate(contention, computing)
+        rate = self.rate(contention, computing, behind, sharing)
         left = self.startup_left if self.starting else self.transfer_left
         return left / rate if rate > 0.0 else math.inf
 
-    def advance(self, seconds: float, contention: Contention, computing: bool) -> None:
-        work = seconds * self.rate(contention, computing)
+    def advance(
+        self,
+        seconds: float,
+        contention: Contention,
+        computing: bool,
+        behind: bool = False,
+        sharing: int = 1,
+    ) -> None:
+        work = seconds * self.rate(contention, computing, behind, sharing)
         if self.starting:
             left = self.startup_left - work
             self.startup_left = left if left > _EPSILON_S else 0.0
@@ -247,7 +266,8 @@ def replay(
     plan order, each once its tensors are all ready and the previous one has ended, and take
     ``cost.time(bytes)`` (default ``plan.cost``: pass another where the planner's belief and the
     network's truth differ). ``contention`` slows each by the other while backward computes and
-    may let a start-up run behind the previous all-reduce's bytes (see :class:`Contention`).
+    may let the next all-reduce start behind the previous one's bytes and share the wire with
+    them (see :class:`Contention`).
     With no contention the times equal :func:`~interlace.comm.plan.schedule`'s.
     ``pre_forward_bytes`` are collectives made before forward, priced by the same cost;
     ``sync_s`` is a synchronisation after backward's communication (a measured cost, see
@@ -328,10 +348,11 @@ def _replay_one_channel(
     comms: list[CommEvent] = []
     now = 0.0
     bucket = 0  # next bucket to start
-    # All-reduces in flight, oldest first: (bucket, work left, start). Bytes go one all-reduce
-    # at a time; with `startup_behind_transfer` a second may do its start-up meanwhile.
+    # All-reduces in flight, oldest first: (bucket, work left, start). Start-ups go one at a
+    # time; with a `startup_overlap` a second all-reduce may start while the first has bytes
+    # on the wire (gloo's two worker threads), and the bytes of both then share the wire.
     flights: list[tuple[int, _InFlight, float]] = []
-    most = 2 if contention.startup_behind_transfer else 1
+    most = 2 if contention.startup_overlap > 0.0 else 1
     while True:
         # Everything that happens at `now` without time passing.
         backward.settle(now)
@@ -344,29 +365,34 @@ def _replay_one_channel(
             flights.append((bucket, _InFlight.priced(cost, plan.buckets[bucket].nbytes), now))
             bucket += 1
             continue
-        if flights and flights[0][1].done:
-            number, _, started = flights.pop(0)
+        finished = next((index for index, (_, f, _) in enumerate(flights) if f.done), None)
+        if finished is not None:
+            number, _, started = flights.pop(finished)
             comms.append(_comm(plan, number, backward.ready_s, started, now))
             continue
         if not backward.computing and not flights and bucket >= len(plan.buckets):
             break
         computing = backward.computing
-        # A later all-reduce whose start-up is over waits for the wire.
-        moving = [
-            flight for index, (_, flight, _) in enumerate(flights) if index == 0 or flight.starting
-        ]
+        # A start-up with another all-reduce in flight runs behind that one's bytes.
+        behind = len(flights) > 1
+        sharing = max(sum(1 for _, flight, _ in flights if not flight.starting), 1)
         rate = min((flight.compute_rate(contention) for _, flight, _ in flights), default=1.0)
         to_compute = backward.until_stretch_end(rate)
         to_comm = min(
-            (flight.until_event(contention, computing) for flight in moving), default=math.inf
+            (
+                flight.until_event(contention, computing, behind, sharing)
+                for _, flight, _ in flights
+            ),
+            default=math.inf,
         )
         step = min(to_compute, to_comm)
         if not math.isfinite(step):
             raise AssertionError("replay stalled: a bucket waits for a tensor never produced")
         now += step
         backward.advance(step, rate, step == to_compute)
-        for flight in moving:
-            flight.advance(step, contention, computing)
+        for _, flight, _ in flights:
+            flight.advance(step, contention, computing, behind, sharing)
+    comms.sort(key=lambda event: event.indices)
     return tuple(comms)
 
 

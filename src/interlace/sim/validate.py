@@ -34,7 +34,9 @@ predicted, and said in every row:
 * **contention**: compute slows while start-ups or bytes are in flight, and bytes progress
   slower beside backward than alone (:class:`~interlace.sim.engine.Contention`, from the same
   stream's backward and from backward with one all-reduce of all gradients alongside); gloo's
-  two worker threads let a start-up run behind the previous all-reduce's bytes.
+  two worker threads let a start-up run behind the previous all-reduce's bytes, as far as the
+  cores allow: how far is found by replaying a stream of alternately small and 128 KB
+  all-reduces from the same hooks (:func:`~interlace.sim.contention.fit_startup_overlap`).
 * **synchronisation**: the plain iteration with its all-reduce, run back to back as strategies
   run, against its pieces timed apart after barriers.
 * **load drift**: the machine is shared and its load moves within minutes; the trace keeps its
@@ -55,13 +57,13 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from interlace.comm.cost import CostModel
 from interlace.errors import UsageError
-from interlace.sim.contention import calibrate
+from interlace.sim.contention import calibrate, fit_startup_overlap
 from interlace.sim.engine import Contention, simulate
 from interlace.sim.trace import Trace, with_totals
 
@@ -140,6 +142,8 @@ class ValidationRow:
     predicted_allreduce_s: float = 0.0
     transfer_rate: float = 1.0
     startup_compute_slowdown: float = 1.0
+    #: How far a start-up goes on behind the previous all-reduce's bytes (0 to 1).
+    startup_overlap: float = 0.0
     #: Medians of the contention probes (:class:`~interlace.sim.contention.ContentionSamples`).
     probes: dict[str, float] = field(default_factory=dict)
 
@@ -167,17 +171,10 @@ def rows_from_sample(
             backward_s=backward,
             step_s=step,
             allreduce_s=allreduce,
-            startup_behind_transfer=True,  # the emulated cluster runs gloo
         )
         if measurement.contention is not None
         else None
     )
-    if calibration is not None:
-        contention, sync = calibration.contention, calibration.sync_s
-        # Start-ups as the probe, issued from backward's hooks in the same rounds, paid them
-        # (the fit's, from one moment before the rounds and after a barrier, moves with load).
-        timing = CostModel(calibration.startup_s, timing.b)
-    probe_medians = measurement.contention.medians() if measurement.contention is not None else {}
     # The machine is shared and its load drifts over a launch: the trace keeps its shape (each
     # layer's share, each tensor's ready time relative to backward) but takes its forward,
     # backward and step totals from the plain module timed in the same round-robin rounds as
@@ -187,6 +184,15 @@ def rows_from_sample(
         profiled.forward_s + profiled.backward_s + profiled.step_s
     )
     trace = with_totals(profiled, forward, backward, step)
+    if calibration is not None:
+        contention, sync = calibration.contention, calibration.sync_s
+        # Start-ups as the probe, issued from backward's hooks in the same rounds, paid them
+        # (the fit's, from one moment before the rounds and after a barrier, moves with load).
+        timing = CostModel(calibration.startup_s, timing.b)
+        overlap = fit_startup_overlap(measurement.contention, trace, timing, contention)
+        if overlap is not None:
+            contention = replace(contention, startup_overlap=overlap)
+    probe_medians = measurement.contention.medians() if measurement.contention is not None else {}
     measured = {s.strategy: s for s in measurement.strategies}
     rows = []
     for strategy in strategies:
@@ -232,6 +238,7 @@ def rows_from_sample(
                 predicted_allreduce_s=timing.time(measurement.gradient_bytes),
                 transfer_rate=contention.transfer_rate,
                 startup_compute_slowdown=contention.startup_compute_slowdown,
+                startup_overlap=contention.startup_overlap,
                 probes=probe_medians,
             )
         )
@@ -247,9 +254,9 @@ def error_summary(rows: Sequence[ValidationRow]) -> tuple[float, float]:
 def format_table(rows: Sequence[ValidationRow]) -> str:
     lines = [
         "| model | ranks | link | comm/compute | strategy | predicted ms | measured ms | error "
-        "| naive ms (error) | a ms fit/probe | bytes rate | compute slowdown "
+        "| naive ms (error) | a ms fit/probe | bytes rate | start-up overlap | compute slowdown "
         "start/bytes | drift | buckets pred/meas |",
-        "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         plain_error = (row.predicted_uncontended_s - row.measured_s) / row.measured_s
@@ -258,7 +265,7 @@ def format_table(rows: Sequence[ValidationRow]) -> str:
             f"{row.strategy} | {row.predicted_s * 1e3:.1f} | {row.measured_s * 1e3:.1f} | "
             f"{row.error * 100:+.1f}% | {row.predicted_uncontended_s * 1e3:.1f} "
             f"({plain_error * 100:+.1f}%) | {row.cost_a * 1e3:.2f}/{row.stream_a * 1e3:.2f} | "
-            f"{row.transfer_rate:.2f} | "
+            f"{row.transfer_rate:.2f} | {row.startup_overlap:.2f} | "
             f"{row.startup_compute_slowdown:.2f}/{row.compute_slowdown:.2f} | "
             f"{row.compute_drift:.2f} | "
             f"{row.predicted_buckets}/{row.measured_buckets} |"
