@@ -118,6 +118,19 @@ def test_a_startup_behind_a_transfer_goes_at_the_overlap() -> None:
     assert full == pytest.approx([1.2 * MS, 2.0 * MS], abs=1e-7)
 
 
+def test_a_startup_behind_bytes_slows_compute_by_its_share() -> None:
+    # 1 MB then 4 bytes, both ready as a 10 ms backward starts; a = 1 ms, 10 ms of bytes; a
+    # start-up slows compute 2x, bytes not at all; start-ups behind bytes go at half speed.
+    # 0..1 ms: the first start-up, compute at 1/2 (0.5 ms done). 1..3 ms: the second start-up
+    # behind the bytes at half speed takes half a start-up's cycles, compute at 1/1.5 (4/3 ms
+    # more). From 3 ms compute is alone with bytes: the other 10 - 11/6 ms end at 11 1/6 ms.
+    tensors = [ReadyTensor("big", 1_000_000, 0.0), ReadyTensor("tiny", 4, 0.0)]
+    plan = schedule([[0], [1]], tensors, CostModel(1 * MS, 1e-8), backward_s=10 * MS)
+    played = replay(plan, Contention(startup_compute_slowdown=2.0, startup_overlap=0.5))
+    assert played.backward_end_s == pytest.approx((10 + 1 - 0.5 - 4 / 3 + 2) * MS)
+    assert [c.end_s for c in played.comms] == pytest.approx([11 * MS, 3 * MS], abs=1e-6)
+
+
 def test_contention_rejects_impossible_numbers() -> None:
     with pytest.raises(ValueError, match="transfer_rate"):
         Contention(transfer_rate=1.5)
@@ -253,21 +266,32 @@ def test_overlap_probe_end_by_hand() -> None:
     assert mixed_sizes(5) == [SMALL_BYTES, MIXED_BYTES, SMALL_BYTES, MIXED_BYTES, SMALL_BYTES]
 
 
-@pytest.mark.parametrize("truth", [0.0, 0.3, 0.8, 1.0])
+@pytest.mark.parametrize("truth", [0.0, 0.3, 0.6, 0.9, 1.0])
 def test_the_overlap_is_found_from_the_probe_it_was_played_with(truth: float) -> None:
     # 12 tensors over a 4 ms backward, start-ups of 0.5 ms, 128 KB in 1.3 ms: start-ups wait
     # behind bytes, so the probe's end moves with the overlap.
     trace = _trace(12, 4.0)
     timing = CostModel(0.5 * MS, 1e-8)
     contention = Contention(compute_slowdown=1.2, transfer_rate=0.7, startup_compute_slowdown=1.4)
-    end = overlap_probe_end(trace, timing, contention, truth)
-    samples = ContentionSamples(mixed_done_s=[end, end * 0.9, end * 1.1])
+
+    def end(overlap: float) -> float:
+        return overlap_probe_end(trace, timing, contention, overlap)
+
+    samples = ContentionSamples(mixed_done_s=[end(truth), end(truth) * 0.9, end(truth) * 1.1])
     found = fit_startup_overlap(samples, trace, timing, contention)
     assert found is not None
-    assert found == pytest.approx(truth, abs=1e-3)
-    # Later than serial and earlier than full overlap clamp to the ends of the range.
-    late = ContentionSamples(mixed_done_s=[overlap_probe_end(trace, timing, contention, 0.0) * 2])
+    # The found overlap replays the probe as it was measured; it is the least that does, so
+    # where the end falls with the overlap (up to 0.8 here; beyond, start-ups behind bytes take
+    # enough of compute's cycles to delay it again) it is the overlap the probe was played with.
+    assert end(found) == pytest.approx(end(truth), rel=1e-4)
+    assert found <= truth + 1e-3
+    if truth <= 0.6:
+        assert found == pytest.approx(truth, abs=1e-3)
+    # Later than serial is 0; earlier than any overlap gives is the overlap that comes closest.
+    late = ContentionSamples(mixed_done_s=[end(0.0) * 2])
     early = ContentionSamples(mixed_done_s=[1e-6])
     assert fit_startup_overlap(late, trace, timing, contention) == 0.0
-    assert fit_startup_overlap(early, trace, timing, contention) == 1.0
+    closest = fit_startup_overlap(early, trace, timing, contention)
+    assert closest is not None
+    assert all(end(closest) <= end(step / 20) for step in range(21))
     assert fit_startup_overlap(ContentionSamples(), trace, timing, contention) is None

@@ -72,8 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     parser.add_argument(
         "--png",
-        default=DEFAULT_PNG,
-        help=f"scaling-efficiency plot (default {DEFAULT_PNG}; 'none' for no plot)",
+        help=f"plot: scaling efficiency (default {DEFAULT_PNG}) or, with --validate, predicted "
+        f"against measured (default {validate.DEFAULT_PNG}); 'none' for no plot",
     )
     parser.add_argument(
         "--timelines",
@@ -214,7 +214,8 @@ def run_scaling(args: argparse.Namespace) -> int:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps([row.to_dict() for row in rows], indent=1) + "\n")
-    png = None if args.png.lower() == "none" else Path(args.png)
+    png_arg = args.png or DEFAULT_PNG
+    png = None if png_arg.lower() == "none" else Path(png_arg)
     if png is not None:
         plot_scaling(rows, png)
         print(f"\nscaling plot: {png}")

@@ -46,6 +46,8 @@ SMALL_BYTES = 256
 #: Bytes of every second all-reduce in the overlap probe: the size of a mid-sized layer's
 #: weight, long enough on the wire for the next start-up to run behind it.
 MIXED_BYTES = 128 * 1024
+#: Steps of the grid :func:`fit_startup_overlap` scans the overlap on, before bisecting.
+OVERLAP_GRID = 20
 #: The most a compute slowdown is taken to be (a pair that took as long as both in series).
 MAX_SLOWDOWN = 100.0
 
@@ -225,30 +227,39 @@ def fit_startup_overlap(
 
     The probe is replayed on ``trace`` (the plain module's ready times and totals from the same
     rounds) with the calibrated ``timing`` (start-up pace and per-byte cost) and
-    ``contention``. A later end than even strictly serial all-reduces give is 0; an earlier end
-    than fully overlapped start-ups give is 1. Between them the end falls as the overlap grows,
-    so it is found by bisection.
+    ``contention``. A later end than even strictly serial all-reduces give is 0. The end falls
+    as the overlap grows, but not everywhere: a start-up behind bytes also takes its share of
+    compute's cycles, so near full overlap backward's tensors can come later. So the overlaps
+    are scanned on a grid of :data:`OVERLAP_GRID` steps for the first that ends the probe no
+    later than measured, and that step is bisected; if none does, the closest is taken.
 
     Measured on the emulated cluster, the overlap is what moves between configurations: with 2
     ranks on 2 cores a start-up has no free core while the bytes before it are sent and the
-    probe ends as late as start-ups and bytes in series; with 4 ranks the start-ups are slow
-    enough to hide every byte.
+    probe ends almost as late as start-ups and bytes in series; with 4 ranks the start-ups are
+    slow enough to hide every byte.
     """
     if not samples.mixed_done_s or len(trace.tensors) < 2:
         return None
     measured = statistics.median(samples.mixed_done_s)
-    low, high = 0.0, 1.0
-    if measured >= overlap_probe_end(trace, timing, contention, low):
-        return low
-    if measured <= overlap_probe_end(trace, timing, contention, high):
-        return high
-    while high - low > tolerance:
-        middle = (low + high) / 2
-        if overlap_probe_end(trace, timing, contention, middle) > measured:
-            low = middle
-        else:
-            high = middle
-    return (low + high) / 2
+
+    def end(overlap: float) -> float:
+        return overlap_probe_end(trace, timing, contention, overlap)
+
+    grid = [step / OVERLAP_GRID for step in range(OVERLAP_GRID + 1)]
+    ends = [end(overlap) for overlap in grid]
+    if measured >= ends[0]:
+        return 0.0
+    for step in range(OVERLAP_GRID):
+        if ends[step + 1] <= measured:
+            low, high = grid[step], grid[step + 1]
+            while high - low > tolerance:
+                middle = (low + high) / 2
+                if end(middle) > measured:
+                    low = middle
+                else:
+                    high = middle
+            return (low + high) / 2
+    return grid[min(range(len(grid)), key=lambda step: abs(ends[step] - measured))]
 
 
 # ================================================================================ rank side

@@ -158,10 +158,13 @@ class _InFlight:
     def starting(self) -> bool:
         return self.startup_left > 0.0
 
-    def compute_rate(self, contention: Contention) -> float:
-        """The speed of compute while this one is in flight."""
+    def compute_rate(self, contention: Contention, behind: bool = False) -> float:
+        """The speed of compute while this one is in flight. A start-up ``behind`` another
+        all-reduce's bytes does its work at the start-up overlap, so it takes that share of
+        the cycles a start-up takes from compute (none when it makes no progress)."""
         if self.starting:
-            return 1.0 / contention.startup_compute_slowdown
+            extra = contention.startup_compute_slowdown - 1.0
+            return 1.0 / (1.0 + (contention.startup_overlap if behind else 1.0) * extra)
         return 1.0 / contention.compute_slowdown
 
     def rate(
@@ -376,7 +379,9 @@ def _replay_one_channel(
         # A start-up with another all-reduce in flight runs behind that one's bytes.
         behind = len(flights) > 1
         sharing = max(sum(1 for _, flight, _ in flights if not flight.starting), 1)
-        rate = min((flight.compute_rate(contention) for _, flight, _ in flights), default=1.0)
+        rate = min(
+            (flight.compute_rate(contention, behind) for _, flight, _ in flights), default=1.0
+        )
         to_compute = backward.until_stretch_end(rate)
         to_comm = min(
             (

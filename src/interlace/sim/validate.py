@@ -76,6 +76,9 @@ DEFAULT_LINKS: tuple[str, ...] = ("200mbit", "1gbit")
 DEFAULT_ITERS = 30
 DEFAULT_WARMUP = 2
 DEFAULT_ROUNDS = 5
+DEFAULT_PNG = "simulate/validation.png"
+#: The error the validation is held to, drawn as a band on the plot.
+ERROR_BAND = 0.20
 #: Profiling passes of the trace's DataParallel (after its warm-up pass).
 PROFILE_STEPS = 5
 #: Optimizer steps timed for the trace.
@@ -288,6 +291,68 @@ def format_summary(rows: Sequence[ValidationRow]) -> str:
     )
 
 
+def plot_validation(rows: Sequence[ValidationRow], path: str | Path) -> Path:
+    """Predicted against measured iteration time (log-log), one marker per strategy and one
+    colour per (ranks, link), with the line of exact prediction and the ±20% band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not rows:
+        raise UsageError("no validation rows to plot")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    strategies = list(dict.fromkeys(row.strategy for row in rows))
+    setups = sorted({(row.ranks, row.link) for row in rows})
+    times = [t * 1e3 for row in rows for t in (row.predicted_s, row.measured_s)]
+    low, high = min(times) / 1.3, max(times) * 1.3
+    figure, axes = plt.subplots(figsize=(6.4, 5.6), dpi=120, layout="constrained")
+    try:
+        line = [low, high]
+        axes.fill_between(
+            line,
+            [t * (1 - ERROR_BAND) for t in line],
+            [t * (1 + ERROR_BAND) for t in line],
+            color="0.9",
+            label=f"within ±{ERROR_BAND:.0%}",
+        )
+        axes.plot(line, line, color="0.5", linewidth=1, label="predicted = measured")
+        markers = "osD^vP*X"
+        colours = plt.get_cmap("tab10")
+        for index, strategy in enumerate(strategies):
+            for number, setup in enumerate(setups):
+                mine = [r for r in rows if r.strategy == strategy and (r.ranks, r.link) == setup]
+                if not mine:
+                    continue
+                axes.scatter(
+                    [r.measured_s * 1e3 for r in mine],
+                    [r.predicted_s * 1e3 for r in mine],
+                    marker=markers[index % len(markers)],
+                    color=colours(number % 10),
+                    s=28,
+                    label=f"{strategy}, {setup[0]} ranks, {setup[1]}",
+                )
+        axes.set_xscale("log")
+        axes.set_yscale("log")
+        axes.set_xlim(low, high)
+        axes.set_ylim(low, high)
+        axes.set_xlabel("measured iteration (ms)")
+        axes.set_ylabel("predicted iteration (ms)")
+        median, worst = error_summary(rows)
+        models = ", ".join(dict.fromkeys(row.model for row in rows))
+        axes.set_title(
+            f"{models}: {len(rows)} rows, error median {median:.1%}, max {worst:.1%}",
+            fontsize=10,
+        )
+        axes.grid(alpha=0.3, which="both")
+        axes.legend(fontsize=6, ncols=2, loc="upper left")
+        figure.savefig(path)
+    finally:
+        plt.close(figure)
+    return path
+
+
 # ================================================================================ rank side
 
 
@@ -380,6 +445,7 @@ class ValidateConfig:
     timeout_s: float
     json_path: str | None
     trace_dir: str | None
+    png_path: str | None = None
 
 
 def run_validation(config: ValidateConfig) -> int:
@@ -460,6 +526,8 @@ def run_validation(config: ValidateConfig) -> int:
         path = Path(config.json_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps([row.to_dict() for row in rows], indent=1) + "\n")
+    if rows and config.png_path:
+        print(f"\npredicted against measured: {plot_validation(rows, config.png_path)}")
     if failures:
         print(f"\n{PROG}: {len(failures)} launch(es) failed:", file=sys.stderr)
         for message in failures:
@@ -528,6 +596,7 @@ def config_from_args(args: argparse.Namespace) -> ValidateConfig:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     if not math.isfinite(args.timeout) or args.timeout <= 0:
         raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    png = args.png or DEFAULT_PNG
     return ValidateConfig(
         models=models,
         ranks=ranks,
@@ -540,4 +609,5 @@ def config_from_args(args: argparse.Namespace) -> ValidateConfig:
         timeout_s=float(args.timeout),
         json_path=args.json,
         trace_dir=args.trace_dir,
+        png_path=None if png.lower() == "none" else png,
     )
