@@ -298,6 +298,7 @@ def plot_validation(rows: Sequence[ValidationRow], path: str | Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     if not rows:
         raise UsageError("no validation rows to plot")
@@ -335,6 +336,12 @@ def plot_validation(rows: Sequence[ValidationRow], path: str | Path) -> Path:
                 )
         axes.set_xscale("log")
         axes.set_yscale("log")
+        plain = FuncFormatter(lambda value, _position: f"{value:g}")
+        for axis in (axes.xaxis, axes.yaxis):
+            # Milliseconds as plain numbers on both major and minor ticks (not 3x10^1).
+            axis.set_major_formatter(plain)
+            axis.set_minor_formatter(plain)
+            axis.set_tick_params(which="minor", labelsize=7)
         axes.set_xlim(low, high)
         axes.set_ylim(low, high)
         axes.set_xlabel("measured iteration (ms)")
