@@ -224,3 +224,25 @@ def test_the_validation_plot_draws_every_row(tmp_path: Path) -> None:
     assert width > 400 and height > 400
     with pytest.raises(UsageError, match="no validation rows"):
         plot_validation([], tmp_path / "empty.png")
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ((), "simulate/scaling.png"),
+        (("--validate",), "simulate/validation.png"),
+        (("--png", "out/v.png", "--validate"), "out/v.png"),
+        (("--png", "NONE"), None),
+    ],
+)
+def test_the_plot_goes_where_png_says_or_to_the_modes_default(
+    flags: tuple[str, ...], expected: str | None
+) -> None:
+    import argparse
+
+    from interlace.sim.command import add_arguments, plot_path
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    chosen = plot_path(parser.parse_args(list(flags)))
+    assert chosen == (None if expected is None else Path(expected))

@@ -129,6 +129,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--trace-dir", help="also save each launch's profiled trace here")
 
 
+def plot_path(args: argparse.Namespace) -> Path | None:
+    """Where ``--png`` asks the plot to go: the mode's default when not given, None for
+    'none'."""
+    from interlace.sim import validate
+
+    chosen = args.png or (validate.DEFAULT_PNG if args.validate else DEFAULT_PNG)
+    return None if chosen.lower() == "none" else Path(chosen)
+
+
 def run(args: argparse.Namespace) -> int:
     """``interlace simulate`` with parsed ``args``; the exit status."""
     if args.validate:
@@ -214,8 +223,7 @@ def run_scaling(args: argparse.Namespace) -> int:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps([row.to_dict() for row in rows], indent=1) + "\n")
-    png_arg = args.png or DEFAULT_PNG
-    png = None if png_arg.lower() == "none" else Path(png_arg)
+    png = plot_path(args)
     if png is not None:
         plot_scaling(rows, png)
         print(f"\nscaling plot: {png}")

@@ -103,11 +103,13 @@ class Contention:
     An all-reduce is a start-up (the cost model's ``a``: handshakes that need every peer's
     communication thread scheduled) and then its bytes (the rest of its time). While backward
     computes, its bytes progress at ``transfer_rate`` of their speed on idle cores (in [0, 1]);
-    the start-up is priced as paid beside backward (its ``a`` comes from a stream issued from
-    backward's hooks, see :mod:`interlace.sim.contention`), so it always runs at its own pace;
-    bytes left when backward ends run at full speed. Compute advances at
-    ``1 / startup_compute_slowdown`` of its speed while a start-up is in flight and at
-    ``1 / compute_slowdown`` while only bytes are (both >= 1: cores shared with the
+    bytes left when backward ends run at full speed, and bytes of two all-reduces in flight
+    share the wire. The start-up is priced as paid beside backward (its ``a`` comes from a
+    stream issued from backward's hooks, see :mod:`interlace.sim.contention`), so it runs at
+    its own pace, except behind another all-reduce's bytes, where it runs at
+    ``startup_overlap``. Compute advances at ``1 / startup_compute_slowdown`` of its speed while
+    a start-up is in flight (a start-up behind bytes takes ``startup_overlap`` of that toll)
+    and at ``1 / compute_slowdown`` while only bytes are (both >= 1: cores shared with the
     communication library and the kernel's network stack).
     """
 
@@ -265,13 +267,13 @@ def replay(
     """Play ``plan`` forward in time as discrete events.
 
     Backward is the sequence of compute stretches between consecutive ready times of
-    ``plan.tensors`` (then the rest up to ``plan.backward_s``); all-reduces run one at a time in
-    plan order, each once its tensors are all ready and the previous one has ended, and take
-    ``cost.time(bytes)`` (default ``plan.cost``: pass another where the planner's belief and the
-    network's truth differ). ``contention`` slows each by the other while backward computes and
-    may let the next all-reduce start behind the previous one's bytes and share the wire with
-    them (see :class:`Contention`).
-    With no contention the times equal :func:`~interlace.comm.plan.schedule`'s.
+    ``plan.tensors`` (then the rest up to ``plan.backward_s``); all-reduces start in plan order,
+    each once its tensors are all ready and (with no start-up overlap) the previous one has
+    ended, and take ``cost.time(bytes)`` (default ``plan.cost``: pass another where the
+    planner's belief and the network's truth differ). ``contention`` slows each by the other
+    while backward computes and may let the next all-reduce start behind the previous one's
+    bytes and share the wire with them (see :class:`Contention`). With no contention the times
+    equal :func:`~interlace.comm.plan.schedule`'s.
     ``pre_forward_bytes`` are collectives made before forward, priced by the same cost;
     ``sync_s`` is a synchronisation after backward's communication (a measured cost, see
     :class:`interlace.sim.contention.Calibration`).
@@ -376,7 +378,8 @@ def _replay_one_channel(
         if not backward.computing and not flights and bucket >= len(plan.buckets):
             break
         computing = backward.computing
-        # A start-up with another all-reduce in flight runs behind that one's bytes.
+        # With two in flight, the second was started while the first had bytes on the wire
+        # (start-ups go one at a time), so any start-up now runs behind bytes.
         behind = len(flights) > 1
         sharing = max(sum(1 for _, flight, _ in flights if not flight.starting), 1)
         rate = min(

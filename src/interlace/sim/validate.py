@@ -603,7 +603,9 @@ def config_from_args(args: argparse.Namespace) -> ValidateConfig:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     if not math.isfinite(args.timeout) or args.timeout <= 0:
         raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout}")
-    png = args.png or DEFAULT_PNG
+    from interlace.sim.command import plot_path
+
+    png = plot_path(args)
     return ValidateConfig(
         models=models,
         ranks=ranks,
@@ -616,5 +618,5 @@ def config_from_args(args: argparse.Namespace) -> ValidateConfig:
         timeout_s=float(args.timeout),
         json_path=args.json,
         trace_dir=args.trace_dir,
-        png_path=None if png.lower() == "none" else png,
+        png_path=None if png is None else str(png),
     )
