@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from interlace.comm.cost import ring_allreduce_time
-from interlace.netem import parse_link
+from interlace.comm.links import parse_link
 
 
 def measure(nbytes: int, warmup: int, iters: int) -> list[float]:

@@ -38,13 +38,13 @@ def seeded() -> Iterator[int]:
     seed = 0
     random.seed(seed)
     try:
-        import numpy as np
+        import numpy as np  # noqa: PLC0415 - only for the tests that ask for the fixture
 
         np.random.seed(seed)
     except ImportError:  # pragma: no cover - numpy is a dependency
         pass
     try:
-        import torch
+        import torch  # noqa: PLC0415 - heavy; the launcher's tests run without it
 
         torch.manual_seed(seed)
     except ImportError:  # pragma: no cover - torch is a dependency

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from interlace.bench import dp
+from interlace.comm.links import parse_link
 from interlace.errors import UsageError
-from interlace.netem import parse_link
 from interlace.testing import run_ranks
 
 # ---------------------------------------------------------------------------- rate selection

@@ -354,9 +354,9 @@ def _shape(text: str) -> tuple[int, ...]:
 
 def _run_train(args: argparse.Namespace) -> int:
     from interlace import launch
+    from interlace.comm.links import parse_link
     from interlace.distenv import in_launched_job
     from interlace.kfac.placement import worker_count
-    from interlace.netem import parse_link
     from interlace.runlog import new_run_dir
     from interlace.train import TrainConfig, _label, train_rank
     from interlace.zoo import build_model, load_data
@@ -431,7 +431,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
 def _run_profile(args: argparse.Namespace) -> int:
     from interlace import launch
-    from interlace.netem import parse_link
+    from interlace.comm.links import parse_link
     from interlace.profile import ProfileConfig, merge_profiles, profile_rank, write_profile
     from interlace.strategies import STRATEGIES, parse_channels
     from interlace.zoo import build_model, load_data

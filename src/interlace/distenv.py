@@ -13,7 +13,15 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class DistContext:
-    """Where this process stands in the job: its rank, the job's size, and its device."""
+    """Where this process stands in the job: its rank, the job's size, and its device.
+
+    Args:
+        rank: This process's rank in the job.
+        world_size: The number of ranks.
+        local_rank: Its rank on this machine (its GPU index under NCCL).
+        device: Where its model and data live.
+        backend: The process group's backend (``gloo`` or ``nccl``).
+    """
 
     rank: int
     world_size: int
@@ -23,6 +31,7 @@ class DistContext:
 
     @property
     def is_main(self) -> bool:
+        """Whether this is rank 0."""
         return self.rank == 0
 
 
@@ -41,6 +50,12 @@ def default_backend(local_rank: int | None = None) -> str:
     NCCL needs one GPU per rank on a node. With more local ranks than GPUs (``interlace train
     -n 4`` on a one-GPU workstation) every rank runs on CPU over gloo instead, rather than a
     mix of devices or a failure inside NCCL.
+
+    Args:
+        local_rank: This rank on its machine (``$LOCAL_RANK`` when None).
+
+    Raises:
+        ValueError: When ``$INTERLACE_BACKEND`` names neither gloo nor nccl.
     """
     chosen = os.environ.get(BACKEND_VARIABLE, "").strip().lower()
     if chosen:
@@ -58,8 +73,12 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> Di
     """Join the job described by the env:// variables, or make a one-rank group when there is none.
 
     A one-rank group lets the same training code (which always wraps its model for data
-    parallelism) run as a plain single process. ``timeout_s`` bounds every collective, so a peer
-    that vanished ends this rank with an error instead of a hang.
+    parallelism) run as a plain single process.
+
+    Args:
+        backend: ``gloo`` or ``nccl``; :func:`default_backend` chooses when None.
+        timeout_s: Bounds every collective, so a peer that vanished ends this rank with an error
+            instead of a hang.
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     backend = backend or default_backend(local_rank)
@@ -100,6 +119,9 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
 
     Small control messages (timings, flags, chosen plans) are built on the host; NCCL accepts
     only CUDA tensors, so they are placed here before they travel.
+
+    Args:
+        group: The process group (the default group when None).
     """
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())

@@ -1,11 +1,8 @@
 """The multi-rank harness: run a function on N spawned gloo ranks and get their return values.
 
-Tests and benchmarks of distributed code all go through :func:`run_ranks`, so they share one
-way of starting ranks (fresh processes via :func:`interlace.launch.run`, torchrun's environment),
-one hard timeout (no test can hang CI on a collective that never completes), and one failure
-report (the failing rank's traceback inside the raised error).
-
-This module imports torch only inside the ranks, so importing it (e.g. from a conftest) is cheap.
+Tests and benchmarks of distributed code share one way of starting ranks (:func:`run_ranks`), one
+hard timeout and one failure report. Torch is imported only inside the ranks, so importing this
+module (e.g. from a conftest) is cheap.
 """
 
 from __future__ import annotations
@@ -17,7 +14,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from interlace import launch, netem
+from interlace import launch
+from interlace.launch import netem
 
 __all__ = ["netns_available", "run_ranks"]
 
@@ -31,8 +29,9 @@ def _rank_main(
     fn: Callable[..., Any], args: tuple[Any, ...], backend: str, collective_timeout_s: float
 ) -> Any:
     """One rank: join the process group from torchrun's environment, run ``fn``, leave."""
-    import torch
-    import torch.distributed as dist
+    # Imported here, in the spawned rank, so that importing the harness stays cheap.
+    import torch  # noqa: PLC0415 - a spawned rank's entry point
+    import torch.distributed as dist  # noqa: PLC0415 - a spawned rank's entry point
 
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -54,12 +53,25 @@ def run_ranks(
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``nprocs`` ranks inside a process group; return each rank's value.
 
-    ``fn`` must be a module-level function (it is pickled by name into fresh processes) and its
-    return value picklable. With ``link`` the ranks run on an emulated network of that rate (see
-    :mod:`interlace.netem`; needs root). The whole job is stopped after ``timeout`` seconds.
+    The ranks start through :func:`interlace.launch.run`, in fresh processes with torchrun's
+    environment, and each joins a process group before calling ``fn``.
 
-    Raises :class:`~interlace.errors.RankFailedError` naming the first rank that failed, with its
-    traceback in the message, or :class:`TimeoutError` naming the ranks that were still running.
+    Args:
+        fn: A module-level function (it is pickled by name into fresh processes) whose return
+            value is picklable.
+        nprocs: The number of ranks.
+        *args: Passed to ``fn`` on every rank.
+        timeout: Stop the whole job after this many seconds.
+        link: Run the ranks on an emulated network of this rate (see
+            :mod:`interlace.launch.netem`; needs root).
+        backend: The process group's backend (``gloo`` or ``nccl``).
+
+    Returns:
+        Each rank's return value, by rank.
+
+    Raises:
+        RankFailedError: Naming the first rank that failed, its traceback in the message.
+        TimeoutError: Naming the ranks that were still running.
     """
     collective_timeout = min(COLLECTIVE_TIMEOUT_S, max(timeout, 1.0))
     result = launch.run(

@@ -1125,7 +1125,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """Resolve ``--quick`` and defaults and check every value; raises UsageError."""
-    from interlace.netem import parse_link
+    from interlace.comm.links import parse_link
     from interlace.strategies import STRATEGIES
     from interlace.zoo import MODEL_NAMES
 
@@ -1312,7 +1312,7 @@ class _Plan:
 
 
 def _launch_plan(config: BenchConfig, calibrations: dict[str, Calibration] | None) -> list[_Plan]:
-    from interlace.netem import parse_link
+    from interlace.comm.links import parse_link
 
     plans = []
     for model in config.models:
@@ -1380,7 +1380,7 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     _check_models_build(config)
     if config.netem:
-        from interlace import netem
+        from interlace.launch import netem
 
         try:
             netem.check_available()

@@ -862,9 +862,9 @@ def models_from_args(args: argparse.Namespace) -> tuple[str, ...]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; the exit status."""
-    from interlace import netem
+    from interlace.comm.links import parse_link
     from interlace.kfac.placement import worker_count
-    from interlace.netem import parse_link
+    from interlace.launch import netem
 
     models = models_from_args(args)
     if args.nprocs < 1:

@@ -823,7 +823,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """Resolve the defaults and check every value; raises UsageError."""
-    from interlace.netem import parse_link
+    from interlace.comm.links import parse_link
     from interlace.zoo import MODEL_NAMES
 
     if args.model and args.models:
@@ -963,7 +963,7 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     _check_models(config)
     if config.link is not None:
-        from interlace import netem
+        from interlace.launch import netem
 
         try:
             netem.check_available()
@@ -973,7 +973,7 @@ def run(args: argparse.Namespace) -> int:
             ) from exc
     from tqdm import tqdm
 
-    from interlace.netem import parse_link
+    from interlace.comm.links import parse_link
 
     link_bps = parse_link(config.link) if config.link is not None else None
     cache_dir = tempfile.mkdtemp(prefix="interlace-bench-pipeline-")

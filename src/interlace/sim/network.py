@@ -298,7 +298,7 @@ def parse_network(text: str) -> Network:
 
 
 def _rate(text: str) -> float:
-    from interlace.netem import parse_link
+    from interlace.comm.links import parse_link
 
     return parse_link(text)
 

@@ -459,7 +459,6 @@ def run_validation(config: ValidateConfig) -> int:
     """Every (model, ranks, link) launch, the table, the summary; the exit status."""
     from tqdm import tqdm
 
-    from interlace import netem
     from interlace.bench.dp import (
         DEFAULT_BATCH,
         DEFAULT_INPUT_SHAPE,
@@ -467,6 +466,8 @@ def run_validation(config: ValidateConfig) -> int:
         LaunchFailedError,
         _launch,
     )
+    from interlace.comm.links import parse_link
+    from interlace.launch import netem
 
     try:
         netem.check_available()
@@ -475,7 +476,7 @@ def run_validation(config: ValidateConfig) -> int:
             f"{exc}; validation measures on the emulated cluster and needs root"
         ) from exc
     for link in config.links:
-        netem.parse_link(link)
+        parse_link(link)
     from interlace.zoo import build_model
 
     for model in config.models:

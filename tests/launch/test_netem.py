@@ -1,7 +1,7 @@
 """Tests of the emulated network: its life cycle, its cleanup, and that it runs at its rate.
 
 Tests marked ``netns`` need root and iproute2 and are skipped elsewhere (see conftest.py); the
-messages of :func:`interlace.netem.check_available` are checked everywhere with a faked euid.
+messages of :func:`interlace.launch.netem.check_available` are checked everywhere with a faked euid.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from interlace import launch, netem
+from interlace import launch
 from interlace.comm.cost import ring_allreduce_time
+from interlace.comm.links import parse_link
 from interlace.errors import UsageError
+from interlace.launch import netem
 from interlace.testing import run_ranks
 
 # -- rank targets (run in the worker processes) ---------------------------------------------------
@@ -47,8 +49,8 @@ def report_then_crash_rank_two(launcher_pid: int) -> None:
 
 def timed_allreduce(nbytes: int, iters: int) -> dict[str, object]:
     """Median seconds of an all-reduce of ``nbytes`` (slowest rank per round), plus the env."""
-    import torch
-    import torch.distributed as dist
+    import torch  # noqa: PLC0415 - a spawned rank's entry point
+    import torch.distributed as dist  # noqa: PLC0415 - a spawned rank's entry point
 
     tensor = torch.ones(nbytes // 4)
     dist.all_reduce(tensor)  # warm-up: connections, first-touch allocation
@@ -73,19 +75,6 @@ def timed_allreduce(nbytes: int, iters: int) -> dict[str, object]:
 # -- everywhere -----------------------------------------------------------------------------------
 
 
-def test_parse_link() -> None:
-    assert netem.parse_link("1gbit") == 1e9
-    assert netem.parse_link(" 100MBIT ") == 100e6
-    assert netem.parse_link("2.5gbit") == 2.5e9
-    # Any tc-style rate, so a benchmark can aim at a communication/compute ratio.
-    assert netem.parse_link("300mbit") == 300e6
-    assert netem.parse_link("1.5gbit") == 1.5e9
-    with pytest.raises(UsageError, match=r"accepted rates: 100mbit, 1gbit, 2\.5gbit, 10gbit"):
-        netem.parse_link("fast")
-    with pytest.raises(UsageError):
-        netem.parse_link("0mbit")
-
-
 def test_check_available_says_why_and_what_to_do() -> None:
     with pytest.raises(netem.NetemUnavailableError) as info:
         netem.check_available(geteuid=lambda: 1000, probe=False)
@@ -98,22 +87,6 @@ def test_check_available_says_why_and_what_to_do() -> None:
         netem.check_available(
             geteuid=lambda: 0, which=lambda tool: None if tool == "tc" else "/x", probe=False
         )
-
-
-def test_launch_with_link_when_unavailable_is_a_usage_error(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setattr(os, "geteuid", lambda: 1000)  # what check_available consults
-    status = launch.main(["-n", "2", "--link", "1gbit", "--", sys.executable, "-c", "pass"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert status == 2
-    assert len(err) == 1 and "drop --link" in err[0]
-
-
-def test_burst_holds_a_gso_packet_and_scales_with_rate() -> None:
-    for rate in netem.LINK_RATES.values():
-        assert netem.default_burst_bytes(rate) >= 96 * 1024
-    assert netem.default_burst_bytes(10e9) > netem.default_burst_bytes(1e9)
 
 
 # -- with namespaces ------------------------------------------------------------------------------
@@ -162,7 +135,7 @@ except OSError as exc:
 
 @pytest.mark.netns
 def test_failed_setup_leaves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    real_run = netem._run
+    real_run = netem.run_tool
     calls = {"n": 0}
 
     def failing_run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -172,7 +145,7 @@ def test_failed_setup_leaves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
                 raise RuntimeError("injected tc failure")
         return real_run(argv, check)
 
-    monkeypatch.setattr(netem, "_run", failing_run)
+    monkeypatch.setattr(netem, "run_tool", failing_run)
     before = set(_our_namespaces(os.getpid()))
     with pytest.raises(RuntimeError, match="injected"):
         netem.EmulatedCluster(3, "1gbit")
@@ -233,7 +206,7 @@ def test_allreduce_runs_at_the_link_rate() -> None:
         assert value["MASTER_ADDR"] == f"{netem.SUBNET}.1"
         assert value["INTERLACE_LINK"] == link
         assert value["GLOO_SOCKET_IFNAME"] in value["interfaces"]
-    model = ring_allreduce_time(nbytes, world, netem.parse_link(link))
+    model = ring_allreduce_time(nbytes, world, parse_link(link))
     measured = values[0]["median_s"]
     # 0.16 s on the model; headers alone make the wire 4.6% slower than the payload rate.
     assert 0.75 * model <= measured <= 1.25 * model, (measured, model)

@@ -1,26 +1,7 @@
-"""The emulated network: N ranks on one machine, each behind a shaped full-duplex NIC.
+"""The emulated network: N ranks on one machine, each in its own network namespace.
 
-A real cluster's ranks talk over NICs of a fixed line rate through a switch. On one machine the
-ranks would otherwise talk over loopback at memory speed, which hides every communication cost
-this library is about. :class:`EmulatedCluster` rebuilds the cluster's shape with Linux network
-namespaces::
-
-    rank 0 namespace          "switch" namespace            rank 1 namespace
-    [ilc<pid>r0] ===veth===  [ilc<pid>s0]--bridge--[ilc<pid>s1]  ===veth=== [ilc<pid>r1]
-       tbf (upload)            tbf (rank 0's download)   tbf (rank 1's download)   tbf (upload)
-
-Each rank's veth is shaped with a token-bucket filter (``tbf``) in both directions, so each rank
-has a full-duplex link of the chosen rate, as a switched Ethernet NIC does. The ``netem`` qdisc is
-not available on every kernel, so no delay is added: ``tbf`` alone shapes the rate.
-
-Everything lives inside namespaces this module creates: the addresses come from one private /24
-that exists only there, no namespace has a default route, and nothing is ever created in (or sent
-through) the host's own network namespace. Names embed the creating process's PID so that
-:func:`cleanup_stale` can remove what a killed launcher left behind without touching the
-namespaces of a launcher that is still running.
-
-Building the cluster needs root and iproute2 (``ip`` and ``tc``); :func:`check_available` says so
-in one actionable line when either is missing.
+Each rank's NIC is a veth into a bridge (the "switch"), shaped to one line rate in both directions
+with a token-bucket filter. Needs root and iproute2; docs/notes/launch.md explains the layout.
 """
 
 from __future__ import annotations
@@ -37,27 +18,20 @@ import threading
 from collections.abc import Callable, Sequence
 from types import TracebackType
 
+from interlace.comm.links import LINK_RATES, default_burst_bytes, parse_link
 from interlace.errors import UsageError
 
 __all__ = [
-    "LINK_RATES",
+    "MAX_RANKS",
+    "NAME_PREFIX",
+    "SUBNET",
     "EmulatedCluster",
     "NetemUnavailableError",
     "check_available",
     "cleanup_stale",
-    "default_burst_bytes",
-    "parse_link",
     "pid_alive",
+    "run_tool",
 ]
-
-#: Line rates a rank's NIC can have, in bits per second, by the name ``--link`` accepts. The names
-#: are also valid ``tc`` rate strings, and are what ``INTERLACE_LINK`` carries into the ranks.
-LINK_RATES: dict[str, float] = {
-    "100mbit": 100e6,
-    "1gbit": 1e9,
-    "2.5gbit": 2.5e9,
-    "10gbit": 10e9,
-}
 
 #: Every name this module creates starts with this, then the creating process's PID.
 NAME_PREFIX = "ilc"
@@ -93,56 +67,12 @@ class NetemUnavailableError(UsageError):
     """The emulated network cannot be built here; the message says why and what to do."""
 
 
-def parse_link(text: str) -> float:
-    """Return the line rate in bits/s named by ``text``.
-
-    ``text`` is one of :data:`LINK_RATES` or, as ``tc`` writes rates, a positive number with a
-    unit ``kbit``, ``mbit`` or ``gbit`` (``300mbit``): benchmarks pick a rate that gives a chosen
-    communication/compute ratio. Raises :class:`~interlace.errors.UsageError` naming the accepted
-    forms for anything else, so ``--link fast`` is answered with what would have worked.
-    """
-    key = text.strip().lower()
-    if key in LINK_RATES:
-        return LINK_RATES[key]
-    match = _RATE.fullmatch(key)
-    if match and float(match[1]) > 0:
-        return float(match[1]) * _UNITS[match[2]]
-    accepted = ", ".join(LINK_RATES)
-    raise UsageError(
-        f"unknown link rate {text!r}; accepted rates: {accepted} (or any NUMBER followed by "
-        "kbit, mbit or gbit, e.g. 300mbit)"
-    )
-
-
-_RATE = re.compile(r"(\d+(?:\.\d+)?)(kbit|mbit|gbit)")
-_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-
-
-def default_burst_bytes(rate_bps: float) -> int:
-    """The tbf bucket size, in bytes, used for a NIC of ``rate_bps``.
-
-    The bucket is what a rank may send at memory speed after being idle, so it is error in a
-    timed transfer: a bucket of B bytes lets a transfer of M bytes finish as if it were M - B.
-    Too small a bucket fails the other way, and that is the bound that matters here:
-
-    * TCP on a veth hands tbf GSO super-packets of up to 64 KiB. A packet larger than the bucket
-      is cut into 1500-byte frames in software by tbf itself, which on a 2-core machine running
-      four ranks cannot keep up: 4 ranks at 1 Gbit/s with a 62.5 kB bucket (0.5 ms of line
-      rate) all-reduced 16 MB in 2.8x the ring model's time, and 16 KiB buckets made 100 Mbit/s
-      run 8-10% slow. With a 96 KiB bucket (1.5x the largest super-packet, so none is ever cut)
-      the same runs measured 1.05-1.08x at 1 Gbit/s and 1.04-1.05x at 100 Mbit/s from 0.25 to
-      16 MB. Ethernet and TCP headers alone account for 1.046x (1514 bytes on the wire per 1448
-      bytes of payload), so what remains is the wire format, not the shaping. A 512 KiB bucket
-      made a 1 MB all-reduce measure 1.01x: faster than the headers allow, i.e. burst error.
-    * tbf sends at most one bucket per wake-up of its timer, so a fast link needs a bucket of
-      the line rate times the wake-up latency; 0.2 ms of line rate covers that (250 kB at
-      10 Gbit/s) and stays below the 96 KiB floor for 2.5 Gbit/s and slower.
-    """
-    return max(96 * 1024, int(rate_bps / 8.0 * 0.2e-3))
-
-
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this PID exists (a PermissionError still means it exists)."""
+    """Whether a process with this PID exists (a PermissionError still means it exists).
+
+    Args:
+        pid: The process ID to look for.
+    """
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -152,8 +82,19 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run one ``ip``/``tc`` command, raising with its stderr when ``check`` and it fails."""
+def run_tool(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run one ``ip``/``tc`` command; every command this module runs goes through here.
+
+    Args:
+        argv: The command line.
+        check: Raise when the command fails.
+
+    Returns:
+        The finished process, its output captured as text.
+
+    Raises:
+        RuntimeError: When ``check`` and the command exits non-zero, carrying its stderr.
+    """
     proc = subprocess.run(list(argv), capture_output=True, text=True, check=False)
     if check and proc.returncode != 0:
         detail = proc.stderr.strip() or proc.stdout.strip()
@@ -163,7 +104,7 @@ def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess
 
 def _list_namespaces() -> list[str]:
     """Names from ``ip netns list`` (which may append `` (id: N)`` to each)."""
-    proc = _run(["ip", "netns", "list"], check=False)
+    proc = run_tool(["ip", "netns", "list"], check=False)
     if proc.returncode != 0:
         return []
     return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
@@ -176,7 +117,7 @@ def _kill_namespace_pids(namespace: str) -> None:
     ranks; a process left inside would keep the namespace (and its veth) alive invisibly after
     ``ip netns del``.
     """
-    proc = _run(["ip", "netns", "pids", namespace], check=False)
+    proc = run_tool(["ip", "netns", "pids", namespace], check=False)
     for token in proc.stdout.split():
         if token.isdigit():
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -202,7 +143,7 @@ def cleanup_stale() -> list[str]:
         if match is None or pid_alive(int(match.group(1))):
             continue
         _kill_namespace_pids(name)
-        if _run(["ip", "netns", "del", name], check=False).returncode == 0:
+        if run_tool(["ip", "netns", "del", name], check=False).returncode == 0:
             removed.append(name)
     if os.path.isdir(NETNS_ETC):
         for name in os.listdir(NETNS_ETC):
@@ -213,7 +154,7 @@ def cleanup_stale() -> list[str]:
             os.rmdir(NETNS_ETC)  # only if now empty
     # Veths are created directly inside our namespaces and die with them; this sweep of the host
     # namespace only catches the unlikely leftovers of a setup killed between two commands.
-    links = _run(["ip", "-o", "link", "show"], check=False)
+    links = run_tool(["ip", "-o", "link", "show"], check=False)
     for line in links.stdout.splitlines():
         parts = line.split(":", 2)
         if len(parts) < 2:
@@ -222,7 +163,7 @@ def cleanup_stale() -> list[str]:
         match = _LINK_PATTERN.match(ifname)
         if match is None or pid_alive(int(match.group(1))):
             continue
-        if _run(["ip", "link", "del", ifname], check=False).returncode == 0:
+        if run_tool(["ip", "link", "del", ifname], check=False).returncode == 0:
             removed.append(ifname)
     return removed
 
@@ -240,13 +181,13 @@ def _probe_namespaces() -> str | None:
             ["tc", "-n", namespace, *f"qdisc add dev p0 {tbf}".split()],
         ]
         for argv in steps:
-            proc = _run(argv, check=False)
+            proc = run_tool(argv, check=False)
             if proc.returncode != 0:
                 detail = proc.stderr.strip() or f"status {proc.returncode}"
                 return f"'{' '.join(argv)}' failed: {detail}"
         return None
     finally:
-        _run(["ip", "netns", "del", namespace], check=False)
+        run_tool(["ip", "netns", "del", namespace], check=False)
 
 
 def check_available(
@@ -259,8 +200,15 @@ def check_available(
 
     Checks, in order, that the process is root, that ``ip`` and ``tc`` are on the PATH, and
     (when ``probe``) that a namespace with a tbf-shaped veth can actually be made and removed.
-    ``geteuid`` and ``which`` default to :func:`os.geteuid` and :func:`shutil.which`; a test
-    passes its own to see the message of an unprivileged machine without being one.
+
+    Args:
+        geteuid: Stands in for :func:`os.geteuid`, so a test sees the message of an
+            unprivileged machine without being one.
+        which: Stands in for :func:`shutil.which`.
+        probe: Also build and remove a throwaway shaped namespace.
+
+    Raises:
+        NetemUnavailableError: Saying in one line what is missing and what to do.
     """
     euid = (geteuid or os.geteuid)()
     find = which or shutil.which
@@ -289,8 +237,16 @@ class EmulatedCluster:
     any step of the setup fails. Launch rank ``k``'s command through :meth:`wrap` and give it
     ``GLOO_SOCKET_IFNAME=ifname(k)`` and ``MASTER_ADDR=master_addr``.
 
-    ``rate`` is a :data:`LINK_RATES` name or bits per second; ``burst_bytes`` overrides the tbf
-    bucket of :func:`default_burst_bytes` (for experiments on the emulation itself).
+    Args:
+        nranks: How many ranks (1 to :data:`MAX_RANKS`).
+        rate: A :data:`~interlace.comm.links.LINK_RATES` name (or any rate
+            :func:`~interlace.comm.links.parse_link` accepts), or bits per second.
+        burst_bytes: Overrides the tbf bucket of
+            :func:`~interlace.comm.links.default_burst_bytes` (for experiments on the emulation
+            itself).
+
+    Raises:
+        UsageError: For a rank count or rate out of range.
     """
 
     def __init__(self, nranks: int, rate: str | float, *, burst_bytes: int | None = None) -> None:
@@ -330,7 +286,7 @@ class EmulatedCluster:
     # -- setup -----------------------------------------------------------------------------
 
     def _add_namespace(self, name: str) -> None:
-        _run(["ip", "netns", "add", name])
+        run_tool(["ip", "netns", "add", name])
         self.created_namespaces.append(name)
 
     def _write_hosts(self, rank: int) -> None:
@@ -350,21 +306,21 @@ class EmulatedCluster:
     def _shape(self, namespace: str, ifname: str) -> None:
         rate = f"{round(self.rate_bps)}bit"
         tbf = f"root tbf rate {rate} burst {self.burst_bytes} latency {TBF_LATENCY}"
-        _run(["tc", "-n", namespace, "qdisc", "add", "dev", ifname, *tbf.split()])
+        run_tool(["tc", "-n", namespace, "qdisc", "add", "dev", ifname, *tbf.split()])
 
     def _build(self) -> None:
         sw = self._switch_ns
         self._add_namespace(sw)
-        _run(["ip", "-n", sw, "link", "add", self._bridge, "type", "bridge"])
-        _run(["ip", "-n", sw, "link", "set", self._bridge, "up"])
+        run_tool(["ip", "-n", sw, "link", "add", self._bridge, "type", "bridge"])
+        run_tool(["ip", "-n", sw, "link", "set", self._bridge, "up"])
         for k in range(self.nranks):
             ns, rank_if, switch_if = self._rank_ns[k], self._rank_if[k], self._switch_if[k]
             self._add_namespace(ns)
-            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            run_tool(["ip", "-n", ns, "link", "set", "lo", "up"])
             # A cluster fabric keeps its connections warm: Linux would otherwise restart TCP
             # slow start on every connection idle for one RTO, i.e. on every all-reduce that
             # follows a stretch of compute, and small buckets would crawl through slow start.
-            _run(
+            run_tool(
                 [
                     "ip",
                     "netns",
@@ -379,11 +335,11 @@ class EmulatedCluster:
             # Created inside the rank's namespace with its peer placed straight into the switch's,
             # so neither end ever appears in the host's network namespace.
             veth = f"link add {rank_if} type veth peer name {switch_if} netns {sw}"
-            _run(["ip", "-n", ns, *veth.split()])
-            _run(["ip", "-n", ns, "addr", "add", f"{self.address(k)}/24", "dev", rank_if])
-            _run(["ip", "-n", ns, "link", "set", rank_if, "up"])
-            _run(["ip", "-n", sw, "link", "set", switch_if, "master", self._bridge])
-            _run(["ip", "-n", sw, "link", "set", switch_if, "up"])
+            run_tool(["ip", "-n", ns, *veth.split()])
+            run_tool(["ip", "-n", ns, "addr", "add", f"{self.address(k)}/24", "dev", rank_if])
+            run_tool(["ip", "-n", ns, "link", "set", rank_if, "up"])
+            run_tool(["ip", "-n", sw, "link", "set", switch_if, "master", self._bridge])
+            run_tool(["ip", "-n", sw, "link", "set", switch_if, "up"])
             self._shape(ns, rank_if)  # the rank's upload
             self._shape(sw, switch_if)  # the rank's download: the switch port's egress
             self._write_hosts(k)
@@ -392,7 +348,7 @@ class EmulatedCluster:
 
     @property
     def link(self) -> str:
-        """The rate as a :data:`LINK_RATES` name when it is one, else as ``tc`` bits/s."""
+        """The rate as a ``LINK_RATES`` name when it is one, else as ``tc`` bits/s."""
         for name, bps in LINK_RATES.items():
             if bps == self.rate_bps:
                 return name
@@ -423,7 +379,12 @@ class EmulatedCluster:
         return self._switch_ns
 
     def wrap(self, rank: int, argv: Sequence[str]) -> list[str]:
-        """``argv`` run inside rank ``rank``'s namespace (``ip netns exec`` then execs it)."""
+        """``argv`` run inside rank ``rank``'s namespace (``ip netns exec`` then execs it).
+
+        Args:
+            rank: The rank whose namespace runs the command.
+            argv: The command line.
+        """
         return ["ip", "netns", "exec", self.namespace(rank), *argv]
 
     # -- teardown --------------------------------------------------------------------------
@@ -438,7 +399,7 @@ class EmulatedCluster:
             return
         # Rank namespaces first: deleting one destroys its veth, and with it the peer in the switch.
         for name in reversed(self.created_namespaces):
-            _run(["ip", "netns", "del", name], check=False)
+            run_tool(["ip", "netns", "del", name], check=False)
         for folder in self.created_etc_dirs:
             shutil.rmtree(folder, ignore_errors=True)
         with contextlib.suppress(OSError):

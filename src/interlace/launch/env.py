@@ -1,0 +1,146 @@
+"""The environment each rank starts with: torchrun's env:// contract, the rendezvous port."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+
+from interlace.launch.netem import EmulatedCluster
+from interlace.launch.worker import RESULT_DIR_VARIABLE
+
+__all__ = ["LINK_VARIABLE", "free_port", "job_envs", "rank_env", "worker_pythonpath"]
+
+#: Carries the emulated link's rate into the ranks (absent on plain loopback).
+LINK_VARIABLE = "INTERLACE_LINK"
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (the rendezvous store binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def rank_env(
+    rank: int,
+    nprocs: int,
+    *,
+    base: Mapping[str, str],
+    master_addr: str,
+    master_port: int,
+    run_id: str,
+    cluster: EmulatedCluster | None,
+    link: str | None,
+    result_dir: Path | None,
+    pythonpath: str | None,
+) -> dict[str, str]:
+    """torchrun's env:// contract for one rank, plus what the emulated network needs.
+
+    Args:
+        rank: This rank.
+        nprocs: The number of ranks.
+        base: The environment to start from (the launcher's, with the caller's additions).
+        master_addr: Where the rendezvous store listens.
+        master_port: Its port.
+        run_id: The job's ``TORCHELASTIC_RUN_ID``.
+        cluster: The emulated cluster the ranks run on, or None for loopback.
+        link: The emulated link's rate name (with ``cluster``).
+        result_dir: Where a callable's worker writes its result, or None for a command.
+        pythonpath: The worker's ``PYTHONPATH``, or None to keep the inherited one.
+    """
+    env = dict(base)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(nprocs),
+        LOCAL_WORLD_SIZE=str(nprocs),
+        GROUP_RANK="0",
+        GROUP_WORLD_SIZE="1",
+        ROLE_RANK=str(rank),
+        ROLE_WORLD_SIZE=str(nprocs),
+        ROLE_NAME="default",
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+        TORCHELASTIC_RUN_ID=run_id,
+        TORCHELASTIC_RESTART_COUNT="0",
+        TORCHELASTIC_MAX_RESTARTS="0",
+    )
+    if nprocs > 1:
+        # torchrun's default: N ranks each using every core would oversubscribe the machine N-fold.
+        env.setdefault("OMP_NUM_THREADS", "1")
+    # Ranks write into pipes; unbuffered, their lines reach the terminal as they are printed.
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if cluster is not None and link is not None:
+        # gloo picks an interface by resolving the hostname; in a namespace that finds nothing
+        # reachable and the rendezvous hangs, so name the rank's NIC explicitly.
+        env["GLOO_SOCKET_IFNAME"] = cluster.ifname(rank)
+        env[LINK_VARIABLE] = link
+    else:
+        env.pop(LINK_VARIABLE, None)
+    if result_dir is not None:
+        env[RESULT_DIR_VARIABLE] = str(result_dir)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
+    return env
+
+
+def worker_pythonpath(base: Mapping[str, str]) -> str:
+    """The parent's ``sys.path`` for a worker, so it imports the target's module as we did.
+
+    Args:
+        base: The environment the worker inherits (its ``PYTHONPATH`` is kept, last).
+    """
+    entries = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
+    existing = base.get("PYTHONPATH")
+    if existing:
+        entries.append(existing)
+    return os.pathsep.join(dict.fromkeys(entries))
+
+
+def job_envs(
+    nprocs: int,
+    *,
+    env: Mapping[str, str] | None,
+    cluster: EmulatedCluster | None,
+    link: str | None,
+    master_port: int | None,
+    result_dir: Path | None,
+) -> list[dict[str, str]]:
+    """Every rank's environment for one job, sharing one rendezvous address, port and run id.
+
+    Args:
+        nprocs: The number of ranks.
+        env: Added to (and overriding) the launcher's own environment.
+        cluster: The emulated cluster the ranks run on, or None for loopback.
+        link: The emulated link's rate name (with ``cluster``).
+        master_port: The rendezvous port, or None for a free one.
+        result_dir: Where callable workers write their results, or None for a command.
+    """
+    base = dict(os.environ)
+    if env is not None:
+        base.update(env)
+    pythonpath = worker_pythonpath(base) if result_dir is not None else None
+    master_addr = cluster.master_addr if cluster is not None else "127.0.0.1"
+    # Inside a fresh namespace every port is free; on loopback, ask the kernel for one.
+    port = master_port if master_port is not None else free_port()
+    run_id = f"interlace-{uuid.uuid4().hex[:12]}"
+    return [
+        rank_env(
+            rank,
+            nprocs,
+            base=base,
+            master_addr=master_addr,
+            master_port=port,
+            run_id=run_id,
+            cluster=cluster,
+            link=link,
+            result_dir=result_dir,
+            pythonpath=pythonpath,
+        )
+        for rank in range(nprocs)
+    ]

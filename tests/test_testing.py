@@ -1,0 +1,42 @@
+"""Tests of the multi-rank harness: real gloo process groups through :func:`run_ranks`."""
+
+from __future__ import annotations
+
+import pytest
+
+from interlace.errors import RankFailedError
+from interlace.testing import run_ranks
+
+# -- rank targets (run in the worker processes) ---------------------------------------------------
+
+
+def allreduce_sum(n: int) -> list[float]:
+    import torch  # noqa: PLC0415 - a spawned rank's entry point
+    import torch.distributed as dist  # noqa: PLC0415 - a spawned rank's entry point
+
+    tensor = torch.full((n,), float(dist.get_rank() + 1))
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def raise_in_group() -> None:
+    import torch.distributed as dist  # noqa: PLC0415 - a spawned rank's entry point
+
+    if dist.get_rank() == 1:
+        raise RuntimeError("deliberate failure inside the process group")
+    dist.barrier()
+
+
+# -- tests ----------------------------------------------------------------------------------------
+
+
+def test_run_ranks_gloo_allreduce() -> None:
+    values = run_ranks(allreduce_sum, 3, 5, timeout=60)
+    assert values == [[6.0] * 5] * 3
+
+
+def test_run_ranks_reports_failing_rank_traceback() -> None:
+    with pytest.raises(RankFailedError) as info:
+        run_ranks(raise_in_group, 2, timeout=60)
+    assert info.value.rank == 1
+    assert "deliberate failure inside the process group" in str(info.value)
