@@ -355,15 +355,30 @@ class EmulatedCluster:
         return f"{round(self.rate_bps)}bit"
 
     def namespace(self, rank: int) -> str:
-        """The network namespace rank ``rank`` runs in."""
+        """The network namespace rank ``rank`` runs in.
+
+        Args:
+            rank: A rank of this cluster.
+        """
         return self._rank_ns[rank]
 
     def ifname(self, rank: int) -> str:
-        """Rank ``rank``'s interface inside its namespace: its ``GLOO_SOCKET_IFNAME``."""
+        """Rank ``rank``'s interface inside its namespace: its ``GLOO_SOCKET_IFNAME``.
+
+        Args:
+            rank: A rank of this cluster.
+        """
         return self._rank_if[rank]
 
     def address(self, rank: int) -> str:
-        """Rank ``rank``'s IPv4 address (host ``rank + 1`` of the private /24)."""
+        """Rank ``rank``'s IPv4 address (host ``rank + 1`` of the private /24).
+
+        Args:
+            rank: A rank of this cluster.
+
+        Raises:
+            IndexError: For a rank outside the cluster.
+        """
         if not 0 <= rank < self.nranks:
             raise IndexError(f"rank {rank} out of range for {self.nranks} ranks")
         return f"{SUBNET}.{rank + 1}"
