@@ -32,6 +32,7 @@ from pathlib import Path
 
 from interlace.comm.cost import CostModel, fit_osu_log
 from interlace.errors import UsageError
+from interlace.netem import parse_link
 
 #: Latency per step of a link when a ``--network`` spec gives none: a small-message round on
 #: 10 GbE with TCP and MPI costs tens of microseconds (the OSU logs of the MG-WFBP cluster fit
@@ -298,8 +299,6 @@ def parse_network(text: str) -> Network:
 
 
 def _rate(text: str) -> float:
-    from interlace.netem import parse_link
-
     return parse_link(text)
 
 

@@ -1,24 +1,8 @@
-"""Traces: what one training iteration of a model looks like, as the simulator needs it.
+"""Traces: one training iteration of a model as the simulator needs it.
 
-A :class:`Trace` lists the gradient tensors in backward order (the order they become ready),
-each with its name, its layer, its number of elements and bytes, and the forward and backward
-time of that layer; plus the model-level forward, backward and optimizer-step times and the
-K-FAC factor sizes of every layer. Tensors of one layer sit next to each other and share its
-times; a tensor is ready when its layer's backward ends, so the ready time of every tensor is
-the running sum of the layer backward times.
-
-Traces come from two places:
-
-* ``interlace profile --trace-out T`` writes one for any model, measured on this machine or a
-  GPU (:func:`interlace.profile.trace_from_plan` builds it from the profile DataParallel plans
-  with); it is a JSON file (:meth:`Trace.save`, format ``interlace-trace`` version 1);
-* the MG-WFBP authors' Caffe logs (``googlenet_k80_8workers.log``, see
-  ``../shared/traces/README.md``), read by :func:`read_caffe_log`.
-
-:func:`load_trace` reads either. A malformed line is reported as ``FILE:LINE: what is wrong``
-(:class:`TraceFormatError`), so a damaged trace points at itself.
-
-This module needs neither torch nor numpy: simulating thousands of configurations starts fast.
+A :class:`Trace` is read from an ``interlace-trace`` JSON file or an MG-WFBP Caffe log
+(:func:`load_trace`), or built from the profile DataParallel planned with
+(:func:`trace_from_plan`). Loading and simulating a trace needs no torch.
 """
 
 from __future__ import annotations
@@ -30,10 +14,13 @@ import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from interlace.comm.plan import ReadyTensor
+from interlace.comm.plan import Plan, ReadyTensor
 from interlace.errors import UsageError
+
+if TYPE_CHECKING:
+    from torch import nn
 
 FORMAT = "interlace-trace"
 VERSION = 1
@@ -550,3 +537,86 @@ def from_ready(
         notes=notes,
         broadcast_bytes=tuple(broadcast_bytes),
     )
+
+
+def trace_from_plan(
+    plan: Plan,
+    module: nn.Module,
+    model: str,
+    *,
+    step_s: float = 0.0,
+    layer_forward_s: dict[str, float] | None = None,
+    workers: int = 1,
+    source: str = "",
+) -> Trace:
+    """A simulator trace from the profile DataParallel planned with.
+
+    Args:
+        plan: Holds the parameters in ready order with the slowest rank's median ready times,
+            and ``forward_s``/``backward_s`` the whole passes, all measured with communication
+            held to the end of backward.
+        module: Gives element counts, layers (a parameter's owning module) and K-FAC factor
+            sizes.
+        model: The model's name.
+        step_s: The optimizer step, seconds.
+        layer_forward_s: Each layer's forward, seconds (see :func:`from_ready`).
+        workers: The ranks it was profiled with.
+        source: Where it was measured, free text.
+    """
+    params = dict(module.named_parameters())
+    names = [tensor.name for tensor in plan.tensors]
+    return from_ready(
+        model,
+        names=names,
+        layers=[name.rpartition(".")[0] or name for name in names],
+        numels=[params[name].numel() for name in names],
+        element_bytes=[params[name].element_size() for name in names],
+        ready_s=[tensor.ready_s for tensor in plan.tensors],
+        forward_s=plan.forward_s,
+        backward_s=plan.backward_s,
+        step_s=step_s,
+        layer_forward_s=layer_forward_s,
+        factors=factor_sizes(module),
+        source=source,
+        workers=workers,
+        notes="ready times: the slowest rank's medians over DataParallel's profiling passes",
+        broadcast_bytes=buffer_broadcast_bytes(module),
+    )
+
+
+def buffer_broadcast_bytes(module: nn.Module) -> list[int]:
+    """Bytes of the buffer broadcasts DataParallel (like DDP) makes before every forward: one
+    flat message per dtype.
+
+    Args:
+        module: The model whose buffers are broadcast.
+    """
+    by_dtype: dict[str, int] = {}
+    for buffer in module.buffers():
+        by_dtype[str(buffer.dtype)] = (
+            by_dtype.get(str(buffer.dtype), 0) + buffer.numel() * buffer.element_size()
+        )
+    return [nbytes for nbytes in by_dtype.values() if nbytes > 0]
+
+
+def factor_sizes(module: nn.Module) -> list[FactorTrace]:
+    """K-FAC factor dimensions of every Linear and Conv2d layer (the layers K-FAC handles).
+
+    ``A`` covers a layer's input (a Conv2d's unfolded patch) plus a ones column for the bias;
+    ``G`` its output.
+
+    Args:
+        module: The model.
+    """
+    from torch import nn  # noqa: PLC0415 - heavy import; loading and simulating traces need none
+
+    factors = []
+    for name, layer in module.named_modules():
+        if isinstance(layer, nn.Linear):
+            a_dim = layer.in_features + (layer.bias is not None)
+            factors.append(FactorTrace(name, a_dim, layer.out_features))
+        elif isinstance(layer, nn.Conv2d):
+            kernel = layer.kernel_size[0] * layer.kernel_size[1]
+            a_dim = layer.in_channels // layer.groups * kernel + (layer.bias is not None)
+            factors.append(FactorTrace(name, a_dim, layer.out_channels))
+    return factors

@@ -16,7 +16,7 @@ from interlace.sim.trace import (
     scaled,
 )
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
 GOOGLENET = TRACES / "googlenet_k80_8workers.log"
 needs_traces = pytest.mark.skipif(not GOOGLENET.exists(), reason=f"{GOOGLENET} not present")
 

@@ -21,7 +21,7 @@ from interlace.sim.contention import (
     overlap_probe_end,
     progress_rate,
 )
-from interlace.sim.engine import Contention, Replay, replay
+from interlace.sim.replay import Contention, Replay, replay
 from interlace.sim.trace import TensorTrace, Trace
 
 MS = 1e-3

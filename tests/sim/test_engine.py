@@ -13,15 +13,8 @@ from hypothesis import strategies as st
 from interlace.comm.cost import CostModel
 from interlace.comm.plan import ReadyTensor, make_plan, schedule
 from interlace.errors import UsageError
-from interlace.sim.engine import (
-    STRATEGIES,
-    Contention,
-    replay,
-    simulate,
-    simulate_scaling,
-    strategy_named,
-)
-from interlace.sim.experiments import check_claims, parse_workers, scaling_rows
+from interlace.sim.engine import STRATEGIES, simulate, strategy_named
+from interlace.sim.experiments import check_claims, parse_workers, scaling_rows, simulate_scaling
 from interlace.sim.network import (
     Fitted,
     HierarchicalRing,
@@ -31,10 +24,11 @@ from interlace.sim.network import (
     fit_ring_link,
     parse_network,
 )
+from interlace.sim.replay import Contention, replay
 from interlace.sim.trace import Trace, from_ready, load_trace
 
 MS = 1e-3
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
 GOOGLENET = TRACES / "googlenet_k80_8workers.log"
 needs_traces = pytest.mark.skipif(not GOOGLENET.exists(), reason=f"{GOOGLENET} not present")
 WORKERS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
