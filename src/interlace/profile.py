@@ -27,7 +27,7 @@ from torch.nn import functional
 
 from interlace.distenv import init_distributed
 from interlace.errors import UsageError
-from interlace.sim.trace import trace_from_plan
+from interlace.sim.profiled import trace_from_plan
 from interlace.timeline import Event, Timeline
 
 if TYPE_CHECKING:

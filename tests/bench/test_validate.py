@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from interlace import cli
+
 
 def interlace(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -66,3 +68,23 @@ def test_tiny_validation_gives_finite_rows(tmp_path: Path) -> None:
         assert 0.0 <= row["startup_overlap"] <= 1.0
         assert row["compute_slowdown"] >= 1.0 and row["startup_compute_slowdown"] >= 1.0
     assert "median" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("-n", "1"), "-n must be >= 2"),
+        (("--trace", "t.json"), "drop --trace"),
+        (("--model", "nope"), "unknown model 'nope'"),
+        (("--strategy", "dkfac"), "unknown strategy 'dkfac'"),
+    ],
+)
+def test_bad_validation_flags_are_one_line(
+    flags: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["simulate", "--validate", *flags])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert message in err

@@ -27,7 +27,8 @@ from interlace.sim.experiments import (
 from interlace.sim.kfac import KFAC_STRATEGIES, PHASES, check_trace, simulate_kfac
 from interlace.sim.kfac_costs import KfacCosts, parse_kfac_costs
 from interlace.sim.network import Fitted, parse_network
-from interlace.sim.trace import FactorTrace, TensorTrace, Trace, from_ready
+from interlace.sim.profiled import from_ready
+from interlace.sim.trace import FactorTrace, TensorTrace, Trace
 
 MS = 1e-3
 #: 1 ms per 4 bytes: a packed 1 x 1 factor or a 4-byte gradient takes 1 ms plus the start-up.

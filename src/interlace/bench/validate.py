@@ -43,7 +43,7 @@ from interlace.dp import DataParallel
 from interlace.errors import UsageError
 from interlace.profile import layer_forward_times
 from interlace.sim.engine import STRATEGIES
-from interlace.sim.trace import trace_from_plan
+from interlace.sim.profiled import trace_from_plan
 from interlace.sim.validate import (
     DEFAULT_LINKS,
     DEFAULT_MODELS,

@@ -1,26 +1,21 @@
 """Traces: one training iteration of a model as the simulator needs it.
 
 A :class:`Trace` is read from an ``interlace-trace`` JSON file or an MG-WFBP Caffe log
-(:func:`load_trace`), or built from the profile DataParallel planned with
-(:func:`trace_from_plan`). Loading and simulating a trace needs no torch.
+(:func:`load_trace`), or built from measurements (:mod:`interlace.sim.profiled`). Loading and
+simulating a trace needs no torch.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import re
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from interlace.comm.plan import Plan, ReadyTensor
+from interlace.comm.plan import ReadyTensor
 from interlace.errors import UsageError
-
-if TYPE_CHECKING:
-    from torch import nn
 
 FORMAT = "interlace-trace"
 VERSION = 1
@@ -39,22 +34,35 @@ class TraceFormatError(UsageError):
 
 @dataclass(frozen=True)
 class TensorTrace:
-    """One gradient tensor: its name and layer, its size, and its layer's compute times."""
+    """One gradient tensor: its name and layer, its size, and its layer's compute times.
+
+    Args:
+        name: The parameter's name.
+        layer: Its layer; tensors of one layer sit next to each other and share its times.
+        numel: Its elements.
+        nbytes: Its bytes.
+        layer_forward_s: Forward time of the tensor's layer, seconds.
+        layer_backward_s: Backward time of the tensor's layer, seconds: from the end of the
+            previous layer's backward to the moment this layer's gradients are ready.
+    """
 
     name: str
     layer: str
     numel: int
     nbytes: int
-    #: Forward time of the tensor's layer, seconds (shared by the layer's tensors).
     layer_forward_s: float
-    #: Backward time of the tensor's layer, seconds: from the end of the previous layer's
-    #: backward to the moment this layer's gradients are ready (shared by the layer's tensors).
     layer_backward_s: float
 
 
 @dataclass(frozen=True)
 class FactorTrace:
-    """K-FAC factor sizes of one layer: ``A`` is ``a_dim x a_dim``, ``G`` is ``g_dim x g_dim``."""
+    """K-FAC factor sizes of one layer.
+
+    Args:
+        layer: The layer.
+        a_dim: ``A`` is ``a_dim x a_dim`` (the layer's input, plus one for a bias).
+        g_dim: ``G`` is ``g_dim x g_dim`` (the layer's output).
+    """
 
     layer: str
     a_dim: int
@@ -63,25 +71,40 @@ class FactorTrace:
 
 @dataclass(frozen=True)
 class Trace:
-    """One iteration of one model on one kind of device (see the module docstring)."""
+    """One iteration of one model on one kind of device.
+
+    A tensor is ready when its layer's backward ends, so every ready time is the running sum
+    of the layers' backward times.
+
+    Args:
+        model: The model's name.
+        tensors: The gradient tensors in backward order (first ready first).
+        forward_s: Whole forward pass, seconds.
+        backward_s: Whole backward pass, seconds: at least the sum of the layers' backward
+            times (what follows the last gradient, if anything, is the rest).
+        step_s: Optimizer step after backward, seconds (0 where the source does not say).
+        factors: K-FAC factor sizes of every preconditioned layer.
+        broadcast_bytes: Bytes of each collective made before every forward: DDP and
+            DataParallel re-broadcast the module's buffers (BatchNorm statistics), one message
+            per dtype. Empty for Caffe.
+        source: Where the trace was measured: device, ranks, link; free text.
+        workers: Ranks the trace was profiled with (compute per rank depends on it on a shared
+            CPU).
+        notes: Free text.
+        extra: Anything else the source had (a Caffe log's communication times).
+
+    Raises:
+        ValueError: For no tensors, a negative time, or a backward shorter than its layers.
+    """
 
     model: str
-    #: Tensors in backward order (first ready first).
     tensors: tuple[TensorTrace, ...]
-    #: Whole forward pass, seconds.
     forward_s: float
-    #: Whole backward pass, seconds: at least the sum of the layers' backward times (what follows
-    #: the last gradient, if anything, is the rest).
     backward_s: float
-    #: Optimizer step after backward, seconds (0 where the source does not say).
     step_s: float = 0.0
     factors: tuple[FactorTrace, ...] = ()
-    #: Bytes of each collective made before every forward: DDP and DataParallel re-broadcast
-    #: the module's buffers (BatchNorm statistics), one message per dtype. Empty for Caffe.
     broadcast_bytes: tuple[int, ...] = ()
-    #: Where the trace was measured: device, ranks, link; free text.
     source: str = ""
-    #: Ranks the trace was profiled with (compute per rank depends on it on a shared CPU).
     workers: int = 1
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -145,8 +168,12 @@ class Trace:
         return ready
 
     def ready_tensors(self, per_layer: bool = False) -> list[ReadyTensor]:
-        """The planners' input: every tensor (or, with ``per_layer``, every layer as one
-        message, as Caffe's WFBP sent a layer's weight and bias together) in ready order."""
+        """The planners' input: every tensor in ready order.
+
+        Args:
+            per_layer: Every layer as one message instead, as Caffe's WFBP sent a layer's
+                weight and bias together.
+        """
         ready = self.ready_times()
         if not per_layer:
             return [
@@ -170,11 +197,16 @@ class Trace:
     # ------------------------------------------------------------------ JSON
 
     def to_dict(self) -> dict[str, Any]:
+        """The trace as a JSON object with its format and version."""
         data = asdict(self)
         return {"format": FORMAT, "version": VERSION, **data}
 
     def save(self, path: str | Path) -> Path:
-        """Write the trace as JSON: a header, then one tensor per line (diffable, greppable)."""
+        """Write the trace as JSON: a header, then one tensor per line (diffable, greppable).
+
+        Args:
+            path: The file (folders are made).
+        """
         path = Path(path)
         data = self.to_dict()
         tensors = data.pop("tensors")
@@ -194,7 +226,14 @@ class Trace:
 
 
 def load_trace(path: str | Path) -> Trace:
-    """A trace from an ``interlace-trace`` JSON file or an MG-WFBP Caffe log (by content)."""
+    """A trace from an ``interlace-trace`` JSON file or an MG-WFBP Caffe log (by content).
+
+    Args:
+        path: The file.
+
+    Raises:
+        TraceFormatError: ``FILE:LINE: what is wrong``, for a file that cannot be read.
+    """
     path = Path(path)
     try:
         text = path.read_text()
@@ -318,6 +357,14 @@ def read_caffe_log(path: str | Path, text: str | None = None, *, model: str = ""
     is the run of lines ``i = 0, 1, ...`` and backward visits it from the highest ``i`` down.
     Blank lines and ``#`` comments are skipped; any other line that does not end in such a
     record, or a record out of sequence, is an error naming the file and line.
+
+    Args:
+        path: The log (for messages, and read when ``text`` is None).
+        text: The log's text.
+        model: The model's name (default: the file name up to its first ``_``).
+
+    Raises:
+        TraceFormatError: ``FILE:LINE: what is wrong``.
     """
     path = Path(path)
     if text is None:
@@ -423,7 +470,12 @@ def _workers_from_name(path: Path) -> int:
 
 
 def scaled(trace: Trace, compute: float) -> Trace:
-    """``trace`` with every compute time multiplied by ``compute`` (e.g. a faster device)."""
+    """``trace`` with every compute time multiplied by ``compute`` (e.g. a faster device).
+
+    Args:
+        trace: The trace.
+        compute: The factor, > 0.
+    """
     if not compute > 0:
         raise ValueError(f"a compute scale must be > 0, got {compute}")
     return replace(
@@ -448,6 +500,12 @@ def with_totals(trace: Trace, forward_s: float, backward_s: float, step_s: float
     Each layer's forward and backward time is scaled with its pass, so the trace keeps its
     shape (which layer takes what share, when each tensor is ready) while its totals come from
     another measurement, e.g. one taken alongside the runs it is compared with.
+
+    Args:
+        trace: The trace.
+        forward_s: The new forward total.
+        backward_s: The new backward total.
+        step_s: The new optimizer step.
     """
     if min(forward_s, backward_s, step_s) < 0:
         raise ValueError("totals must be >= 0")
@@ -467,156 +525,3 @@ def with_totals(trace: Trace, forward_s: float, backward_s: float, step_s: float
         backward_s=trace.backward_s * backward,
         step_s=step_s,
     )
-
-
-def from_ready(
-    model: str,
-    *,
-    names: Sequence[str],
-    layers: Sequence[str],
-    numels: Sequence[int],
-    element_bytes: Sequence[int],
-    ready_s: Sequence[float],
-    forward_s: float,
-    backward_s: float,
-    step_s: float = 0.0,
-    layer_forward_s: dict[str, float] | None = None,
-    factors: Sequence[FactorTrace] = (),
-    source: str = "",
-    workers: int = 1,
-    notes: str = "",
-    broadcast_bytes: Sequence[int] = (),
-) -> Trace:
-    """A trace from measured per-tensor ready times (seconds from the start of backward).
-
-    Tensors must come in ready order. Consecutive tensors of one layer form one run; the run's
-    backward time is from the previous run's last ready time to its own last one, so the trace
-    reproduces every run's ready time exactly. A layer without a measured forward time gets a
-    share of ``forward_s`` in proportion to its backward time.
-    """
-    count = len(names)
-    if not count == len(layers) == len(numels) == len(element_bytes) == len(ready_s):
-        raise ValueError("names, layers, numels, element_bytes and ready_s differ in length")
-    if any(b < a for a, b in itertools.pairwise(ready_s)):
-        raise ValueError("tensors must come in ready order")
-    runs: list[tuple[str, list[int]]] = []
-    for index in range(count):
-        if runs and runs[-1][0] == layers[index]:
-            runs[-1][1].append(index)
-        else:
-            runs.append((layers[index], [index]))
-    backward_of: list[float] = [0.0] * count
-    previous = 0.0
-    for _, indices in runs:
-        end = max(ready_s[indices[-1]], 0.0)
-        for index in indices:
-            backward_of[index] = end - previous
-        previous = end
-    measured = layer_forward_s or {}
-    total_backward = max(previous, 1e-12)
-    tensors = tuple(
-        TensorTrace(
-            names[i],
-            layers[i],
-            numels[i],
-            numels[i] * element_bytes[i],
-            measured.get(layers[i], forward_s * backward_of[i] / total_backward),
-            backward_of[i],
-        )
-        for i in range(count)
-    )
-    return Trace(
-        model=model,
-        tensors=tensors,
-        forward_s=forward_s,
-        backward_s=max(backward_s, previous),
-        step_s=step_s,
-        factors=tuple(factors),
-        source=source,
-        workers=workers,
-        notes=notes,
-        broadcast_bytes=tuple(broadcast_bytes),
-    )
-
-
-def trace_from_plan(
-    plan: Plan,
-    module: nn.Module,
-    model: str,
-    *,
-    step_s: float = 0.0,
-    layer_forward_s: dict[str, float] | None = None,
-    workers: int = 1,
-    source: str = "",
-) -> Trace:
-    """A simulator trace from the profile DataParallel planned with.
-
-    Args:
-        plan: Holds the parameters in ready order with the slowest rank's median ready times,
-            and ``forward_s``/``backward_s`` the whole passes, all measured with communication
-            held to the end of backward.
-        module: Gives element counts, layers (a parameter's owning module) and K-FAC factor
-            sizes.
-        model: The model's name.
-        step_s: The optimizer step, seconds.
-        layer_forward_s: Each layer's forward, seconds (see :func:`from_ready`).
-        workers: The ranks it was profiled with.
-        source: Where it was measured, free text.
-    """
-    params = dict(module.named_parameters())
-    names = [tensor.name for tensor in plan.tensors]
-    return from_ready(
-        model,
-        names=names,
-        layers=[name.rpartition(".")[0] or name for name in names],
-        numels=[params[name].numel() for name in names],
-        element_bytes=[params[name].element_size() for name in names],
-        ready_s=[tensor.ready_s for tensor in plan.tensors],
-        forward_s=plan.forward_s,
-        backward_s=plan.backward_s,
-        step_s=step_s,
-        layer_forward_s=layer_forward_s,
-        factors=factor_sizes(module),
-        source=source,
-        workers=workers,
-        notes="ready times: the slowest rank's medians over DataParallel's profiling passes",
-        broadcast_bytes=buffer_broadcast_bytes(module),
-    )
-
-
-def buffer_broadcast_bytes(module: nn.Module) -> list[int]:
-    """Bytes of the buffer broadcasts DataParallel (like DDP) makes before every forward: one
-    flat message per dtype.
-
-    Args:
-        module: The model whose buffers are broadcast.
-    """
-    by_dtype: dict[str, int] = {}
-    for buffer in module.buffers():
-        by_dtype[str(buffer.dtype)] = (
-            by_dtype.get(str(buffer.dtype), 0) + buffer.numel() * buffer.element_size()
-        )
-    return [nbytes for nbytes in by_dtype.values() if nbytes > 0]
-
-
-def factor_sizes(module: nn.Module) -> list[FactorTrace]:
-    """K-FAC factor dimensions of every Linear and Conv2d layer (the layers K-FAC handles).
-
-    ``A`` covers a layer's input (a Conv2d's unfolded patch) plus a ones column for the bias;
-    ``G`` its output.
-
-    Args:
-        module: The model.
-    """
-    from torch import nn  # noqa: PLC0415 - heavy import; loading and simulating traces need none
-
-    factors = []
-    for name, layer in module.named_modules():
-        if isinstance(layer, nn.Linear):
-            a_dim = layer.in_features + (layer.bias is not None)
-            factors.append(FactorTrace(name, a_dim, layer.out_features))
-        elif isinstance(layer, nn.Conv2d):
-            kernel = layer.kernel_size[0] * layer.kernel_size[1]
-            a_dim = layer.in_channels // layer.groups * kernel + (layer.bias is not None)
-            factors.append(FactorTrace(name, a_dim, layer.out_channels))
-    return factors
