@@ -72,7 +72,18 @@ STRATEGIES: dict[str, Strategy] = {
 
 @dataclass(frozen=True)
 class SimResult:
-    """One strategy on one trace at one worker count."""
+    """One strategy on one trace at one worker count.
+
+    Args:
+        strategy: The strategy's name.
+        workers: The worker count.
+        cost: The all-reduce cost the plan was made with.
+        plan: The buckets.
+        replay: The iteration in time.
+        model: The trace's model.
+        network: The network's description.
+        extra: Strategy-specific numbers for the rows.
+    """
 
     strategy: str
     workers: int

@@ -38,7 +38,10 @@ def check_strategy(name: str) -> None:
     """
     if name in KFAC_STRATEGIES:
         return
-    if name.partition("/k=")[0] not in STRATEGIES:
+    base, _, suffix = name.partition("/k=")
+    if name not in STRATEGIES and not (
+        base in STRATEGIES and suffix.isdigit() and int(suffix) >= 1
+    ):
         raise UsageError(
             f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}, or any of them "
             "with /k=K for K channels (e.g. mgwfbp/k=3), or a K-FAC strategy "

@@ -187,13 +187,17 @@ class KfacResult(SimResult):
     ``plan`` and ``replay`` are the shared link's (gradient and factor buckets together, times
     from the start of forward); ``extra`` holds the phases (``<phase>_s``, :data:`PHASES`), the
     bucket counts, the decompositions broadcast and kept local, and ``single_worker_s``.
+
+    Args:
+        total_s: The iteration.
+        kinds: What each bucket of ``plan`` carries: ``"gradient"`` or ``"factor"``.
+        owners: Each placed item's owner (None: decomposed on every rank): a layer for greedy,
+            a factor (each layer's ``A`` then ``G``) for LBP.
+        events: The timeline's events.
     """
 
     total_s: float = 0.0
-    #: What each bucket of ``plan`` carries: ``"gradient"`` or ``"factor"``.
     kinds: tuple[str, ...] = ()
-    #: Each placed item's owner (None: decomposed on every rank): a layer for greedy, a factor
-    #: (each layer's ``A`` then ``G``) for LBP.
     owners: tuple[int | None, ...] = ()
     events: tuple[Event, ...] = field(default=(), compare=False)
 

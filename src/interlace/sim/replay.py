@@ -138,7 +138,15 @@ NO_CONTENTION = Contention()
 
 @dataclass(frozen=True)
 class CommEvent:
-    """One bucket's all-reduce as replayed: its tensors, bytes and when it ran."""
+    """One bucket's all-reduce as replayed (seconds from the start of backward).
+
+    Args:
+        indices: Its tensors' positions in the plan.
+        nbytes: Its bytes.
+        ready_s: When its last tensor was ready.
+        start_s: When it started.
+        end_s: When it ended.
+    """
 
     indices: tuple[int, ...]
     nbytes: int
@@ -149,18 +157,25 @@ class CommEvent:
 
 @dataclass(frozen=True)
 class Replay:
-    """One iteration in time; every time in seconds from the start of backward."""
+    """One iteration in time; every time in seconds from the start of backward.
+
+    Args:
+        forward_s: The forward pass.
+        step_s: The optimizer step.
+        pre_forward_s: Collectives before forward (buffer broadcasts).
+        ready_s: End of each tensor's backward (its ready time under contention).
+        backward_end_s: The end of backward.
+        comms: Every bucket's all-reduce.
+        sync_s: Synchronisation at the end of backward's communication (see
+            :class:`interlace.sim.contention.Calibration`).
+    """
 
     forward_s: float
     step_s: float
-    #: Collectives before forward (buffer broadcasts), seconds.
     pre_forward_s: float
-    #: End of each tensor's backward (its ready time under contention).
     ready_s: tuple[float, ...]
     backward_end_s: float
     comms: tuple[CommEvent, ...]
-    #: Synchronisation at the end of backward's communication (see
-    #: :class:`interlace.sim.contention.Calibration`), seconds.
     sync_s: float = 0.0
 
     @property
