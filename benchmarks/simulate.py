@@ -20,13 +20,14 @@ import statistics
 import time
 from pathlib import Path
 
-from interlace.sim.engine import STRATEGIES, simulate_scaling
+from interlace.sim.engine import STRATEGIES
 from interlace.sim.experiments import (
     check_claims,
     format_paper_comparison,
     format_table,
     plot_scaling,
     scaling_rows,
+    simulate_scaling,
 )
 from interlace.sim.network import parse_network
 from interlace.sim.trace import load_trace

@@ -8,6 +8,7 @@ Every subcommand answers bad input with one line on stderr and exit status 2 (se
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -142,10 +143,13 @@ def _build_parser() -> OneLineArgumentParser:
         help="predict iteration times at 4..2048 workers from a trace, or --validate them "
         "against measured runs",
     )
+    from interlace.bench import validate as bench_validate_module
     from interlace.sim import command as simulate_module
 
     simulate_module.add_arguments(simulate)
-    simulate.set_defaults(handler=simulate_module.run)
+    simulate.set_defaults(
+        handler=functools.partial(simulate_module.run, runner=bench_validate_module.run)
+    )
 
     models = commands.add_parser("models", help="list the model zoo with parameter counts")
     models.add_argument(

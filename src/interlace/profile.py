@@ -27,13 +27,13 @@ from torch.nn import functional
 
 from interlace.distenv import init_distributed
 from interlace.errors import UsageError
+from interlace.sim.profiled import trace_from_plan
 from interlace.timeline import Event, Timeline
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from interlace.comm.plan import Plan
-    from interlace.sim.trace import FactorTrace, Trace
+    from interlace.sim.trace import Trace
 
 
 @dataclass(frozen=True)
@@ -208,79 +208,6 @@ def write_profile(timeline: Timeline, out_dir: str | Path) -> tuple[Path, Path]:
     trace = timeline.to_chrome_trace(folder / "timeline.json")
     picture = timeline.to_png(folder / "timeline.png")
     return trace, picture
-
-
-def trace_from_plan(
-    plan: Plan,
-    module: nn.Module,
-    model: str,
-    *,
-    step_s: float = 0.0,
-    layer_forward_s: dict[str, float] | None = None,
-    workers: int = 1,
-    source: str = "",
-) -> Trace:
-    """A simulator trace from the profile DataParallel planned with.
-
-    ``plan.tensors`` holds the parameters in ready order with the slowest rank's median ready
-    times, and ``plan.forward_s``/``plan.backward_s`` the whole passes, all measured with
-    communication held to the end of backward; ``module`` gives element counts, layers (a
-    parameter's owning module) and K-FAC factor sizes.
-    """
-    from interlace.sim.trace import from_ready
-
-    params = dict(module.named_parameters())
-    names = [tensor.name for tensor in plan.tensors]
-    return from_ready(
-        model,
-        names=names,
-        layers=[name.rpartition(".")[0] or name for name in names],
-        numels=[params[name].numel() for name in names],
-        element_bytes=[params[name].element_size() for name in names],
-        ready_s=[tensor.ready_s for tensor in plan.tensors],
-        forward_s=plan.forward_s,
-        backward_s=plan.backward_s,
-        step_s=step_s,
-        layer_forward_s=layer_forward_s,
-        factors=factor_sizes(module),
-        source=source,
-        workers=workers,
-        notes="ready times: the slowest rank's medians over DataParallel's profiling passes",
-        broadcast_bytes=buffer_broadcast_bytes(module),
-    )
-
-
-def buffer_broadcast_bytes(module: nn.Module) -> list[int]:
-    """Bytes of the buffer broadcasts DataParallel (like DDP) makes before every forward: one
-    flat message per dtype."""
-    by_dtype: dict[str, int] = {}
-    for buffer in module.buffers():
-        by_dtype[str(buffer.dtype)] = (
-            by_dtype.get(str(buffer.dtype), 0) + buffer.numel() * buffer.element_size()
-        )
-    return [nbytes for nbytes in by_dtype.values() if nbytes > 0]
-
-
-def factor_sizes(module: nn.Module) -> list[FactorTrace]:
-    """K-FAC factor dimensions of every Linear and Conv2d layer (the layers K-FAC handles).
-
-    ``A`` covers a layer's input (a Conv2d's unfolded patch) plus a ones column for the bias;
-    ``G`` its output.
-    """
-    from torch import nn
-
-    from interlace.sim.trace import FactorTrace
-
-    factors = []
-    for name, layer in module.named_modules():
-        if isinstance(layer, nn.Linear):
-            a_dim = layer.in_features + (layer.bias is not None)
-            factors.append(FactorTrace(name, a_dim, layer.out_features))
-        elif isinstance(layer, nn.Conv2d):
-            kernel = layer.kernel_size[0] * layer.kernel_size[1]
-            a_dim = layer.in_channels // layer.groups * kernel + (layer.bias is not None)
-            factors.append(FactorTrace(name, a_dim, layer.out_channels))
-    return factors
 
 
 def layer_forward_times(

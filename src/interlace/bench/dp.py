@@ -894,7 +894,7 @@ def measure_rank(job: MeasureJob) -> Measurement:
         _compute_sample(plain, plain_optimizer, *next_batch())
     _allreduce_sample(flat)
     _overlapped_sample(plain, plain_optimizer, *next_batch(), alongside)
-    from interlace.sim.contention import ContentionProbe
+    from interlace.bench.probes import ContentionProbe
 
     probe = ContentionProbe(plain, plain_optimizer, flat) if job.probe_contention else None
 

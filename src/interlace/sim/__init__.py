@@ -1,0 +1,1 @@
+"""The trace-based simulator: traces, network models, the replay, and experiments on them."""

@@ -1,16 +1,7 @@
 """``interlace simulate``: scaling tables from a trace, or ``--validate`` against measured runs.
 
-::
-
-    interlace simulate --trace ../shared/traces/googlenet_k80_8workers.log \\
-        --network osu:../shared/traces --workers 4..2048 --json rows.json --png scaling.png
-    interlace simulate --validate --model resnet20 -n 2 --link 1gbit
-
-The first prints, per worker count and strategy, the simulated iteration time, the speed-ups
-over WFBP and SyncEASGD, the scaling efficiency and the number of buckets, and draws scaling
-efficiency against workers. K-FAC strategies (``--strategy dkfac,spd``, see
-:mod:`interlace.sim.kfac`) add a table of their phases. The second runs
-:mod:`interlace.sim.validate`.
+The flags, the plotting defaults (:func:`plot_path`) and the scaling run; ``--validate``'s
+measuring side is passed in (:data:`ValidationRunner`, :mod:`interlace.bench.validate`).
 """
 
 from __future__ import annotations
@@ -18,21 +9,44 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from interlace.errors import UsageError
+from interlace.sim import validate
+from interlace.sim.engine import STRATEGIES
+from interlace.sim.experiments import (
+    check_claims,
+    format_paper_comparison,
+    format_phase_table,
+    format_table,
+    parse_strategies,
+    parse_workers,
+    plot_scaling,
+    scaling_rows,
+    simulate_scaling,
+)
+from interlace.sim.kfac import KFAC_STRATEGIES, check_trace
+from interlace.sim.kfac_costs import KFAC_COSTS_HELP, parse_kfac_costs
+from interlace.sim.network import NETWORK_HELP, parse_network
+from interlace.sim.trace import load_trace
 
 PROG = "interlace simulate"
 DEFAULT_NETWORK = "ring:10gbit"
 DEFAULT_PNG = "simulate/scaling.png"
+DEFAULT_VALIDATION_PNG = "simulate/validation.png"
+
+#: Runs ``--validate``: the parsed flags and the plot's path (None: no plot) in, the exit
+#: status out (:func:`interlace.bench.validate.run`).
+ValidationRunner = Callable[[argparse.Namespace, Path | None], int]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``interlace simulate``."""
-    from interlace.sim import validate
-    from interlace.sim.engine import STRATEGIES
-    from interlace.sim.kfac import KFAC_COSTS_HELP, KFAC_STRATEGIES
-    from interlace.sim.network import NETWORK_HELP
+    """The flags of ``interlace simulate``.
+
+    Args:
+        parser: The subcommand's parser.
+    """
 
     parser.add_argument(
         "--trace",
@@ -73,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--png",
         help=f"plot: scaling efficiency (default {DEFAULT_PNG}) or, with --validate, predicted "
-        f"against measured (default {validate.DEFAULT_PNG}); 'none' for no plot",
+        f"against measured (default {DEFAULT_VALIDATION_PNG}); 'none' for no plot",
     )
     parser.add_argument(
         "--timelines",
@@ -130,58 +144,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def plot_path(args: argparse.Namespace) -> Path | None:
-    """Where ``--png`` asks the plot to go: the mode's default when not given, None for
-    'none'."""
-    from interlace.sim import validate
+    """Where ``--png`` asks the plot to go: the mode's default when not given, None for 'none'.
 
-    chosen = args.png or (validate.DEFAULT_PNG if args.validate else DEFAULT_PNG)
+    Args:
+        args: ``interlace simulate``'s parsed flags.
+    """
+    chosen = args.png or (DEFAULT_VALIDATION_PNG if args.validate else DEFAULT_PNG)
     return None if chosen.lower() == "none" else Path(chosen)
 
 
-def run(args: argparse.Namespace) -> int:
-    """``interlace simulate`` with parsed ``args``; the exit status."""
-    if args.validate:
-        from interlace.sim.validate import config_from_args, run_validation
+def run(args: argparse.Namespace, runner: ValidationRunner | None = None) -> int:
+    """``interlace simulate`` with parsed ``args``; the exit status.
 
+    Args:
+        args: The parsed flags.
+        runner: Runs ``--validate`` (it measures on ranks, which the simulator does not).
+
+    Raises:
+        UsageError: For flags that do not go together or a bad value.
+    """
+    if args.validate:
         if args.trace:
             raise UsageError("--validate profiles its own traces; drop --trace")
-        return run_validation(config_from_args(args))
+        if runner is None:
+            raise UsageError("--validate needs a runner that measures on ranks")
+        return runner(args, plot_path(args))
     if not args.trace:
         raise UsageError("give --trace T (a trace to simulate) or --validate")
     return run_scaling(args)
 
 
 def run_scaling(args: argparse.Namespace) -> int:
-    from interlace.bench.dp import parse_names
-    from interlace.sim.engine import STRATEGIES, simulate_scaling, strategy_named
-    from interlace.sim.experiments import (
-        check_claims,
-        format_paper_comparison,
-        format_table,
-        parse_workers,
-        plot_scaling,
-        scaling_rows,
-    )
-    from interlace.sim.kfac import (
-        KFAC_STRATEGIES,
-        check_trace,
-        format_phase_table,
-        parse_kfac_costs,
-    )
-    from interlace.sim.network import parse_network
-    from interlace.sim.trace import load_trace
+    """The scaling run: the tables, and the JSON rows, plot and timelines asked for.
 
+    Args:
+        args: ``interlace simulate``'s parsed flags.
+    """
     workers = parse_workers(args.workers)
     if args.timelines is not None and args.timelines < 1:
         raise UsageError(f"--timelines: a worker count must be >= 1, got {args.timelines}")
-    strategies = (
-        parse_names(args.strategy, None, "strategy", "strategy")
-        if args.strategy
-        else tuple(STRATEGIES)
-    )
-    for name in strategies:
-        if name not in KFAC_STRATEGIES:
-            strategy_named(name)  # a clear error for an unknown name, before any work
+    strategies = parse_strategies(args.strategy)  # a clear error before any work
     kfac = any(name in KFAC_STRATEGIES for name in strategies)
     if args.kfac_costs and not kfac:
         raise UsageError("--kfac-costs prices K-FAC strategies; name one with --strategy")

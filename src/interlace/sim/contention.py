@@ -1,44 +1,18 @@
-"""How communication and compute slow each other on shared cores: probes and calibration.
+"""How communication and compute slow each other on shared cores, fitted from probes.
 
-On the emulated cluster ranks outnumber cores, and an all-reduce beside a computing thread is
-not what it is alone: each handshake waits for every peer's communication thread to be
-scheduled, compute loses cycles to gloo and the kernel's network stack, and the start-up of an
-all-reduce costs what the machine's state of the moment makes it cost (it moves by 2x between
-launches minutes apart). So the replay does not take these from a fit made once: it takes them
-from probes of the plain module made in the same rounds as the strategies it is compared with
-(:class:`ContentionProbe`), none of them a strategy:
-
-* **start-ups**: plain iterations whose backward issues one small all-reduce
-  (:data:`SMALL_BYTES`) from each parameter's gradient hook, as per-tensor all-reduces are
-  issued, run back to back in a block of their own in every round, as a strategy's block is
-  run: how long backward took, and when the last all-reduce ended;
-* **overlap**: the same stream with every second all-reduce :data:`MIXED_BYTES` long (a fixed
-  mix, not the model's own sizes), run back to back in the same block: when its last
-  all-reduce ended says how far a start-up went on while the previous all-reduce's bytes were
-  on the wire (:func:`fit_startup_overlap`);
-* **bytes**: backward with one all-reduce of all gradients issued as it starts: the same two
-  times, read from the benchmark's own overlapped iteration (the all-reduce alone is its plain
-  measurement too);
-* **synchronisation**: plain iterations with that all-reduce after backward, back to back in
-  the same block as the start-up probe, against their pieces each timed after a barrier.
-
-:func:`calibrate` turns them into a :class:`Calibration`: the start-up the replay prices every
-all-reduce with, a :class:`~interlace.sim.engine.Contention` (:func:`progress_rate` and
-:func:`compute_slowdown` say how) and a synchronisation cost per iteration;
-:func:`fit_startup_overlap` then finds the contention's start-up overlap by replaying the
-overlap probe on the model's trace.
+:class:`ContentionSamples` holds the probes' samples (taken on the ranks by
+:class:`interlace.bench.probes.ContentionProbe`); :func:`calibrate` and
+:func:`fit_startup_overlap` turn them into the replay's :class:`~interlace.sim.replay.Contention`.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from interlace.comm.cost import CostModel
-from interlace.sim.engine import Contention, simulate
+from interlace.sim.engine import simulate
+from interlace.sim.replay import Contention
 from interlace.sim.trace import Trace
 
 #: Bytes of each all-reduce in the start-up probe: a norm layer's parameter, all start-up.
@@ -54,7 +28,21 @@ MAX_SLOWDOWN = 100.0
 
 @dataclass
 class ContentionSamples:
-    """Per-round samples (seconds, maxima over ranks) of the three probes; see the module doc."""
+    """Per-round samples (seconds, maxima over ranks) of the probes of the plain module.
+
+    Args:
+        stream_count: All-reduces in the start-up stream (one per gradient tensor).
+        stream_backward_s: Backward of a plain iteration whose hooks issue a small all-reduce
+            per tensor (the start-up probe).
+        stream_done_s: From that backward's start to the end of its last all-reduce.
+        mixed_backward_s: Backward of the overlap probe (every second all-reduce
+            :data:`MIXED_BYTES` long).
+        mixed_done_s: From its start to the end of its last all-reduce.
+        flat_backward_s: Backward with one all-reduce of all gradients issued as it starts
+            (the bytes probe).
+        flat_done_s: From that backward's start to the all-reduce's end.
+        serial_s: Plain iterations with that all-reduce after backward, run back to back.
+    """
 
     stream_count: int = 0
     stream_backward_s: list[float] = field(default_factory=list)
@@ -91,6 +79,12 @@ def progress_rate(alone_s: float, backward_s: float, done_s: float, head_s: floa
     (e.g. start-ups priced separately) and are not counted. If the work ended within backward it
     ran at ``alone_s / done_s`` throughout; otherwise it ran at full speed after backward, so
     backward saw ``alone_s - (done_s - backward_s)`` of it. Clamped to [0, 1].
+
+    Args:
+        alone_s: The work's time on idle cores.
+        backward_s: The backward it ran beside.
+        done_s: When the work ended, from backward's start.
+        head_s: Seconds at the start spent on something else, not counted.
     """
     if alone_s <= 0.0:
         return 1.0
@@ -114,6 +108,13 @@ def compute_slowdown(
     start until ``overlap = min(done_s, backward_s)``, the first ``head_s`` of it at a known
     ``head_slowdown``: ``plain_s = head_s / head_slowdown + (overlap - head_s) / s +
     (backward_s - overlap)``, solved for ``s``. At least 1, at most :data:`MAX_SLOWDOWN`.
+
+    Args:
+        plain_s: Backward alone.
+        backward_s: Backward with communication in flight.
+        done_s: When the communication ended, from backward's start.
+        head_s: Seconds at the start slowed by ``head_slowdown`` instead.
+        head_slowdown: The known slowdown of the first ``head_s``.
     """
     overlap = min(done_s, backward_s)
     window = overlap - head_s
@@ -127,15 +128,19 @@ def compute_slowdown(
 
 @dataclass(frozen=True)
 class Calibration:
-    """What the probes say about this machine, for the replay."""
+    """What the probes say about this machine, for the replay.
+
+    Args:
+        contention: How compute and communication slow each other.
+        startup_s: Seconds per all-reduce start-up, as the start-up probe paced them.
+        sync_s: Seconds an iteration spends synchronising that its pieces timed apart do not
+            show: the plain iteration with its all-reduce, run back to back, less its forward,
+            backward, step and all-reduce each timed after a barrier (ranks drifting apart over
+            compute and waiting for the slowest, and waking from the wait). At least 0.
+    """
 
     contention: Contention
-    #: Seconds per all-reduce start-up, as the start-up probe paced them.
     startup_s: float
-    #: Seconds an iteration spends synchronising that its pieces timed apart do not show: the
-    #: plain iteration with its all-reduce, run back to back, less its forward, backward, step
-    #: and all-reduce each timed after a barrier (ranks drifting apart over compute and waiting
-    #: for the slowest, and waking from the wait). At least 0.
     sync_s: float
 
 
@@ -160,6 +165,13 @@ def calibrate(
     and then bytes: its end gives the transfer rate and its backward the compute slowdown while
     bytes are in flight. The contention's start-up overlap is left at 0: it needs the model's
     trace (:func:`fit_startup_overlap`).
+
+    Args:
+        samples: The probes' samples.
+        forward_s: The plain module's forward.
+        backward_s: Its backward.
+        step_s: Its optimizer step.
+        allreduce_s: One all-reduce of all gradients, alone.
     """
     if not (samples.stream_done_s and samples.flat_done_s and samples.stream_count > 0):
         return None
@@ -190,7 +202,11 @@ def calibrate(
 
 
 def mixed_sizes(count: int) -> list[int]:
-    """The overlap probe's all-reduce sizes in the order backward's hooks issue them."""
+    """The overlap probe's all-reduce sizes in the order backward's hooks issue them.
+
+    Args:
+        count: The probe's all-reduces (one per gradient tensor).
+    """
     return [MIXED_BYTES if index % 2 else SMALL_BYTES for index in range(count)]
 
 
@@ -198,7 +214,14 @@ def overlap_probe_end(
     trace: Trace, timing: CostModel, contention: Contention, overlap: float
 ) -> float:
     """When the overlap probe's last all-reduce ends, from backward's start, as the replay plays
-    it: ``trace``'s ready times carrying :func:`mixed_sizes`, one per tensor, on one channel."""
+    it: ``trace``'s ready times carrying :func:`mixed_sizes`, one per tensor, on one channel.
+
+    Args:
+        trace: The ready times and totals to play the probe on.
+        timing: Prices each all-reduce.
+        contention: The calibrated contention.
+        overlap: The start-up overlap to play with.
+    """
     sizes = mixed_sizes(len(trace.tensors))
     probe = replace(
         trace,
@@ -221,7 +244,7 @@ def fit_startup_overlap(
     *,
     tolerance: float = 1e-4,
 ) -> float | None:
-    """The start-up overlap (:attr:`~interlace.sim.engine.Contention.startup_overlap`) with
+    """The start-up overlap (:attr:`~interlace.sim.replay.Contention.startup_overlap`) with
     which the replay ends the overlap probe when it was measured to end; None without that
     probe.
 
@@ -233,10 +256,12 @@ def fit_startup_overlap(
     are scanned on a grid of :data:`OVERLAP_GRID` steps for the first that ends the probe no
     later than measured, and that step is bisected; if none does, the closest is taken.
 
-    Measured on the emulated cluster, the overlap is what moves between configurations: with 2
-    ranks on 2 cores a start-up has no free core while the bytes before it are sent and the
-    probe ends almost as late as start-ups and bytes in series; with 4 ranks the start-ups are
-    slow enough to hide every byte.
+    Args:
+        samples: The probes' samples (the overlap probe's end is used).
+        trace: The plain module's ready times and totals from the same rounds.
+        timing: The calibrated start-up pace and per-byte cost.
+        contention: The calibrated contention.
+        tolerance: The bisection's stopping width.
     """
     if not samples.mixed_done_s or len(trace.tensors) < 2:
         return None
@@ -260,127 +285,3 @@ def fit_startup_overlap(
                     high = middle
             return (low + high) / 2
     return grid[min(range(len(grid)), key=lambda step: abs(ends[step] - measured))]
-
-
-# ================================================================================ rank side
-
-
-def _iteration_with_startups(
-    model: Any, optimizer: Any, batch: tuple[Any, Any], issued: list[Any]
-) -> tuple[float, float]:
-    """One plain iteration whose backward's hooks append all-reduces to ``issued``: seconds of
-    backward, and from backward's start to the end of the last all-reduce."""
-    from torch.nn import functional
-
-    inputs, targets = batch
-    optimizer.zero_grad()
-    loss = functional.cross_entropy(model(inputs), targets)
-    issued.clear()
-    start = time.perf_counter()
-    loss.backward()
-    backward_end = time.perf_counter()
-    # Waited for after backward: the stream outlasts backward on every model measured (a
-    # completion callback per all-reduce would say when one ran dry earlier, but each takes the
-    # GIL on gloo's threads and slowed the stream by 5-15%).
-    for handle in issued:
-        handle.wait()
-    end = time.perf_counter()
-    issued.clear()
-    optimizer.step()
-    return backward_end - start, end - start
-
-
-class ContentionProbe:
-    """The rank side: takes :class:`ContentionSamples` beside the plain module's measurements.
-
-    While its block runs it hooks every parameter of ``model`` (the plain module the benchmark
-    times), so the benchmark's own timings of that module see no hooks.
-    """
-
-    def __init__(self, model: Any, optimizer: Any, flat: Any) -> None:
-        import torch
-
-        self.model = model
-        self.optimizer = optimizer
-        self.flat = flat
-        self._params = [p for p in model.parameters() if p.requires_grad]
-        count = len(self._params)
-        self._streams = {
-            "stream": [torch.zeros(SMALL_BYTES // 4) for _ in range(count)],
-            "mixed": [torch.zeros(nbytes // 4) for nbytes in mixed_sizes(count)],
-        }
-        self._issued: list[Any] = []
-        self._raw: dict[str, list[float]] = {
-            "stream_backward_s": [],
-            "stream_done_s": [],
-            "mixed_backward_s": [],
-            "mixed_done_s": [],
-            "flat_backward_s": [],
-            "flat_done_s": [],
-            "serial_s": [],
-        }
-
-    def block(self, iterations: int, next_batch: Callable[[], tuple[Any, Any]]) -> None:
-        """The start-up, overlap and synchronisation probes: ``iterations`` plain iterations of
-        each, back to back, timed as a strategy's block is (collective).
-
-        Timed one by one after barriers, the start-up streams were bimodal (0.6 to 1.9 ms per
-        all-reduce within one launch, 2 ranks) and their median moved by 2x between launches
-        while per-tensor WFBP's did not; and an iteration that follows another straight away
-        waits longer at its all-reduce for the slowest rank than one started after a barrier
-        (5 ms longer on 4 ranks at 1 Gbit/s, transformer). Run as strategies run, they pay
-        what the strategies pay.
-        """
-        import torch.distributed as dist
-
-        # The all-reduces of the stream being probed, in the order the hooks issue them.
-        stream: list[Any] = []
-
-        def hook(_param: Any) -> None:
-            handle = dist.all_reduce(stream[len(self._issued)], async_op=True)
-            if handle is not None:
-                self._issued.append(handle)
-
-        hooks = [param.register_post_accumulate_grad_hook(hook) for param in self._params]
-        try:
-            for name, tensors in self._streams.items():
-                stream[:] = tensors
-                dist.barrier()
-                for _ in range(iterations):
-                    backward, done = _iteration_with_startups(
-                        self.model, self.optimizer, next_batch(), self._issued
-                    )
-                    self._raw[f"{name}_backward_s"].append(backward)
-                    self._raw[f"{name}_done_s"].append(done)
-        finally:
-            for handle in hooks:
-                handle.remove()
-        dist.barrier()
-        for _ in range(iterations):
-            self._raw["serial_s"].append(self._serial(*next_batch()))
-
-    def add_bulk(self, backward_s: float, done_s: float) -> None:
-        """The bytes probe: the benchmark's own plain iteration with the all-reduce of all
-        gradients launched as backward starts (:func:`interlace.bench.dp._overlapped_sample`),
-        its backward and the all-reduce's end, both from backward's start."""
-        self._raw["flat_backward_s"].append(backward_s)
-        self._raw["flat_done_s"].append(done_s)
-
-    def _serial(self, inputs: Any, targets: Any) -> float:
-        """One plain iteration with the all-reduce of all gradients after backward."""
-        import torch.distributed as dist
-        from torch.nn import functional
-
-        start = time.perf_counter()
-        self.optimizer.zero_grad()
-        functional.cross_entropy(self.model(inputs), targets).backward()
-        dist.all_reduce(self.flat)
-        self.optimizer.step()
-        return time.perf_counter() - start
-
-    def finish(self) -> ContentionSamples:
-        """The samples, each a maximum over ranks (collective: every rank calls it)."""
-        from interlace.bench.dp import _max_over_ranks
-
-        maxima = {name: _max_over_ranks(values) for name, values in self._raw.items()}
-        return ContentionSamples(stream_count=len(self._params), **maxima)

@@ -1,12 +1,7 @@
-"""Scaling experiments on a trace: the table, the JSON rows and the scaling-efficiency plot.
+"""Scaling experiments on a trace: every strategy at every worker count, the table, the JSON
+rows and the scaling-efficiency plot; K-FAC strategies add a table of their phases.
 
-A row is one strategy at one worker count: its simulated iteration time, its speed-up over WFBP
-and over SyncEASGD at the same count, its scaling efficiency and its number of buckets. Scaling
-efficiency is weak scaling with a fixed per-worker batch: the iteration time of one worker,
-which communicates nothing (forward + backward + step of the trace; for a K-FAC strategy also
-its factors, every decomposition and the preconditioning), over the iteration time on N
-workers; 1.0 means N workers deliver N times one worker's throughput. Distributed K-FAC shares
-the decompositions out, so its efficiency can exceed 1.
+Scaling efficiency is one worker's iteration over the iteration on N workers (docs/notes/sim.md).
 """
 
 from __future__ import annotations
@@ -18,7 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from interlace.errors import UsageError
-from interlace.sim.engine import SimResult
+from interlace.sim.engine import STRATEGIES, SimResult, simulate, strategy_named
+from interlace.sim.kfac import KFAC_STRATEGIES, PHASES, check_trace, simulate_kfac
+from interlace.sim.kfac_costs import KfacCosts
+from interlace.sim.network import Network
 from interlace.sim.trace import Trace
 
 DEFAULT_WORKERS: tuple[int, ...] = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -28,9 +26,126 @@ DEFAULT_STRATEGIES: tuple[str, ...] = ("single", "wfbp", "fixed", "horovod", "mg
 PAPER_64 = {"workers": 64, "vs_wfbp": 1.78, "vs_single": 1.35}
 
 
+def check_strategy(name: str) -> None:
+    """Refuse a name that is neither a data-parallel strategy nor a K-FAC one.
+
+    Args:
+        name: A key of :data:`~interlace.sim.kfac.KFAC_STRATEGIES`, or a name
+            :func:`~interlace.sim.engine.strategy_named` knows.
+
+    Raises:
+        UsageError: Naming every choice, K-FAC strategies included.
+    """
+    if name in KFAC_STRATEGIES:
+        return
+    base, _, suffix = name.partition("/k=")
+    if name not in STRATEGIES and not (
+        base in STRATEGIES and suffix.isdigit() and int(suffix) >= 1
+    ):
+        raise UsageError(
+            f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}, or any of them "
+            "with /k=K for K channels (e.g. mgwfbp/k=3), or a K-FAC strategy "
+            f"({', '.join(KFAC_STRATEGIES)})"
+        )
+    strategy_named(name)
+
+
+def parse_strategies(text: str | None) -> tuple[str, ...]:
+    """``--strategy``: comma-separated names, duplicates dropped, each checked.
+
+    Args:
+        text: The flag's value; None or empty gives every data-parallel strategy.
+
+    Raises:
+        UsageError: For an empty list or an unknown name (:func:`check_strategy`).
+    """
+    if not text:
+        return tuple(STRATEGIES)
+    names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    if not names:
+        raise UsageError("--strategy: name at least one")
+    for name in names:
+        check_strategy(name)
+    return names
+
+
+def simulate_scaling(
+    trace: Trace,
+    network: Network,
+    workers: Sequence[int],
+    strategies: Sequence[str],
+    *,
+    per_layer: bool = False,
+    kfac_costs: KfacCosts | None = None,
+) -> list[SimResult]:
+    """Every strategy at every worker count, the network priced at each count.
+
+    Args:
+        trace: The model's iteration.
+        network: Prices an all-reduce at each worker count.
+        workers: The worker counts.
+        strategies: Data-parallel strategies (:func:`~interlace.sim.engine.simulate`) and K-FAC
+            ones (:func:`~interlace.sim.kfac.simulate_kfac`, which need the trace's factor
+            sizes).
+        per_layer: Send a layer's tensors as one message.
+        kfac_costs: What K-FAC strategies take beyond the trace (default
+            :class:`~interlace.sim.kfac_costs.KfacCosts`).
+
+    Raises:
+        UsageError: For an unknown strategy, or K-FAC on a trace without factor sizes.
+    """
+    chosen = {name: strategy_named(name) for name in strategies if name not in KFAC_STRATEGIES}
+    if len(chosen) < len(strategies):
+        check_trace(trace)
+    results: list[SimResult] = []
+    for count in workers:
+        cost = network.cost(count)
+        for name in strategies:
+            if name in KFAC_STRATEGIES:
+                results.append(
+                    simulate_kfac(
+                        trace,
+                        name,
+                        cost,
+                        count,
+                        costs=kfac_costs,
+                        per_layer=per_layer,
+                        network=network.spec,
+                    )
+                )
+                continue
+            results.append(
+                simulate(
+                    trace,
+                    chosen[name],
+                    cost,
+                    workers=count,
+                    per_layer=per_layer,
+                    network=network.spec,
+                )
+            )
+    return results
+
+
 @dataclass(frozen=True)
 class ScalingRow:
-    """One strategy at one worker count (times in seconds)."""
+    """One strategy at one worker count (times in seconds).
+
+    Args:
+        model: The trace's model.
+        network: The network's description.
+        workers: The worker count.
+        strategy: The strategy's name.
+        iteration_s: The simulated iteration.
+        buckets: All-reduces per iteration.
+        speedup_vs_wfbp: WFBP's iteration over this one at the same count (None without WFBP).
+        speedup_vs_single: SyncEASGD's iteration over this one (None without it).
+        scaling_efficiency: One worker's iteration over this one.
+        cost_a: The all-reduce start-up at this count, seconds.
+        cost_b: The all-reduce seconds per byte at this count.
+        extra: Strategy-specific numbers, flattened into the JSON row: a K-FAC strategy's
+            phases (``<phase>_s``), bucket counts and one worker's iteration.
+    """
 
     model: str
     network: str
@@ -43,11 +158,10 @@ class ScalingRow:
     scaling_efficiency: float
     cost_a: float
     cost_b: float
-    #: Strategy-specific numbers, flattened into the JSON row: a K-FAC strategy's phases
-    #: (``<phase>_s``), bucket counts and one worker's iteration (see :mod:`interlace.sim.kfac`).
     extra: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
+        """The row as a flat JSON object."""
         data = asdict(self)
         data.update(data.pop("extra"))
         return data
@@ -58,6 +172,10 @@ def scaling_rows(trace: Trace, results: Sequence[SimResult]) -> list[ScalingRow]
 
     A result that knows its own one-worker iteration (``extra["single_worker_s"]``, a K-FAC
     strategy's) is scaled against that; the others against the trace's compute.
+
+    Args:
+        trace: The trace the results simulated.
+        results: :func:`simulate_scaling`'s results.
     """
     compute = trace.forward_s + trace.backward_s + trace.step_s
     by_key = {(r.workers, r.strategy): r for r in results}
@@ -92,7 +210,11 @@ def _x(value: float | None) -> str:
 
 
 def format_table(rows: Sequence[ScalingRow]) -> str:
-    """The markdown table: one line per worker count and strategy."""
+    """The markdown table: one line per worker count and strategy.
+
+    Args:
+        rows: The rows to show, in order.
+    """
     lines = [
         "| workers | a ms | strategy | iteration ms | vs WFBP | vs SyncEASGD | scaling eff. "
         "| buckets |",
@@ -108,7 +230,11 @@ def format_table(rows: Sequence[ScalingRow]) -> str:
 
 
 def format_paper_comparison(rows: Sequence[ScalingRow]) -> str | None:
-    """MG-WFBP's speed-ups at 64 workers beside the paper's, or None without such rows."""
+    """MG-WFBP's speed-ups at 64 workers beside the paper's, or None without such rows.
+
+    Args:
+        rows: Scaling rows.
+    """
     row = next(
         (r for r in rows if r.workers == PAPER_64["workers"] and r.strategy == "mgwfbp"), None
     )
@@ -126,6 +252,9 @@ def check_claims(rows: Sequence[ScalingRow]) -> list[str]:
 
     MG-WFBP is never slower than WFBP or SyncEASGD; its bucket count never grows with workers
     and is 1 at the largest count.
+
+    Args:
+        rows: Scaling rows; an empty list without MG-WFBP rows.
     """
     mg = sorted((r for r in rows if r.strategy == "mgwfbp"), key=lambda r: r.workers)
     if not mg:
@@ -158,11 +287,20 @@ def check_claims(rows: Sequence[ScalingRow]) -> list[str]:
 
 
 def plot_scaling(rows: Sequence[ScalingRow], path: str | Path, title: str = "") -> Path:
-    """Scaling efficiency against workers (log scale), one line per strategy."""
-    import matplotlib
+    """Scaling efficiency against workers (log scale), one line per strategy.
+
+    Args:
+        rows: The rows to draw.
+        path: Where the PNG goes (folders are made).
+        title: The plot's title (default: the model and network).
+
+    Raises:
+        UsageError: Without rows.
+    """
+    import matplotlib  # noqa: PLC0415 - heavy import, only when a plot is asked for
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - after choosing the Agg backend
 
     if not rows:
         raise UsageError("no rows to plot")
@@ -198,7 +336,14 @@ def plot_scaling(rows: Sequence[ScalingRow], path: str | Path, title: str = "") 
 
 
 def parse_workers(text: str) -> tuple[int, ...]:
-    """``"4,8,16"`` -> ``(4, 8, 16)``; ``"4..2048"`` is every power of two from 4 to 2048."""
+    """``"4,8,16"`` -> ``(4, 8, 16)``; ``"4..2048"`` is every power of two from 4 to 2048.
+
+    Args:
+        text: The ``--workers`` value.
+
+    Raises:
+        UsageError: For anything but positive integers or ``LOW..HIGH``.
+    """
     text = text.strip()
     if ".." in text:
         low_text, _, high_text = text.partition("..")
@@ -229,3 +374,46 @@ def parse_workers(text: str) -> tuple[int, ...]:
             raise UsageError(f"--workers: worker counts must be >= 1, got {count}")
         counts.append(count)
     return tuple(dict.fromkeys(counts))
+
+
+#: Column headings of :data:`PHASES` in :func:`format_phase_table`.
+_HEADINGS = {
+    "buffer_comm": "buffers",
+    "forward_backward": "fwd+bwd",
+    "factor_compute": "factor",
+    "gradient_comm": "grad comm",
+    "factor_comm": "factor comm",
+    "decomposition": "decomp",
+    "decomposition_comm": "decomp comm",
+    "precondition": "precond",
+    "step": "step",
+}
+
+
+def format_phase_table(rows: Sequence[ScalingRow]) -> str | None:
+    """The K-FAC rows' phases in milliseconds, with each row's speed-up over ``dkfac`` at the
+    same worker count; None without K-FAC rows.
+
+    Args:
+        rows: Scaling rows; only the K-FAC strategies' are shown.
+    """
+    mine = [row for row in rows if row.strategy in KFAC_STRATEGIES]
+    if not mine:
+        return None
+    baseline = {row.workers: row.iteration_s for row in mine if row.strategy == "dkfac"}
+    lines = [
+        "| workers | strategy | iteration ms | vs dkfac | "
+        + " | ".join(_HEADINGS[phase] for phase in PHASES)
+        + " | grad/factor buckets | broadcasts | local |",
+        "|---:|---|---:|---:|" + "---:|" * len(PHASES) + "---:|---:|---:|",
+    ]
+    for row in mine:
+        base = baseline.get(row.workers)
+        versus = "-" if base is None else f"{base / row.iteration_s:.2f}x"
+        cells = " | ".join(f"{row.extra[f'{phase}_s'] * 1e3:.1f}" for phase in PHASES)
+        lines.append(
+            f"| {row.workers} | {row.strategy} | {row.iteration_s * 1e3:.1f} | {versus} | "
+            f"{cells} | {int(row.extra['gradient_buckets'])}/{int(row.extra['factor_buckets'])} "
+            f"| {int(row.extra['broadcasts'])} | {int(row.extra['local_factors'])} |"
+        )
+    return "\n".join(lines)

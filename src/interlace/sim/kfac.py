@@ -1,141 +1,63 @@
 """K-FAC strategies in the simulator: one D-KFAC or SPD-KFAC iteration from a trace.
 
-A K-FAC iteration (PAPERS.md sections 3 and 4) is the data-parallel iteration plus five K-FAC
-stages: computing each layer's Kronecker factors ``A`` (from its input) and ``G`` (from its
-output gradient), all-reducing them, decomposing them on the ranks the placement chose,
-broadcasting the decompositions, and preconditioning every gradient. The strategies:
-
-* ``dkfac`` (D-KFAC, SC20 / KAISA COMM-OPT): forward and backward with the gradient all-reduces
-  planned by MG-WFBP (:data:`~interlace.sim.engine.STRATEGIES` ``"mgwfbp"``) and overlapped with
-  backward; once backward has returned with averaged gradients (as with DDP, or Horovod's
-  ``synchronize()`` before kfac-pytorch's ``step()``) every factor is computed, then all factors
-  go in ONE all-reduce of their packed upper triangles
-  (:func:`~interlace.kfac.packing.packed_size`); each layer's two decompositions are made on the
-  rank :func:`~interlace.kfac.placement.greedy_placement` gives it (``n^3`` costs, as the
-  runtime), which broadcasts both in one message; then preconditioning.
-* ``spd`` (SPD-KFAC): ``A`` is computed right after its layer's forward and ``G`` right before
-  its layer's backward (when the gradient of the layer's output is complete, as the runtime's
-  tensor hook does), each all-reduce launched as soon as its factor is ready, in buckets that
-  :func:`~interlace.kfac.fusion.make_groups` ``("merged", ...)`` forms from the factors' ready
-  times, exactly as ``KFAC(factor_comm="pipelined", fusion="merged")``; decompositions placed
-  factor by factor by :func:`~interlace.kfac.placement.lbp_placement`, which may decompose a
-  factor on every rank when that is cheaper than broadcasting it.
-* ``dkfac-pipelined`` and ``dkfac-lbp``: SPD-KFAC's ablation, each with one of its two changes.
-
-What the simulator takes from where:
-
-* **Compute** of forward, backward and the optimizer step: the trace. Layers run one after
-  another on one compute stream, forward in the reverse of the trace's backward order; forward
-  time not attributed to a layer (activations, pooling) is spread over the layers in proportion
-  to their own forward times.
-* **Factor computation** is not in the trace; it is priced relative to the layer's own measured
-  time: computing ``A`` (a_dim x a_dim, from the ``rows x a_dim`` unfolded input) costs
-  ``a_dim / g_dim`` times the layer's forward (``rows x a_dim`` by ``a_dim x g_dim``), and ``G``
-  costs ``g_dim / (2 a_dim)`` times its backward (two such products), both times
-  :attr:`KfacCosts.factor_scale` (default 1: as efficient as the layer's own products).
-* **Decomposition** of an ``n x n`` factor: a :class:`~interlace.kfac.costs.DecompositionCostModel`
-  ``c0 + c2 n^2 + c3 n^3``; the default (:data:`DEFAULT_DECOMPOSITION`) is a round-number model
-  of a GPU-class device's symmetric eigensolver (cuSOLVER ``syevd``, float32, V100 / A100 class:
-  about 0.5 ms at small sizes, 11 ms at 1024, 64 ms at 2048), for orders of magnitude only. Pass
-  one fitted on the device the trace comes from (:meth:`KfacCosts.measure` fits one here).
-* **Preconditioning** of a ``g x a`` weight (bias column included): ``4 g a (g + a)`` flops for
-  ``eigen`` (``Qg^T V Qa`` and back: four products), ``2 g a (g + a)`` for ``inverse``, at
-  :attr:`KfacCosts.gemm_flops` (default 10 TFLOP/s), plus a per-layer overhead (kernel launches);
-  every rank preconditions every layer (COMM-OPT). The optimizer step follows.
-* **Communication**: every all-reduce and broadcast is priced by the
-  :class:`~interlace.comm.cost.CostModel` of the network at the simulated worker count; compute
-  and communication do not slow each other (a GPU: no
-  :class:`~interlace.sim.engine.Contention`). Factors travel as float32 packed upper triangles;
-  decompositions as :func:`~interlace.kfac.costs.decomposition_numel` float32 numbers, a
-  broadcast priced by the all-reduce model (the convention of :mod:`interlace.kfac.costs`:
-  a broadcast moves no more data than an all-reduce; pass ``broadcast_cost`` to price it apart).
-
-The timeline, stage by stage:
-
-1. Buffer broadcasts, then forward and backward on the compute stream (with ``A`` and ``G``
-   inside the passes when pipelined; when not, every factor once the gradients are averaged).
-2. Gradient and factor all-reduces share the network as **one serial communication resource**:
-   each bucket starts once its last tensor is ready and the link is free, first ready first
-   (gradients before factors on a tie). Gradient buckets are planned by the data-parallel
-   planner and factor buckets by the factor planner, each unaware of the other, as the runtime
-   plans them; the combined queue is priced by :func:`~interlace.comm.plan.schedule` and
-   replayed by :func:`~interlace.sim.engine.replay`, the same engine the data-parallel strategies
-   run on.
-3. The decomposition stage starts once compute has ended and the link has drained; it lasts
-   :func:`~interlace.kfac.placement.predicted_makespan` of the placement: owners decompose their
-   factors in :func:`~interlace.kfac.placement.schedule_order` and each sends every result as
-   soon as it is ready, sends of *different* owners overlapping (one send channel per rank, the
-   placement model's assumption; the runtime's LBP, whose broadcasts share one process group,
-   does not realise that overlap yet), local factors decomposed on every rank.
-4. Preconditioning, then the optimizer step.
-
-The phase breakdown (:data:`PHASES`) adds up to the iteration: ``buffer_comm`` (the buffer
-broadcasts a data-parallel wrapper makes before forward, from the trace's ``broadcast_bytes``),
-``forward_backward`` (as the trace has them), ``factor_compute``, exposed
-communication split by what the compute stream waits for into ``gradient_comm`` (D-KFAC's wait
-for the averaged gradients, and gradient buckets still on the link once compute has ended) and
-``factor_comm``, ``decomposition`` (the busiest rank's decompositions, local ones included),
-``decomposition_comm`` (the rest of the decomposition stage: broadcasts not hidden behind
-decompositions), ``precondition`` and ``step``.
-
-SPD-KFAC is usually, not always, faster than D-KFAC under this model:
-
-* With free start-ups (``a = 0``) pipelining never slows an iteration down: every message is
-  ready in SPD-KFAC no later than its D-KFAC counterpart plus the factor computation that D-KFAC
-  does after backward, the link carries the same bytes, and on a work-conserving serial link the
-  drain time is the latest ``ready + bytes still to come``. With start-ups, pipelining sends more
-  buckets, and their start-ups can cost more than the overlap gains (``tests/test_sim_kfac.py``
-  has a two-layer case).
-* LBP is never slower than placing single factors greedily (it tries that placement), but it
-  can be slower than D-KFAC's greedy placement of whole layers, which balances differently and
-  sends a layer's two decompositions in one message, paying one start-up instead of two.
+Gradient and factor all-reduces share one link, replayed by :func:`interlace.sim.replay.replay`;
+decompositions are placed and priced by :mod:`interlace.kfac.placement`. What each cost is
+taken from is in docs/notes/sim.md.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 from interlace.comm.cost import CostModel
 from interlace.comm.plan import ReadyTensor, schedule
 from interlace.errors import UsageError
-from interlace.sim.engine import STRATEGIES, SimResult, replay
+from interlace.kfac.costs import decomposition_numel
+from interlace.kfac.fusion import make_groups
+from interlace.kfac.packing import packed_size
+from interlace.kfac.placement import (
+    FactorItem,
+    decomposition_cost,
+    greedy_placement,
+    lbp_placement,
+    predicted_makespan,
+    schedule_order,
+)
+from interlace.sim.engine import STRATEGIES, SimResult
+from interlace.sim.kfac_costs import KfacCosts
+from interlace.sim.replay import replay
+from interlace.sim.trace import Trace
 from interlace.timeline import Event, Timeline
 
-if TYPE_CHECKING:
-    from interlace.kfac.costs import DecompositionCostModel
-    from interlace.sim.experiments import ScalingRow
-    from interlace.sim.trace import Trace
-
 __all__ = [
-    "DEFAULT_DECOMPOSITION",
     "KFAC_STRATEGIES",
     "PHASES",
-    "KfacCosts",
     "KfacResult",
     "KfacStrategy",
     "check_trace",
-    "format_phase_table",
     "kfac_strategy_named",
-    "parse_kfac_costs",
     "simulate_kfac",
 ]
 
 
 @dataclass(frozen=True)
 class KfacStrategy:
-    """A K-FAC strategy: how factors are all-reduced and how decompositions are placed."""
+    """A K-FAC strategy: how factors are all-reduced and how decompositions are placed.
+
+    Args:
+        name: The name ``--strategy`` and the JSON rows use.
+        pipelined: Factors computed in the passes and all-reduced in merged buckets as they
+            become ready (SPD-KFAC); otherwise computed after backward and all-reduced in one
+            message.
+        placement: ``"greedy"``: a layer's two decompositions on one rank by n^3 (D-KFAC);
+            ``"lbp"``: SPD-KFAC's load-balancing placement of single factors.
+        description: One line for people.
+    """
 
     name: str
-    #: Factors computed in the passes and all-reduced in merged buckets as they become ready
-    #: (SPD-KFAC); otherwise computed after backward and all-reduced in one message.
     pipelined: bool
-    #: ``"greedy"``: a layer's two decompositions on one rank by n^3 (D-KFAC); ``"lbp"``:
-    #: SPD-KFAC's load-balancing placement of single factors.
     placement: str
     description: str
 
@@ -178,176 +100,16 @@ PHASES: tuple[str, ...] = (
     "step",
 )
 
-#: ``(c3, c2, c0)`` of the default decomposition model, seconds for an ``n x n`` factor: a
-#: round-number model of a GPU-class eigensolver (see the module docstring).
-DEFAULT_DECOMPOSITION: tuple[float, float, float] = (5e-12, 5e-9, 5e-4)
-#: Default rate of the preconditioning products, flop/s (GPU-class, float32).
-DEFAULT_GEMM_FLOPS = 10e12
-#: Default fixed cost of preconditioning one layer, seconds (its kernel launches).
-DEFAULT_PRECONDITION_OVERHEAD_S = 20e-6
-
-_METHODS = ("eigen", "inverse")
-
-
-@dataclass(frozen=True)
-class KfacCosts:
-    """The costs a trace does not hold, as explicit models (see the module docstring)."""
-
-    #: Factor computation relative to the layer's own products (1: equally efficient).
-    factor_scale: float = 1.0
-    #: Seconds to decompose an ``n x n`` factor; None: :data:`DEFAULT_DECOMPOSITION`.
-    decomposition: DecompositionCostModel | None = None
-    #: Flop/s of the preconditioning products.
-    gemm_flops: float = DEFAULT_GEMM_FLOPS
-    #: Seconds per preconditioned layer on top of its products.
-    precondition_overhead_s: float = DEFAULT_PRECONDITION_OVERHEAD_S
-    #: ``"eigen"`` (eigenvectors and eigenvalues sent, four products to precondition) or
-    #: ``"inverse"`` (the inverse sent, two products).
-    compute_method: str = "eigen"
-    #: Bytes per number of factors and decompositions on the wire (float32).
-    element_bytes: int = 4
-    #: Where the numbers come from, for the printed description.
-    source: str = "defaults for a GPU-class device"
-
-    def __post_init__(self) -> None:
-        for name, value in (
-            ("factor_scale", self.factor_scale),
-            ("precondition_overhead_s", self.precondition_overhead_s),
-        ):
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be finite and >= 0, got {value}")
-        if not (math.isfinite(self.gemm_flops) and self.gemm_flops > 0):
-            raise ValueError(f"gemm_flops must be finite and > 0, got {self.gemm_flops}")
-        if self.compute_method not in _METHODS:
-            raise ValueError(f"compute_method must be one of {_METHODS}, got {self.compute_method}")
-        if self.element_bytes < 1:
-            raise ValueError(f"element_bytes must be >= 1, got {self.element_bytes}")
-
-    def decomposition_model(self) -> DecompositionCostModel:
-        from interlace.kfac.costs import DecompositionCostModel
-
-        if self.decomposition is not None:
-            return self.decomposition
-        c3, c2, c0 = DEFAULT_DECOMPOSITION
-        return DecompositionCostModel(c3=c3, c2=c2, c0=c0)
-
-    def a_compute_s(self, a_dim: int, g_dim: int, layer_forward_s: float) -> float:
-        """Seconds to compute ``A``: ``a_dim / g_dim`` of the layer's forward, scaled."""
-        return self.factor_scale * layer_forward_s * a_dim / max(g_dim, 1)
-
-    def g_compute_s(self, a_dim: int, g_dim: int, layer_backward_s: float) -> float:
-        """Seconds to compute ``G``: ``g_dim / (2 a_dim)`` of the layer's backward, scaled."""
-        return self.factor_scale * layer_backward_s * g_dim / (2 * max(a_dim, 1))
-
-    def precondition_s(self, a_dim: int, g_dim: int) -> float:
-        """Seconds to precondition a ``g_dim x a_dim`` weight's gradient."""
-        products = 4 if self.compute_method == "eigen" else 2
-        flops = products * a_dim * g_dim * (a_dim + g_dim)
-        return self.precondition_overhead_s + flops / self.gemm_flops
-
-    def describe(self) -> str:
-        model = self.decomposition_model()
-        return (
-            f"K-FAC costs ({self.source}): factors {self.factor_scale:g} x the layer's own "
-            f"products; {self.compute_method} decomposition {model.c0 * 1e3:.3g} ms + "
-            f"{model.c2:.3g} n^2 + {model.c3:.3g} n^3 s; preconditioning at "
-            f"{self.gemm_flops / 1e12:.3g} TFLOP/s + {self.precondition_overhead_s * 1e6:.3g} us "
-            "per layer; broadcasts priced by the all-reduce model"
-        )
-
-    @classmethod
-    def measure(cls, device: str = "cpu", compute_method: str = "eigen") -> KfacCosts:
-        """Costs fitted on ``device`` here: the decomposition model
-        (:meth:`DecompositionCostModel.measure`), the rate of a 512 x 512 float32 product and
-        the time of four 8 x 8 ones (the per-layer overhead). For a trace profiled here."""
-        import torch
-
-        from interlace.kfac.costs import DecompositionCostModel
-
-        decomposition = DecompositionCostModel.measure(compute_method, device)
-
-        def timed(size: int, repeats: int) -> float:
-            left = torch.randn(size, size, device=device)
-            right = torch.randn(size, size, device=device)
-            samples = []
-            for _ in range(repeats + 1):
-                if left.device.type == "cuda":
-                    torch.cuda.synchronize(left.device)
-                started = time.perf_counter()
-                for _ in range(4):
-                    torch.mm(left, right)
-                if left.device.type == "cuda":
-                    torch.cuda.synchronize(left.device)
-                samples.append(time.perf_counter() - started)
-            return statistics.median(samples[1:])
-
-        big = 512
-        return cls(
-            decomposition=decomposition,
-            gemm_flops=4 * 2 * big**3 / timed(big, 3),
-            precondition_overhead_s=timed(8, 5),
-            compute_method=compute_method,
-            source=f"measured on this machine's {device}",
-        )
-
-
-_COST_KEYS = ("factor_scale", "c3", "c2", "c0", "gemm_flops", "precondition_overhead")
-KFAC_COSTS_HELP = (
-    "gpu (default: a GPU-class device), measure (fit on this machine's CPU), and/or "
-    "KEY=VALUE overrides, comma-separated; keys: " + ", ".join(_COST_KEYS) + " (seconds, flop/s)"
-)
-
-
-def parse_kfac_costs(text: str | None) -> KfacCosts:
-    """``--kfac-costs``: ``gpu`` or ``measure``, then ``KEY=VALUE`` overrides (see
-    :data:`KFAC_COSTS_HELP`), e.g. ``measure,factor_scale=2`` or ``c3=1e-11,c0=1e-3``."""
-    from interlace.kfac.costs import DecompositionCostModel
-
-    preset = "gpu"
-    values: dict[str, float] = {}
-    for token in (text or "").split(","):
-        part = token.strip()
-        if not part:
-            continue
-        key, sep, value = part.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep:
-            if key not in ("gpu", "measure"):
-                raise UsageError(f"--kfac-costs: unknown preset {key!r}; {KFAC_COSTS_HELP}")
-            preset = key
-            continue
-        if key not in _COST_KEYS:
-            raise UsageError(f"--kfac-costs: unknown key {key!r}; {KFAC_COSTS_HELP}")
-        try:
-            number = float(value)
-        except ValueError:
-            raise UsageError(f"--kfac-costs: {key}={value!r} is not a number") from None
-        if not (math.isfinite(number) and number >= 0):
-            raise UsageError(f"--kfac-costs: {key} must be finite and >= 0, got {number}")
-        values[key] = number
-    costs = KfacCosts.measure() if preset == "measure" else KfacCosts()
-    model = costs.decomposition_model()
-    decomposition = DecompositionCostModel(
-        c3=values.get("c3", model.c3), c2=values.get("c2", model.c2), c0=values.get("c0", model.c0)
-    )
-    try:
-        return replace(
-            costs,
-            factor_scale=values.get("factor_scale", costs.factor_scale),
-            decomposition=decomposition,
-            gemm_flops=values.get("gemm_flops", costs.gemm_flops),
-            precondition_overhead_s=values.get(
-                "precondition_overhead", costs.precondition_overhead_s
-            ),
-            source=costs.source
-            + (", with " + ", ".join(f"{k}={v:g}" for k, v in values.items()) if values else ""),
-        )
-    except ValueError as error:
-        raise UsageError(f"--kfac-costs: {error}") from None
-
 
 def kfac_strategy_named(name: str) -> KfacStrategy:
-    """The :data:`KFAC_STRATEGIES` entry ``name``; a clear error naming the choices otherwise."""
+    """The :data:`KFAC_STRATEGIES` entry ``name``; a clear error naming the choices otherwise.
+
+    Args:
+        name: A key of :data:`KFAC_STRATEGIES`.
+
+    Raises:
+        UsageError: For an unknown name.
+    """
     if name in KFAC_STRATEGIES:
         return KFAC_STRATEGIES[name]
     raise UsageError(f"unknown K-FAC strategy {name!r}; choose from {', '.join(KFAC_STRATEGIES)}")
@@ -368,7 +130,15 @@ class _Layer:
 
 
 def check_trace(trace: Trace, source: str = "") -> None:
-    """Refuse a trace without K-FAC factor sizes, or whose factors name layers it lacks."""
+    """Refuse a trace without K-FAC factor sizes, or whose factors name layers it lacks.
+
+    Args:
+        trace: The trace to check.
+        source: Where the trace came from, for the message (default: its model's name).
+
+    Raises:
+        UsageError: Naming what is missing and how to make a trace that has it.
+    """
     where = source or f"the trace of {trace.model}"
     if not trace.factors:
         raise UsageError(
@@ -404,8 +174,6 @@ def _layers(trace: Trace) -> list[_Layer]:
 
 
 def _packed_bytes(dim: int, element_bytes: int) -> int:
-    from interlace.kfac.packing import packed_size
-
     return packed_size(dim) * element_bytes
 
 
@@ -419,13 +187,17 @@ class KfacResult(SimResult):
     ``plan`` and ``replay`` are the shared link's (gradient and factor buckets together, times
     from the start of forward); ``extra`` holds the phases (``<phase>_s``, :data:`PHASES`), the
     bucket counts, the decompositions broadcast and kept local, and ``single_worker_s``.
+
+    Args:
+        total_s: The iteration.
+        kinds: What each bucket of ``plan`` carries: ``"gradient"`` or ``"factor"``.
+        owners: Each placed item's owner (None: decomposed on every rank): a layer for greedy,
+            a factor (each layer's ``A`` then ``G``) for LBP.
+        events: The timeline's events.
     """
 
     total_s: float = 0.0
-    #: What each bucket of ``plan`` carries: ``"gradient"`` or ``"factor"``.
     kinds: tuple[str, ...] = ()
-    #: Each placed item's owner (None: decomposed on every rank): a layer for greedy, a factor
-    #: (each layer's ``A`` then ``G``) for LBP.
     owners: tuple[int | None, ...] = ()
     events: tuple[Event, ...] = field(default=(), compare=False)
 
@@ -441,7 +213,11 @@ class KfacResult(SimResult):
     def timeline(self, process: str = "simulated") -> Timeline:
         """The iteration on the compute lane (forward, backward, factors, the last rank's
         decompositions, preconditioning, the step), the shared link's all-reduces and that
-        rank's broadcasts; same renderer as every other strategy."""
+        rank's broadcasts; same renderer as every other strategy.
+
+        Args:
+            process: The process name the events are drawn under.
+        """
         title = f"{self.model or 'trace'}, {self.strategy}, {self.workers} workers, simulated" + (
             f" ({self.network})" if self.network else ""
         )
@@ -482,12 +258,23 @@ def simulate_kfac(
 ) -> KfacResult:
     """One K-FAC iteration of ``trace`` on ``workers`` ranks whose all-reduces cost ``cost``.
 
-    ``costs`` prices what the trace lacks (default :class:`KfacCosts`); ``broadcast_cost``
-    prices a decomposition's broadcast (default ``cost``); ``per_layer`` sends a layer's
-    gradients as one message. See the module docstring for the model.
-    """
-    from interlace.kfac.fusion import make_groups
+    The model (what each stage costs and how the stages follow each other) is described in
+    docs/notes/sim.md.
 
+    Args:
+        trace: The model's iteration, with K-FAC factor sizes.
+        strategy: A :class:`KfacStrategy` or a key of :data:`KFAC_STRATEGIES`.
+        cost: Prices every all-reduce.
+        workers: The ranks the decompositions are placed on (>= 1).
+        costs: Prices what the trace lacks (default :class:`~interlace.sim.kfac_costs.KfacCosts`).
+        per_layer: Send a layer's gradients as one message.
+        network: The network's description, recorded in the result.
+        broadcast_cost: Prices a decomposition's broadcast (default ``cost``).
+
+    Raises:
+        ValueError: If ``workers`` is below 1.
+        UsageError: For an unknown strategy or a trace without factor sizes.
+    """
     chosen = strategy if isinstance(strategy, KfacStrategy) else kfac_strategy_named(strategy)
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
@@ -719,16 +506,6 @@ def _decomposition_stage(
     to the placement model as an item whose ``dim`` is the layer's index and priced by lookup.
     LBP places single factors, each layer's ``A`` then ``G`` (the runtime's order).
     """
-    from interlace.kfac.costs import decomposition_numel
-    from interlace.kfac.placement import (
-        FactorItem,
-        decomposition_cost,
-        greedy_placement,
-        lbp_placement,
-        predicted_makespan,
-        schedule_order,
-    )
-
     model = costs.decomposition_model()
     method, size = costs.compute_method, costs.element_bytes
     names: list[str]
@@ -822,45 +599,3 @@ def _decomposition_stage(
         local_factors=sum(owner is None for owner in owners) if strategy.placement == "lbp" else 0,
         events=events,
     )
-
-
-# ---------------------------------------------------------------------- the table
-
-
-#: Column headings of :data:`PHASES` in :func:`format_phase_table`.
-_HEADINGS = {
-    "buffer_comm": "buffers",
-    "forward_backward": "fwd+bwd",
-    "factor_compute": "factor",
-    "gradient_comm": "grad comm",
-    "factor_comm": "factor comm",
-    "decomposition": "decomp",
-    "decomposition_comm": "decomp comm",
-    "precondition": "precond",
-    "step": "step",
-}
-
-
-def format_phase_table(rows: Sequence[ScalingRow]) -> str | None:
-    """The K-FAC rows' phases in milliseconds, with each row's speed-up over ``dkfac`` at the
-    same worker count; None without K-FAC rows."""
-    mine = [row for row in rows if row.strategy in KFAC_STRATEGIES]
-    if not mine:
-        return None
-    baseline = {row.workers: row.iteration_s for row in mine if row.strategy == "dkfac"}
-    lines = [
-        "| workers | strategy | iteration ms | vs dkfac | "
-        + " | ".join(_HEADINGS[phase] for phase in PHASES)
-        + " | grad/factor buckets | broadcasts | local |",
-        "|---:|---|---:|---:|" + "---:|" * len(PHASES) + "---:|---:|---:|",
-    ]
-    for row in mine:
-        base = baseline.get(row.workers)
-        versus = "-" if base is None else f"{base / row.iteration_s:.2f}x"
-        cells = " | ".join(f"{row.extra[f'{phase}_s'] * 1e3:.1f}" for phase in PHASES)
-        lines.append(
-            f"| {row.workers} | {row.strategy} | {row.iteration_s * 1e3:.1f} | {versus} | "
-            f"{cells} | {int(row.extra['gradient_buckets'])}/{int(row.extra['factor_buckets'])} "
-            f"| {int(row.extra['broadcasts'])} | {int(row.extra['local_factors'])} |"
-        )
-    return "\n".join(lines)

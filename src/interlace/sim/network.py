@@ -1,24 +1,8 @@
 """Network models for the simulator: the all-reduce cost ``a + b*M`` at any number of workers.
 
-Every model here answers one question, :meth:`Network.cost` ``(workers)``: the
-:class:`~interlace.comm.cost.CostModel` the planners and the schedule price all-reduces with on
-that many workers. They differ in where the two numbers come from:
-
-* :class:`Ring` and :class:`Tree`: ring and double-binary-tree all-reduce over identical links
-  of latency ``alpha``, wire time per byte ``beta`` and reduction time per byte ``gamma``
-  (the formulas of :meth:`CostModel.ring` and :meth:`CostModel.double_binary_tree`);
-* :class:`HierarchicalRing`: nodes of ``G`` GPUs; a ring inside each node, a ring across nodes on
-  each GPU's ``1/G`` share, and a ring inside the node again (reduce-scatter, all-reduce,
-  all-gather: what NCCL and Horovod's hierarchical all-reduce do);
-* :class:`Fitted`: a measured ``a + b*M`` used as it is, or, fitted on ``N`` workers,
-  extrapolated with the ring formula (:meth:`CostModel.scaled_to`);
-* :func:`link_from_osu`: per-link ``alpha`` and ``beta`` recovered from OSU all-reduce logs
-  taken at several worker counts, through the ring formula, for a :class:`Ring` at any size.
-
-The k-channel concurrency of several process groups is a property of the schedule, not of one
-all-reduce; it enters through the planners' channel count, not here.
-
-:func:`parse_network` reads the command line's ``--network`` spec (see its docstring).
+Each :class:`Network` answers :meth:`Network.cost` ``(workers)``: ring, double binary tree,
+hierarchical ring, a fitted model, or a ring fitted on OSU logs. :func:`parse_network` reads
+``--network``.
 """
 
 from __future__ import annotations
@@ -31,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from interlace.comm.cost import CostModel, fit_osu_log
+from interlace.comm.links import parse_link
 from interlace.errors import UsageError
 
 #: Latency per step of a link when a ``--network`` spec gives none: a small-message round on
-#: 10 GbE with TCP and MPI costs tens of microseconds (the OSU logs of the MG-WFBP cluster fit
-#: 49 us per ring step).
+#: 10 GbE with TCP and MPI costs tens of microseconds.
 DEFAULT_LATENCY_S = 25e-6
 #: The link inside a node of :class:`HierarchicalRing` when none is given: PCIe 3.0 x16 class.
 DEFAULT_INTRA_RATE_BPS = 100e9
@@ -47,7 +31,16 @@ OSU_MIN_BYTES = 0
 
 @dataclass(frozen=True)
 class Link:
-    """A point-to-point link: ``alpha`` s per message, ``beta`` s/byte, ``gamma`` s/byte reduced."""
+    """A point-to-point link.
+
+    Args:
+        alpha: Seconds per message.
+        beta: Seconds per byte on the wire.
+        gamma: Seconds per byte reduced.
+
+    Raises:
+        ValueError: For a negative or non-finite parameter.
+    """
 
     alpha: float
     beta: float
@@ -60,13 +53,18 @@ class Link:
 
     @classmethod
     def from_rate(cls, rate_bps: float, latency_s: float | None = None) -> Link:
-        """A link of ``rate_bps`` bits per second (``latency_s`` default
-        :data:`DEFAULT_LATENCY_S`)."""
+        """A link of ``rate_bps`` bits per second.
+
+        Args:
+            rate_bps: The rate, > 0.
+            latency_s: Seconds per message (default :data:`DEFAULT_LATENCY_S`).
+        """
         if not rate_bps > 0:
             raise ValueError(f"a link rate must be > 0, got {rate_bps}")
         return cls(DEFAULT_LATENCY_S if latency_s is None else latency_s, 8.0 / rate_bps)
 
     def describe(self) -> str:
+        """One line: latency, rate and reduction cost."""
         rate = 8.0 / self.beta if self.beta > 0 else math.inf
         text = f"alpha {self.alpha * 1e6:.1f} us, {_rate_text(rate)}"
         return text + (f", gamma {self.gamma * 1e9:.3f} ns/B" if self.gamma else "")
@@ -80,7 +78,11 @@ class Network(ABC):
 
     @abstractmethod
     def cost(self, workers: int) -> CostModel:
-        """``a + b*M`` of one all-reduce on ``workers`` workers."""
+        """``a + b*M`` of one all-reduce on ``workers`` workers.
+
+        Args:
+            workers: The worker count, >= 1.
+        """
 
     @abstractmethod
     def describe(self) -> str:
@@ -94,6 +96,13 @@ def _check_workers(workers: int) -> None:
 
 @dataclass(frozen=True)
 class Ring(Network):
+    """Ring all-reduce over identical links (:meth:`CostModel.ring`).
+
+    Args:
+        link: Every link of the ring.
+        spec: The ``--network`` spec it was built from.
+    """
+
     link: Link
     spec: str = ""
 
@@ -107,6 +116,14 @@ class Ring(Network):
 
 @dataclass(frozen=True)
 class Tree(Network):
+    """Double binary tree all-reduce over identical links
+    (:meth:`CostModel.double_binary_tree`).
+
+    Args:
+        link: Every link of the trees.
+        spec: The ``--network`` spec it was built from.
+    """
+
     link: Link
     spec: str = ""
 
@@ -124,7 +141,14 @@ class Tree(Network):
 class HierarchicalRing(Network):
     """Nodes of ``gpus_per_node`` workers: ring reduce-scatter inside the node, ring all-reduce
     of each worker's ``1/G`` share across nodes (all ``G`` rings at once, one per NIC lane),
-    ring all-gather inside the node. Fewer workers than a node are one partial node."""
+    ring all-gather inside the node. Fewer workers than a node are one partial node.
+
+    Args:
+        gpus_per_node: Workers per node, >= 1.
+        inter: The link between nodes.
+        intra: The link inside a node.
+        spec: The ``--network`` spec it was built from.
+    """
 
     gpus_per_node: int
     inter: Link
@@ -154,8 +178,13 @@ class HierarchicalRing(Network):
 
 @dataclass(frozen=True)
 class Fitted(Network):
-    """A measured ``a + b*M``: as it is at every size, or (``fitted_on`` workers) extrapolated
-    with the ring formula."""
+    """A measured ``a + b*M``: as it is at every size, or extrapolated with the ring formula.
+
+    Args:
+        model: The measured cost.
+        fitted_on: The worker count it was measured on (None: use it at every count).
+        spec: The ``--network`` spec it was built from.
+    """
 
     model: CostModel
     fitted_on: int | None = None
@@ -179,6 +208,12 @@ def fit_ring_link(models: dict[int, CostModel]) -> Link:
 
     A ring on ``N`` workers has ``a = 2(N-1) alpha`` and ``b = 2(N-1)/N beta``; each is a line
     through the origin in its coefficient, fitted by least squares over the worker counts.
+
+    Args:
+        models: ``a + b*M`` by worker count.
+
+    Raises:
+        UsageError: Without a count of 2 or more.
     """
     counts = sorted(n for n in models if n >= 2)
     if not counts:
@@ -191,7 +226,14 @@ def fit_ring_link(models: dict[int, CostModel]) -> Link:
 
 
 def osu_logs(paths: Sequence[str | Path]) -> list[Path]:
-    """The OSU logs named by ``paths``; a folder stands for its ``osu_allreduce*`` files."""
+    """The OSU logs named by ``paths``; a folder stands for its ``osu_allreduce*`` files.
+
+    Args:
+        paths: Files or folders.
+
+    Raises:
+        UsageError: For a path that does not exist, or no logs at all.
+    """
     found: list[Path] = []
     for item in paths:
         path = Path(item).expanduser()
@@ -207,7 +249,11 @@ def osu_logs(paths: Sequence[str | Path]) -> list[Path]:
 
 
 def fits_from_osu(paths: Sequence[str | Path]) -> dict[int, CostModel]:
-    """One ``a + b*M`` per worker count found in the OSU logs."""
+    """One ``a + b*M`` per worker count found in the OSU logs.
+
+    Args:
+        paths: Files or folders (:func:`osu_logs`).
+    """
     models: dict[int, CostModel] = {}
     for path in osu_logs(paths):
         try:
@@ -218,7 +264,11 @@ def fits_from_osu(paths: Sequence[str | Path]) -> dict[int, CostModel]:
 
 
 def link_from_osu(paths: Sequence[str | Path]) -> tuple[Link, dict[int, CostModel]]:
-    """The per-link ring parameters fitted on OSU logs, and the per-size fits behind them."""
+    """The per-link ring parameters fitted on OSU logs, and the per-size fits behind them.
+
+    Args:
+        paths: Files or folders (:func:`osu_logs`).
+    """
     models = fits_from_osu(paths)
     return fit_ring_link(models), models
 
@@ -247,6 +297,12 @@ def parse_network(text: str) -> Network:
 
     Rates are as ``--link`` writes them (``100mbit``, ``10gbit``); latencies take ``ns``, ``us``,
     ``ms`` or ``s``.
+
+    Args:
+        text: The spec.
+
+    Raises:
+        UsageError: Naming what is wrong and the accepted forms.
     """
     kind, _, rest = text.strip().partition(":")
     kind = kind.lower()
@@ -298,8 +354,6 @@ def parse_network(text: str) -> Network:
 
 
 def _rate(text: str) -> float:
-    from interlace.comm.links import parse_link
-
     return parse_link(text)
 
 

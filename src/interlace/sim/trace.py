@@ -1,33 +1,15 @@
-"""Traces: what one training iteration of a model looks like, as the simulator needs it.
+"""Traces: one training iteration of a model as the simulator needs it.
 
-A :class:`Trace` lists the gradient tensors in backward order (the order they become ready),
-each with its name, its layer, its number of elements and bytes, and the forward and backward
-time of that layer; plus the model-level forward, backward and optimizer-step times and the
-K-FAC factor sizes of every layer. Tensors of one layer sit next to each other and share its
-times; a tensor is ready when its layer's backward ends, so the ready time of every tensor is
-the running sum of the layer backward times.
-
-Traces come from two places:
-
-* ``interlace profile --trace-out T`` writes one for any model, measured on this machine or a
-  GPU (:func:`interlace.profile.trace_from_plan` builds it from the profile DataParallel plans
-  with); it is a JSON file (:meth:`Trace.save`, format ``interlace-trace`` version 1);
-* the MG-WFBP authors' Caffe logs (``googlenet_k80_8workers.log``, see
-  ``../shared/traces/README.md``), read by :func:`read_caffe_log`.
-
-:func:`load_trace` reads either. A malformed line is reported as ``FILE:LINE: what is wrong``
-(:class:`TraceFormatError`), so a damaged trace points at itself.
-
-This module needs neither torch nor numpy: simulating thousands of configurations starts fast.
+A :class:`Trace` is read from an ``interlace-trace`` JSON file or an MG-WFBP Caffe log
+(:func:`load_trace`), or built from measurements (:mod:`interlace.sim.profiled`). Loading and
+simulating a trace needs no torch.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import re
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -52,22 +34,35 @@ class TraceFormatError(UsageError):
 
 @dataclass(frozen=True)
 class TensorTrace:
-    """One gradient tensor: its name and layer, its size, and its layer's compute times."""
+    """One gradient tensor: its name and layer, its size, and its layer's compute times.
+
+    Args:
+        name: The parameter's name.
+        layer: Its layer; tensors of one layer sit next to each other and share its times.
+        numel: Its elements.
+        nbytes: Its bytes.
+        layer_forward_s: Forward time of the tensor's layer, seconds.
+        layer_backward_s: Backward time of the tensor's layer, seconds: from the end of the
+            previous layer's backward to the moment this layer's gradients are ready.
+    """
 
     name: str
     layer: str
     numel: int
     nbytes: int
-    #: Forward time of the tensor's layer, seconds (shared by the layer's tensors).
     layer_forward_s: float
-    #: Backward time of the tensor's layer, seconds: from the end of the previous layer's
-    #: backward to the moment this layer's gradients are ready (shared by the layer's tensors).
     layer_backward_s: float
 
 
 @dataclass(frozen=True)
 class FactorTrace:
-    """K-FAC factor sizes of one layer: ``A`` is ``a_dim x a_dim``, ``G`` is ``g_dim x g_dim``."""
+    """K-FAC factor sizes of one layer.
+
+    Args:
+        layer: The layer.
+        a_dim: ``A`` is ``a_dim x a_dim`` (the layer's input, plus one for a bias).
+        g_dim: ``G`` is ``g_dim x g_dim`` (the layer's output).
+    """
 
     layer: str
     a_dim: int
@@ -76,25 +71,40 @@ class FactorTrace:
 
 @dataclass(frozen=True)
 class Trace:
-    """One iteration of one model on one kind of device (see the module docstring)."""
+    """One iteration of one model on one kind of device.
+
+    A tensor is ready when its layer's backward ends, so every ready time is the running sum
+    of the layers' backward times.
+
+    Args:
+        model: The model's name.
+        tensors: The gradient tensors in backward order (first ready first).
+        forward_s: Whole forward pass, seconds.
+        backward_s: Whole backward pass, seconds: at least the sum of the layers' backward
+            times (what follows the last gradient, if anything, is the rest).
+        step_s: Optimizer step after backward, seconds (0 where the source does not say).
+        factors: K-FAC factor sizes of every preconditioned layer.
+        broadcast_bytes: Bytes of each collective made before every forward: DDP and
+            DataParallel re-broadcast the module's buffers (BatchNorm statistics), one message
+            per dtype. Empty for Caffe.
+        source: Where the trace was measured: device, ranks, link; free text.
+        workers: Ranks the trace was profiled with (compute per rank depends on it on a shared
+            CPU).
+        notes: Free text.
+        extra: Anything else the source had (a Caffe log's communication times).
+
+    Raises:
+        ValueError: For no tensors, a negative time, or a backward shorter than its layers.
+    """
 
     model: str
-    #: Tensors in backward order (first ready first).
     tensors: tuple[TensorTrace, ...]
-    #: Whole forward pass, seconds.
     forward_s: float
-    #: Whole backward pass, seconds: at least the sum of the layers' backward times (what follows
-    #: the last gradient, if anything, is the rest).
     backward_s: float
-    #: Optimizer step after backward, seconds (0 where the source does not say).
     step_s: float = 0.0
     factors: tuple[FactorTrace, ...] = ()
-    #: Bytes of each collective made before every forward: DDP and DataParallel re-broadcast
-    #: the module's buffers (BatchNorm statistics), one message per dtype. Empty for Caffe.
     broadcast_bytes: tuple[int, ...] = ()
-    #: Where the trace was measured: device, ranks, link; free text.
     source: str = ""
-    #: Ranks the trace was profiled with (compute per rank depends on it on a shared CPU).
     workers: int = 1
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -158,8 +168,12 @@ class Trace:
         return ready
 
     def ready_tensors(self, per_layer: bool = False) -> list[ReadyTensor]:
-        """The planners' input: every tensor (or, with ``per_layer``, every layer as one
-        message, as Caffe's WFBP sent a layer's weight and bias together) in ready order."""
+        """The planners' input: every tensor in ready order.
+
+        Args:
+            per_layer: Every layer as one message instead, as Caffe's WFBP sent a layer's
+                weight and bias together.
+        """
         ready = self.ready_times()
         if not per_layer:
             return [
@@ -183,11 +197,16 @@ class Trace:
     # ------------------------------------------------------------------ JSON
 
     def to_dict(self) -> dict[str, Any]:
+        """The trace as a JSON object with its format and version."""
         data = asdict(self)
         return {"format": FORMAT, "version": VERSION, **data}
 
     def save(self, path: str | Path) -> Path:
-        """Write the trace as JSON: a header, then one tensor per line (diffable, greppable)."""
+        """Write the trace as JSON: a header, then one tensor per line (diffable, greppable).
+
+        Args:
+            path: The file (folders are made).
+        """
         path = Path(path)
         data = self.to_dict()
         tensors = data.pop("tensors")
@@ -207,7 +226,14 @@ class Trace:
 
 
 def load_trace(path: str | Path) -> Trace:
-    """A trace from an ``interlace-trace`` JSON file or an MG-WFBP Caffe log (by content)."""
+    """A trace from an ``interlace-trace`` JSON file or an MG-WFBP Caffe log (by content).
+
+    Args:
+        path: The file.
+
+    Raises:
+        TraceFormatError: ``FILE:LINE: what is wrong``, for a file that cannot be read.
+    """
     path = Path(path)
     try:
         text = path.read_text()
@@ -331,6 +357,14 @@ def read_caffe_log(path: str | Path, text: str | None = None, *, model: str = ""
     is the run of lines ``i = 0, 1, ...`` and backward visits it from the highest ``i`` down.
     Blank lines and ``#`` comments are skipped; any other line that does not end in such a
     record, or a record out of sequence, is an error naming the file and line.
+
+    Args:
+        path: The log (for messages, and read when ``text`` is None).
+        text: The log's text.
+        model: The model's name (default: the file name up to its first ``_``).
+
+    Raises:
+        TraceFormatError: ``FILE:LINE: what is wrong``.
     """
     path = Path(path)
     if text is None:
@@ -436,7 +470,12 @@ def _workers_from_name(path: Path) -> int:
 
 
 def scaled(trace: Trace, compute: float) -> Trace:
-    """``trace`` with every compute time multiplied by ``compute`` (e.g. a faster device)."""
+    """``trace`` with every compute time multiplied by ``compute`` (e.g. a faster device).
+
+    Args:
+        trace: The trace.
+        compute: The factor, > 0.
+    """
     if not compute > 0:
         raise ValueError(f"a compute scale must be > 0, got {compute}")
     return replace(
@@ -461,6 +500,12 @@ def with_totals(trace: Trace, forward_s: float, backward_s: float, step_s: float
     Each layer's forward and backward time is scaled with its pass, so the trace keeps its
     shape (which layer takes what share, when each tensor is ready) while its totals come from
     another measurement, e.g. one taken alongside the runs it is compared with.
+
+    Args:
+        trace: The trace.
+        forward_s: The new forward total.
+        backward_s: The new backward total.
+        step_s: The new optimizer step.
     """
     if min(forward_s, backward_s, step_s) < 0:
         raise ValueError("totals must be >= 0")
@@ -479,74 +524,4 @@ def with_totals(trace: Trace, forward_s: float, backward_s: float, step_s: float
         forward_s=trace.forward_s * forward,
         backward_s=trace.backward_s * backward,
         step_s=step_s,
-    )
-
-
-def from_ready(
-    model: str,
-    *,
-    names: Sequence[str],
-    layers: Sequence[str],
-    numels: Sequence[int],
-    element_bytes: Sequence[int],
-    ready_s: Sequence[float],
-    forward_s: float,
-    backward_s: float,
-    step_s: float = 0.0,
-    layer_forward_s: dict[str, float] | None = None,
-    factors: Sequence[FactorTrace] = (),
-    source: str = "",
-    workers: int = 1,
-    notes: str = "",
-    broadcast_bytes: Sequence[int] = (),
-) -> Trace:
-    """A trace from measured per-tensor ready times (seconds from the start of backward).
-
-    Tensors must come in ready order. Consecutive tensors of one layer form one run; the run's
-    backward time is from the previous run's last ready time to its own last one, so the trace
-    reproduces every run's ready time exactly. A layer without a measured forward time gets a
-    share of ``forward_s`` in proportion to its backward time.
-    """
-    count = len(names)
-    if not count == len(layers) == len(numels) == len(element_bytes) == len(ready_s):
-        raise ValueError("names, layers, numels, element_bytes and ready_s differ in length")
-    if any(b < a for a, b in itertools.pairwise(ready_s)):
-        raise ValueError("tensors must come in ready order")
-    runs: list[tuple[str, list[int]]] = []
-    for index in range(count):
-        if runs and runs[-1][0] == layers[index]:
-            runs[-1][1].append(index)
-        else:
-            runs.append((layers[index], [index]))
-    backward_of: list[float] = [0.0] * count
-    previous = 0.0
-    for _, indices in runs:
-        end = max(ready_s[indices[-1]], 0.0)
-        for index in indices:
-            backward_of[index] = end - previous
-        previous = end
-    measured = layer_forward_s or {}
-    total_backward = max(previous, 1e-12)
-    tensors = tuple(
-        TensorTrace(
-            names[i],
-            layers[i],
-            numels[i],
-            numels[i] * element_bytes[i],
-            measured.get(layers[i], forward_s * backward_of[i] / total_backward),
-            backward_of[i],
-        )
-        for i in range(count)
-    )
-    return Trace(
-        model=model,
-        tensors=tensors,
-        forward_s=forward_s,
-        backward_s=max(backward_s, previous),
-        step_s=step_s,
-        factors=tuple(factors),
-        source=source,
-        workers=workers,
-        notes=notes,
-        broadcast_bytes=tuple(broadcast_bytes),
     )

@@ -6,17 +6,17 @@ from pathlib import Path
 
 import pytest
 
+from interlace.sim.profiled import from_ready
 from interlace.sim.trace import (
     FactorTrace,
     TensorTrace,
     Trace,
     TraceFormatError,
-    from_ready,
     load_trace,
     scaled,
 )
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
 GOOGLENET = TRACES / "googlenet_k80_8workers.log"
 needs_traces = pytest.mark.skipif(not GOOGLENET.exists(), reason=f"{GOOGLENET} not present")
 
@@ -103,19 +103,6 @@ def small_trace() -> Trace:
         factors=[FactorTrace("fc", 11, 10)],
         broadcast_bytes=[64],
     )
-
-
-def test_from_ready_keeps_run_ends_and_shares_forward_by_backward() -> None:
-    trace = small_trace()
-    # A layer's tensors are ready when the layer's run ends.
-    assert trace.ready_times() == pytest.approx([0.0012, 0.0012, 0.004])
-    assert trace.tensors[0].layer_backward_s == pytest.approx(0.0012)
-    assert trace.tensors[2].layer_backward_s == pytest.approx(0.0028)
-    assert trace.tensors[2].layer_forward_s == pytest.approx(0.0015)  # measured
-    # Not measured: a share of forward in proportion to backward (1.2 of 4 ms).
-    assert trace.tensors[0].layer_forward_s == pytest.approx(0.002 * 1.2 / 4)
-    per_layer = trace.ready_tensors(per_layer=True)
-    assert [(t.name, t.nbytes) for t in per_layer] == [("fc", 440), ("conv", 200)]
 
 
 def test_json_round_trip(tmp_path: Path) -> None:

@@ -1,9 +1,7 @@
-"""The replay's contention model worked by hand, and its calibration checked by round trip: the
-probes' times, produced by replaying known contention, calibrate back to that contention."""
+"""The contention fits by hand, and the calibration checked by round trip: the probes' times,
+produced by replaying known contention, calibrate back to that contention."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 
@@ -21,127 +19,10 @@ from interlace.sim.contention import (
     overlap_probe_end,
     progress_rate,
 )
-from interlace.sim.engine import Contention, Replay, replay
+from interlace.sim.replay import Contention, Replay, replay
 from interlace.sim.trace import TensorTrace, Trace
 
 MS = 1e-3
-
-
-def test_bytes_progress_at_their_rate_while_backward_computes() -> None:
-    # One 1 MB tensor ready at 0; a = 2 ms, b = 4 ms/MB; backward lasts 10 ms.
-    # The start-up is priced as paid beside backward: 0..2 ms. Bytes at 1/4 from 2 to 10 ms:
-    # 2 of 4 ms done; the other 2 ms at full speed after backward: ends at 12 ms.
-    tensors = [ReadyTensor("t0", 1_000_000, 0.0)]
-    plan = schedule([[0]], tensors, CostModel(2 * MS, 4e-9), backward_s=10 * MS)
-    played = replay(plan, Contention(transfer_rate=0.25))
-    assert played.backward_end_s == pytest.approx(10 * MS)
-    assert played.comms[0].end_s == pytest.approx(12 * MS)
-    # With no contention it is the plan's own time: 0..6 ms.
-    assert replay(plan).comms[0].end_s == pytest.approx(6 * MS)
-
-
-def test_compute_slows_by_the_phase_in_flight() -> None:
-    # A start-up (a = 2 ms, no bytes) slows the 10 ms backward to 1/2 while it runs, 0..2 ms:
-    # 1 ms of compute done, the other 9 ms at full speed, so backward ends at 11 ms.
-    tensors = [ReadyTensor("t0", 4, 0.0)]
-    plan = schedule([[0]], tensors, CostModel(2 * MS, 0.0), backward_s=10 * MS)
-    played = replay(plan, Contention(startup_compute_slowdown=2.0))
-    assert played.backward_end_s == pytest.approx(11 * MS)
-    assert played.comms[0].end_s == pytest.approx(2 * MS)
-    # A slowdown while bytes are in flight does not apply to a start-up.
-    only_bytes = replay(plan, Contention(compute_slowdown=3.0))
-    assert only_bytes.backward_end_s == pytest.approx(10 * MS)
-    # Bytes (b = 4 ms/MB, 1 MB, at full speed) slow compute by 3 from 2 to 6 ms: 4/3 ms of
-    # compute there, 2 ms before; the remaining 8 - 4/3 ms after, so backward ends at 12 2/3 ms.
-    big = [ReadyTensor("t0", 1_000_000, 0.0)]
-    plan_big = schedule([[0]], big, CostModel(2 * MS, 4e-9), backward_s=10 * MS)
-    slowed = replay(plan_big, Contention(compute_slowdown=3.0))
-    assert slowed.comms[0].end_s == pytest.approx(6 * MS)
-    assert slowed.backward_end_s == pytest.approx((6 + 10 - 2 - 4 / 3) * MS)
-
-
-def test_a_startup_can_run_behind_the_previous_transfer() -> None:
-    # Bucket 0: 1 MB (a = 1 ms, bytes 10 ms), bucket 1: 4 bytes, both ready at 0, backward 0.
-    # One at a time: 0..11, 11..12 ms. With a start-up fully behind a transfer, bucket 1's
-    # start-up runs 1..2 ms while bucket 0's bytes are on the wire, and its 4 bytes (0.04 us)
-    # then share the wire with them: it ends at 2 ms and bucket 0 at 11 ms (each + 0.04 us).
-    tensors = [ReadyTensor("big", 1_000_000, 0.0), ReadyTensor("tiny", 4, 0.0)]
-    plan = schedule([[0], [1]], tensors, CostModel(1 * MS, 1e-8), backward_s=0.0)
-    serial = replay(plan)
-    assert [c.end_s for c in serial.comms] == pytest.approx([11 * MS, 12 * MS], abs=1e-7)
-    behind = replay(plan, Contention(startup_overlap=1.0))
-    assert [c.start_s for c in behind.comms] == pytest.approx([0.0, 1 * MS])
-    assert [c.end_s for c in behind.comms] == pytest.approx([11 * MS, 2 * MS], abs=1e-7)
-    # Two start-ups never overlap, and no more than two all-reduces are in flight: a third
-    # bucket starts when the second has ended, at 2 ms, and ends at 3 ms.
-    three = [*tensors, ReadyTensor("tiny2", 4, 0.0)]
-    plan3 = schedule([[0], [1], [2]], three, CostModel(1 * MS, 1e-8), backward_s=0.0)
-    played = replay(plan3, Contention(startup_overlap=1.0)).comms
-    assert [c.start_s for c in played] == pytest.approx([0.0, 1 * MS, 2 * MS], abs=1e-7)
-    assert [c.end_s for c in played] == pytest.approx([11 * MS, 2 * MS, 3 * MS], abs=1e-6)
-
-
-def test_bytes_in_flight_together_share_the_wire() -> None:
-    # Two 100 kB all-reduces (a = 1 ms, 1 ms of bytes each), both ready at 0, full overlap:
-    # bucket 0's bytes go 1..2 ms while bucket 1's start-up runs behind them; bucket 1's bytes
-    # begin as bucket 0's end, so they never share: 2..3 ms.
-    tensors = [ReadyTensor("a", 100_000, 0.0), ReadyTensor("b", 100_000, 0.0)]
-    plan = schedule([[0], [1]], tensors, CostModel(1 * MS, 1e-8), backward_s=0.0)
-    ends = [c.end_s for c in replay(plan, Contention(startup_overlap=1.0)).comms]
-    assert ends == pytest.approx([2 * MS, 3 * MS], abs=1e-9)
-    # With a start-up at half speed behind the bytes, bucket 1 has 0.5 ms of its start-up left
-    # at 2 ms (runs alone 2..2.5), then its bytes: ends at 3.5 ms.
-    half = [c.end_s for c in replay(plan, Contention(startup_overlap=0.5)).comms]
-    assert half == pytest.approx([2 * MS, 3.5 * MS], abs=1e-9)
-    # A 3 ms transfer in front: bucket 1's bytes (from 2 ms) and bucket 0's remaining 2 ms share
-    # the wire at half speed each until bucket 1's are done at 4 ms; bucket 0's last 1 ms
-    # goes alone, 4..5 ms.
-    long_first = [ReadyTensor("a", 300_000, 0.0), ReadyTensor("b", 100_000, 0.0)]
-    plan_long = schedule([[0], [1]], long_first, CostModel(1 * MS, 1e-8), backward_s=0.0)
-    shared = [c.end_s for c in replay(plan_long, Contention(startup_overlap=1.0)).comms]
-    assert shared == pytest.approx([5 * MS, 4 * MS], abs=1e-9)
-
-
-def test_a_startup_behind_a_transfer_goes_at_the_overlap() -> None:
-    # As above, but bucket 0's bytes take only 0.2 ms (20 kB): bucket 1 starts behind them at
-    # 1 ms at a quarter of its speed, does 0.05 ms of its 1 ms start-up by 1.2 ms, and the
-    # remaining 0.95 ms at full speed once the wire is its own: it ends at 2.15 ms.
-    tensors = [ReadyTensor("mid", 20_000, 0.0), ReadyTensor("tiny", 4, 0.0)]
-    plan = schedule([[0], [1]], tensors, CostModel(1 * MS, 1e-8), backward_s=0.0)
-    played = replay(plan, Contention(startup_overlap=0.25))
-    # (The tiny one's 4 bytes add 0.04 us.)
-    assert [c.end_s for c in played.comms] == pytest.approx([1.2 * MS, 2.15 * MS], abs=1e-7)
-    # No overlap is one at a time; full overlap ends the second's start-up at 2 ms.
-    serial = [c.end_s for c in replay(plan, Contention(startup_overlap=0.0)).comms]
-    full = [c.end_s for c in replay(plan, Contention(startup_overlap=1.0)).comms]
-    assert serial == pytest.approx([1.2 * MS, 2.2 * MS], abs=1e-7)
-    assert full == pytest.approx([1.2 * MS, 2.0 * MS], abs=1e-7)
-
-
-def test_a_startup_behind_bytes_slows_compute_by_its_share() -> None:
-    # 1 MB then 4 bytes, both ready as a 10 ms backward starts; a = 1 ms, 10 ms of bytes; a
-    # start-up slows compute 2x, bytes not at all; start-ups behind bytes go at half speed.
-    # 0..1 ms: the first start-up, compute at 1/2 (0.5 ms done). 1..3 ms: the second start-up
-    # behind the bytes at half speed takes half a start-up's cycles, compute at 1/1.5 (4/3 ms
-    # more). From 3 ms compute is alone with bytes: the other 10 - 11/6 ms end at 11 1/6 ms.
-    tensors = [ReadyTensor("big", 1_000_000, 0.0), ReadyTensor("tiny", 4, 0.0)]
-    plan = schedule([[0], [1]], tensors, CostModel(1 * MS, 1e-8), backward_s=10 * MS)
-    played = replay(plan, Contention(startup_compute_slowdown=2.0, startup_overlap=0.5))
-    assert played.backward_end_s == pytest.approx((10 + 1 - 0.5 - 4 / 3 + 2) * MS)
-    assert [c.end_s for c in played.comms] == pytest.approx([11 * MS, 3 * MS], abs=1e-6)
-
-
-def test_contention_rejects_impossible_numbers() -> None:
-    with pytest.raises(ValueError, match="transfer_rate"):
-        Contention(transfer_rate=1.5)
-    with pytest.raises(ValueError, match="transfer_rate"):
-        Contention(transfer_rate=-0.1)
-    with pytest.raises(ValueError, match="startup_compute_slowdown"):
-        Contention(startup_compute_slowdown=0.5)
-    with pytest.raises(ValueError, match="compute_slowdown"):
-        Contention(compute_slowdown=math.inf)
-    with pytest.raises(ValueError, match="startup_overlap"):
-        Contention(startup_overlap=1.01)
 
 
 def test_progress_rate_and_compute_slowdown_by_hand() -> None:

@@ -18,19 +18,17 @@ from interlace import cli
 from interlace.comm.cost import CostModel
 from interlace.errors import UsageError
 from interlace.kfac.costs import DecompositionCostModel
-from interlace.sim.engine import simulate_scaling, strategy_named
-from interlace.sim.experiments import scaling_rows
-from interlace.sim.kfac import (
-    KFAC_STRATEGIES,
-    PHASES,
-    KfacCosts,
-    check_trace,
+from interlace.sim.experiments import (
+    check_strategy,
     format_phase_table,
-    parse_kfac_costs,
-    simulate_kfac,
+    scaling_rows,
+    simulate_scaling,
 )
+from interlace.sim.kfac import KFAC_STRATEGIES, PHASES, check_trace, simulate_kfac
+from interlace.sim.kfac_costs import KfacCosts, parse_kfac_costs
 from interlace.sim.network import Fitted, parse_network
-from interlace.sim.trace import FactorTrace, TensorTrace, Trace, from_ready
+from interlace.sim.profiled import from_ready
+from interlace.sim.trace import FactorTrace, TensorTrace, Trace
 
 MS = 1e-3
 #: 1 ms per 4 bytes: a packed 1 x 1 factor or a 4-byte gradient takes 1 ms plus the start-up.
@@ -350,7 +348,7 @@ def test_rows_carry_the_phases_and_bucket_counts_as_json_keys() -> None:
 
 def test_names_and_cost_specs() -> None:
     with pytest.raises(UsageError, match="dkfac"):
-        strategy_named("kfac")
+        check_strategy("kfac")
     costs = parse_kfac_costs("c0=1e-3,factor_scale=2,gemm_flops=1e12")
     model = costs.decomposition_model()
     assert (model.c0, costs.factor_scale, costs.gemm_flops) == (1e-3, 2.0, 1e12)

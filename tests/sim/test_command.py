@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from interlace.errors import UsageError
+from interlace.sim.command import add_arguments, plot_path
 from interlace.sim.trace import load_trace
-from interlace.sim.validate import ValidationRow, plot_validation
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
 GOOGLENET = TRACES / "googlenet_k80_8workers.log"
 needs_traces = pytest.mark.skipif(not GOOGLENET.exists(), reason=f"{GOOGLENET} not present")
 
@@ -145,87 +144,6 @@ def test_profile_writes_a_trace_the_simulator_reads(tmp_path: Path) -> None:
     assert "| 4 |" in simulated.stdout
 
 
-@pytest.mark.netns
-def test_tiny_validation_gives_finite_rows(tmp_path: Path) -> None:
-    rows_path = tmp_path / "validation.json"
-    done = interlace(
-        "simulate",
-        "--validate",
-        "--model",
-        "mlp",
-        "-n",
-        "2",
-        "--link",
-        "1gbit",
-        "--strategy",
-        "single,mgwfbp",
-        "--iters",
-        "2",
-        "--warmup",
-        "0",
-        "--rounds",
-        "1",
-        "--batch-size",
-        "32",
-        "--json",
-        str(rows_path),
-        "--png",
-        str(tmp_path / "validation.png"),
-        timeout=280,
-    )
-    assert done.returncode == 0, done.stderr
-    assert (tmp_path / "validation.png").read_bytes()[:4] == b"\x89PNG"
-    rows = json.loads(rows_path.read_text())
-    assert [row["strategy"] for row in rows] == ["single", "mgwfbp"]
-    for row in rows:
-        assert (row["model"], row["ranks"], row["link"]) == ("mlp", 2, "1gbit")
-        assert math.isfinite(row["predicted_s"]) and row["predicted_s"] > 0
-        assert math.isfinite(row["measured_s"]) and row["measured_s"] > 0
-        # The contention probes ran beside the strategies and calibrated the replay.
-        assert row["probes"]["stream_count"] == 26  # the mlp's gradient tensors
-        assert row["probes"]["stream_done_s"] > 0 and row["stream_a"] > 0
-        assert 0.0 <= row["transfer_rate"] <= 1.0
-        # The overlap probe ran too and set how far a start-up runs behind bytes.
-        assert row["probes"]["mixed_done_s"] > 0
-        assert 0.0 <= row["startup_overlap"] <= 1.0
-        assert row["compute_slowdown"] >= 1.0 and row["startup_compute_slowdown"] >= 1.0
-    assert "median" in done.stdout
-
-
-def test_the_validation_plot_draws_every_row(tmp_path: Path) -> None:
-    import matplotlib.image
-
-    def row(strategy: str, ranks: int, predicted: float, measured: float) -> ValidationRow:
-        error = (predicted - measured) / measured
-        return ValidationRow(
-            model="mlp",
-            strategy=strategy,
-            ranks=ranks,
-            link="1gbit",
-            predicted_s=predicted,
-            measured_s=measured,
-            error=error,
-            predicted_uncontended_s=predicted,
-            compute_slowdown=1.0,
-            compute_drift=1.0,
-            stream_a=0.001,
-            stream_b=1e-8,
-            predicted_buckets=1,
-            measured_buckets=1,
-            comm_compute=0.5,
-            cost_a=0.0001,
-            cost_b=1e-8,
-        )
-
-    rows = [row("wfbp", 2, 0.05, 0.06), row("single", 4, 0.2, 0.19), row("mgwfbp", 2, 0.03, 0.03)]
-    path = plot_validation(rows, tmp_path / "out" / "validation.png")
-    assert path.read_bytes()[:4] == b"\x89PNG"
-    height, width = matplotlib.image.imread(path).shape[:2]
-    assert width > 400 and height > 400
-    with pytest.raises(UsageError, match="no validation rows"):
-        plot_validation([], tmp_path / "empty.png")
-
-
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
@@ -238,10 +156,6 @@ def test_the_validation_plot_draws_every_row(tmp_path: Path) -> None:
 def test_the_plot_goes_where_png_says_or_to_the_modes_default(
     flags: tuple[str, ...], expected: str | None
 ) -> None:
-    import argparse
-
-    from interlace.sim.command import add_arguments, plot_path
-
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     chosen = plot_path(parser.parse_args(list(flags)))

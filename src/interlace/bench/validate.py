@@ -1,0 +1,325 @@
+"""``interlace simulate --validate``: profile a model and measure its strategies on the emulated
+cluster, one launch per (model, ranks, link), and compare with the simulator's predictions.
+
+The comparison itself (rows, table, plot) is :mod:`interlace.sim.validate`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from interlace.bench.dp import (
+    DEFAULT_BATCH,
+    DEFAULT_INPUT_SHAPE,
+    FALLBACK_BATCH,
+    BenchConfig,
+    LaunchFailedError,
+    MeasureJob,
+    measure_rank,
+    parse_names,
+)
+from interlace.bench.dp import _Contender as Contender
+from interlace.bench.dp import _launch as launch
+from interlace.bench.dp import _max_over_ranks as max_over_ranks
+from interlace.bench.dp import _synthetic_batches as synthetic_batches
+from interlace.bench.dp import _train_step as train_step
+from interlace.comm.calibrate import fit_stream_cost_model
+from interlace.comm.links import parse_link
+from interlace.dp import DataParallel
+from interlace.errors import UsageError
+from interlace.launch import netem
+from interlace.profile import layer_forward_times
+from interlace.sim.engine import STRATEGIES
+from interlace.sim.profiled import trace_from_plan
+from interlace.sim.validate import (
+    DEFAULT_LINKS,
+    DEFAULT_MODELS,
+    DEFAULT_RANKS,
+    DEFAULT_STRATEGIES,
+    ValidateSample,
+    ValidationRow,
+    format_summary,
+    format_table,
+    plot_validation,
+    rows_from_sample,
+)
+from interlace.strategies import STRATEGIES as RUNNABLE
+from interlace.strategies import wrap_model
+from interlace.zoo import MODEL_NAMES, build_model
+
+PROG = "interlace simulate --validate"
+#: Profiling passes of the trace's DataParallel (after its warm-up pass).
+PROFILE_STEPS = 5
+#: Optimizer steps timed for the trace.
+STEP_SAMPLES = 5
+
+
+def validate_rank(job: MeasureJob) -> ValidateSample:
+    """One rank of a validation launch: profile ``job.model`` into a trace, then measure every
+    strategy with the contention probes (collective).
+
+    A DataParallel with ``bucketing="single"`` trains until it has planned; its plan carries the
+    profile it planned from and the cost model it fitted on the live group, and with the
+    optimizer step timed apart that is the trace. The streamed cost model is fitted on
+    all-reduces issued back to back; then the data-parallel benchmark's own rank code measures
+    every strategy in round-robin blocks beside the plain module and the probes.
+
+    Args:
+        job: What to measure; its contention probes are always taken.
+    """
+    rank = dist.get_rank()
+    torch.manual_seed(job.seed)
+    module = build_model(job.model, job.input_shape, 10)
+    wrapper = wrap_model(module, "single", profile_steps=PROFILE_STEPS)
+    assert isinstance(wrapper, DataParallel)
+    optimizer = torch.optim.SGD(wrapper.parameters(), lr=0.01, momentum=0.9)
+    contender = Contender("single", wrapper, optimizer)
+    batches = synthetic_batches(job.batch, job.input_shape, job.seed, rank)
+    count = 0
+    while wrapper.plan is None:
+        if count > 50:
+            raise RuntimeError("the profiling DataParallel never planned")
+        train_step(contender, *batches[count % len(batches)])
+        count += 1
+    steps = []
+    for index in range(STEP_SAMPLES):
+        inputs, targets = batches[index % len(batches)]
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(wrapper(inputs), targets).backward()
+        started = time.perf_counter()
+        optimizer.step()
+        steps.append(time.perf_counter() - started)
+    step_s = statistics.median(max_over_ranks(steps))
+    plan = wrapper.plan
+    cost = wrapper.cost_model
+    assert plan is not None and cost is not None
+    trace = trace_from_plan(
+        plan,
+        module,
+        job.model,
+        step_s=step_s,
+        layer_forward_s=layer_forward_times(module, batches[0][0]),
+        workers=dist.get_world_size(),
+        source=f"validation profile, {dist.get_world_size()} ranks",
+    )
+    stream_cost = fit_stream_cost_model()
+    measurement = measure_rank(replace(job, probe_contention=True))
+    return ValidateSample(trace, cost, stream_cost, measurement)
+
+
+@dataclass(frozen=True)
+class ValidateConfig:
+    """Every launch of a validation run and what to write.
+
+    Args:
+        models: Zoo names or ``package.module:callable``.
+        ranks: Rank counts.
+        links: Emulated link rates.
+        strategies: Data-parallel strategies to predict and measure.
+        iters: Timed iterations per strategy.
+        warmup: Untimed iterations per strategy after planning.
+        rounds: Round-robin blocks.
+        batch_size: Per-rank batch (None: per model).
+        timeout_s: Seconds allowed per launch.
+        json_path: Where the rows go as JSON (None: nowhere).
+        trace_dir: Where each launch's profiled trace goes (None: nowhere).
+        png_path: Where the predicted-against-measured plot goes (None: no plot).
+    """
+
+    models: tuple[str, ...]
+    ranks: tuple[int, ...]
+    links: tuple[str, ...]
+    strategies: tuple[str, ...]
+    iters: int
+    warmup: int
+    rounds: int
+    batch_size: int | None
+    timeout_s: float
+    json_path: str | None
+    trace_dir: str | None
+    png_path: str | None = None
+
+
+def run_validation(config: ValidateConfig) -> int:
+    """Every (model, ranks, link) launch, the table, the summary; the exit status.
+
+    Args:
+        config: The launches and outputs.
+
+    Raises:
+        UsageError: Without root for the emulated cluster, or for an unknown link or model.
+    """
+    try:
+        netem.check_available()
+    except netem.NetemUnavailableError as exc:
+        raise UsageError(
+            f"{exc}; validation measures on the emulated cluster and needs root"
+        ) from exc
+    for link in config.links:
+        parse_link(link)
+    for model in config.models:
+        build_model(model, DEFAULT_INPUT_SHAPE, 10)
+
+    cache_dir = tempfile.mkdtemp(prefix="interlace-validate-")
+    rows: list[ValidationRow] = []
+    failures: list[str] = []
+    launches = [(m, n, link) for m in config.models for n in config.ranks for link in config.links]
+    try:
+        with tqdm(total=len(launches), unit="launch", desc=PROG, dynamic_ncols=True) as bar:
+            for model, nprocs, link in launches:
+                bar.set_postfix_str(f"{model}, {nprocs} ranks, {link}")
+                batch = config.batch_size or DEFAULT_BATCH.get(model, FALLBACK_BATCH)
+                job = MeasureJob(
+                    model,
+                    batch,
+                    DEFAULT_INPUT_SHAPE,
+                    config.strategies,
+                    config.iters,
+                    config.warmup,
+                    config.rounds,
+                    probe_contention=True,
+                )
+                bench = _bench_config(config, nprocs)
+                try:
+                    sample = launch(validate_rank, job, bench, link, cache_dir, note=bar.write)
+                except LaunchFailedError as exc:
+                    failures.append(f"{model}, {nprocs} ranks, {link}: {exc}")
+                    bar.write(f"{PROG}: launch failed: {failures[-1]}")
+                    bar.update(1)
+                    continue
+                if config.trace_dir:
+                    sample.trace.save(
+                        Path(config.trace_dir) / f"{_label(model)}-n{nprocs}-{link}.json"
+                    )
+                new_rows = rows_from_sample(sample, link, config.strategies)
+                rows.extend(new_rows)
+                bar.write(
+                    f"{model}, {nprocs} ranks, {link}: "
+                    + ", ".join(
+                        f"{r.strategy} {r.predicted_s * 1e3:.0f}/{r.measured_s * 1e3:.0f} ms "
+                        f"({r.error * 100:+.0f}%)"
+                        for r in new_rows
+                    )
+                )
+                bar.update(1)
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    if rows:
+        print()
+        print(format_table(rows))
+        print()
+        print(format_summary(rows))
+    if config.json_path:
+        path = Path(config.json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps([row.to_dict() for row in rows], indent=1) + "\n")
+    if rows and config.png_path:
+        print(f"\npredicted against measured: {plot_validation(rows, config.png_path)}")
+    if failures:
+        print(f"\n{PROG}: {len(failures)} launch(es) failed:", file=sys.stderr)
+        for message in failures:
+            print(f"  {message.splitlines()[0]}", file=sys.stderr)
+        return 1
+    return 0 if rows else 1
+
+
+def _bench_config(config: ValidateConfig, nprocs: int) -> Any:
+    return BenchConfig(
+        models=config.models,
+        strategies=config.strategies,
+        ratios=(),
+        nprocs=nprocs,
+        iters=config.iters,
+        warmup=config.warmup,
+        rounds=config.rounds,
+        input_shape=DEFAULT_INPUT_SHAPE,
+        batch_size=config.batch_size,
+        link=None,
+        netem=True,
+        timeout_s=config.timeout_s,
+        ref_link="1gbit",
+        min_link="20mbit",
+        max_link="2.5gbit",
+        seed=0,
+        json_path=None,
+        png_path=None,
+    )
+
+
+def _label(model: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in model)
+
+
+def config_from_args(args: argparse.Namespace, png_path: Path | None) -> ValidateConfig:
+    """Check ``--validate``'s flags.
+
+    Args:
+        args: ``interlace simulate``'s parsed flags.
+        png_path: Where the plot goes (None: no plot), as
+            :func:`interlace.sim.command.plot_path` resolves ``--png``.
+
+    Raises:
+        UsageError: Naming what is wrong.
+    """
+    models = parse_names(args.model, None, "model", "model") if args.model else DEFAULT_MODELS
+    for model in models:
+        if ":" not in model and model not in MODEL_NAMES:
+            raise UsageError(
+                f"--model: unknown model {model!r}; choose from {', '.join(MODEL_NAMES)} or give "
+                "package.module:callable"
+            )
+    strategies = (
+        parse_names(
+            args.strategy, tuple(s for s in STRATEGIES if s in RUNNABLE), "strategy", "strategy"
+        )
+        if args.strategy
+        else DEFAULT_STRATEGIES
+    )
+    if args.nprocs is not None and args.nprocs < 2:
+        raise UsageError(f"-n must be >= 2 (data parallelism needs ranks), got {args.nprocs}")
+    ranks = (args.nprocs,) if args.nprocs is not None else DEFAULT_RANKS
+    links = parse_names(args.link, None, "link", "link") if args.link else DEFAULT_LINKS
+    if args.iters < 1 or args.rounds < 1 or args.warmup < 0:
+        raise UsageError("--iters and --rounds must be >= 1, --warmup >= 0")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if not math.isfinite(args.timeout) or args.timeout <= 0:
+        raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    return ValidateConfig(
+        models=models,
+        ranks=ranks,
+        links=links,
+        strategies=strategies,
+        iters=args.iters,
+        warmup=args.warmup,
+        rounds=args.rounds,
+        batch_size=args.batch_size,
+        timeout_s=float(args.timeout),
+        json_path=args.json,
+        trace_dir=args.trace_dir,
+        png_path=None if png_path is None else str(png_path),
+    )
+
+
+def run(args: argparse.Namespace, png_path: Path | None) -> int:
+    """``interlace simulate --validate`` with parsed ``args``; the exit status.
+
+    Args:
+        args: ``interlace simulate``'s parsed flags.
+        png_path: Where the plot goes (None: no plot).
+    """
+    return run_validation(config_from_args(args, png_path))

@@ -1,0 +1,106 @@
+"""The engine: hand-worked iterations, strategy names, a run's own buckets and timelines."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from interlace.comm.cost import CostModel
+from interlace.errors import UsageError
+from interlace.sim.engine import STRATEGIES, simulate, strategy_named
+from interlace.sim.network import (
+    parse_network,
+)
+from interlace.sim.profiled import from_ready
+from interlace.sim.trace import Trace, load_trace
+
+MS = 1e-3
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
+GOOGLENET = TRACES / "googlenet_k80_8workers.log"
+needs_traces = pytest.mark.skipif(not GOOGLENET.exists(), reason=f"{GOOGLENET} not present")
+
+
+def toy_trace(ready_ms: list[float], sizes: list[int], backward_ms: float | None = None) -> Trace:
+    count = len(sizes)
+    return from_ready(
+        "toy",
+        names=[f"t{i}" for i in range(count)],
+        layers=[f"l{i}" for i in range(count)],
+        numels=[size // 4 for size in sizes],
+        element_bytes=[4] * count,
+        ready_s=[ms * MS for ms in ready_ms],
+        forward_s=2 * MS,
+        backward_s=(backward_ms if backward_ms is not None else ready_ms[-1]) * MS,
+        step_s=1 * MS,
+    )
+
+
+def test_hand_worked_iteration() -> None:
+    # a = 1 ms, b = 1 ms/MB. Tensors of 1 MB ready at 1, 2, 3 ms; backward ends at 3 ms.
+    trace = toy_trace([1, 2, 3], [1_000_000] * 3)
+    cost = CostModel(1 * MS, 1e-9)
+    wfbp = simulate(trace, "wfbp", cost)
+    # All-reduces 1..3, 3..5, 5..7 ms; iteration = 2 (forward) + 7 + 1 (step).
+    assert [t for c in wfbp.replay.comms for t in (c.start_s, c.end_s)] == pytest.approx(
+        [1 * MS, 3 * MS, 3 * MS, 5 * MS, 5 * MS, 7 * MS]
+    )
+    assert wfbp.iteration_s == pytest.approx(10 * MS)
+    single = simulate(trace, "single", cost)
+    # One 3 MB all-reduce from 3 ms: 3 + 1 + 3 = 7 ms.
+    assert single.iteration_s == pytest.approx(10 * MS)
+    assert single.buckets == 1
+
+
+def test_channel_strategies_are_named_with_a_k_suffix() -> None:
+    assert strategy_named("mgwfbp/k=2").channels == 2
+    three = strategy_named("wfbp/k=3")
+    assert (three.name, three.bucketing, three.channels) == ("wfbp/k=3", "per-tensor", 3)
+    with pytest.raises(UsageError, match="one channel"):
+        strategy_named("optimal/k=2")
+    with pytest.raises(UsageError, match="/k=K"):
+        strategy_named("mgwfbp/k=zero")
+
+
+def test_planning_and_timing_costs_can_differ() -> None:
+    trace = toy_trace([1, 2, 3], [1_000_000] * 3)
+    believed = CostModel(0.1 * MS, 1e-9)
+    actual = CostModel(2 * MS, 1e-9)
+    result = simulate(trace, "wfbp", believed, timing_cost=actual)
+    # Three all-reduces of 3 ms each from 1 ms: 1..4, 4..7, 7..10.
+    assert result.replay.comm_end_s == pytest.approx(10 * MS)
+    assert result.plan.cost == believed
+
+
+def test_a_run_s_own_buckets_are_replayed_instead_of_planned() -> None:
+    trace = toy_trace([1, 2, 3], [1_000_000] * 3)
+    cost = CostModel(1 * MS, 1e-9)
+    # The run kept t0 alone and t1 with t2: 1..3 ms, then 2 MB from 3 ms to 6 ms.
+    result = simulate(trace, "mgwfbp", cost, buckets=[["t0"], ["t1", "t2"]])
+    assert [t for c in result.replay.comms for t in (c.start_s, c.end_s)] == pytest.approx(
+        [1 * MS, 3 * MS, 3 * MS, 6 * MS]
+    )
+    assert result.buckets == 2 and result.iteration_s == pytest.approx(9 * MS)
+    with pytest.raises(ValueError, match="does not have: t9"):
+        simulate(trace, "mgwfbp", cost, buckets=[["t0", "t1", "t2", "t9"]])
+
+
+# ---------------------------------------------------------------------- network models
+
+
+@needs_traces
+def test_every_strategy_has_a_timeline_with_its_buckets() -> None:
+    trace = load_trace(GOOGLENET)
+    cost = parse_network("ring:10gbit").cost(64)
+    for name in STRATEGIES:
+        result = simulate(trace, name, cost, workers=64)
+        timeline = result.timeline()
+        comms = [e for e in timeline.events if e.category == "comm"]
+        assert len(comms) == result.buckets
+        assert math.isclose(timeline.span_s(), result.iteration_s, rel_tol=1e-9)
+
+
+def test_unknown_strategy_is_named() -> None:
+    with pytest.raises(UsageError, match="unknown strategy 'nope'"):
+        simulate(toy_trace([1], [4]), "nope", CostModel(0, 0))

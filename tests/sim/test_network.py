@@ -1,0 +1,85 @@
+"""Network models against the papers' formulas, fits and OSU logs; --network specs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from interlace.comm.cost import CostModel
+from interlace.errors import UsageError
+from interlace.sim.network import (
+    Fitted,
+    HierarchicalRing,
+    Link,
+    Ring,
+    Tree,
+    fit_ring_link,
+    parse_network,
+)
+
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
+GOOGLENET = TRACES / "googlenet_k80_8workers.log"
+needs_traces = pytest.mark.skipif(not GOOGLENET.exists(), reason=f"{GOOGLENET} not present")
+
+
+def test_ring_and_tree_follow_the_papers_formulas() -> None:
+    link = Link(alpha=10e-6, beta=1e-9, gamma=0.5e-9)
+    ring = Ring(link).cost(8)
+    assert ring.a == pytest.approx(2 * 7 * 10e-6)
+    assert ring.b == pytest.approx(2 * 7 / 8 * 1e-9 + 7 / 8 * 0.5e-9)
+    tree = Tree(link).cost(8)
+    assert tree.a == pytest.approx(2 * 3 * 10e-6)
+    assert tree.b == pytest.approx(2e-9 + 0.5e-9)
+
+
+def test_hierarchical_ring_is_rings_inside_and_across_nodes() -> None:
+    inter, intra = Link(50e-6, 1e-9), Link(5e-6, 0.1e-9)
+    model = HierarchicalRing(8, inter, intra).cost(64)
+    inside, across = CostModel.ring(8, 5e-6, 0.1e-9), CostModel.ring(8, 50e-6, 1e-9)
+    assert model.a == pytest.approx(inside.a + across.a)
+    assert model.b == pytest.approx(inside.b + across.b / 8)
+    # Fewer workers than a node: one node, the intra-node ring only.
+    assert HierarchicalRing(8, inter, intra).cost(4) == CostModel.ring(4, 5e-6, 0.1e-9)
+
+
+def test_ring_link_recovered_from_fits_at_several_sizes() -> None:
+    link = Link(40e-6, 2e-9)
+    fits = {n: CostModel.ring(n, link.alpha, link.beta) for n in (2, 4, 8)}
+    found = fit_ring_link(fits)
+    assert found.alpha == pytest.approx(link.alpha)
+    assert found.beta == pytest.approx(link.beta)
+
+
+def test_fitted_models_are_fixed_or_extrapolated() -> None:
+    model = CostModel(9.72e-4, 1.97e-9)
+    assert Fitted(model).cost(1024) == model
+    assert Fitted(model, 8).cost(8).a == pytest.approx(model.a)
+    assert Fitted(model, 8).cost(64).a == pytest.approx(model.a / 14 * 126)
+
+
+def test_network_specs() -> None:
+    ring = parse_network("ring:10gbit:50us")
+    assert isinstance(ring, Ring)
+    assert ring.link.alpha == pytest.approx(50e-6)
+    assert ring.link.beta == pytest.approx(8 / 10e9)
+    assert isinstance(parse_network("tree:1gbit"), Tree)
+    hier = parse_network("hier:8:10gbit")
+    assert isinstance(hier, HierarchicalRing)
+    assert hier.gpus_per_node == 8
+    fitted = parse_network("fitted:1e-3,2e-9@8")
+    assert isinstance(fitted, Fitted)
+    assert fitted.fitted_on == 8
+    for bad in ("ring", "ring:fast", "hier:x:1gbit", "fitted:1", "mesh:1gbit", "osu:/no/such"):
+        with pytest.raises(UsageError, match="--network"):
+            parse_network(bad)
+
+
+@needs_traces
+def test_osu_logs_give_a_ring_close_to_each_fit() -> None:
+    network = parse_network(f"osu:{TRACES}")
+    assert isinstance(network, Ring)
+    # The paper's fit for 8 workers: a = 0.97 ms, b = 1.97 ns/byte; our OSU fit is the same order.
+    eight = network.cost(8)
+    assert 0.3e-3 < eight.a < 1.5e-3
+    assert 1e-9 < eight.b < 5e-9
