@@ -473,4 +473,4 @@ def test_conv_patches_are_unfold_s_columns_for_any_input_layout(
     # The reference: unfold's (batch, in*kh*kw, positions), samples laid side by side.
     unfolded = functional.unfold(inputs, kernel, dilation=dilation, padding=padding, stride=stride)
     expected = unfolded.permute(1, 0, 2).reshape(unfolded.shape[1], -1)
-    assert torch.equal(Conv2dHelper(conv)._patches(inputs), expected)
+    assert torch.equal(Conv2dHelper(conv).patches(inputs), expected)
