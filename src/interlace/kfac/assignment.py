@@ -6,7 +6,8 @@ the process groups that carry decompositions and preconditioned gradients.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from interlace.comm.calibrate import time_broadcast
 from interlace.comm.cost import CostModel
 from interlace.kfac.costs import DecompositionCostModel, broadcast_time
-from interlace.kfac.layer import KFACLayer
+from interlace.kfac.layer import KFACLayer, PendingBroadcast
 from interlace.kfac.placement import (
     FactorItem,
     WorkerGroups,
@@ -26,7 +27,7 @@ from interlace.kfac.placement import (
     schedule_order,
 )
 
-__all__ = ["BROADCAST_SIZES", "PLACEMENTS", "WorkAssignment"]
+__all__ = ["BROADCAST_SIZES", "PLACEMENTS", "GroupRanks", "WorkAssignment"]
 
 #: Values of ``KFAC(placement=...)``: where decompositions are computed.
 PLACEMENTS = ("round-robin", "greedy", "lbp")
@@ -35,6 +36,47 @@ PLACEMENTS = ("round-robin", "greedy", "lbp")
 #: start-up): the span of small and medium factors' decompositions, where LBP's
 #: local-or-broadcast decisions fall.
 BROADCAST_SIZES = (64 * 1024, 512 * 1024, 2 * 1024 * 1024)
+
+
+@dataclass(frozen=True)
+class GroupRanks:
+    """The process group K-FAC runs on, its size, this rank in it, and its global ranks.
+
+    Args:
+        group: The group (None: the default group, or no group when not distributed).
+        world_size: Its ranks (1 when not distributed).
+        rank: This rank in it.
+        global_ranks: The global rank of each of its ranks.
+        distributed: Whether a process group is initialised.
+    """
+
+    group: dist.ProcessGroup | None
+    world_size: int
+    rank: int
+    global_ranks: list[int]
+    distributed: bool
+
+    @classmethod
+    def of(cls, process_group: dist.ProcessGroup | None) -> GroupRanks:
+        """The ranks of ``process_group`` (None: the default group), or one lone rank.
+
+        Args:
+            process_group: The group, or None.
+        """
+        distributed = dist.is_available() and dist.is_initialized()
+        world_size = dist.get_world_size(process_group) if distributed else 1
+        global_ranks = (
+            [dist.get_global_rank(process_group, r) for r in range(world_size)]
+            if distributed and process_group is not None
+            else list(range(world_size))
+        )
+        return cls(
+            group=process_group if distributed else None,
+            world_size=world_size,
+            rank=dist.get_rank(process_group) if distributed else 0,
+            global_ranks=global_ranks,
+            distributed=distributed,
+        )
 
 
 class _SharedGroups(list[dist.ProcessGroup]):
@@ -64,11 +106,8 @@ class WorkAssignment:
         worker_groups: The gradient-worker blocks for this world size.
         compute_method: ``"eigen"`` or ``"inverse"``.
         inv_dtype: The dtype decompositions are computed and sent in.
-        group: The process group K-FAC runs on (None: the default group, or no group).
-        rank: This rank in ``group``.
-        global_ranks: The global rank of each rank of ``group``.
-        distributed: Whether a process group is initialised.
-        device: Where measurements run.
+        ranks: The process group K-FAC runs on and this rank in it.
+        device: Where LBP's start-up measurements run.
         decomposition_cost: LBP's decomposition cost model (None: measured when needed).
         broadcast_cost: LBP's broadcast cost model (None: measured when needed).
     """
@@ -81,10 +120,7 @@ class WorkAssignment:
         worker_groups: WorkerGroups,
         compute_method: str,
         inv_dtype: torch.dtype,
-        group: dist.ProcessGroup | None,
-        rank: int,
-        global_ranks: list[int],
-        distributed: bool,
+        ranks: GroupRanks,
         device: torch.device,
         decomposition_cost: DecompositionCostModel | None = None,
         broadcast_cost: CostModel | None = None,
@@ -96,9 +132,9 @@ class WorkAssignment:
         self.world_size = worker_groups.world_size
         self.compute_method = compute_method
         self.inv_dtype = inv_dtype
-        self.group = group
-        self.rank = rank
-        self.global_ranks = global_ranks
+        self.group = ranks.group
+        self.rank = ranks.rank
+        self.global_ranks = ranks.global_ranks
         self.device = device
         #: LBP's cost models (None for the layer-level placements and on a single rank).
         self.decomposition_cost = decomposition_cost
@@ -109,9 +145,9 @@ class WorkAssignment:
         self._place(layers)
         self._block_groups: dict[int, dist.ProcessGroup | None] = {}
         self._receiver_groups: dict[int, dist.ProcessGroup | None] = {}
-        self._make_worker_groups(distributed)
+        self._make_worker_groups(ranks.distributed)
         self._owner_groups = _SharedGroups()
-        self._distributed = distributed
+        self._distributed = ranks.distributed
 
     # -- placing -------------------------------------------------------------------------
 
@@ -251,6 +287,87 @@ class WorkAssignment:
             owner: The rank that decomposed the factor.
         """
         return self._owner_groups[owner] if self._owner_groups else self.group
+
+    # -- decompositions ------------------------------------------------------------------
+
+    def decompose(
+        self,
+        ready: Sequence[KFACLayer],
+        decompose: Callable[[KFACLayer, str], None],
+        device: torch.device,
+    ) -> list[PendingBroadcast]:
+        """Decompose the factors this rank is given; under LBP, start their broadcasts too.
+
+        Layer-level placements: an owner decomposes both of a layer's factors (they are sent
+        afterwards by :meth:`send_layer_decompositions`). LBP: every rank walks the same global
+        order (owned factors in Johnson's order, then the local ones); an owner decomposes a
+        factor and starts its broadcast at once, while the others post the matching broadcast
+        into a buffer and move on, so collectives are issued in one order everywhere and each
+        owner's sends start as early as its decompositions allow.
+
+        Args:
+            ready: The layers with factors, in the same order on every rank.
+            decompose: Decomposes one factor of a layer on this rank.
+            device: Where receive buffers live.
+
+        Returns:
+            The broadcasts started (LBP), to be waited for.
+        """
+        pending: list[PendingBroadcast] = []
+        if self.placement != "lbp":
+            for layer in ready:
+                layer.decomposed = True
+                if self._owner[layer.name] == self.rank:
+                    decompose(layer, "A")
+                    decompose(layer, "G")
+            return pending
+        for layer, which in self.factor_schedule(ready):
+            layer.decomposed = True
+            owner = self.factor_owner(layer.name, which)
+            if owner is None or owner == self.rank:
+                decompose(layer, which)
+            if owner is None:
+                continue
+            pending.append(
+                layer.broadcast_decomposition(
+                    which,
+                    src=self.global_ranks[owner],
+                    group=self.owner_group(owner),
+                    receive=owner != self.rank,
+                    device=device,
+                )
+            )
+        return pending
+
+    @property
+    def sends_layer_decompositions(self) -> bool:
+        """Whether :meth:`send_layer_decompositions` sends anything (layer-level, not MEM-OPT)."""
+        return self.placement != "lbp" and self.worker_groups.broadcasts_decompositions
+
+    def send_layer_decompositions(
+        self, ready: Sequence[KFACLayer], device: torch.device
+    ) -> list[PendingBroadcast]:
+        """Layer-level placements: start one broadcast per layer from its owner to its block.
+
+        Args:
+            ready: The layers decomposed this step, in the same order on every rank.
+            device: Where receive buffers live.
+
+        Returns:
+            The broadcasts started (none under LBP or MEM-OPT), to be waited for.
+        """
+        if not self.sends_layer_decompositions:
+            return []
+        return [
+            layer.broadcast_decompositions(
+                src=self.global_ranks[self._owner[layer.name]],
+                group=self.block_group(self._owner[layer.name]),
+                receive=self._owner[layer.name] != self.rank,
+                device=device,
+            )
+            for layer in ready
+            if self.is_grad_worker(layer.name)
+        ]
 
     # -- queries -------------------------------------------------------------------------
 

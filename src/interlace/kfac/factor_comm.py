@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from interlace.comm.calibrate import fit_cost_model
 from interlace.comm.cost import CostModel
+from interlace.kfac.assignment import GroupRanks
 from interlace.kfac.fusion import FUSIONS, BucketLauncher, make_groups
 from interlace.kfac.layer import KFACLayer
 from interlace.kfac.packing import pack_upper, packed_size, unpack_upper
@@ -206,10 +207,7 @@ class FactorComm:
     Args:
         mode: One of :data:`FACTOR_COMMS`.
         fusion: One of :data:`~interlace.kfac.fusion.FUSIONS` (pipelined only).
-        world_size: The ranks of ``group``.
-        group: The process group K-FAC runs on.
-        global_ranks: The global rank of each rank of ``group``.
-        distributed: Whether a process group is initialised.
+        ranks: The process group K-FAC runs on and this rank in it.
         bucket_bytes: The most bytes per bulk (and ``"fixed"``) all-reduce.
         accumulation_steps: Micro-batches per step.
         profile_steps: Factor steps profiled before ``"merged"`` plans its buckets.
@@ -222,10 +220,7 @@ class FactorComm:
         mode: str,
         fusion: str,
         *,
-        world_size: int,
-        group: dist.ProcessGroup | None,
-        global_ranks: list[int],
-        distributed: bool,
+        ranks: GroupRanks,
         bucket_bytes: int,
         accumulation_steps: int,
         profile_steps: int,
@@ -238,9 +233,9 @@ class FactorComm:
             raise ValueError(f"fusion must be one of {', '.join(FUSIONS)}, got {fusion!r}")
         self.mode = mode
         self.fusion = fusion
-        self.world_size = world_size
-        self.group = group
-        self.global_ranks = global_ranks
+        self.world_size = ranks.world_size
+        self.group = ranks.group
+        self.global_ranks = ranks.global_ranks
         self.bucket_bytes = bucket_bytes
         self.accumulation_steps = accumulation_steps
         self.profile_steps = profile_steps
@@ -258,8 +253,8 @@ class FactorComm:
         # gradient all-reduces run on the default group: a group of their own keeps the two
         # sequences apart (new_group is collective, so every rank creates it here).
         self.factor_group: dist.ProcessGroup | None = None
-        if mode == "pipelined" and distributed and world_size > 1:
-            self.factor_group = dist.new_group(global_ranks)
+        if mode == "pipelined" and ranks.distributed and ranks.world_size > 1:
+            self.factor_group = dist.new_group(ranks.global_ranks)
 
     @property
     def pipelining(self) -> bool:

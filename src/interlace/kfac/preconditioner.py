@@ -19,12 +19,12 @@ import torch.distributed as dist
 from torch import nn
 
 from interlace.comm.cost import CostModel
-from interlace.kfac.assignment import PLACEMENTS, WorkAssignment
+from interlace.kfac.assignment import PLACEMENTS, GroupRanks, WorkAssignment
 from interlace.kfac.costs import DecompositionCostModel
 from interlace.kfac.decomp import kl_clip_scale
 from interlace.kfac.factor_comm import FACTOR_COMMS, FactorComm
 from interlace.kfac.fusion import FUSIONS
-from interlace.kfac.layer import KFACLayer, PendingBroadcast, find_layers, unwrap
+from interlace.kfac.layer import KFACLayer, find_layers, unwrap
 from interlace.kfac.options import G_NORMALIZATIONS, check_options
 from interlace.kfac.placement import WorkerGroups
 from interlace.kfac.timing import SpanLog
@@ -101,26 +101,21 @@ class KFAC:
         inv_dtype: dtype the decompositions are computed and kept in.
         process_group: The group K-FAC runs on (None: the default group, if initialised).
         bucket_cap_mb: Largest bulk factor all-reduce (and ``"fixed"`` bucket), in MiB.
-        placement: Where decompositions are computed: ``"greedy"`` (SC20 / KAISA: a layer's
-            two factors on one rank, largest layers first onto the least-loaded rank),
-            ``"round-robin"`` (layer ``i`` on rank ``i % world``) or ``"lbp"`` (SPD-KFAC,
-            COMM-OPT only: each factor on its own, decomposed on every rank when that is
-            cheaper than a broadcast, else on one rank and broadcast as soon as it is ready).
-        decomposition_cost: LBP's decomposition cost model; left out, it is measured at start-up
-            (rank 0's fit is taken by every rank). Passed in, it must be the same on every rank.
-        broadcast_cost: LBP's broadcast cost model; left out, it is measured at start-up (the
-            slowest rank's medians). Passed in, it must be the same on every rank.
-        factor_comm: ``"bulk"`` (``step()`` all-reduces every factor at once, in buckets) or
-            ``"pipelined"`` (SPD-KFAC: each factor's upper triangle is all-reduced as soon as
-            its hook computes it, on a group of its own; ``step()`` waits for them, which is
-            ``last_phase_s["factor_comm"]``). The first factor step is always bulk; with
-            ``accumulation_steps > 1``, or on one rank, factors are sent in bulk.
+        placement: Where decompositions are computed: ``"greedy"`` (SC20 / KAISA),
+            ``"round-robin"`` or ``"lbp"`` (SPD-KFAC, COMM-OPT only); see
+            :class:`~interlace.kfac.assignment.WorkAssignment`.
+        decomposition_cost: LBP's decomposition cost model, the same on every rank (None:
+            measured at start-up).
+        broadcast_cost: LBP's broadcast cost model, the same on every rank (None: measured at
+            start-up).
+        factor_comm: ``"bulk"`` (``step()`` all-reduces every factor in buckets) or
+            ``"pipelined"`` (SPD-KFAC: each factor is all-reduced as soon as its hook computes
+            it; ``step()`` waits for them); see :class:`~interlace.kfac.factor_comm.FactorComm`.
         fusion: Pipelined buckets: ``"none"`` (one per factor), ``"fixed"`` (up to
-            ``bucket_cap_mb`` in ready order) or ``"merged"`` (MG-WFBP's rule on profiled ready
-            times and ``factor_cost``).
+            ``bucket_cap_mb`` in ready order) or ``"merged"`` (MG-WFBP's rule).
         profile_steps: Factor steps profiled before ``"merged"`` plans its buckets.
-        factor_cost: All-reduce cost model behind ``"merged"`` (fitted on the factor group
-            when not given); the same on every rank.
+        factor_cost: All-reduce cost model behind ``"merged"``, the same on every rank (None:
+            fitted on the factor group).
         g_normalization: ``"kfac-pytorch"`` (``G`` of the mean loss) or ``"per-example"``
             (``G`` scaled by the squared global batch: the per-example Fisher's factor, whose
             damping means the same thing at every batch size).
@@ -183,15 +178,8 @@ class KFAC:
         self.steps = 0
         self._check_hyperparameters()
 
-        distributed = dist.is_available() and dist.is_initialized()
-        self.group = process_group if distributed else None
-        self.world_size = dist.get_world_size(process_group) if distributed else 1
-        self.rank = dist.get_rank(process_group) if distributed else 0
-        global_ranks = (
-            [dist.get_global_rank(process_group, r) for r in range(self.world_size)]
-            if distributed and process_group is not None
-            else list(range(self.world_size))
-        )
+        ranks = GroupRanks.of(process_group)
+        self.group, self.world_size, self.rank = ranks.group, ranks.world_size, ranks.rank
         fraction = 1.0 if grad_worker_fraction is None else grad_worker_fraction
         self.worker_groups = WorkerGroups.for_fraction(fraction, self.world_size)
         self.grad_worker_fraction = self.worker_groups.workers / self.world_size
@@ -219,10 +207,7 @@ class KFAC:
             worker_groups=self.worker_groups,
             compute_method=compute_method,
             inv_dtype=inv_dtype,
-            group=self.group,
-            rank=self.rank,
-            global_ranks=global_ranks,
-            distributed=distributed,
+            ranks=ranks,
             device=self._device(),
             decomposition_cost=decomposition_cost,
             broadcast_cost=broadcast_cost,
@@ -230,10 +215,7 @@ class KFAC:
         self._comm = FactorComm(
             factor_comm,
             fusion,
-            world_size=self.world_size,
-            group=self.group,
-            global_ranks=global_ranks,
-            distributed=distributed,
+            ranks=ranks,
             bucket_bytes=self.bucket_bytes,
             accumulation_steps=accumulation_steps,
             profile_steps=profile_steps,
@@ -491,77 +473,18 @@ class KFAC:
 
     def _update_decompositions(self, phases: dict[str, float]) -> None:
         """Decompose every factor where the assignment puts it, and send it where it is used."""
-        damping = self.damping
+        work = self.assignment
         ready = [layer for layer in self._layers if layer.a_factor is not None]
-        if self.placement == "lbp":
-            self._update_factor_decompositions(phases, ready, damping)
-        else:
-            self._update_layer_decompositions(phases, ready, damping)
+        with self._spans.timed(phases, "decomposition", "decomposition", "decompositions"):
+            # Under LBP each owned factor's broadcast starts as soon as it is decomposed.
+            decompose = partial(self._decompose, damping=self.damping)
+            pending = work.decompose(ready, decompose, self._device())
+        if pending or work.sends_layer_decompositions:
+            with self._spans.timed(phases, "decomposition_comm", "comm", "decomposition broadcast"):
+                pending += work.send_layer_decompositions(ready, self._device())
+                for broadcast in pending:
+                    broadcast.wait()
         self._needs_decomposition = False
-
-    def _update_layer_decompositions(
-        self, phases: dict[str, float], ready: list[KFACLayer], damping: float
-    ) -> None:
-        """Layer-level placements: an owner decomposes both factors, then sends them to its
-        block of gradient workers in one broadcast per layer."""
-        work = self.assignment
-        with self._spans.timed(phases, "decomposition", "decomposition", "decompositions"):
-            for layer in ready:
-                layer.decomposed = True
-                if work.owner(layer.name) == self.rank:
-                    self._decompose(layer, "A", damping)
-                    self._decompose(layer, "G", damping)
-        if not self.worker_groups.broadcasts_decompositions:
-            return
-        with self._spans.timed(phases, "decomposition_comm", "comm", "decomposition broadcast"):
-            pending = [
-                layer.broadcast_decompositions(
-                    src=work.global_ranks[work.owner(layer.name)],
-                    group=work.block_group(work.owner(layer.name)),
-                    receive=work.owner(layer.name) != self.rank,
-                    device=self._device(),
-                )
-                for layer in ready
-                if work.is_grad_worker(layer.name)
-            ]
-            for broadcast in pending:
-                broadcast.wait()
-
-    def _update_factor_decompositions(
-        self, phases: dict[str, float], ready: list[KFACLayer], damping: float
-    ) -> None:
-        """LBP: owned factors decomposed and broadcast one by one, local ones on every rank.
-
-        Every rank walks the same global order (owned factors in Johnson's order, then the
-        local ones): an owner decomposes a factor and starts its broadcast at once, while the
-        others post the matching broadcast into a buffer and move on, so collectives are issued
-        in one order everywhere and each owner's sends start as early as its decompositions
-        allow. Each owner broadcasts on a group of its own, so different owners' sends overlap.
-        """
-        work = self.assignment
-        pending: list[PendingBroadcast] = []
-        with self._spans.timed(phases, "decomposition", "decomposition", "decompositions"):
-            for layer, which in work.factor_schedule(ready):
-                layer.decomposed = True
-                owner = work.factor_owner(layer.name, which)
-                if owner is None or owner == self.rank:
-                    self._decompose(layer, which, damping)
-                if owner is None:
-                    continue
-                pending.append(
-                    layer.broadcast_decomposition(
-                        which,
-                        src=work.global_ranks[owner],
-                        group=work.owner_group(owner),
-                        receive=owner != self.rank,
-                        device=self._device(),
-                    )
-                )
-        if not pending:
-            return
-        with self._spans.timed(phases, "decomposition_comm", "comm", "decomposition broadcast"):
-            for broadcast in pending:
-                broadcast.wait()
 
     def _decompose(self, layer: KFACLayer, which: str, damping: float) -> None:
         failure = layer.decompose(which, damping)
@@ -569,7 +492,7 @@ class KFAC:
             warnings.warn(
                 f"K-FAC: factor {which} of layer {layer.name} at step {self.steps}: {failure}",
                 KFACWarning,
-                # Through the placement's method, _update_decompositions and step to the
+                # Through WorkAssignment.decompose, _update_decompositions and step to the
                 # caller of step.
                 stacklevel=5,
             )
