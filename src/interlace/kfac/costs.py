@@ -36,6 +36,8 @@ __all__ = [
     "DecompositionCostModel",
     "broadcast_time",
     "decomposition_numel",
+    "random_spd",
+    "time_decomposition",
 ]
 
 #: Broadcasts are priced by the all-reduce cost model (see the module docstring).
@@ -138,16 +140,23 @@ class DecompositionCostModel:
         generator = torch.Generator().manual_seed(0)
         samples = []
         for n in sizes:
-            matrices = [_random_spd(n, dtype, device, generator) for _ in range(repeats + 1)]
-            timings = [_time_decomposition(method, matrix) for matrix in matrices]
+            matrices = [random_spd(n, dtype, device, generator) for _ in range(repeats + 1)]
+            timings = [time_decomposition(method, matrix) for matrix in matrices]
             samples.append((n, statistics.median(timings[1:])))
         return cls.fit(samples)
 
 
-def _random_spd(
+def random_spd(
     n: int, dtype: torch.dtype, device: torch.device, generator: torch.Generator
 ) -> torch.Tensor:
-    """A well-conditioned SPD matrix like a damped factor: ``X X^T / n + I``."""
+    """A well-conditioned SPD matrix like a damped factor: ``X X^T / n + I``.
+
+    Args:
+        n: The side.
+        dtype: The result's dtype (drawn in float64).
+        device: The result's device.
+        generator: The CPU generator ``X`` is drawn from.
+    """
     x = torch.randn(n, n, generator=generator, dtype=torch.float64)
     return (x @ x.T / n + torch.eye(n, dtype=torch.float64)).to(device=device, dtype=dtype)
 
@@ -157,8 +166,13 @@ def _synchronise(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_decomposition(method: str, matrix: torch.Tensor) -> float:
-    """Seconds for one decomposition of ``matrix``, with the device drained before and after."""
+def time_decomposition(method: str, matrix: torch.Tensor) -> float:
+    """Seconds for one decomposition of ``matrix``, with the device drained before and after.
+
+    Args:
+        method: ``"eigen"`` (``torch.linalg.eigh``) or anything else (``torch.linalg.inv``).
+        matrix: A square matrix.
+    """
     _synchronise(matrix.device)
     start = time.perf_counter()
     if method == "eigen":

@@ -18,7 +18,13 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["pack_upper", "packed_size", "unpack_upper"]
+__all__ = [
+    "pack_upper",
+    "packed_size",
+    "symmetric_gather_index",
+    "unpack_upper",
+    "upper_flat_index",
+]
 
 #: Distinct (size, device) pairs whose indices are kept; a ResNet-152 has about twenty sizes.
 _CACHE_SIZE = 64
@@ -37,18 +43,30 @@ def _index_dtype(n: int) -> torch.dtype:
 
 
 @lru_cache(maxsize=_CACHE_SIZE)
-def _upper_flat_index(n: int, device: torch.device) -> torch.Tensor:
-    """Row-major positions, in the flattened matrix, of the upper triangle's entries."""
+def upper_flat_index(n: int, device: torch.device) -> torch.Tensor:
+    """Row-major positions, in the flattened matrix, of the upper triangle's entries.
+
+    Cached per ``(n, device)`` (``int32`` below 46341 x 46341), as :func:`pack_upper` uses it.
+
+    Args:
+        n: The matrix side.
+        device: Where the indices live.
+    """
     indices: torch.Tensor = torch.triu_indices(n, n, device=device)
     return (indices[0] * n + indices[1]).to(_index_dtype(n))
 
 
 @lru_cache(maxsize=_CACHE_SIZE)
-def _symmetric_gather_index(n: int, device: torch.device) -> torch.Tensor:
+def symmetric_gather_index(n: int, device: torch.device) -> torch.Tensor:
     """For each entry ``(i, j)`` of the ``n x n`` matrix, its position in the packed vector.
 
     Entry ``(i, j)`` and its mirror ``(j, i)`` both read the packed ``(min, max)`` entry; row
-    ``r`` of the upper triangle starts at ``r n - r(r-1)/2``.
+    ``r`` of the upper triangle starts at ``r n - r(r-1)/2``. Cached like
+    :func:`upper_flat_index`.
+
+    Args:
+        n: The matrix side.
+        device: Where the indices live.
     """
     positions = torch.arange(n, device=device, dtype=torch.int64)
     low = torch.minimum(positions[:, None], positions[None, :])
@@ -68,7 +86,7 @@ def pack_upper(matrix: torch.Tensor) -> torch.Tensor:
     if matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1]:
         raise ValueError(f"packing needs a square matrix or a diagonal, got shape {matrix.shape}")
     n = matrix.shape[0]
-    return matrix.reshape(-1).index_select(0, _upper_flat_index(n, matrix.device))
+    return matrix.reshape(-1).index_select(0, upper_flat_index(n, matrix.device))
 
 
 def unpack_upper(packed: torch.Tensor, n: int, *, diagonal: bool = False) -> torch.Tensor:
@@ -88,4 +106,4 @@ def unpack_upper(packed: torch.Tensor, n: int, *, diagonal: bool = False) -> tor
         )
     if diagonal:
         return packed
-    return packed.index_select(0, _symmetric_gather_index(n, packed.device)).view(n, n)
+    return packed.index_select(0, symmetric_gather_index(n, packed.device)).view(n, n)
