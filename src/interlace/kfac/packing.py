@@ -1,15 +1,6 @@
-"""Symmetric packing of Kronecker factors for communication (SPD-KFAC, PAPERS.md section 4).
+"""Upper-triangle packing of symmetric Kronecker factors, which nearly halves each all-reduce.
 
-A factor ``A = E[a a^T]`` is symmetric, so its upper triangle (diagonal included) holds all of it:
-``n(n+1)/2`` numbers instead of ``n^2``, which nearly halves every factor all-reduce. Averaging
-commutes with packing (it is elementwise), so ranks all-reduce the packed vectors and unpack the
-mean. A diagonal factor (an embedding's ``A``, stored as its diagonal) is already ``n`` numbers
-and passes through unchanged.
-
-Packing and unpacking are single index gathers with a fixed output size, so on CUDA they queue
-without a host synchronisation (a boolean-mask select would need one to learn its length). The
-gather indices are cached per ``(n, device)``; each costs ``2n(n+1)`` bytes (``int32``), about
-half the factor itself in ``float32``, and a model has only a few distinct factor sizes.
+A diagonal factor (an embedding's ``A``, stored as its diagonal) passes through unchanged.
 """
 
 from __future__ import annotations
@@ -31,7 +22,11 @@ _CACHE_SIZE = 64
 
 
 def packed_size(n: int) -> int:
-    """Numbers in the packed upper triangle of an ``n x n`` matrix: ``n(n+1)/2``."""
+    """Numbers in the packed upper triangle of an ``n x n`` matrix: ``n(n+1)/2``.
+
+    Args:
+        n: The matrix side.
+    """
     if n < 0:
         raise ValueError(f"a matrix size must be >= 0, got {n}")
     return n * (n + 1) // 2
@@ -80,6 +75,9 @@ def pack_upper(matrix: torch.Tensor) -> torch.Tensor:
 
     A 1-D tensor (a diagonal factor) is returned unchanged. Only the upper triangle is read:
     packing is lossless exactly when ``matrix`` is symmetric.
+
+    Args:
+        matrix: A symmetric ``n x n`` matrix, or a 1-D diagonal factor.
     """
     if matrix.dim() == 1:
         return matrix
@@ -95,6 +93,11 @@ def unpack_upper(packed: torch.Tensor, n: int, *, diagonal: bool = False) -> tor
     Every entry is copied, never computed, so ``unpack_upper(pack_upper(s), n)`` equals a
     symmetric ``s`` bit for bit. With ``diagonal`` the tensor is a diagonal factor's ``n``
     numbers and is returned unchanged (``n = 1`` alone could not tell the two apart).
+
+    Args:
+        packed: The packed upper triangle (or a diagonal factor).
+        n: The matrix side.
+        diagonal: Whether ``packed`` is a diagonal factor.
     """
     if packed.dim() != 1:
         raise ValueError(f"a packed factor is 1-D, got shape {packed.shape}")
