@@ -51,6 +51,16 @@ PHASES = (
     "precondition_comm",
 )
 
+#: The hyperparameters :meth:`KFAC.state_dict` keeps when they are numbers, in its order.
+_PLAIN_HYPERPARAMETERS = (
+    "factor_update_steps",
+    "inv_update_steps",
+    "damping",
+    "factor_decay",
+    "kl_clip",
+    "lr",
+)
+
 #: A hyperparameter: a number, or a callable giving the number for a step count.
 IntHyper = int | Callable[[int], int]
 FloatHyper = float | Callable[[int], float]
@@ -71,15 +81,12 @@ class KFAC:
         precond.step()                              # gradients preconditioned in place
         optimizer.step()
 
-    Every ``factor_update_steps`` the factors the hooks collected are averaged across ranks and
-    folded into the running averages; every ``inv_update_steps`` each factor is decomposed where
-    the placement puts it and sent to the layer's gradient workers, which precondition and, unless
-    every rank is a worker, send the result on; last, kfac-pytorch's KL-clip scales every
-    preconditioned gradient by one factor. Linear, Conv2d (groups=1) and dense Embedding layers
-    are preconditioned. ``G`` is normalised to the *global* batch, so W ranks give exactly the
-    single-process result (kfac-pytorch's ``G`` grows with the world size); decompositions are
-    kept in :meth:`state_dict`; output gradients are taken by a tensor hook, so layers followed
-    by in-place operations work.
+    Every ``factor_update_steps`` the hooks' factors are averaged across ranks and folded into
+    the running averages; every ``inv_update_steps`` each factor is decomposed where the placement
+    puts it and sent to the layer's gradient workers, which precondition (and send the result on
+    unless every rank is a worker); last, the KL-clip scales every preconditioned gradient by one
+    factor. Linear, Conv2d (groups=1) and dense Embedding layers are preconditioned. ``G`` is
+    normalised to the *global* batch, so W ranks give exactly the single-process result.
 
     Args:
         model: The model, or a DataParallel / DDP wrapper around it.
@@ -304,13 +311,8 @@ class KFAC:
 
         With a layer-level placement both are the layer's owner.
         """
-        return {
-            layer.name: (
-                self.assignment.factor_owner(layer.name, "A"),
-                self.assignment.factor_owner(layer.name, "G"),
-            )
-            for layer in self._layers
-        }
+        owner = self.assignment.factor_owner
+        return {name: (owner(name, "A"), owner(name, "G")) for name in self}
 
     @property
     def decomposition_cost(self) -> DecompositionCostModel | None:
@@ -450,8 +452,7 @@ class KFAC:
             if anywhere[layer.name]:
                 keep.append(layer)
                 continue
-            for handle in layer.handles:
-                handle.remove()
+            layer.remove_hooks()
             reason = "its forward never ran (its weight is used functionally by its parent)"
             self.skipped[layer.name] = reason
             if self.rank == 0:
@@ -497,8 +498,10 @@ class KFAC:
                 stacklevel=5,
             )
 
-    def _precondition(self, phases: dict[str, float]) -> dict[KFACLayer, torch.Tensor]:
-        """Every decomposed layer's preconditioned gradient (unscaled), on every rank.
+    def _precondition(
+        self, phases: dict[str, float]
+    ) -> list[tuple[KFACLayer, torch.Tensor, torch.Tensor]]:
+        """Every decomposed layer with its preconditioned (unscaled) and raw gradients.
 
         Gradient workers precondition; when not every rank is one, each worker sends its
         layers' results to its receiver group. Empty when a gradient is not finite.
@@ -512,7 +515,7 @@ class KFAC:
             if layer.decomposed and layer.helper.weight.grad is not None
         ]
         if not layers:
-            return {}
+            return []
         grads = {layer: layer.grad_matrix() for layer in layers}
         checked = [grad for grad in grads.values() if grad is not None]
         bad = [layer.name for layer, ok in zip(grads, _all_finite(checked), strict=True) if not ok]
@@ -523,7 +526,7 @@ class KFAC:
                 KFACWarning,
                 stacklevel=3,
             )
-            return {}
+            return []
         work = self.assignment
         results: dict[KFACLayer, torch.Tensor] = {}
         with self._spans.timed(phases, "precondition", "precondition", "preconditioning"):
@@ -535,19 +538,18 @@ class KFAC:
         if self.worker_groups.broadcasts_gradients:
             with self._spans.timed(phases, "precondition_comm", "comm", "gradient broadcast"):
                 work.share_gradients(layers, results, grads)
-        return {layer: results[layer] for layer in layers}
+        return [(layer, results[layer], grads[layer]) for layer in layers]  # type: ignore[misc]
 
-    def _scale(self, phases: dict[str, float], results: dict[KFACLayer, torch.Tensor]) -> None:
+    def _scale(
+        self, phases: dict[str, float], results: list[tuple[KFACLayer, torch.Tensor, torch.Tensor]]
+    ) -> None:
         """kfac-pytorch's KL-clip: scale every preconditioned gradient by one factor, write back."""
         with self._spans.timed(phases, "precondition", "precondition", "KL-clip and write-back"):
             # One sum on the device and one read back, not a device sync per layer.
-            per_layer = [
-                (result * layer.grad_matrix()).sum(dtype=torch.float64)  # type: ignore[operator]
-                for layer, result in results.items()
-            ]
+            per_layer = [(result * grad).sum(dtype=torch.float64) for _, result, grad in results]
             products = float(torch.stack(per_layer).sum())
             scale = kl_clip_scale(products, self.kl_clip, self.lr)
-            for layer, result in results.items():
+            for layer, result, _ in results:
                 layer.set_grad(result * scale)
 
     def _end_step(self, phases: dict[str, float]) -> None:
@@ -582,11 +584,7 @@ class KFAC:
     def state_dict(self) -> dict[str, Any]:
         """Step count, plain hyperparameters, and per layer its factors and decompositions."""
         state: dict[str, Any] = {"steps": self.steps}
-        for key in ("factor_update_steps", "inv_update_steps", "damping", "factor_decay"):
-            value = getattr(self, f"_{key}")
-            if not callable(value):
-                state[key] = value
-        for key in ("kl_clip", "lr"):
+        for key in _PLAIN_HYPERPARAMETERS:
             value = getattr(self, f"_{key}")
             if not callable(value):
                 state[key] = value
@@ -600,10 +598,7 @@ class KFAC:
             state: What :meth:`state_dict` returned (on any rank of the same run).
         """
         self.steps = int(state["steps"])
-        for key in ("factor_update_steps", "inv_update_steps", "damping", "factor_decay"):
-            if key in state:
-                setattr(self, f"_{key}", state[key])
-        for key in ("kl_clip", "lr"):
+        for key in _PLAIN_HYPERPARAMETERS:
             if key in state:
                 setattr(self, f"_{key}", state[key])
         saved = state.get("layers", {})
