@@ -1,8 +1,4 @@
-"""Distributed K-FAC (SC20 / KAISA): layers, decompositions, placement and the preconditioner.
-
-:class:`KFAC` is the public entry point (also ``interlace.KFAC``); the other modules are pure
-pieces it is built from and that tests and the simulator call directly.
-"""
+"""Distributed K-FAC (SC20 / KAISA, SPD-KFAC): :class:`KFAC` and the pieces it is built from."""
 
 from interlace.kfac.preconditioner import KFAC, PHASES, KFACWarning
 

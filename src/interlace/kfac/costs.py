@@ -1,19 +1,7 @@
-"""Measured cost models for SPD-KFAC's load-balancing placement (PAPERS.md section 4).
+"""Measured cost models for SPD-KFAC's load-balancing placement (see docs/notes/kfac.md).
 
-LBP decides, factor by factor, whether decomposing a factor locally on every rank is cheaper
-than decomposing it once and broadcasting the result, then balances the broadcast ones over the
-ranks. Both sides of that decision are priced by models fitted to measurements on this machine:
-
-* :class:`DecompositionCostModel`: ``c0 + c2 n^2 + c3 n^3`` seconds for one ``n x n``
-  eigendecomposition (or inverse), fitted to timings of ``torch.linalg.eigh`` (or ``inv``).
-  The ``n^3`` term is the arithmetic; ``n^2`` covers memory traffic and the ``O(n^2)`` steps
-  of the solver, which dominate at the small sizes where the local-or-broadcast decision falls;
-  ``c0`` is the launch and solver set-up overhead.
-* Broadcasts are priced with the all-reduce model :class:`interlace.comm.cost.CostModel`
-  (``a + b M`` seconds for ``M`` bytes), fitted to timed broadcasts or reusing the all-reduce
-  fit (a broadcast moves no more data than an all-reduce). There is deliberately no second
-  linear model here: :data:`BroadcastCostModel` is that class, and :func:`broadcast_time`
-  prices one factor's decomposition with it.
+:class:`DecompositionCostModel` prices decomposing a factor; broadcasts are priced by the
+all-reduce model :class:`interlace.comm.cost.CostModel` (:func:`broadcast_time`).
 """
 
 from __future__ import annotations
@@ -36,15 +24,23 @@ __all__ = [
     "DecompositionCostModel",
     "broadcast_time",
     "decomposition_numel",
+    "random_spd",
+    "time_decomposition",
 ]
 
-#: Broadcasts are priced by the all-reduce cost model (see the module docstring).
+#: Broadcasts are priced by the all-reduce cost model: a broadcast moves no more data.
 BroadcastCostModel = CostModel
 
 
 @dataclass(frozen=True)
 class DecompositionCostModel:
-    """``time(n) = c0 + c2 n^2 + c3 n^3`` seconds to decompose one dense ``n x n`` factor."""
+    """``time(n) = c0 + c2 n^2 + c3 n^3`` seconds to decompose one dense ``n x n`` factor.
+
+    Args:
+        c3: Seconds per ``n^3``.
+        c2: Seconds per ``n^2``.
+        c0: Seconds per decomposition.
+    """
 
     c3: float
     c2: float
@@ -61,6 +57,10 @@ class DecompositionCostModel:
         A diagonal factor needs no decomposition (its inverse is elementwise), and an empty one
         nothing at all: both cost zero. Non-negative coefficients make the time non-decreasing
         in ``n``.
+
+        Args:
+            n: The factor's side.
+            diagonal: Whether the factor is a diagonal (free).
         """
         if diagonal or n <= 0:
             return 0.0
@@ -75,6 +75,9 @@ class DecompositionCostModel:
         decision is made among the small factors. With three unknowns, exact NNLS is cheap:
         the solution is the unconstrained least-squares fit on its own support, so every subset
         of the coefficients is fitted and the best fit with no negative coefficient is kept.
+
+        Args:
+            samples: ``(n, seconds)`` measurements of at least three distinct sizes.
         """
         if not samples:
             raise ValueError("fitting a decomposition cost model needs (size, seconds) samples")
@@ -129,6 +132,13 @@ class DecompositionCostModel:
         Each size is decomposed once untimed (the first call loads solver kernels and
         workspaces) and then ``repeats`` times on fresh random SPD matrices; the median time
         per size goes to :meth:`fit`. CUDA work is synchronised around each timing.
+
+        Args:
+            method: ``"eigen"`` or ``"inverse"``.
+            device: Where to time.
+            dtype: The dtype of the timed matrices.
+            sizes: The sides timed.
+            repeats: Timed decompositions per size (after one untimed).
         """
         if method not in COMPUTE_METHODS:
             raise ValueError(f"method must be one of {COMPUTE_METHODS}, got {method!r}")
@@ -138,16 +148,23 @@ class DecompositionCostModel:
         generator = torch.Generator().manual_seed(0)
         samples = []
         for n in sizes:
-            matrices = [_random_spd(n, dtype, device, generator) for _ in range(repeats + 1)]
-            timings = [_time_decomposition(method, matrix) for matrix in matrices]
+            matrices = [random_spd(n, dtype, device, generator) for _ in range(repeats + 1)]
+            timings = [time_decomposition(method, matrix) for matrix in matrices]
             samples.append((n, statistics.median(timings[1:])))
         return cls.fit(samples)
 
 
-def _random_spd(
+def random_spd(
     n: int, dtype: torch.dtype, device: torch.device, generator: torch.Generator
 ) -> torch.Tensor:
-    """A well-conditioned SPD matrix like a damped factor: ``X X^T / n + I``."""
+    """A well-conditioned SPD matrix like a damped factor: ``X X^T / n + I``.
+
+    Args:
+        n: The side.
+        dtype: The result's dtype (drawn in float64).
+        device: The result's device.
+        generator: The CPU generator ``X`` is drawn from.
+    """
     x = torch.randn(n, n, generator=generator, dtype=torch.float64)
     return (x @ x.T / n + torch.eye(n, dtype=torch.float64)).to(device=device, dtype=dtype)
 
@@ -157,8 +174,13 @@ def _synchronise(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_decomposition(method: str, matrix: torch.Tensor) -> float:
-    """Seconds for one decomposition of ``matrix``, with the device drained before and after."""
+def time_decomposition(method: str, matrix: torch.Tensor) -> float:
+    """Seconds for one decomposition of ``matrix``, with the device drained before and after.
+
+    Args:
+        method: ``"eigen"`` (``torch.linalg.eigh``) or anything else (``torch.linalg.inv``).
+        matrix: A square matrix.
+    """
     _synchronise(matrix.device)
     start = time.perf_counter()
     if method == "eigen":
@@ -174,6 +196,11 @@ def decomposition_numel(method: str, dim: int, diagonal: bool = False) -> int:
 
     ``eigen``: eigenvectors and eigenvalues, ``n^2 + n``; ``inverse``: the ``n x n`` inverse;
     a diagonal factor: its ``n`` values either way.
+
+    Args:
+        method: ``"eigen"`` or ``"inverse"``.
+        dim: The factor's side.
+        diagonal: Whether the factor is a diagonal.
     """
     if method not in COMPUTE_METHODS:
         raise ValueError(f"method must be one of {COMPUTE_METHODS}, got {method!r}")
@@ -185,5 +212,13 @@ def decomposition_numel(method: str, dim: int, diagonal: bool = False) -> int:
 def broadcast_time(
     model: CostModel, method: str, dim: int, diagonal: bool = False, element_size: int = 4
 ) -> float:
-    """Seconds to broadcast one factor's decomposition, priced by ``model`` (``a + b M``)."""
+    """Seconds to broadcast one factor's decomposition, priced by ``model`` (``a + b M``).
+
+    Args:
+        model: The ``a + b M`` cost model.
+        method: ``"eigen"`` or ``"inverse"``.
+        dim: The factor's side.
+        diagonal: Whether the factor is a diagonal.
+        element_size: Bytes per number sent.
+    """
     return model.time(decomposition_numel(method, dim, diagonal) * element_size)

@@ -1,17 +1,7 @@
-"""Second-order information of one factor, and the preconditioning formulas that use it.
+"""One factor's decomposition (``eigen`` or ``inverse``) and the preconditioning formulas using it.
 
-Two methods, as in kfac-pytorch:
-
-* ``eigen`` (inverse-free): ``F = Q diag(d) Q^T``, and the preconditioned gradient of ``V`` is
-  ``Qg [(Qg^T V Qa) / (dg da^T + damping)] Qa^T``. Damping enters at preconditioning time, so a
-  decomposition stays valid when the damping schedule moves.
-* ``inverse``: ``(F + damping I)^-1`` for each factor, and ``(G + dI)^-1 V (A + dI)^-1``.
-
-A diagonal factor (an embedding's ``A``) is stored as its diagonal vector: its eigenvectors are
-the identity and its inverse is elementwise, so no decomposition is computed for it at all.
-
-Everything here is a pure function of tensors, so the preconditioner, the tests and the
-simulator agree on one definition.
+Pure functions of tensors, so the preconditioner, the tests and the simulator share one
+definition; a diagonal factor (an embedding's ``A``) is kept as its diagonal vector.
 """
 
 from __future__ import annotations
@@ -47,6 +37,12 @@ class FactorDecomposition:
     ``eigen``: ``vectors`` (``n x n``, None for a diagonal factor) and ``values`` (``n``).
     ``inverse``: ``inverse`` (``n x n``), or for a diagonal factor ``values`` holding
     ``1 / (diag + damping)``.
+
+    Args:
+        method: ``"eigen"`` or ``"inverse"``.
+        values: Eigenvalues, or a diagonal factor's numbers.
+        vectors: Eigenvectors (``eigen``, dense factors).
+        inverse: The damped inverse (``inverse``, dense factors).
     """
 
     method: str
@@ -59,7 +55,11 @@ class FactorDecomposition:
         return [t for t in (self.vectors, self.values, self.inverse) if t is not None]
 
     def replace(self, tensors: list[torch.Tensor]) -> None:
-        """Take new values for :meth:`tensors`, in the same order (after a broadcast)."""
+        """Take new values for :meth:`tensors`, in the same order (after a broadcast).
+
+        Args:
+            tensors: New tensors in :meth:`tensors`' order (consumed).
+        """
         if self.vectors is not None:
             self.vectors = tensors.pop(0)
         if self.values is not None:
@@ -77,6 +77,9 @@ class FactorDecomposition:
         The receiving side of a broadcast: this decomposition gives the shapes (it was made
         by :func:`empty_like_decomposition`, or is the previous decomposition), ``flat`` the
         numbers. The new tensors are views of ``flat``.
+
+        Args:
+            flat: The 1-D buffer received.
         """
         shapes = self.tensors()
         expected = sum(t.numel() for t in shapes)
@@ -89,7 +92,15 @@ class FactorDecomposition:
 def empty_like_decomposition(
     method: str, dim: int, diagonal: bool, dtype: torch.dtype, device: torch.device
 ) -> FactorDecomposition:
-    """Buffers of the right shapes for receiving a broadcast decomposition."""
+    """Buffers of the right shapes for receiving a broadcast decomposition.
+
+    Args:
+        method: ``"eigen"`` or ``"inverse"``.
+        dim: The factor's side.
+        diagonal: Whether the factor is a diagonal.
+        dtype: The buffers' dtype.
+        device: The buffers' device.
+    """
     if diagonal:
         return FactorDecomposition(method, values=torch.empty(dim, dtype=dtype, device=device))
     if method == "eigen":
@@ -108,6 +119,12 @@ def decompose(
 
     A 1-D ``factor`` is a diagonal. Raises :class:`DecompositionError` when even
     :data:`RETRIES` escalations of the damping give no finite result.
+
+    Args:
+        factor: A symmetric ``n x n`` factor, or a diagonal factor as a vector.
+        method: ``"eigen"`` or ``"inverse"``.
+        damping: Added to the diagonal before inverting (``inverse`` only).
+        dtype: The dtype to compute and return in.
     """
     work = factor.to(dtype)
     if work.dim() == 1:
@@ -146,7 +163,14 @@ def precondition(
     g: FactorDecomposition,
     damping: float,
 ) -> torch.Tensor:
-    """The preconditioned ``(g_dim, a_dim)`` gradient, in ``grad``'s dtype."""
+    """The preconditioned ``(g_dim, a_dim)`` gradient, in ``grad``'s dtype.
+
+    Args:
+        grad: The ``(g_dim, a_dim)`` gradient.
+        a: ``A``'s decomposition.
+        g: ``G``'s decomposition (same method).
+        damping: The damping.
+    """
     work_dtype = (g.values if g.values is not None else g.inverse).dtype  # type: ignore[union-attr]
     v = grad.to(work_dtype)
     if g.method == "eigen":
@@ -176,6 +200,11 @@ def kl_clip_scale(products: float, kl_clip: float | None, lr: float) -> float:
     """kfac-pytorch's KL-clip: ``min(1, sqrt(kl_clip / |lr^2 * sum <V', V>|))``.
 
     ``products`` is ``sum <V', V>`` over all preconditioned layers.
+
+    Args:
+        products: ``sum <V', V>`` over all preconditioned layers.
+        kl_clip: The bound, or None for no clip.
+        lr: The learning rate.
     """
     if kl_clip is None:
         return 1.0

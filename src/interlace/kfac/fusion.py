@@ -1,19 +1,7 @@
-"""Tensor fusion of K-FAC factors for pipelined communication (SPD-KFAC, PAPERS.md section 4).
+"""Which factors share a pipelined all-reduce bucket (SPD-KFAC's tensor fusion).
 
-In pipelined mode each layer's ``A`` (forward) and ``G`` (backward) is handed to an all-reduce as
-soon as the hooks compute it. Which factors travel together is decided here, by pure functions of
-the factors' ready order, their packed sizes and (for ``"merged"``) their profiled ready times and
-an all-reduce cost model, so the decisions are unit-testable without processes:
-
-* ``"none"``: one all-reduce per factor;
-* ``"fixed"``: consecutive factors in ready order, up to a byte cap per bucket (a factor larger
-  than the cap goes alone);
-* ``"merged"``: MG-WFBP's rule (:func:`interlace.comm.plan.plan_merged`) applied to factors.
-
-:class:`BucketLauncher` turns the groups into launch decisions while the hooks run: a bucket is
-launched once all its factors are in and every earlier bucket has been launched. Launching in plan
-order, whatever order the hooks fire in, is what keeps every rank's sequence of collectives the
-same (the plan itself must be the same on every rank).
+Pure functions of the factors' ready order, packed sizes and (``"merged"``) profiled ready times,
+and :class:`BucketLauncher`, which launches buckets in plan order as the hooks fire.
 """
 
 from __future__ import annotations
@@ -34,6 +22,10 @@ def fixed_groups(sizes: Sequence[int], cap_bytes: float) -> list[list[int]]:
 
     A factor that would overflow a non-empty bucket starts the next one, the same rule as the
     bulk all-reduce, so a factor above the cap travels alone.
+
+    Args:
+        sizes: Each factor's bytes, in ready order.
+        cap_bytes: The most bytes per bucket.
     """
     if not cap_bytes > 0:
         raise ValueError(f"bucket cap must be > 0 bytes, got {cap_bytes}")
@@ -55,6 +47,11 @@ def merged_groups(
 
     Ready times must be in ready order (non-decreasing); they are made so (a running maximum)
     because averaged profiles can be off by rounding, and the planner insists.
+
+    Args:
+        sizes: Each factor's bytes, in ready order.
+        ready_s: Each factor's ready time, seconds.
+        cost: The all-reduce cost model.
     """
     if len(sizes) != len(ready_s):
         raise ValueError(f"{len(sizes)} sizes but {len(ready_s)} ready times")
@@ -74,7 +71,15 @@ def make_groups(
     ready_s: Sequence[float] | None = None,
     cost: CostModel | None = None,
 ) -> list[list[int]]:
-    """The buckets for ``fusion`` (one of :data:`FUSIONS`); ``"merged"`` needs times and cost."""
+    """The buckets for ``fusion`` (one of :data:`FUSIONS`); ``"merged"`` needs times and cost.
+
+    Args:
+        fusion: One of :data:`FUSIONS`.
+        sizes: Each factor's bytes, in ready order.
+        cap_bytes: The bucket cap (``"fixed"``).
+        ready_s: Ready times (``"merged"``).
+        cost: The all-reduce cost model (``"merged"``).
+    """
     if fusion == "none":
         return [[index] for index in range(len(sizes))]
     if fusion == "fixed":
@@ -93,6 +98,9 @@ class BucketLauncher:
     as arrived and returns the buckets (indices into ``groups``) that may now be launched: the
     next unlaunched bucket once all its factors are in, then the one after it, and so on. A factor
     added twice counts once. :meth:`rest` returns the buckets still unlaunched, for the flush.
+
+    Args:
+        groups: The buckets, as lists of indices into the ready order.
     """
 
     def __init__(self, groups: Sequence[Sequence[int]]) -> None:
@@ -111,7 +119,11 @@ class BucketLauncher:
         return self._next
 
     def add(self, index: int) -> list[int]:
-        """Factor ``index`` is ready; the buckets to launch now, in order."""
+        """Factor ``index`` is ready; the buckets to launch now, in order.
+
+        Args:
+            index: The factor's position in the ready order.
+        """
         if index not in self._bucket_of:
             raise ValueError(f"factor {index} is in no bucket")
         if index in self._arrived:

@@ -1,22 +1,7 @@
 """What K-FAC needs from each supported module: its two factors and its gradient as one matrix.
 
-A layer's weight is seen as a matrix ``W`` of shape ``(out, in)`` (``in`` grows by one for the
-bias, whose column holds the bias gradient). K-FAC approximates the Fisher block of ``W`` by
-``A (x) G``, with ``A`` the second moment of the layer's inputs ``a`` (a ones entry appended for
-the bias) and ``G`` that of the gradients ``g`` with respect to its outputs.
-
-Normalisation follows kfac-pytorch, so the same hyperparameters give the same numbers:
-
-* Linear: rows are every leading position (``(-1, in)``), ``A = a^T a / rows``.
-* Conv2d: rows are (sample, output position) patches; both ``a`` and ``g`` are divided by the
-  number of output positions before ``x^T x / rows`` (kfac-pytorch's spatial averaging). Patches
-  are cut as strided windows with the module's stride, padding *and dilation*
-  (kfac-pytorch ignores dilation, which makes its ``A`` wrong for dilated convolutions).
-* Embedding: the input is a one-hot token, so ``A`` is diagonal: the share of rows that hold
-  each token. It is kept as a vector (``vocab`` numbers instead of ``vocab^2``), and the layer's
-  weight, stored ``(vocab, dim)``, is seen transposed.
-
-Each helper is stateless beyond its module: the running averages live in the preconditioner.
+One :class:`LayerHelper` per module kind (Linear, Conv2d, Embedding); the state built on them
+lives in :mod:`interlace.kfac.layer`.
 """
 
 from __future__ import annotations
@@ -37,7 +22,19 @@ __all__ = [
 
 
 class LayerHelper:
-    """The factor and gradient arithmetic of one module kind (see the module docstring)."""
+    """The factor and gradient arithmetic of one module kind.
+
+    A layer's weight is seen as a matrix ``W`` of shape ``(out, in)`` (``in`` grows by one for
+    the bias, whose column holds the bias gradient). K-FAC approximates the Fisher block of
+    ``W`` by ``A (x) G``, with ``A`` the second moment of the layer's inputs ``a`` (a ones entry
+    appended for the bias) and ``G`` that of the gradients ``g`` with respect to its outputs.
+    Normalisation follows kfac-pytorch, so the same hyperparameters give the same numbers. A
+    helper is stateless beyond its module: the running averages live in
+    :class:`~interlace.kfac.layer.KFACLayer`.
+
+    Args:
+        module: The module whose factors and gradient this helper computes.
+    """
 
     #: True when ``A`` is diagonal and stored as a vector of its diagonal.
     diagonal_a = False
@@ -65,11 +62,19 @@ class LayerHelper:
         raise NotImplementedError
 
     def a_factor(self, layer_input: torch.Tensor) -> torch.Tensor:
-        """This batch's ``A`` from the module's input (a vector when :attr:`diagonal_a`)."""
+        """This batch's ``A`` from the module's input (a vector when :attr:`diagonal_a`).
+
+        Args:
+            layer_input: The module's first input.
+        """
         raise NotImplementedError
 
     def g_factor(self, grad_output: torch.Tensor) -> torch.Tensor:
-        """This batch's ``G`` from the gradient with respect to the module's output."""
+        """This batch's ``G`` from the gradient with respect to the module's output.
+
+        Args:
+            grad_output: The gradient of the loss with respect to the module's output.
+        """
         raise NotImplementedError
 
     def grad_matrix(self) -> torch.Tensor | None:
@@ -85,7 +90,11 @@ class LayerHelper:
         return matrix
 
     def set_grad(self, matrix: torch.Tensor) -> None:
-        """Write a ``(g_dim, a_dim)`` matrix back into the weight's (and bias's) gradient."""
+        """Write a ``(g_dim, a_dim)`` matrix back into the weight's (and bias's) gradient.
+
+        Args:
+            matrix: The new gradient, laid out as :meth:`grad_matrix` gives it.
+        """
         bias = self.bias
         weight_part = matrix[:, :-1] if bias is not None else matrix
         weight_grad = cast(torch.Tensor, self.weight.grad)
@@ -113,17 +122,29 @@ class LayerHelper:
 
 
 def symmetric(matrix: torch.Tensor) -> torch.Tensor:
-    """``(M + M^T) / 2``: exactly symmetric, as the decompositions assume."""
+    """``(M + M^T) / 2``: exactly symmetric, as the decompositions assume.
+
+    Args:
+        matrix: A square matrix.
+    """
     return (matrix + matrix.t()) / 2.0
 
 
 def second_moment(rows: torch.Tensor) -> torch.Tensor:
-    """``rows^T rows / len(rows)``, made exactly symmetric."""
+    """``rows^T rows / len(rows)``, made exactly symmetric.
+
+    Args:
+        rows: One sample per row.
+    """
     return symmetric((rows.t() @ rows) / rows.shape[0])
 
 
 class LinearHelper(LayerHelper):
-    """:class:`torch.nn.Linear`; every leading position of the input counts as one row."""
+    """:class:`torch.nn.Linear`: every leading position is a row, ``A = a^T a / rows``.
+
+    Args:
+        module: The linear layer.
+    """
 
     @property
     def a_dim(self) -> int:
@@ -142,7 +163,16 @@ class LinearHelper(LayerHelper):
 
 
 class Conv2dHelper(LayerHelper):
-    """:class:`torch.nn.Conv2d` with ``groups=1``; any stride, padding and dilation."""
+    """:class:`torch.nn.Conv2d` with ``groups=1``; any stride, padding and dilation.
+
+    Rows are (sample, output position) patches; both ``a`` and ``g`` are divided by the number
+    of output positions before ``x^T x / rows`` (kfac-pytorch's spatial averaging). Patches are
+    cut as strided windows with the module's stride, padding *and dilation* (kfac-pytorch
+    ignores dilation, which makes its ``A`` wrong for dilated convolutions).
+
+    Args:
+        module: The convolution (numeric padding, ``padding_mode="zeros"``).
+    """
 
     module: nn.Conv2d
 
@@ -156,7 +186,7 @@ class Conv2dHelper(LayerHelper):
         return self.module.out_channels
 
     def a_factor(self, layer_input: torch.Tensor) -> torch.Tensor:
-        patches = self._patches(layer_input)
+        patches = self.patches(layer_input)
         positions = patches.shape[1] // layer_input.shape[0]
         # One product of the (in*kh*kw, rows) patch matrix with its transpose. kfac-pytorch
         # divides every patch by the number of positions before the moment, i.e. the moment by
@@ -174,13 +204,16 @@ class Conv2dHelper(LayerHelper):
         rows = columns.shape[1]
         return symmetric((columns @ columns.t()) / float(rows * positions * positions))
 
-    def _patches(self, layer_input: torch.Tensor) -> torch.Tensor:
+    def patches(self, layer_input: torch.Tensor) -> torch.Tensor:
         """Every receptive field as a column: ``(in * kh * kw, batch * positions)``.
 
         The rows are in ``weight.view(out, -1)``'s (in, kh, kw) order, the columns cover
         every (sample, output position) pair. Cut as one strided view of the padded input and
         copied once: :func:`torch.nn.functional.unfold` launches one kernel per sample on a
         GPU, which cost several times the convolution itself.
+
+        Args:
+            layer_input: The convolution's ``(batch, in, height, width)`` input, any layout.
         """
         conv = self.module
         if isinstance(conv.padding, str):
@@ -208,7 +241,15 @@ class Conv2dHelper(LayerHelper):
 
 
 class EmbeddingHelper(LayerHelper):
-    """:class:`torch.nn.Embedding` (dense gradients): a diagonal ``A`` from token counts."""
+    """:class:`torch.nn.Embedding` (dense gradients): a diagonal ``A`` from token counts.
+
+    The input is a one-hot token, so ``A`` is diagonal: the share of rows that hold each token.
+    It is kept as a vector (``vocab`` numbers instead of ``vocab^2``), and the layer's weight,
+    stored ``(vocab, dim)``, is seen transposed.
+
+    Args:
+        module: The embedding (``sparse=False``).
+    """
 
     diagonal_a = True
     module: nn.Embedding
@@ -242,7 +283,11 @@ class EmbeddingHelper(LayerHelper):
 
 
 def make_helper(module: nn.Module) -> tuple[LayerHelper | None, str]:
-    """The helper for ``module``, or None and the reason K-FAC leaves it to the optimizer."""
+    """The helper for ``module``, or None and the reason K-FAC leaves it to the optimizer.
+
+    Args:
+        module: Any module with parameters.
+    """
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or not weight.requires_grad:
         return None, "no trainable weight"

@@ -1,15 +1,6 @@
-"""Symmetric packing of Kronecker factors for communication (SPD-KFAC, PAPERS.md section 4).
+"""Upper-triangle packing of symmetric Kronecker factors, which nearly halves each all-reduce.
 
-A factor ``A = E[a a^T]`` is symmetric, so its upper triangle (diagonal included) holds all of it:
-``n(n+1)/2`` numbers instead of ``n^2``, which nearly halves every factor all-reduce. Averaging
-commutes with packing (it is elementwise), so ranks all-reduce the packed vectors and unpack the
-mean. A diagonal factor (an embedding's ``A``, stored as its diagonal) is already ``n`` numbers
-and passes through unchanged.
-
-Packing and unpacking are single index gathers with a fixed output size, so on CUDA they queue
-without a host synchronisation (a boolean-mask select would need one to learn its length). The
-gather indices are cached per ``(n, device)``; each costs ``2n(n+1)`` bytes (``int32``), about
-half the factor itself in ``float32``, and a model has only a few distinct factor sizes.
+A diagonal factor (an embedding's ``A``, stored as its diagonal) passes through unchanged.
 """
 
 from __future__ import annotations
@@ -18,14 +9,24 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["pack_upper", "packed_size", "unpack_upper"]
+__all__ = [
+    "pack_upper",
+    "packed_size",
+    "symmetric_gather_index",
+    "unpack_upper",
+    "upper_flat_index",
+]
 
 #: Distinct (size, device) pairs whose indices are kept; a ResNet-152 has about twenty sizes.
 _CACHE_SIZE = 64
 
 
 def packed_size(n: int) -> int:
-    """Numbers in the packed upper triangle of an ``n x n`` matrix: ``n(n+1)/2``."""
+    """Numbers in the packed upper triangle of an ``n x n`` matrix: ``n(n+1)/2``.
+
+    Args:
+        n: The matrix side.
+    """
     if n < 0:
         raise ValueError(f"a matrix size must be >= 0, got {n}")
     return n * (n + 1) // 2
@@ -37,18 +38,30 @@ def _index_dtype(n: int) -> torch.dtype:
 
 
 @lru_cache(maxsize=_CACHE_SIZE)
-def _upper_flat_index(n: int, device: torch.device) -> torch.Tensor:
-    """Row-major positions, in the flattened matrix, of the upper triangle's entries."""
+def upper_flat_index(n: int, device: torch.device) -> torch.Tensor:
+    """Row-major positions, in the flattened matrix, of the upper triangle's entries.
+
+    Cached per ``(n, device)`` (``int32`` below 46341 x 46341), as :func:`pack_upper` uses it.
+
+    Args:
+        n: The matrix side.
+        device: Where the indices live.
+    """
     indices: torch.Tensor = torch.triu_indices(n, n, device=device)
     return (indices[0] * n + indices[1]).to(_index_dtype(n))
 
 
 @lru_cache(maxsize=_CACHE_SIZE)
-def _symmetric_gather_index(n: int, device: torch.device) -> torch.Tensor:
+def symmetric_gather_index(n: int, device: torch.device) -> torch.Tensor:
     """For each entry ``(i, j)`` of the ``n x n`` matrix, its position in the packed vector.
 
     Entry ``(i, j)`` and its mirror ``(j, i)`` both read the packed ``(min, max)`` entry; row
-    ``r`` of the upper triangle starts at ``r n - r(r-1)/2``.
+    ``r`` of the upper triangle starts at ``r n - r(r-1)/2``. Cached like
+    :func:`upper_flat_index`.
+
+    Args:
+        n: The matrix side.
+        device: Where the indices live.
     """
     positions = torch.arange(n, device=device, dtype=torch.int64)
     low = torch.minimum(positions[:, None], positions[None, :])
@@ -62,13 +75,16 @@ def pack_upper(matrix: torch.Tensor) -> torch.Tensor:
 
     A 1-D tensor (a diagonal factor) is returned unchanged. Only the upper triangle is read:
     packing is lossless exactly when ``matrix`` is symmetric.
+
+    Args:
+        matrix: A symmetric ``n x n`` matrix, or a 1-D diagonal factor.
     """
     if matrix.dim() == 1:
         return matrix
     if matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1]:
         raise ValueError(f"packing needs a square matrix or a diagonal, got shape {matrix.shape}")
     n = matrix.shape[0]
-    return matrix.reshape(-1).index_select(0, _upper_flat_index(n, matrix.device))
+    return matrix.reshape(-1).index_select(0, upper_flat_index(n, matrix.device))
 
 
 def unpack_upper(packed: torch.Tensor, n: int, *, diagonal: bool = False) -> torch.Tensor:
@@ -77,6 +93,11 @@ def unpack_upper(packed: torch.Tensor, n: int, *, diagonal: bool = False) -> tor
     Every entry is copied, never computed, so ``unpack_upper(pack_upper(s), n)`` equals a
     symmetric ``s`` bit for bit. With ``diagonal`` the tensor is a diagonal factor's ``n``
     numbers and is returned unchanged (``n = 1`` alone could not tell the two apart).
+
+    Args:
+        packed: The packed upper triangle (or a diagonal factor).
+        n: The matrix side.
+        diagonal: Whether ``packed`` is a diagonal factor.
     """
     if packed.dim() != 1:
         raise ValueError(f"a packed factor is 1-D, got shape {packed.shape}")
@@ -88,4 +109,4 @@ def unpack_upper(packed: torch.Tensor, n: int, *, diagonal: bool = False) -> tor
         )
     if diagonal:
         return packed
-    return packed.index_select(0, _symmetric_gather_index(n, packed.device)).view(n, n)
+    return packed.index_select(0, symmetric_gather_index(n, packed.device)).view(n, n)

@@ -1,23 +1,8 @@
-"""Where each layer's decomposition is computed, and which ranks precondition its gradient.
+"""Where each factor is decomposed and which ranks precondition each gradient: the pure rules.
 
-Pure functions of sizes and the world size, so every rank derives the same answer without
-talking, and the tests and the simulator can call them directly.
-
-* :func:`greedy_placement`: each layer's cost (``n^3`` per factor for a decomposition or an
-  inverse), largest first, goes to the least-loaded rank (ties to the lowest rank). This is the
-  SC20 / KAISA rule; a layer's two factors stay on one rank, which MEM-OPT and HYBRID need.
-* :class:`WorkerGroups`: KAISA's gradient workers. With ``grad_worker_fraction`` f on W ranks,
-  the ranks form W / (f W) blocks of f W consecutive ranks. A layer's *gradient workers* are the
-  block that holds its owner: they receive its decomposition and precondition its gradient.
-  Every other rank receives the preconditioned gradient from the worker in the same position of
-  that block (its *receiver group* is the ranks of that position in every block).
-  f = 1 is COMM-OPT (decompositions to everyone, no gradient broadcast), f = 1/W is MEM-OPT (only
-  the owner preconditions, then broadcasts the gradient), anything between is HYBRID.
-* :func:`lbp_placement`: SPD-KFAC's load-balancing placement of individual *factors*: a factor
-  cheaper to decompose than to broadcast is decomposed on every rank, the others are balanced
-  over the ranks by predicted finish time, with measured costs (see :mod:`interlace.kfac.costs`).
-  :func:`predicted_makespan` prices any factor placement under the same model, so greedy,
-  round-robin and LBP can be compared; :func:`schedule_order` is the order that realises it.
+Functions of sizes and the world size, so every rank derives the same answer without talking:
+greedy and round-robin layer placement, KAISA's :class:`WorkerGroups`, SPD-KFAC's
+:func:`lbp_placement` with the makespan model it optimises.
 """
 
 from __future__ import annotations
@@ -41,12 +26,23 @@ __all__ = [
 
 
 def decomposition_cost(a_dim: int, g_dim: int, a_diagonal: bool = False) -> float:
-    """Relative cost of decomposing a layer's factors: ``n^3`` each (a diagonal costs ``n``)."""
+    """Relative cost of decomposing a layer's factors: ``n^3`` each (a diagonal costs ``n``).
+
+    Args:
+        a_dim: Side of ``A``.
+        g_dim: Side of ``G``.
+        a_diagonal: Whether ``A`` is a diagonal.
+    """
     return float(a_dim if a_diagonal else a_dim**3) + float(g_dim**3)
 
 
 def greedy_placement(costs: Sequence[float], ranks: int) -> list[int]:
-    """The rank of each item: largest cost first, onto the least-loaded rank (lowest on ties)."""
+    """The rank of each item: largest cost first, onto the least-loaded rank (lowest on ties).
+
+    Args:
+        costs: Each item's cost.
+        ranks: The number of ranks.
+    """
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
     loads = [0.0] * ranks
@@ -60,7 +56,13 @@ def greedy_placement(costs: Sequence[float], ranks: int) -> list[int]:
 
 
 def rank_loads(costs: Sequence[float], owners: Sequence[int], ranks: int) -> list[float]:
-    """Total cost placed on each rank."""
+    """Total cost placed on each rank.
+
+    Args:
+        costs: Each item's cost.
+        owners: Each item's rank.
+        ranks: The number of ranks.
+    """
     loads = [0.0] * ranks
     for cost, rank in zip(costs, owners, strict=True):
         loads[rank] += cost
@@ -68,7 +70,12 @@ def rank_loads(costs: Sequence[float], owners: Sequence[int], ranks: int) -> lis
 
 
 def worker_count(grad_worker_fraction: float, world_size: int) -> int:
-    """Gradient workers per layer for a fraction of the world; must divide the world size."""
+    """Gradient workers per layer for a fraction of the world; must divide the world size.
+
+    Args:
+        grad_worker_fraction: Gradient workers per layer as a fraction of the world.
+        world_size: The number of ranks.
+    """
     if not 0 < grad_worker_fraction <= 1:
         raise ValueError(
             f"grad_worker_fraction must be in (0, 1], got {grad_worker_fraction}; use 1 for "
@@ -90,13 +97,30 @@ def worker_count(grad_worker_fraction: float, world_size: int) -> int:
 
 @dataclass(frozen=True)
 class WorkerGroups:
-    """KAISA's gradient-worker blocks and receiver groups for one world size (see module doc)."""
+    """KAISA's gradient-worker blocks and receiver groups for one world size.
+
+    With ``workers`` k on W ranks, the ranks form W / k blocks of k consecutive ranks. A layer's
+    *gradient workers* are the block that holds its owner: they receive its decomposition and
+    precondition its gradient. Every other rank receives the preconditioned gradient from the
+    worker in the same position of that block (its *receiver group* is the ranks of that
+    position in every block). k = W is COMM-OPT, k = 1 MEM-OPT, anything between HYBRID.
+
+    Args:
+        world_size: The number of ranks.
+        workers: Gradient workers per layer; divides ``world_size``.
+    """
 
     world_size: int
     workers: int
 
     @classmethod
     def for_fraction(cls, grad_worker_fraction: float, world_size: int) -> WorkerGroups:
+        """The groups for a fraction of the world (see :func:`worker_count`).
+
+        Args:
+            grad_worker_fraction: Gradient workers per layer as a fraction of the world.
+            world_size: The number of ranks.
+        """
         return cls(world_size, worker_count(grad_worker_fraction, world_size))
 
     @property
@@ -124,11 +148,21 @@ class WorkerGroups:
         ]
 
     def block_of(self, rank: int) -> tuple[int, ...]:
+        """The gradient-worker block that holds ``rank``.
+
+        Args:
+            rank: A rank.
+        """
         start = rank - rank % self.workers
         return tuple(range(start, start + self.workers))
 
     def gradient_source(self, owner: int, rank: int) -> int:
-        """The gradient worker of ``owner``'s block that sends ``rank`` the gradient."""
+        """The gradient worker of ``owner``'s block that sends ``rank`` the gradient.
+
+        Args:
+            owner: The layer's owner.
+            rank: The receiving rank.
+        """
         return owner - owner % self.workers + rank % self.workers
 
 
@@ -144,6 +178,10 @@ class FactorItem:
 
     A diagonal factor (an embedding's ``A``) needs no decomposition and its result is ``n``
     numbers, so the placement model prices it at zero and LBP always keeps it local.
+
+    Args:
+        dim: The factor's side.
+        diagonal: Whether it is kept as a diagonal.
     """
 
     dim: int
@@ -155,7 +193,12 @@ class FactorItem:
 
 
 def round_robin_placement(count: int, ranks: int) -> list[int]:
-    """Item ``i`` on rank ``i % ranks``: the size-blind baseline."""
+    """Item ``i`` on rank ``i % ranks``: the size-blind baseline.
+
+    Args:
+        count: The number of items.
+        ranks: The number of ranks.
+    """
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
     if count < 0:
@@ -168,6 +211,10 @@ def factor_greedy_placement(factors: Sequence[FactorItem | int], ranks: int) -> 
 
     The SC20 / KAISA rule applied at SPD-KFAC's granularity (a layer's ``A`` and ``G`` may land
     on different ranks); the baseline that :func:`lbp_placement` is guaranteed to match or beat.
+
+    Args:
+        factors: The factors (a bare ``int`` is a dense factor of that side).
+        ranks: The number of ranks.
     """
     items = _factor_items(factors)
     return greedy_placement([float(f.dim if f.diagonal else f.dim**3) for f in items], ranks)
@@ -211,6 +258,13 @@ def lbp_placement(
     larger set once the local work plus a ``1/R`` share of the rest reaches it; the worst case
     is ``O(F^2 R)`` for ``F`` factors on ``R`` ranks. On one rank nothing is broadcast, so
     everything is local.
+
+    Args:
+        factors: The factors (a bare ``int`` is a dense factor of that side).
+        ranks: The number of ranks.
+        decompose_s: Seconds to decompose a dense factor of a side.
+        broadcast_s: Seconds to broadcast its decomposition.
+        search: Also try other local sets and factor-level greedy (see above).
     """
     items = _factor_items(factors)
     if ranks < 1:
@@ -277,6 +331,13 @@ def predicted_makespan(
     Independent channels per sender are what the runtime must provide for this to hold: NCCL
     broadcasts queued on one stream serialise on the receivers too, so different roots' sends
     need their own streams (or process groups) to overlap.
+
+    Args:
+        factors: The factors (a bare ``int`` is a dense factor of that side).
+        owners: Each factor's owner, None for local.
+        ranks: The number of ranks.
+        decompose_s: Seconds to decompose a dense factor of a side.
+        broadcast_s: Seconds to broadcast its decomposition.
     """
     items = _factor_items(factors)
     if ranks < 1:
@@ -299,6 +360,13 @@ def schedule_order(
     each owned result as soon as it is ready. Owned factors come first in Johnson's order
     (broadcast longer than decomposition: shortest decomposition first; then the rest, longest
     broadcast first; ties by index), then the local factors by index.
+
+    Args:
+        factors: The factors (a bare ``int`` is a dense factor of that side).
+        owners: Each factor's owner, None for local.
+        ranks: The number of ranks.
+        decompose_s: Seconds to decompose a dense factor of a side.
+        broadcast_s: Seconds to broadcast its decomposition.
     """
     items = _factor_items(factors)
     if ranks < 1:

@@ -228,9 +228,11 @@ class DenseKFAC:
         #: The KL-clip factor of the last :meth:`expected`.
         self.scale = 1.0
         for name, module in self.layers.items():
-            module.register_forward_hook(self._forward_hook(name))
+            module.register_forward_hook(self.forward_hook(name))
 
-    def _forward_hook(self, name: str) -> Callable[..., None]:
+    def forward_hook(self, name: str) -> Callable[..., None]:
+        """A forward hook that keeps the layer's input and, later, its output gradient."""
+
         def keep_grad(grad: torch.Tensor) -> None:
             self.grad_outputs[name] = grad.detach().clone()
 
@@ -240,7 +242,8 @@ class DenseKFAC:
 
         return hook
 
-    def _average(self, old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    def average(self, old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+        """The running average, from the identity."""
         if old is None:
             old = torch.eye(new.shape[0], dtype=DTYPE)
         return self.decay * old + (1.0 - self.decay) * new
@@ -251,8 +254,8 @@ class DenseKFAC:
         products = 0.0
         for name, module in self.layers.items():
             a, g = _batch_factors(module, self.inputs[name], self.grad_outputs[name])
-            self.a[name] = self._average(self.a.get(name), a)
-            self.g[name] = self._average(self.g.get(name), g)
+            self.a[name] = self.average(self.a.get(name), a)
+            self.g[name] = self.average(self.g.get(name), g)
             v = _grad_matrix(module)
             results[name] = _precondition(v, self.a[name], self.g[name], self.method, self.damping)
             products += float((results[name] * v).sum())
@@ -446,31 +449,3 @@ def test_four_ranks_precondition_like_one_process(method: str, fraction: float) 
                     _close(ours[name], value, f"{kind} rank {rank} step {step} {name}")
     # Placement spreads the deep model's four layers over all four ranks.
     assert sorted(per_rank[0]["deep"]["layers"].values()) == [0, 1, 2, 3]
-
-
-@pytest.mark.parametrize(
-    ("kernel", "stride", "padding", "dilation"),
-    [((3, 3), (1, 1), (1, 1), (1, 1)), ((3, 2), (2, 1), (1, 0), (2, 1)), ((1, 1), (2, 2), 0, 1)],
-)
-@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "strided"])
-def test_conv_patches_are_unfold_s_columns_for_any_input_layout(
-    kernel: tuple[int, int],
-    stride: tuple[int, int],
-    padding: tuple[int, int] | int,
-    dilation: tuple[int, int] | int,
-    layout: str,
-) -> None:
-    from interlace.kfac.layers import Conv2dHelper
-
-    conv = nn.Conv2d(5, 7, kernel, stride=stride, padding=padding, dilation=dilation)
-    generator = torch.Generator().manual_seed(5)
-    if layout == "strided":  # every other channel of a wider tensor: a view with gaps
-        inputs = torch.randn(4, 10, 11, 9, generator=generator)[:, ::2]
-    else:
-        inputs = torch.randn(4, 5, 11, 9, generator=generator)
-        if layout == "channels_last":
-            inputs = inputs.to(memory_format=torch.channels_last)
-    # The reference: unfold's (batch, in*kh*kw, positions), samples laid side by side.
-    unfolded = functional.unfold(inputs, kernel, dilation=dilation, padding=padding, stride=stride)
-    expected = unfolded.permute(1, 0, 2).reshape(unfolded.shape[1], -1)
-    assert torch.equal(Conv2dHelper(conv)._patches(inputs), expected)

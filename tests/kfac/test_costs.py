@@ -105,8 +105,8 @@ def one_thread() -> Iterator[None]:
 def test_measure_predicts_a_fresh_timing_within_a_factor_of_three() -> None:
     model = DecompositionCostModel.measure("eigen", "cpu", sizes=(32, 64, 128, 256), repeats=3)
     generator = torch.Generator().manual_seed(1)
-    matrices = [costs._random_spd(256, torch.float32, torch.device("cpu"), generator)] * 4
-    fresh = statistics.median(costs._time_decomposition("eigen", m) for m in matrices)
+    matrices = [costs.random_spd(256, torch.float32, torch.device("cpu"), generator)] * 4
+    fresh = statistics.median(costs.time_decomposition("eigen", m) for m in matrices)
     assert fresh / 3 <= model.time(256) <= fresh * 3
     assert model.time(32) < model.time(256)
 

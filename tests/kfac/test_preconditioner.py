@@ -1,4 +1,4 @@
-"""K-FAC placement, layer coverage, robustness, state and wrappers (numerics elsewhere)."""
+"""``KFAC``: layer coverage, hyperparameters, robustness, state, wrappers (numerics elsewhere)."""
 
 from __future__ import annotations
 
@@ -7,20 +7,14 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn import functional
+from torch.nn.parallel import DistributedDataParallel
 
+from interlace.dp import DataParallel
 from interlace.kfac import KFAC, PHASES, KFACWarning
-from interlace.kfac.layers import make_helper
-from interlace.kfac.placement import (
-    WorkerGroups,
-    decomposition_cost,
-    greedy_placement,
-    rank_loads,
-    worker_count,
-)
 from interlace.testing import run_ranks
-from interlace.zoo import build_model
 
 
 def _mlp() -> nn.Module:
@@ -38,62 +32,6 @@ def _train_step(
     functional.cross_entropy(model(inputs), targets).backward()
     precond.step()
     optimizer.step()
-
-
-# -- placement -------------------------------------------------------------------------------
-
-
-def test_greedy_placement_puts_the_largest_first_on_the_least_loaded_rank() -> None:
-    # Hand-worked: 8 -> r0; 7 -> r1; 5 -> r2; 4 -> r2 (5 < 7 < 8); 3 -> r1 (7 < 8 = 9? no: r1 7)
-    # then loads r0 8, r1 10, r2 9 and 1 -> r0.
-    costs = [3.0, 8.0, 4.0, 7.0, 1.0, 5.0]
-    owners = greedy_placement(costs, 3)
-    assert owners == [1, 0, 2, 1, 0, 2]
-    assert rank_loads(costs, owners, 3) == [9.0, 10.0, 9.0]
-    # Ties go to the lowest rank, and one rank takes everything.
-    assert greedy_placement([1.0, 1.0], 2) == [0, 1]
-    assert greedy_placement([5.0, 2.0], 1) == [0, 0]
-    with pytest.raises(ValueError, match="ranks"):
-        greedy_placement([1.0], 0)
-
-
-def test_placement_of_resnet32_on_4_ranks_is_within_1_2x_of_ideal() -> None:
-    model = build_model("resnet32", (3, 32, 32), 10)
-    costs = []
-    for module in model.modules():
-        helper, _ = make_helper(module)
-        if helper is not None:
-            costs.append(decomposition_cost(helper.a_dim, helper.g_dim, helper.diagonal_a))
-    # The first convolution, 30 in 15 blocks, 2 projection shortcuts and the classifier.
-    assert len(costs) == 34
-    loads = rank_loads(costs, greedy_placement(costs, 4), 4)
-    ideal = sum(costs) / 4
-    assert max(costs) <= ideal  # balance is possible at all
-    assert max(loads) / ideal <= 1.2
-
-
-def test_worker_groups_follow_kaisa() -> None:
-    hybrid = WorkerGroups.for_fraction(0.5, 8)
-    assert hybrid.workers == 4
-    assert hybrid.blocks() == [(0, 1, 2, 3), (4, 5, 6, 7)]
-    assert hybrid.receiver_groups() == [(0, 4), (1, 5), (2, 6), (3, 7)]
-    # A layer owned by rank 6: its gradient workers are 4..7; rank 1 hears from rank 5.
-    assert hybrid.block_of(6) == (4, 5, 6, 7)
-    assert hybrid.gradient_source(6, 1) == 5
-    assert hybrid.broadcasts_decompositions and hybrid.broadcasts_gradients
-
-    comm_opt = WorkerGroups.for_fraction(1.0, 4)
-    assert comm_opt.broadcasts_decompositions and not comm_opt.broadcasts_gradients
-    mem_opt = WorkerGroups.for_fraction(0.25, 4)
-    assert not mem_opt.broadcasts_decompositions and mem_opt.broadcasts_gradients
-    assert mem_opt.receiver_groups() == [(0, 1, 2, 3)]
-    assert mem_opt.gradient_source(2, 0) == 2
-
-
-@pytest.mark.parametrize("fraction", [0.0, 1.5, 0.3, 0.375])
-def test_impossible_grad_worker_fractions_are_refused(fraction: float) -> None:
-    with pytest.raises(ValueError, match="grad_worker_fraction"):
-        worker_count(fraction, 8)
 
 
 # -- layers and registration -----------------------------------------------------------------
@@ -297,11 +235,6 @@ def test_phases_and_timeline_events_are_recorded() -> None:
 
 
 def _wrapped_training(wrapper: str) -> list[list[float]]:
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    from interlace.dp import DataParallel
-
     model = _mlp()
     wrapped: nn.Module = DistributedDataParallel(model) if wrapper == "ddp" else DataParallel(model)
     precond = KFAC(wrapped, grad_worker_fraction=0.5)
@@ -344,7 +277,9 @@ def test_per_example_g_is_the_mean_loss_g_times_the_squared_batch() -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         precond = KFAC(model, g_normalization=normalization, factor_decay=0.5)
         _train_step(model, precond, optimizer, seed=3)
-        factors[normalization] = [(layer.a_factor, layer.g_factor) for layer in precond._layers]
+        factors[normalization] = [
+            (layer.a_factor, layer.g_factor) for layer in precond.kfac_layers.values()
+        ]
     batch = 16  # _train_step's batch; one process, so the global batch
     for (a_mean, g_mean), (a_each, g_each) in zip(
         factors["kfac-pytorch"], factors["per-example"], strict=True

@@ -1,0 +1,537 @@
+"""Who decomposes each factor and who preconditions each gradient (kfac-pytorch's WorkAssignment).
+
+Built once from the pure rules of :mod:`interlace.kfac.placement`, the same on every rank, with
+the process groups that carry decompositions and preconditioned gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from interlace.comm.calibrate import time_broadcast
+from interlace.comm.cost import CostModel
+from interlace.kfac.costs import DecompositionCostModel, broadcast_time
+from interlace.kfac.layer import KFACLayer, PendingBroadcast
+from interlace.kfac.placement import (
+    FactorItem,
+    WorkerGroups,
+    decomposition_cost,
+    greedy_placement,
+    lbp_placement,
+    predicted_makespan,
+    round_robin_placement,
+    schedule_order,
+)
+
+__all__ = ["BROADCAST_SIZES", "PLACEMENTS", "GroupRanks", "WorkAssignment"]
+
+#: Values of ``KFAC(placement=...)``: where decompositions are computed.
+PLACEMENTS = ("round-robin", "greedy", "lbp")
+
+#: Bytes per broadcast timed to fit LBP's broadcast cost model (besides 4 bytes for the
+#: start-up): the span of small and medium factors' decompositions, where LBP's
+#: local-or-broadcast decisions fall.
+BROADCAST_SIZES = (64 * 1024, 512 * 1024, 2 * 1024 * 1024)
+
+
+@dataclass(frozen=True)
+class GroupRanks:
+    """The process group K-FAC runs on, its size, this rank in it, and its global ranks.
+
+    Args:
+        group: The group (None: the default group, or no group when not distributed).
+        world_size: Its ranks (1 when not distributed).
+        rank: This rank in it.
+        global_ranks: The global rank of each of its ranks.
+        distributed: Whether a process group is initialised.
+    """
+
+    group: dist.ProcessGroup | None
+    world_size: int
+    rank: int
+    global_ranks: list[int]
+    distributed: bool
+
+    @classmethod
+    def of(cls, process_group: dist.ProcessGroup | None) -> GroupRanks:
+        """The ranks of ``process_group`` (None: the default group), or one lone rank.
+
+        Args:
+            process_group: The group, or None.
+        """
+        distributed = dist.is_available() and dist.is_initialized()
+        world_size = dist.get_world_size(process_group) if distributed else 1
+        global_ranks = (
+            [dist.get_global_rank(process_group, r) for r in range(world_size)]
+            if distributed and process_group is not None
+            else list(range(world_size))
+        )
+        return cls(
+            group=process_group if distributed else None,
+            world_size=world_size,
+            rank=dist.get_rank(process_group) if distributed else 0,
+            global_ranks=global_ranks,
+            distributed=distributed,
+        )
+
+
+class _SharedGroups(list[dist.ProcessGroup]):
+    """Process groups that a deep copy shares rather than copies.
+
+    A deep copy of a model copies its hooks, and with them the preconditioner; a process
+    group cannot be copied (it is a handle on live connections), so the copy refers to the
+    same groups.
+    """
+
+    def __deepcopy__(self, memo: dict[int, object]) -> _SharedGroups:
+        return self
+
+
+class WorkAssignment:
+    """Every layer's (or, under LBP, every factor's) owner and the groups its results travel on.
+
+    ``"greedy"`` and ``"round-robin"`` give a layer's two factors one owner, which decomposes
+    both and sends them to the layer's gradient workers (:class:`WorkerGroups`); ``"lbp"``
+    places each factor on its own, or on every rank (owner None), and each owner broadcasts
+    on a process group of its own. Under LBP, missing cost models are measured here on the
+    live group (rank 0's decomposition fit, the slowest rank's broadcast medians).
+
+    Args:
+        layers: The preconditioned layers, in registration order.
+        placement: One of :data:`PLACEMENTS`.
+        worker_groups: The gradient-worker blocks for this world size.
+        compute_method: ``"eigen"`` or ``"inverse"``.
+        inv_dtype: The dtype decompositions are computed and sent in.
+        ranks: The process group K-FAC runs on and this rank in it.
+        device: Where LBP's start-up measurements run.
+        decomposition_cost: LBP's decomposition cost model (None: measured when needed).
+        broadcast_cost: LBP's broadcast cost model (None: measured when needed).
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[KFACLayer],
+        *,
+        placement: str,
+        worker_groups: WorkerGroups,
+        compute_method: str,
+        inv_dtype: torch.dtype,
+        ranks: GroupRanks,
+        device: torch.device,
+        decomposition_cost: DecompositionCostModel | None = None,
+        broadcast_cost: CostModel | None = None,
+    ) -> None:
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
+        self.placement = placement
+        self.worker_groups = worker_groups
+        self.world_size = worker_groups.world_size
+        self.compute_method = compute_method
+        self.inv_dtype = inv_dtype
+        self.group = ranks.group
+        self.rank = ranks.rank
+        self.global_ranks = ranks.global_ranks
+        self.device = device
+        #: LBP's cost models (None for the layer-level placements and on a single rank).
+        self.decomposition_cost = decomposition_cost
+        self.broadcast_cost = broadcast_cost
+        self._owner: dict[str, int] = {}
+        self._factor_owner: dict[tuple[str, str], int | None] = {}
+        self._order: dict[tuple[str, str], int] = {}
+        self._place(layers)
+        self._block_groups: dict[int, dist.ProcessGroup | None] = {}
+        self._receiver_groups: dict[int, dist.ProcessGroup | None] = {}
+        self._make_worker_groups(ranks.distributed)
+        self._owner_groups = _SharedGroups()
+        self._distributed = ranks.distributed
+
+    # -- placing -------------------------------------------------------------------------
+
+    def _place(self, layers: Sequence[KFACLayer]) -> None:
+        """Give every layer (or, for LBP, every factor) its owner; the same on every rank."""
+        if self.placement == "lbp":
+            self._place_factors(layers)
+            return
+        if self.placement == "round-robin":
+            owners = round_robin_placement(len(layers), self.world_size)
+        else:
+            costs = [
+                decomposition_cost(layer.helper.a_dim, layer.helper.g_dim, layer.helper.diagonal_a)
+                for layer in layers
+            ]
+            owners = greedy_placement(costs, self.world_size)
+        for layer, owner in zip(layers, owners, strict=True):
+            self._owner[layer.name] = owner
+            self._factor_owner[(layer.name, "A")] = self._factor_owner[(layer.name, "G")] = owner
+            self._order[(layer.name, "A")] = self._order[(layer.name, "G")] = 0
+
+    def _place_factors(self, layers: Sequence[KFACLayer]) -> None:
+        """LBP: per-factor owners and the one global order every rank decomposes and sends in.
+
+        On one rank nothing is sent, so everything is local and nothing is measured.
+        """
+        items = _factor_items(layers)
+        if self.world_size == 1:
+            owners: list[int | None] = [None] * len(items)
+            order = list(range(len(items)))
+        else:
+            if self.decomposition_cost is None:
+                self.decomposition_cost = self._measure_decomposition_cost()
+            if self.broadcast_cost is None:
+                self.broadcast_cost = self._measure_broadcast_cost()
+            owners = lbp_placement(items, self.world_size, self._decompose_s, self._broadcast_s)
+            order = schedule_order(
+                items, owners, self.world_size, self._decompose_s, self._broadcast_s
+            )
+        position = {factor: index for index, factor in enumerate(order)}
+        for index, layer in enumerate(layers):
+            for offset, which in enumerate(("A", "G")):
+                self._factor_owner[(layer.name, which)] = owners[2 * index + offset]
+                self._order[(layer.name, which)] = position[2 * index + offset]
+            # The summary owner behind KFAC.layers: A's, else G's, else 0.
+            owned = [o for o in owners[2 * index : 2 * index + 2] if o is not None]
+            self._owner[layer.name] = owned[0] if owned else 0
+
+    def _decompose_s(self, n: int) -> float:
+        assert self.decomposition_cost is not None
+        return self.decomposition_cost.time(n)
+
+    def _broadcast_s(self, n: int) -> float:
+        assert self.broadcast_cost is not None
+        return broadcast_time(
+            self.broadcast_cost, self.compute_method, n, element_size=self.inv_dtype.itemsize
+        )
+
+    def _measure_decomposition_cost(self) -> DecompositionCostModel:
+        """Fit decomposition times on this rank's device, then take rank 0's fit everywhere.
+
+        Every rank measures (so the machine is as busy as in training), but fits differ a
+        little between ranks, and different placements would deadlock the broadcasts.
+        """
+        fitted = DecompositionCostModel.measure(self.compute_method, self.device, self.inv_dtype)
+        coefficients = torch.tensor(
+            [fitted.c3, fitted.c2, fitted.c0], dtype=torch.float64, device=self.device
+        )
+        dist.broadcast(coefficients, src=self.global_ranks[0], group=self.group)
+        c3, c2, c0 = coefficients.cpu().tolist()
+        return DecompositionCostModel(c3=c3, c2=c2, c0=c0)
+
+    def _measure_broadcast_cost(self) -> CostModel:
+        """``a + b M`` for a broadcast on this group, fitted like all-reduces are calibrated.
+
+        Mirrors :func:`interlace.comm.calibrate.fit_cost_model` (median per size, the slowest
+        rank's medians, a 4-byte message for the start-up, least squares for the per-byte
+        cost on top), with broadcasts from rank 0 in place of all-reduces.
+        """
+        medians = torch.tensor(
+            [
+                time_broadcast(size, self.global_ranks[0], self.group, device=self.device)
+                for size in (4, *BROADCAST_SIZES)
+            ],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        # A collective ends when its slowest rank does, and every rank must fit the same model.
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=self.group)
+        tiny, *rest = medians.cpu().tolist()
+        return CostModel.fit_slope(tiny, [float(size) for size in BROADCAST_SIZES], rest)
+
+    # -- process groups ------------------------------------------------------------------
+
+    def _make_worker_groups(self, distributed: bool) -> None:
+        """Process groups for HYBRID's blocks and receiver groups (the world serves otherwise)."""
+        groups = self.worker_groups
+        if not distributed or groups.workers in (1, self.world_size):
+            return
+        # Every rank creates every group, in the same order: new_group is collective.
+        for block in groups.blocks():
+            self._block_groups[block[0]] = dist.new_group([self.global_ranks[r] for r in block])
+        for members in groups.receiver_groups():
+            self._receiver_groups[members[0]] = dist.new_group(
+                [self.global_ranks[r] for r in members]
+            )
+
+    def make_owner_groups(self) -> None:
+        """LBP: one process group per owner, so different owners' broadcasts run at once.
+
+        LBP's placement assumes each owner's sends leave through their own channel; on one
+        group they would queue behind each other. Collective: every rank calls it, in the same
+        place of its start-up.
+        """
+        if self.placement == "lbp" and self._distributed and self.world_size > 1:
+            self._owner_groups.extend(
+                dist.new_group(self.global_ranks) for _ in range(self.world_size)
+            )
+
+    def block_group(self, owner: int) -> dist.ProcessGroup | None:
+        """The group of ``owner``'s gradient workers, which its decompositions go to.
+
+        Args:
+            owner: The rank that decomposed the layer.
+        """
+        block = self.worker_groups.block_of(owner)
+        return self._block_groups.get(block[0], self.group)
+
+    def receiver_group(self) -> dist.ProcessGroup | None:
+        """This rank's receiver group: preconditioned gradients reach it on this group."""
+        return self._receiver_groups.get(self.rank % self.worker_groups.workers, self.group)
+
+    def owner_group(self, owner: int) -> dist.ProcessGroup | None:
+        """The group ``owner`` broadcasts its factors' decompositions on (LBP).
+
+        Args:
+            owner: The rank that decomposed the factor.
+        """
+        return self._owner_groups[owner] if self._owner_groups else self.group
+
+    # -- decompositions ------------------------------------------------------------------
+
+    def decompose(
+        self,
+        ready: Sequence[KFACLayer],
+        decompose: Callable[[KFACLayer, str], None],
+        device: torch.device,
+    ) -> list[PendingBroadcast]:
+        """Decompose the factors this rank is given; under LBP, start their broadcasts too.
+
+        Layer-level placements: an owner decomposes both of a layer's factors (they are sent
+        afterwards by :meth:`send_layer_decompositions`). LBP: every rank walks the same global
+        order (owned factors in Johnson's order, then the local ones); an owner decomposes a
+        factor and starts its broadcast at once, while the others post the matching broadcast
+        into a buffer and move on, so collectives are issued in one order everywhere and each
+        owner's sends start as early as its decompositions allow.
+
+        Args:
+            ready: The layers with factors, in the same order on every rank.
+            decompose: Decomposes one factor of a layer on this rank.
+            device: Where receive buffers live.
+
+        Returns:
+            The broadcasts started (LBP), to be waited for.
+        """
+        pending: list[PendingBroadcast] = []
+        if self.placement != "lbp":
+            for layer in ready:
+                layer.decomposed = True
+                if self._owner[layer.name] == self.rank:
+                    decompose(layer, "A")
+                    decompose(layer, "G")
+            return pending
+        for layer, which in self.factor_schedule(ready):
+            layer.decomposed = True
+            owner = self.factor_owner(layer.name, which)
+            if owner is None or owner == self.rank:
+                decompose(layer, which)
+            if owner is None:
+                continue
+            pending.append(
+                layer.broadcast_decomposition(
+                    which,
+                    src=self.global_ranks[owner],
+                    group=self.owner_group(owner),
+                    receive=owner != self.rank,
+                    device=device,
+                )
+            )
+        return pending
+
+    @property
+    def sends_layer_decompositions(self) -> bool:
+        """Whether :meth:`send_layer_decompositions` sends anything (layer-level, not MEM-OPT)."""
+        return self.placement != "lbp" and self.worker_groups.broadcasts_decompositions
+
+    def send_layer_decompositions(
+        self, ready: Sequence[KFACLayer], device: torch.device
+    ) -> list[PendingBroadcast]:
+        """Layer-level placements: start one broadcast per layer from its owner to its block.
+
+        Args:
+            ready: The layers decomposed this step, in the same order on every rank.
+            device: Where receive buffers live.
+
+        Returns:
+            The broadcasts started (none under LBP or MEM-OPT), to be waited for.
+        """
+        if not self.sends_layer_decompositions:
+            return []
+        return [
+            layer.broadcast_decompositions(
+                src=self.global_ranks[self._owner[layer.name]],
+                group=self.block_group(self._owner[layer.name]),
+                receive=self._owner[layer.name] != self.rank,
+                device=device,
+            )
+            for layer in ready
+            if self.is_grad_worker(layer.name)
+        ]
+
+    # -- queries -------------------------------------------------------------------------
+
+    def owner(self, name: str) -> int:
+        """The rank that decomposes a layer's factors (under LBP: see ``KFAC.layers``).
+
+        Args:
+            name: The layer's name.
+        """
+        return self._owner[name]
+
+    def factor_owner(self, name: str, which: str) -> int | None:
+        """The rank that decomposes one factor; None means every rank does.
+
+        Args:
+            name: The layer's name.
+            which: ``"A"`` or ``"G"``.
+        """
+        return self._factor_owner[(name, which)]
+
+    def is_grad_worker(self, name: str) -> bool:
+        """Whether this rank is one of a layer's gradient workers (it preconditions it).
+
+        Args:
+            name: The layer's name.
+        """
+        return self._owner[name] in self.worker_groups.block_of(self.rank)
+
+    def gradient_source(self, name: str) -> int:
+        """The gradient worker that sends this rank a layer's preconditioned gradient (global).
+
+        Args:
+            name: The layer's name.
+        """
+        source = self.worker_groups.gradient_source(self._owner[name], self.rank)
+        return self.global_ranks[source]
+
+    def factor_schedule(self, layers: Sequence[KFACLayer]) -> list[tuple[KFACLayer, str]]:
+        """LBP: every factor of ``layers`` in the one order all ranks decompose and send in.
+
+        Args:
+            layers: The layers whose factors are due.
+        """
+        factors = sorted(
+            [(self._order[(layer.name, w)], layer, w) for w in "AG" for layer in layers],
+            key=lambda entry: entry[0],
+        )
+        return [(layer, which) for _, layer, which in factors]
+
+    def share_gradients(
+        self,
+        layers: Sequence[KFACLayer],
+        results: dict[KFACLayer, torch.Tensor],
+        grads: Mapping[KFACLayer, torch.Tensor | None],
+    ) -> None:
+        """Send each layer's preconditioned gradient from its workers to every other rank.
+
+        Each rank receives from the worker at its own position of the layer's block, on its
+        receiver group; all broadcasts are started before the first is waited for.
+
+        Args:
+            layers: The layers preconditioned this step, in the same order on every rank.
+            results: The preconditioned gradients this rank computed; completed in place.
+            grads: The layers' gradients (shapes and dtypes for receive buffers).
+        """
+        pending = []
+        for layer in layers:
+            if layer not in results:
+                template = grads[layer]
+                assert template is not None
+                results[layer] = torch.empty_like(template)
+            buffer = results[layer].contiguous()
+            results[layer] = buffer
+            pending.append(
+                dist.broadcast(
+                    buffer,
+                    src=self.gradient_source(layer.name),
+                    group=self.receiver_group(),
+                    async_op=True,
+                )
+            )
+        for handle in pending:
+            assert handle is not None
+            handle.wait()
+
+    # -- description ---------------------------------------------------------------------
+
+    def mode(self) -> str:
+        """``"COMM-OPT"``, ``"MEM-OPT"`` or ``"HYBRID (k gradient workers per layer)"``."""
+        workers = self.worker_groups.workers
+        if workers == self.world_size:
+            return "COMM-OPT"
+        if workers == 1:
+            return "MEM-OPT"
+        return f"HYBRID ({workers} gradient workers per layer)"
+
+    def describe(self, layers: Sequence[KFACLayer]) -> str:
+        """A few lines: the mode and placement, per-rank load, the layers' owners.
+
+        Args:
+            layers: The preconditioned layers.
+        """
+        # Run headers and tests match this prefix, so the placement comes after it.
+        head = (
+            f"K-FAC ({self.compute_method}, {self.mode()}) on {self.world_size} rank(s): "
+            f"{len(layers)} layers, {self.placement} placement, "
+        )
+        if self.placement == "lbp":
+            head += self._lbp_load(layers)
+        else:
+            loads = [0.0] * self.world_size
+            for layer in layers:
+                loads[self._owner[layer.name]] += decomposition_cost(
+                    layer.helper.a_dim, layer.helper.g_dim, layer.helper.diagonal_a
+                )
+            head += "decomposition cost per rank " + ", ".join(
+                f"{load / max(sum(loads), 1.0):.0%}" for load in loads
+            )
+        lines = [head]
+        for layer in layers:
+            helper = layer.helper
+            a_text = f"A {helper.a_dim}{' (diagonal)' if helper.diagonal_a else ''}"
+            if self.placement == "lbp":
+                lines.append(
+                    f"  {layer.name}: {a_text} {_where(self.factor_owner(layer.name, 'A'))}, "
+                    f"G {helper.g_dim} {_where(self.factor_owner(layer.name, 'G'))}"
+                )
+            else:
+                lines.append(
+                    f"  {layer.name}: {a_text}, G {helper.g_dim}, rank {self._owner[layer.name]}"
+                )
+        return "\n".join(lines)
+
+    def _lbp_load(self, layers: Sequence[KFACLayer]) -> str:
+        if self.decomposition_cost is None or self.broadcast_cost is None:
+            return "every factor decomposed locally (nothing to send)"
+        items = _factor_items(layers)
+        owners = [self.factor_owner(layer.name, which) for layer in layers for which in "AG"]
+        seconds = [0.0 if item.diagonal else self._decompose_s(item.dim) for item in items]
+        local = sum(s for s, owner in zip(seconds, owners, strict=True) if owner is None)
+        loads = [local] * self.world_size
+        for cost, owner in zip(seconds, owners, strict=True):
+            if owner is not None:
+                loads[owner] += cost
+        makespan = predicted_makespan(
+            items, owners, self.world_size, self._decompose_s, self._broadcast_s
+        )
+        kept = sum(owner is None for owner in owners)
+        return (
+            f"{kept} of {len(owners)} factors local, predicted decomposition ms per rank "
+            + ", ".join(f"{load * 1e3:.2f}" for load in loads)
+            + f", predicted makespan {makespan * 1e3:.2f} ms"
+        )
+
+
+def _factor_items(layers: Sequence[KFACLayer]) -> list[FactorItem]:
+    """Every layer's ``A`` then ``G``, in layer order: the factors LBP places."""
+    items: list[FactorItem] = []
+    for layer in layers:
+        items.append(FactorItem(layer.helper.a_dim, layer.helper.diagonal_a))
+        items.append(FactorItem(layer.helper.g_dim))
+    return items
+
+
+def _where(owner: int | None) -> str:
+    """Where LBP decomposes a factor, for :meth:`WorkAssignment.describe`."""
+    return "local" if owner is None else f"on rank {owner}"

@@ -1,0 +1,451 @@
+"""Averaging K-FAC factors across ranks: in bulk at the step, or pipelined from the hooks.
+
+Pipelined mode (SPD-KFAC) all-reduces each factor's packed upper triangle as soon as its hook
+computes it, in the buckets :mod:`interlace.kfac.fusion` plans, on a process group of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from interlace.comm.calibrate import fit_cost_model
+from interlace.comm.cost import CostModel
+from interlace.kfac.assignment import GroupRanks
+from interlace.kfac.fusion import FUSIONS, BucketLauncher, make_groups
+from interlace.kfac.layer import KFACLayer
+from interlace.kfac.packing import pack_upper, packed_size, unpack_upper
+from interlace.kfac.timing import SpanLog
+
+__all__ = ["FACTOR_COMMS", "FactorComm", "FactorPipeline", "all_reduce_mean"]
+
+#: Values of ``KFAC(factor_comm=...)``: how factors are averaged across ranks.
+FACTOR_COMMS = ("bulk", "pipelined")
+
+#: A factor in the pipeline's ready order: ``(layer name, "A" or "G")``.
+FactorKey = tuple[str, str]
+
+
+def all_reduce_mean(
+    tensors: list[torch.Tensor],
+    world_size: int,
+    group: dist.ProcessGroup | None,
+    bucket_bytes: int,
+) -> list[torch.Tensor]:
+    """Average ``tensors`` across ranks in fused buckets of at most ``bucket_bytes``.
+
+    A tensor that would overflow a non-empty bucket starts the next one; all buckets are
+    launched before the first is waited for.
+
+    Args:
+        tensors: The same shapes and dtypes on every rank.
+        world_size: The ranks of ``group`` (1: nothing to do).
+        group: The process group.
+        bucket_bytes: The most bytes in one all-reduce (unless one tensor is larger).
+
+    Returns:
+        The averages, shaped like ``tensors`` (views of the buckets).
+    """
+    if world_size == 1 or not tensors:
+        return tensors
+    buckets: list[list[int]] = [[]]
+    size = 0
+    for index, tensor in enumerate(tensors):
+        nbytes = tensor.numel() * tensor.element_size()
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(index)
+        size += nbytes
+    flats = [torch.cat([tensors[i].reshape(-1) for i in bucket]) for bucket in buckets]
+    works = [dist.all_reduce(flat, group=group, async_op=True) for flat in flats]
+    result: list[torch.Tensor] = list(tensors)
+    for bucket, flat, work in zip(buckets, flats, works, strict=True):
+        assert work is not None
+        work.wait()
+        mean = flat / world_size
+        offset = 0
+        for index in bucket:
+            numel = tensors[index].numel()
+            result[index] = mean[offset : offset + numel].view_as(tensors[index])
+            offset += numel
+    return result
+
+
+class FactorPipeline:
+    """The in-hook communicator of pipelined factor all-reduces (one factor step at a time).
+
+    Factors are indexed by their position in the ready order (``keys``). :meth:`offer` packs a
+    factor's upper triangle and launches every bucket that is now complete, in plan order, as an
+    async SUM all-reduce on the factor group; :meth:`flush` launches the rest and :meth:`wait`
+    collects the sums. While profiling it also notes each factor's ready time, seconds since
+    the first factor of the step (about the start of the forward pass).
+
+    Args:
+        keys: The factors in ready order.
+        numels: Each factor's packed size.
+        dtypes: Each factor's dtype.
+        group: The factor group.
+        device: Where zeros stand in for a factor this rank did not compute.
+        spans: Where each bucket's wait is logged.
+    """
+
+    def __init__(
+        self,
+        keys: list[FactorKey],
+        numels: list[int],
+        dtypes: list[torch.dtype],
+        *,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        spans: SpanLog,
+    ) -> None:
+        self.index = {key: position for position, key in enumerate(keys)}
+        self.numels = numels
+        self.dtypes = dtypes
+        self.group = group
+        self.device = device
+        self.spans = spans
+        #: Packed bytes of each factor, in ready order.
+        self.nbytes = [n * d.itemsize for n, d in zip(numels, dtypes, strict=True)]
+        self.groups: list[list[int]] = [[i] for i in range(len(keys))]
+        self.profiling = False
+        self.profiled = 0
+        self._ready_sum = [0.0] * len(keys)
+        self._ready_count = [0] * len(keys)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget this step's factors (collectives must have been waited for)."""
+        self.launcher = BucketLauncher(self.groups)
+        self.packed: dict[int, torch.Tensor] = {}
+        self.ready_s: dict[int, float] = {}
+        self.origin: float | None = None
+        self.pending: list[tuple[int, torch.Tensor, dist.Work | None, float]] = []
+
+    def offer(self, key: FactorKey, factor: torch.Tensor) -> None:
+        """A factor is ready: pack it and launch every bucket now complete.
+
+        Args:
+            key: Which factor.
+            factor: This batch's factor (this rank's, not yet averaged).
+        """
+        now = time.perf_counter()
+        if self.origin is None:
+            self.origin = now
+        position = self.index.get(key)
+        # A second call of the same module in one step is caught by the step's counts.
+        if position is None or position in self.packed:
+            return
+        packed = pack_upper(factor)
+        # The all-reduce works in place, and a diagonal factor is the hook's own tensor.
+        self.packed[position] = packed.clone() if packed is factor else packed
+        self.ready_s[position] = now - self.origin
+        for bucket in self.launcher.add(position):
+            self._launch(bucket)
+
+    def flush(self) -> None:
+        """Launch every bucket not launched yet."""
+        for bucket in self.launcher.rest():
+            self._launch(bucket)
+
+    def _launch(self, bucket: int) -> None:
+        members = self.groups[bucket]
+        parts = [
+            self.packed[i]
+            if i in self.packed
+            else torch.zeros(self.numels[i], dtype=self.dtypes[i], device=self.device)
+            for i in members
+        ]
+        flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+        started = time.perf_counter()
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        self.pending.append((bucket, flat, work, started))
+
+    def wait(self) -> dict[int, torch.Tensor]:
+        """Every factor's all-reduced sum (1-D, packed), by ready position."""
+        sums: dict[int, torch.Tensor] = {}
+        for bucket, flat, work, started in self.pending:
+            assert work is not None
+            work.wait()
+            members = self.groups[bucket]
+            self.spans.add(
+                f"factor bucket {bucket} ({len(members)})", "comm", started, time.perf_counter()
+            )
+            pieces = torch.split(flat, [self.numels[i] for i in members])
+            for i, piece in zip(members, pieces, strict=True):
+                sums[i] = piece
+        self.pending = []
+        return sums
+
+    def record_profile(self) -> None:
+        """Add this step's ready times to the profile."""
+        self.profiled += 1
+        for position, ready in self.ready_s.items():
+            self._ready_sum[position] += ready
+            self._ready_count[position] += 1
+
+    def mean_ready_s(self) -> list[float]:
+        """Each factor's mean profiled ready time (0 for one never seen on this rank)."""
+        return [
+            total / count if count else 0.0
+            for total, count in zip(self._ready_sum, self._ready_count, strict=True)
+        ]
+
+
+class FactorComm:
+    """Averages the layers' factors across ranks, in bulk or pipelined (``KFAC(factor_comm=)``).
+
+    The first factor step is always bulk: it finds the layers whose hooks never fire, and
+    rank 0's hook order becomes the ready order. Pipelining starts after it, with several
+    ranks and ``accumulation_steps == 1`` only (with accumulation a factor is complete only
+    after the last micro-batch). Constructing it creates the factor group (collective).
+
+    Args:
+        mode: One of :data:`FACTOR_COMMS`.
+        fusion: One of :data:`~interlace.kfac.fusion.FUSIONS` (pipelined only).
+        ranks: The process group K-FAC runs on and this rank in it.
+        bucket_bytes: The most bytes per bulk (and ``"fixed"``) all-reduce.
+        accumulation_steps: Micro-batches per step.
+        profile_steps: Factor steps profiled before ``"merged"`` plans its buckets.
+        factor_cost: The all-reduce cost model behind ``"merged"`` (None: fitted when needed).
+        spans: Where timed spans go.
+    """
+
+    def __init__(
+        self,
+        mode: str,
+        fusion: str,
+        *,
+        ranks: GroupRanks,
+        bucket_bytes: int,
+        accumulation_steps: int,
+        profile_steps: int,
+        factor_cost: CostModel | None,
+        spans: SpanLog,
+    ) -> None:
+        if mode not in FACTOR_COMMS:
+            raise ValueError(f"factor_comm must be one of {', '.join(FACTOR_COMMS)}, got {mode!r}")
+        if fusion not in FUSIONS:
+            raise ValueError(f"fusion must be one of {', '.join(FUSIONS)}, got {fusion!r}")
+        self.mode = mode
+        self.fusion = fusion
+        self.world_size = ranks.world_size
+        self.group = ranks.group
+        self.global_ranks = ranks.global_ranks
+        self.bucket_bytes = bucket_bytes
+        self.accumulation_steps = accumulation_steps
+        self.profile_steps = profile_steps
+        #: The all-reduce cost model behind ``fusion="merged"`` (given, or fitted when needed).
+        self.factor_cost = factor_cost
+        self.spans = spans
+        #: The pipelined buckets in use (indices into :attr:`factor_order`); None until
+        #: pipelining starts, singletons while ``"merged"`` profiles.
+        self.factor_plan: list[list[int]] | None = None
+        #: The factors' ready order pipelining uses.
+        self.factor_order: list[FactorKey] = []
+        self._pipe: FactorPipeline | None = None
+        self._fired: list[FactorKey] = []
+        # Pipelined all-reduces start inside the hooks, while a data-parallel wrapper's
+        # gradient all-reduces run on the default group: a group of their own keeps the two
+        # sequences apart (new_group is collective, so every rank creates it here).
+        self.factor_group: dist.ProcessGroup | None = None
+        if mode == "pipelined" and ranks.distributed and ranks.world_size > 1:
+            self.factor_group = dist.new_group(ranks.global_ranks)
+
+    @property
+    def pipelining(self) -> bool:
+        """Whether the hooks launch the factor all-reduces (after the first factor step)."""
+        return self._pipe is not None
+
+    def factor_ready(self, key: FactorKey, factor: torch.Tensor, count: int) -> None:
+        """A hook computed a factor: send it, or note its ready order before pipelining.
+
+        Args:
+            key: Which factor.
+            factor: This batch's factor.
+            count: How many batches of it this step holds now.
+        """
+        if self._pipe is not None:
+            self._pipe.offer(key, factor)
+        elif self.mode == "pipelined" and count == 1:
+            self._fired.append(key)
+
+    def forget_ready_order(self) -> None:
+        """Forget the factors noted this step (the step is over)."""
+        self._fired = []
+
+    def all_reduce_mean(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """:func:`all_reduce_mean` on the K-FAC group.
+
+        Args:
+            tensors: The same shapes and dtypes on every rank.
+        """
+        return all_reduce_mean(tensors, self.world_size, self.group, self.bucket_bytes)
+
+    def agree_presence(
+        self, layers: Sequence[KFACLayer], device: torch.device
+    ) -> tuple[dict[str, bool], dict[str, bool]]:
+        """Which layers have both factors on every rank, and whose ``A`` any rank has.
+
+        One small collective so that every rank agrees which layers have factors this step: a
+        layer seen by some ranks only would otherwise desynchronise the buckets.
+
+        Args:
+            layers: The registered layers.
+            device: Where the collective's tensor lives.
+
+        Returns:
+            ``everywhere`` and ``anywhere`` by layer name.
+        """
+        present = torch.tensor(
+            [[layer.a_count > 0, layer.g_count > 0] for layer in layers], dtype=torch.int32
+        )
+        if self.world_size > 1:
+            both = torch.cat([present, -present]).to(device)
+            dist.all_reduce(both, op=dist.ReduceOp.MIN, group=self.group)
+            both = both.cpu()
+            everywhere, anywhere = both[: len(layers)], -both[len(layers) :]
+        else:
+            everywhere = anywhere = present
+        names = [layer.name for layer in layers]
+        return (
+            {name: all(flags) for name, flags in zip(names, everywhere.tolist(), strict=True)},
+            {name: bool(flags[0]) for name, flags in zip(names, anywhere.tolist(), strict=True)},
+        )
+
+    def finish_pipelined(
+        self,
+        layers: Sequence[KFACLayer],
+        phases: dict[str, float],
+        device: torch.device,
+        started: float,
+    ) -> tuple[list[KFACLayer], list[torch.Tensor]]:
+        """The factor step when the hooks have already launched the all-reduces.
+
+        Flushes the buckets still open (a factor missing on this rank is sent as zeros, so every
+        rank issues the same collectives), then one small all-reduce agrees which layers every
+        rank has and whether any rank saw a layer twice (a module called twice per step): the
+        sums sent then hold only the first call, so the step falls back to the bulk all-reduce
+        of the accumulated factors.
+
+        Args:
+            layers: The registered layers.
+            phases: Seconds per phase, updated in place.
+            device: Where the collectives' tensors live.
+            started: When the factor step started (``time.perf_counter()``).
+
+        Returns:
+            The layers with factors on every rank, and their averaged ``A`` and ``G``
+            (alternating).
+        """
+        pipe = self._pipe
+        assert pipe is not None
+        pipe.flush()
+        counts = torch.tensor(
+            [[layer.a_count, layer.g_count] for layer in layers], dtype=torch.int64
+        )
+        present = (counts > 0).to(torch.int64).reshape(-1)
+        repeated = int(bool((counts > 1).any()))
+        flags = torch.cat([present, torch.tensor([-repeated])]).to(device)
+        # On the main group, idle once backward has returned: on the factor group this small
+        # all-reduce would queue behind the buckets still in flight and hide their wait here.
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.group)
+        flags = flags.cpu()
+        everywhere = flags[:-1].reshape(-1, 2).tolist()
+        any_repeated = int(flags[-1]) < 0
+        ready = [layer for layer, both in zip(layers, everywhere, strict=True) if all(both)]
+        phases["factor_compute"] += time.perf_counter() - started
+        with self.spans.timed(phases, "factor_comm", "comm", "factor all-reduce wait"):
+            summed = pipe.wait()
+        if any_repeated:
+            tensors = [tensor for layer in ready for tensor in layer.batch_factors()]
+            with self.spans.timed(phases, "factor_comm", "comm", "factor all-reduce"):
+                return ready, self.all_reduce_mean(tensors)
+        averaged = []
+        for layer in ready:
+            for which, local in (("A", layer.a_sum), ("G", layer.g_sum)):
+                assert local is not None
+                dim, diagonal = layer.dims(which)
+                mean = summed[pipe.index[(layer.name, which)]] / self.world_size
+                averaged.append(unpack_upper(mean, dim, diagonal=diagonal).to(local.dtype))
+        return ready, averaged
+
+    def end_factor_step(self, layers: Sequence[KFACLayer], device: torch.device) -> None:
+        """After the factors are folded: plan or reset the pipeline, or start it.
+
+        Args:
+            layers: The registered layers (their set is fixed from the first factor step).
+            device: Where the collectives' tensors live.
+        """
+        pipe = self._pipe
+        if pipe is None:
+            # Pipelining needs several ranks (a factor group) and no micro-batch accumulation.
+            if self.factor_group is not None and self.accumulation_steps == 1:
+                self._start_pipeline(layers, device)
+            return
+        if pipe.profiling:
+            pipe.record_profile()
+            if pipe.profiled >= self.profile_steps:
+                self._plan_merged(pipe, device)
+        pipe.reset()
+
+    def _start_pipeline(self, layers: Sequence[KFACLayer], device: torch.device) -> None:
+        """After the first (bulk) factor step: fix the factors' ready order and first buckets.
+
+        The ready order is rank 0's hook order, broadcast so that every rank indexes the plan
+        the same way (factors rank 0 never saw go last, in layer order).
+        """
+        position = {layer.name: index for index, layer in enumerate(layers)}
+        count = 2 * len(layers)
+        codes = torch.full((count,), -1, dtype=torch.int64)
+        seen = [
+            2 * position[name] + (which == "G") for name, which in self._fired if name in position
+        ]
+        seen = list(dict.fromkeys(seen))
+        codes[: len(seen)] = torch.tensor(seen, dtype=torch.int64)
+        codes = codes.to(device)
+        dist.broadcast(codes, src=self.global_ranks[0], group=self.factor_group)
+        order = [int(code) for code in codes.cpu().tolist() if code >= 0]
+        order += [code for code in range(count) if code not in set(order)]
+        keys: list[FactorKey] = []
+        numels: list[int] = []
+        dtypes: list[torch.dtype] = []
+        for code in order:
+            layer, which = layers[code // 2], "G" if code % 2 == 1 else "A"
+            dim, diagonal = layer.dims(which)
+            numels.append(dim if diagonal else packed_size(dim))
+            factor = layer.factor(which)
+            dtypes.append(layer.helper.weight.dtype if factor is None else factor.dtype)
+            keys.append((layer.name, which))
+        self.factor_order = keys
+        self._pipe = FactorPipeline(
+            keys, numels, dtypes, group=self.factor_group, device=device, spans=self.spans
+        )
+        if self.fusion == "merged":
+            # Per-factor launches while the ready times are profiled.
+            self._pipe.profiling = True
+            self._set_plan(make_groups("none", self._pipe.nbytes))
+        else:
+            self._set_plan(make_groups(self.fusion, self._pipe.nbytes, cap_bytes=self.bucket_bytes))
+
+    def _set_plan(self, groups: list[list[int]]) -> None:
+        assert self._pipe is not None
+        self.factor_plan = groups
+        self._pipe.groups = groups
+        self._pipe.reset()
+
+    def _plan_merged(self, pipe: FactorPipeline, device: torch.device) -> None:
+        """Merged buckets from the profiled ready times (slowest rank's) and the cost model."""
+        ready = torch.tensor(pipe.mean_ready_s(), dtype=torch.float64, device=device)
+        # Every rank must derive the same plan: the same times, sizes and cost model.
+        dist.all_reduce(ready, op=dist.ReduceOp.MAX, group=self.factor_group)
+        if self.factor_cost is None:
+            self.factor_cost = fit_cost_model(self.factor_group, device=device)
+        pipe.profiling = False
+        self._set_plan(
+            make_groups("merged", pipe.nbytes, ready_s=ready.cpu().tolist(), cost=self.factor_cost)
+        )
