@@ -9,7 +9,7 @@ import pytest
 
 from interlace.comm.cost import CostModel, fit_osu_log, read_osu_log, ring_allreduce_time
 
-#: Measured OSU logs, kept in ``shared/`` beside the checkout (tests/comm/ -> repository -> its parent).
+#: Measured OSU logs, in ``shared/`` beside the checkout (the repository's parent directory).
 TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
 
 

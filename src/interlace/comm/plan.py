@@ -25,10 +25,27 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 from interlace.comm.cost import CostModel
 
-STRATEGIES = ("per-tensor", "fixed", "single", "merged", "optimal")
+
+class Bucketing(str, Enum):
+    """The bucket planners by name; wherever a bucketing is named, a member or its string works."""
+
+    #: MG-WFBP's optimal merge (Theorem 1).
+    MERGED = "merged"
+    #: WFBP: one all-reduce per tensor as soon as it is ready.
+    PER_TENSOR = "per-tensor"
+    #: DDP and Horovod: tensors packed in ready order up to a byte cap.
+    FIXED = "fixed"
+    #: SyncEASGD: one all-reduce of everything after backward.
+    SINGLE = "single"
+    #: The exact best contiguous bucketing under the cost model (dynamic programming).
+    OPTIMAL = "optimal"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -258,7 +275,7 @@ def plan_per_tensor(
         cost,
         backward_s=backward_s,
         forward_s=forward_s,
-        strategy="per-tensor",
+        strategy=Bucketing.PER_TENSOR.value,
         channels=channels,
         partition_bytes=partition_bytes,
     )
@@ -281,7 +298,7 @@ def plan_single(
         cost,
         backward_s=backward_s,
         forward_s=forward_s,
-        strategy="single",
+        strategy=Bucketing.SINGLE.value,
         channels=channels,
         partition_bytes=partition_bytes,
     )
@@ -323,7 +340,7 @@ def plan_fixed(
         cost,
         backward_s=backward_s,
         forward_s=forward_s,
-        strategy="fixed",
+        strategy=Bucketing.FIXED.value,
         channels=channels,
         partition_bytes=partition_bytes,
     )
@@ -366,7 +383,7 @@ def plan_merged(
             cost,
             backward_s=backward_s,
             forward_s=forward_s,
-            strategy="merged",
+            strategy=Bucketing.MERGED.value,
             channels=channels,
             partition_bytes=partition_bytes,
         )
@@ -449,12 +466,17 @@ def plan_optimal(
         end = best_cut[end]
     groups.reverse()
     return schedule(
-        groups, tensors, cost, backward_s=backward_s, forward_s=forward_s, strategy="optimal"
+        groups,
+        tensors,
+        cost,
+        backward_s=backward_s,
+        forward_s=forward_s,
+        strategy=Bucketing.OPTIMAL.value,
     )
 
 
 def make_plan(
-    strategy: str,
+    strategy: Bucketing | str,
     tensors: Sequence[ReadyTensor],
     cost: CostModel,
     *,
@@ -465,13 +487,34 @@ def make_plan(
     channels: int = 1,
     partition_bytes: float | None = None,
 ) -> Plan:
-    """Dispatch to the planner named ``strategy`` (one of :data:`STRATEGIES`), priced on
-    ``channels`` channels with buckets above ``partition_bytes`` split across them."""
-    if strategy == "optimal":
+    """Plan with the planner named ``strategy``.
+
+    Args:
+        strategy: a :class:`Bucketing` or its string.
+        tensors: the tensors in ready order.
+        cost: the price of an all-reduce.
+        cap_bytes: the cap of ``fixed`` buckets.
+        first_cap_bytes: the first ``fixed`` bucket's cap (None: ``cap_bytes``).
+        backward_s: when backward ends (default: when the last tensor is ready).
+        forward_s: the forward pass, added to the predicted iteration time.
+        channels: channels the buckets are priced on.
+        partition_bytes: buckets above this are split across channels (None: never).
+
+    Raises:
+        ValueError: for an unknown planner name.
+    """
+    try:
+        bucketing = Bucketing(strategy)
+    except ValueError:
+        raise ValueError(
+            f"unknown bucketing strategy '{strategy}'; choose one of "
+            f"{', '.join(member.value for member in Bucketing)}"
+        ) from None
+    if bucketing is Bucketing.OPTIMAL:
         return plan_optimal(
             tensors, cost, backward_s=backward_s, forward_s=forward_s, channels=channels
         )
-    if strategy == "fixed":
+    if bucketing is Bucketing.FIXED:
         return plan_fixed(
             tensors,
             cost,
@@ -482,17 +525,19 @@ def make_plan(
             channels=channels,
             partition_bytes=partition_bytes,
         )
-    planners = {"per-tensor": plan_per_tensor, "single": plan_single, "merged": plan_merged}
-    if strategy in planners:
-        return planners[strategy](
-            tensors,
-            cost,
-            backward_s=backward_s,
-            forward_s=forward_s,
-            channels=channels,
-            partition_bytes=partition_bytes,
-        )
-    raise ValueError(f"unknown bucketing strategy '{strategy}'; choose one of {STRATEGIES}")
+    planners = {
+        Bucketing.PER_TENSOR: plan_per_tensor,
+        Bucketing.SINGLE: plan_single,
+        Bucketing.MERGED: plan_merged,
+    }
+    return planners[bucketing](
+        tensors,
+        cost,
+        backward_s=backward_s,
+        forward_s=forward_s,
+        channels=channels,
+        partition_bytes=partition_bytes,
+    )
 
 
 def _check_tensors(tensors: Sequence[ReadyTensor]) -> None:
