@@ -1,23 +1,7 @@
 """Timed events of one or more training iterations, measured or simulated, and their pictures.
 
-Overlapping communication with computation only pays when the communication really ends up
-hidden behind compute, so every schedule needs a picture and a number: a Gantt chart of what
-ran when on which lane, and the length of communication that did or did not overlap compute.
-
-A :class:`Timeline` holds :class:`Event` objects (a name, a category from :data:`CATEGORIES`,
-a start and an end in seconds, a lane and a process) and
-
-* measures them: :meth:`Timeline.busy_s` and :meth:`Timeline.overlap_s` work on the *union* of
-  intervals, so events that overlap each other (two all-reduces in flight on two channels) are
-  counted once, and :meth:`Timeline.summary` gives compute, communication, hidden and exposed
-  communication;
-* writes them as a Chrome trace-event JSON file (:meth:`Timeline.to_chrome_trace`), which opens
-  in https://ui.perfetto.dev or ``chrome://tracing`` for zooming into thousands of events, and
-  reads such a file back (:meth:`Timeline.from_chrome_trace`);
-* draws them as a PNG Gantt chart (:meth:`Timeline.to_png`) for reports and run folders.
-
-The module uses only the standard library, plus matplotlib (imported lazily, Agg backend) for the
-chart, so planners and simulators can build timelines without torch.
+A :class:`Timeline` measures its events (busy, overlapping and exposed time on unions of
+intervals), writes Chrome trace-event JSON and draws PNG Gantt charts (matplotlib, only then).
 """
 
 from __future__ import annotations
@@ -429,11 +413,11 @@ class Timeline:
         An empty timeline still gives a valid PNG, saying "no events", so a run that recorded
         nothing leaves a picture that says so rather than failing at the end.
         """
-        import matplotlib
+        import matplotlib  # noqa: PLC0415 - optional dependency, heavy; only when a chart is drawn
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
+        import matplotlib.pyplot as plt  # noqa: PLC0415 - after matplotlib.use("Agg")
+        from matplotlib.patches import Patch  # noqa: PLC0415 - optional dependency
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,7 @@
 """Fitting ``T(M) = a + b*M`` on the live process group, with a cache across restarts.
 
-Every rank times the same all-reduces (a 4-byte one for the start-up cost ``a``, larger ones for
-the per-byte cost ``b``); the per-size medians are combined with a MAX all-reduce
-(a collective ends when its slowest rank does) so all ranks fit the identical model and later
-plan identical buckets. Rank 0 keeps fitted models in a small JSON cache keyed by (backend,
-world size, link), so a restarted job on the same cluster does not measure again.
+Every rank fits the identical model (per-size medians combined by a MAX all-reduce); rank 0
+caches it by (backend, world size, link).
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """Communication channels: several process groups over the same ranks (AIACC-Training).
 
-One process group runs its collectives one after another, so a stream of small all-reduces pays
-every start-up in turn and leaves the link idle in between. ``k`` groups over the same ranks run
-``k`` all-reduces at once. The price of that freedom is ordering: every rank must issue the same
-collectives on the same group in the same order, or the job deadlocks. So the groups are created
-once, identically on every rank, channel 0 is the caller's own group, and which bucket goes on
-which channel is decided by the plan (computed on rank 0 and broadcast), never locally.
+Which bucket goes on which channel is decided by the plan, never locally (docs/notes/dp.md).
 """
 
 from __future__ import annotations
@@ -18,8 +13,8 @@ import torch.distributed as dist
 
 from interlace.errors import UsageError
 
+#: ``channels="auto"`` tries 1..4 channels.
 MAX_AUTO_CHANNELS = 4
-"""``channels="auto"`` tries 1..4: AIACC's own auto-tuner rarely went beyond that."""
 
 
 class Channels:

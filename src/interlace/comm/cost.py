@@ -1,10 +1,7 @@
 """Cost models of all-reduce: ``T(M) = a + b*M`` seconds for an M-byte message.
 
-The planners (:mod:`interlace.comm.plan`), the runtime and the simulator all price communication
-with one :class:`CostModel`. Its two numbers come either from a formula (ring or double binary
-tree, from per-link latency ``alpha``, wire time per byte ``beta`` and reduction time per byte
-``gamma``) or from a least-squares fit of measured all-reduce times: OSU logs, or a live process
-group (:func:`fit_cost_model`, in :mod:`interlace.comm.calibrate`).
+From a formula (ring, double binary tree) or a least-squares fit of measured times (OSU logs
+here, a live process group in :mod:`interlace.comm.calibrate`).
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
 """The runtime half of the communication core: flat bucket buffers and asynchronous all-reduces.
 
-A :class:`BucketEngine` is built from a plan (which tensors travel together, in which order).
-Each iteration, gradients are copied into their bucket's flat buffer as backward produces them;
-a bucket's all-reduce starts the moment its last tensor arrives, and buckets always start in plan
-order, so every rank issues the same collectives in the same order (the condition for never
-deadlocking). :meth:`BucketEngine.finish` waits for the rest and hands back averaged tensors.
-
-With several channels (process groups over the same ranks), each bucket goes on the channel(s)
-the plan assigned it; a partitioned bucket is cut into equal slices all-reduced at once on
-different channels and lands back in place, since the slices are views of one flat buffer. With
-compression, a float32 bucket travels as float16 or bfloat16: divided by the world size in
-float32 first (the average cannot overflow), cast for the wire, and cast back when it arrives.
-
-Tensors that got no gradient on this rank are sent as zeros; a one-number "was used" mark per
-tensor rides in the last bucket, so after the all-reduce every rank knows which tensors no rank
-touched (those keep ``grad = None``, as in PyTorch DDP) without an extra collective.
+Buckets are launched strictly in plan order, so every rank issues the same collectives in the
+same order (docs/notes/dp.md).
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
 """Bucket planners: pure functions from (tensors in ready order, cost model) to buckets.
 
-A planner decides which gradients travel together. Its input is what a profiled backward pass
-shows: tensors in the order they become ready, each with its size and the time (from the start of
-backward) at which it is ready. Four rules, from the literature:
-
-- ``per-tensor`` (WFBP): every tensor all-reduced alone as soon as it is ready;
-- ``fixed`` (PyTorch DDP, Horovod): tensors packed in ready order until a byte cap is reached;
-- ``single`` (SyncEASGD): one all-reduce of everything after backward;
-- ``merged`` (MG-WFBP, Shi et al., TPDS 2021, Theorem 1): merge a tensor into the next one
-  exactly when the next is ready before this one's all-reduce could start plus one start-up
-  ``a``: merging then saves a start-up for at most as much waiting.
-
-:func:`schedule` prices a bucketing on ``k`` communication channels (AIACC-Training): buckets are
-launched in plan order as soon as they are full, each on the channel predicted to be free first;
-a channel runs its all-reduces one after another, and all-reduces on different channels overlap
-at the price the cost model's concurrency terms give. A bucket above ``partition_bytes`` is split
-into slices sent at once on different channels. With one channel this is the plain serial
-timeline of the MG-WFBP paper. The runtime, the simulator and the K-FAC factor fusion all use
-these same functions.
+WFBP, DDP/Horovod's fixed caps, SyncEASGD, MG-WFBP's merge and the exact optimum, and
+:func:`schedule`, which prices any bucketing on one or several channels (docs/notes/dp.md).
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
 """Choosing among candidate plans by the iteration time each one is measured to give.
 
-A cost model fitted on an idle network prices an all-reduce by itself. What it cannot see is what
-the all-reduce costs the computation it overlaps: where the same cores run the collectives and
-the backward pass (training on CPUs, or a host whose network stack competes with the data
-loader), every bucket launched during backward slows that backward by a roughly fixed amount, so
-fewer, larger buckets win more often than the model predicts. Rather than guess that amount,
-:class:`PlanTrials` runs each candidate plan for a few real iterations and keeps the fastest, as
-Horovod's autotuner does for its fusion buffer.
-
-The schedule runs the candidates in order, then in reverse, and again (:data:`ROUNDS` passes), so
-a drift of the machine's load during the trials favours no candidate; after each change of plan
-one iteration is not timed (new buffers, first all-reduces of new sizes). The class is pure
-bookkeeping: the runtime feeds it iteration times and rebuilds buckets when it says so.
+:class:`PlanTrials` is pure bookkeeping: the runtime feeds it iteration times and rebuilds
+buckets when it says so (why trials at all: docs/notes/dp.md).
 """
 
 from __future__ import annotations
@@ -21,14 +11,13 @@ from collections.abc import Sequence
 
 from interlace.comm.cost import CostModel
 
+#: Besides the fitted start-up, the merge rule is also run with the start-up times these factors:
+#: each is one candidate of the trials (from "merge little" to "nearly one bucket").
 START_UP_SCALES = (4.0, 16.0, 64.0)
-"""Besides the fitted start-up, the merge rule is also run with the start-up times these factors:
-each is one candidate of the trials (from 'merge little' to 'nearly one bucket')."""
 
+#: Passes over the candidates, alternately forward and backward, so a drift of the machine's
+#: load during the trials favours no candidate.
 ROUNDS = 4
-"""Passes over the candidates, alternately forward and backward. On a shared machine the same
-plan measures 5-10% apart from one minute to the next; several short passes let every
-candidate sample every period of the trials."""
 
 
 def scale_start_up(cost: CostModel, factor: float) -> CostModel:
