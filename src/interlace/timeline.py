@@ -67,6 +67,18 @@ class Event:
     start of the iteration); only differences matter. ``lane`` is the chart row the event is drawn
     in and defaults to the category; ``process`` groups lanes (one per rank, or "simulated" next to
     "rank 0"). ``args`` are free-form details shown in Perfetto's detail pane.
+
+    Args:
+        name: what ran.
+        category: one of :data:`CATEGORIES`.
+        start_s: when it started, in seconds.
+        end_s: when it ended (not before ``start_s``).
+        lane: the chart row (default: the category).
+        process: the group of lanes (default ``"rank 0"``).
+        args: free-form details.
+
+    Raises:
+        ValueError: for an unknown category, times that are not finite, or an end before the start.
     """
 
     name: str
@@ -111,6 +123,10 @@ class Timeline:
 
     Events are kept in the order they were added; that order decides the order of lanes and
     processes in the chart and in the trace, so add the lane that should come first first.
+
+    Args:
+        events: the first events.
+        title: the chart's and the trace's title.
     """
 
     def __init__(self, events: Iterable[Event] = (), title: str = "") -> None:
@@ -136,13 +152,27 @@ class Timeline:
         process: str = "rank 0",
         **args: object,
     ) -> Event:
-        """Append one event (keyword arguments beyond ``lane``/``process`` become its args)."""
+        """Append one event (keyword arguments beyond ``lane``/``process`` become its args).
+
+        Args:
+            name: what ran.
+            category: one of :data:`CATEGORIES`.
+            start_s: when it started, in seconds.
+            end_s: when it ended.
+            lane: the chart row (default: the category).
+            process: the group of lanes.
+            **args: free-form details.
+        """
         event = Event(name, category, start_s, end_s, lane=lane, process=process, args=args)
         self.events.append(event)
         return event
 
     def extend(self, events: Iterable[Event]) -> None:
-        """Append events, e.g. another rank's or a simulated schedule for comparison."""
+        """Append events, e.g. another rank's or a simulated schedule for comparison.
+
+        Args:
+            events: the events to append.
+        """
         self.events.extend(events)
 
     def shifted(self, origin_s: float | None = None) -> Timeline:
@@ -150,6 +180,9 @@ class Timeline:
 
         Measured events carry ``perf_counter`` times; shifting makes them read as "ms into the
         iteration".
+
+        Args:
+            origin_s: the new time zero.
         """
         if origin_s is None:
             origin_s = self._start_s()
@@ -168,6 +201,10 @@ class Timeline:
 
         Used to cut one iteration out of a longer recording. An instantaneous event counts when
         ``start_s <= time < end_s``.
+
+        Args:
+            start_s: the window's start.
+            end_s: its end (not before the start).
         """
         if end_s < start_s:
             raise ValueError(f"window end {end_s} is before its start {start_s}")
@@ -209,6 +246,10 @@ class Timeline:
 
         This is the length of the *union* of the intervals, not the sum of durations: two
         all-reduces in flight at once on two channels occupy the wire once.
+
+        Args:
+            category: a category or several.
+            process: one process's events only (default: all).
         """
         return _length(self._union(category, process))
 
@@ -221,11 +262,20 @@ class Timeline:
         """Seconds during which both some event of ``a`` and some event of ``b`` were running.
 
         ``overlap_s(COMPUTE_CATEGORIES, "comm")`` is the communication hidden behind compute.
+
+        Args:
+            a: a category or several.
+            b: a category or several.
+            process: one process's events only (default: all).
         """
         return _length(_intersect(self._union(a, process), self._union(b, process)))
 
     def span_s(self, process: str | None = None) -> float:
-        """From the earliest start to the latest end, in seconds (0 without events)."""
+        """From the earliest start to the latest end, in seconds (0 without events).
+
+        Args:
+            process: one process's events only (default: all).
+        """
         events = [e for e in self.events if process is None or e.process == process]
         if not events:
             return 0.0
@@ -239,6 +289,9 @@ class Timeline:
         of ``comm``), ``hidden_comm_s`` (communication overlapping compute) and
         ``exposed_comm_s`` (the rest, which lengthens the iteration). ``process=None`` takes
         every process together; pass one (e.g. ``"rank 0"``) for per-rank numbers.
+
+        Args:
+            process: one process's events only (default: all).
         """
         comm_s = self.busy_s("comm", process)
         hidden_s = self.overlap_s(COMPUTE_CATEGORIES, "comm", process)
@@ -253,7 +306,11 @@ class Timeline:
 
     def caption(self, process: str | None = None) -> str:
         """The summary as one line, e.g. ``"span 40.0 ms: compute 30.0 ms, communication
-        22.0 ms, 12.0 ms hidden (55%), 10.0 ms exposed"``."""
+        22.0 ms, 12.0 ms hidden (55%), 10.0 ms exposed"``.
+
+        Args:
+            process: one process's events only (default: all).
+        """
         stats = self.summary(process)
         text = (
             f"span {_ms(stats['span_s'])}: compute {_ms(stats['compute_s'])}, "
@@ -296,6 +353,12 @@ class Timeline:
         by metadata events so Perfetto shows them in the order they first appeared. Args that
         JSON cannot hold are written as their ``str()``. The original time origin and the title
         go in ``otherData`` so :meth:`from_chrome_trace` can restore absolute times.
+
+        Args:
+            path: the file to write.
+
+        Returns:
+            The path written.
         """
         path = Path(path)
         origin_s = self._start_s()
@@ -362,6 +425,9 @@ class Timeline:
         traces (e.g. from ``torch.profiler``) are read as far as they fit: only ``"ph": "X"``
         events, unknown categories as ``"other"``, unnamed processes and threads as
         ``"pid N"``/``"tid N"``.
+
+        Args:
+            path: the trace file.
         """
         document = json.loads(Path(path).read_text())
         if isinstance(document, list):  # the bare-array form of the format
@@ -412,6 +478,14 @@ class Timeline:
 
         An empty timeline still gives a valid PNG, saying "no events", so a run that recorded
         nothing leaves a picture that says so rather than failing at the end.
+
+        Args:
+            path: the file to write.
+            title: the chart's title.
+            width_in: the figure's width, in inches.
+
+        Returns:
+            The path written.
         """
         import matplotlib  # noqa: PLC0415 - optional dependency, heavy; only when a chart is drawn
 

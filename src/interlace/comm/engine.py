@@ -29,7 +29,21 @@ class _Slot:
 
 
 class BucketEngine:
-    """Flat buffers for ``groups`` of ``tensors`` and the all-reduces that average them."""
+    """Flat buffers for ``groups`` of ``tensors`` and the all-reduces that average them.
+
+    Args:
+        tensors: the tensors whose gradients are averaged (all on one device).
+        groups: the buckets, as indices into ``tensors``, in launch order; a bucket that mixes
+            dtypes is split into one bucket per dtype, keeping the order.
+        process_group: the group to average over (default: the world).
+        recorder: called for each finished all-reduce (see :data:`CommRecorder`).
+        channels: the process groups buckets travel on (default: ``process_group`` alone).
+        assignment: for each bucket, the channel of each of its slices (default: channel 0).
+        compression: ``None``, ``"fp16"`` or ``"bf16"``: float32 buckets travel in that type.
+
+    Raises:
+        ValueError: for no tensors, an unknown compression or an assignment that does not fit.
+    """
 
     def __init__(
         self,
@@ -117,7 +131,12 @@ class BucketEngine:
         self._next_launch = 0
 
     def add(self, index: int, grad: torch.Tensor) -> None:
-        """Copy tensor ``index``'s gradient into its bucket; launch every bucket now complete."""
+        """Copy tensor ``index``'s gradient into its bucket; launch every bucket now complete.
+
+        Args:
+            index: the tensor's index.
+            grad: its gradient.
+        """
         if self._ready[index]:
             # A second gradient for the same tensor within one backward cannot happen for a leaf
             # (its hook fires after accumulation); treat it as the newer value.

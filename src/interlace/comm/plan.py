@@ -129,7 +129,23 @@ def schedule(
     partition_bytes: float | None = None,
 ) -> Plan:
     """Price a bucketing: buckets are launched in order, each when its last tensor is ready, on
-    the channel(s) free first; one channel runs its all-reduces one after another."""
+    the channel(s) free first; one channel runs its all-reduces one after another.
+
+    Args:
+        groups: the buckets, as indices into ``tensors``, in launch order; together they cover
+            every tensor once.
+        tensors: the tensors in ready order.
+        cost: the price of an all-reduce.
+        backward_s: when backward ends (default: when the last tensor is ready).
+        forward_s: the forward pass, added to the predicted iteration time.
+        strategy: the name the plan carries.
+        channels: channels the buckets are priced on.
+        partition_bytes: buckets above this are split across channels (None: never).
+
+    Raises:
+        ValueError: for tensors out of ready order or of size 0, groups that do not cover them, or
+            ``backward_s`` before the last tensor is ready.
+    """
     _check_tensors(tensors)
     _check_groups(groups, len(tensors))
     end_of_backward = max((t.ready_s for t in tensors), default=0.0)
@@ -162,14 +178,25 @@ def schedule(
 
 def slice_count(nbytes: int, channels: int, partition_bytes: float | None) -> int:
     """How many slices a bucket of ``nbytes`` is cut into: one per started ``partition_bytes``,
-    at most one per channel; the runtime cuts the same way."""
+    at most one per channel; the runtime cuts the same way.
+
+    Args:
+        nbytes: the bucket's size.
+        channels: channels available.
+        partition_bytes: the partition threshold (None: never split).
+    """
     if partition_bytes is None or channels == 1 or nbytes <= partition_bytes:
         return 1
     return min(channels, math.ceil(nbytes / partition_bytes))
 
 
 def slice_sizes(nbytes: int, count: int) -> list[int]:
-    """Bytes of each of ``count`` slices of a bucket (the first ``nbytes % count`` one more)."""
+    """Bytes of each of ``count`` slices of a bucket (the first ``nbytes % count`` one more).
+
+    Args:
+        nbytes: the bucket's size.
+        count: how many slices.
+    """
     return [nbytes // count + (1 if k < nbytes % count else 0) for k in range(count)]
 
 
@@ -187,6 +214,14 @@ class ChannelClock:
     starting at the same instant included). Earlier ones are not
     slowed after the fact: the newcomer pays for the sharing, so the total stays right for a
     shared link while start-ups still overlap.
+
+    Args:
+        cost: the price of an all-reduce, alone and concurrent.
+        channels: how many channels.
+        partition_bytes: buckets above this are split across channels (None: never).
+
+    Raises:
+        ValueError: for ``channels < 1`` or a threshold that is not positive.
     """
 
     def __init__(self, cost: CostModel, channels: int = 1, partition_bytes: float | None = None):
@@ -202,11 +237,21 @@ class ChannelClock:
         self._flights: list[tuple[float, float]] = []
 
     def earliest_start(self, ready_s: float) -> float:
-        """When a bucket ready at ``ready_s`` could start if it were sent next."""
+        """When a bucket ready at ``ready_s`` could start if it were sent next.
+
+        Args:
+            ready_s: when the bucket's last tensor is ready.
+        """
         return max(self.launched, ready_s, min(self.free))
 
     def place(self, indices: tuple[int, ...], nbytes: int, ready_s: float) -> Bucket:
-        """Send the next bucket; returns it with its predicted start, end and channels."""
+        """Send the next bucket; returns it with its predicted start, end and channels.
+
+        Args:
+            indices: the bucket's tensors, as indices into the ready order.
+            nbytes: its size.
+            ready_s: when its last tensor is ready.
+        """
         self.launched = max(self.launched, ready_s)
         count = slice_count(nbytes, self.channels, self.partition_bytes)
         chosen = sorted(range(self.channels), key=lambda c: (self.free[c], c))[:count]
@@ -251,7 +296,16 @@ def plan_per_tensor(
     channels: int = 1,
     partition_bytes: float | None = None,
 ) -> Plan:
-    """WFBP: one all-reduce per tensor, launched as soon as it is ready."""
+    """WFBP: one all-reduce per tensor, launched as soon as it is ready.
+
+    Args:
+        tensors: the tensors in ready order.
+        cost: the price of an all-reduce.
+        backward_s: when backward ends (default: when the last tensor is ready).
+        forward_s: the forward pass, added to the predicted iteration time.
+        channels: channels the buckets are priced on.
+        partition_bytes: buckets above this are split across channels (None: never).
+    """
     groups = [[i] for i in range(len(tensors))]
     return schedule(
         groups,
@@ -274,7 +328,16 @@ def plan_single(
     channels: int = 1,
     partition_bytes: float | None = None,
 ) -> Plan:
-    """SyncEASGD: everything in one all-reduce after the whole backward pass."""
+    """SyncEASGD: everything in one all-reduce after the whole backward pass.
+
+    Args:
+        tensors: the tensors in ready order.
+        cost: the price of an all-reduce.
+        backward_s: when backward ends (default: when the last tensor is ready).
+        forward_s: the forward pass, added to the predicted iteration time.
+        channels: channels the buckets are priced on.
+        partition_bytes: buckets above this are split across channels (None: never).
+    """
     groups = [list(range(len(tensors)))] if tensors else []
     return schedule(
         groups,
@@ -303,6 +366,19 @@ def plan_fixed(
 
     ``first_cap_bytes`` caps the first bucket alone (DDP uses 1 MB there so communication starts
     early).
+
+    Args:
+        tensors: the tensors in ready order.
+        cost: the price of an all-reduce.
+        cap_bytes: a bucket is closed once it holds this many bytes.
+        first_cap_bytes: the first bucket's cap (None: ``cap_bytes``).
+        backward_s: when backward ends (default: when the last tensor is ready).
+        forward_s: the forward pass, added to the predicted iteration time.
+        channels: channels the buckets are priced on.
+        partition_bytes: buckets above this are split across channels (None: never).
+
+    Raises:
+        ValueError: for a cap that is not positive.
     """
     if cap_bytes <= 0:
         raise ValueError(f"bucket cap must be > 0 bytes, got {cap_bytes}")
@@ -352,6 +428,14 @@ def plan_merged(
     merges pay. The greedy rule was derived for one channel, so the result is also compared with
     the one-channel bucketing, per-tensor buckets and a single bucket, all priced on the same
     channels, and the fastest is kept.
+
+    Args:
+        tensors: the tensors in ready order.
+        cost: the price of an all-reduce.
+        backward_s: when backward ends (default: when the last tensor is ready).
+        forward_s: the forward pass, added to the predicted iteration time.
+        channels: channels the buckets are priced on.
+        partition_bytes: buckets above this are split across channels (None: never).
     """
     _check_tensors(tensors)
     groups = _merge_greedily(tensors, cost, channels, partition_bytes)
@@ -422,6 +506,16 @@ def plan_optimal(
 
     That argument holds on one channel only (with several, a later bucket can overtake on another
     channel), so ``channels > 1`` is refused rather than answered inexactly.
+
+    Args:
+        tensors: the tensors in ready order.
+        cost: the price of an all-reduce.
+        backward_s: when backward ends (default: when the last tensor is ready).
+        forward_s: the forward pass, added to the predicted iteration time.
+        channels: must be 1.
+
+    Raises:
+        ValueError: for more than one channel.
     """
     if channels != 1:
         raise ValueError(

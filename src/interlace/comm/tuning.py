@@ -21,7 +21,12 @@ ROUNDS = 4
 
 
 def scale_start_up(cost: CostModel, factor: float) -> CostModel:
-    """``cost`` with every start-up (alone and concurrent) ``factor`` times larger."""
+    """``cost`` with every start-up (alone and concurrent) ``factor`` times larger.
+
+    Args:
+        cost: the cost model.
+        factor: the factor.
+    """
     return CostModel(
         cost.a * factor,
         cost.b,
@@ -30,7 +35,16 @@ def scale_start_up(cost: CostModel, factor: float) -> CostModel:
 
 
 class PlanTrials:
-    """Which candidate runs now, and the iteration times each one has shown so far."""
+    """Which candidate runs now, and the iteration times each one has shown so far.
+
+    Args:
+        labels: the candidates' names, in trial order (at least two).
+        steps: timed iterations per candidate and round.
+        rounds: passes over the candidates, alternately forward and backward.
+
+    Raises:
+        ValueError: for fewer than two candidates or counts below 1.
+    """
 
     def __init__(self, labels: Sequence[str], steps: int, rounds: int = ROUNDS) -> None:
         if len(labels) < 2:
@@ -59,7 +73,11 @@ class PlanTrials:
 
     def record(self, seconds: float) -> bool:
         """Take one iteration's time; True when the next iteration needs other buckets (another
-        candidate, or the trials are over and the winner must be chosen)."""
+        candidate, or the trials are over and the winner must be chosen).
+
+        Args:
+            seconds: the iteration's time.
+        """
         if self.finished:
             raise RuntimeError("the trials are over; no more iteration times are taken")
         if self._warming_up:
@@ -85,12 +103,22 @@ class PlanTrials:
 
 def fastest(medians: Sequence[float]) -> int:
     """The candidate with the least median time; the earlier one on a tie (the fitted model's
-    own plan comes first)."""
+    own plan comes first).
+
+    Args:
+        medians: each candidate's median time.
+    """
     return min(range(len(medians)), key=lambda index: (medians[index], index))
 
 
 def describe_trials(labels: Sequence[str], medians: Sequence[float], chosen: int) -> str:
-    """One line: every candidate's measured median, and which was kept."""
+    """One line: every candidate's measured median, and which was kept.
+
+    Args:
+        labels: the candidates' names.
+        medians: their median times, in seconds.
+        chosen: the index of the one kept.
+    """
     weighed = ", ".join(
         f"{label} {median * 1e3:.1f} ms" for label, median in zip(labels, medians, strict=True)
     )
