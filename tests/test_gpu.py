@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from interlace import KFAC, launch
 from interlace.comm.calibrate import fit_cost_model
 from interlace.comm.cost import CostModel
+from interlace.distenv import DistContext, default_backend
 from interlace.dp import DataParallel
 from interlace.kfac.costs import DecompositionCostModel
 from interlace.runlog import read_metrics
@@ -247,8 +248,6 @@ def test_the_training_job_runs_on_the_gpu(tmp_path: Path, optimizer: str) -> Non
 
 
 def _rank_devices() -> tuple[str, str]:
-    from interlace.distenv import DistContext, default_backend
-
     context = DistContext(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),

@@ -1,39 +1,39 @@
-"""Data-parallel strategies by name, as the command line and the benchmarks spell them.
+"""Wrapping a model for data-parallel training by strategy name, as the command line spells it.
 
 ``ddp`` is PyTorch's own DistributedDataParallel (the peer every claim is measured against); the
-others are :class:`interlace.DataParallel` with one of the bucket planners.
+others are :class:`interlace.DataParallel` with the planner the strategy table
+(:mod:`interlace.comm.strategies`) gives them.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from interlace.comm.engine import COMPRESSIONS
+from interlace.comm.strategies import RUNTIME_STRATEGIES
+from interlace.comm.strategies import STRATEGIES as TABLE
 from interlace.dp import DataParallel
 from interlace.errors import UsageError
 
-STRATEGIES = ("ddp", "wfbp", "fixed", "single", "mgwfbp", "optimal")
-BUCKETING = {
-    "wfbp": "per-tensor",
-    "fixed": "fixed",
-    "single": "single",
-    "mgwfbp": "merged",
-    "optimal": "optimal",
-}
-DESCRIPTIONS = {
-    "ddp": "torch DistributedDataParallel, 25 MB buckets (1 MB first)",
-    "wfbp": "interlace, one all-reduce per tensor as soon as it is ready (WFBP)",
-    "fixed": "interlace, DDP-style fixed buckets in measured ready order",
-    "single": "interlace, one all-reduce after backward (SyncEASGD)",
-    "mgwfbp": "interlace, MG-WFBP optimal merge from measured times and a fitted cost model",
-    "optimal": "interlace, the exact best contiguous bucketing under the same cost model",
-}
+#: The names ``--strategy`` and ``--strategies`` accept (the runnable ones of the strategy table).
+STRATEGIES: tuple[str, ...] = RUNTIME_STRATEGIES
 
 
 def parse_channels(text: str | int) -> int | str:
-    """``--channels`` as DataParallel takes it: ``"auto"`` or an integer >= 1."""
+    """``--channels`` as DataParallel takes it.
+
+    Args:
+        text: ``"auto"``, an integer or its string.
+
+    Returns:
+        ``"auto"`` or an integer >= 1.
+
+    Raises:
+        UsageError: for anything else.
+    """
     if isinstance(text, int) or text == "auto":
         channels: int | str = text
     else:
@@ -58,10 +58,20 @@ def wrap_model(
 ) -> nn.Module:
     """Wrap ``model`` (already on its device) for data-parallel training with ``strategy``.
 
-    ``bucket_cap_mb=None`` keeps each implementation's default (25 MB, first bucket 1 MB). For
-    ``ddp`` a cap is passed on only when given: torch then applies it to the first bucket too,
-    so passing the default explicitly would silently drop DDP's small first bucket. ``ddp`` has
-    one channel; its compression is torch's own fp16/bf16 communication hook.
+    Args:
+        model: the model to wrap.
+        strategy: one of :data:`STRATEGIES`.
+        device: the rank's device (DDP's ``device_ids`` on a GPU).
+        bucket_cap_mb: None keeps each implementation's default (25 MB, first bucket 1 MB). For
+            ``ddp`` a cap is passed on only when given: torch then applies it to the first
+            bucket too, so passing the default explicitly would drop DDP's small first bucket.
+        profile_steps: DataParallel's ``profile_steps``.
+        channels: DataParallel's ``channels``; ``ddp`` has one channel.
+        compression: ``None``, ``"fp16"`` or ``"bf16"``; for ``ddp`` torch's own communication
+            hook of that type.
+
+    Raises:
+        UsageError: for an unknown strategy or a setting the strategy cannot take.
     """
     if bucket_cap_mb is not None and not bucket_cap_mb > 0:
         raise UsageError(f"--bucket-cap-mb must be > 0, got {bucket_cap_mb}")
@@ -70,33 +80,42 @@ def wrap_model(
             f"unknown --compression '{compression}'; choose one of {', '.join(COMPRESSIONS)}"
         )
     if strategy == "ddp":
-        if channels != 1:
-            raise UsageError(
-                "torch DDP sends on one channel; --channels needs an interlace strategy "
-                "(mgwfbp, wfbp, fixed or single)"
-            )
-        device_ids = [device.index] if device is not None and device.type == "cuda" else None
-        if bucket_cap_mb is None:
-            ddp = DistributedDataParallel(model, device_ids=device_ids)
-        else:
-            ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
-        if compression is not None:
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-            hook = (
-                default_hooks.fp16_compress_hook
-                if compression == "fp16"
-                else default_hooks.bf16_compress_hook
-            )
-            ddp.register_comm_hook(None, hook)
-        return ddp
-    if strategy not in BUCKETING:
+        return _wrap_ddp(model, device, bucket_cap_mb, channels, compression)
+    chosen = TABLE.get(strategy)
+    if chosen is None or not chosen.runtime or chosen.bucketing is None:
         raise UsageError(f"unknown strategy '{strategy}'; choose one of {', '.join(STRATEGIES)}")
     return DataParallel(
         model,
-        bucketing=BUCKETING[strategy],
+        bucketing=chosen.bucketing,
         bucket_cap_mb=25.0 if bucket_cap_mb is None else bucket_cap_mb,
         profile_steps=profile_steps,
         channels=channels,
         compression=compression,
     )
+
+
+def _wrap_ddp(
+    model: nn.Module,
+    device: torch.device | None,
+    bucket_cap_mb: float | None,
+    channels: int | str,
+    compression: str | None,
+) -> DistributedDataParallel:
+    if channels != 1:
+        raise UsageError(
+            "torch DDP sends on one channel; --channels needs an interlace strategy "
+            "(mgwfbp, wfbp, fixed or single)"
+        )
+    device_ids = [device.index] if device is not None and device.type == "cuda" else None
+    if bucket_cap_mb is None:
+        ddp = DistributedDataParallel(model, device_ids=device_ids)
+    else:
+        ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
+    if compression is not None:
+        hook = (
+            default_hooks.fp16_compress_hook
+            if compression == "fp16"
+            else default_hooks.bf16_compress_hook
+        )
+        ddp.register_comm_hook(None, hook)
+    return ddp

@@ -1,23 +1,7 @@
 """Timed events of one or more training iterations, measured or simulated, and their pictures.
 
-Overlapping communication with computation only pays when the communication really ends up
-hidden behind compute, so every schedule needs a picture and a number: a Gantt chart of what
-ran when on which lane, and the length of communication that did or did not overlap compute.
-
-A :class:`Timeline` holds :class:`Event` objects (a name, a category from :data:`CATEGORIES`,
-a start and an end in seconds, a lane and a process) and
-
-* measures them: :meth:`Timeline.busy_s` and :meth:`Timeline.overlap_s` work on the *union* of
-  intervals, so events that overlap each other (two all-reduces in flight on two channels) are
-  counted once, and :meth:`Timeline.summary` gives compute, communication, hidden and exposed
-  communication;
-* writes them as a Chrome trace-event JSON file (:meth:`Timeline.to_chrome_trace`), which opens
-  in https://ui.perfetto.dev or ``chrome://tracing`` for zooming into thousands of events, and
-  reads such a file back (:meth:`Timeline.from_chrome_trace`);
-* draws them as a PNG Gantt chart (:meth:`Timeline.to_png`) for reports and run folders.
-
-The module uses only the standard library, plus matplotlib (imported lazily, Agg backend) for the
-chart, so planners and simulators can build timelines without torch.
+A :class:`Timeline` measures its events (busy, overlapping and exposed time on unions of
+intervals), writes Chrome trace-event JSON and draws PNG Gantt charts (matplotlib, only then).
 """
 
 from __future__ import annotations
@@ -30,6 +14,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from interlace.gantt import draw_gantt
 
 #: Every category an event may have; the chart's legend and colours follow this order.
 CATEGORIES = (
@@ -55,24 +41,8 @@ COMPUTE_CATEGORIES = (
     "optimizer",
 )
 
-#: Okabe-Ito colours, chosen to stay distinguishable under the common colour-vision deficiencies.
-#: Communication gets the strongest colour (vermillion) because it is what the chart is about;
-#: forward and backward get two blues so compute reads as one family.
-COLORS: dict[str, str] = {
-    "forward": "#0072B2",
-    "backward": "#56B4E9",
-    "comm": "#D55E00",
-    "factor": "#009E73",
-    "decomposition": "#CC79A7",
-    "precondition": "#F0E442",
-    "optimizer": "#E69F00",
-    "idle": "#CCCCCC",
-    "other": "#7F7F7F",
-}
-
 _US = 1e6  # Chrome traces count microseconds
 _MS = 1e3
-_DPI = 110
 
 
 @dataclass(frozen=True)
@@ -83,6 +53,18 @@ class Event:
     start of the iteration); only differences matter. ``lane`` is the chart row the event is drawn
     in and defaults to the category; ``process`` groups lanes (one per rank, or "simulated" next to
     "rank 0"). ``args`` are free-form details shown in Perfetto's detail pane.
+
+    Args:
+        name: what ran.
+        category: one of :data:`CATEGORIES`.
+        start_s: when it started, in seconds.
+        end_s: when it ended (not before ``start_s``).
+        lane: the chart row (default: the category).
+        process: the group of lanes (default ``"rank 0"``).
+        args: free-form details.
+
+    Raises:
+        ValueError: for an unknown category, times that are not finite, or an end before the start.
     """
 
     name: str
@@ -127,6 +109,10 @@ class Timeline:
 
     Events are kept in the order they were added; that order decides the order of lanes and
     processes in the chart and in the trace, so add the lane that should come first first.
+
+    Args:
+        events: the first events.
+        title: the chart's and the trace's title.
     """
 
     def __init__(self, events: Iterable[Event] = (), title: str = "") -> None:
@@ -152,13 +138,27 @@ class Timeline:
         process: str = "rank 0",
         **args: object,
     ) -> Event:
-        """Append one event (keyword arguments beyond ``lane``/``process`` become its args)."""
+        """Append one event (keyword arguments beyond ``lane``/``process`` become its args).
+
+        Args:
+            name: what ran.
+            category: one of :data:`CATEGORIES`.
+            start_s: when it started, in seconds.
+            end_s: when it ended.
+            lane: the chart row (default: the category).
+            process: the group of lanes.
+            **args: free-form details.
+        """
         event = Event(name, category, start_s, end_s, lane=lane, process=process, args=args)
         self.events.append(event)
         return event
 
     def extend(self, events: Iterable[Event]) -> None:
-        """Append events, e.g. another rank's or a simulated schedule for comparison."""
+        """Append events, e.g. another rank's or a simulated schedule for comparison.
+
+        Args:
+            events: the events to append.
+        """
         self.events.extend(events)
 
     def shifted(self, origin_s: float | None = None) -> Timeline:
@@ -166,6 +166,9 @@ class Timeline:
 
         Measured events carry ``perf_counter`` times; shifting makes them read as "ms into the
         iteration".
+
+        Args:
+            origin_s: the new time zero.
         """
         if origin_s is None:
             origin_s = self._start_s()
@@ -184,6 +187,10 @@ class Timeline:
 
         Used to cut one iteration out of a longer recording. An instantaneous event counts when
         ``start_s <= time < end_s``.
+
+        Args:
+            start_s: the window's start.
+            end_s: its end (not before the start).
         """
         if end_s < start_s:
             raise ValueError(f"window end {end_s} is before its start {start_s}")
@@ -225,6 +232,10 @@ class Timeline:
 
         This is the length of the *union* of the intervals, not the sum of durations: two
         all-reduces in flight at once on two channels occupy the wire once.
+
+        Args:
+            category: a category or several.
+            process: one process's events only (default: all).
         """
         return _length(self._union(category, process))
 
@@ -237,11 +248,20 @@ class Timeline:
         """Seconds during which both some event of ``a`` and some event of ``b`` were running.
 
         ``overlap_s(COMPUTE_CATEGORIES, "comm")`` is the communication hidden behind compute.
+
+        Args:
+            a: a category or several.
+            b: a category or several.
+            process: one process's events only (default: all).
         """
         return _length(_intersect(self._union(a, process), self._union(b, process)))
 
     def span_s(self, process: str | None = None) -> float:
-        """From the earliest start to the latest end, in seconds (0 without events)."""
+        """From the earliest start to the latest end, in seconds (0 without events).
+
+        Args:
+            process: one process's events only (default: all).
+        """
         events = [e for e in self.events if process is None or e.process == process]
         if not events:
             return 0.0
@@ -255,6 +275,9 @@ class Timeline:
         of ``comm``), ``hidden_comm_s`` (communication overlapping compute) and
         ``exposed_comm_s`` (the rest, which lengthens the iteration). ``process=None`` takes
         every process together; pass one (e.g. ``"rank 0"``) for per-rank numbers.
+
+        Args:
+            process: one process's events only (default: all).
         """
         comm_s = self.busy_s("comm", process)
         hidden_s = self.overlap_s(COMPUTE_CATEGORIES, "comm", process)
@@ -269,7 +292,11 @@ class Timeline:
 
     def caption(self, process: str | None = None) -> str:
         """The summary as one line, e.g. ``"span 40.0 ms: compute 30.0 ms, communication
-        22.0 ms, 12.0 ms hidden (55%), 10.0 ms exposed"``."""
+        22.0 ms, 12.0 ms hidden (55%), 10.0 ms exposed"``.
+
+        Args:
+            process: one process's events only (default: all).
+        """
         stats = self.summary(process)
         text = (
             f"span {_ms(stats['span_s'])}: compute {_ms(stats['compute_s'])}, "
@@ -312,6 +339,12 @@ class Timeline:
         by metadata events so Perfetto shows them in the order they first appeared. Args that
         JSON cannot hold are written as their ``str()``. The original time origin and the title
         go in ``otherData`` so :meth:`from_chrome_trace` can restore absolute times.
+
+        Args:
+            path: the file to write.
+
+        Returns:
+            The path written.
         """
         path = Path(path)
         origin_s = self._start_s()
@@ -378,6 +411,9 @@ class Timeline:
         traces (e.g. from ``torch.profiler``) are read as far as they fit: only ``"ph": "X"``
         events, unknown categories as ``"other"``, unnamed processes and threads as
         ``"pid N"``/``"tid N"``.
+
+        Args:
+            path: the trace file.
         """
         document = json.loads(Path(path).read_text())
         if isinstance(document, list):  # the bare-array form of the format
@@ -428,119 +464,32 @@ class Timeline:
 
         An empty timeline still gives a valid PNG, saying "no events", so a run that recorded
         nothing leaves a picture that says so rather than failing at the end.
+
+        Args:
+            path: the file to write.
+            title: the chart's title.
+            width_in: the figure's width, in inches.
+
+        Returns:
+            The path written.
         """
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         title = self.title if title is None else title
-        rows = self._rows()
         processes = self.processes()
         if len(processes) > 1:
             caption = "\n".join(f"{process}: {self.caption(process)}" for process in processes)
         else:
             caption = self.caption()
-        caption_lines = caption.count("\n") + 1
-        height_in = 1.9 + 0.32 * max(len(rows), 1) + 0.18 * (caption_lines - 1) + 0.3 * bool(title)
-        figure, axes = plt.subplots(figsize=(width_in, height_in), dpi=_DPI, layout="constrained")
-        try:
-            if title:
-                figure.suptitle(title, fontsize=12, fontweight="bold")
-            if not self.events:
-                axes.text(0.5, 0.5, "no events", ha="center", va="center", transform=axes.transAxes)
-                axes.set_xticks([])
-                axes.set_yticks([])
-                figure.savefig(path, dpi=_DPI)
-                return path
-
-            origin_s = self._start_s()
-            span_ms = max(self.span_s() * _MS, 1e-3)  # keep the axis non-degenerate
-            axes.set_title(caption, fontsize=9, color="#333333", loc="left")
-            # A little room on the right so the last bar does not end flush with the frame.
-            axes.set_xlim(0.0, span_ms * 1.01)
-            axes.set_ylim(len(rows) - 0.5, -0.5)  # first lane on top
-            several = len(processes) > 1
-            axes.set_yticks(
-                range(len(rows)), [f"{p} / {lane}" if several else lane for p, lane in rows]
-            )
-            axes.tick_params(axis="y", length=0, labelsize=9)
-            axes.set_xlabel("time since first event (ms)")
-            axes.grid(axis="x", color="#DDDDDD", linewidth=0.8)
-            axes.set_axisbelow(True)
-            for spine in ("top", "right", "left"):
-                axes.spines[spine].set_visible(False)
-            # Faint bands on every other row and a rule between processes guide the eye across a
-            # wide chart.
-            for index in range(1, len(rows), 2):
-                axes.axhspan(index - 0.5, index + 0.5, color="#F5F5F5", zorder=0, linewidth=0)
-            for index in range(1, len(rows)):
-                if rows[index][0] != rows[index - 1][0]:
-                    axes.axhline(index - 0.5, color="#999999", linewidth=0.8)
-            present = [c for c in CATEGORIES if any(e.category == c for e in self.events)]
-            figure.legend(
-                handles=[Patch(facecolor=COLORS[c], label=c) for c in present],
-                loc="outside lower center",
-                ncols=len(present),
-                frameon=False,
-                fontsize=9,
-            )
-
-            # Lay the figure out once so the axes' size in pixels is known; freeze that layout
-            # before adding bars, whose widths depend on it.
-            figure.canvas.draw()
-            figure.set_layout_engine("none")
-            low_ms, high_ms = axes.get_xlim()
-            px_per_ms = axes.get_window_extent().width / (high_ms - low_ms)
-            min_width_ms = 0.5 / px_per_ms
-            row_of = {pair: index for index, pair in enumerate(rows)}
-            label_size = 7.0
-            char_px = 0.6 * label_size * _DPI / 72  # an average DejaVu Sans glyph
-            for pair, index in row_of.items():
-                bars = [e for e in self.events if (e.process, e.lane) == pair]
-                spans = [
-                    ((e.start_s - origin_s) * _MS, max(e.duration_s * _MS, min_width_ms))
-                    for e in bars
-                ]
-                faces = [COLORS[e.category] for e in bars]
-                # A white outline separates back-to-back bars, but would swallow narrow ones.
-                edges = [
-                    "white" if width * px_per_ms >= 4 else face
-                    for (_, width), face in zip(spans, faces, strict=True)
-                ]
-                axes.broken_barh(
-                    spans, (index - 0.38, 0.76), facecolors=faces, edgecolors=edges, linewidth=0.5
-                )
-                for position, (event, (left, width)) in enumerate(zip(bars, spans, strict=True)):
-                    text_ms = (len(event.name) * char_px + 6) / px_per_ms
-                    if width < text_ms:
-                        continue
-                    # Skip the label where another bar of the lane reaches into it (events that
-                    # overlap on one lane): it would be covered or collide with that bar's label.
-                    low, high = left + (width - text_ms) / 2, left + (width + text_ms) / 2
-                    if any(
-                        other_left < high and other_left + other_width > low
-                        for other, (other_left, other_width) in enumerate(spans)
-                        if other != position
-                    ):
-                        continue
-                    axes.text(
-                        left + width / 2,
-                        index,
-                        event.name,
-                        ha="center",
-                        va="center",
-                        fontsize=label_size,
-                        color=_text_color(COLORS[event.category]),
-                        clip_on=True,
-                    )
-            figure.savefig(path, dpi=_DPI)
-        finally:
-            plt.close(figure)
-        return path
+        return draw_gantt(
+            path,
+            self.events,
+            self._rows(),
+            title=title,
+            caption=caption,
+            categories=[c for c in CATEGORIES if any(e.category == c for e in self.events)],
+            origin_s=self._start_s() if self.events else 0.0,
+            span_s=self.span_s(),
+            width_in=width_in,
+        )
 
 
 # ---------------------------------------------------------------------- helpers
@@ -620,10 +569,3 @@ def _ms(seconds: float) -> str:
     if value >= 1:
         return f"{value:.2f} ms"
     return f"{value:.3f} ms"
-
-
-def _text_color(face: str) -> str:
-    """Black or white, whichever reads better on ``face`` (by relative luminance)."""
-    red, green, blue = (int(face[i : i + 2], 16) / 255 for i in (1, 3, 5))
-    luminance = 0.2126 * red + 0.7152 * green + 0.0722 * blue
-    return "black" if luminance > 0.4 else "white"

@@ -1,10 +1,7 @@
 """Fitting ``T(M) = a + b*M`` on the live process group, with a cache across restarts.
 
-Every rank times the same all-reduces (a 4-byte one for the start-up cost ``a``, larger ones for
-the per-byte cost ``b``); the per-size medians are combined with a MAX all-reduce
-(a collective ends when its slowest rank does) so all ranks fit the identical model and later
-plan identical buckets. Rank 0 keeps fitted models in a small JSON cache keyed by (backend,
-world size, link), so a restarted job on the same cluster does not measure again.
+Every rank fits the identical model (per-size medians combined by a MAX all-reduce); rank 0
+caches it by (backend, world size, link).
 """
 
 from __future__ import annotations
@@ -36,7 +33,11 @@ def cache_path() -> Path:
 
 
 def cache_key(group: dist.ProcessGroup | None = None) -> str:
-    """``backend|world size|link``: what decides how fast an all-reduce is."""
+    """``backend|world size|link``: what decides how fast an all-reduce is.
+
+    Args:
+        group: the group (default: the world).
+    """
     backend = str(dist.get_backend(group))
     link = os.environ.get("INTERLACE_LINK", "loopback")
     return f"{backend}|{dist.get_world_size(group)}|{link}"
@@ -49,7 +50,15 @@ def time_allreduce(
     warmup: int = 2,
     device: torch.device | None = None,
 ) -> float:
-    """Median seconds of one all-reduce of ``nbytes`` (float32) on ``group``, on this rank."""
+    """Median seconds of one all-reduce of ``nbytes`` (float32) on ``group``, on this rank.
+
+    Args:
+        nbytes: the message size.
+        group: the group (default: the world).
+        repeats: timed repetitions.
+        warmup: untimed repetitions first.
+        device: where the messages live (default: the CPU).
+    """
     return _time_collective(
         lambda tensor: dist.all_reduce(tensor, group=group),
         nbytes,
@@ -69,7 +78,16 @@ def time_broadcast(
     warmup: int = 2,
     device: torch.device | None = None,
 ) -> float:
-    """Median seconds of one broadcast of ``nbytes`` from global rank ``source``, on this rank."""
+    """Median seconds of one broadcast of ``nbytes`` from global rank ``source``, on this rank.
+
+    Args:
+        nbytes: the message size.
+        source: the global rank that sends.
+        group: the group (default: the world).
+        repeats: timed repetitions.
+        warmup: untimed repetitions first.
+        device: where the messages live (default: the CPU).
+    """
     return _time_collective(
         lambda tensor: dist.broadcast(tensor, src=source, group=group),
         nbytes,
@@ -115,13 +133,18 @@ def fit_stream_cost_model(
 ) -> CostModel:
     """``a + b*M`` fitted on all-reduces issued back to back, as the bucket engine issues them.
 
-    On the emulated cluster the time per all-reduce in such a stream is flat from about 64 bytes
-    to 64 KB (the start-up dominates, and it is noisy: it waits for peers' threads to be
-    scheduled), so ``a`` is the median per-all-reduce time over streams of ``4 * count`` of each
-    of ``small_sizes``; ``b`` is the least-squares slope through streams of ``count`` of each of
-    ``sizes`` on top of it. All are maxima over ranks, so every rank gets the same model. Unlike
-    :func:`fit_cost_model`, ``a`` is not the time of one 4-byte all-reduce after a barrier: that
-    one is several times cheaper on 4 ranks, and gradients are never 4 bytes.
+    ``a`` is the median per-all-reduce time over streams of ``4 * count`` of each of
+    ``small_sizes``; ``b`` is the least-squares slope through streams of ``count`` of each of
+    ``sizes`` on top of it. All are maxima over ranks, so every rank gets the same model (why
+    not one 4-byte all-reduce after a barrier, as :func:`fit_cost_model`: docs/notes/dp.md).
+
+    Args:
+        group: the group (default: the world).
+        small_sizes: message sizes, in bytes, for the start-up.
+        sizes: message sizes, in bytes, for the per-byte cost.
+        count: all-reduces per stream (four times as many of the small sizes).
+        repeats: timed streams per size.
+        device: where the messages live (default: the CPU).
     """
     measured = torch.tensor(
         [
@@ -155,10 +178,16 @@ def time_allreduce_stream(
     """Median seconds per all-reduce when ``count`` of ``nbytes`` are issued back to back.
 
     The bucket engine launches its all-reduces asynchronously, one after another, without a
-    barrier between them. Where ranks outnumber cores (the emulated cluster on a small
-    machine), each such all-reduce waits for every peer's communication thread to be scheduled
-    and can cost several times what one all-reduce after a barrier does
-    (:func:`time_allreduce`).
+    barrier between them; where ranks outnumber cores each such all-reduce can cost several
+    times what one after a barrier does (:func:`time_allreduce`).
+
+    Args:
+        count: all-reduces per stream.
+        nbytes: the size of each.
+        group: the group (default: the world).
+        repeats: timed streams.
+        warmup: untimed streams first.
+        device: where the messages live (default: the CPU).
     """
     device = device or torch.device("cpu")
     tensors = [
@@ -192,6 +221,14 @@ def fit_cost_model(
 
     With ``use_cache`` a model fitted earlier for the same (backend, world size, link) is reused
     (rank 0 reads it and broadcasts it, so the ranks still agree).
+
+    Args:
+        group: the group (default: the world).
+        sizes: message sizes, in bytes.
+        repeats: timed repetitions.
+        warmup: untimed repetitions first.
+        device: where the messages live (default: the CPU).
+        use_cache: reuse (and keep) the model fitted for this backend, world size and link.
     """
     key = cache_key(group)
     rank = dist.get_rank(group)
@@ -230,7 +267,15 @@ def time_concurrent_allreduce(
     device: torch.device | None = None,
 ) -> float:
     """Median seconds until ``len(groups)`` all-reduces of ``nbytes`` each, launched together one
-    per group, have all finished."""
+    per group, have all finished.
+
+    Args:
+        nbytes: the size of each message.
+        groups: one all-reduce on each.
+        repeats: timed repetitions.
+        warmup: untimed repetitions first.
+        device: where the messages live (default: the CPU).
+    """
     device = device or torch.device("cpu")
     tensors = [torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=device) for _ in groups]
     samples = []
@@ -267,6 +312,15 @@ def fit_concurrency(
     concurrent ``nbytes`` all-reduces with one alone, on the bandwidth part:
     ``c_j = (T_j - a_j) / (T_1 - a_1)``. Measured on the groups themselves (``groups[0]`` is the
     main group) and combined with MAX over ranks, so every rank gets the same model.
+
+    Args:
+        groups: the channels (``groups[0]`` is the main group).
+        base: the one-channel model the terms are added to.
+        nbytes: the message size for ``c_j``.
+        repeats: timed repetitions.
+        warmup: untimed repetitions first.
+        device: where the messages live (default: the CPU).
+        use_cache: reuse (and keep) the terms measured for this backend, world size and link.
     """
     first = groups[0]
     key = cache_key(first) + "|concurrency"

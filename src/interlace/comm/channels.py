@@ -1,11 +1,6 @@
 """Communication channels: several process groups over the same ranks (AIACC-Training).
 
-One process group runs its collectives one after another, so a stream of small all-reduces pays
-every start-up in turn and leaves the link idle in between. ``k`` groups over the same ranks run
-``k`` all-reduces at once. The price of that freedom is ordering: every rank must issue the same
-collectives on the same group in the same order, or the job deadlocks. So the groups are created
-once, identically on every rank, channel 0 is the caller's own group, and which bucket goes on
-which channel is decided by the plan (computed on rank 0 and broadcast), never locally.
+Which bucket goes on which channel is decided by the plan, never locally (docs/notes/dp.md).
 """
 
 from __future__ import annotations
@@ -18,8 +13,8 @@ import torch.distributed as dist
 
 from interlace.errors import UsageError
 
+#: ``channels="auto"`` tries 1..4 channels.
 MAX_AUTO_CHANNELS = 4
-"""``channels="auto"`` tries 1..4: AIACC's own auto-tuner rarely went beyond that."""
 
 
 class Channels:
@@ -27,6 +22,13 @@ class Channels:
 
     Creating a group is collective: with the default group every rank of the job must build the
     same ``Channels``; with a subgroup, every member of it.
+
+    Args:
+        count: how many channels (channel 0 is ``process_group`` itself).
+        process_group: the ranks the channels span (default: the world).
+
+    Raises:
+        UsageError: for ``count < 1``.
     """
 
     def __init__(self, count: int, process_group: dist.ProcessGroup | None = None) -> None:
@@ -59,6 +61,14 @@ def check_same_everywhere(
 
     Used before anything is launched on the channels: a mismatch found here is an error message;
     found later, it would be a hang.
+
+    Args:
+        value: this rank's value (compared by its ``repr``).
+        what: what the value is, for the message.
+        process_group: the ranks to compare (default: the world).
+
+    Raises:
+        UsageError: naming the first rank whose value differs from rank 0's.
     """
     digest = zlib.crc32(repr(value).encode())
     gathered: list[Any] = [None] * dist.get_world_size(process_group)
@@ -72,7 +82,12 @@ def check_same_everywhere(
 
 
 def assignment_of(groups: Sequence[Sequence[int]], channels: Sequence[Sequence[int]]) -> str:
-    """A compact description of which tensors go on which channels, for cross-rank checks."""
+    """A compact description of which tensors go on which channels, for cross-rank checks.
+
+    Args:
+        groups: the buckets, as tensor indices.
+        channels: each bucket's channels.
+    """
     return ";".join(
         f"{','.join(map(str, group))}@{','.join(map(str, chans))}"
         for group, chans in zip(groups, channels, strict=True)

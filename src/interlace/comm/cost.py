@@ -1,10 +1,7 @@
 """Cost models of all-reduce: ``T(M) = a + b*M`` seconds for an M-byte message.
 
-The planners (:mod:`interlace.comm.plan`), the runtime and the simulator all price communication
-with one :class:`CostModel`. Its two numbers come either from a formula (ring or double binary
-tree, from per-link latency ``alpha``, wire time per byte ``beta`` and reduction time per byte
-``gamma``) or from a least-squares fit of measured all-reduce times: OSU logs, or a live process
-group (:func:`fit_cost_model`, in :mod:`interlace.comm.calibrate`).
+From a formula (ring, double binary tree) or a least-squares fit of measured times (OSU logs
+here, a live process group in :mod:`interlace.comm.calibrate`).
 """
 
 from __future__ import annotations
@@ -20,7 +17,16 @@ import numpy as np
 
 @dataclass(frozen=True)
 class CostModel:
-    """``T(M) = a + b*M``: ``a`` seconds of start-up, ``b`` seconds per byte."""
+    """``T(M) = a + b*M``: ``a`` seconds of start-up, ``b`` seconds per byte.
+
+    Args:
+        a: seconds of start-up per all-reduce.
+        b: seconds per byte.
+        concurrency: ``(a_j, c_j)`` for ``j = 2, 3, ...`` all-reduces at once (see below).
+
+    Raises:
+        ValueError: for negative or non-finite terms.
+    """
 
     a: float
     b: float
@@ -48,7 +54,12 @@ class CostModel:
 
     def time(self, nbytes: float, concurrent: int = 1) -> float:
         """Seconds to all-reduce ``nbytes`` while ``concurrent`` all-reduces (this one included)
-        are in flight; nothing to send costs nothing."""
+        are in flight; nothing to send costs nothing.
+
+        Args:
+            nbytes: the message size.
+            concurrent: all-reduces in flight, this one included.
+        """
         if nbytes <= 0:
             return 0.0
         start_up, factor = self.concurrent_terms(concurrent)
@@ -59,6 +70,9 @@ class CostModel:
 
         Without a measurement, start-ups are assumed to overlap and bandwidth to be shared
         (``(a, j)``); past the last measured count ``m``, ``(a_m, c_m * j / m)``.
+
+        Args:
+            count: all-reduces in flight (>= 1).
         """
         if count < 1:
             raise ValueError(f"the number of concurrent all-reduces must be >= 1, got {count}")
@@ -73,7 +87,11 @@ class CostModel:
         return a_m, c_m * count / measured
 
     def with_concurrency(self, terms: Sequence[tuple[float, float]]) -> CostModel:
-        """This model with the measured ``(a_j, c_j)`` for ``j = 2, 3, ...``."""
+        """This model with the measured ``(a_j, c_j)`` for ``j = 2, 3, ...``.
+
+        Args:
+            terms: ``(a_j, c_j)`` for ``j = 2, 3, ...``.
+        """
         return CostModel(self.a, self.b, tuple((float(a), float(c)) for a, c in terms))
 
     @classmethod
@@ -82,6 +100,12 @@ class CostModel:
 
         ``2(N-1)`` steps each pay ``alpha``; every worker sends ``2(N-1)/N * M`` bytes and reduces
         ``(N-1)/N * M`` of them: ``a = 2(N-1)alpha``, ``b = 2(N-1)/N beta + (N-1)/N gamma``.
+
+        Args:
+            world_size: workers.
+            alpha: seconds of latency per step.
+            beta: seconds per byte on the wire.
+            gamma: seconds per byte of reduction arithmetic.
         """
         _check_link(world_size, alpha, beta, gamma)
         n = world_size
@@ -99,6 +123,12 @@ class CostModel:
         start-ups; with the message split between two complementary trees every worker sends and
         receives about ``2M`` bytes in all and reduces ``M``: ``a = 2 ceil(log2 N) alpha``,
         ``b = 2 beta + gamma``. It beats the ring on latency at large N and loses on bandwidth.
+
+        Args:
+            world_size: workers.
+            alpha: seconds of latency per step.
+            beta: seconds per byte on the wire.
+            gamma: seconds per byte of reduction arithmetic.
         """
         _check_link(world_size, alpha, beta, gamma)
         if world_size == 1:
@@ -112,6 +142,10 @@ class CostModel:
 
         Negative coefficients (noise on a nearly flat or nearly proportional curve) are clamped
         to zero and the other refitted alone, so the model stays physical.
+
+        Args:
+            sizes: message sizes, in bytes (at least two distinct).
+            seconds: their measured times.
         """
         x = np.asarray(sizes, dtype=np.float64)
         y = np.asarray(seconds, dtype=np.float64)
@@ -134,6 +168,11 @@ class CostModel:
         Fitting both numbers lets a few noisy large messages decide the intercept, which then
         lands far from what a tiny message really costs (even below zero on a shaped link whose
         burst lets medium messages through early); the planners' merge decisions hinge on ``a``.
+
+        Args:
+            a: the start-up, measured apart.
+            sizes: message sizes, in bytes.
+            seconds: their measured times.
         """
         x = np.asarray(sizes, dtype=np.float64)
         y = np.asarray(seconds, dtype=np.float64) - a
@@ -146,6 +185,10 @@ class CostModel:
 
         Recovers the per-link ``alpha`` and the per-byte term from the ring formulas and applies
         them at the new size (the reduction term is folded into ``beta``).
+
+        Args:
+            world_size: the workers to extrapolate to.
+            from_world_size: the workers the model was fitted on (>= 2).
         """
         if from_world_size < 2 or world_size < 1:
             raise ValueError("extrapolating a ring model needs a fit on >= 2 workers")
@@ -162,6 +205,12 @@ def ring_allreduce_time(
 
     Each worker sends and receives ``2(N-1)/N * M`` bytes over its link of ``bandwidth_bps`` bits
     per second, in ``2(N-1)`` steps that each pay ``latency_s``; reduction arithmetic is ignored.
+
+    Args:
+        nbytes: the message size.
+        world_size: workers.
+        bandwidth_bps: each link's bandwidth, in bits per second.
+        latency_s: seconds per step.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -182,6 +231,13 @@ def read_osu_log(
     Data lines read ``workers,message_bytes  average_latency_us`` or, as OSU itself prints them,
     ``message_bytes  average_latency_us``; the worker count of the latter comes from ``workers``
     or else from the file name (``..._8workers_...``). Anything else is skipped.
+
+    Args:
+        path: the log.
+        workers: the worker count of lines that give none (default: from the file name).
+
+    Raises:
+        ValueError: for a log without data lines, or lines whose worker count is unknown.
     """
     if workers is None:
         named = _WORKERS_IN_NAME.search(Path(path).name)
@@ -206,7 +262,13 @@ def read_osu_log(
 def fit_osu_log(
     path: str | Path, min_bytes: int = 0, workers: int | None = None
 ) -> dict[int, CostModel]:
-    """A fitted cost model per worker count in an OSU log, from messages of >= ``min_bytes``."""
+    """A fitted cost model per worker count in an OSU log, from messages of >= ``min_bytes``.
+
+    Args:
+        path: the log.
+        min_bytes: smaller messages are left out of the fit.
+        workers: as for :func:`read_osu_log`.
+    """
     return {
         count: CostModel.fit_points(*_unzip(p for p in pts if p[0] >= min_bytes))
         for count, pts in read_osu_log(path, workers).items()

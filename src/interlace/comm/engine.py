@@ -1,20 +1,7 @@
 """The runtime half of the communication core: flat bucket buffers and asynchronous all-reduces.
 
-A :class:`BucketEngine` is built from a plan (which tensors travel together, in which order).
-Each iteration, gradients are copied into their bucket's flat buffer as backward produces them;
-a bucket's all-reduce starts the moment its last tensor arrives, and buckets always start in plan
-order, so every rank issues the same collectives in the same order (the condition for never
-deadlocking). :meth:`BucketEngine.finish` waits for the rest and hands back averaged tensors.
-
-With several channels (process groups over the same ranks), each bucket goes on the channel(s)
-the plan assigned it; a partitioned bucket is cut into equal slices all-reduced at once on
-different channels and lands back in place, since the slices are views of one flat buffer. With
-compression, a float32 bucket travels as float16 or bfloat16: divided by the world size in
-float32 first (the average cannot overflow), cast for the wire, and cast back when it arrives.
-
-Tensors that got no gradient on this rank are sent as zeros; a one-number "was used" mark per
-tensor rides in the last bucket, so after the all-reduce every rank knows which tensors no rank
-touched (those keep ``grad = None``, as in PyTorch DDP) without an extra collective.
+Buckets are launched strictly in plan order, so every rank issues the same collectives in the
+same order (docs/notes/dp.md).
 """
 
 from __future__ import annotations
@@ -42,7 +29,21 @@ class _Slot:
 
 
 class BucketEngine:
-    """Flat buffers for ``groups`` of ``tensors`` and the all-reduces that average them."""
+    """Flat buffers for ``groups`` of ``tensors`` and the all-reduces that average them.
+
+    Args:
+        tensors: the tensors whose gradients are averaged (all on one device).
+        groups: the buckets, as indices into ``tensors``, in launch order; a bucket that mixes
+            dtypes is split into one bucket per dtype, keeping the order.
+        process_group: the group to average over (default: the world).
+        recorder: called for each finished all-reduce (see :data:`CommRecorder`).
+        channels: the process groups buckets travel on (default: ``process_group`` alone).
+        assignment: for each bucket, the channel of each of its slices (default: channel 0).
+        compression: ``None``, ``"fp16"`` or ``"bf16"``: float32 buckets travel in that type.
+
+    Raises:
+        ValueError: for no tensors, an unknown compression or an assignment that does not fit.
+    """
 
     def __init__(
         self,
@@ -130,7 +131,12 @@ class BucketEngine:
         self._next_launch = 0
 
     def add(self, index: int, grad: torch.Tensor) -> None:
-        """Copy tensor ``index``'s gradient into its bucket; launch every bucket now complete."""
+        """Copy tensor ``index``'s gradient into its bucket; launch every bucket now complete.
+
+        Args:
+            index: the tensor's index.
+            grad: its gradient.
+        """
         if self._ready[index]:
             # A second gradient for the same tensor within one backward cannot happen for a leaf
             # (its hook fires after accumulation); treat it as the newer value.

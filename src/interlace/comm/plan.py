@@ -1,23 +1,7 @@
 """Bucket planners: pure functions from (tensors in ready order, cost model) to buckets.
 
-A planner decides which gradients travel together. Its input is what a profiled backward pass
-shows: tensors in the order they become ready, each with its size and the time (from the start of
-backward) at which it is ready. Four rules, from the literature:
-
-- ``per-tensor`` (WFBP): every tensor all-reduced alone as soon as it is ready;
-- ``fixed`` (PyTorch DDP, Horovod): tensors packed in ready order until a byte cap is reached;
-- ``single`` (SyncEASGD): one all-reduce of everything after backward;
-- ``merged`` (MG-WFBP, Shi et al., TPDS 2021, Theorem 1): merge a tensor into the next one
-  exactly when the next is ready before this one's all-reduce could start plus one start-up
-  ``a``: merging then saves a start-up for at most as much waiting.
-
-:func:`schedule` prices a bucketing on ``k`` communication channels (AIACC-Training): buckets are
-launched in plan order as soon as they are full, each on the channel predicted to be free first;
-a channel runs its all-reduces one after another, and all-reduces on different channels overlap
-at the price the cost model's concurrency terms give. A bucket above ``partition_bytes`` is split
-into slices sent at once on different channels. With one channel this is the plain serial
-timeline of the MG-WFBP paper. The runtime, the simulator and the K-FAC factor fusion all use
-these same functions.
+WFBP, DDP/Horovod's fixed caps, SyncEASGD, MG-WFBP's merge and the exact optimum, and
+:func:`schedule`, which prices any bucketing on one or several channels (docs/notes/dp.md).
 """
 
 from __future__ import annotations
@@ -25,10 +9,27 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 from interlace.comm.cost import CostModel
 
-STRATEGIES = ("per-tensor", "fixed", "single", "merged", "optimal")
+
+class Bucketing(str, Enum):
+    """The bucket planners by name; wherever a bucketing is named, a member or its string works."""
+
+    #: MG-WFBP's optimal merge (Theorem 1).
+    MERGED = "merged"
+    #: WFBP: one all-reduce per tensor as soon as it is ready.
+    PER_TENSOR = "per-tensor"
+    #: DDP and Horovod: tensors packed in ready order up to a byte cap.
+    FIXED = "fixed"
+    #: SyncEASGD: one all-reduce of everything after backward.
+    SINGLE = "single"
+    #: The exact best contiguous bucketing under the cost model (dynamic programming).
+    OPTIMAL = "optimal"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,23 @@ def schedule(
     partition_bytes: float | None = None,
 ) -> Plan:
     """Price a bucketing: buckets are launched in order, each when its last tensor is ready, on
-    the channel(s) free first; one channel runs its all-reduces one after another."""
+    the channel(s) free first; one channel runs its all-reduces one after another.
+
+    Args:
+        groups: the buckets, as indices into ``tensors``, in launch order; together they cover
+            every tensor once.
+        tensors: the tensors in ready order.
+        cost: the price of an all-reduce.
+        backward_s: when backward ends (default: when the last tensor is ready).
+        forward_s: the forward pass, added to the predicted iteration time.
+        strategy: the name the plan carries.
+        channels: channels the buckets are priced on.
+        partition_bytes: buckets above this are split across channels (None: never).
+
+    Raises:
+        ValueError: for tensors out of ready order or of size 0, groups that do not cover them, or
+            ``backward_s`` before the last tensor is ready.
+    """
     _check_tensors(tensors)
     _check_groups(groups, len(tensors))
     end_of_backward = max((t.ready_s for t in tensors), default=0.0)
@@ -161,14 +178,25 @@ def schedule(
 
 def slice_count(nbytes: int, channels: int, partition_bytes: float | None) -> int:
     """How many slices a bucket of ``nbytes`` is cut into: one per started ``partition_bytes``,
-    at most one per channel; the runtime cuts the same way."""
+    at most one per channel; the runtime cuts the same way.
+
+    Args:
+        nbytes: the bucket's size.
+        channels: channels available.
+        partition_bytes: the partition threshold (None: never split).
+    """
     if partition_bytes is None or channels == 1 or nbytes <= partition_bytes:
         return 1
     return min(channels, math.ceil(nbytes / partition_bytes))
 
 
 def slice_sizes(nbytes: int, count: int) -> list[int]:
-    """Bytes of each of ``count`` slices of a bucket (the first ``nbytes % count`` one more)."""
+    """Bytes of each of ``count`` slices of a bucket (the first ``nbytes % count`` one more).
+
+    Args:
+        nbytes: the bucket's size.
+        count: how many slices.
+    """
     return [nbytes // count + (1 if k < nbytes % count else 0) for k in range(count)]
 
 
@@ -186,6 +214,14 @@ class ChannelClock:
     starting at the same instant included). Earlier ones are not
     slowed after the fact: the newcomer pays for the sharing, so the total stays right for a
     shared link while start-ups still overlap.
+
+    Args:
+        cost: the price of an all-reduce, alone and concurrent.
+        channels: how many channels.
+        partition_bytes: buckets above this are split across channels (None: never).
+
+    Raises:
+        ValueError: for ``channels < 1`` or a threshold that is not positive.
     """
 
     def __init__(self, cost: CostModel, channels: int = 1, partition_bytes: float | None = None):
@@ -201,11 +237,21 @@ class ChannelClock:
         self._flights: list[tuple[float, float]] = []
 
     def earliest_start(self, ready_s: float) -> float:
-        """When a bucket ready at ``ready_s`` could start if it were sent next."""
+        """When a bucket ready at ``ready_s`` could start if it were sent next.
+
+        Args:
+            ready_s: when the bucket's last tensor is ready.
+        """
         return max(self.launched, ready_s, min(self.free))
 
     def place(self, indices: tuple[int, ...], nbytes: int, ready_s: float) -> Bucket:
-        """Send the next bucket; returns it with its predicted start, end and channels."""
+        """Send the next bucket; returns it with its predicted start, end and channels.
+
+        Args:
+            indices: the bucket's tensors, as indices into the ready order.
+            nbytes: its size.
+            ready_s: when its last tensor is ready.
+        """
         self.launched = max(self.launched, ready_s)
         count = slice_count(nbytes, self.channels, self.partition_bytes)
         chosen = sorted(range(self.channels), key=lambda c: (self.free[c], c))[:count]
@@ -250,7 +296,16 @@ def plan_per_tensor(
     channels: int = 1,
     partition_bytes: float | None = None,
 ) -> Plan:
-    """WFBP: one all-reduce per tensor, launched as soon as it is ready."""
+    """WFBP: one all-reduce per tensor, launched as soon as it is ready.
+
+    Args:
+        tensors: the tensors in ready order.
+        cost: the price of an all-reduce.
+        backward_s: when backward ends (default: when the last tensor is ready).
+        forward_s: the forward pass, added to the predicted iteration time.
+        channels: channels the buckets are priced on.
+        partition_bytes: buckets above this are split across channels (None: never).
+    """
     groups = [[i] for i in range(len(tensors))]
     return schedule(
         groups,
@@ -258,7 +313,7 @@ def plan_per_tensor(
         cost,
         backward_s=backward_s,
         forward_s=forward_s,
-        strategy="per-tensor",
+        strategy=Bucketing.PER_TENSOR.value,
         channels=channels,
         partition_bytes=partition_bytes,
     )
@@ -273,7 +328,16 @@ def plan_single(
     channels: int = 1,
     partition_bytes: float | None = None,
 ) -> Plan:
-    """SyncEASGD: everything in one all-reduce after the whole backward pass."""
+    """SyncEASGD: everything in one all-reduce after the whole backward pass.
+
+    Args:
+        tensors: the tensors in ready order.
+        cost: the price of an all-reduce.
+        backward_s: when backward ends (default: when the last tensor is ready).
+        forward_s: the forward pass, added to the predicted iteration time.
+        channels: channels the buckets are priced on.
+        partition_bytes: buckets above this are split across channels (None: never).
+    """
     groups = [list(range(len(tensors)))] if tensors else []
     return schedule(
         groups,
@@ -281,7 +345,7 @@ def plan_single(
         cost,
         backward_s=backward_s,
         forward_s=forward_s,
-        strategy="single",
+        strategy=Bucketing.SINGLE.value,
         channels=channels,
         partition_bytes=partition_bytes,
     )
@@ -302,6 +366,19 @@ def plan_fixed(
 
     ``first_cap_bytes`` caps the first bucket alone (DDP uses 1 MB there so communication starts
     early).
+
+    Args:
+        tensors: the tensors in ready order.
+        cost: the price of an all-reduce.
+        cap_bytes: a bucket is closed once it holds this many bytes.
+        first_cap_bytes: the first bucket's cap (None: ``cap_bytes``).
+        backward_s: when backward ends (default: when the last tensor is ready).
+        forward_s: the forward pass, added to the predicted iteration time.
+        channels: channels the buckets are priced on.
+        partition_bytes: buckets above this are split across channels (None: never).
+
+    Raises:
+        ValueError: for a cap that is not positive.
     """
     if cap_bytes <= 0:
         raise ValueError(f"bucket cap must be > 0 bytes, got {cap_bytes}")
@@ -323,7 +400,7 @@ def plan_fixed(
         cost,
         backward_s=backward_s,
         forward_s=forward_s,
-        strategy="fixed",
+        strategy=Bucketing.FIXED.value,
         channels=channels,
         partition_bytes=partition_bytes,
     )
@@ -351,6 +428,14 @@ def plan_merged(
     merges pay. The greedy rule was derived for one channel, so the result is also compared with
     the one-channel bucketing, per-tensor buckets and a single bucket, all priced on the same
     channels, and the fastest is kept.
+
+    Args:
+        tensors: the tensors in ready order.
+        cost: the price of an all-reduce.
+        backward_s: when backward ends (default: when the last tensor is ready).
+        forward_s: the forward pass, added to the predicted iteration time.
+        channels: channels the buckets are priced on.
+        partition_bytes: buckets above this are split across channels (None: never).
     """
     _check_tensors(tensors)
     groups = _merge_greedily(tensors, cost, channels, partition_bytes)
@@ -366,7 +451,7 @@ def plan_merged(
             cost,
             backward_s=backward_s,
             forward_s=forward_s,
-            strategy="merged",
+            strategy=Bucketing.MERGED.value,
             channels=channels,
             partition_bytes=partition_bytes,
         )
@@ -421,6 +506,16 @@ def plan_optimal(
 
     That argument holds on one channel only (with several, a later bucket can overtake on another
     channel), so ``channels > 1`` is refused rather than answered inexactly.
+
+    Args:
+        tensors: the tensors in ready order.
+        cost: the price of an all-reduce.
+        backward_s: when backward ends (default: when the last tensor is ready).
+        forward_s: the forward pass, added to the predicted iteration time.
+        channels: must be 1.
+
+    Raises:
+        ValueError: for more than one channel.
     """
     if channels != 1:
         raise ValueError(
@@ -449,12 +544,17 @@ def plan_optimal(
         end = best_cut[end]
     groups.reverse()
     return schedule(
-        groups, tensors, cost, backward_s=backward_s, forward_s=forward_s, strategy="optimal"
+        groups,
+        tensors,
+        cost,
+        backward_s=backward_s,
+        forward_s=forward_s,
+        strategy=Bucketing.OPTIMAL.value,
     )
 
 
 def make_plan(
-    strategy: str,
+    strategy: Bucketing | str,
     tensors: Sequence[ReadyTensor],
     cost: CostModel,
     *,
@@ -465,13 +565,34 @@ def make_plan(
     channels: int = 1,
     partition_bytes: float | None = None,
 ) -> Plan:
-    """Dispatch to the planner named ``strategy`` (one of :data:`STRATEGIES`), priced on
-    ``channels`` channels with buckets above ``partition_bytes`` split across them."""
-    if strategy == "optimal":
+    """Plan with the planner named ``strategy``.
+
+    Args:
+        strategy: a :class:`Bucketing` or its string.
+        tensors: the tensors in ready order.
+        cost: the price of an all-reduce.
+        cap_bytes: the cap of ``fixed`` buckets.
+        first_cap_bytes: the first ``fixed`` bucket's cap (None: ``cap_bytes``).
+        backward_s: when backward ends (default: when the last tensor is ready).
+        forward_s: the forward pass, added to the predicted iteration time.
+        channels: channels the buckets are priced on.
+        partition_bytes: buckets above this are split across channels (None: never).
+
+    Raises:
+        ValueError: for an unknown planner name.
+    """
+    try:
+        bucketing = Bucketing(strategy)
+    except ValueError:
+        raise ValueError(
+            f"unknown bucketing strategy '{strategy}'; choose one of "
+            f"{', '.join(member.value for member in Bucketing)}"
+        ) from None
+    if bucketing is Bucketing.OPTIMAL:
         return plan_optimal(
             tensors, cost, backward_s=backward_s, forward_s=forward_s, channels=channels
         )
-    if strategy == "fixed":
+    if bucketing is Bucketing.FIXED:
         return plan_fixed(
             tensors,
             cost,
@@ -482,17 +603,19 @@ def make_plan(
             channels=channels,
             partition_bytes=partition_bytes,
         )
-    planners = {"per-tensor": plan_per_tensor, "single": plan_single, "merged": plan_merged}
-    if strategy in planners:
-        return planners[strategy](
-            tensors,
-            cost,
-            backward_s=backward_s,
-            forward_s=forward_s,
-            channels=channels,
-            partition_bytes=partition_bytes,
-        )
-    raise ValueError(f"unknown bucketing strategy '{strategy}'; choose one of {STRATEGIES}")
+    planners = {
+        Bucketing.PER_TENSOR: plan_per_tensor,
+        Bucketing.SINGLE: plan_single,
+        Bucketing.MERGED: plan_merged,
+    }
+    return planners[bucketing](
+        tensors,
+        cost,
+        backward_s=backward_s,
+        forward_s=forward_s,
+        channels=channels,
+        partition_bytes=partition_bytes,
+    )
 
 
 def _check_tensors(tensors: Sequence[ReadyTensor]) -> None:

@@ -1,17 +1,7 @@
 """Choosing among candidate plans by the iteration time each one is measured to give.
 
-A cost model fitted on an idle network prices an all-reduce by itself. What it cannot see is what
-the all-reduce costs the computation it overlaps: where the same cores run the collectives and
-the backward pass (training on CPUs, or a host whose network stack competes with the data
-loader), every bucket launched during backward slows that backward by a roughly fixed amount, so
-fewer, larger buckets win more often than the model predicts. Rather than guess that amount,
-:class:`PlanTrials` runs each candidate plan for a few real iterations and keeps the fastest, as
-Horovod's autotuner does for its fusion buffer.
-
-The schedule runs the candidates in order, then in reverse, and again (:data:`ROUNDS` passes), so
-a drift of the machine's load during the trials favours no candidate; after each change of plan
-one iteration is not timed (new buffers, first all-reduces of new sizes). The class is pure
-bookkeeping: the runtime feeds it iteration times and rebuilds buckets when it says so.
+:class:`PlanTrials` is pure bookkeeping: the runtime feeds it iteration times and rebuilds
+buckets when it says so (why trials at all: docs/notes/dp.md).
 """
 
 from __future__ import annotations
@@ -21,18 +11,22 @@ from collections.abc import Sequence
 
 from interlace.comm.cost import CostModel
 
+#: Besides the fitted start-up, the merge rule is also run with the start-up times these factors:
+#: each is one candidate of the trials (from "merge little" to "nearly one bucket").
 START_UP_SCALES = (4.0, 16.0, 64.0)
-"""Besides the fitted start-up, the merge rule is also run with the start-up times these factors:
-each is one candidate of the trials (from 'merge little' to 'nearly one bucket')."""
 
+#: Passes over the candidates, alternately forward and backward, so a drift of the machine's
+#: load during the trials favours no candidate.
 ROUNDS = 4
-"""Passes over the candidates, alternately forward and backward. On a shared machine the same
-plan measures 5-10% apart from one minute to the next; several short passes let every
-candidate sample every period of the trials."""
 
 
 def scale_start_up(cost: CostModel, factor: float) -> CostModel:
-    """``cost`` with every start-up (alone and concurrent) ``factor`` times larger."""
+    """``cost`` with every start-up (alone and concurrent) ``factor`` times larger.
+
+    Args:
+        cost: the cost model.
+        factor: the factor.
+    """
     return CostModel(
         cost.a * factor,
         cost.b,
@@ -41,7 +35,16 @@ def scale_start_up(cost: CostModel, factor: float) -> CostModel:
 
 
 class PlanTrials:
-    """Which candidate runs now, and the iteration times each one has shown so far."""
+    """Which candidate runs now, and the iteration times each one has shown so far.
+
+    Args:
+        labels: the candidates' names, in trial order (at least two).
+        steps: timed iterations per candidate and round.
+        rounds: passes over the candidates, alternately forward and backward.
+
+    Raises:
+        ValueError: for fewer than two candidates or counts below 1.
+    """
 
     def __init__(self, labels: Sequence[str], steps: int, rounds: int = ROUNDS) -> None:
         if len(labels) < 2:
@@ -70,7 +73,11 @@ class PlanTrials:
 
     def record(self, seconds: float) -> bool:
         """Take one iteration's time; True when the next iteration needs other buckets (another
-        candidate, or the trials are over and the winner must be chosen)."""
+        candidate, or the trials are over and the winner must be chosen).
+
+        Args:
+            seconds: the iteration's time.
+        """
         if self.finished:
             raise RuntimeError("the trials are over; no more iteration times are taken")
         if self._warming_up:
@@ -96,12 +103,22 @@ class PlanTrials:
 
 def fastest(medians: Sequence[float]) -> int:
     """The candidate with the least median time; the earlier one on a tie (the fitted model's
-    own plan comes first)."""
+    own plan comes first).
+
+    Args:
+        medians: each candidate's median time.
+    """
     return min(range(len(medians)), key=lambda index: (medians[index], index))
 
 
 def describe_trials(labels: Sequence[str], medians: Sequence[float], chosen: int) -> str:
-    """One line: every candidate's measured median, and which was kept."""
+    """One line: every candidate's measured median, and which was kept.
+
+    Args:
+        labels: the candidates' names.
+        medians: their median times, in seconds.
+        chosen: the index of the one kept.
+    """
     weighed = ", ".join(
         f"{label} {median * 1e3:.1f} ms" for label, median in zip(labels, medians, strict=True)
     )

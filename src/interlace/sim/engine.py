@@ -8,66 +8,18 @@ buckets exactly as :class:`interlace.DataParallel` does and replays them with
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from interlace.comm.cost import CostModel
-from interlace.comm.plan import Plan, ReadyTensor, make_plan, schedule
+from interlace.comm.plan import Plan, schedule
+from interlace.comm.strategies import PLANNED_STRATEGIES, Strategy, planned_strategy
 from interlace.errors import UsageError
 from interlace.sim.replay import NO_CONTENTION, Contention, Replay, replay
 from interlace.sim.trace import Trace
 from interlace.timeline import Timeline
 
-
-@dataclass(frozen=True)
-class Strategy:
-    """A data-parallel strategy as the simulator runs it: a planner and its arguments."""
-
-    #: The name ``--strategy`` and the JSON rows use.
-    name: str
-    #: The planner of :func:`interlace.comm.plan.make_plan`.
-    bucketing: str
-    description: str
-    cap_bytes: float = 25e6
-    first_cap_bytes: float | None = None
-    channels: int = 1
-    partition_bytes: float | None = None
-
-    def plan(
-        self,
-        tensors: Sequence[ReadyTensor],
-        cost: CostModel,
-        *,
-        backward_s: float,
-        forward_s: float,
-    ) -> Plan:
-        return make_plan(
-            self.bucketing,
-            tensors,
-            cost,
-            cap_bytes=self.cap_bytes,
-            first_cap_bytes=self.first_cap_bytes,
-            backward_s=backward_s,
-            forward_s=forward_s,
-            channels=self.channels,
-            partition_bytes=self.partition_bytes,
-        )
-
-
-#: Every simulated strategy by name. ``fixed`` is DDP's rule as :class:`interlace.DataParallel`
-#: runs it (25 MB, the first bucket 1 MB); ``horovod`` is Horovod's 128 MB fusion buffer (its
-#: 1 ms fusion cycle is not modelled: a bucket is sent when full or at the end of backward).
-STRATEGIES: dict[str, Strategy] = {
-    "single": Strategy("single", "single", "SyncEASGD: one all-reduce after backward"),
-    "wfbp": Strategy("wfbp", "per-tensor", "WFBP: one all-reduce per tensor once it is ready"),
-    "fixed": Strategy("fixed", "fixed", "DDP: 25 MB buckets, the first 1 MB", 25e6, 1e6),
-    "horovod": Strategy("horovod", "fixed", "Horovod: 128 MB fusion buckets", 128e6, None),
-    "mgwfbp": Strategy("mgwfbp", "merged", "MG-WFBP: Theorem 1's optimal merge"),
-    "optimal": Strategy(
-        "optimal", "optimal", "exact best contiguous bucketing (dynamic programming)"
-    ),
-    "mgwfbp/k=2": Strategy("mgwfbp/k=2", "merged", "MG-WFBP on 2 channels (AIACC)", channels=2),
-    "wfbp/k=4": Strategy("wfbp/k=4", "per-tensor", "WFBP on 4 channels (AIACC)", channels=4),
-}
+#: Every simulated strategy by name: the planned ones of :mod:`interlace.comm.strategies`.
+STRATEGIES: dict[str, Strategy] = PLANNED_STRATEGIES
 
 
 @dataclass(frozen=True)
@@ -185,19 +137,9 @@ def strategy_named(name: str) -> Strategy:
     Raises:
         UsageError: For an unknown name, or the optimal planner on several channels.
     """
-    if name in STRATEGIES:
-        return STRATEGIES[name]
-    base, _, suffix = name.partition("/k=")
-    if base in STRATEGIES and suffix.isdigit() and int(suffix) >= 1:
-        channels = int(suffix)
-        if channels > 1 and STRATEGIES[base].bucketing == "optimal":
-            raise UsageError(f"{name!r}: the optimal planner is exact on one channel only")
-        return replace(
-            STRATEGIES[base],
-            name=name,
-            channels=channels,
-            description=f"{STRATEGIES[base].description}, on {channels} channels",
-        )
+    chosen = planned_strategy(name)
+    if chosen is not None:
+        return chosen
     raise UsageError(
         f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}, or any of them "
         "with /k=K for K channels (e.g. mgwfbp/k=3)"

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from interlace.comm.strategies import planned_strategy
 from interlace.errors import UsageError
 from interlace.sim.engine import STRATEGIES, SimResult, simulate, strategy_named
 from interlace.sim.kfac import KFAC_STRATEGIES, PHASES, check_trace, simulate_kfac
@@ -38,10 +39,7 @@ def check_strategy(name: str) -> None:
     """
     if name in KFAC_STRATEGIES:
         return
-    base, _, suffix = name.partition("/k=")
-    if name not in STRATEGIES and not (
-        base in STRATEGIES and suffix.isdigit() and int(suffix) >= 1
-    ):
+    if planned_strategy(name) is None:
         raise UsageError(
             f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}, or any of them "
             "with /k=K for K channels (e.g. mgwfbp/k=3), or a K-FAC strategy "

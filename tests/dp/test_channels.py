@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 import pytest
@@ -61,7 +62,7 @@ def _grads_against_one_channel(
         "worst": worst,
         "channels": other.plan.channels,
         "slices": [list(bucket.channels) for bucket in other.plan.buckets],
-        "engine_assignment": other._engine.assignment,
+        "engine_assignment": other.bucket_channels,
         "why": other.channel_choice,
     }
 
@@ -126,7 +127,7 @@ def _auto_choice() -> dict[str, Any]:
     return {
         "channels": model.plan.channels,
         "partition": model.plan.partition_bytes,
-        "assignment": model._engine.assignment,
+        "assignment": model.bucket_channels,
         "why": model.channel_choice,
     }
 
@@ -150,7 +151,7 @@ def _measured_choice() -> dict[str, Any]:
     assert model.plan is not None
     return {
         "channels": model.plan.channels,
-        "assignment": model._engine.assignment,
+        "assignment": model.bucket_channels,
         "why": model.channel_choice,
         "results": model.tuning_results,
     }
@@ -187,8 +188,6 @@ def test_bad_channel_settings_are_clear_errors() -> None:
 
 
 def _measure_concurrency(tmp: str) -> tuple[float, ...]:
-    import os
-
     os.environ["INTERLACE_CACHE_DIR"] = tmp
     channels = Channels(3)
     base = fit_cost_model(use_cache=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
 from typing import Any
 
 import pytest
@@ -203,8 +204,6 @@ def test_an_uninitialised_process_group_is_a_clear_error() -> None:
 
 
 def _die_mid_backward(_: None) -> None:
-    import os
-
     model = DataParallel(build_model("mlp", (1, 8, 8), 10), bucketing="per-tensor", cost_model=COST)
     for step in range(50):
         loss = model(torch.randn(4, 1, 8, 8)).sum()

@@ -9,7 +9,8 @@ import pytest
 
 from interlace.comm.cost import CostModel, fit_osu_log, read_osu_log, ring_allreduce_time
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+#: Measured OSU logs, in ``shared/`` beside the checkout (the repository's parent directory).
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
 
 
 @pytest.mark.parametrize("workers", [2, 4, 16, 64])

@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
-from interlace.comm.calibrate import cache_path, fit_cost_model
+from interlace.comm.calibrate import cache_path, fit_cost_model, fit_stream_cost_model
 from interlace.comm.cost import CostModel
 from interlace.testing import run_ranks
 
@@ -15,8 +16,6 @@ from interlace.testing import run_ranks
 def _fit_twice(_: None) -> tuple[CostModel, CostModel]:
     first = fit_cost_model(sizes=(4096, 65536, 1 << 20), repeats=3, warmup=1)
     # Rank 0 replaces the cached entry; a second fit must read it rather than measure.
-    import torch.distributed as dist
-
     dist.barrier()
     if dist.get_rank() == 0:
         path = cache_path()
@@ -45,8 +44,6 @@ def test_ranks_fit_one_model_and_reuse_the_cache(
 
 
 def _fit_stream(_: None) -> CostModel:
-    from interlace.comm.calibrate import fit_stream_cost_model
-
     return fit_stream_cost_model(
         small_sizes=(256, 4096), sizes=(65536, 1 << 18), count=2, repeats=2
     )

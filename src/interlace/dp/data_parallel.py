@@ -1,0 +1,528 @@
+"""``interlace.DataParallel``: DDP's interface, with gradient buckets planned from measured times.
+
+The wrapper owns the hooks and the bucket engine; the plan comes from :mod:`interlace.comm.choose`
+and the replicas are kept alike by :mod:`interlace.dp.replicas` (lifecycle: docs/notes/dp.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_leaves
+
+from interlace.comm.calibrate import fit_concurrency, fit_cost_model
+from interlace.comm.channels import (
+    MAX_AUTO_CHANNELS,
+    Channels,
+    assignment_of,
+    check_same_everywhere,
+)
+from interlace.comm.choose import Candidate, PlanRequest, Timings, candidate_plans, settle_trials
+from interlace.comm.cost import CostModel
+from interlace.comm.engine import COMPRESSIONS, BucketEngine
+from interlace.comm.plan import Bucketing, Plan
+from interlace.comm.strategies import bucketing_named
+from interlace.comm.tuning import PlanTrials
+from interlace.distenv import collective_device
+from interlace.dp.iteration import CommEvent, ProfiledPasses, iteration_timeline
+from interlace.dp.replicas import BufferBroadcast, broadcast_from_first, check_same_model
+from interlace.errors import UsageError
+from interlace.timeline import Timeline
+
+logger = logging.getLogger("interlace")
+
+
+class DataParallel(nn.Module):
+    """Wrap ``module`` for data-parallel training over ``process_group`` (default: the world).
+
+    Used like :class:`torch.nn.parallel.DistributedDataParallel`: forward, ``loss.backward()``
+    returns with gradients averaged over the ranks, ``no_sync()`` accumulates.
+
+    Args:
+        module: the model, already on this rank's device.
+        bucketing: a :class:`~interlace.comm.plan.Bucketing` or its string: ``"merged"``
+            (MG-WFBP), ``"per-tensor"`` (WFBP), ``"fixed"`` (DDP-style caps), ``"single"`` (one
+            all-reduce after backward) or ``"optimal"`` (the exact best contiguous bucketing
+            under the cost model, by dynamic programming); or an alias of
+            :data:`~interlace.comm.strategies.BUCKETING_ALIASES`.
+        bucket_cap_mb: the cap of ``"fixed"`` buckets, in MB (10^6 bytes), as DDP's.
+        first_bucket_cap_mb: the first ``"fixed"`` bucket's cap (DDP uses 1 MB to start early).
+        process_group: the group to average over.
+        profile_steps: backward passes timed before planning (after one warm-up pass);
+            default 5 for ``"merged"`` and 1 (just the ready order) for the others.
+        cost_model: price of an all-reduce; default: fitted on ``process_group`` (cached).
+        broadcast_buffers: re-send rank 0's buffers (BatchNorm statistics) before every forward,
+            as DDP does by default.
+        channels: process groups used at once: an int ``k >= 1`` or ``"auto"`` (``k`` in 1..4
+            chosen by measured iteration time, the partition threshold for each ``k`` by
+            predicted time from the concurrency measured on the live group). Creating channels
+            is collective: every rank of ``process_group`` wraps with the same value.
+        partition_mb: buckets larger than this are split into slices sent at once on different
+            channels; ``None`` never splits, ``"auto"`` lets the planner choose.
+        compression: ``None``, ``"fp16"`` or ``"bf16"``: float32 buckets are averaged in float32,
+            sent in the smaller type and cast back (half the bytes, about 3 significant digits).
+        tune_steps: timed iterations per candidate plan and round when several plans are
+            weighed (the cost model's plan, the merge rule with larger start-ups, DDP's
+            buckets, and with ``channels="auto"`` the best plan for each channel count); the
+            fastest measured is kept. 0 keeps the cost model's plan untried.
+
+    Raises:
+        UsageError: for a bad setting, an uninitialised process group, a model without
+            trainable parameters or on several devices, or ranks that differ in model or
+            settings (on every rank, instead of a hang later).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        bucketing: Bucketing | str = Bucketing.MERGED,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+        process_group: dist.ProcessGroup | None = None,
+        profile_steps: int | None = None,
+        cost_model: CostModel | None = None,
+        broadcast_buffers: bool = True,
+        channels: int | str = 1,
+        partition_mb: float | str | None = "auto",
+        compression: str | None = None,
+        tune_steps: int = 2,
+    ) -> None:
+        super().__init__()
+        self._request = _plan_request(
+            bucketing=bucketing,
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_cap_mb=first_bucket_cap_mb,
+            channels=channels,
+            partition_mb=partition_mb,
+            compression=compression,
+            tune_steps=tune_steps,
+            profile_steps=profile_steps,
+        )
+        named = _trainable_parameters(module)
+        self.module = module
+        self.bucketing = self._request.bucketing
+        self.bucket_cap_bytes = self._request.cap_bytes
+        self.first_bucket_cap_bytes = self._request.first_cap_bytes
+        self.process_group = process_group
+        self.broadcast_buffers = broadcast_buffers
+        self.channels_requested = channels
+        self.partition_mb = partition_mb
+        self.compression = compression
+        self.tune_steps = tune_steps
+        self.profile_steps = profile_steps or (5 if self.bucketing is Bucketing.MERGED else 1)
+        self.plan: Plan | None = None
+        self.channel_choice = ""
+        """Why the plan uses the channels it does (set when planned)."""
+        self.tuning_summary = ""
+        """The candidate plans' measured iteration times and which was kept (set when done)."""
+        self.tuning_results: list[tuple[str, int, float]] = []
+        """Per candidate tried: its label, its bucket count, its median iteration seconds on
+        the slowest rank (set when the trials end)."""
+        self.last_timeline: Timeline | None = None
+        """The latest iteration's timeline while :meth:`record_timeline` is on."""
+        self._names = [name for name, _ in named]
+        self._params = [p for _, p in named]
+        self._cost_model = cost_model
+        self._rank = dist.get_rank(process_group)
+        self._src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+
+        check_same_model(named, process_group)
+        # Checked before any group is created: ranks that disagree here would hang there.
+        check_same_everywhere(
+            {
+                "bucketing": self.bucketing.value,
+                "channels": channels,
+                "partition_mb": partition_mb,
+                "compression": compression,
+            },
+            "DataParallel's communication settings",
+            process_group,
+        )
+        broadcast_from_first([*self._params, *module.buffers()], process_group)
+        self._buffer_sync = BufferBroadcast(module, process_group)
+        self._channels = Channels(self._request.channel_groups, process_group)
+        # Until profiling is over: everything in one bucket, sent after backward.
+        self._engine = BucketEngine(
+            self._params,
+            [list(reversed(range(len(self._params))))],
+            process_group,
+            channels=self._channels.groups,
+            compression=compression,
+        )
+        self._init_iteration_state()
+        for index, param in enumerate(self._params):
+            param.register_post_accumulate_grad_hook(self._make_hook(index))
+
+    def _init_iteration_state(self) -> None:
+        self._candidates: list[Candidate] = []
+        self._trials: PlanTrials | None = None
+        self._entered = 0.0
+        self._timed_from: float | None = None
+        self._sync = True
+        self._in_backward = False
+        self._backward_passes = 0
+        self._profiled = ProfiledPasses()
+        self._forward_start = 0.0
+        self._forward_s = 0.0
+        self._backward_start: float | None = None
+        self._ready_times: list[float] = [0.0] * len(self._params)
+        self._record = False
+        self._comm_events: list[CommEvent] = []
+
+    # ------------------------------------------------------------------ public API
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the module; the backward of its output averages the gradients over the ranks."""
+        entered = time.perf_counter()
+        if self._plan_due():
+            self._replan()
+        elif self._trials is not None:
+            self._tune(entered)
+        self._entered = entered
+        syncs_buffers = self.broadcast_buffers and torch.is_grad_enabled() and self.module.training
+        if syncs_buffers:
+            self._buffer_sync.receive()
+        elif self.module.training:
+            # A training-mode pass without gradients may update the buffers too: the snapshot
+            # in flight would be stale, so the next training forward broadcasts afresh.
+            self._buffer_sync.discard()
+        self._forward_start = time.perf_counter()
+        output = self.module(*inputs, **kwargs)
+        self._forward_s = time.perf_counter() - self._forward_start
+        if syncs_buffers:
+            self._buffer_sync.send()
+        self._backward_start = None
+        if torch.is_grad_enabled() and self._sync:
+            for tensor in _tensors_in(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(self._mark_backward_start)
+        return output
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the next backward outside the block averages them all."""
+        previous = self._sync
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def record_timeline(self, enabled: bool = True) -> None:
+        """Keep each iteration's forward, per-tensor backward and per-bucket all-reduce times in
+        :attr:`last_timeline` (a little overhead per bucket).
+
+        Args:
+            enabled: whether to record.
+        """
+        self._record = enabled
+        self._engine.recorder = self._on_comm if enabled else None
+
+    @property
+    def planning_done(self) -> bool:
+        """Whether the buckets are final: planned, and the candidate plans tried if any were."""
+        return self.plan is not None and self._trials is None
+
+    @property
+    def last_forward_start(self) -> float:
+        """``time.perf_counter()`` at the start of the latest forward: :attr:`last_timeline`'s
+        time origin."""
+        return self._forward_start
+
+    @property
+    def cost_model(self) -> CostModel | None:
+        """The cost model the plans are priced with (fitted at planning time if not given)."""
+        return self._cost_model
+
+    @property
+    def parameter_names(self) -> list[str]:
+        """The trainable parameters' names, in registration order."""
+        return list(self._names)
+
+    @property
+    def buckets(self) -> list[list[str]]:
+        """The parameters of each bucket in use, in launch order (a bucket mixing dtypes counts
+        as one per dtype)."""
+        return [[self._names[i] for i in group] for group in self._engine.groups]
+
+    @property
+    def bucket_channels(self) -> list[list[int]]:
+        """The channel of each slice of each bucket in use (one entry unless partitioned)."""
+        return [list(channels) for channels in self._engine.assignment]
+
+    # ------------------------------------------------------------------ hooks
+
+    def _make_hook(self, index: int) -> Any:
+        def hook(param: torch.Tensor) -> None:
+            if not self._sync or param.grad is None:
+                return
+            now = time.perf_counter()
+            if not self._in_backward:
+                self._in_backward = True
+                if self._backward_start is None:
+                    self._backward_start = now
+                Variable._execution_engine.queue_callback(self._finish_backward)
+            self._ready_times[index] = now
+            self._engine.add(index, param.grad)
+
+        return hook
+
+    def _mark_backward_start(self, grad: torch.Tensor) -> None:
+        now = time.perf_counter()
+        if self._backward_start is None or now < self._backward_start:
+            self._backward_start = now
+
+    def _finish_backward(self) -> None:
+        backward_end = time.perf_counter()
+        self._in_backward = False
+        averaged = self._engine.finish()
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        for param, grad in zip(self._params, averaged, strict=True):
+            if grad is None:
+                param.grad = None
+            elif param.grad is None:
+                param.grad = grad.clone()
+            else:
+                targets.append(param.grad)
+                sources.append(grad)
+        # One batched copy: a Python-level copy per parameter costs more than the copying on
+        # models of many small tensors.
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        self._after_backward(backward_end)
+        self._engine.begin()
+
+    def _after_backward(self, backward_end: float) -> None:
+        start = self._backward_start if self._backward_start is not None else backward_end
+        self._backward_passes += 1
+        if self.plan is None and self._backward_passes > 1:
+            # Pass 1 is a warm-up (allocator, lazy init); later ones are measured.
+            self._profiled.add(
+                self._forward_s, backward_end - start, [t - start for t in self._ready_times]
+            )
+        if self._trials is not None:
+            # The iteration that began at this forward synchronised: the next forward ends it.
+            self._timed_from = self._entered
+        if self._record:
+            self.last_timeline = iteration_timeline(
+                f"DataParallel ({self.bucketing})",
+                self._names,
+                forward_start=self._forward_start,
+                forward_s=self._forward_s,
+                backward_start=start,
+                backward_end=backward_end,
+                ready_s=self._ready_times,
+                comm_events=self._comm_events,
+                channels=len(self._channels),
+            )
+        self._comm_events = []
+
+    def _on_comm(
+        self, bucket: int, channel: int, nbytes: int, launched: float, done: float
+    ) -> None:
+        self._comm_events.append((bucket, channel, nbytes, launched, done))
+
+    # ------------------------------------------------------------------ planning
+
+    def _plan_due(self) -> bool:
+        return self.plan is None and len(self._profiled) >= self.profile_steps and self._sync
+
+    def _replan(self) -> None:
+        """Take the slowest rank's timings, plan on rank 0, share the plan, rebuild buckets."""
+        timings = torch.tensor(
+            self._profiled.medians(),
+            dtype=torch.float64,
+            device=collective_device(self.process_group),
+        )
+        # The slowest rank's times: a bucket's all-reduce completes only once every rank has
+        # produced it, so the plan must fit the rank that gets there last.
+        dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=self.process_group)
+        forward_s, backward_s, *ready = timings.tolist()
+        device = self._params[0].device
+        if self._cost_model is None:
+            self._cost_model = fit_cost_model(self.process_group, device=device)
+        if len(self._channels) > 1 and len(self._cost_model.concurrency) < len(self._channels) - 1:
+            self._cost_model = fit_concurrency(
+                self._channels.groups, self._cost_model, device=device
+            )
+        shared: list[Any] = [None]
+        if self._rank == 0:
+            measured = Timings(
+                tuple(self._names),
+                tuple(p.numel() * p.element_size() for p in self._params),
+                forward_s,
+                backward_s,
+                tuple(ready),
+            )
+            shared[0] = candidate_plans(self._request, measured, self._cost_model)
+        dist.broadcast_object_list(shared, src=self._src, group=self.process_group)
+        self._candidates = shared[0]
+        self._profiled.clear()
+        if len(self._candidates) > 1:
+            self._trials = PlanTrials([c.label for c in self._candidates], self.tune_steps)
+            # A candidate on trial is not a choice: nothing to announce until the trials end.
+            self._adopt(self._candidates[0], announce=False)
+        else:
+            self._adopt(self._candidates[0])
+            self._candidates = []
+
+    def _adopt(self, candidate: Candidate, *, announce: bool = True) -> None:
+        """Rebuild the buckets for ``candidate`` (identical on every rank, checked), unless its
+        plan is in use already; record and announce why it was chosen."""
+        if candidate.plan is not self.plan:
+            self._rebuild(candidate)
+        why = candidate.why if announce else ""
+        self.channel_choice = why
+        if self._rank == 0 and why:
+            logger.info("interlace.DataParallel: %s", why)
+
+    def _rebuild(self, candidate: Candidate) -> None:
+        plan = candidate.plan
+        groups = candidate.groups
+        assignment = [list(bucket.channels) for bucket in plan.buckets]
+        # The plan came from rank 0, so this holds unless a rank was built differently; if it
+        # fails, every rank raises here instead of hanging on a collective later.
+        check_same_everywhere(
+            (plan.channels, plan.partition_bytes, assignment_of(groups, assignment)),
+            "the channel plan (channels, partition threshold, bucket -> channel)",
+            self.process_group,
+        )
+        recorder = self._engine.recorder
+        self._engine = BucketEngine(
+            self._params,
+            groups,
+            self.process_group,
+            channels=self._channels.groups,
+            assignment=assignment,
+            compression=self.compression,
+        )
+        self._engine.recorder = recorder
+        self.plan = plan
+
+    # ------------------------------------------------------------------ trials
+
+    def _tune(self, entered: float) -> None:
+        """At the start of a forward: time the iteration that just ended, and switch to the next
+        candidate (or the winner) when the trials say so. Every rank runs the same iterations,
+        so every rank switches at the same forward."""
+        assert self._trials is not None
+        if not (torch.is_grad_enabled() and self.module.training):
+            self._timed_from = None  # an evaluation pass in between: that span is not training
+            return
+        if self._timed_from is None or not self._sync:
+            return
+        seconds = entered - self._timed_from
+        self._timed_from = None
+        if not self._trials.record(seconds):
+            return
+        if not self._trials.finished:
+            self._adopt(self._candidates[self._trials.current], announce=False)
+            return
+        # The slowest rank's medians: an iteration is over only when every rank is done.
+        medians = torch.tensor(
+            self._trials.medians(),
+            dtype=torch.float64,
+            device=collective_device(self.process_group),
+        )
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=self.process_group)
+        outcome = settle_trials(self._candidates, medians.tolist(), self.channels_requested)
+        self.tuning_summary = outcome.summary
+        self.tuning_results = outcome.results
+        self._adopt(outcome.kept)
+        self._trials = None
+        self._candidates = []
+        if self._rank == 0:
+            logger.info("interlace.DataParallel: %s", self.tuning_summary)
+
+
+def _plan_request(
+    *,
+    bucketing: Bucketing | str,
+    bucket_cap_mb: float,
+    first_bucket_cap_mb: float,
+    channels: int | str,
+    partition_mb: float | str | None,
+    compression: str | None,
+    tune_steps: int,
+    profile_steps: int | None,
+) -> PlanRequest:
+    """DataParallel's settings, checked, as the plan choice takes them; raises UsageError."""
+    chosen = bucketing_named(bucketing)
+    if not bucket_cap_mb > 0 or not first_bucket_cap_mb > 0:
+        raise UsageError(
+            f"bucket caps must be > 0 MB, got bucket_cap_mb={bucket_cap_mb}, "
+            f"first_bucket_cap_mb={first_bucket_cap_mb}"
+        )
+    if channels != "auto" and not (isinstance(channels, int) and channels >= 1):
+        raise UsageError(f"channels must be an integer >= 1 or 'auto', got {channels!r}")
+    if partition_mb not in ("auto", None) and (
+        isinstance(partition_mb, str) or not partition_mb > 0
+    ):
+        raise UsageError(
+            f"partition_mb must be > 0, None (never split) or 'auto', got {partition_mb!r}"
+        )
+    if compression is not None and compression not in COMPRESSIONS:
+        raise UsageError(
+            f"unknown compression {compression!r}; choose one of "
+            f"{', '.join(COMPRESSIONS)} (or None)"
+        )
+    if chosen is Bucketing.OPTIMAL and channels != 1:
+        raise UsageError(
+            "bucketing='optimal' is exact on one channel only; use bucketing='merged' with "
+            f"channels={channels!r}"
+        )
+    if tune_steps < 0:
+        raise UsageError(
+            f"tune_steps must be >= 0 (0: keep the cost model's plan), got {tune_steps}"
+        )
+    if profile_steps is not None and profile_steps < 1:
+        raise UsageError(f"profile_steps must be >= 1, got {profile_steps}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise UsageError(
+            "torch.distributed is not initialised: call "
+            "torch.distributed.init_process_group() before wrapping the model "
+            "(torchrun and `interlace launch` provide the environment it needs)"
+        )
+    return PlanRequest(
+        chosen,
+        cap_bytes=bucket_cap_mb * 1e6,
+        first_cap_bytes=first_bucket_cap_mb * 1e6,
+        channels=channels,
+        channel_groups=MAX_AUTO_CHANNELS if channels == "auto" else int(channels),
+        partition_mb=partition_mb,
+        compression=compression,
+        tune_steps=tune_steps,
+    )
+
+
+def _trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``module``'s parameters that need gradients, all on one device; raises UsageError."""
+    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    if not named:
+        raise UsageError(
+            "the model has no trainable parameters (none with requires_grad=True); "
+            "there is nothing to average across ranks"
+        )
+    devices = {p.device for _, p in named}
+    if len(devices) > 1:
+        raise UsageError(
+            f"DataParallel needs every parameter on one device, found {sorted(map(str, devices))}"
+        )
+    return named
+
+
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside a (possibly nested) model output."""
+    for leaf in tree_leaves(value):
+        if isinstance(leaf, torch.Tensor):
+            yield leaf

@@ -1,0 +1,148 @@
+"""Keeping the replicas alike: the same-model check, and rank 0's parameters and buffers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from interlace.errors import UsageError
+
+
+def check_same_model(
+    named: Sequence[tuple[str, torch.Tensor]], process_group: dist.ProcessGroup | None = None
+) -> None:
+    """Raise on every rank unless every rank has the same parameter names, shapes and dtypes.
+
+    Args:
+        named: this rank's ``(name, parameter)`` pairs, in registration order.
+        process_group: the ranks to compare (default: the world).
+
+    Raises:
+        UsageError: naming the first rank and parameter that differ from rank 0's.
+    """
+    signature = [(name, tuple(p.shape), str(p.dtype)) for name, p in named]
+    gathered: list[Any] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(gathered, signature, group=process_group)
+    reference = gathered[0]
+    for rank, theirs in enumerate(gathered):
+        if theirs == reference:
+            continue
+        if len(theirs) != len(reference):
+            raise UsageError(
+                f"rank {rank} has {len(theirs)} trainable parameters but rank 0 has "
+                f"{len(reference)}; every rank must build the same model"
+            )
+        for mine, other in zip(reference, theirs, strict=True):
+            if mine != other:
+                raise UsageError(
+                    f"parameter '{other[0]}' has shape {other[1]} ({other[2]}) on rank "
+                    f"{rank} but '{mine[0]}' has shape {mine[1]} ({mine[2]}) on rank 0; "
+                    "every rank must build the same model"
+                )
+
+
+def broadcast_from_first(
+    tensors: Sequence[torch.Tensor], process_group: dist.ProcessGroup | None = None
+) -> None:
+    """Copy the group's rank 0's values into ``tensors``, now, in one broadcast.
+
+    One broadcast of all their bytes whatever their dtypes, since every collective pays a
+    start-up.
+
+    Args:
+        tensors: the same tensors (shapes and dtypes) on every rank.
+        process_group: the group (default: the world).
+    """
+    if not tensors:
+        return
+    ordered, flat = _pack_bytes(tensors)
+    dist.broadcast(flat, src=_first_rank(process_group), group=process_group)
+    _unpack_bytes(ordered, flat)
+
+
+class BufferBroadcast:
+    """Rank 0's module buffers (BatchNorm statistics) for every training forward, as DDP does.
+
+    DDP re-sends the buffers before every forward and waits for them. Nothing changes them
+    between the end of one training forward and the start of the next (evaluation passes read
+    them), so :meth:`send` starts a snapshot travelling at the end of a forward, during backward,
+    and :meth:`receive` waits for it at the start of the next.
+
+    Args:
+        module: the module whose buffers are kept alike.
+        process_group: the group (default: the world).
+    """
+
+    def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
+        self.module = module
+        self.process_group = process_group
+        self._src = _first_rank(process_group)
+        self._rank = dist.get_rank(process_group)
+        self._in_flight: tuple[dist.Work | None, list[torch.Tensor], torch.Tensor] | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a snapshot sent by :meth:`send` is still to be received."""
+        return self._in_flight is not None
+
+    def send(self) -> None:
+        """Start broadcasting rank 0's buffers as they are now, for the next forward.
+
+        A snapshot travels, so the next forward may update the buffers while it is in flight.
+        """
+        buffers = list(self.module.buffers())
+        if not buffers:
+            return
+        ordered, flat = _pack_bytes(buffers)
+        handle = dist.broadcast(flat, src=self._src, group=self.process_group, async_op=True)
+        self._in_flight = (handle, ordered, flat)
+
+    def receive(self) -> None:
+        """Rank 0's buffers into this rank's: the snapshot in flight, or a broadcast now."""
+        if self._in_flight is None:
+            broadcast_from_first(list(self.module.buffers()), self.process_group)
+            return
+        handle, ordered, flat = self._in_flight
+        self._in_flight = None
+        if handle is not None:
+            handle.wait()
+        if self._rank != 0:
+            _unpack_bytes(ordered, flat)
+
+    def discard(self) -> None:
+        """Complete and drop the snapshot in flight, if any: the buffers changed since it left
+        (a training-mode pass without gradients), so the next forward broadcasts afresh."""
+        if self._in_flight is None:
+            return
+        handle = self._in_flight[0]
+        if handle is not None:
+            handle.wait()
+        self._in_flight = None
+
+
+def _first_rank(process_group: dist.ProcessGroup | None) -> int:
+    """The global rank of the group's rank 0 (collectives name their source globally)."""
+    return 0 if process_group is None else dist.get_global_rank(process_group, 0)
+
+
+def _pack_bytes(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``tensors``, widest elements first (so each starts at an offset its dtype can be viewed
+    at), and a copy of all their bytes in one flat tensor."""
+    ordered = sorted(tensors, key=lambda t: -t.element_size())
+    with torch.no_grad():
+        flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in ordered])
+    return ordered, flat
+
+
+def _unpack_bytes(ordered: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy ``flat``'s bytes back into ``ordered`` (as :func:`_pack_bytes` laid them out)."""
+    pieces = torch.split(flat, [t.numel() * t.element_size() for t in ordered])
+    with torch.no_grad():
+        torch._foreach_copy_(
+            ordered,
+            [piece.view(t.dtype).view_as(t) for piece, t in zip(pieces, ordered, strict=True)],
+        )

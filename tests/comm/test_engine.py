@@ -1,0 +1,187 @@
+"""The bucket engine against a plain per-tensor all-reduce average, on two ranks."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from interlace.comm.channels import Channels
+from interlace.comm.engine import BucketEngine
+from interlace.errors import RankFailedError
+from interlace.testing import run_ranks
+
+#: Shapes and dtypes of the test's gradients: a float64 tensor inside a float32 bucket makes the
+#: engine split that bucket by dtype.
+SHAPES: list[tuple[tuple[int, ...], torch.dtype]] = [
+    ((3, 4), torch.float32),
+    ((5,), torch.float32),
+    ((2, 2, 2), torch.float64),
+    ((7,), torch.float32),
+    ((1,), torch.float32),
+]
+
+
+def _gradients(step: int) -> list[torch.Tensor]:
+    """This rank's gradients for ``step``: different on every rank and every step."""
+    generator = torch.Generator().manual_seed(1000 * dist.get_rank() + step)
+    return [torch.randn(shape, generator=generator).to(dtype) for shape, dtype in SHAPES]
+
+
+def _reference(grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """The average over ranks, one all-reduce per tensor; a tensor no rank sent stays None.
+
+    A tensor this rank did not send counts as zeros, as long as some rank sent it."""
+    world = dist.get_world_size()
+    sent = torch.tensor([0.0 if grad is None else 1.0 for grad in grads])
+    dist.all_reduce(sent)
+    averaged: list[torch.Tensor | None] = []
+    for (shape, dtype), grad, count in zip(SHAPES, grads, sent.tolist(), strict=True):
+        if count == 0:
+            averaged.append(None)
+            continue
+        value = torch.zeros(shape, dtype=dtype) if grad is None else grad / world
+        dist.all_reduce(value)
+        averaged.append(value)
+    return averaged
+
+
+def _worst(
+    got: list[torch.Tensor | None], expected: list[torch.Tensor | None]
+) -> tuple[float, bool]:
+    """The largest relative difference, and whether None appears exactly where expected."""
+    worst = 0.0
+    same_none = True
+    for mine, theirs in zip(got, expected, strict=True):
+        if mine is None or theirs is None:
+            same_none = same_none and mine is None and theirs is None
+            continue
+        assert mine.dtype == theirs.dtype and mine.shape == theirs.shape
+        difference = (mine.double() - theirs.double()).norm() / theirs.double().norm()
+        worst = max(worst, float(difference))
+    return worst, same_none
+
+
+def _run(engine: BucketEngine, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """One iteration: gradients in reverse registration order (as backward visits them)."""
+    engine.begin()
+    for index in reversed(range(len(grads))):
+        grad = grads[index]
+        if grad is not None:
+            engine.add(index, grad)
+    return [None if value is None else value.clone() for value in engine.finish()]
+
+
+def _plain_buckets(_: None) -> dict[str, Any]:
+    tensors = [torch.zeros(shape, dtype=dtype) for shape, dtype in SHAPES]
+    engine = BucketEngine(tensors, [[4, 3], [2, 1, 0]])
+    report: dict[str, Any] = {"groups": engine.groups, "worst": [], "none_ok": []}
+    for step in range(3):
+        grads: list[torch.Tensor | None] = list(_gradients(step))
+        if step == 2:
+            grads[1] = None  # on every rank: no gradient at all for tensor 1
+            if dist.get_rank() == 0:
+                grads[3] = None  # on rank 0 only: rank 1's gradient, averaged with zeros
+        worst, none_ok = _worst(_run(engine, grads), _reference(grads))
+        report["worst"].append(worst)
+        report["none_ok"].append(none_ok)
+    return report
+
+
+def test_buckets_average_like_one_all_reduce_per_tensor() -> None:
+    for report in run_ranks(_plain_buckets, 2, None, timeout=120):
+        # The float64 tensor split the second bucket: [2] alone, then [1, 0].
+        assert report["groups"] == [[4, 3], [2], [1, 0]]
+        assert report["worst"] == [0.0, 0.0, 0.0]
+        assert all(report["none_ok"])
+
+
+def _compressed(compression: str) -> dict[str, Any]:
+    tensors = [torch.zeros(shape, dtype=dtype) for shape, dtype in SHAPES]
+    engine = BucketEngine(tensors, [[4, 3, 2, 1, 0]], compression=compression)
+    grads: list[torch.Tensor | None] = list(_gradients(0))
+    got = _run(engine, grads)
+    expected = _reference(grads)
+    float32 = [i for i, (_, dtype) in enumerate(SHAPES) if dtype == torch.float32]
+    return {
+        "float32": _worst([got[i] for i in float32], [expected[i] for i in float32])[0],
+        "float64": _worst([got[2]], [expected[2]])[0],
+    }
+
+
+@pytest.mark.parametrize(("compression", "precision"), [("fp16", 1e-3), ("bf16", 8e-3)])
+def test_compressed_buckets_round_trip_at_the_wire_types_precision(
+    compression: str, precision: float
+) -> None:
+    for report in run_ranks(_compressed, 2, compression, timeout=120):
+        # Rounded to the wire type (not bit-identical), within its precision.
+        assert 0 < report["float32"] < precision, report
+        # Only float32 buckets are compressed.
+        assert report["float64"] == 0.0
+
+
+def _on_channels(_: None) -> dict[str, Any]:
+    channels = Channels(2)
+    tensors = [torch.zeros(shape, dtype=dtype) for shape, dtype in SHAPES]
+    events: list[tuple[int, int, int, float, float]] = []
+    engine = BucketEngine(
+        tensors,
+        [[0, 1], [3, 4], [2]],
+        channels=channels.groups,
+        # The first bucket cut in two slices, one per channel; the others on one channel each.
+        assignment=[[0, 1], [1], [0]],
+        recorder=lambda *event: events.append(event),
+    )
+    grads: list[torch.Tensor | None] = list(_gradients(0))
+    worst, none_ok = _worst(_run(engine, grads), _reference(grads))
+    # The recorder runs on the backend's thread as each all-reduce completes: let all 4 land.
+    deadline = time.monotonic() + 10.0
+    while len(events) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return {
+        "worst": worst,
+        "none_ok": none_ok,
+        "assignment": engine.assignment,
+        "slices": sorted((bucket, channel) for bucket, channel, *_ in events),
+        "bytes": sorted((bucket, channel, nbytes) for bucket, channel, nbytes, *_ in events),
+        "launch_order": [bucket for bucket, *_ in sorted(events, key=lambda event: event[3])],
+    }
+
+
+def test_partitioned_buckets_on_two_channels_average_like_one_all_reduce_per_tensor() -> None:
+    for report in run_ranks(_on_channels, 2, None, timeout=120):
+        assert report["worst"] == 0.0 and report["none_ok"]
+        assert report["assignment"] == [[0, 1], [1], [0]]
+        assert report["slices"] == [(0, 0), (0, 1), (1, 1), (2, 0)]
+        # The 17 float32 elements of bucket 0 (68 bytes) cut 9 + 8; the usage marks ride in the
+        # last bucket and are not counted.
+        assert report["bytes"] == [(0, 0, 36), (0, 1, 32), (1, 1, 32), (2, 0, 64)]
+        # Gradients arrived last-first, yet buckets are launched in plan order.
+        assert report["launch_order"] == sorted(report["launch_order"])
+
+
+def _bad_assignment(kind: str) -> None:
+    tensors = [torch.zeros(2), torch.zeros(3)]
+    if kind == "count":
+        BucketEngine(tensors, [[0], [1]], assignment=[[0]])
+    else:
+        BucketEngine(tensors, [[0, 1]], assignment=[[1]])
+
+
+@pytest.mark.parametrize(
+    ("kind", "needle"),
+    [("count", "1 channel assignments for 2 buckets"), ("range", "outside 0..0")],
+)
+def test_bad_channel_assignments_are_refused(kind: str, needle: str) -> None:
+    with pytest.raises(RankFailedError, match=needle):
+        run_ranks(_bad_assignment, 1, kind, timeout=60)
+
+
+def test_bad_engines_are_refused_before_any_collective() -> None:
+    with pytest.raises(ValueError, match="at least one tensor"):
+        BucketEngine([], [])
+    with pytest.raises(ValueError, match="unknown compression 'int8'"):
+        BucketEngine([torch.zeros(1)], [[0]], compression="int8")
