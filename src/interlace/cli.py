@@ -32,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return launch.main(args_list[1:])
 
-    parser = _build_parser()
+    parser = build_parser()
     args = parser.parse_args(args_list)
     if args.command is None:
         parser.print_help()
@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return status
 
 
-def _build_parser() -> OneLineArgumentParser:
+def build_parser() -> OneLineArgumentParser:
     parser = OneLineArgumentParser(
         prog=PROG,
         description="Faster distributed PyTorch training by interlacing computation with "
@@ -358,7 +358,7 @@ def _run_train(args: argparse.Namespace) -> int:
     from interlace.kfac.placement import worker_count
     from interlace.netem import parse_link
     from interlace.runlog import new_run_dir
-    from interlace.train import TrainConfig, _label, train_rank
+    from interlace.train import TrainConfig, run_label, train_rank
     from interlace.zoo import build_model, load_data
 
     config = TrainConfig(
@@ -421,7 +421,9 @@ def _run_train(args: argparse.Namespace) -> int:
         config.num_classes or bundle.num_classes,
     )
     run_dir = args.out or str(
-        new_run_dir(config.runs_dir, f"{_label(config.model)}-{_label(config.data)}-n{args.nprocs}")
+        new_run_dir(
+            config.runs_dir, f"{run_label(config.model)}-{run_label(config.data)}-n{args.nprocs}"
+        )
     )
     result = launch.run(
         train_rank, args.nprocs, link=args.link, args=(config, run_dir), timeout=args.timeout
