@@ -18,7 +18,7 @@ from interlace.comm.engine import COMPRESSIONS
 from interlace.distenv import DistContext
 from interlace.errors import UsageError
 from interlace.kfac.decomp import COMPUTE_METHODS
-from interlace.pipeline.schedule import ASYNCHRONOUS, SCHEDULES, SYNCHRONOUS
+from interlace.pipeline import ASYNCHRONOUS, PLAN_BY, SCHEDULES, SPECTRAIN_BACKWARDS, SYNCHRONOUS
 from interlace.runlog import RunLog, new_run_dir
 from interlace.strategies import STRATEGIES, parse_channels
 
@@ -29,7 +29,7 @@ PARALLELISMS = ("data", "pipeline")
 #: The ``--schedule`` choices of ``--parallel pipeline`` (see interlace.pipeline.schedule).
 PIPELINE_SCHEDULES = SCHEDULES
 #: How ``--parallel pipeline`` balances its stages (see interlace.pipeline.partition).
-PARTITION_BY = ("time", "params")
+PARTITION_BY = PLAN_BY
 
 
 @dataclass
@@ -180,7 +180,7 @@ class TrainConfig:
                 "--batch-size or lower --chunks",
             ),
             (
-                self.spectrain_backward in ("recompute", "reuse"),
+                self.spectrain_backward in SPECTRAIN_BACKWARDS,
                 f"unknown --spectrain-backward '{self.spectrain_backward}'; choose recompute or "
                 "reuse",
             ),

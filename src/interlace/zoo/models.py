@@ -476,13 +476,21 @@ class PatchTransformer(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, num_classes)
 
-    def _tokens(self, x: Tensor) -> Tensor:
-        """Cut images ``[B, C, H, W]`` into flattened patches ``[B, tokens, C * patch * patch]``."""
+    def patchify(self, x: Tensor) -> Tensor:
+        """Cut images into the flattened patches the embedding reads.
+
+        Args:
+            x: images ``[B, C, H, W]``.
+
+        Returns:
+            ``[B, tokens, C * patch * patch]``, patches in row-major order, each laid out as
+            (channel, row, column) like :func:`torch.nn.functional.unfold`.
+        """
         return _patches(x, self.patch, self.pad)
 
     def forward(self, x: Tensor) -> Tensor:
         """Logits ``[batch, num_classes]`` for images ``[batch, C, H, W]`` or ids ``[batch, T]``."""
-        tokens = self.embed(x) if self.patch == 0 else self.embed(self._tokens(x))
+        tokens = self.embed(x) if self.patch == 0 else self.embed(self.patchify(x))
         out = self.blocks(tokens + self.pos)
         logits: Tensor = self.head(self.norm(out.mean(dim=1)))
         return logits
