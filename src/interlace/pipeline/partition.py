@@ -1,14 +1,7 @@
-"""Cutting a model into pipeline stages of balanced cost.
+"""Cutting a model into contiguous pipeline stages of balanced cost.
 
-A pipeline runs only as fast as its slowest stage: every other stage waits for it once per
-micro-batch. So the model is first seen as a sequence of blocks (:func:`pipeline_blocks`), each
-block is given a cost (measured forward+backward time, :func:`profile_block_times`, or its
-parameter count), and the blocks are cut into contiguous stages that minimise the largest stage
-cost (:func:`balance_stages`). :func:`plan_stages` does all three and returns a
-:class:`StagePlan`; :func:`stage_module` gives the blocks of one stage.
-
-Stages are contiguous because activations flow only from one block to the next: a stage holding
-blocks 2 and 5 but not 3 would send its activations out and back again.
+:func:`plan_stages` sees the model as blocks (:func:`pipeline_blocks`), costs each block by
+measured time or parameter count and cuts them to minimise the largest stage's cost.
 """
 
 from __future__ import annotations

@@ -1,28 +1,7 @@
 """Executing a pipeline schedule on one rank: one stage, point-to-point messages, weight policies.
 
-A :class:`PipelineStage` holds one stage's module and optimizer and runs the actions that
-:mod:`interlace.pipeline.schedule` lists for it, in order:
-
-* **Messages.** An activation (forward) or a gradient (backward) is one tensor of any shape and
-  floating dtype. Each goes as two point-to-point sends batched together
-  (:func:`torch.distributed.batch_isend_irecv`): a small header (dtype and shape) on one tag and
-  the payload on another. The receiver posts the header receives of the whole schedule up front
-  and a small thread posts each payload's receive the moment its header lands, so a transfer
-  runs while the receiver computes; sends are waited on before the schedule returns (every
-  handle is waited on). Only stage 0 reads inputs and only the last stage reads targets;
-  the stages in between need nothing from the data.
-* **Weights.** Synchronous schedules compute with the stage's parameters and update once per
-  step. The asynchronous ones update after every backward, so a batch's backward on stage
-  ``k`` comes ``N - k - 1`` updates after its forward; ``naive`` recomputes the stage on the
-  saved input with the latest weights, ``pipedream`` keeps the forward's graph over a stashed
-  copy of the weights, ``spectrain`` computes with predicted weights
-  (:func:`interlace.pipeline.predict.predicted_parameters`), which are new tensors: the real
-  parameters are never overwritten, so autograd never sees an in-place swap. A recomputation
-  restores the random-number state of its forward (dropout draws the same mask) and leaves the
-  buffers as the forward left them (BatchNorm's running statistics are updated once per batch,
-  and never predicted).
-* **Timeline.** Every action is timed; :meth:`PipelineStage.take_events` returns the events for
-  :class:`interlace.timeline.Timeline`.
+A :class:`PipelineStage` holds one stage's module and optimizer and runs, in order, the actions
+that :mod:`interlace.pipeline.schedule` lists for it.
 """
 
 from __future__ import annotations

@@ -1,31 +1,7 @@
 """Pipeline schedules as pure, checkable lists of actions per stage and clock.
 
-A schedule says, for each stage (one rank) and each clock tick, what that stage does: receive
-an activation or a gradient, run a forward or a backward, send the result on, update its
-weights. It is built without torch, so tests compare it with golden lists and the runtime
-(:mod:`interlace.pipeline.runtime`) only executes what it is given.
-
-Clocks come from a unit-time model: every forward and every backward takes one tick, a stage
-runs one computation per tick in its own order, a forward needs the previous stage's forward of
-the same batch one tick earlier, a backward the next stage's backward (the last stage's backward
-needs its own forward). Receives are listed at the tick of the computation that needs them,
-sends at the tick of the computation that produced them, so every send has its receive at a
-later tick. Real runs do not tick, but the order on each stage is exactly the list's.
-
-Schedules (the names of ``interlace train --schedule``):
-
-* ``gpipe``: a mini-batch cut into micro-batches, all forwards then all backwards, one update
-  at the end of the step (a flush), gradients accumulated: the same gradients as the unpipelined
-  model on the whole mini-batch.
-* ``1f1b``: the same flush, but each stage starts backwards as soon as it can (``N - k``
-  forwards in flight on stage ``k``), which bounds the activations kept to ``N - k``.
-* ``naive``, ``pipedream``, ``spectrain``: asynchronous 1F1B over a stream of mini-batches,
-  never flushed: every backward is followed by that stage's weight update, so stage ``k`` runs a
-  mini-batch's forward ``N - k - 1`` updates before its backward. They differ in the weights
-  each computation uses (:attr:`Action.weights`): ``naive`` the latest ones in both passes,
-  ``pipedream`` the forward's version stashed for the backward, ``spectrain`` the weights
-  predicted ``ahead`` updates into the future
-  (:func:`interlace.pipeline.predict.version_difference`).
+For each stage and clock tick a schedule says what that stage does (receive, forward, send,
+backward, update); the runtime only executes it. Built without torch.
 """
 
 from __future__ import annotations

@@ -1,11 +1,4 @@
-"""This rank's stage of a model, cut by one plan that every rank agrees on.
-
-Every rank builds the whole model from the same seed (so the weights agree without sending
-them), turns it into blocks (:func:`~interlace.pipeline.partition.pipeline_blocks`) and keeps
-its own stage. A plan balanced by measured time would differ from rank to rank (each rank times
-the blocks on its own, noisy, core), so rank 0's plan is the one used: it is broadcast, and a
-model whose blocks differ across ranks is a clear error rather than a stage mismatch later.
-"""
+"""This rank's stage of a model, cut by one plan that every rank agrees on (rank 0's)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
 """Data sets for the zoo and per-rank data loaders.
 
-Three data sets are built in and anything else is read as a path:
-
-- ``digits``: the 1,797 8x8 handwritten digits packaged with interlace (see
-  ``data/DIGITS_LICENSE.md``), small enough to train to high accuracy on a laptop in seconds,
-  which makes it the data set for checking that distributed training is *correct*;
-- ``synthetic-cifar10`` / ``synthetic-imagenet``: deterministic stand-ins with the shapes of
-  CIFAR-10 and ImageNet, generated per sample, for measuring *throughput* without a download;
-- a path: a CIFAR-10 folder in the python pickle format, for real training runs.
-
-:func:`make_loader` shards a data set across ranks with
-:class:`torch.utils.data.DistributedSampler` semantics without needing a process group.
+``digits`` (packaged), ``synthetic-cifar10`` and ``synthetic-imagenet`` (generated), or a path
+to a CIFAR-10 folder; :func:`make_loader` shards a data set across ranks.
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
-"""The model zoo: a few reference networks that span the shapes distributed training cares about.
+"""The model zoo: reference networks that span the shapes distributed training cares about.
 
-The models are chosen for how their parameters are laid out, since that is what decides how
-gradient communication behaves:
-
-- ``mlp``: many small tensors, so communication is dominated by per-message latency;
-- ``resnet20`` / ``resnet32`` / ``resnet56``: the classic CIFAR ResNets, a realistic mix of small
-  convolution and BatchNorm tensors;
-- ``vgg11``: few large tensors, so communication is dominated by bandwidth;
-- ``transformer``: a small encoder built only from :class:`torch.nn.Linear` layers, the shape that
-  a Kronecker-factored preconditioner works on.
-
-Every model adapts to the input shape it is given (the 8x8 digits, 32x32 CIFAR-10 images, 224x224
-ImageNet images) instead of asking for inputs to be resized, and every model is deterministic given
-:func:`torch.manual_seed`: the only randomness is parameter initialisation (no dropout).
-
-:func:`build_model` also accepts ``package.module:callable`` so users can bring their own models.
+``mlp``, ``resnet20/32/56``, ``vgg11`` and ``transformer``, each adapting to the input shape it
+is given; :func:`build_model` also accepts a user's ``package.module:callable``.
 """
 
 from __future__ import annotations
