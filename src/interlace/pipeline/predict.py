@@ -24,6 +24,10 @@ def version_difference(stage: int, num_stages: int) -> tuple[int, int]:
     for the asynchronous 1F1B schedule). For four stages that is ``(3, 0), (2, 0), (2, 1), (1, 1)``;
     a single stage is plain synchronous SGD, ``(0, 0)``.
 
+    Args:
+        stage: the stage, from 0.
+        num_stages: stages in the pipeline (>= 1).
+
     Raises :class:`ValueError` when ``num_stages < 1`` or ``stage`` is not in
     ``[0, num_stages)``.
     """
@@ -45,6 +49,12 @@ def predict_weights(weight: Tensor, momentum_buffer: Tensor | None, lr: float, s
     with them and does not require grad, so it can be swapped into a module for one pass and
     thrown away. With no momentum buffer (no optimizer step yet) or ``s == 0`` it is a copy of the
     current weights.
+
+    Args:
+        weight: the current weights.
+        momentum_buffer: SGD's momentum buffer of the weights; None before the first step.
+        lr: the learning rate of the weights' parameter group.
+        s: how many optimizer steps ahead to predict (>= 0).
 
     Raises :class:`ValueError` for ``s < 0``, a non-finite ``lr``, or a buffer whose shape differs
     from the weight's.
@@ -70,6 +80,9 @@ def check_predictable(optimizer: torch.optim.Optimizer) -> None:
     SpecTrain extrapolates along the momentum buffer of :class:`torch.optim.SGD`, so it needs that
     optimizer with ``momentum > 0`` in every parameter group; anything else would run the pipeline
     on stale weights without saying so.
+
+    Args:
+        optimizer: the stage's optimizer.
     """
     if not isinstance(optimizer, torch.optim.SGD):
         raise UsageError(
@@ -96,8 +109,13 @@ def predicted_parameters(
 
     Each parameter uses the learning rate of its own parameter group and its
     ``optimizer.state[p]["momentum_buffer"]``; a parameter without a buffer yet, or not managed by
-    ``optimizer``, is predicted as its current value (see the module docstring for why). Returns
+    ``optimizer``, is predicted as its current value (docs/notes/train.md says why). Returns
     ``name -> new tensor``; nothing in the model or the optimizer is modified.
+
+    Args:
+        named_parameters: the stage's (name, parameter) pairs.
+        optimizer: the SGD with momentum that updates them.
+        s: how many optimizer steps ahead to predict (>= 0).
 
     Raises :class:`~interlace.errors.UsageError` when ``optimizer`` is not
     :class:`torch.optim.SGD` with momentum > 0 (:func:`check_predictable`), and

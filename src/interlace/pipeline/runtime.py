@@ -47,7 +47,14 @@ Batch = tuple[Tensor, Tensor]
 
 @dataclass
 class StepResult:
-    """What one call of :meth:`PipelineStage.run` did on this rank."""
+    """What one call of :meth:`PipelineStage.run` did on this rank.
+
+    Args:
+        losses: the loss of every (micro-)batch, on the last stage only (empty elsewhere).
+        samples: samples that went through the pipeline.
+        updates: weight updates made on this stage.
+        seconds: wall time of the call.
+    """
 
     #: Loss of every (micro-)batch, on the last stage only (empty elsewhere).
     losses: list[float] = field(default_factory=list)
@@ -61,7 +68,13 @@ class StepResult:
 
 @dataclass(frozen=True)
 class EvalResult:
-    """A forward-only pass's score, the same on every stage."""
+    """A forward-only pass's score, the same on every stage.
+
+    Args:
+        correct: samples whose arg-max prediction was the target.
+        total: samples scored.
+        mean_loss: the loss averaged over the samples.
+    """
 
     correct: int
     total: int
@@ -192,27 +205,34 @@ class _InFlight:
 class PipelineStage:
     """One rank's stage of a pipeline: its module, its optimizer, and the schedule it runs.
 
-    ``stage`` is this rank's position (0-based) among ``num_stages``; ``ranks[k]`` is the global
-    rank that holds stage ``k`` (default: stage ``k`` on rank ``k``). ``schedule`` is one of
-    :data:`~interlace.pipeline.schedule.SCHEDULES`; with ``gpipe`` and ``1f1b`` each mini-batch
-    is cut into ``microbatches`` micro-batches and the loss is the mini-batch mean (the last
-    stage's ``loss_fn`` must average over its batch, as torch's losses do by default), so the
-    update equals the unpipelined model's on that mini-batch. ``spectrain`` needs
-    :class:`torch.optim.SGD` with momentum (it predicts from the momentum buffer).
-    ``spectrain_backward`` says which weights SpecTrain's backward uses: ``"recompute"`` (the
-    paper's rule: predicted ``floor(k/2)`` updates ahead of the weights at backward time, which
-    with autograd means computing the stage again on the saved input) or ``"reuse"`` (the
-    forward's prediction, whose graph is kept: both aim at the same future version of the
-    weights, and the stage's forward is not run twice, for the memory of one graph per batch
-    in flight, as PipeDream's stashing needs).
-    ``chunks`` (asynchronous schedules) streams each mini-batch through the stages in that many
-    pieces along the batch, all with the mini-batch's weights and one update per mini-batch: a
-    stage starts on the first piece while the others are still in transit, so a mini-batch's
-    round trip stops paying every link's full transfer in turn. The update is the same as
-    with one piece, except that BatchNorm normalises each piece with its own statistics (as
-    GPipe's micro-batches do).
-    ``on_update`` is called after every optimizer step (a learning-rate scheduler's ``step``,
-    a progress bar), which the asynchronous schedules take inside :meth:`run`.
+    Args:
+        module: this stage's blocks.
+        optimizer: updates ``module``'s parameters; ``spectrain`` needs
+            :class:`torch.optim.SGD` with momentum (it predicts from the momentum buffer).
+        stage: this rank's position among the stages, from 0.
+        num_stages: stages in the pipeline.
+        schedule: one of :data:`~interlace.pipeline.schedule.SCHEDULES`. With ``gpipe`` and
+            ``1f1b`` each mini-batch is cut into ``microbatches`` micro-batches and the loss is
+            the mini-batch mean, so the update equals the unpipelined model's on that mini-batch.
+        loss_fn: the last stage's loss; it must average over its batch, as torch's losses do by
+            default.
+        microbatches: micro-batches per mini-batch of ``gpipe`` and ``1f1b``.
+        ranks: ``ranks[k]`` is the global rank that holds stage ``k`` (default: rank ``k``).
+        group: the process group the stages talk over (the default group when None).
+        device: where the stage computes.
+        on_update: called after every optimizer step (a learning-rate scheduler's ``step``, a
+            progress bar); the asynchronous schedules take those steps inside :meth:`run`.
+        spectrain_backward: which weights SpecTrain's backward uses: ``"recompute"`` (the
+            paper's rule: predicted ``floor(k/2)`` updates ahead of the weights at backward time,
+            which with autograd means computing the stage again on the saved input) or
+            ``"reuse"`` (the forward's prediction and graph: both aim at the same future version
+            of the weights, and the forward is not run twice, for the memory of one graph per
+            batch in flight, as PipeDream's stashing needs).
+        chunks: pieces along the batch each mini-batch of an asynchronous schedule travels in,
+            all with the mini-batch's weights and one update: a stage starts on the first piece
+            while the others are in transit, so a round trip stops paying every link's full
+            transfer in turn. The update is the same as with one piece, except that BatchNorm
+            normalises each piece with its own statistics (as GPipe's micro-batches do).
     """
 
     def __init__(
@@ -287,10 +307,13 @@ class PipelineStage:
     def run(self, batches: Iterable[Batch] | None, num_batches: int) -> StepResult:
         """Train on ``num_batches`` mini-batches from ``batches``; every stage calls it together.
 
-        Stage 0 uses the inputs and the last stage the targets of each ``(input, target)``
-        pair; the stages in between may pass ``None``. Synchronous schedules run one step (one
-        update) per mini-batch; the asynchronous ones run all of them as one stream, filling
-        and draining the pipeline once.
+        Synchronous schedules run one step (one update) per mini-batch; the asynchronous ones
+        run all of them as one stream, filling and draining the pipeline once.
+
+        Args:
+            batches: ``(input, target)`` pairs; stage 0 uses the inputs and the last stage the
+                targets, the stages in between may pass ``None``.
+            num_batches: mini-batches to train on (>= 1).
         """
         if num_batches < 1:
             raise UsageError(f"num_batches must be >= 1, got {num_batches}")
@@ -318,6 +341,10 @@ class PipelineStage:
 
         The last stage counts correct arg-max predictions and sums the loss; the result is then
         sent to every stage, so all ranks return the same :class:`EvalResult`.
+
+        Args:
+            batches: ``(input, target)`` pairs, as :meth:`run` takes them.
+            num_batches: batches to score.
         """
         source = iter(batches) if batches is not None else None
         self.module.eval()

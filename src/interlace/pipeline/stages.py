@@ -18,7 +18,14 @@ from interlace.pipeline.partition import (
 
 @dataclass(frozen=True)
 class LocalStage:
-    """This rank's part of a pipelined model."""
+    """This rank's part of a pipelined model.
+
+    Args:
+        module: this rank's blocks.
+        plan: the plan every rank cut by (rank 0's).
+        stage: this rank's stage, from 0.
+        num_stages: stages in the pipeline.
+    """
 
     module: nn.Sequential
     plan: StagePlan
@@ -44,6 +51,14 @@ def local_stage(
     ``by`` and ``sample`` are :func:`~interlace.pipeline.partition.plan_stages`'s. Every rank of
     ``group`` (the default group when None) must call it; with a one-rank world (no process
     group) the local plan is used.
+
+    Args:
+        model: the whole model, built the same way on every rank.
+        num_stages: stages in the pipeline.
+        stage: the stage to keep, from 0.
+        by: "time" or "params", as plan_stages takes it.
+        sample: a representative micro-batch; required with by="time".
+        group: the process group whose rank 0 plans (the default group when None).
     """
     blocks = pipeline_blocks(model)
     if num_stages > len(blocks):
