@@ -39,6 +39,11 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         self._populate = populate
 
     def error(self, message: str) -> NoReturn:
+        """Print ``message`` as one line on stderr and exit with status 2.
+
+        Args:
+            message: what was wrong.
+        """
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
     @overload
@@ -54,6 +59,12 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     def parse_known_args(
         self, args: Iterable[str] | None = None, namespace: Any = None
     ) -> tuple[Any, list[str]]:
+        """Add the arguments (``populate``) if not yet done, then parse as argparse does.
+
+        Args:
+            args: the arguments (default: ``sys.argv[1:]``).
+            namespace: the namespace to fill (default: a new one).
+        """
         self._add_arguments_once()
         return super().parse_known_args(args, namespace)
 
@@ -72,7 +83,13 @@ class OneLineArgumentParser(argparse.ArgumentParser):
 
 
 def fail(prog: str, message: str, status: int = 2) -> NoReturn:
-    """Print ``prog: error: message`` on stderr and exit with ``status``."""
+    """Print ``prog: error: message`` on stderr and exit with ``status``.
+
+    Args:
+        prog: the command, e.g. interlace train.
+        message: what was wrong.
+        status: the exit status.
+    """
     print(f"{prog}: error: {message}", file=sys.stderr)
     raise SystemExit(status)
 
@@ -85,7 +102,15 @@ def standalone_main(
     argv: list[str] | None = None,
 ) -> int:
     """A subcommand run on its own (``python benchmarks/X.py``): parse, run, and answer a
-    usage error or Ctrl-C with one line and the exit status ``interlace`` itself would give."""
+    usage error or Ctrl-C with one line and the exit status ``interlace`` itself would give.
+
+    Args:
+        prog: the program's name in messages.
+        description: the parser's description.
+        add_arguments: adds the subcommand's flags to a parser.
+        run: runs the parsed subcommand, returning its exit status.
+        argv: the arguments (default: sys.argv[1:]).
+    """
     parser = OneLineArgumentParser(prog=prog, description=description)
     add_arguments(parser)
     args = parser.parse_args(argv)
@@ -100,7 +125,11 @@ def standalone_main(
 
 
 def add_channel_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--channels`` and ``--compression``, spelled the same by every command that takes them."""
+    """``--channels`` and ``--compression``, spelled the same by every command that takes them.
+
+    Args:
+        parser: the subcommand's parser.
+    """
     parser.add_argument(
         "--channels",
         default="1",

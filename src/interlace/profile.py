@@ -36,7 +36,23 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ProfileConfig:
-    """What to profile: a model, its input, a strategy, and how many iterations to look at."""
+    """What to profile: a model, its input, a strategy, and how many iterations to look at.
+
+    Args:
+        model: a zoo name or package.module:callable.
+        strategy: how gradients are averaged (ddp, wfbp, fixed, single, mgwfbp or optimal).
+        channels: communication channels, an integer or "auto".
+        compression: fp16 or bf16 gradient buckets, or None.
+        input_shape: one sample's shape.
+        num_classes: classes the model predicts.
+        batch_size: per-rank batch size.
+        warmup: iterations before measuring.
+        steps: iterations measured.
+        seed: seeds the model and the synthetic batches.
+        trace: also return a simulator trace from rank 0.
+        optimizer: sgd, or kfac (K-FAC with kfac-pytorch's defaults before each step, drawn on a
+            kfac and a kfac comm lane).
+    """
 
     model: str = "resnet20"
     strategy: str = "mgwfbp"
@@ -54,6 +70,11 @@ class ProfileConfig:
     optimizer: str = "sgd"
 
     def validate(self) -> None:
+        """Reject impossible settings.
+
+        Raises:
+            UsageError: naming the flag.
+        """
         if self.batch_size < 1 or self.steps < 1 or self.warmup < 0:
             raise UsageError("--batch-size and --steps must be >= 1 and --warmup >= 0")
         if self.optimizer not in ("sgd", "kfac"):
@@ -62,7 +83,16 @@ class ProfileConfig:
 
 @dataclass(frozen=True)
 class RankProfile:
-    """One rank's representative iteration and the plan it ran with."""
+    """One rank's representative iteration and the plan it ran with.
+
+    Args:
+        rank: the rank.
+        events: its representative iteration.
+        iteration_s: every measured iteration's seconds.
+        plan: the communication plan it ran with, described.
+        step_s: its median optimizer step, seconds.
+        trace: the simulator trace (rank 0, when asked for).
+    """
 
     rank: int
     events: list[Event]
@@ -75,7 +105,11 @@ class RankProfile:
 
 
 def profile_rank(config: ProfileConfig) -> RankProfile:
-    """Run on every rank of a launched job; returns this rank's median iteration."""
+    """Run on every rank of a launched job; returns this rank's median iteration.
+
+    Args:
+        config: what to profile.
+    """
     config.validate()
     context = init_distributed()
     try:
@@ -304,7 +338,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def merge_profiles(profiles: list[RankProfile], title: str) -> Timeline:
-    """One timeline with a lane group per rank."""
+    """One timeline with a lane group per rank.
+
+    Args:
+        profiles: every rank's profile.
+        title: the timeline's title.
+    """
     timeline = Timeline(title=title)
     for profile in sorted(profiles, key=lambda p: p.rank):
         timeline.extend(profile.events)
@@ -312,7 +351,12 @@ def merge_profiles(profiles: list[RankProfile], title: str) -> Timeline:
 
 
 def write_profile(timeline: Timeline, out_dir: str | Path) -> tuple[Path, Path]:
-    """``timeline.json`` (Chrome trace) and ``timeline.png`` in ``out_dir``."""
+    """``timeline.json`` (Chrome trace) and ``timeline.png`` in ``out_dir``.
+
+    Args:
+        timeline: the merged timeline.
+        out_dir: the folder to write (made if missing).
+    """
     folder = Path(out_dir)
     folder.mkdir(parents=True, exist_ok=True)
     trace = timeline.to_chrome_trace(folder / "timeline.json")
@@ -360,7 +404,11 @@ def trace_from_plan(
 
 def buffer_broadcast_bytes(module: nn.Module) -> list[int]:
     """Bytes of the buffer broadcasts DataParallel (like DDP) makes before every forward: one
-    flat message per dtype."""
+    flat message per dtype.
+
+    Args:
+        module: the model.
+    """
     by_dtype: dict[str, int] = {}
     for buffer in module.buffers():
         by_dtype[str(buffer.dtype)] = (
@@ -374,6 +422,9 @@ def factor_sizes(module: nn.Module) -> list[FactorTrace]:
 
     ``A`` covers a layer's input (a Conv2d's unfolded patch) plus a ones column for the bias;
     ``G`` its output.
+
+    Args:
+        module: the model.
     """
     factors = []
     for name, layer in module.named_modules():

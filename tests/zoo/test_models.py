@@ -16,7 +16,7 @@ from torch import nn
 
 from interlace.errors import UsageError
 from interlace.zoo import MODEL_NAMES, ModelSummary, build_model, summarize_model
-from interlace.zoo.models import PatchTransformer, patch_size_for
+from interlace.zoo.transformer import PatchTransformer, patch_size_for
 
 DIGITS = ((1, 8, 8), 10)
 CIFAR = ((3, 32, 32), 10)

@@ -6,7 +6,6 @@ that :mod:`interlace.pipeline.schedule` lists for it.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from torch.func import functional_call
 
 from interlace.distenv import collective_device
 from interlace.errors import UsageError
+from interlace.pipeline.messages import Inbox, send_tensor
 from interlace.pipeline.predict import check_predictable, predicted_parameters
 from interlace.pipeline.schedule import (
     ASYNCHRONOUS,
@@ -29,14 +29,6 @@ from interlace.pipeline.schedule import (
     build_schedule,
 )
 from interlace.timeline import Event
-
-#: Tags of the two messages that carry one tensor: its header, then its payload.
-_HEADER_TAG = 1
-_PAYLOAD_TAG = 2
-#: A header is ``[dtype code, ndim, size_0, ..., size_7]``.
-_MAX_DIMS = 8
-_HEADER_LEN = 2 + _MAX_DIMS
-_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 #: Values of ``PipelineStage(spectrain_backward=...)``: which weights SpecTrain's backward uses.
 SPECTRAIN_BACKWARDS = ("recompute", "reuse")
@@ -83,103 +75,6 @@ class EvalResult:
     @property
     def accuracy(self) -> float:
         return self.correct / max(self.total, 1)
-
-
-def _header(tensor: Tensor) -> Tensor:
-    if tensor.dtype not in _DTYPES:
-        raise UsageError(
-            f"a pipeline stage passed a {tensor.dtype} tensor; stages must exchange floating "
-            f"tensors ({', '.join(str(d) for d in _DTYPES)})"
-        )
-    if tensor.dim() > _MAX_DIMS:
-        raise UsageError(
-            f"a pipeline stage passed a tensor of {tensor.dim()} dimensions; at most {_MAX_DIMS}"
-        )
-    shape = list(tensor.shape) + [0] * (_MAX_DIMS - tensor.dim())
-    return torch.tensor(
-        [_DTYPES.index(tensor.dtype), tensor.dim(), *shape], dtype=torch.int64, device=tensor.device
-    )
-
-
-def _irecv(tensor: Tensor, peer: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work:
-    work = dist.irecv(tensor, peer, group=group, tag=tag)
-    if work is None:  # only when this rank is outside ``group``, which the stage rules out
-        raise RuntimeError(f"rank {dist.get_rank()} cannot receive from rank {peer}: not in group")
-    return work
-
-
-class _Inbox:
-    """The messages one stage receives from one peer, in order, each received as it arrives.
-
-    The header receives of the whole schedule are posted up front. gloo moves a payload only
-    once its receive is posted, so a small thread waits on each header in turn and posts the
-    payload's receive the moment the header lands: the transfer then runs while the stage
-    computes, instead of starting when the stage next asks for it. The stage takes messages
-    in order and waits on each payload handle exactly once (waiting on a gloo receive twice
-    would wait for a second message).
-    """
-
-    def __init__(
-        self, peer: int, count: int, group: dist.ProcessGroup | None, device: torch.device
-    ) -> None:
-        self.peer = peer
-        self.group = group
-        self.device = device
-        self.headers = [
-            torch.empty(_HEADER_LEN, dtype=torch.int64, device=device) for _ in range(count)
-        ]
-        self.header_work = [_irecv(header, peer, group, _HEADER_TAG) for header in self.headers]
-        self.payloads: list[Tensor | None] = [None] * count
-        self.payload_work: list[dist.Work | None] = [None] * count
-        self.arrived = [threading.Event() for _ in range(count)]
-        self.error: BaseException | None = None
-        self.taken = 0  # messages handed out so far
-        self._thread = threading.Thread(
-            target=self._post_payloads, name=f"interlace-inbox-{peer}", daemon=True
-        )
-        self._thread.start()
-
-    def _post_payloads(self) -> None:
-        try:
-            for index, header_work in enumerate(self.header_work):
-                header_work.wait()
-                header = self.headers[index].tolist()
-                dtype, ndim = _DTYPES[header[0]], header[1]
-                payload = torch.empty(header[2 : 2 + ndim], dtype=dtype, device=self.device)
-                self.payloads[index] = payload
-                self.payload_work[index] = _irecv(payload, self.peer, self.group, _PAYLOAD_TAG)
-                self.arrived[index].set()
-        except BaseException as error:  # handed to the stage, which raises it in take()
-            self.error = error
-            for event in self.arrived:
-                event.set()
-
-    def take(self, index: int) -> Tensor:
-        """Message ``index``, waiting for it."""
-        if index != self.taken:
-            raise RuntimeError(
-                f"messages must be taken in order: asked for {index}, next {self.taken}"
-            )
-        self.arrived[index].wait()
-        if self.error is not None:
-            raise RuntimeError(
-                f"receiving from rank {self.peer} failed: {self.error}"
-            ) from self.error
-        work, payload = self.payload_work[index], self.payloads[index]
-        assert work is not None and payload is not None
-        work.wait()
-        self.payloads[index] = None
-        self.payload_work[index] = None
-        self.taken += 1
-        return payload
-
-    def check_drained(self) -> None:
-        """Fail loudly if the schedule left a message untaken (its handle never waited on)."""
-        if self.taken != len(self.headers):
-            raise RuntimeError(
-                f"{len(self.headers) - self.taken} messages from rank {self.peer} were not taken"
-            )
-        self._thread.join()
 
 
 @dataclass
@@ -412,8 +307,8 @@ class PipelineStage:
         ys = torch.tensor_split(targets, self.microbatches)
         return [((x, y), x.shape[0] / total) for x, y in zip(xs, ys, strict=True)]
 
-    def _inbox(self, peer_stage: int, count: int) -> _Inbox:
-        return _Inbox(self.ranks[peer_stage], count, self.group, self.device)
+    def _inbox(self, peer_stage: int, count: int) -> Inbox:
+        return Inbox(self.ranks[peer_stage], count, self.group, self.device)
 
     def _pieces(self, batch: Batch | None, scale: float) -> list[_Piece]:
         """A unit's pieces: the whole unit, or its ``chunks`` parts for an asynchronous stream.
@@ -523,7 +418,7 @@ class PipelineStage:
             )
         return out
 
-    def _take(self, inbox: _Inbox, action: Action, piece: int, what: str) -> Tensor:
+    def _take(self, inbox: Inbox, action: Action, piece: int, what: str) -> Tensor:
         """Piece ``piece`` of ``action``'s batch from ``inbox``, the wait timed."""
         started = time.perf_counter()
         tensor = inbox.take(action.batch * self._pieces_per_unit() + piece)
@@ -531,7 +426,7 @@ class PipelineStage:
         return tensor
 
     def _forward(
-        self, action: Action, state: _InFlight, result: StepResult, acts: _Inbox | None
+        self, action: Action, state: _InFlight, result: StepResult, acts: Inbox | None
     ) -> None:
         keep = self._keeps_graph()
         leaves = self._leaves(action)  # one set of weights for every piece of the batch
@@ -560,7 +455,7 @@ class PipelineStage:
         if keep:
             state.leaves = leaves
 
-    def _backward(self, action: Action, state: _InFlight, grads: _Inbox | None) -> None:
+    def _backward(self, action: Action, state: _InFlight, grads: Inbox | None) -> None:
         recompute = state.pieces[0].output is None
         saved_buffers: list[Tensor] = []
         leaves = state.leaves
@@ -629,15 +524,8 @@ class PipelineStage:
 
     def _send(self, tensor: Tensor, peer_stage: int) -> None:
         started = time.perf_counter()
-        payload = tensor.contiguous()
-        header = _header(payload)
-        peer = self.ranks[peer_stage]
-        ops = [
-            dist.P2POp(dist.isend, header, peer, self.group, _HEADER_TAG),
-            dist.P2POp(dist.isend, payload, peer, self.group, _PAYLOAD_TAG),
-        ]
-        works = dist.batch_isend_irecv(ops)
-        self._sends.append((works, (header, payload)))
+        works, buffers = send_tensor(tensor, self.ranks[peer_stage], self.group)
+        self._sends.append((works, buffers))
         # Completed sends release their buffers; the rest are waited on at the end.
         self._sends = [(w, t) for w, t in self._sends if not all(x.is_completed() for x in w)]
         self._record("send " + ("act" if peer_stage > self.stage else "grad"), "comm", started)

@@ -38,6 +38,43 @@ class TrainConfig:
 
     The fields are the ``interlace train`` flags of the same name (``num_classes`` is
     ``--classes``); :meth:`validate` names the flag of any impossible setting.
+
+    Args:
+        model: a zoo name or ``package.module:callable``.
+        data: digits, synthetic-cifar10, synthetic-imagenet, or a CIFAR-10 folder.
+        strategy: how gradients are averaged (one of ``interlace.strategies.STRATEGIES``).
+        bucket_cap_mb: bucket cap of the ddp and fixed strategies, MB.
+        channels: communication channels, an integer >= 1 or ``"auto"``.
+        compression: ``"fp16"`` or ``"bf16"`` gradient buckets, or None.
+        epochs: epochs to train.
+        batch_size: per-rank batch size (data parallel) or the mini-batch (pipeline).
+        lr: peak learning rate.
+        momentum: SGD momentum.
+        weight_decay: SGD weight decay.
+        warmup_epochs: epochs of linear warm-up before the cosine decay.
+        seed: seeds the model, the shuffle and synthetic data.
+        input_shape: the shape the model expects; must match the data's.
+        num_classes: the classes the model predicts; must match the data's.
+        synthetic_size: training samples of a synthetic data set.
+        max_steps_per_epoch: cut every epoch short (throughput runs).
+        runs_dir: where new run folders are made.
+        progress: show a progress bar on rank 0 (when stderr is a terminal).
+        optimizer: one of :data:`OPTIMIZERS`.
+        kfac_factor_update_steps: K-FAC updates the Kronecker factors every N steps.
+        kfac_inv_update_steps: K-FAC decomposes the factors every N steps.
+        kfac_damping: K-FAC's Tikhonov damping.
+        kfac_factor_decay: running-average decay of the factors, in [0, 1).
+        kfac_kl_clip: the KL-clip bound; 0 turns the clip off.
+        kfac_compute_method: ``"eigen"`` or ``"inverse"``.
+        kfac_grad_worker_fraction: share of ranks preconditioning each layer, in (0, 1].
+        kfac_g_normalization: ``"kfac-pytorch"`` or ``"per-example"``.
+        parallel: one of :data:`PARALLELISMS`.
+        schedule: one of :data:`PIPELINE_SCHEDULES`.
+        microbatches: micro-batches per mini-batch of gpipe and 1f1b.
+        partition_by: one of :data:`PARTITION_BY`.
+        spectrain_backward: ``"recompute"`` or ``"reuse"``.
+        chunks: pieces each mini-batch travels in through an asynchronous schedule.
+        extra: free-form notes recorded with the run.
     """
 
     model: str = "resnet20"
