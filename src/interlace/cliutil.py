@@ -8,15 +8,32 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, overload
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NoReturn, Protocol, TypeVar, overload
 
 from interlace.errors import UsageError
 
-if TYPE_CHECKING:
-    from interlace.launch import LaunchResult
-
 _N = TypeVar("_N")
+
+
+class JobOutcome(Protocol):
+    """What :func:`report_failure` reads of a launched job (``interlace.launch.LaunchResult``)."""
+
+    @property
+    def returncode(self) -> int:
+        """The job's exit status."""
+
+    @property
+    def timed_out(self) -> bool:
+        """True when the job ran out of its timeout."""
+
+    @property
+    def failed_rank(self) -> int | None:
+        """The first rank that failed, if any."""
+
+    @property
+    def tracebacks(self) -> Mapping[int, str]:
+        """Each failed rank's traceback."""
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
@@ -163,7 +180,7 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def report_failure(prog: str, result: LaunchResult, timeout: float | None) -> int:
+def report_failure(prog: str, result: JobOutcome, timeout: float | None) -> int:
     """A launched job's exit status; on failure, print why: the timeout, or the rank's traceback.
 
     Args:
