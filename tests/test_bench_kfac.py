@@ -128,7 +128,7 @@ def test_bad_input_is_one_line_and_status_2(
 
 
 def _parse(*argv: str) -> Any:
-    return cli._build_parser().parse_args(["bench", "kfac", *argv])
+    return cli.build_parser().parse_args(["bench", "kfac", *argv])
 
 
 def test_ablation_parsing_and_models() -> None:

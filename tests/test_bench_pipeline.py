@@ -29,7 +29,7 @@ from interlace.errors import UsageError
 
 
 def _parse(*argv: str) -> argparse.Namespace:
-    return cli._build_parser().parse_args(["bench", "pipeline", *argv])
+    return cli.build_parser().parse_args(["bench", "pipeline", *argv])
 
 
 def test_defaults_compare_every_schedule_on_a_slow_link() -> None:

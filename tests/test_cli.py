@@ -126,3 +126,23 @@ def test_train_runs_end_to_end_on_two_ranks(
 def test_version() -> None:
     done = interlace("--version")
     assert done.returncode == 0 and done.stdout.startswith("interlace ")
+
+
+def test_help_and_the_launcher_import_no_torch() -> None:
+    # Each subcommand imports its torch-using module only when it is parsed.
+    code = (
+        "import sys\n"
+        "from interlace import cli\n"
+        "for argv in (['--help'], ['launch', '--help']):\n"
+        "    try:\n"
+        "        cli.main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "usage: interlace" in done.stdout
+    assert done.stdout.splitlines()[-1] == "torch imported: False"

@@ -18,12 +18,17 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
+    """``interlace.DataParallel`` and ``interlace.KFAC``, imported on first use.
+
+    Args:
+        name: the attribute asked for.
+    """
     if name == "DataParallel":
-        from interlace.dp import DataParallel
+        from interlace.dp import DataParallel  # noqa: PLC0415 - heavy (torch), on first use only
 
         return DataParallel
     if name == "KFAC":
-        from interlace.kfac import KFAC
+        from interlace.kfac import KFAC  # noqa: PLC0415 - heavy (torch), on first use only
 
         return KFAC
     raise AttributeError(f"module 'interlace' has no attribute {name!r}")

@@ -1,20 +1,12 @@
 """``interlace profile``: one training iteration of every rank, as a picture and a trace.
 
-Each rank trains a few iterations on synthetic batches of the model's input shape with the chosen
-strategy, records its timeline (forward, per-tensor backward, each bucket's all-reduce, the
-optimizer step), and returns the iteration whose length is the median of the measured ones. The
-launching process merges the ranks into one :class:`~interlace.timeline.Timeline` and writes
-``timeline.json`` (Chrome trace: open it in https://ui.perfetto.dev) and ``timeline.png``.
-
-With ``trace=True`` (``interlace profile --trace-out T``) rank 0 also returns a simulator
-:class:`~interlace.sim.trace.Trace` of the model (:func:`trace_from_plan`): the ready times,
-forward and backward times DataParallel measured to plan its buckets (communication held to the
-end of backward, the slowest rank's medians), per-layer forward times from forward hooks, the
-optimizer step, and the K-FAC factor sizes of every Linear and Conv2d layer.
+Rank timelines are merged into ``timeline.json`` (Chrome trace) and ``timeline.png``; with
+``--trace-out`` rank 0 also returns a simulator trace of the model (:func:`trace_from_plan`).
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -23,22 +15,45 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn import functional
 
+from interlace import launch
+from interlace.cliutil import add_channel_arguments, parse_shape, report_failure
+from interlace.comm.links import parse_link
 from interlace.distenv import init_distributed
+from interlace.dp import DataParallel
 from interlace.errors import UsageError
+from interlace.kfac import KFAC
 from interlace.sim.profiled import trace_from_plan
+from interlace.sim.trace import Trace
+from interlace.strategies import STRATEGIES, parse_channels, wrap_model
 from interlace.timeline import Event, Timeline
+from interlace.zoo import build_model, load_data
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from interlace.sim.trace import Trace
-
 
 @dataclass(frozen=True)
 class ProfileConfig:
-    """What to profile: a model, its input, a strategy, and how many iterations to look at."""
+    """What to profile: a model, its input, a strategy, and how many iterations to look at.
+
+    Args:
+        model: a zoo name or package.module:callable.
+        strategy: how gradients are averaged (ddp, wfbp, fixed, single, mgwfbp or optimal).
+        channels: communication channels, an integer or "auto".
+        compression: fp16 or bf16 gradient buckets, or None.
+        input_shape: one sample's shape.
+        num_classes: classes the model predicts.
+        batch_size: per-rank batch size.
+        warmup: iterations before measuring.
+        steps: iterations measured.
+        seed: seeds the model and the synthetic batches.
+        trace: also return a simulator trace from rank 0.
+        optimizer: sgd, or kfac (K-FAC with kfac-pytorch's defaults before each step, drawn on a
+            kfac and a kfac comm lane).
+    """
 
     model: str = "resnet20"
     strategy: str = "mgwfbp"
@@ -56,6 +71,11 @@ class ProfileConfig:
     optimizer: str = "sgd"
 
     def validate(self) -> None:
+        """Reject impossible settings.
+
+        Raises:
+            UsageError: naming the flag.
+        """
         if self.batch_size < 1 or self.steps < 1 or self.warmup < 0:
             raise UsageError("--batch-size and --steps must be >= 1 and --warmup >= 0")
         if self.optimizer not in ("sgd", "kfac"):
@@ -64,7 +84,16 @@ class ProfileConfig:
 
 @dataclass(frozen=True)
 class RankProfile:
-    """One rank's representative iteration and the plan it ran with."""
+    """One rank's representative iteration and the plan it ran with.
+
+    Args:
+        rank: the rank.
+        events: its representative iteration.
+        iteration_s: every measured iteration's seconds.
+        plan: the communication plan it ran with, described.
+        step_s: its median optimizer step, seconds.
+        trace: the simulator trace (rank 0, when asked for).
+    """
 
     rank: int
     events: list[Event]
@@ -77,12 +106,11 @@ class RankProfile:
 
 
 def profile_rank(config: ProfileConfig) -> RankProfile:
-    """Run on every rank of a launched job; returns this rank's median iteration."""
-    from interlace.dp import DataParallel
-    from interlace.kfac import KFAC
-    from interlace.strategies import wrap_model
-    from interlace.zoo import build_model
+    """Run on every rank of a launched job; returns this rank's median iteration.
 
+    Args:
+        config: what to profile.
+    """
     config.validate()
     context = init_distributed()
     try:
@@ -193,8 +221,130 @@ def profile_rank(config: ProfileConfig) -> RankProfile:
             dist.destroy_process_group()
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``interlace profile``'s flags to ``parser``.
+
+    Args:
+        parser: the subcommand's parser.
+    """
+    parser.add_argument("--model", default="resnet20", help="zoo name or package.module:callable")
+    parser.add_argument(
+        "--data",
+        default="synthetic-cifar10",
+        help="data set whose sample shape and classes size the model (default synthetic-cifar10)",
+    )
+    parser.add_argument("--input-shape", type=parse_shape, help="input shape, e.g. 3,32,32")
+    parser.add_argument("--classes", type=int, help="number of classes")
+    parser.add_argument(
+        "--strategy", default="mgwfbp", help="ddp, wfbp, fixed, single, mgwfbp or optimal"
+    )
+    add_channel_arguments(parser)
+    parser.add_argument("-n", "--nprocs", type=int, default=4, help="ranks (default 4)")
+    parser.add_argument("--link", help="emulated link rate per rank, e.g. 1gbit (needs root)")
+    parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
+    parser.add_argument("--steps", type=int, default=10, help="iterations measured")
+    parser.add_argument("--warmup", type=int, default=8, help="iterations before measuring")
+    parser.add_argument(
+        "--optimizer",
+        choices=("sgd", "kfac"),
+        default="sgd",
+        help="kfac: K-FAC (kfac-pytorch's defaults) before each SGD step, drawn on its own lanes",
+    )
+    parser.add_argument("--out", default="profile", help="folder for timeline.json/.png")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--trace-out",
+        metavar="T",
+        help="also write the model's trace for `interlace simulate` (JSON) to T",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Profile the job the parsed flags describe and write its timeline (and trace).
+
+    Args:
+        args: :func:`add_arguments`'s flags, parsed.
+
+    Returns:
+        The job's exit status.
+
+    Raises:
+        UsageError: for an impossible setting or a ``--link`` the launcher cannot emulate.
+    """
+    if args.nprocs < 1:
+        raise UsageError(f"-n must be >= 1, got {args.nprocs}")
+    if args.strategy not in STRATEGIES:
+        raise UsageError(
+            f"unknown --strategy '{args.strategy}'; choose one of {', '.join(STRATEGIES)}"
+        )
+    if args.link is not None:
+        parse_link(args.link)
+    if args.input_shape is not None and args.classes is not None:
+        input_shape, num_classes = args.input_shape, args.classes
+    else:
+        bundle = load_data(
+            args.data, synthetic_size=64 if args.data.startswith("synthetic") else None
+        )
+        input_shape = args.input_shape or bundle.input_shape
+        num_classes = args.classes or bundle.num_classes
+    config = ProfileConfig(
+        model=args.model,
+        strategy=args.strategy,
+        channels=parse_channels(args.channels),
+        compression=args.compression,
+        input_shape=tuple(input_shape),
+        num_classes=num_classes,
+        batch_size=args.batch_size,
+        warmup=args.warmup,
+        steps=args.steps,
+        trace=args.trace_out is not None,
+        optimizer=args.optimizer,
+    )
+    config.validate()
+    if args.trace_out is not None and args.strategy == "ddp":
+        raise UsageError(
+            "--trace-out needs an interlace strategy (wfbp, fixed, single, mgwfbp or optimal): "
+            "the trace comes from the profile DataParallel plans with"
+        )
+    build_model(config.model, config.input_shape, config.num_classes)
+    result = launch.run(
+        profile_rank, args.nprocs, link=args.link, args=(config,), timeout=args.timeout
+    )
+    if result.returncode != 0:
+        return report_failure("interlace profile", result, args.timeout)
+    link = args.link or "loopback"
+    title = (
+        f"{config.model}, {config.strategy}, {args.nprocs} ranks, {link}, "
+        f"batch {config.batch_size}/rank"
+        + (f", channels {config.channels}" if config.channels != 1 else "")
+        + (f", {config.compression}" if config.compression else "")
+        + (", K-FAC" if config.optimizer == "kfac" else "")
+    )
+    timeline = merge_profiles(result.values, title)
+    trace, picture = write_profile(timeline, args.out)
+    for profile in sorted(result.values, key=lambda p: p.rank):
+        median = sorted(profile.iteration_s)[len(profile.iteration_s) // 2]
+        print(f"rank {profile.rank}: median iteration {median * 1e3:.1f} ms")
+    if result.values[0].plan:
+        print(result.values[0].plan)
+    print(timeline.caption("rank 0"))
+    print(f"timeline: {picture}\ntrace:    {trace} (open in https://ui.perfetto.dev)")
+    if args.trace_out is not None:
+        profiled = next(p.trace for p in result.values if p.trace is not None)
+        # An optimizer step ends when the slowest rank's does.
+        profiled = replace(profiled, step_s=max(p.step_s for p in result.values))
+        written = profiled.save(args.trace_out)
+        print(f"simulator trace: {written} ({profiled.describe()})")
+    return 0
+
+
 def merge_profiles(profiles: list[RankProfile], title: str) -> Timeline:
-    """One timeline with a lane group per rank."""
+    """One timeline with a lane group per rank.
+
+    Args:
+        profiles: every rank's profile.
+        title: the timeline's title.
+    """
     timeline = Timeline(title=title)
     for profile in sorted(profiles, key=lambda p: p.rank):
         timeline.extend(profile.events)
@@ -202,7 +352,12 @@ def merge_profiles(profiles: list[RankProfile], title: str) -> Timeline:
 
 
 def write_profile(timeline: Timeline, out_dir: str | Path) -> tuple[Path, Path]:
-    """``timeline.json`` (Chrome trace) and ``timeline.png`` in ``out_dir``."""
+    """``timeline.json`` (Chrome trace) and ``timeline.png`` in ``out_dir``.
+
+    Args:
+        timeline: the merged timeline.
+        out_dir: the folder to write (made if missing).
+    """
     folder = Path(out_dir)
     folder.mkdir(parents=True, exist_ok=True)
     trace = timeline.to_chrome_trace(folder / "timeline.json")

@@ -26,7 +26,12 @@ METRIC_COLUMNS = (
 
 
 def new_run_dir(root: str | Path, label: str) -> Path:
-    """Create and return a fresh folder ``root/<label>-<timestamp>`` (suffixed if taken)."""
+    """Create and return a fresh folder ``root/<label>-<timestamp>`` (suffixed if taken).
+
+    Args:
+        root: the folder of run folders (made if missing).
+        label: the new folder's name before its timestamp.
+    """
     stamp = time.strftime("%Y%m%d-%H%M%S")
     base = Path(root) / f"{label}-{stamp}"
     path = base
@@ -39,7 +44,12 @@ def new_run_dir(root: str | Path, label: str) -> Path:
 
 
 class RunLog:
-    """Writes one run's configuration, metrics and curves into ``path``."""
+    """Writes one run's configuration, metrics and curves into ``path``.
+
+    Args:
+        path: the run folder (made if missing).
+        config: written at once as ``config.json``.
+    """
 
     def __init__(self, path: str | Path, config: Mapping[str, Any]) -> None:
         self.path = Path(path)
@@ -58,7 +68,14 @@ class RunLog:
         return self.path / "curves.png"
 
     def append(self, row: Mapping[str, float]) -> None:
-        """Record one epoch; the CSV is flushed at once so a crash keeps every finished epoch."""
+        """Record one epoch; the CSV is flushed at once so a crash keeps every finished epoch.
+
+        Args:
+            row: a value for every column of :data:`METRIC_COLUMNS`.
+
+        Raises:
+            KeyError: when a column is missing.
+        """
         missing = [column for column in METRIC_COLUMNS if column not in row]
         if missing:
             raise KeyError(f"metrics row lacks {missing}")
@@ -68,23 +85,37 @@ class RunLog:
             csv.writer(handle).writerow([_format(clean[column]) for column in METRIC_COLUMNS])
 
     def plot(self, title: str = "") -> Path:
-        """Draw loss and test accuracy against epochs into ``curves.png``."""
+        """Draw loss and test accuracy against epochs into ``curves.png``.
+
+        Args:
+            title: the figure's title.
+        """
         plot_curves(self.rows, self.curves_path, title)
         return self.curves_path
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:
-    """Read a ``metrics.csv`` back as a list of rows of floats."""
+    """Read a ``metrics.csv`` back as a list of rows of floats.
+
+    Args:
+        path: the ``metrics.csv`` file.
+    """
     with Path(path).open(newline="") as handle:
         return [{key: float(value) for key, value in row.items()} for row in csv.DictReader(handle)]
 
 
 def plot_curves(rows: Sequence[Mapping[str, float]], path: str | Path, title: str = "") -> None:
-    """Loss (train and test) and test accuracy per epoch, side by side, as a PNG."""
-    import matplotlib
+    """Loss (train and test) and test accuracy per epoch, side by side, as a PNG.
+
+    Args:
+        rows: the epochs' metrics, as :meth:`RunLog.append` takes them.
+        path: the PNG to write.
+        title: the figure's title.
+    """
+    import matplotlib  # noqa: PLC0415 - heavy import, only when curves are drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - after the backend is set
 
     epochs = [row["epoch"] for row in rows]
     figure, (loss_axes, accuracy_axes) = plt.subplots(

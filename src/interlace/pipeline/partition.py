@@ -1,14 +1,7 @@
-"""Cutting a model into pipeline stages of balanced cost.
+"""Cutting a model into contiguous pipeline stages of balanced cost.
 
-A pipeline runs only as fast as its slowest stage: every other stage waits for it once per
-micro-batch. So the model is first seen as a sequence of blocks (:func:`pipeline_blocks`), each
-block is given a cost (measured forward+backward time, :func:`profile_block_times`, or its
-parameter count), and the blocks are cut into contiguous stages that minimise the largest stage
-cost (:func:`balance_stages`). :func:`plan_stages` does all three and returns a
-:class:`StagePlan`; :func:`stage_module` gives the blocks of one stage.
-
-Stages are contiguous because activations flow only from one block to the next: a stage holding
-blocks 2 and 5 but not 3 would send its activations out and back again.
+:func:`plan_stages` sees the model as blocks (:func:`pipeline_blocks`), costs each block by
+measured time or parameter count and cuts them to minimise the largest stage's cost.
 """
 
 from __future__ import annotations
@@ -60,6 +53,10 @@ def balance_stages(costs: Sequence[float], num_stages: int) -> list[tuple[int, i
     hundreds of blocks a model is cut into. Stage sums are always differences of the same prefix
     sums, so the optimum and the tie-breaking compare identical floating-point values.
 
+    Args:
+        costs: the cost of each block, in order (finite, >= 0).
+        num_stages: how many stages to cut into (1 to len(costs)).
+
     Raises :class:`ValueError` when ``num_stages < 1``, ``num_stages > len(costs)``, or a cost is
     negative or not finite.
     """
@@ -109,6 +106,9 @@ def pipeline_blocks(model: nn.Module) -> nn.Sequential:
     model must say where it can be cut by defining ``pipeline_blocks()``, returning a list of
     modules that share the model's parameters (all the zoo models do): a generic module's
     ``forward`` can do anything with its children, so the cut points cannot be guessed.
+
+    Args:
+        model: an nn.Sequential, or a model with a pipeline_blocks() method.
 
     Raises :class:`~interlace.errors.UsageError` otherwise.
     """
@@ -162,6 +162,11 @@ def profile_block_times(blocks: nn.Sequential, sample: Tensor, repeats: int = 3)
     block that starts with an in-place operation neither fails on a leaf nor corrupts the input of
     the next run. Blocks run in whatever mode (train or eval) they are in.
 
+    Args:
+        blocks: the block sequence to time.
+        sample: a representative input batch of the first block.
+        repeats: timed runs per block (>= 1).
+
     Raises :class:`ValueError` for ``repeats < 1``.
     """
     if repeats < 1:
@@ -198,6 +203,11 @@ class StagePlan:
 
     ``bounds`` are the half-open block ranges of the stages, in order; ``costs`` is the cost of
     every block (seconds when ``by == "time"``, parameter counts when ``by == "params"``).
+
+    Args:
+        bounds: the half-open block ranges of the stages, in order.
+        costs: the cost of every block.
+        by: what the costs are: "time" (seconds) or "params" (parameter counts).
     """
 
     bounds: tuple[tuple[int, int], ...]
@@ -268,6 +278,12 @@ def plan_stages(
     ``by="params"`` balances parameter counts, which needs no sample and is deterministic: the
     right measure when memory for weights and optimizer state is the constraint.
 
+    Args:
+        blocks: the block sequence to cut.
+        num_stages: how many stages (1 to len(blocks)).
+        by: "time" or "params" (one of PLAN_BY).
+        sample: a representative micro-batch; required with by="time".
+
     Raises :class:`ValueError` for an unknown ``by``, a missing sample with ``by="time"``, or a
     stage count that is < 1 or larger than the number of blocks.
     """
@@ -292,6 +308,11 @@ def stage_module(blocks: nn.Sequential, plan: StagePlan, stage: int) -> nn.Seque
 
     The blocks keep their names from ``blocks`` (``"3"``, ``"4"``, ...), so a stage's state dict
     keys match those of the whole block sequence.
+
+    Args:
+        blocks: the block sequence the plan was made from.
+        plan: where the sequence is cut.
+        stage: which stage to return, from 0.
 
     Raises :class:`ValueError` when ``plan`` was made for a different number of blocks or
     ``stage`` is out of range.

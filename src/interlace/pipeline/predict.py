@@ -1,47 +1,7 @@
 """SpecTrain weight prediction: the weights a stage will have by the time its gradient lands.
 
-In an asynchronous 1F1B pipeline a micro-batch's forward pass on stage ``k`` runs on weights that
-are several optimizer steps older than the ones its backward pass meets, and older still than the
-weights its gradient is finally applied to. That staleness, different on every stage, is what
-hurts convergence. SpecTrain (Chen et al., 2018) hides it by running each pass on a *prediction*
-of the weights at the time the gradient is applied: with SGD momentum the step direction changes
-slowly, so ``s`` steps ahead the weights are close to
-
-    W_hat = W - s * lr * v
-
-where ``v`` is the momentum buffer (``v <- gamma * v + g``, ``W <- W - lr * v``). Stage ``k``
-(0-based) of ``N`` predicts ``s_fwd = floor(k / 2) + N - k - 1`` steps ahead in its forward pass
-and ``s_bwd = floor(k / 2)`` in its backward pass (:func:`version_difference`): the first stage
-waits longest for its gradient, the last stage least.
-
-Everything here is a pure function of tensors already held by the model and optimizer: nothing is
-modified in place, and every prediction is a new tensor that does not require grad, so swapping it
-into a stage for one pass cannot disturb the real weights or the optimizer state.
-
-How :func:`predicted_parameters` treats the variants of :class:`torch.optim.SGD`:
-
-* **Weight decay.** torch adds ``weight_decay * W`` to the gradient *before* the momentum update,
-  so ``v`` already carries the decay term; the prediction uses ``v`` alone, adding the decay again
-  would count it twice.
-* **Nesterov.** The actual step is ``g + gamma * v`` rather than ``v``. In steady state
-  ``g = (1 - gamma) * v``, so the step is again ``v``; the prediction uses ``v``.
-* **Dampening.** ``v <- gamma * v + (1 - dampening) * g`` and the step is still ``lr * v``, so
-  ``v`` is exactly the step per unit of learning rate; the prediction uses ``v``. (torch forbids
-  Nesterov together with dampening, so the two never combine.)
-* **maximize=True.** torch negates the gradient before it enters ``v``, so ``W <- W - lr * v``
-  still holds and needs no special case.
-* **No momentum buffer yet.** Before a parameter's first optimizer step (or for a parameter that
-  has never had a gradient, or that the optimizer does not manage at all) there is no direction to
-  extrapolate along, and the weights will not move on their own: the prediction is the current
-  weights, unchanged.
-* **Not SGD, or momentum 0.** Without a momentum buffer there is nothing to predict from, and
-  other optimizers (Adam's step is not ``lr * state``) would need their own rule; such an
-  optimizer is rejected by :func:`check_predictable` with a :class:`~interlace.errors.UsageError`
-  rather than silently run without prediction. Subclasses of :class:`torch.optim.SGD` are accepted
-  and assumed to keep its update rule.
-
-Only parameters are predicted. Buffers such as BatchNorm's running statistics are not updated by
-the optimizer, so there is nothing to extrapolate, and they are never touched here.
+``s`` SGD-momentum steps ahead the weights are close to ``W - s * lr * v``; each stage's ``s``
+comes from :func:`version_difference`. Nothing here modifies the model or the optimizer.
 """
 
 from __future__ import annotations
@@ -64,6 +24,10 @@ def version_difference(stage: int, num_stages: int) -> tuple[int, int]:
     for the asynchronous 1F1B schedule). For four stages that is ``(3, 0), (2, 0), (2, 1), (1, 1)``;
     a single stage is plain synchronous SGD, ``(0, 0)``.
 
+    Args:
+        stage: the stage, from 0.
+        num_stages: stages in the pipeline (>= 1).
+
     Raises :class:`ValueError` when ``num_stages < 1`` or ``stage`` is not in
     ``[0, num_stages)``.
     """
@@ -85,6 +49,12 @@ def predict_weights(weight: Tensor, momentum_buffer: Tensor | None, lr: float, s
     with them and does not require grad, so it can be swapped into a module for one pass and
     thrown away. With no momentum buffer (no optimizer step yet) or ``s == 0`` it is a copy of the
     current weights.
+
+    Args:
+        weight: the current weights.
+        momentum_buffer: SGD's momentum buffer of the weights; None before the first step.
+        lr: the learning rate of the weights' parameter group.
+        s: how many optimizer steps ahead to predict (>= 0).
 
     Raises :class:`ValueError` for ``s < 0``, a non-finite ``lr``, or a buffer whose shape differs
     from the weight's.
@@ -110,6 +80,9 @@ def check_predictable(optimizer: torch.optim.Optimizer) -> None:
     SpecTrain extrapolates along the momentum buffer of :class:`torch.optim.SGD`, so it needs that
     optimizer with ``momentum > 0`` in every parameter group; anything else would run the pipeline
     on stale weights without saying so.
+
+    Args:
+        optimizer: the stage's optimizer.
     """
     if not isinstance(optimizer, torch.optim.SGD):
         raise UsageError(
@@ -136,8 +109,13 @@ def predicted_parameters(
 
     Each parameter uses the learning rate of its own parameter group and its
     ``optimizer.state[p]["momentum_buffer"]``; a parameter without a buffer yet, or not managed by
-    ``optimizer``, is predicted as its current value (see the module docstring for why). Returns
+    ``optimizer``, is predicted as its current value (docs/notes/train.md says why). Returns
     ``name -> new tensor``; nothing in the model or the optimizer is modified.
+
+    Args:
+        named_parameters: the stage's (name, parameter) pairs.
+        optimizer: the SGD with momentum that updates them.
+        s: how many optimizer steps ahead to predict (>= 0).
 
     Raises :class:`~interlace.errors.UsageError` when ``optimizer`` is not
     :class:`torch.optim.SGD` with momentum > 0 (:func:`check_predictable`), and

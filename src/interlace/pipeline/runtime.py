@@ -1,33 +1,11 @@
 """Executing a pipeline schedule on one rank: one stage, point-to-point messages, weight policies.
 
-A :class:`PipelineStage` holds one stage's module and optimizer and runs the actions that
-:mod:`interlace.pipeline.schedule` lists for it, in order:
-
-* **Messages.** An activation (forward) or a gradient (backward) is one tensor of any shape and
-  floating dtype. Each goes as two point-to-point sends batched together
-  (:func:`torch.distributed.batch_isend_irecv`): a small header (dtype and shape) on one tag and
-  the payload on another. The receiver posts the header receives of the whole schedule up front
-  and a small thread posts each payload's receive the moment its header lands, so a transfer
-  runs while the receiver computes; sends are waited on before the schedule returns (every
-  handle is waited on). Only stage 0 reads inputs and only the last stage reads targets;
-  the stages in between need nothing from the data.
-* **Weights.** Synchronous schedules compute with the stage's parameters and update once per
-  step. The asynchronous ones update after every backward, so a batch's backward on stage
-  ``k`` comes ``N - k - 1`` updates after its forward; ``naive`` recomputes the stage on the
-  saved input with the latest weights, ``pipedream`` keeps the forward's graph over a stashed
-  copy of the weights, ``spectrain`` computes with predicted weights
-  (:func:`interlace.pipeline.predict.predicted_parameters`), which are new tensors: the real
-  parameters are never overwritten, so autograd never sees an in-place swap. A recomputation
-  restores the random-number state of its forward (dropout draws the same mask) and leaves the
-  buffers as the forward left them (BatchNorm's running statistics are updated once per batch,
-  and never predicted).
-* **Timeline.** Every action is timed; :meth:`PipelineStage.take_events` returns the events for
-  :class:`interlace.timeline.Timeline`.
+A :class:`PipelineStage` holds one stage's module and optimizer and runs, in order, the actions
+that :mod:`interlace.pipeline.schedule` lists for it.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +17,7 @@ from torch.func import functional_call
 
 from interlace.distenv import collective_device
 from interlace.errors import UsageError
+from interlace.pipeline.messages import Inbox, send_tensor
 from interlace.pipeline.predict import check_predictable, predicted_parameters
 from interlace.pipeline.schedule import (
     ASYNCHRONOUS,
@@ -51,14 +30,6 @@ from interlace.pipeline.schedule import (
 )
 from interlace.timeline import Event
 
-#: Tags of the two messages that carry one tensor: its header, then its payload.
-_HEADER_TAG = 1
-_PAYLOAD_TAG = 2
-#: A header is ``[dtype code, ndim, size_0, ..., size_7]``.
-_MAX_DIMS = 8
-_HEADER_LEN = 2 + _MAX_DIMS
-_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-
 #: Values of ``PipelineStage(spectrain_backward=...)``: which weights SpecTrain's backward uses.
 SPECTRAIN_BACKWARDS = ("recompute", "reuse")
 
@@ -68,7 +39,14 @@ Batch = tuple[Tensor, Tensor]
 
 @dataclass
 class StepResult:
-    """What one call of :meth:`PipelineStage.run` did on this rank."""
+    """What one call of :meth:`PipelineStage.run` did on this rank.
+
+    Args:
+        losses: the loss of every (micro-)batch, on the last stage only (empty elsewhere).
+        samples: samples that went through the pipeline.
+        updates: weight updates made on this stage.
+        seconds: wall time of the call.
+    """
 
     #: Loss of every (micro-)batch, on the last stage only (empty elsewhere).
     losses: list[float] = field(default_factory=list)
@@ -82,7 +60,13 @@ class StepResult:
 
 @dataclass(frozen=True)
 class EvalResult:
-    """A forward-only pass's score, the same on every stage."""
+    """A forward-only pass's score, the same on every stage.
+
+    Args:
+        correct: samples whose arg-max prediction was the target.
+        total: samples scored.
+        mean_loss: the loss averaged over the samples.
+    """
 
     correct: int
     total: int
@@ -91,103 +75,6 @@ class EvalResult:
     @property
     def accuracy(self) -> float:
         return self.correct / max(self.total, 1)
-
-
-def _header(tensor: Tensor) -> Tensor:
-    if tensor.dtype not in _DTYPES:
-        raise UsageError(
-            f"a pipeline stage passed a {tensor.dtype} tensor; stages must exchange floating "
-            f"tensors ({', '.join(str(d) for d in _DTYPES)})"
-        )
-    if tensor.dim() > _MAX_DIMS:
-        raise UsageError(
-            f"a pipeline stage passed a tensor of {tensor.dim()} dimensions; at most {_MAX_DIMS}"
-        )
-    shape = list(tensor.shape) + [0] * (_MAX_DIMS - tensor.dim())
-    return torch.tensor(
-        [_DTYPES.index(tensor.dtype), tensor.dim(), *shape], dtype=torch.int64, device=tensor.device
-    )
-
-
-def _irecv(tensor: Tensor, peer: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work:
-    work = dist.irecv(tensor, peer, group=group, tag=tag)
-    if work is None:  # only when this rank is outside ``group``, which the stage rules out
-        raise RuntimeError(f"rank {dist.get_rank()} cannot receive from rank {peer}: not in group")
-    return work
-
-
-class _Inbox:
-    """The messages one stage receives from one peer, in order, each received as it arrives.
-
-    The header receives of the whole schedule are posted up front. gloo moves a payload only
-    once its receive is posted, so a small thread waits on each header in turn and posts the
-    payload's receive the moment the header lands: the transfer then runs while the stage
-    computes, instead of starting when the stage next asks for it. The stage takes messages
-    in order and waits on each payload handle exactly once (waiting on a gloo receive twice
-    would wait for a second message).
-    """
-
-    def __init__(
-        self, peer: int, count: int, group: dist.ProcessGroup | None, device: torch.device
-    ) -> None:
-        self.peer = peer
-        self.group = group
-        self.device = device
-        self.headers = [
-            torch.empty(_HEADER_LEN, dtype=torch.int64, device=device) for _ in range(count)
-        ]
-        self.header_work = [_irecv(header, peer, group, _HEADER_TAG) for header in self.headers]
-        self.payloads: list[Tensor | None] = [None] * count
-        self.payload_work: list[dist.Work | None] = [None] * count
-        self.arrived = [threading.Event() for _ in range(count)]
-        self.error: BaseException | None = None
-        self.taken = 0  # messages handed out so far
-        self._thread = threading.Thread(
-            target=self._post_payloads, name=f"interlace-inbox-{peer}", daemon=True
-        )
-        self._thread.start()
-
-    def _post_payloads(self) -> None:
-        try:
-            for index, header_work in enumerate(self.header_work):
-                header_work.wait()
-                header = self.headers[index].tolist()
-                dtype, ndim = _DTYPES[header[0]], header[1]
-                payload = torch.empty(header[2 : 2 + ndim], dtype=dtype, device=self.device)
-                self.payloads[index] = payload
-                self.payload_work[index] = _irecv(payload, self.peer, self.group, _PAYLOAD_TAG)
-                self.arrived[index].set()
-        except BaseException as error:  # handed to the stage, which raises it in take()
-            self.error = error
-            for event in self.arrived:
-                event.set()
-
-    def take(self, index: int) -> Tensor:
-        """Message ``index``, waiting for it."""
-        if index != self.taken:
-            raise RuntimeError(
-                f"messages must be taken in order: asked for {index}, next {self.taken}"
-            )
-        self.arrived[index].wait()
-        if self.error is not None:
-            raise RuntimeError(
-                f"receiving from rank {self.peer} failed: {self.error}"
-            ) from self.error
-        work, payload = self.payload_work[index], self.payloads[index]
-        assert work is not None and payload is not None
-        work.wait()
-        self.payloads[index] = None
-        self.payload_work[index] = None
-        self.taken += 1
-        return payload
-
-    def check_drained(self) -> None:
-        """Fail loudly if the schedule left a message untaken (its handle never waited on)."""
-        if self.taken != len(self.headers):
-            raise RuntimeError(
-                f"{len(self.headers) - self.taken} messages from rank {self.peer} were not taken"
-            )
-        self._thread.join()
 
 
 @dataclass
@@ -213,27 +100,34 @@ class _InFlight:
 class PipelineStage:
     """One rank's stage of a pipeline: its module, its optimizer, and the schedule it runs.
 
-    ``stage`` is this rank's position (0-based) among ``num_stages``; ``ranks[k]`` is the global
-    rank that holds stage ``k`` (default: stage ``k`` on rank ``k``). ``schedule`` is one of
-    :data:`~interlace.pipeline.schedule.SCHEDULES`; with ``gpipe`` and ``1f1b`` each mini-batch
-    is cut into ``microbatches`` micro-batches and the loss is the mini-batch mean (the last
-    stage's ``loss_fn`` must average over its batch, as torch's losses do by default), so the
-    update equals the unpipelined model's on that mini-batch. ``spectrain`` needs
-    :class:`torch.optim.SGD` with momentum (it predicts from the momentum buffer).
-    ``spectrain_backward`` says which weights SpecTrain's backward uses: ``"recompute"`` (the
-    paper's rule: predicted ``floor(k/2)`` updates ahead of the weights at backward time, which
-    with autograd means computing the stage again on the saved input) or ``"reuse"`` (the
-    forward's prediction, whose graph is kept: both aim at the same future version of the
-    weights, and the stage's forward is not run twice, for the memory of one graph per batch
-    in flight, as PipeDream's stashing needs).
-    ``chunks`` (asynchronous schedules) streams each mini-batch through the stages in that many
-    pieces along the batch, all with the mini-batch's weights and one update per mini-batch: a
-    stage starts on the first piece while the others are still in transit, so a mini-batch's
-    round trip stops paying every link's full transfer in turn. The update is the same as
-    with one piece, except that BatchNorm normalises each piece with its own statistics (as
-    GPipe's micro-batches do).
-    ``on_update`` is called after every optimizer step (a learning-rate scheduler's ``step``,
-    a progress bar), which the asynchronous schedules take inside :meth:`run`.
+    Args:
+        module: this stage's blocks.
+        optimizer: updates ``module``'s parameters; ``spectrain`` needs
+            :class:`torch.optim.SGD` with momentum (it predicts from the momentum buffer).
+        stage: this rank's position among the stages, from 0.
+        num_stages: stages in the pipeline.
+        schedule: one of :data:`~interlace.pipeline.schedule.SCHEDULES`. With ``gpipe`` and
+            ``1f1b`` each mini-batch is cut into ``microbatches`` micro-batches and the loss is
+            the mini-batch mean, so the update equals the unpipelined model's on that mini-batch.
+        loss_fn: the last stage's loss; it must average over its batch, as torch's losses do by
+            default.
+        microbatches: micro-batches per mini-batch of ``gpipe`` and ``1f1b``.
+        ranks: ``ranks[k]`` is the global rank that holds stage ``k`` (default: rank ``k``).
+        group: the process group the stages talk over (the default group when None).
+        device: where the stage computes.
+        on_update: called after every optimizer step (a learning-rate scheduler's ``step``, a
+            progress bar); the asynchronous schedules take those steps inside :meth:`run`.
+        spectrain_backward: which weights SpecTrain's backward uses: ``"recompute"`` (the
+            paper's rule: predicted ``floor(k/2)`` updates ahead of the weights at backward time,
+            which with autograd means computing the stage again on the saved input) or
+            ``"reuse"`` (the forward's prediction and graph: both aim at the same future version
+            of the weights, and the forward is not run twice, for the memory of one graph per
+            batch in flight, as PipeDream's stashing needs).
+        chunks: pieces along the batch each mini-batch of an asynchronous schedule travels in,
+            all with the mini-batch's weights and one update: a stage starts on the first piece
+            while the others are in transit, so a round trip stops paying every link's full
+            transfer in turn. The update is the same as with one piece, except that BatchNorm
+            normalises each piece with its own statistics (as GPipe's micro-batches do).
     """
 
     def __init__(
@@ -308,10 +202,13 @@ class PipelineStage:
     def run(self, batches: Iterable[Batch] | None, num_batches: int) -> StepResult:
         """Train on ``num_batches`` mini-batches from ``batches``; every stage calls it together.
 
-        Stage 0 uses the inputs and the last stage the targets of each ``(input, target)``
-        pair; the stages in between may pass ``None``. Synchronous schedules run one step (one
-        update) per mini-batch; the asynchronous ones run all of them as one stream, filling
-        and draining the pipeline once.
+        Synchronous schedules run one step (one update) per mini-batch; the asynchronous ones
+        run all of them as one stream, filling and draining the pipeline once.
+
+        Args:
+            batches: ``(input, target)`` pairs; stage 0 uses the inputs and the last stage the
+                targets, the stages in between may pass ``None``.
+            num_batches: mini-batches to train on (>= 1).
         """
         if num_batches < 1:
             raise UsageError(f"num_batches must be >= 1, got {num_batches}")
@@ -339,6 +236,10 @@ class PipelineStage:
 
         The last stage counts correct arg-max predictions and sums the loss; the result is then
         sent to every stage, so all ranks return the same :class:`EvalResult`.
+
+        Args:
+            batches: ``(input, target)`` pairs, as :meth:`run` takes them.
+            num_batches: batches to score.
         """
         source = iter(batches) if batches is not None else None
         self.module.eval()
@@ -406,8 +307,8 @@ class PipelineStage:
         ys = torch.tensor_split(targets, self.microbatches)
         return [((x, y), x.shape[0] / total) for x, y in zip(xs, ys, strict=True)]
 
-    def _inbox(self, peer_stage: int, count: int) -> _Inbox:
-        return _Inbox(self.ranks[peer_stage], count, self.group, self.device)
+    def _inbox(self, peer_stage: int, count: int) -> Inbox:
+        return Inbox(self.ranks[peer_stage], count, self.group, self.device)
 
     def _pieces(self, batch: Batch | None, scale: float) -> list[_Piece]:
         """A unit's pieces: the whole unit, or its ``chunks`` parts for an asynchronous stream.
@@ -517,7 +418,7 @@ class PipelineStage:
             )
         return out
 
-    def _take(self, inbox: _Inbox, action: Action, piece: int, what: str) -> Tensor:
+    def _take(self, inbox: Inbox, action: Action, piece: int, what: str) -> Tensor:
         """Piece ``piece`` of ``action``'s batch from ``inbox``, the wait timed."""
         started = time.perf_counter()
         tensor = inbox.take(action.batch * self._pieces_per_unit() + piece)
@@ -525,7 +426,7 @@ class PipelineStage:
         return tensor
 
     def _forward(
-        self, action: Action, state: _InFlight, result: StepResult, acts: _Inbox | None
+        self, action: Action, state: _InFlight, result: StepResult, acts: Inbox | None
     ) -> None:
         keep = self._keeps_graph()
         leaves = self._leaves(action)  # one set of weights for every piece of the batch
@@ -554,7 +455,7 @@ class PipelineStage:
         if keep:
             state.leaves = leaves
 
-    def _backward(self, action: Action, state: _InFlight, grads: _Inbox | None) -> None:
+    def _backward(self, action: Action, state: _InFlight, grads: Inbox | None) -> None:
         recompute = state.pieces[0].output is None
         saved_buffers: list[Tensor] = []
         leaves = state.leaves
@@ -623,15 +524,8 @@ class PipelineStage:
 
     def _send(self, tensor: Tensor, peer_stage: int) -> None:
         started = time.perf_counter()
-        payload = tensor.contiguous()
-        header = _header(payload)
-        peer = self.ranks[peer_stage]
-        ops = [
-            dist.P2POp(dist.isend, header, peer, self.group, _HEADER_TAG),
-            dist.P2POp(dist.isend, payload, peer, self.group, _PAYLOAD_TAG),
-        ]
-        works = dist.batch_isend_irecv(ops)
-        self._sends.append((works, (header, payload)))
+        works, buffers = send_tensor(tensor, self.ranks[peer_stage], self.group)
+        self._sends.append((works, buffers))
         # Completed sends release their buffers; the rest are waited on at the end.
         self._sends = [(w, t) for w, t in self._sends if not all(x.is_completed() for x in w)]
         self._record("send " + ("act" if peer_stage > self.stage else "grad"), "comm", started)

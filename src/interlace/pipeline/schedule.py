@@ -1,31 +1,7 @@
 """Pipeline schedules as pure, checkable lists of actions per stage and clock.
 
-A schedule says, for each stage (one rank) and each clock tick, what that stage does: receive
-an activation or a gradient, run a forward or a backward, send the result on, update its
-weights. It is built without torch, so tests compare it with golden lists and the runtime
-(:mod:`interlace.pipeline.runtime`) only executes what it is given.
-
-Clocks come from a unit-time model: every forward and every backward takes one tick, a stage
-runs one computation per tick in its own order, a forward needs the previous stage's forward of
-the same batch one tick earlier, a backward the next stage's backward (the last stage's backward
-needs its own forward). Receives are listed at the tick of the computation that needs them,
-sends at the tick of the computation that produced them, so every send has its receive at a
-later tick. Real runs do not tick, but the order on each stage is exactly the list's.
-
-Schedules (the names of ``interlace train --schedule``):
-
-* ``gpipe``: a mini-batch cut into micro-batches, all forwards then all backwards, one update
-  at the end of the step (a flush), gradients accumulated: the same gradients as the unpipelined
-  model on the whole mini-batch.
-* ``1f1b``: the same flush, but each stage starts backwards as soon as it can (``N - k``
-  forwards in flight on stage ``k``), which bounds the activations kept to ``N - k``.
-* ``naive``, ``pipedream``, ``spectrain``: asynchronous 1F1B over a stream of mini-batches,
-  never flushed: every backward is followed by that stage's weight update, so stage ``k`` runs a
-  mini-batch's forward ``N - k - 1`` updates before its backward. They differ in the weights
-  each computation uses (:attr:`Action.weights`): ``naive`` the latest ones in both passes,
-  ``pipedream`` the forward's version stashed for the backward, ``spectrain`` the weights
-  predicted ``ahead`` updates into the future
-  (:func:`interlace.pipeline.predict.version_difference`).
+For each stage and clock tick a schedule says what that stage does (receive, forward, send,
+backward, update); the runtime only executes it. Built without torch.
 """
 
 from __future__ import annotations
@@ -88,6 +64,15 @@ class Action:
     index in the stream (asynchronous ones). ``version`` is how many updates this stage's weights
     have had in this schedule before the action; ``weights`` and ``ahead`` say what a forward or
     backward computes with (``ahead`` is the number of updates predicted, 0 unless predicted).
+
+    Args:
+        clock: the tick of the unit-time model.
+        stage: the stage that acts.
+        op: what it does.
+        batch: the micro-batch (synchronous) or mini-batch (asynchronous) index.
+        version: updates this stage's weights have had in this schedule before the action.
+        weights: which weights a forward or backward computes with.
+        ahead: updates predicted ahead (0 unless predicted).
     """
 
     clock: int
@@ -109,7 +94,14 @@ class Action:
 
 @dataclass(frozen=True)
 class Schedule:
-    """A named schedule: the actions of every stage, each stage's list in execution order."""
+    """A named schedule: the actions of every stage, each stage's list in execution order.
+
+    Args:
+        name: the schedule's name (one of SCHEDULES).
+        num_stages: stages in the pipeline.
+        num_batches: micro-batches per step (synchronous) or mini-batches in the stream.
+        stages: each stage's actions, in execution order.
+    """
 
     name: str
     num_stages: int
@@ -117,7 +109,11 @@ class Schedule:
     stages: tuple[tuple[Action, ...], ...]
 
     def for_stage(self, stage: int) -> tuple[Action, ...]:
-        """The actions stage ``stage`` executes, in order."""
+        """The actions stage ``stage`` executes, in order.
+
+        Args:
+            stage: the stage, from 0.
+        """
         if not 0 <= stage < self.num_stages:
             raise ValueError(f"stage {stage} is out of range for {self.num_stages} stages")
         return self.stages[stage]
@@ -133,7 +129,11 @@ class Schedule:
         return 1 + max(action.clock for actions in self.stages for action in actions)
 
     def compute_clocks(self, stage: int) -> int:
-        """Ticks in which ``stage`` computes (forwards plus backwards)."""
+        """Ticks in which ``stage`` computes (forwards plus backwards).
+
+        Args:
+            stage: the stage, from 0.
+        """
         return sum(1 for a in self.stages[stage] if a.op in (Op.FORWARD, Op.BACKWARD))
 
     @property
@@ -186,7 +186,7 @@ def _one_f_one_b_order(num_stages: int, num_batches: int) -> list[list[tuple[Op,
 def _clocks(
     num_stages: int, orders: Sequence[Sequence[tuple[Op, int]]]
 ) -> list[dict[tuple[Op, int], int]]:
-    """Tick of every computation under the unit-time model (see the module docstring)."""
+    """Tick of every computation under the unit-time model (docs/notes/train.md describes it)."""
     done: list[dict[tuple[Op, int], int]] = [{} for _ in range(num_stages)]
     position = [0] * num_stages
     free_at = [0] * num_stages
@@ -266,7 +266,12 @@ def _expand(
 
 
 def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
-    """GPipe: every micro-batch's forward, then every backward, then one update (a flush)."""
+    """GPipe: every micro-batch's forward, then every backward, then one update (a flush).
+
+    Args:
+        num_stages: stages in the pipeline (>= 1).
+        num_microbatches: micro-batches per mini-batch (>= 1).
+    """
     _check_sizes(num_stages, num_microbatches)
     return _expand(
         "gpipe", num_stages, num_microbatches, _gpipe_order(num_stages, num_microbatches)
@@ -274,7 +279,12 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
-    """Synchronous 1F1B (PipeDream-flush): 1F1B order within the step, one update at the end."""
+    """Synchronous 1F1B (PipeDream-flush): 1F1B order within the step, one update at the end.
+
+    Args:
+        num_stages: stages in the pipeline (>= 1).
+        num_microbatches: micro-batches per mini-batch (>= 1).
+    """
     _check_sizes(num_stages, num_microbatches)
     orders = _one_f_one_b_order(num_stages, num_microbatches)
     return _expand("1f1b", num_stages, num_microbatches, orders)
@@ -283,9 +293,14 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
 def async_one_f_one_b(num_stages: int, num_batches: int, policy: str) -> Schedule:
     """Asynchronous 1F1B over ``num_batches`` mini-batches, an update after every backward.
 
-    ``policy`` is ``"naive"``, ``"pipedream"`` or ``"spectrain"`` (see the module docstring).
+    ``policy`` is ``"naive"``, ``"pipedream"`` or ``"spectrain"``: which weights each pass uses.
     The stream fills the pipeline once at its start and drains it once at its end, so a long
     stream (an epoch) is nearly bubble-free.
+
+    Args:
+        num_stages: stages in the pipeline (>= 1).
+        num_batches: mini-batches in the stream (>= 1).
+        policy: "naive", "pipedream" or "spectrain": which weights each pass uses.
     """
     if policy not in ASYNCHRONOUS:
         raise ValueError(f"policy must be one of {', '.join(ASYNCHRONOUS)}, got {policy!r}")
@@ -298,6 +313,12 @@ def build_schedule(name: str, num_stages: int, num_batches: int) -> Schedule:
 
     For ``gpipe`` and ``1f1b`` ``num_batches`` is the number of micro-batches in one step; for
     the asynchronous schedules it is the number of mini-batches in the stream.
+
+    Args:
+        name: one of SCHEDULES.
+        num_stages: stages in the pipeline (>= 1).
+        num_batches: micro-batches in one step (gpipe, 1f1b) or mini-batches in the stream
+            (asynchronous schedules).
     """
     if name == "gpipe":
         return gpipe(num_stages, num_batches)

@@ -1,11 +1,4 @@
-"""This rank's stage of a model, cut by one plan that every rank agrees on.
-
-Every rank builds the whole model from the same seed (so the weights agree without sending
-them), turns it into blocks (:func:`~interlace.pipeline.partition.pipeline_blocks`) and keeps
-its own stage. A plan balanced by measured time would differ from rank to rank (each rank times
-the blocks on its own, noisy, core), so rank 0's plan is the one used: it is broadcast, and a
-model whose blocks differ across ranks is a clear error rather than a stage mismatch later.
-"""
+"""This rank's stage of a model, cut by one plan that every rank agrees on (rank 0's)."""
 
 from __future__ import annotations
 
@@ -25,7 +18,14 @@ from interlace.pipeline.partition import (
 
 @dataclass(frozen=True)
 class LocalStage:
-    """This rank's part of a pipelined model."""
+    """This rank's part of a pipelined model.
+
+    Args:
+        module: this rank's blocks.
+        plan: the plan every rank cut by (rank 0's).
+        stage: this rank's stage, from 0.
+        num_stages: stages in the pipeline.
+    """
 
     module: nn.Sequential
     plan: StagePlan
@@ -51,6 +51,14 @@ def local_stage(
     ``by`` and ``sample`` are :func:`~interlace.pipeline.partition.plan_stages`'s. Every rank of
     ``group`` (the default group when None) must call it; with a one-rank world (no process
     group) the local plan is used.
+
+    Args:
+        model: the whole model, built the same way on every rank.
+        num_stages: stages in the pipeline.
+        stage: the stage to keep, from 0.
+        by: "time" or "params", as plan_stages takes it.
+        sample: a representative micro-batch; required with by="time".
+        group: the process group whose rank 0 plans (the default group when None).
     """
     blocks = pipeline_blocks(model)
     if num_stages > len(blocks):

@@ -1,16 +1,7 @@
 """Data sets for the zoo and per-rank data loaders.
 
-Three data sets are built in and anything else is read as a path:
-
-- ``digits``: the 1,797 8x8 handwritten digits packaged with interlace (see
-  ``data/DIGITS_LICENSE.md``), small enough to train to high accuracy on a laptop in seconds,
-  which makes it the data set for checking that distributed training is *correct*;
-- ``synthetic-cifar10`` / ``synthetic-imagenet``: deterministic stand-ins with the shapes of
-  CIFAR-10 and ImageNet, generated per sample, for measuring *throughput* without a download;
-- a path: a CIFAR-10 folder in the python pickle format, for real training runs.
-
-:func:`make_loader` shards a data set across ranks with
-:class:`torch.utils.data.DistributedSampler` semantics without needing a process group.
+``digits`` (packaged), ``synthetic-cifar10`` and ``synthetic-imagenet`` (generated), or a path
+to a CIFAR-10 folder; :func:`make_loader` shards a data set across ranks.
 """
 
 from __future__ import annotations
@@ -90,6 +81,13 @@ class DataBundle:
 
     ``input_shape`` is one sample's shape without the batch dimension; every split yields
     ``(input float32 [*input_shape], label int64 [])`` pairs.
+
+    Args:
+        name: the data set's name.
+        train: the training split.
+        test: the test split.
+        input_shape: the shape of one sample, e.g. (3, 32, 32).
+        num_classes: how many classes the labels run over.
     """
 
     name: str
@@ -123,6 +121,9 @@ def digits_split_indices(
     With the packaged class counts (178, 182, 177, 183, 181, 182, 181, 179, 174, 180) that is
     1,438 training and 359 test samples. It depends on nothing else (not on any seed given to
     :func:`load_data`), so every run and every rank evaluates on the same test set.
+
+    Args:
+        labels: the digits' labels (default: the packaged ones).
     """
     if labels is None:
         labels = _load_digits_arrays()[1]
@@ -142,6 +143,10 @@ class TensorPairs(SampleDataset):
     """Samples held in memory as an inputs tensor and a labels tensor of the same length.
 
     Like :class:`torch.utils.data.TensorDataset` for exactly two tensors, typed as pairs.
+
+    Args:
+        inputs: the samples, stacked along the first dimension.
+        labels: one class index per sample.
     """
 
     def __init__(self, inputs: Tensor, labels: Tensor) -> None:
@@ -194,6 +199,13 @@ class SyntheticImages(SampleDataset):
     class (drawn from ``seed`` alone, so train and test share it), blown up to the image size by
     nearest-neighbour repetition, and the noise is standard normal per pixel. A model can fit it,
     so a falling loss in a throughput run is a sign that training is wired up correctly.
+
+    Args:
+        size: samples in the data set (>= 1).
+        input_shape: the image shape (channels, height, width).
+        num_classes: classes (>= 1).
+        seed: selects the class patterns (shared by train and test) and the samples.
+        split: which split's samples to draw (0 train, 1 test).
     """
 
     def __init__(
@@ -267,6 +279,10 @@ class CifarDataset(SampleDataset):
 
     Keeping uint8 (150 MiB for the training set instead of 600 MiB as float32) matters when
     every rank on a machine holds its own copy.
+
+    Args:
+        images: uint8 images [N, 3, 32, 32].
+        labels: one class index per image.
     """
 
     def __init__(self, images: npt.NDArray[np.uint8], labels: npt.NDArray[np.int64]) -> None:
@@ -369,6 +385,11 @@ def load_data(spec: str, *, synthetic_size: int | None = None, seed: int = 0) ->
     ``data_batch_5`` and ``test_batch``) or the folder containing ``cifar-10-batches-py``;
     images are normalised with :data:`CIFAR10_MEAN` / :data:`CIFAR10_STD`.
 
+    Args:
+        spec: digits, synthetic-cifar10, synthetic-imagenet, or a CIFAR-10 folder.
+        synthetic_size: training samples of a synthetic data set.
+        seed: selects a synthetic data set's samples.
+
     Raises :class:`~interlace.errors.UsageError` for a path that does not exist or lacks batch
     files, and for ``synthetic_size`` given with a data set that is not synthetic.
     """
@@ -406,6 +427,16 @@ def make_loader(
     the loader also drops a final partial batch, so every batch has exactly ``batch_size``.
 
     Call ``loader.sampler.set_epoch(epoch)`` before each epoch for a fresh shuffle.
+
+    Args:
+        dataset: the whole data set, the same on every rank.
+        batch_size: samples per batch (>= 1).
+        rank: this rank's index in [0, world_size).
+        world_size: ranks sharing the data set.
+        shuffle: shuffle the indices each epoch.
+        seed: the base seed of the shuffle.
+        drop_last: drop the tail that does not split evenly, and a final partial batch.
+        num_workers: DataLoader worker processes.
     """
     if batch_size < 1:
         raise UsageError(f"batch_size must be >= 1, got {batch_size}")

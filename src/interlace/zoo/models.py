@@ -1,20 +1,7 @@
-"""The model zoo: a few reference networks that span the shapes distributed training cares about.
+"""The model zoo: reference networks that span the shapes distributed training cares about.
 
-The models are chosen for how their parameters are laid out, since that is what decides how
-gradient communication behaves:
-
-- ``mlp``: many small tensors, so communication is dominated by per-message latency;
-- ``resnet20`` / ``resnet32`` / ``resnet56``: the classic CIFAR ResNets, a realistic mix of small
-  convolution and BatchNorm tensors;
-- ``vgg11``: few large tensors, so communication is dominated by bandwidth;
-- ``transformer``: a small encoder built only from :class:`torch.nn.Linear` layers, the shape that
-  a Kronecker-factored preconditioner works on.
-
-Every model adapts to the input shape it is given (the 8x8 digits, 32x32 CIFAR-10 images, 224x224
-ImageNet images) instead of asking for inputs to be resized, and every model is deterministic given
-:func:`torch.manual_seed`: the only randomness is parameter initialisation (no dropout).
-
-:func:`build_model` also accepts ``package.module:callable`` so users can bring their own models.
+``mlp``, ``resnet20/32/56``, ``vgg11`` and ``transformer``, each adapting to the input shape it
+is given; :func:`build_model` also accepts a user's ``package.module:callable``.
 """
 
 from __future__ import annotations
@@ -34,6 +21,7 @@ import torch.nn.functional as F  # noqa: N812 - the conventional alias
 from torch import Tensor, nn
 
 from interlace.errors import UsageError
+from interlace.zoo.transformer import PatchTransformer
 
 __all__ = [
     "MLP",
@@ -72,6 +60,12 @@ class MLP(nn.Module):
     64 KiB each on digits, which makes gradient communication latency-bound: the case that
     bucketing small tensors together is meant to fix. The first layer takes the whole flattened
     input, so on 224x224 images it alone holds ``3*224*224*128`` weights.
+
+    Args:
+        input_shape: one sample's shape (flattened at the input).
+        num_classes: outputs of the head.
+        width: features of every hidden layer.
+        depth: hidden layers.
     """
 
     def __init__(
@@ -94,7 +88,11 @@ class MLP(nn.Module):
         self.net = nn.Sequential(*layers)
 
     def forward(self, x: Tensor) -> Tensor:
-        """Logits ``[batch, num_classes]`` for inputs of shape ``[batch, *input_shape]``."""
+        """Logits ``[batch, num_classes]`` for inputs of shape ``[batch, *input_shape]``.
+
+        Args:
+            x: a batch of samples.
+        """
         out: Tensor = self.net(x)
         return out
 
@@ -174,6 +172,11 @@ class CifarResNet(nn.Module):
     The first convolution takes ``input_shape[0]`` channels. Global average pooling makes the model
     independent of resolution: 8x8 digits go 8 -> 4 -> 2 through the stages, 224x224 images
     224 -> 112 -> 56.
+
+    Args:
+        depth: 6n + 2 layers, e.g. 20, 32 or 56.
+        input_shape: one image's shape (channels, height, width).
+        num_classes: outputs of the head.
     """
 
     def __init__(self, depth: int, input_shape: tuple[int, ...], num_classes: int) -> None:
@@ -205,7 +208,11 @@ class CifarResNet(nn.Module):
                 nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
 
     def forward(self, x: Tensor) -> Tensor:
-        """Logits of shape ``[batch, num_classes]`` for images ``[batch, C, H, W]``."""
+        """Logits of shape ``[batch, num_classes]`` for images ``[batch, C, H, W]``.
+
+        Args:
+            x: a batch of images.
+        """
         out = self.stages(self.stem(x))
         out = torch.flatten(self.pool(out), 1)
         logits: Tensor = self.fc(out)
@@ -255,6 +262,10 @@ class VGG11(nn.Module):
 
     It has about 9.75M parameters on CIFAR-10 shapes, nearly all in a handful of large tensors:
     the bandwidth-bound case for gradient communication.
+
+    Args:
+        input_shape: one image's shape (channels, height, width).
+        num_classes: outputs of the head.
     """
 
     def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
@@ -291,7 +302,11 @@ class VGG11(nn.Module):
                 nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
 
     def forward(self, x: Tensor) -> Tensor:
-        """Logits of shape ``[batch, num_classes]`` for images ``[batch, C, H, W]``."""
+        """Logits of shape ``[batch, num_classes]`` for images ``[batch, C, H, W]``.
+
+        Args:
+            x: a batch of images.
+        """
         out = torch.flatten(self.pool(self.features(x)), 1)
         logits: Tensor = self.classifier(out)
         return logits
@@ -309,193 +324,6 @@ class VGG11(nn.Module):
             groups[-1].append(layer)
         blocks: list[nn.Module] = [nn.Sequential(*group) for group in groups]
         blocks.append(_PoolHead(self.pool, self.classifier))
-        return blocks
-
-
-# --------------------------------------------------------------------------------------------
-# Transformer
-# --------------------------------------------------------------------------------------------
-
-
-class _SelfAttention(nn.Module):
-    """Multi-head self-attention from two plain Linear layers (``qkv`` and ``out``).
-
-    :class:`torch.nn.MultiheadAttention` is avoided on purpose: its output projection is applied
-    functionally, so forward hooks on that Linear never fire and a preconditioner that hooks
-    Linear modules (K-FAC) would silently skip it.
-    """
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        if dim % heads != 0:
-            raise UsageError(f"transformer width {dim} is not divisible by {heads} heads")
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.out = nn.Linear(dim, dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        batch, tokens, dim = x.shape
-        qkv = self.qkv(x).reshape(batch, tokens, 3, self.heads, dim // self.heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [batch, heads, tokens, head_dim]
-        attended = F.scaled_dot_product_attention(q, k, v)
-        out: Tensor = self.out(attended.transpose(1, 2).reshape(batch, tokens, dim))
-        return out
-
-
-class _EncoderBlock(nn.Module):
-    """A pre-LayerNorm transformer encoder block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
-
-    def __init__(self, dim: int, heads: int, mlp_dim: int) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(dim)
-        self.attn = _SelfAttention(dim, heads)
-        self.norm2 = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, mlp_dim)
-        self.fc2 = nn.Linear(mlp_dim, dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.norm1(x))
-        out: Tensor = x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
-        return out
-
-
-def _patches(x: Tensor, patch: int, pad: tuple[int, int]) -> Tensor:
-    """Cut images ``[B, C, H, W]`` into flattened patches ``[B, tokens, C * patch * patch]``.
-
-    ``pad`` is the zero padding ``(right, bottom)`` that makes the sides multiples of ``patch``.
-    """
-    if pad != (0, 0):
-        x = F.pad(x, (0, pad[0], 0, pad[1]))
-    p = patch
-    batch, channels, height, width = x.shape
-    x = x.reshape(batch, channels, height // p, p, width // p, p)
-    x = x.permute(0, 2, 4, 1, 3, 5)  # [B, rows, cols, C, p, p]
-    return x.reshape(batch, (height // p) * (width // p), channels * p * p)
-
-
-class _TokenEmbedding(nn.Module):
-    """The first part of :class:`PatchTransformer`'s forward: embed the tokens, add positions.
-
-    It registers the transformer's own ``embed`` module and ``pos`` Parameter (the same objects,
-    which stay registered on the transformer too), so a pipeline stage built from it trains the
-    model's weights.
-    """
-
-    def __init__(
-        self, embed: nn.Module, pos: nn.Parameter, patch: int, pad: tuple[int, int]
-    ) -> None:
-        super().__init__()
-        self.embed = embed
-        self.pos = pos
-        self.patch = patch
-        self.pad = pad
-
-    def forward(self, x: Tensor) -> Tensor:
-        tokens = self.embed(x) if self.patch == 0 else self.embed(_patches(x, self.patch, self.pad))
-        out: Tensor = tokens + self.pos
-        return out
-
-
-class _TokenHead(nn.Module):
-    """The last part of :class:`PatchTransformer`'s forward: mean over tokens, LayerNorm, head."""
-
-    def __init__(self, norm: nn.Module, head: nn.Module) -> None:
-        super().__init__()
-        self.norm = norm
-        self.head = head
-
-    def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = self.head(self.norm(x.mean(dim=1)))
-        return out
-
-
-def patch_size_for(height: int, width: int, max_tokens: int = 64) -> int:
-    """The square patch side the transformer uses for a ``height x width`` image.
-
-    The side is ``ceil(max(height, width) / 8)``, at least 2 and at most ``max(height, width)``,
-    so an image becomes at most an 8x8 grid of tokens (64 tokens, the bound that keeps attention
-    cheap): 8x8 digits -> 2x2 patches (16 tokens of 4 pixels; 1-pixel tokens would carry too
-    little to embed), 32x32 -> 4x4 patches (64 tokens), 224x224 -> 28x28 patches (64 tokens).
-    Sides that are not a multiple of the patch are zero-padded at the bottom and right.
-    """
-    side = max(height, width)
-    patch = min(max(2, math.ceil(side / math.isqrt(max_tokens))), side)
-    return patch
-
-
-class PatchTransformer(nn.Module):
-    """A small pre-LayerNorm transformer encoder classifier built from plain Linear layers.
-
-    Images ``[C, H, W]`` become sequences of non-overlapping square patches (side from
-    :func:`patch_size_for`), each flattened and embedded by a Linear layer; a learned positional
-    embedding is added; ``depth`` encoder blocks (``heads``-head attention through
-    :func:`torch.nn.functional.scaled_dot_product_attention`, MLP ``dim -> mlp_dim -> dim`` with
-    GELU) follow; tokens are mean-pooled (no class token, so every token is treated alike), then a
-    final LayerNorm and a Linear head give the logits.
-
-    A 1-D ``input_shape`` ``(seq_len,)`` means the input is integer token ids ``[batch, seq_len]``,
-    embedded by an :class:`torch.nn.Embedding` of ``vocab_size`` rows.
-    """
-
-    def __init__(
-        self,
-        input_shape: tuple[int, ...],
-        num_classes: int,
-        *,
-        dim: int = 128,
-        depth: int = 4,
-        heads: int = 4,
-        mlp_dim: int = 256,
-        vocab_size: int = 1000,
-    ) -> None:
-        super().__init__()
-        self.patch = 0
-        self.pad = (0, 0)
-        self.embed: nn.Module
-        if len(input_shape) == 1:
-            if vocab_size < 1:
-                raise UsageError(f"transformer vocab_size must be >= 1, got {vocab_size}")
-            tokens = input_shape[0]
-            self.embed = nn.Embedding(vocab_size, dim)
-        elif len(input_shape) == 3:
-            channels, height, width = input_shape
-            self.patch = patch_size_for(height, width)
-            rows, cols = math.ceil(height / self.patch), math.ceil(width / self.patch)
-            self.pad = (cols * self.patch - width, rows * self.patch - height)
-            tokens = rows * cols
-            self.embed = nn.Linear(channels * self.patch * self.patch, dim)
-        else:
-            raise UsageError(
-                "model 'transformer' needs an image input shape (channels, height, width) or a "
-                f"sequence length (seq_len,), got {input_shape}"
-            )
-        # Small initial positional embedding, as in ViT/BERT, so it does not swamp the content.
-        self.pos = nn.Parameter(torch.empty(1, tokens, dim))
-        nn.init.normal_(self.pos, std=0.02)
-        self.blocks = nn.Sequential(*(_EncoderBlock(dim, heads, mlp_dim) for _ in range(depth)))
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, num_classes)
-
-    def _tokens(self, x: Tensor) -> Tensor:
-        """Cut images ``[B, C, H, W]`` into flattened patches ``[B, tokens, C * patch * patch]``."""
-        return _patches(x, self.patch, self.pad)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Logits ``[batch, num_classes]`` for images ``[batch, C, H, W]`` or ids ``[batch, T]``."""
-        tokens = self.embed(x) if self.patch == 0 else self.embed(self._tokens(x))
-        out = self.blocks(tokens + self.pos)
-        logits: Tensor = self.head(self.norm(out.mean(dim=1)))
-        return logits
-
-    def pipeline_blocks(self) -> list[nn.Module]:
-        """Blocks for pipeline stages: embedding (+ positions), each encoder block, the head.
-
-        The head is mean over tokens, LayerNorm and the Linear classifier. The blocks hold this
-        model's own modules and its ``pos`` Parameter, so they share its parameters.
-        """
-        blocks: list[nn.Module] = [_TokenEmbedding(self.embed, self.pos, self.patch, self.pad)]
-        blocks += list(self.blocks)
-        blocks.append(_TokenHead(self.norm, self.head))
         return blocks
 
 
@@ -604,6 +432,11 @@ def build_model(spec: str, input_shape: tuple[int, ...], num_classes: int) -> nn
     keywords, each only if its signature accepts it (or has ``**kwargs``). The current working
     directory is added to ``sys.path`` when missing, so ``mymodels:net`` finds ``./mymodels.py``.
 
+    Args:
+        spec: a zoo name or package.module:callable.
+        input_shape: one sample's shape, without the batch dimension.
+        num_classes: classes the model predicts.
+
     Raises :class:`~interlace.errors.UsageError`, saying what to do, for an unknown zoo name, a
     module that cannot be imported, a missing attribute, something not callable, or a callable
     that returns something other than an nn.Module.
@@ -654,6 +487,12 @@ class ModelSummary:
     ``params`` is the number of trainable elements, ``tensors`` the number of trainable parameter
     tensors and ``trainable_bytes`` their total size; a parameter shared between modules counts
     once, as it has one gradient.
+
+    Args:
+        name: the model's spec.
+        params: trainable elements.
+        tensors: trainable parameter tensors.
+        trainable_bytes: their total size in bytes.
     """
 
     name: str
@@ -663,7 +502,12 @@ class ModelSummary:
 
 
 def summarize_model(name: str, model: nn.Module) -> ModelSummary:
-    """Count ``model``'s trainable parameters (elements, tensors, bytes), shared ones once."""
+    """Count ``model``'s trainable parameters (elements, tensors, bytes), shared ones once.
+
+    Args:
+        name: the model's spec, kept in the summary.
+        model: the model to count.
+    """
     # Module.parameters() already yields a shared Parameter only once.
     trainable = [p for p in model.parameters() if p.requires_grad]
     return ModelSummary(

@@ -1,16 +1,7 @@
 """Training with the model pipelined over the job's ranks: ``interlace train --parallel pipeline``.
 
-Rank ``k`` holds stage ``k`` of ``N = world size`` stages (cut by rank 0's plan, see
-:mod:`interlace.pipeline.stages`). Every rank builds the same data loaders (one data stream,
-the same shuffle on every rank); stage 0 reads the inputs, the last stage the targets. The
-mini-batch is ``--batch-size``: the whole batch goes through the pipeline (cut into
-micro-batches for ``gpipe`` and ``1f1b``), so it is also the global batch, which makes a
-pipelined run comparable with a data-parallel one of ``batch_size / N`` per rank.
-
-The learning-rate schedule (warm-up then cosine) advances once per update, as in data-parallel
-training; the asynchronous schedules update once per mini-batch as well, so both see the same
-schedule. Each epoch is one stream: the pipeline fills at its start and drains at its end, then
-the test split is scored through the pipeline.
+Rank ``k`` holds stage ``k`` of as many stages as ranks; the whole ``--batch-size`` mini-batch goes
+through the pipeline, so it is also the global batch.
 """
 
 from __future__ import annotations
@@ -28,10 +19,10 @@ from interlace.errors import UsageError
 from interlace.pipeline.runtime import PipelineStage
 from interlace.pipeline.schedule import SYNCHRONOUS
 from interlace.pipeline.stages import local_stage
-from interlace.train import (
+from interlace.train.config import (
     TrainConfig,
     TrainResult,
-    finish_run_log,
+    finish_run,
     open_run_log,
     sgd_with_schedule,
     steps_in_epoch,
@@ -40,7 +31,19 @@ from interlace.zoo import build_model, load_data, make_loader
 
 
 def train_pipeline(config: TrainConfig, context: DistContext, run_dir: str | None) -> TrainResult:
-    """Train ``config.model`` pipelined over the job's ranks; same result on every rank."""
+    """Train ``config.model`` pipelined over the job's ranks; same result on every rank.
+
+    Every rank builds the same data loaders (one data stream, one shuffle); stage 0 reads the
+    inputs, the last stage the targets, and every rank reports the last stage's numbers.
+
+    Args:
+        config: the run's config (already validated), with ``parallel == "pipeline"``.
+        context: this rank's place in the job (process group initialised).
+        run_dir: where rank 0 writes its records (made fresh when None).
+
+    Raises:
+        UsageError: for an optimizer other than SGD, or spectrain without momentum.
+    """
     if config.optimizer != "sgd":
         raise UsageError("--parallel pipeline trains with SGD and momentum; drop --optimizer kfac")
     if config.schedule == "spectrain" and config.momentum <= 0:
@@ -144,18 +147,11 @@ def train_pipeline(config: TrainConfig, context: DistContext, run_dir: str | Non
                 sys.stdout.flush()
     finally:
         bar.close()
-    if log is not None:
-        finish_run_log(
-            log,
-            f"{config.model} on {bundle.name}, {config.schedule} over {last + 1} stages",
-            accuracy,
-            config.epochs,
-            throughput,
-        )
-    return TrainResult(
-        final_test_accuracy=accuracy,
-        final_train_loss=train_loss,
+    return finish_run(
+        log,
+        f"{config.model} on {bundle.name}, {config.schedule} over {last + 1} stages",
+        accuracy=accuracy,
+        train_loss=train_loss,
         samples_per_s=throughput,
-        run_dir=str(log.path) if log is not None else None,
         epochs=config.epochs,
     )

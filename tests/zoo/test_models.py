@@ -16,7 +16,7 @@ from torch import nn
 
 from interlace.errors import UsageError
 from interlace.zoo import MODEL_NAMES, ModelSummary, build_model, summarize_model
-from interlace.zoo.models import PatchTransformer, patch_size_for
+from interlace.zoo.transformer import PatchTransformer, patch_size_for
 
 DIGITS = ((1, 8, 8), 10)
 CIFAR = ((3, 32, 32), 10)
@@ -250,7 +250,7 @@ def test_transformer_patches_match_unfold() -> None:
     x = torch.randn(2, 3, 32, 32)
     # F.unfold lays out each patch as (channel, row, col) and patches in row-major order.
     expected = F.unfold(x, kernel_size=4, stride=4).transpose(1, 2)
-    assert torch.equal(model._tokens(x), expected)
+    assert torch.equal(model.patchify(x), expected)
 
 
 def test_transformer_uses_only_linear_layers_whose_hooks_fire() -> None:

@@ -16,7 +16,7 @@ from interlace import cli, launch
 from interlace.errors import UsageError
 from interlace.launch import LaunchResult
 from interlace.runlog import read_metrics
-from interlace.train import TrainConfig, _make_kfac, _Schedule, train_rank
+from interlace.train import TrainConfig, WarmupCosine, make_kfac, train_rank
 
 
 @pytest.mark.slow
@@ -80,7 +80,7 @@ def test_kfac_defaults_are_kfac_pytorchs_and_validate() -> None:
 
 def _sgd_with_schedule(model: nn.Module) -> tuple[torch.optim.SGD, Any]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _Schedule(20, 5))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(20, 5))
     return optimizer, schedule
 
 
@@ -88,7 +88,7 @@ def test_kfac_clip_follows_the_scheduled_learning_rate() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     optimizer, schedule = _sgd_with_schedule(model)
-    precond = _make_kfac(TrainConfig(optimizer="kfac", kfac_kl_clip=0.0), model, optimizer)
+    precond = make_kfac(TrainConfig(optimizer="kfac", kfac_kl_clip=0.0), model, optimizer)
     assert precond.kl_clip is None  # 0 turns the clip off
     for _ in range(7):
         loss = nn.functional.cross_entropy(model(torch.randn(5, 4)), torch.randint(0, 3, (5,)))
@@ -109,7 +109,7 @@ def test_a_worker_fraction_the_world_cannot_split_names_its_flag() -> None:
     config = TrainConfig(optimizer="kfac", kfac_grad_worker_fraction=0.5)
     config.validate()
     with pytest.raises(UsageError, match="--kfac-grad-worker-fraction"):
-        _make_kfac(config, model, optimizer)
+        make_kfac(config, model, optimizer)
 
 
 def test_cli_passes_every_kfac_flag_to_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -160,7 +160,7 @@ def test_cli_passes_every_kfac_flag_to_the_job(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_cli_defaults_to_sgd_with_kfac_pytorchs_settings() -> None:
-    parser = cli._build_parser()
+    parser = cli.build_parser()
     args = parser.parse_args(["train"])
     assert isinstance(args, argparse.Namespace)
     assert args.optimizer == "sgd"

@@ -1,16 +1,14 @@
-"""The main training job: data-parallel training that learns, records and reports."""
+"""Data-parallel training: a run that learns, records and reports."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
 
 from interlace import launch
-from interlace.errors import UsageError
 from interlace.runlog import read_metrics
-from interlace.train import TrainConfig, TrainResult, _Schedule, train_rank
+from interlace.train import TrainConfig, TrainResult, train_rank
 
 
 def test_two_ranks_learn_digits_and_write_the_run_folder(tmp_path: Path) -> None:
@@ -42,31 +40,3 @@ def test_two_ranks_learn_digits_and_write_the_run_folder(tmp_path: Path) -> None
     assert rows[-1]["test_accuracy"] == pytest.approx(first.final_test_accuracy, rel=1e-5)
     assert (run_dir / "curves.png").read_bytes()[:4] == b"\x89PNG"
     assert '"world_size": 2' in (run_dir / "config.json").read_text()
-
-
-def test_schedule_warms_up_linearly_then_follows_a_cosine() -> None:
-    total, warmup = 100, 10
-    schedule = _Schedule(total, warmup)
-    assert [schedule(step) for step in range(warmup)] == pytest.approx(
-        [(step + 1) / (warmup + 1) for step in range(warmup)]
-    )
-    for step in (10, 35, 60, 99):
-        expected = 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
-        assert schedule(step) == pytest.approx(expected)
-    assert schedule(warmup) == pytest.approx(1.0)
-
-
-@pytest.mark.parametrize(
-    ("field", "value", "flag"),
-    [
-        ("epochs", 0, "--epochs"),
-        ("batch_size", 0, "--batch-size"),
-        ("lr", -0.1, "--lr"),
-        ("momentum", 1.0, "--momentum"),
-        ("max_steps_per_epoch", 0, "--max-steps-per-epoch"),
-    ],
-)
-def test_impossible_settings_name_their_flag(field: str, value: float, flag: str) -> None:
-    config = TrainConfig(**{field: value})  # type: ignore[arg-type]
-    with pytest.raises(UsageError, match=flag):
-        config.validate()

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+import interlace.pipeline
 from interlace.errors import UsageError
 from interlace.pipeline.predict import (
     check_predictable,
@@ -57,6 +58,18 @@ def test_version_difference_rejects_bad_arguments(stage: int, num_stages: int) -
 # --------------------------------------------------------------------------------------------
 # predict_weights
 # --------------------------------------------------------------------------------------------
+
+
+def test_the_documented_call_is_importable_from_the_package() -> None:
+    # interlace.pipeline.predict_weights(weight, momentum_buffer, lr, s), argument names and all.
+    weight = torch.tensor([1.0, 2.0])
+    buffer = torch.tensor([2.0, -4.0])
+    predicted = interlace.pipeline.predict_weights(
+        weight=weight, momentum_buffer=buffer, lr=0.25, s=2
+    )
+    # W - s * lr * v = [1 - 1, 2 + 2].
+    assert torch.equal(predicted, torch.tensor([0.0, 4.0]))
+    assert interlace.pipeline.version_difference(stage=0, num_stages=4) == (3, 0)
 
 
 def test_predict_weights_formula_by_hand() -> None:

@@ -1,0 +1,43 @@
+"""The training job above the libraries: config, data-parallel and pipelined training on ranks."""
+
+from __future__ import annotations
+
+from interlace.train.config import (
+    OPTIMIZERS,
+    PARALLELISMS,
+    PARTITION_BY,
+    PIPELINE_SCHEDULES,
+    TrainConfig,
+    TrainResult,
+    WarmupCosine,
+    finish_run,
+    finish_run_log,
+    open_run_log,
+    run_label,
+    sgd_with_schedule,
+    steps_in_epoch,
+)
+from interlace.train.data_parallel import evaluate, make_kfac, train_data_parallel
+from interlace.train.job import train_rank
+from interlace.train.pipeline import train_pipeline
+
+__all__ = [
+    "OPTIMIZERS",
+    "PARALLELISMS",
+    "PARTITION_BY",
+    "PIPELINE_SCHEDULES",
+    "TrainConfig",
+    "TrainResult",
+    "WarmupCosine",
+    "evaluate",
+    "finish_run",
+    "finish_run_log",
+    "make_kfac",
+    "open_run_log",
+    "run_label",
+    "sgd_with_schedule",
+    "steps_in_epoch",
+    "train_data_parallel",
+    "train_pipeline",
+    "train_rank",
+]

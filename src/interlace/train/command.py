@@ -1,0 +1,282 @@
+"""``interlace train`` and ``interlace demo``: the training job's flags, and starting its ranks."""
+
+from __future__ import annotations
+
+import argparse
+
+from interlace import launch
+from interlace.cliutil import add_channel_arguments, parse_shape, report_failure
+from interlace.comm.links import parse_link
+from interlace.distenv import in_launched_job
+from interlace.errors import UsageError
+from interlace.kfac.placement import worker_count
+from interlace.pipeline import SPECTRAIN_BACKWARDS
+from interlace.runlog import new_run_dir
+from interlace.train.config import (
+    OPTIMIZERS,
+    PARALLELISMS,
+    PARTITION_BY,
+    PIPELINE_SCHEDULES,
+    TrainConfig,
+    run_label,
+)
+from interlace.train.job import train_rank
+from interlace.zoo import build_model, load_data
+
+
+def add_arguments(
+    parser: argparse.ArgumentParser, default_epochs: int = 15, default_nprocs: int = 1
+) -> None:
+    """Add the training job's flags to ``parser`` (``interlace train`` and ``interlace demo``).
+
+    Args:
+        parser: the subcommand's parser.
+        default_epochs: ``--epochs`` when not given.
+        default_nprocs: ``-n`` when not given.
+    """
+    defaults = TrainConfig()
+    parser.add_argument(
+        "--model", default=defaults.model, help="zoo name or package.module:callable"
+    )
+    parser.add_argument(
+        "--data",
+        default=defaults.data,
+        help="digits, synthetic-cifar10, synthetic-imagenet, or a CIFAR-10 python folder",
+    )
+    parser.add_argument(
+        "--strategy",
+        default=defaults.strategy,
+        help="how gradients are averaged: ddp (torch DDP), wfbp, fixed, single, mgwfbp or optimal "
+        f"(default {defaults.strategy})",
+    )
+    parser.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=defaults.bucket_cap_mb,
+        help="bucket cap of the ddp and fixed strategies, MB (default: 25, first bucket 1)",
+    )
+    add_channel_arguments(parser)
+    parser.add_argument(
+        "-n",
+        "--nprocs",
+        type=int,
+        default=default_nprocs,
+        help=f"number of ranks to start (default {default_nprocs}); ignored under torchrun",
+    )
+    parser.add_argument(
+        "--link",
+        help="emulate a network of this rate per rank: 100mbit, 1gbit, 2.5gbit or 10gbit "
+        "(needs root); default: plain loopback",
+    )
+    parser.add_argument("--epochs", type=int, default=default_epochs)
+    parser.add_argument(
+        "--batch-size", type=int, default=defaults.batch_size, help="per-rank batch size"
+    )
+    parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate")
+    parser.add_argument("--momentum", type=float, default=defaults.momentum)
+    parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
+    parser.add_argument("--warmup-epochs", type=float, default=defaults.warmup_epochs)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument(
+        "--input-shape", type=parse_shape, help="input shape the model expects, e.g. 3,32,32"
+    )
+    parser.add_argument("--classes", type=int, help="number of classes the model predicts")
+    parser.add_argument(
+        "--synthetic-size", type=int, help="training samples of a synthetic data set"
+    )
+    parser.add_argument(
+        "--max-steps-per-epoch", type=int, help="cut every epoch short (throughput runs)"
+    )
+    parser.add_argument(
+        "--runs-dir", default=defaults.runs_dir, help="where run folders are made (default runs)"
+    )
+    parser.add_argument("--out", help="exact run folder to write (default: a new one in runs/)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--timeout", type=float, help="stop the whole job after this many seconds")
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=defaults.optimizer,
+        help="sgd (SGD with momentum) or kfac (K-FAC preconditioning in front of that same SGD, "
+        f"schedule and all; default {defaults.optimizer})",
+    )
+    pipeline = parser.add_argument_group(
+        "pipeline parallelism (with --parallel pipeline: one stage per rank, -n stages)"
+    )
+    pipeline.add_argument(
+        "--parallel",
+        choices=PARALLELISMS,
+        default=defaults.parallel,
+        help="data: replicate the model (--strategy); pipeline: cut it into -n stages, "
+        "--batch-size then being the mini-batch through the pipeline (default data)",
+    )
+    pipeline.add_argument(
+        "--schedule",
+        choices=PIPELINE_SCHEDULES,
+        default=defaults.schedule,
+        help="gpipe or 1f1b (synchronous, micro-batches, one update per mini-batch); "
+        "spectrain, pipedream or naive (asynchronous 1F1B, an update per mini-batch, "
+        f"with predicted, stashed or latest weights); default {defaults.schedule}",
+    )
+    pipeline.add_argument(
+        "--microbatches",
+        type=int,
+        default=defaults.microbatches,
+        help=f"micro-batches per mini-batch of gpipe and 1f1b (default {defaults.microbatches})",
+    )
+    pipeline.add_argument(
+        "--chunks",
+        type=int,
+        default=defaults.chunks,
+        help="pieces each mini-batch travels in through spectrain, pipedream or naive, all with "
+        "the mini-batch's weights and one update: a stage starts on the first while the rest "
+        "are in transit (faster on slow links; BatchNorm then normalises per piece); "
+        f"default {defaults.chunks}",
+    )
+    pipeline.add_argument(
+        "--spectrain-backward",
+        choices=SPECTRAIN_BACKWARDS,
+        default=defaults.spectrain_backward,
+        help="spectrain's backward: recompute the stage with weights predicted at backward "
+        "time (the paper's rule) or reuse the forward's prediction and graph (no second "
+        f"forward); default {defaults.spectrain_backward}",
+    )
+    pipeline.add_argument(
+        "--partition-by",
+        choices=PARTITION_BY,
+        default=defaults.partition_by,
+        help="balance stages by measured forward+backward time or by parameter count "
+        f"(default {defaults.partition_by})",
+    )
+    kfac = parser.add_argument_group("K-FAC (with --optimizer kfac; defaults are kfac-pytorch's)")
+    kfac.add_argument(
+        "--kfac-factor-update-steps",
+        type=int,
+        default=defaults.kfac_factor_update_steps,
+        metavar="N",
+        help="update the Kronecker factors every N steps",
+    )
+    kfac.add_argument(
+        "--kfac-inv-update-steps",
+        type=int,
+        default=defaults.kfac_inv_update_steps,
+        metavar="N",
+        help="decompose (or invert) the factors every N steps",
+    )
+    kfac.add_argument(
+        "--kfac-damping", type=float, default=defaults.kfac_damping, help="Tikhonov damping"
+    )
+    kfac.add_argument(
+        "--kfac-factor-decay",
+        type=float,
+        default=defaults.kfac_factor_decay,
+        help="running-average decay of the factors, in [0, 1)",
+    )
+    kfac.add_argument(
+        "--kfac-kl-clip",
+        type=float,
+        default=defaults.kfac_kl_clip,
+        help="KL-clip bound on the preconditioned step (0: no clip)",
+    )
+    kfac.add_argument(
+        "--kfac-compute-method",
+        default=defaults.kfac_compute_method,
+        help="eigen (eigendecompositions) or inverse (damped inverses)",
+    )
+    kfac.add_argument(
+        "--kfac-grad-worker-fraction",
+        type=float,
+        default=defaults.kfac_grad_worker_fraction,
+        metavar="F",
+        help="share of ranks preconditioning each layer: 1 COMM-OPT, 1/n MEM-OPT, between HYBRID",
+    )
+    kfac.add_argument(
+        "--kfac-g-normalization",
+        choices=("kfac-pytorch", "per-example"),
+        default=defaults.kfac_g_normalization,
+        help="G from gradients of the mean loss (kfac-pytorch) or of each example's loss "
+        "(the per-example Fisher: G times the squared global batch)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the training job the parsed flags describe: as this rank, or by launching ``-n``.
+
+    Args:
+        args: :func:`add_arguments`'s flags, parsed, and ``command`` (``train`` or ``demo``).
+
+    Returns:
+        The job's exit status.
+
+    Raises:
+        UsageError: for an impossible setting, a model or data that does not load, or a
+            ``--link`` the launcher cannot emulate.
+    """
+    config = TrainConfig(
+        model=args.model,
+        data=args.data,
+        strategy=args.strategy,
+        bucket_cap_mb=args.bucket_cap_mb,
+        channels=args.channels,
+        compression=args.compression,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        momentum=args.momentum,
+        weight_decay=args.weight_decay,
+        warmup_epochs=args.warmup_epochs,
+        seed=args.seed,
+        input_shape=args.input_shape,
+        num_classes=args.classes,
+        synthetic_size=args.synthetic_size,
+        max_steps_per_epoch=args.max_steps_per_epoch,
+        runs_dir=args.runs_dir,
+        progress=not args.no_progress,
+        optimizer=args.optimizer,
+        kfac_factor_update_steps=args.kfac_factor_update_steps,
+        kfac_inv_update_steps=args.kfac_inv_update_steps,
+        kfac_damping=args.kfac_damping,
+        kfac_factor_decay=args.kfac_factor_decay,
+        kfac_kl_clip=args.kfac_kl_clip,
+        kfac_compute_method=args.kfac_compute_method,
+        kfac_grad_worker_fraction=args.kfac_grad_worker_fraction,
+        kfac_g_normalization=args.kfac_g_normalization,
+        parallel=args.parallel,
+        schedule=args.schedule,
+        microbatches=args.microbatches,
+        partition_by=args.partition_by,
+        spectrain_backward=args.spectrain_backward,
+        chunks=args.chunks,
+    )
+    config.validate()
+
+    if in_launched_job():
+        # Started by torchrun or `interlace launch`: this process is one rank already.
+        train_rank(config, args.out)
+        return 0
+
+    if args.nprocs < 1:
+        raise UsageError(f"-n must be >= 1, got {args.nprocs}")
+    if args.link is not None:
+        parse_link(args.link)
+    if config.optimizer == "kfac":
+        try:
+            worker_count(config.kfac_grad_worker_fraction, args.nprocs)
+        except ValueError as error:
+            raise UsageError(f"--kfac-grad-worker-fraction: {error}") from None
+    # Check the model and data here, once, so a typo is one line rather than N tracebacks.
+    bundle = load_data(config.data, synthetic_size=config.synthetic_size, seed=config.seed)
+    build_model(
+        config.model,
+        config.input_shape or bundle.input_shape,
+        config.num_classes or bundle.num_classes,
+    )
+    run_dir = args.out or str(
+        new_run_dir(
+            config.runs_dir, f"{run_label(config.model)}-{run_label(config.data)}-n{args.nprocs}"
+        )
+    )
+    result = launch.run(
+        train_rank, args.nprocs, link=args.link, args=(config, run_dir), timeout=args.timeout
+    )
+    return report_failure(f"interlace {args.command}", result, args.timeout)
