@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_scaling(args: argparse.Namespace) -> int:
-    from interlace.bench.dp import parse_names
+    from interlace.bench.harness import parse_names
     from interlace.sim.engine import STRATEGIES, simulate_scaling, strategy_named
     from interlace.sim.experiments import (
         check_claims,

@@ -380,7 +380,7 @@ class ContentionProbe:
 
     def finish(self) -> ContentionSamples:
         """The samples, each a maximum over ranks (collective: every rank calls it)."""
-        from interlace.bench.dp import _max_over_ranks
+        from interlace.bench.harness import max_over_ranks
 
-        maxima = {name: _max_over_ranks(values) for name, values in self._raw.items()}
+        maxima = {name: max_over_ranks(values) for name, values in self._raw.items()}
         return ContentionSamples(stream_count=len(self._params), **maxima)

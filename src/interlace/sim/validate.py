@@ -370,14 +370,8 @@ def validate_rank(job: ValidateJob) -> ValidateSample:
     import torch
     import torch.distributed as dist
 
-    from interlace.bench.dp import (
-        MeasureJob,
-        _max_over_ranks,
-        _synthetic_batches,
-        _train_step,
-        measure_rank,
-    )
-    from interlace.bench.dp import _Contender as Contender
+    from interlace.bench.dp_rank import MeasureJob, measure_rank
+    from interlace.bench.harness import Contender, max_over_ranks, synthetic_batches, train_step
     from interlace.comm.calibrate import fit_stream_cost_model
     from interlace.dp import DataParallel
     from interlace.profile import layer_forward_times, trace_from_plan
@@ -391,12 +385,12 @@ def validate_rank(job: ValidateJob) -> ValidateSample:
     assert isinstance(wrapper, DataParallel)
     optimizer = torch.optim.SGD(wrapper.parameters(), lr=0.01, momentum=0.9)
     contender = Contender("single", wrapper, optimizer)
-    batches = _synthetic_batches(job.batch, job.input_shape, job.seed, rank)
+    batches = synthetic_batches(job.batch, job.input_shape, job.seed, rank)
     count = 0
     while wrapper.plan is None:
         if count > 50:
             raise RuntimeError("the profiling DataParallel never planned")
-        _train_step(contender, *batches[count % len(batches)])
+        train_step(contender, *batches[count % len(batches)])
         count += 1
     steps = []
     for index in range(STEP_SAMPLES):
@@ -406,7 +400,7 @@ def validate_rank(job: ValidateJob) -> ValidateSample:
         started = time.perf_counter()
         optimizer.step()
         steps.append(time.perf_counter() - started)
-    step_s = statistics.median(_max_over_ranks(steps))
+    step_s = statistics.median(max_over_ranks(steps))
     plan = wrapper.plan
     cost = wrapper.cost_model
     assert plan is not None and cost is not None
@@ -460,12 +454,12 @@ def run_validation(config: ValidateConfig) -> int:
     from tqdm import tqdm
 
     from interlace import netem
-    from interlace.bench.dp import (
+    from interlace.bench.harness import (
         DEFAULT_BATCH,
         DEFAULT_INPUT_SHAPE,
         FALLBACK_BATCH,
         LaunchFailedError,
-        _launch,
+        launch_on_ranks,
     )
 
     try:
@@ -501,7 +495,16 @@ def run_validation(config: ValidateConfig) -> int:
                 )
                 bench = _bench_config(config, nprocs)
                 try:
-                    sample = _launch(validate_rank, job, bench, link, cache_dir, note=bar.write)
+                    sample = launch_on_ranks(
+                        validate_rank,
+                        job,
+                        nprocs=bench.nprocs,
+                        link=link,
+                        timeout_s=bench.timeout_s,
+                        cache_dir=cache_dir,
+                        note=bar.write,
+                        prog="interlace bench dp",
+                    )
                 except LaunchFailedError as exc:
                     failures.append(f"{model}, {nprocs} ranks, {link}: {exc}")
                     bar.write(f"{PROG}: launch failed: {failures[-1]}")
@@ -544,7 +547,8 @@ def run_validation(config: ValidateConfig) -> int:
 
 
 def _bench_config(config: ValidateConfig, nprocs: int) -> Any:
-    from interlace.bench.dp import DEFAULT_INPUT_SHAPE, BenchConfig
+    from interlace.bench.dp import BenchConfig
+    from interlace.bench.harness import DEFAULT_INPUT_SHAPE
 
     return BenchConfig(
         models=config.models,
@@ -574,7 +578,7 @@ def _label(model: str) -> str:
 
 def config_from_args(args: argparse.Namespace) -> ValidateConfig:
     """Check ``--validate``'s flags; a UsageError names what is wrong."""
-    from interlace.bench.dp import parse_names
+    from interlace.bench.harness import parse_names
     from interlace.sim.engine import STRATEGIES
     from interlace.strategies import STRATEGIES as RUNNABLE
     from interlace.zoo import MODEL_NAMES
