@@ -114,6 +114,11 @@ class BenchConfig:
     png_path: str | None
 
     def batch_for(self, model: str) -> int:
+        """The per-rank batch of ``model``: ``--batch-size``, else the model's default.
+
+        Args:
+            model: A zoo name or ``package.module:callable``.
+        """
         if self.batch_size is not None:
             return self.batch_size
         return default_batch(model)
@@ -124,7 +129,11 @@ class BenchConfig:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``interlace bench dp``."""
+    """The flags of ``interlace bench dp``.
+
+    Args:
+        parser: The parser (or subcommand parser) to add them to.
+    """
     parser.add_argument(
         "--models",
         help=f"comma-separated zoo models or package.module:callable "
@@ -231,7 +240,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    """Resolve ``--quick`` and defaults and check every value; raises UsageError."""
+    """Resolve ``--quick`` and defaults and check every value; raises UsageError.
+
+    Args:
+        args: The parsed flags (see :func:`add_arguments`).
+    """
 
     quick = bool(args.quick)
     models = (
@@ -292,7 +305,13 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 def expand_variants(
     strategies: Sequence[str], channels_text: str, compression_text: str
 ) -> tuple[str, ...]:
-    """Every strategy with every channel setting and compression (DDP: one channel only)."""
+    """Every strategy with every channel setting and compression (DDP: one channel only).
+
+    Args:
+        strategies: Strategy names.
+        channels_text: The ``--channels`` value (comma-separated).
+        compression_text: The ``--compression`` value (comma-separated).
+    """
 
     channel_settings = [parse_channels(part.strip()) for part in channels_text.split(",")]
     compressions: list[str | None] = []
@@ -354,7 +373,11 @@ def _launch_plan(config: BenchConfig, calibrations: dict[str, Calibration] | Non
 
 
 def describe_conditions(config: BenchConfig) -> str:
-    """One paragraph saying when, where and how the rows were measured."""
+    """One paragraph saying when, where and how the rows were measured.
+
+    Args:
+        config: The run.
+    """
     now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     load = machine_load()
     network = (
@@ -380,7 +403,11 @@ def describe_conditions(config: BenchConfig) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark described by ``args`` (see :func:`add_arguments`); the exit status."""
+    """Run the benchmark described by ``args`` (see :func:`add_arguments`); the exit status.
+
+    Args:
+        args: The parsed flags (see :func:`add_arguments`).
+    """
     config = config_from_args(args)
     _check_models_build(config)
     if config.netem:
@@ -489,7 +516,11 @@ def _launch_plan_shape(config: BenchConfig) -> list[tuple[str, float | None]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``interlace bench dp`` on its own (``python benchmarks/dp.py``); the exit status."""
+    """``interlace bench dp`` on its own (``python benchmarks/dp.py``); the exit status.
+
+    Args:
+        argv: The arguments (default: the command line).
+    """
     return standalone_main(
         PROG,
         "Compare data-parallel strategies with PyTorch DDP on the emulated cluster, "

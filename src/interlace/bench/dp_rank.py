@@ -37,7 +37,13 @@ DDP_REBUILD_STEPS = 2
 
 def variant_label(strategy: str, channels: int | str = 1, compression: str | None = None) -> str:
     """The name of a strategy run with ``channels`` and ``compression``: ``mgwfbp``,
-    ``mgwfbp/k=auto``, ``mgwfbp/k=2/fp16``, ``ddp/fp16``."""
+    ``mgwfbp/k=auto``, ``mgwfbp/k=2/fp16``, ``ddp/fp16``.
+
+    Args:
+        strategy: The strategy's base name.
+        channels: Its channel setting (an int or ``"auto"``).
+        compression: Its gradient compression, or None.
+    """
     label = strategy
     if channels != 1:
         label += f"/k={channels}"
@@ -47,7 +53,11 @@ def variant_label(strategy: str, channels: int | str = 1, compression: str | Non
 
 
 def parse_variant(label: str) -> tuple[str, int | str, str | None]:
-    """``(strategy, channels, compression)`` of a :func:`variant_label`."""
+    """``(strategy, channels, compression)`` of a :func:`variant_label`.
+
+    Args:
+        label: A name :func:`variant_label` made.
+    """
     strategy, *options = label.split("/")
     channels: int | str = 1
     compression = None
@@ -200,6 +210,9 @@ def record_completion(handle: Any) -> list[float]:
 
     Read after waiting on it, the time is the collective's own end, which may lie before the
     wait: an end read when a wait after backward returns is never earlier than backward's.
+
+    Args:
+        handle: An async collective's work handle, or None.
     """
     ends: list[float] = []
     if handle is not None:
@@ -228,7 +241,11 @@ def _flat_gradients(model: Any) -> Any:
 
 def calibrate_rank(job: CalibrationJob) -> list[Calibration]:
     """Per model: median compute time per iteration, all-reduce of all gradients, tiny
-    all-reduce (the rate-independent part); every sample is a maximum over ranks."""
+    all-reduce (the rate-independent part); every sample is a maximum over ranks.
+
+    Args:
+        job: The models and batches to calibrate.
+    """
 
     rank = dist.get_rank()
     results = []
@@ -289,7 +306,11 @@ def _ddp_buckets(wrapper: Any) -> int | None:
 def measure_rank(job: MeasureJob) -> Measurement:
     """Warm every strategy up, then time them all in round-robin blocks (a new order every
     round), with the plain module's compute and the all-reduce of all gradients measured in the
-    same rounds."""
+    same rounds.
+
+    Args:
+        job: The model, strategies and rounds to time.
+    """
 
     rank = dist.get_rank()
     batches = synthetic_batches(job.batch, job.input_shape, job.seed, rank)

@@ -51,6 +51,15 @@ def rate_for_ratio(
     ``latency_s = 0`` that is ``ref_rate * T_ref / (ratio * compute)``. A target below the latency
     cannot be reached at any rate; it asks for an infinite one, clamped to ``max_bps`` like every
     rate outside ``[min_bps, max_bps]``.
+
+    Args:
+        ratio: The target communication/compute ratio (> 0).
+        compute_s: Seconds of compute per iteration.
+        ref_rate_bps: The reference link rate, bits per second.
+        ref_allreduce_s: Seconds of one all-reduce of all gradients at that rate.
+        latency_s: Seconds of a tiny all-reduce (the rate-independent part).
+        min_bps: Slowest rate to choose.
+        max_bps: Fastest rate to choose.
     """
     if not ratio > 0 or not math.isfinite(ratio):
         raise UsageError(f"a communication/compute ratio must be > 0, got {ratio}")
@@ -71,7 +80,11 @@ def rate_for_ratio(
 
 
 def format_rate(rate_bps: float) -> str:
-    """``rate_bps`` as a ``tc``/``--link`` rate with 3 significant digits (``87.5mbit``)."""
+    """``rate_bps`` as a ``tc``/``--link`` rate with 3 significant digits (``87.5mbit``).
+
+    Args:
+        rate_bps: A finite rate > 0, bits per second.
+    """
     if not rate_bps > 0 or not math.isfinite(rate_bps):
         raise ValueError(f"a rate must be a finite number > 0, got {rate_bps}")
     for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
@@ -88,6 +101,12 @@ def ideal_bound_s(forward_s: float, backward_s: float, allreduce_s: float, step_
     What an iteration would take if one all-reduce of all gradients ran entirely alongside
     backward at no cost to it. The optimizer step is in both this bound and the timed iteration,
     so their ratio compares like with like.
+
+    Args:
+        forward_s: Seconds of forward.
+        backward_s: Seconds of backward.
+        allreduce_s: Seconds of one all-reduce of all gradients.
+        step_s: Seconds of the optimizer step.
     """
     return forward_s + max(backward_s, allreduce_s) + step_s
 
@@ -150,7 +169,12 @@ class Row:
 
 
 def rows_from_measurement(measurement: Measurement, context: LaunchContext) -> list[Row]:
-    """Medians, speed-ups against DDP of the same launch, and the ideal-overlap bound."""
+    """Medians, speed-ups against DDP of the same launch, and the ideal-overlap bound.
+
+    Args:
+        measurement: What one launch measured.
+        context: Its target ratio and link.
+    """
     forward = statistics.median(measurement.forward_s)
     backward = statistics.median(measurement.backward_s)
     step = statistics.median(measurement.step_s)
@@ -220,7 +244,11 @@ def _link_text(row: Row) -> str:
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    """The markdown table: one line per model x ratio x strategy."""
+    """The markdown table: one line per model x ratio x strategy.
+
+    Args:
+        rows: The rows, in order.
+    """
     lines = [
         "| model | batch | target ratio | link | comm/compute | strategy | channels | k used | "
         "compression | iteration ms (p25-p75) | vs DDP | vs 1 channel | buckets | bound ms | "
@@ -253,7 +281,11 @@ def _ratio(value: float | None) -> str:
 
 
 def format_summary(rows: Sequence[Row]) -> str:
-    """One line per model x ratio: each strategy's speed-up vs DDP and its time/bound."""
+    """One line per model x ratio: each strategy's speed-up vs DDP and its time/bound.
+
+    Args:
+        rows: The rows, in order.
+    """
     strategies = list(dict.fromkeys(row.strategy for row in rows))
     groups = _groups(rows)
     header = (
@@ -290,7 +322,13 @@ def _groups(rows: Sequence[Row]) -> list[list[Row]]:
 
 def plot_speedups(rows: Sequence[Row], path: str | Path, title: str = "") -> None:
     """Grouped bars of speed-up vs DDP: one panel per model, a group per ratio, a bar per
-    strategy, and a line at 1.0 (DDP's own speed)."""
+    strategy, and a line at 1.0 (DDP's own speed).
+
+    Args:
+        rows: The rows (at least one).
+        path: Where the PNG goes.
+        title: The figure's title (a default when empty).
+    """
     import matplotlib  # noqa: PLC0415 - heavy import, only when a plot is asked for
 
     matplotlib.use("Agg")

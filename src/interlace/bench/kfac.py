@@ -141,7 +141,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def models_from_args(args: argparse.Namespace) -> tuple[str, ...]:
-    """``--model``, else ``--models``, else the defaults (the ablation's with ``--ablation``)."""
+    """``--model``, else ``--models``, else the defaults (the ablation's with ``--ablation``).
+
+    Args:
+        args: The parsed flags (see :func:`add_arguments`).
+    """
     if args.model:
         return (args.model,)
     if args.models:
@@ -150,7 +154,11 @@ def models_from_args(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark described by ``args``; the exit status."""
+    """Run the benchmark described by ``args``; the exit status.
+
+    Args:
+        args: The parsed flags (see :func:`add_arguments`).
+    """
     models = models_from_args(args)
     if args.nprocs < 1:
         raise UsageError(f"-n must be >= 1, got {args.nprocs}")

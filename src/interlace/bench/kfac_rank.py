@@ -124,7 +124,11 @@ def _passes(module: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
 
 
 def measure_rank(job: KfacJob) -> dict[str, Any]:
-    """One rank of a launch: warm up, time ``job.iters`` iterations, return the medians."""
+    """One rank of a launch: warm up, time ``job.iters`` iterations, return the medians.
+
+    Args:
+        job: The model and K-FAC settings to time.
+    """
     rank = dist.get_rank()
     torch.manual_seed(job.seed)
     plain = build_model(job.model, job.input_shape, NUM_CLASSES)
@@ -253,6 +257,9 @@ def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
 
     Every round runs one iteration of each mode (the first mode rotating from round to round),
     then the plain module's passes and DataParallel's alone, each behind a barrier.
+
+    Args:
+        job: The model and the modes to time side by side.
     """
     rank = dist.get_rank()
     torch.manual_seed(job.seed)

@@ -83,6 +83,11 @@ class AblationRow:
 
 
 def format_table(rows: Sequence[KfacRow]) -> str:
+    """The breakdown's markdown table: one line per model, its iteration and phases (ms).
+
+    Args:
+        rows: The breakdown rows, in order.
+    """
     head = ["model", "ranks", "link", "iteration ms", *(title + " ms" for _, title in COLUMNS)]
     lines = [
         "| " + " | ".join(head) + " |",
@@ -111,7 +116,18 @@ def ablation_rows(
     iters: int,
 ) -> list[AblationRow]:
     """One row per mode from an ablation launch's value (:func:`measure_ablation_rank`'s),
-    each with its speed-up over :data:`BASELINE_MODE` (None when that mode was not run)."""
+    each with its speed-up over :data:`BASELINE_MODE` (None when that mode was not run).
+
+    Args:
+        model: The launch's model.
+        value: Rank 0's value of the launch.
+        ranks: Ranks it ran on.
+        link: Its link (or ``"loopback"``).
+        batch: Per-rank batch.
+        factor_update_steps: Steps between factor updates.
+        inv_update_steps: Steps between decompositions.
+        iters: Timed iterations.
+    """
     medians: dict[str, dict[str, float]] = value["medians"]
     baseline = medians.get(BASELINE_MODE, {}).get("iteration")
     rows: list[AblationRow] = []
@@ -150,7 +166,11 @@ def ablation_rows(
 
 
 def format_ablation_table(rows: Sequence[AblationRow]) -> str:
-    """One line per (model, mode): iteration, speed-up over dkfac, the phases (ms)."""
+    """One line per (model, mode): iteration, speed-up over dkfac, the phases (ms).
+
+    Args:
+        rows: The ablation rows, in order.
+    """
     head = [
         "model",
         "mode",
@@ -171,7 +191,11 @@ def format_ablation_table(rows: Sequence[AblationRow]) -> str:
 
 
 def factor_comm_share(rows: Sequence[AblationRow]) -> dict[str, float]:
-    """Per model, the fraction of dkfac's iteration spent in factor communication."""
+    """Per model, the fraction of dkfac's iteration spent in factor communication.
+
+    Args:
+        rows: The ablation rows.
+    """
     return {
         row.model: row.phases_s.get("factor_comm", 0.0) / row.iteration_s
         for row in rows
@@ -183,7 +207,15 @@ def format_ablation_header(
     rows: Sequence[AblationRow], *, ranks: int, link: str, compute_method: str, iters: int
 ) -> str:
     """The regime in a few lines: ranks, link, batches, update intervals, and how much of
-    dkfac's iteration factor communication takes (the part the pipelined modes can hide)."""
+    dkfac's iteration factor communication takes (the part the pipelined modes can hide).
+
+    Args:
+        rows: The ablation rows.
+        ranks: Ranks of the launches.
+        link: Their link.
+        compute_method: The decomposition (``eigen`` or ``inverse``).
+        iters: Timed iterations per launch.
+    """
     first = rows[0] if rows else None
     factor_steps = first.factor_update_steps if first else 1
     inv_steps = first.inv_update_steps if first else 1
@@ -221,7 +253,13 @@ def format_ablation_header(
 def plot_ablation(rows: Sequence[AblationRow], path: str | Path, title: str = "") -> None:
     """Grouped bars: a panel per model, a bar per mode stacked by phase (the medians; what the
     phases leave of the measured iteration is drawn as "other"), the measured iteration as a
-    black tick and the speed-up over dkfac above each bar."""
+    black tick and the speed-up over dkfac above each bar.
+
+    Args:
+        rows: The ablation rows (at least one).
+        path: Where the PNG goes.
+        title: The figure's title (a default when empty).
+    """
     import matplotlib  # noqa: PLC0415 - heavy import, only when a plot is asked for
 
     matplotlib.use("Agg")

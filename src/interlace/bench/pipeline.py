@@ -102,7 +102,11 @@ class BenchConfig:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``interlace bench pipeline``."""
+    """The flags of ``interlace bench pipeline``.
+
+    Args:
+        parser: The parser (or subcommand parser) to add them to.
+    """
     parser.add_argument(
         "--models",
         help="comma-separated zoo names or package.module:callable, each an nn.Sequential or a "
@@ -189,7 +193,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    """Resolve the defaults and check every value; raises UsageError."""
+    """Resolve the defaults and check every value; raises UsageError.
+
+    Args:
+        args: The parsed flags (see :func:`add_arguments`).
+    """
     if args.model and args.models:
         raise UsageError("--model and --models contradict each other; give one of them")
     if args.model:
@@ -266,7 +274,11 @@ def _check_models(config: BenchConfig) -> None:
 
 
 def describe_conditions(config: BenchConfig) -> str:
-    """When and where the rows were measured."""
+    """When and where the rows were measured.
+
+    Args:
+        config: The run.
+    """
     load = machine_load()
     return (
         f"Machine: {platform.node()} ({os.cpu_count()} CPUs, load {load} at the end), torch "
@@ -298,7 +310,11 @@ def _write_timeline(
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark described by ``args`` (see :func:`add_arguments`); the exit status."""
+    """Run the benchmark described by ``args`` (see :func:`add_arguments`); the exit status.
+
+    Args:
+        args: The parsed flags (see :func:`add_arguments`).
+    """
     config = config_from_args(args)
     _check_models(config)
     if config.link is not None:
@@ -406,7 +422,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``interlace bench pipeline`` on its own (``python benchmarks/pipeline.py``)."""
+    """``interlace bench pipeline`` on its own (``python benchmarks/pipeline.py``).
+
+    Args:
+        argv: The arguments (default: the command line).
+    """
     return standalone_main(
         PROG,
         "Compare interlace's pipeline schedules with DataParallel and "

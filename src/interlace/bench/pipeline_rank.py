@@ -215,6 +215,9 @@ def measure_rank(job: PipelineJob) -> dict[str, Any]:
     stage plan, the bytes at the stage boundaries and of the gradients, per-stage compute and
     communication seconds of the interlace pipelines, the mean loss of the last timed block,
     and with ``job.timeline`` the events of one timed block of :data:`TIMELINE_SCHEDULES`.
+
+    Args:
+        job: The model, contenders and blocks to time.
     """
     rank, ranks = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(job.seed)

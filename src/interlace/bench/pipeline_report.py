@@ -21,7 +21,13 @@ PROG = "interlace bench pipeline"
 
 
 def describe_schedule(schedule: str, microbatches: int, ranks: int) -> str:
-    """How a contender processes one global mini-batch, in a few words."""
+    """How a contender processes one global mini-batch, in a few words.
+
+    Args:
+        schedule: A contender's name.
+        microbatches: Pieces per mini-batch.
+        ranks: Ranks (= stages).
+    """
     if schedule in SYNCHRONOUS:
         return f"{microbatches} micro-batches, flush"
     if schedule in INTERLACE_SCHEDULES:
@@ -44,6 +50,12 @@ def fill_drain_fraction(schedule: str, num_stages: int, block: int, microbatches
     A flushing schedule fills and drains once per mini-batch: ``(N - 1) / (M + N - 1)``; an
     asynchronous stream once per block of mini-batches: ``(N - 1) / (K + N - 1)``. Data
     parallelism has no pipeline (0).
+
+    Args:
+        schedule: A contender's name.
+        num_stages: Pipeline stages.
+        block: Mini-batches per timed block.
+        microbatches: Micro-batches per mini-batch.
     """
     if schedule == DP_BASELINE:
         return 0.0
@@ -113,7 +125,13 @@ class Regime:
 
 def rows_from_value(value: Mapping[str, Any], regime: Regime, *, block: int) -> list[Row]:
     """One row per contender from a launch's value (:func:`measure_rank`'s), with ratios
-    against ``torch-gpipe`` and ``dp`` of the same launch (None where one was not run)."""
+    against ``torch-gpipe`` and ``dp`` of the same launch (None where one was not run).
+
+    Args:
+        value: Rank 0's value of the launch.
+        regime: The launch's regime.
+        block: Mini-batches per timed block.
+    """
     seconds: Mapping[str, list[float]] = value["block_s"]
     per_block = block * regime.batch
     medians: dict[str, float] = {}
@@ -175,7 +193,11 @@ def _number(value: float | None, digits: int) -> str:
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    """The markdown table: one line per model and contender."""
+    """The markdown table: one line per model and contender.
+
+    Args:
+        rows: The rows, in order.
+    """
     lines = [
         "| model | schedule | how | samples/s | p25-p75 | vs torch-gpipe | vs dp | "
         "CPU s per mini-batch | cores busy |",
@@ -197,7 +219,11 @@ def _megabytes(count: float) -> str:
 
 def format_regime(regime: Regime) -> str:
     """One model's regime: activations crossing the stage boundaries against gradients, and
-    what each costs on the link (at line rate: a lower bound)."""
+    what each costs on the link (at line rate: a lower bound).
+
+    Args:
+        regime: One model's regime.
+    """
     boundaries = ", ".join(_megabytes(b) for b in regime.boundary_bytes) or "none"
     text = (
         f"{regime.model} ({regime.parameters / 1e6:.2f}M parameters): activations per "
@@ -235,7 +261,19 @@ def format_header(
     warmup: int,
     conditions: str = "",
 ) -> str:
-    """The regime in a few lines: ranks, link, batches, how it was timed, then per model."""
+    """The regime in a few lines: ranks, link, batches, how it was timed, then per model.
+
+    Args:
+        regimes: Each measured model's regime.
+        ranks: Ranks (= stages).
+        link: The link, as the header names it.
+        batch: Global batch per mini-batch.
+        microbatches: Pieces per mini-batch.
+        block: Mini-batches per timed block.
+        iters: Timed rounds.
+        warmup: Warm-up mini-batches per contender.
+        conditions: A line on the machine, or empty.
+    """
     shard = batch // ranks if ranks else batch
     lines = [
         f"{PROG}: {ranks} ranks = {ranks} pipeline stages on {link}; global batch {batch} per "
@@ -264,7 +302,14 @@ def timeline_from_events(
 ) -> Timeline:
     """One :class:`~interlace.timeline.Timeline` of several schedules' blocks: per schedule a
     group of lanes (``process`` = the schedule), one lane per stage (the events' own
-    ``process``, ``"stage k"``), times from that schedule's block start (``origins``)."""
+    ``process``, ``"stage k"``), times from that schedule's block start (``origins``).
+
+    Args:
+        events: Per schedule, its recorded events as dicts.
+        origins: Per schedule, its block's start time.
+        descriptions: Per schedule, a few words for its lane group.
+        title: The timeline's title.
+    """
     timeline = Timeline(title=title)
     for schedule, recorded in events.items():
         origin = origins[schedule]
