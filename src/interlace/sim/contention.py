@@ -361,7 +361,7 @@ class ContentionProbe:
 
     def add_bulk(self, backward_s: float, done_s: float) -> None:
         """The bytes probe: the benchmark's own plain iteration with the all-reduce of all
-        gradients launched as backward starts (:func:`interlace.bench.dp._overlapped_sample`),
+        gradients launched as backward starts (:func:`interlace.bench.dp_rank._overlapped_sample`),
         its backward and the all-reduce's end, both from backward's start."""
         self._raw["flat_backward_s"].append(backward_s)
         self._raw["flat_done_s"].append(done_s)

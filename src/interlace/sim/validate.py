@@ -11,7 +11,7 @@ For each (model, ranks, link) one launch on the emulated cluster does, in order:
    issues them (:func:`interlace.comm.calibrate.fit_stream_cost_model`); the replay keeps its
    per-byte ``b`` (its start-up comes from the probes below).
 3. **measure**: the data-parallel benchmark's own rank code
-   (:func:`interlace.bench.dp.measure_rank`) runs every strategy for real, in round-robin
+   (:func:`interlace.bench.dp_rank.measure_rank`) runs every strategy for real, in round-robin
    blocks, and in the same rounds times the plain module's forward, backward and step, one
    all-reduce of all gradients, and the contention probes.
 
@@ -108,7 +108,7 @@ class ValidateSample:
     cost: CostModel
     #: ``a + b*M`` of all-reduces issued back to back, as the bucket engine issues them.
     stream_cost: CostModel
-    measurement: Any  # interlace.bench.dp.Measurement (kept untyped: it imports torch lazily)
+    measurement: Any  # interlace.bench.dp_rank.Measurement (kept untyped: it imports torch lazily)
 
 
 @dataclass(frozen=True)
