@@ -1,14 +1,7 @@
-"""Accuracy effect of fp16/bf16 gradient compression: the demo job, three seeds each.
+"""Accuracy effect of fp16/bf16 gradient compression on the demo job, three seeds each.
 
-Trains the main job (resnet20 on the embedded digits data, MG-WFBP DataParallel, 4 ranks) with
-``compression=None``, ``"fp16"`` and ``"bf16"`` for each seed and prints the final test accuracy
-of every run, with the mean and spread per compression::
-
-    python benchmarks/compression.py                  # 3 compressions x 3 seeds, ~5 min
-    python benchmarks/compression.py --seeds 0 --epochs 4 --json rows.json
-
-All runs of one seed start from the same weights and see the same batches, so the difference
-between compressions is the rounding of the averaged gradients on the wire and nothing else.
+``python benchmarks/compression.py [--seeds 0 --epochs 4 --json rows.json]`` (about 5 minutes);
+prints each run's final test accuracy and the mean and spread per compression.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Data-parallel strategies against PyTorch DDP at chosen communication/compute ratios.
+"""``interlace bench dp`` as a script: data-parallel strategies against PyTorch DDP.
 
-The same benchmark as ``interlace bench dp`` (see :mod:`interlace.bench.dp`), as a script::
-
-    python benchmarks/dp.py                 # the full run: 5 models x 3 ratios, 4 ranks (~15 min)
-    python benchmarks/dp.py --quick         # about two minutes
-    python benchmarks/dp.py --no-netem      # loopback, for machines without root
+``python benchmarks/dp.py`` (5 models x 3 ratios, about 15 minutes), ``--quick`` (about two
+minutes), ``--no-netem`` (loopback, for machines without root).
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """How much can the choice of buckets alone buy over DDP on this cluster?
 
-Torch DDP with its default buckets against DDP and ``interlace.DataParallel`` with other bucket
-caps, and MG-WFBP with and without its measured trials of candidate plans, all built from the
-same seed and timed side by side in rotating round-robin blocks in one launch (4 ranks on the
-emulated link)::
-
-    python benchmarks/dp_bucket_sweep.py --model resnet20 --link 188mbit
-    python benchmarks/dp_bucket_sweep.py --model transformer --link 365mbit --caps 0.25,0.5,1
-
-Each row: the contender, its bucket count, the median iteration (slowest rank) and its speed
-relative to DDP's defaults. If no cap gets far from 1.00x, no bucketing will either: what is
-left is the platform (how much communication can overlap compute on these cores), not the plan.
+``python benchmarks/dp_bucket_sweep.py --model resnet20 --link 188mbit [--caps 0.25,0.5,1]``;
+each row: a contender (DDP or DataParallel at a bucket cap, MG-WFBP with and without trials),
+its bucket count, the median iteration (slowest rank) and its speed relative to DDP's defaults.
 """
 
 from __future__ import annotations
@@ -22,6 +14,22 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional
+from torch.nn.parallel import DistributedDataParallel
+
+from interlace import DataParallel
+from interlace.bench.harness import (
+    NUM_CLASSES,
+    default_batch,
+    launch_on_ranks,
+    max_over_ranks,
+    split_blocks,
+    synthetic_batches,
+)
+from interlace.zoo import build_model
 
 #: Untimed iterations per contender once its buckets are final (DDP rebuilds its buckets at its
 #: second iteration; interlace's are final when it has planned and run its trials).
@@ -54,10 +62,6 @@ def _contenders(caps_mb: tuple[float, ...]) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _wrap(model: Any, spec: dict[str, Any]) -> Any:
-    from torch.nn.parallel import DistributedDataParallel
-
-    from interlace import DataParallel
-
     if spec["kind"] == "ddp":
         if "cap" in spec:
             return DistributedDataParallel(model, bucket_cap_mb=spec["cap"])
@@ -70,14 +74,7 @@ def _wrap(model: Any, spec: dict[str, Any]) -> Any:
 
 def sweep_rank(job: SweepJob) -> list[dict[str, Any]]:
     """Every contender warmed up, then timed in rotating round-robin blocks."""
-    import torch
-    import torch.distributed as dist
-    from torch.nn import functional
-
-    from interlace.bench.dp import NUM_CLASSES, _blocks, _max_over_ranks, _synthetic_batches
-    from interlace.zoo import build_model
-
-    batches = _synthetic_batches(job.batch, (3, 32, 32), job.seed, dist.get_rank())
+    batches = synthetic_batches(job.batch, (3, 32, 32), job.seed, dist.get_rank())
     runs = []
     for label, spec in _contenders(job.caps_mb):
         torch.manual_seed(job.seed)
@@ -103,7 +100,7 @@ def sweep_rank(job: SweepJob) -> list[dict[str, Any]]:
             steps += 1
         for _ in range(WARMUP_STEPS):
             step(wrapper, optimizer)
-    for round_index, block in enumerate(_blocks(job.iters, job.rounds)):
+    for round_index, block in enumerate(split_blocks(job.iters, job.rounds)):
         shift = round_index % len(runs)
         for _, wrapper, optimizer, times in runs[shift:] + runs[:shift]:
             dist.barrier()
@@ -118,7 +115,7 @@ def sweep_rank(job: SweepJob) -> list[dict[str, Any]]:
             {
                 "contender": label,
                 "buckets": None if plan is None else len(plan.buckets),
-                "median_s": statistics.median(_max_over_ranks(times)),
+                "median_s": statistics.median(max_over_ranks(times)),
                 "tuning": getattr(wrapper, "tuning_summary", "") or None,
             }
         )
@@ -138,8 +135,6 @@ def format_table(results: list[dict[str, Any]]) -> str:
 
 
 def main() -> int:
-    from interlace.bench.dp import DEFAULT_BATCH, FALLBACK_BATCH, launch_on_ranks
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet20", help="zoo model (default resnet20)")
     parser.add_argument("--link", default="188mbit", help="emulated link (default 188mbit)")
@@ -155,7 +150,7 @@ def main() -> int:
     caps = tuple(float(text) for text in args.caps.split(","))
     if any(cap <= 0 for cap in caps):
         parser.error(f"--caps must be positive MB, got {args.caps}")
-    batch = args.batch_size or DEFAULT_BATCH.get(args.model, FALLBACK_BATCH)
+    batch = args.batch_size or default_batch(args.model)
     print(
         f"{args.model}, batch {batch} per rank, {args.nprocs} ranks on {args.link}; "
         f"{args.iters} timed iterations per contender in {args.rounds} rounds"

@@ -1,19 +1,7 @@
-"""The GPU path measured: decompositions on GPU vs CPU, and training steps on one GPU over NCCL.
+"""The GPU path: decompositions on GPU vs CPU, and training steps on one GPU over NCCL.
 
-Needs a CUDA device (exits with a message without one). Prints two markdown tables::
-
-    python benchmarks/gpu_paths.py --json gpu.json
-
-1. **Decompositions** (what K-FAC's placement prices): median seconds of ``torch.linalg.eigh``
-   and of a Cholesky inverse of a damped SPD ``n x n`` matrix in float32, on this GPU and on
-   the CPU, for each ``--dims``, and the GPU's speed-up.
-2. **Training steps** on one rank (NCCL, world size 1, CUDA tensors), CIFAR-shaped batches of
-   ``--batch-size`` on resnet20 and resnet56: forward + backward + SGD step with torch DDP,
-   with interlace's DataParallel (MG-WFBP plan, trials on), and with K-FAC in front of SGD
-   (D-KFAC and SPD-KFAC modes, factors every step, decompositions every 10). Every
-   configuration is timed in alternating rounds within one process, so the ratios are side by
-   side. With one rank there is nothing to overlap: the DataParallel column is the wrapper's
-   overhead, and the K-FAC columns are the cost of its factors and decompositions on a GPU.
+``python benchmarks/gpu_paths.py --json gpu.json`` (needs CUDA); prints two markdown tables
+(see docs/notes/bench.md for what each column is).
 """
 
 from __future__ import annotations

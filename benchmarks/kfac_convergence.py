@@ -1,22 +1,8 @@
 """Does K-FAC reach a target accuracy in fewer epochs than SGD? Digits, resnet20 and mlp.
 
-For every model and seed, trains the same job twice: SGD with momentum alone (the project's
-defaults: lr 0.1, momentum 0.9, weight decay 5e-4, one warm-up epoch then cosine decay, batch
-32 per rank) and :class:`interlace.KFAC` in front of that same optimiser and schedule. Only the
-preconditioning differs: both runs of one seed start from the same weights and see the same
-batches. Prints, per model and optimiser, the epochs each seed took to first reach the target
-test accuracy (97% by default) and their median, the final accuracies, and the training time::
-
-    python benchmarks/kfac_convergence.py --json docs/kfac/convergence.json \\
-        --png docs/kfac/convergence.png   # 2 models x 2 optimisers x 3 seeds, ~7 min on 2 cores
-    python benchmarks/kfac_convergence.py --models mlp --seeds 0 --optimizers kfac \\
-        --kfac-damping 0.01                           # one K-FAC setting, one run
-
-The epoch counts are the point; the seconds are measured on whatever machine runs this (K-FAC
-pays for its factors and decompositions every step), so read them as a cost, not a speed claim.
-With the default ``--strategy mgwfbp`` the gradient buckets follow measured times, so two runs of
-one seed round differently and resnet20's epochs-to-97% moves by about +-2 epochs between
-identical invocations (docs/kfac/convergence.md shows two).
+``python benchmarks/kfac_convergence.py --json docs/kfac/convergence.json --png
+docs/kfac/convergence.png`` (about 7 minutes on 2 cores); prints epochs to the target per seed,
+final accuracies and training time (see docs/notes/bench.md).
 """
 
 from __future__ import annotations
@@ -252,10 +238,10 @@ def _plot(
     The top row shows the whole climb; the bottom row zooms into 90-100%, where the target line
     is and where the curves' differences are a few test samples (one is 0.28% of digits' 359).
     """
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 - heavy import, only when a plot is asked for
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - after choosing the Agg backend
 
     colors = {"sgd": "tab:blue", "kfac": "tab:orange"}
     names = {"sgd": "SGD + momentum", "kfac": "K-FAC + SGD + momentum"}

@@ -1,16 +1,7 @@
 """How faithful is the emulated network? A gloo all-reduce timed against the ring model.
 
-Run it on the emulated cluster, e.g.::
-
-    interlace launch -n 4 --link 1gbit -- python benchmarks/link_allreduce.py --mb 16
-
-Every rank all-reduces a float32 tensor of ``--mb`` megabytes: a few warm-up rounds (connection
-set-up, first-touch allocation), then ``--iters`` timed rounds, each started after a barrier so the
-ranks start together. Rank 0 prints a markdown table comparing the median time with the ring
-all-reduce model ``2(N-1)/N * M / rate`` (:func:`interlace.comm.cost.ring_allreduce_time`) for
-the link named by ``INTERLACE_LINK``, which the launcher sets with ``--link``. A ratio near 1
-means that times measured on this machine stand for what a cluster of that link would see.
-Without ``--link`` the ranks talk over loopback and the model columns read ``n/a``.
+``interlace launch -n 4 --link 1gbit -- python benchmarks/link_allreduce.py --mb 16``; rank 0
+prints the median time beside ``2(N-1)/N * M / rate`` for the link in ``INTERLACE_LINK``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """Does weight prediction cancel the staleness of an asynchronous pipeline? Digits, 4 stages.
 
-For every seed, trains one model pipelined over 4 stages (one rank each) with every schedule:
-``gpipe`` (synchronous, the reference: the same updates as unpipelined training), ``spectrain``
-(asynchronous 1F1B with predicted weights), ``pipedream`` (asynchronous with weight stashing)
-and ``naive`` (asynchronous, latest weights). Everything else is the same: the model's initial
-weights, the batches (mini-batch 32 through the pipeline), SGD with momentum and the warm-up +
-cosine schedule, one update per mini-batch. Prints the final test accuracy per schedule and
-seed, the median over seeds and its gap to GPipe, and draws the test-accuracy curves::
-
-    python benchmarks/pipeline_convergence.py --json docs/pipeline/convergence.json \\
-        --png docs/pipeline/convergence.png        # 4 schedules x 3 seeds, a few minutes
-
-The staleness an asynchronous pipeline adds grows with the learning rate times the number of
-stages; the defaults (lr 0.5, 4 stages) put it where it costs naive training accuracy.
+``python benchmarks/pipeline_convergence.py --json docs/pipeline/convergence.json --png
+docs/pipeline/convergence.png``; prints each schedule's final test accuracy per seed and its gap
+to GPipe, and draws the test-accuracy curves (see docs/notes/bench.md).
 """
 
 from __future__ import annotations
@@ -137,10 +127,10 @@ def _table(rows: list[dict[str, Any]], schedules: list[str], seeds: list[int]) -
 
 
 def _plot(rows: list[dict[str, Any]], schedules: list[str], path: str, title: str) -> None:
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 - heavy import, only when a plot is asked for
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - after choosing the Agg backend
 
     figure, axes = plt.subplots(figsize=(7, 4.2))
     colors = dict(zip(schedules, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))

@@ -1,16 +1,7 @@
 """The simulator's claims on the MG-WFBP GoogLeNet trace: the scaling table and its speed.
 
-::
-
-    python benchmarks/simulate.py                       # the table, the checks, the timing
-    python benchmarks/simulate.py --per-layer           # one message per layer, as the paper
-    python benchmarks/simulate.py --png docs/simulate/googlenet-osu.png
-
-It loads ``../shared/traces/googlenet_k80_8workers.log``, fits a ring (per-link alpha and beta)
-on the OSU all-reduce logs beside it, simulates every strategy at 11 worker counts (2..2048),
-prints the table with MG-WFBP's speed-ups at 64 workers beside the paper's, checks that MG-WFBP
-is never slower than WFBP or SyncEASGD and that its bucket count never grows, and times the
-simulation (trace loading and network fitting included; median of repeated runs).
+``python benchmarks/simulate.py [--per-layer] [--png docs/simulate/googlenet-osu.png]``; prints
+the table beside the paper's speed-ups, checks MG-WFBP's claims and times the simulation.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional
 
-from interlace.bench.dp import _max_over_ranks as max_over_ranks
+from interlace.bench.harness import max_over_ranks
 from interlace.sim.contention import SMALL_BYTES, ContentionSamples, mixed_sizes
 
 

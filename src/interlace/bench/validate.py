@@ -22,21 +22,20 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from interlace.bench.dp import (
+from interlace.bench.dp import BenchConfig
+from interlace.bench.dp_rank import MeasureJob, measure_rank
+from interlace.bench.harness import (
     DEFAULT_BATCH,
     DEFAULT_INPUT_SHAPE,
     FALLBACK_BATCH,
-    BenchConfig,
+    Contender,
     LaunchFailedError,
-    MeasureJob,
-    measure_rank,
+    launch_on_ranks,
+    max_over_ranks,
     parse_names,
+    synthetic_batches,
+    train_step,
 )
-from interlace.bench.dp import _Contender as Contender
-from interlace.bench.dp import _launch as launch
-from interlace.bench.dp import _max_over_ranks as max_over_ranks
-from interlace.bench.dp import _synthetic_batches as synthetic_batches
-from interlace.bench.dp import _train_step as train_step
 from interlace.comm.calibrate import fit_stream_cost_model
 from interlace.comm.links import parse_link
 from interlace.dp import DataParallel
@@ -195,7 +194,16 @@ def run_validation(config: ValidateConfig) -> int:
                 )
                 bench = _bench_config(config, nprocs)
                 try:
-                    sample = launch(validate_rank, job, bench, link, cache_dir, note=bar.write)
+                    sample = launch_on_ranks(
+                        validate_rank,
+                        job,
+                        nprocs=bench.nprocs,
+                        link=link,
+                        timeout_s=bench.timeout_s,
+                        cache_dir=cache_dir,
+                        note=bar.write,
+                        prog="interlace bench dp",
+                    )
                 except LaunchFailedError as exc:
                     failures.append(f"{model}, {nprocs} ranks, {link}: {exc}")
                     bar.write(f"{PROG}: launch failed: {failures[-1]}")

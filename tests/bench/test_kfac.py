@@ -1,56 +1,27 @@
-"""``interlace bench kfac``: a tiny run on loopback, its bad input, and the ``--ablation`` mode
-(its parsing, rows, table, header, JSON and chart from synthetic launches, and a tiny run)."""
+"""``interlace bench kfac``: tiny runs on loopback (breakdown, ``--ablation``, ``--compare``),
+its arguments and its bad input."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import os
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
 from interlace import cli
 from interlace.bench.kfac import (
-    ABLATION_MODES,
-    COLUMNS,
     DEFAULT_ABLATION_MODELS,
     DEFAULT_MODELS,
-    KFAC_PASSES,
-    AblationRow,
-    KfacRow,
-    _Contender,
-    ablation_rows,
-    factor_comm_share,
-    format_ablation_header,
-    format_ablation_table,
-    format_table,
+    add_arguments,
     models_from_args,
-    plot_ablation,
 )
+from interlace.bench.kfac_rank import KFAC_PASSES
+from interlace.bench.kfac_report import COLUMNS
 
 MODES = ("dkfac", "pipelined", "lbp", "spd")
-
-
-def test_the_table_has_one_column_per_phase() -> None:
-    row = KfacRow(
-        model="m",
-        ranks=2,
-        link="loopback",
-        batch=4,
-        compute_method="eigen",
-        grad_worker_fraction=1.0,
-        inv_update_steps=1,
-        placement="greedy",
-        layers=3,
-        iteration_ms=12.5,
-        phases_ms={key: float(index) for index, (key, _) in enumerate(COLUMNS)},
-    )
-    header, rule, line = format_table([row]).splitlines()
-    assert header.count("|") == rule.count("|") == line.count("|") == 4 + len(COLUMNS) + 1
-    assert "decomp comm ms" in header and "factor comm ms" in header
-    assert line.startswith("| m | 2 | loopback | 12.5 | 0.0 | 1.0 |")
 
 
 @pytest.mark.slow
@@ -127,8 +98,10 @@ def test_bad_input_is_one_line_and_status_2(
 # ================================================================================ --ablation
 
 
-def _parse(*argv: str) -> Any:
-    return cli.build_parser().parse_args(["bench", "kfac", *argv])
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
 
 
 def test_ablation_parsing_and_models() -> None:
@@ -146,126 +119,6 @@ def test_ablation_parsing_and_models() -> None:
     plain = _parse()
     assert not plain.ablation and models_from_args(plain) == DEFAULT_MODELS
     assert _parse("--factor-update-steps", "3").factor_update_steps == 3
-
-
-def test_the_ablation_modes_are_spd_kfacs() -> None:
-    assert tuple(ABLATION_MODES) == MODES
-    assert ABLATION_MODES["dkfac"] == ("bulk", "none", "greedy")
-    assert ABLATION_MODES["pipelined"] == ("pipelined", "merged", "greedy")
-    assert ABLATION_MODES["lbp"] == ("bulk", "none", "lbp")
-    assert ABLATION_MODES["spd"] == ("pipelined", "merged", "lbp")
-
-
-def _contender(planning_done: bool, factor_comm: str, steps: int) -> _Contender:
-    precond = SimpleNamespace(
-        factor_comm=factor_comm, steps=steps, profile_steps=3, factor_update_steps=1
-    )
-    return _Contender("m", SimpleNamespace(planning_done=planning_done), None, precond)
-
-
-def test_warm_up_waits_for_every_plan() -> None:
-    assert not _contender(False, "bulk", 10).settled()
-    assert _contender(True, "bulk", 1).settled()
-    # Pipelined: one bulk factor step, then 3 profiled ones before the merged buckets exist.
-    assert not _contender(True, "pipelined", 3).settled()
-    assert _contender(True, "pipelined", 4).settled()
-
-
-def _value(iterations: dict[str, float], factor_comm: float = 0.02) -> dict[str, Any]:
-    medians = {}
-    for mode, iteration in iterations.items():
-        phases = {key: 0.001 * (index + 1) for index, (key, _) in enumerate(COLUMNS)}
-        phases["factor_comm"] = factor_comm if mode == "dkfac" else 0.001
-        phases[KFAC_PASSES[0]] = 0.05
-        phases["iteration"] = iteration
-        phases["passes"] = 0.0  # extra keys the rank may send are not rows' business
-        medians[mode] = phases
-    return {
-        "medians": medians,
-        "layers": 7,
-        "factor_buckets": {"pipelined": 3, "spd": 2, "dkfac": None, "lbp": None},
-        "local_factors": {"lbp": 5, "spd": 5, "dkfac": None, "pipelined": None},
-    }
-
-
-def _rows(model: str = "resnet20", **iterations: float) -> list[AblationRow]:
-    times = iterations or {"dkfac": 0.2, "pipelined": 0.16, "lbp": 0.25, "spd": 0.1}
-    return ablation_rows(
-        model,
-        _value(times),
-        ranks=4,
-        link="1gbit",
-        batch=8,
-        factor_update_steps=1,
-        inv_update_steps=1,
-        iters=10,
-    )
-
-
-def test_ablation_rows_have_speedups_against_dkfac_of_the_same_launch() -> None:
-    rows = _rows()
-    assert [row.mode for row in rows] == list(MODES)
-    speedups = {row.mode: row.speedup_vs_dkfac for row in rows}
-    assert speedups == pytest.approx({"dkfac": 1.0, "pipelined": 1.25, "lbp": 0.8, "spd": 2.0})
-    by_mode = {row.mode: row for row in rows}
-    assert (by_mode["spd"].factor_comm, by_mode["spd"].fusion, by_mode["spd"].placement) == (
-        "pipelined",
-        "merged",
-        "lbp",
-    )
-    assert by_mode["pipelined"].factor_buckets == 3 and by_mode["dkfac"].factor_buckets is None
-    assert by_mode["lbp"].local_factors == 5 and by_mode["pipelined"].local_factors is None
-    assert set(by_mode["lbp"].phases_s) == {key for key, _ in COLUMNS} | {KFAC_PASSES[0]}
-    # Without dkfac in the launch there is nothing to compare against.
-    (alone,) = _rows(spd=0.1)
-    assert alone.speedup_vs_dkfac is None
-
-
-def test_ablation_json_rows_carry_the_required_keys() -> None:
-    row = json.loads(json.dumps([row.to_dict() for row in _rows()]))[3]
-    assert row["model"] == "resnet20" and row["mode"] == "spd"
-    assert row["iteration_s"] == pytest.approx(0.1)
-    assert row["speedup_vs_dkfac"] == pytest.approx(2.0)
-    assert row["phases_s"]["factor_comm"] == pytest.approx(0.001)
-    assert row["phases_s"]["forward_backward"] == pytest.approx(0.001)
-    assert row["ranks"] == 4 and row["link"] == "1gbit" and row["factor_update_steps"] == 1
-
-
-def test_the_ablation_table_has_one_line_per_model_and_mode() -> None:
-    rows = _rows() + _rows("transformer", dkfac=0.1, spd=0.125)
-    header, rule, *lines = format_ablation_table(rows).splitlines()
-    width = 4 + len(COLUMNS) + 1
-    assert header.count("|") == rule.count("|") == width + 1
-    assert all(line.count("|") == width + 1 for line in lines)
-    assert "vs dkfac" in header and "factor comm ms" in header and "fwd+bwd+hooks ms" in header
-    assert len(lines) == 6
-    assert lines[0].startswith("| resnet20 | dkfac | 200.0 | 1.00x | 1.0 | 2.0 |")
-    assert lines[3].startswith("| resnet20 | spd | 100.0 | 2.00x |")
-    assert lines[5].startswith("| transformer | spd | 125.0 | 0.80x |")
-    assert lines[5].endswith("| 50.0 |")
-    (orphan,) = format_ablation_table(_rows(spd=0.1)).splitlines()[2:]
-    assert orphan.startswith("| resnet20 | spd | 100.0 | - |")
-
-
-def test_the_ablation_header_states_the_regime() -> None:
-    rows = _rows() + _rows("transformer", dkfac=0.1, spd=0.125)
-    header = format_ablation_header(rows, ranks=4, link="1gbit", compute_method="eigen", iters=10)
-    assert "4 ranks on 1gbit" in header and "resnet20 8, transformer 8" in header
-    assert "every 1 step(s)" in header and "medians over 10 iterations" in header
-    # dkfac's factor comm is 20 ms of 200 ms (10%) and of 100 ms (20%).
-    assert factor_comm_share(rows) == pytest.approx({"resnet20": 0.1, "transformer": 0.2})
-    assert "resnet20 10% (20.0 of 200.0 ms)" in header
-    assert "transformer 20% (20.0 of 100.0 ms)" in header
-    for mode in MODES:
-        assert f"{mode} = " in header
-
-
-def test_the_ablation_chart_is_a_png(tmp_path: Path) -> None:
-    png = tmp_path / "ablation.png"
-    plot_ablation(_rows() + _rows("transformer", dkfac=0.1, spd=0.5), png)
-    assert png.read_bytes()[:4] == b"\x89PNG"
-    with pytest.raises(ValueError, match="no rows"):
-        plot_ablation([], tmp_path / "empty.png")
 
 
 @pytest.mark.slow
@@ -324,8 +177,6 @@ def test_a_tiny_ablation_on_loopback_measures_the_four_modes(
 def test_compare_without_kfac_pytorch_says_how_to_install_it(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import importlib.util
-
     real_find_spec = importlib.util.find_spec
 
     def no_kfac(name: str, *args: object) -> object:

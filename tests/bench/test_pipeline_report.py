@@ -1,22 +1,16 @@
-"""``interlace bench pipeline``: its flags, its rows, table, header and timeline from synthetic
-launch values, its bad input, and one tiny run on loopback."""
+"""``interlace bench pipeline``'s rows: rows, table, header and timeline from synthetic launch
+values."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from interlace import cli
-from interlace.bench.pipeline import (
-    DEFAULT_LINK,
-    DEFAULT_MODELS,
-    SCHEDULES,
+from interlace.bench.pipeline_report import (
     Regime,
-    config_from_args,
     describe_schedule,
     fill_drain_fraction,
     format_header,
@@ -25,96 +19,6 @@ from interlace.bench.pipeline import (
     rows_from_value,
     timeline_from_events,
 )
-from interlace.errors import UsageError
-
-
-def _parse(*argv: str) -> argparse.Namespace:
-    return cli.build_parser().parse_args(["bench", "pipeline", *argv])
-
-
-def test_defaults_compare_every_schedule_on_a_slow_link() -> None:
-    config = config_from_args(_parse())
-    assert config.models == DEFAULT_MODELS
-    assert config.schedules == SCHEDULES
-    assert set(SCHEDULES) == {
-        "gpipe",
-        "1f1b",
-        "naive",
-        "pipedream",
-        "spectrain",
-        "spectrain-reuse",
-        "dp",
-        "torch-gpipe",
-        "torch-1f1b",
-    }
-    assert config.link == DEFAULT_LINK == "100mbit"
-    assert config.nprocs == 4 and config.batch % (config.nprocs * config.microbatches) == 0
-    assert config.input_shape == (3, 32, 32)
-
-
-def test_flags_are_resolved() -> None:
-    config = config_from_args(
-        _parse(
-            "--model",
-            "mlp",
-            "--schedules",
-            "torch-gpipe,spectrain,dp,spectrain",
-            "--no-netem",
-            "-n",
-            "2",
-            "--batch",
-            "8",
-            "--microbatches",
-            "2",
-            "--block",
-            "3",
-            "--iters",
-            "2",
-            "--warmup",
-            "0",
-            "--input-shape",
-            "1x8x8",
-        )
-    )
-    assert config.models == ("mlp",)
-    assert config.schedules == ("spectrain", "dp", "torch-gpipe")  # table order, no duplicate
-    assert config.link is None and config.link_text.startswith("loopback")
-    assert (config.nprocs, config.batch, config.microbatches) == (2, 8, 2)
-    assert (config.block, config.iters, config.warmup) == (3, 2, 0)
-    assert config.input_shape == (1, 8, 8)
-    assert config_from_args(_parse("--models", "vgg11, resnet20", "--link", "1gbit")).models == (
-        "vgg11",
-        "resnet20",
-    )
-
-
-@pytest.mark.parametrize(
-    ("argv", "needle"),
-    [
-        (["-n", "1"], "-n must be >= 2"),
-        (["--batch", "62"], "equal data-parallel shards"),
-        (["--batch", "20", "--microbatches", "8"], "equal micro-batches"),
-        (["--block", "0"], "--block"),
-        (["--iters", "0"], "--iters"),
-        (["--warmup", "-1"], "--warmup"),
-        (["--schedules", "gpipe,zerobubble"], "zerobubble"),
-        (["--models", "nosuchnet"], "nosuchnet"),
-        (["--model", "mlp", "--models", "vgg11"], "--model and --models"),
-        (["--link", "1gbit", "--no-netem"], "--no-netem"),
-        (["--link", "fast"], "fast"),
-    ],
-)
-def test_bad_flags_are_usage_errors(argv: list[str], needle: str) -> None:
-    with pytest.raises(UsageError, match=needle):
-        config_from_args(_parse(*argv))
-
-
-def test_bad_input_is_one_line_and_status_2(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as stopped:
-        cli.main(["bench", "pipeline", "--no-netem", "--models", "mlp", "-n", "16"])
-    assert stopped.value.code == 2
-    err = capsys.readouterr().err
-    assert "too few for 16 stages" in err and len(err.strip().splitlines()) == 1
 
 
 def test_fill_and_drain_per_mini_batch_or_per_block() -> None:
@@ -271,51 +175,3 @@ def test_the_timeline_has_a_lane_per_stage_per_schedule(tmp_path: Path) -> None:
     assert [e.name for e in timeline.events[1:3]] == ["recv act", "B0"]
     assert timeline.events[-1].start_s == pytest.approx(0.1)
     assert timeline.to_png(tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
-
-
-@pytest.mark.slow
-def test_a_tiny_run_on_loopback_measures_every_schedule(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    rows_path, png = tmp_path / "rows.json", tmp_path / "timeline.png"
-    status = cli.main(
-        [
-            "bench",
-            "pipeline",
-            "--no-netem",
-            "-n",
-            "2",
-            "--models",
-            "mlp",
-            "--input-shape",
-            "1,8,8",
-            "--batch",
-            "8",
-            "--microbatches",
-            "2",
-            "--block",
-            "2",
-            "--iters",
-            "1",
-            "--warmup",
-            "1",
-            "--json",
-            str(rows_path),
-            "--png",
-            str(png),
-        ]
-    )
-    assert status == 0
-    out = capsys.readouterr().out
-    assert "| mlp | spectrain |" in out and "2 ranks = 2 pipeline stages on loopback" in out
-    rows = json.loads(rows_path.read_text())
-    assert [row["schedule"] for row in rows] == list(SCHEDULES)
-    for row in rows:
-        assert row["model"] == "mlp" and row["samples_per_s"] > 0
-        assert row["regime"]["boundary_bytes"] and row["regime"]["gradient_bytes"] > 0
-        assert row["mean_loss"] is not None and row["mean_loss"] > 0
-        assert row["cpu_s_per_minibatch"] > 0 and row["cores_busy"] > 0
-    assert png.read_bytes()[:4] == b"\x89PNG"
-    trace = json.loads(png.with_suffix(".json").read_text())
-    names = {event.get("name") for event in trace["traceEvents"]}
-    assert "F0" in names and "B0" in names

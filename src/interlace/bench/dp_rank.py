@@ -1,0 +1,434 @@
+"""``interlace bench dp``, rank side: the jobs, what each rank measures, and what it returns.
+
+Every strategy trains its own copy of the model in round-robin blocks; every sample is a
+maximum over ranks.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional
+
+from interlace.bench.harness import (
+    NUM_CLASSES,
+    Contender,
+    max_over_ranks,
+    round_order,
+    split_blocks,
+    synthetic_batches,
+    train_step,
+)
+from interlace.bench.probes import ContentionProbe
+from interlace.strategies import wrap_model
+from interlace.zoo import build_model
+
+#: Upper bound on warm-up steps spent waiting for a wrapper's plan; a wrapper that never plans
+#: is a bug, reported instead of looping forever.
+MAX_PLAN_STEPS = 200
+#: DDP rebuilds its buckets in gradient-ready order during its second iteration.
+DDP_REBUILD_STEPS = 2
+
+
+def variant_label(strategy: str, channels: int | str = 1, compression: str | None = None) -> str:
+    """The name of a strategy run with ``channels`` and ``compression``: ``mgwfbp``,
+    ``mgwfbp/k=auto``, ``mgwfbp/k=2/fp16``, ``ddp/fp16``.
+
+    Args:
+        strategy: The strategy's base name.
+        channels: Its channel setting (an int or ``"auto"``).
+        compression: Its gradient compression, or None.
+    """
+    label = strategy
+    if channels != 1:
+        label += f"/k={channels}"
+    if compression is not None:
+        label += f"/{compression}"
+    return label
+
+
+def parse_variant(label: str) -> tuple[str, int | str, str | None]:
+    """``(strategy, channels, compression)`` of a :func:`variant_label`.
+
+    Args:
+        label: A name :func:`variant_label` made.
+    """
+    strategy, *options = label.split("/")
+    channels: int | str = 1
+    compression = None
+    for option in options:
+        if option.startswith("k="):
+            value = option[2:]
+            channels = value if value == "auto" else int(value)
+        else:
+            compression = option
+    return strategy, channels, compression
+
+
+@dataclass(frozen=True)
+class CalibrationJob:
+    """Measure compute and all-reduce times of ``models`` (one per-rank batch each)."""
+
+    models: tuple[str, ...]
+    batches: tuple[int, ...]
+    input_shape: tuple[int, ...]
+    seed: int = 0
+    iters: int = 5
+    warmup: int = 2
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """One model's compute time per iteration and all-reduce times at the calibration link."""
+
+    model: str
+    compute_s: float
+    allreduce_s: float
+    latency_s: float
+
+
+@dataclass(frozen=True)
+class MeasureJob:
+    """Time ``strategies`` on ``model`` in round-robin blocks after a warm-up."""
+
+    model: str
+    batch: int
+    input_shape: tuple[int, ...]
+    strategies: tuple[str, ...]
+    iters: int
+    warmup: int
+    rounds: int
+    seed: int = 0
+    #: Also take the simulator's contention probes (:mod:`interlace.sim.contention`) in every
+    #: round: the start-up and synchronisation probes as a block of their own, the bytes probe
+    #: in the reference slot.
+    probe_contention: bool = False
+
+
+@dataclass(frozen=True)
+class StrategySamples:
+    """What one strategy's ranks measured in one launch."""
+
+    strategy: str
+    #: Seconds per timed iteration, each the maximum over ranks.
+    iteration_s: list[float]
+    #: Buckets per iteration (DDP's from its logging data), None where unknown.
+    buckets: int | None
+    warmup_steps: int
+    #: DataParallel's predicted iteration time (without the step) and its cost model.
+    predicted_s: float | None = None
+    cost_a: float | None = None
+    cost_b: float | None = None
+    plan: str | None = None
+    #: Channels the plan uses (``channels="auto"``: the ones it chose) and why.
+    chosen_channels: int | None = None
+    channel_choice: str | None = None
+    #: The final plan's buckets as tensor names, in launch order (DataParallel only), and what
+    #: its trials of candidate plans measured.
+    bucket_tensors: list[list[str]] | None = None
+    tuning: str | None = None
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Everything one (model, link) launch measured; per-sample values are maxima over ranks."""
+
+    model: str
+    batch: int
+    ranks: int
+    gradient_bytes: int
+    tensors: int
+    strategies: list[StrategySamples]
+    forward_s: list[float]
+    backward_s: list[float]
+    step_s: list[float]
+    allreduce_s: list[float]
+    #: Iterations of the plain module with one all-reduce of all gradients running alongside
+    #: backward (see :func:`_overlapped_sample`); empty when not measured.
+    overlapped_s: list[float] = field(default_factory=list)
+    #: The simulator's contention probes (a :class:`interlace.sim.contention.ContentionSamples`)
+    #: when the job asked for them.
+    contention: Any = None
+
+
+def _compute_sample(
+    model: Any, optimizer: Any, inputs: Any, targets: Any
+) -> tuple[float, float, float]:
+    """Forward, backward and step seconds of the plain module, started together on all ranks."""
+    dist.barrier()
+    start = time.perf_counter()
+    optimizer.zero_grad()
+    loss = functional.cross_entropy(model(inputs), targets)
+    forward_end = time.perf_counter()
+    loss.backward()
+    backward_end = time.perf_counter()
+    optimizer.step()
+    return forward_end - start, backward_end - forward_end, time.perf_counter() - backward_end
+
+
+def _overlapped_sample(
+    model: Any, optimizer: Any, inputs: Any, targets: Any, flat: Any
+) -> tuple[float, float, float]:
+    """One plain iteration with an all-reduce of ``flat`` (all gradients' bytes) launched as
+    backward starts and awaited before the step: seconds of the iteration, of its backward, and
+    from backward's start to the all-reduce's end.
+
+    The ideal-overlap bound assumes communication costs compute nothing. On a CPU that is false:
+    gloo and the kernel's network stack run on the cores the ranks compute on. This is the
+    ideal overlap as the machine can actually run it (every byte sendable from the start of
+    backward, one start-up), so a strategy's distance from it is the strategy's own doing. The
+    simulator's contention calibration reads the other two times.
+    """
+    dist.barrier()
+    start = time.perf_counter()
+    optimizer.zero_grad()
+    loss = functional.cross_entropy(model(inputs), targets)
+    backward_start = time.perf_counter()
+    handle = dist.all_reduce(flat, async_op=True)
+    ends = record_completion(handle)
+    loss.backward()
+    backward_end = time.perf_counter()
+    if handle is not None:
+        handle.wait()
+    comm_end = ends[0] if ends else time.perf_counter()
+    optimizer.step()
+    return (
+        time.perf_counter() - start,
+        backward_end - backward_start,
+        comm_end - backward_start,
+    )
+
+
+def record_completion(handle: Any) -> list[float]:
+    """A list that receives ``time.perf_counter()`` when the async collective ``handle``
+    completes (empty until then; stays empty for a None handle).
+
+    Read after waiting on it, the time is the collective's own end, which may lie before the
+    wait: an end read when a wait after backward returns is never earlier than backward's.
+
+    Args:
+        handle: An async collective's work handle, or None.
+    """
+    ends: list[float] = []
+    if handle is not None:
+        # The callback runs on the backend's thread as the collective completes.
+        handle.get_future().then(lambda _future: ends.append(time.perf_counter()))
+    return ends
+
+
+def _allreduce_sample(flat: Any) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    dist.all_reduce(flat)
+    return time.perf_counter() - start
+
+
+def _plain(model_name: str, input_shape: tuple[int, ...], seed: int) -> tuple[Any, Any]:
+    torch.manual_seed(seed)
+    model = build_model(model_name, input_shape, NUM_CLASSES)
+    return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def _flat_gradients(model: Any) -> Any:
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return torch.zeros(numel, dtype=torch.float32)
+
+
+def calibrate_rank(job: CalibrationJob) -> list[Calibration]:
+    """Per model: median compute time per iteration, all-reduce of all gradients, tiny
+    all-reduce (the rate-independent part); every sample is a maximum over ranks.
+
+    Args:
+        job: The models and batches to calibrate.
+    """
+
+    rank = dist.get_rank()
+    results = []
+    for name, batch in zip(job.models, job.batches, strict=True):
+        model, optimizer = _plain(name, job.input_shape, job.seed)
+        batches = synthetic_batches(batch, job.input_shape, job.seed, rank)
+        computes = []
+        for index in range(job.warmup + job.iters):
+            sample = _compute_sample(model, optimizer, *batches[index % len(batches)])
+            if index >= job.warmup:
+                computes.append(sum(sample))
+        flat = _flat_gradients(model)
+        _allreduce_sample(flat)
+        allreduces = [_allreduce_sample(flat) for _ in range(job.iters)]
+        tiny = torch.zeros(1)
+        for _ in range(2):
+            _allreduce_sample(tiny)
+        latencies = [_allreduce_sample(tiny) for _ in range(2 * job.iters)]
+        results.append(
+            Calibration(
+                name,
+                statistics.median(max_over_ranks(computes)),
+                statistics.median(max_over_ranks(allreduces)),
+                statistics.median(max_over_ranks(latencies)),
+            )
+        )
+    return results
+
+
+def _wrap(model: Any, label: str) -> Any:
+    """The wrapper of ``model`` a :func:`variant_label` names; DDP with its own defaults (1 MB
+    first bucket)."""
+
+    strategy, channels, compression = parse_variant(label)
+    return wrap_model(model, strategy, channels=channels, compression=compression)
+
+
+def _is_final(contender: Contender, steps: int) -> bool:
+    """Whether the wrapper's buckets are what it will use from now on."""
+    if parse_variant(contender.name)[0] == "ddp":
+        return steps >= DDP_REBUILD_STEPS
+    return bool(getattr(contender.wrapper, "planning_done", False))
+
+
+def _ddp_buckets(wrapper: Any) -> int | None:
+    """DDP's bucket count after its rebuild, from its logging data (a private API: None if it
+    is missing or changed)."""
+    try:
+        data = wrapper._get_ddp_logging_data()
+        sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes")
+    except Exception:
+        return None
+    if not isinstance(sizes, str) or not sizes.strip():
+        return None
+    return len(sizes.split(","))
+
+
+def measure_rank(job: MeasureJob) -> Measurement:
+    """Warm every strategy up, then time them all in round-robin blocks (a new order every
+    round), with the plain module's compute and the all-reduce of all gradients measured in the
+    same rounds.
+
+    Args:
+        job: The model, strategies and rounds to time.
+    """
+
+    rank = dist.get_rank()
+    batches = synthetic_batches(job.batch, job.input_shape, job.seed, rank)
+    contenders = []
+    for strategy in job.strategies:
+        torch.manual_seed(job.seed)
+        model = build_model(job.model, job.input_shape, NUM_CLASSES)
+        wrapper = _wrap(model, strategy)
+        optimizer = torch.optim.SGD(wrapper.parameters(), lr=0.01, momentum=0.9)
+        contenders.append(Contender(strategy, wrapper, optimizer))
+    plain, plain_optimizer = _plain(job.model, job.input_shape, job.seed)
+    flat = _flat_gradients(plain)
+    alongside = _flat_gradients(plain)
+
+    counter = 0
+
+    def next_batch() -> tuple[Any, Any]:
+        nonlocal counter
+        counter += 1
+        return batches[counter % len(batches)]
+
+    for contender in contenders:
+        steps = 0
+        while not _is_final(contender, steps):
+            if steps >= MAX_PLAN_STEPS:
+                raise RuntimeError(
+                    f"{contender.name} had no plan after {steps} warm-up steps; "
+                    "it never finished profiling"
+                )
+            train_step(contender, *next_batch())
+            steps += 1
+        for _ in range(job.warmup):
+            train_step(contender, *next_batch())
+        contender.warmup_steps = steps + job.warmup
+    for _ in range(max(job.warmup, 1)):
+        _compute_sample(plain, plain_optimizer, *next_batch())
+    _allreduce_sample(flat)
+    _overlapped_sample(plain, plain_optimizer, *next_batch(), alongside)
+
+    probe = ContentionProbe(plain, plain_optimizer, flat) if job.probe_contention else None
+
+    forwards: list[float] = []
+    backwards: list[float] = []
+    steps_s: list[float] = []
+    allreduces: list[float] = []
+    overlapped: list[float] = []
+    # None: the reference measurements; the probe: its own block, timed like a strategy's.
+    slots: list[Contender | ContentionProbe | None] = [*contenders, None]
+    if probe is not None:
+        slots.append(probe)
+    for round_index, block in enumerate(split_blocks(job.iters, job.rounds)):
+        # A new order every round, so no strategy always runs first or after the same one.
+        for slot in (slots[index] for index in round_order(len(slots), round_index)):
+            if isinstance(slot, ContentionProbe):
+                slot.block(block, next_batch)
+                continue
+            if slot is None:
+                for _ in range(block):
+                    forward_s, backward_s, step_s = _compute_sample(
+                        plain, plain_optimizer, *next_batch()
+                    )
+                    forwards.append(forward_s)
+                    backwards.append(backward_s)
+                    steps_s.append(step_s)
+                    allreduces.append(_allreduce_sample(flat))
+                    iteration_s, overlapped_backward_s, overlapped_done_s = _overlapped_sample(
+                        plain, plain_optimizer, *next_batch(), alongside
+                    )
+                    overlapped.append(iteration_s)
+                    if probe is not None:
+                        probe.add_bulk(overlapped_backward_s, overlapped_done_s)
+                continue
+            dist.barrier()
+            for _ in range(block):
+                inputs, targets = next_batch()
+                start = time.perf_counter()
+                train_step(slot, inputs, targets)
+                slot.times.append(time.perf_counter() - start)
+
+    samples = []
+    for contender in contenders:
+        plan = getattr(contender.wrapper, "plan", None)
+        cost = getattr(contender.wrapper, "cost_model", None)
+        samples.append(
+            StrategySamples(
+                strategy=contender.name,
+                iteration_s=max_over_ranks(contender.times),
+                buckets=(_ddp_buckets(contender.wrapper) if plan is None else len(plan.buckets)),
+                warmup_steps=contender.warmup_steps,
+                predicted_s=None if plan is None else plan.predicted_s,
+                cost_a=None if cost is None else cost.a,
+                cost_b=None if cost is None else cost.b,
+                plan=(
+                    plan.describe()
+                    if plan is not None and parse_variant(contender.name)[0] == "mgwfbp"
+                    else None
+                ),
+                chosen_channels=None if plan is None else plan.channels,
+                channel_choice=getattr(contender.wrapper, "channel_choice", None) or None,
+                bucket_tensors=(
+                    None
+                    if plan is None
+                    else [[plan.tensors[i].name for i in bucket.indices] for bucket in plan.buckets]
+                ),
+                tuning=getattr(contender.wrapper, "tuning_summary", None) or None,
+            )
+        )
+    return Measurement(
+        model=job.model,
+        batch=job.batch,
+        ranks=dist.get_world_size(),
+        gradient_bytes=flat.numel() * flat.element_size(),
+        tensors=sum(1 for p in plain.parameters() if p.requires_grad),
+        strategies=samples,
+        forward_s=max_over_ranks(forwards),
+        backward_s=max_over_ranks(backwards),
+        step_s=max_over_ranks(steps_s),
+        allreduce_s=max_over_ranks(allreduces),
+        overlapped_s=max_over_ranks(overlapped),
+        contention=None if probe is None else probe.finish(),
+    )

@@ -1,0 +1,392 @@
+"""``interlace bench dp``, rows and tables: link rates for target ratios, the rows made from a
+launch's measurement, the markdown tables and the speed-up plot."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from interlace.bench.dp_rank import Measurement, parse_variant, variant_label
+from interlace.bench.harness import quartiles
+from interlace.errors import UsageError
+
+
+@dataclass(frozen=True)
+class RateChoice:
+    """The link rate picked for a target ratio; ``wanted_bps`` before clamping (may be inf)."""
+
+    rate_bps: float
+    wanted_bps: float
+
+    @property
+    def clamped(self) -> bool:
+        return self.rate_bps != self.wanted_bps
+
+    @property
+    def link(self) -> str:
+        """The rate as ``--link`` and ``tc`` spell it."""
+        return format_rate(self.rate_bps)
+
+
+def rate_for_ratio(
+    ratio: float,
+    compute_s: float,
+    ref_rate_bps: float,
+    ref_allreduce_s: float,
+    *,
+    latency_s: float = 0.0,
+    min_bps: float = 20e6,
+    max_bps: float = 2.5e9,
+) -> RateChoice:
+    """The link rate at which one all-reduce of all gradients takes ``ratio * compute_s``.
+
+    ``ref_allreduce_s`` was measured at ``ref_rate_bps``. Of it, ``latency_s`` (the time of a
+    tiny all-reduce) does not depend on the rate and the rest scales as ``1/rate``:
+    ``T(rate) = latency + (T_ref - latency) * ref_rate / rate``; solving ``T = ratio * compute``
+    gives ``rate = ref_rate * (T_ref - latency) / (ratio * compute - latency)``. With
+    ``latency_s = 0`` that is ``ref_rate * T_ref / (ratio * compute)``. A target below the latency
+    cannot be reached at any rate; it asks for an infinite one, clamped to ``max_bps`` like every
+    rate outside ``[min_bps, max_bps]``.
+
+    Args:
+        ratio: The target communication/compute ratio (> 0).
+        compute_s: Seconds of compute per iteration.
+        ref_rate_bps: The reference link rate, bits per second.
+        ref_allreduce_s: Seconds of one all-reduce of all gradients at that rate.
+        latency_s: Seconds of a tiny all-reduce (the rate-independent part).
+        min_bps: Slowest rate to choose.
+        max_bps: Fastest rate to choose.
+    """
+    if not ratio > 0 or not math.isfinite(ratio):
+        raise UsageError(f"a communication/compute ratio must be > 0, got {ratio}")
+    if not compute_s > 0:
+        raise ValueError(f"compute time must be > 0 s, got {compute_s}")
+    if not ref_rate_bps > 0 or not ref_allreduce_s > 0:
+        raise ValueError("the reference rate and all-reduce time must be > 0")
+    if not 0 < min_bps <= max_bps:
+        raise ValueError(f"need 0 < min_bps <= max_bps, got {min_bps}, {max_bps}")
+    latency_s = min(max(latency_s, 0.0), ref_allreduce_s)
+    target_s = ratio * compute_s
+    wire_s = ref_allreduce_s - latency_s
+    wanted = math.inf if target_s <= latency_s else ref_rate_bps * wire_s / (target_s - latency_s)
+    if wanted == 0.0:
+        # Nothing of the reference time depends on the rate: any rate gives the same ratio.
+        wanted = max_bps
+    return RateChoice(min(max(wanted, min_bps), max_bps), wanted)
+
+
+def format_rate(rate_bps: float) -> str:
+    """``rate_bps`` as a ``tc``/``--link`` rate with 3 significant digits (``87.5mbit``).
+
+    Args:
+        rate_bps: A finite rate > 0, bits per second.
+    """
+    if not rate_bps > 0 or not math.isfinite(rate_bps):
+        raise ValueError(f"a rate must be a finite number > 0, got {rate_bps}")
+    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if rate_bps >= scale or unit == "kbit":
+            value = rate_bps / scale
+            text = f"{value:.3g}" if value < 1000 else f"{value:.0f}"
+            return f"{text}{unit}"
+    raise AssertionError("unreachable")
+
+
+def ideal_bound_s(forward_s: float, backward_s: float, allreduce_s: float, step_s: float) -> float:
+    """The ideal-overlap iteration time: ``forward + max(backward, all-reduce) + step``.
+
+    What an iteration would take if one all-reduce of all gradients ran entirely alongside
+    backward at no cost to it. The optimizer step is in both this bound and the timed iteration,
+    so their ratio compares like with like.
+
+    Args:
+        forward_s: Seconds of forward.
+        backward_s: Seconds of backward.
+        allreduce_s: Seconds of one all-reduce of all gradients.
+        step_s: Seconds of the optimizer step.
+    """
+    return forward_s + max(backward_s, allreduce_s) + step_s
+
+
+@dataclass(frozen=True)
+class LaunchContext:
+    """How a launch was set up: its target ratio (None for a fixed link) and link."""
+
+    ratio: float | None
+    link: str
+    clamped: bool = False
+    wanted_link: str | None = None
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the results: one strategy on one model at one link."""
+
+    model: str
+    batch: int
+    ranks: int
+    ratio: float | None
+    link: str
+    clamped: bool
+    wanted_link: str | None
+    comm_compute: float
+    compute_s: float
+    forward_s: float
+    backward_s: float
+    step_s: float
+    allreduce_s: float
+    strategy: str
+    iteration_s: float
+    iteration_p25_s: float
+    iteration_p75_s: float
+    samples: int
+    speedup_vs_ddp: float | None
+    buckets: int | str
+    bound_s: float
+    time_over_bound: float
+    contended_bound_s: float | None = None
+    time_over_contended: float | None = None
+    predicted_s: float | None = None
+    cost_a: float | None = None
+    cost_b: float | None = None
+    plan: str | None = None
+    #: The strategy's base name, the channels and compression it was asked for, the channels
+    #: it used, and its speed-up over the same strategy on one channel in the same launch.
+    base_strategy: str = ""
+    channels: str = "1"
+    compression: str = "none"
+    chosen_channels: int | None = None
+    channel_choice: str | None = None
+    #: What DataParallel's trials of candidate plans measured, and which plan it kept.
+    tuning: str | None = None
+    speedup_vs_one_channel: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def rows_from_measurement(measurement: Measurement, context: LaunchContext) -> list[Row]:
+    """Medians, speed-ups against DDP of the same launch, and the ideal-overlap bound.
+
+    Args:
+        measurement: What one launch measured.
+        context: Its target ratio and link.
+    """
+    forward = statistics.median(measurement.forward_s)
+    backward = statistics.median(measurement.backward_s)
+    step = statistics.median(measurement.step_s)
+    allreduce = statistics.median(measurement.allreduce_s)
+    compute = forward + backward + step
+    bound = ideal_bound_s(forward, backward, allreduce, step)
+    contended = statistics.median(measurement.overlapped_s) if measurement.overlapped_s else None
+    medians = {s.strategy: statistics.median(s.iteration_s) for s in measurement.strategies}
+    ddp = medians.get("ddp")
+    rows = []
+    for samples in measurement.strategies:
+        p25, median, p75 = quartiles(samples.iteration_s)
+        base, channels, compression = parse_variant(samples.strategy)
+        one_channel = medians.get(variant_label(base, 1, compression))
+        rows.append(
+            Row(
+                model=measurement.model,
+                batch=measurement.batch,
+                ranks=measurement.ranks,
+                ratio=context.ratio,
+                link=context.link,
+                clamped=context.clamped,
+                wanted_link=context.wanted_link,
+                comm_compute=allreduce / compute,
+                compute_s=compute,
+                forward_s=forward,
+                backward_s=backward,
+                step_s=step,
+                allreduce_s=allreduce,
+                strategy=samples.strategy,
+                iteration_s=median,
+                iteration_p25_s=p25,
+                iteration_p75_s=p75,
+                samples=len(samples.iteration_s),
+                speedup_vs_ddp=None if ddp is None else ddp / median,
+                buckets="-" if samples.buckets is None else samples.buckets,
+                bound_s=bound,
+                time_over_bound=median / bound,
+                contended_bound_s=contended,
+                time_over_contended=None if contended is None else median / contended,
+                predicted_s=samples.predicted_s,
+                cost_a=samples.cost_a,
+                cost_b=samples.cost_b,
+                plan=samples.plan,
+                base_strategy=base,
+                channels=str(channels),
+                compression=compression or "none",
+                chosen_channels=samples.chosen_channels,
+                channel_choice=samples.channel_choice,
+                tuning=samples.tuning,
+                speedup_vs_one_channel=(
+                    None if one_channel is None or channels == 1 else one_channel / median
+                ),
+            )
+        )
+    return rows
+
+
+def _ratio_text(row: Row) -> str:
+    return "-" if row.ratio is None else f"{row.ratio:g}"
+
+
+def _link_text(row: Row) -> str:
+    if row.clamped and row.wanted_link is not None:
+        return f"{row.link} (clamped; wanted {row.wanted_link})"
+    return row.link
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """The markdown table: one line per model x ratio x strategy.
+
+    Args:
+        rows: The rows, in order.
+    """
+    lines = [
+        "| model | batch | target ratio | link | comm/compute | strategy | channels | k used | "
+        "compression | iteration ms (p25-p75) | vs DDP | vs 1 channel | buckets | bound ms | "
+        "time/bound | contended bound ms | time/contended |",
+        "|---|---:|---:|---|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        speedup = "-" if row.speedup_vs_ddp is None else f"{row.speedup_vs_ddp:.2f}x"
+        versus_one = (
+            "-" if row.speedup_vs_one_channel is None else f"{row.speedup_vs_one_channel:.2f}x"
+        )
+        used = "-" if row.chosen_channels is None else str(row.chosen_channels)
+        lines.append(
+            f"| {row.model} | {row.batch} | {_ratio_text(row)} | {_link_text(row)} | "
+            f"{row.comm_compute:.2f} | {row.base_strategy or row.strategy} | {row.channels} | "
+            f"{used} | {row.compression} | {row.iteration_s * 1e3:.1f} "
+            f"({row.iteration_p25_s * 1e3:.1f}-{row.iteration_p75_s * 1e3:.1f}) | {speedup} | "
+            f"{versus_one} | {row.buckets} | {row.bound_s * 1e3:.1f} | {row.time_over_bound:.2f} | "
+            f"{_ms(row.contended_bound_s)} | {_ratio(row.time_over_contended)} |"
+        )
+    return "\n".join(lines)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def format_summary(rows: Sequence[Row]) -> str:
+    """One line per model x ratio: each strategy's speed-up vs DDP and its time/bound.
+
+    Args:
+        rows: The rows, in order.
+    """
+    strategies = list(dict.fromkeys(row.strategy for row in rows))
+    groups = _groups(rows)
+    header = (
+        "| model | target ratio | link | comm/compute | bound ms | contended bound ms | "
+        + " | ".join(f"{s} vs DDP (t/bound)" for s in strategies)
+    )
+    lines = [header + " |", "|---|---:|---|---:|---:|---:|" + "---:|" * len(strategies)]
+    for group in groups:
+        first = group[0]
+        by_strategy = {row.strategy: row for row in group}
+        cells = []
+        for strategy in strategies:
+            row = by_strategy.get(strategy)
+            if row is None:
+                cells.append("-")
+                continue
+            speedup = "-" if row.speedup_vs_ddp is None else f"{row.speedup_vs_ddp:.2f}x"
+            cells.append(f"{speedup} ({row.time_over_bound:.2f})")
+        lines.append(
+            f"| {first.model} | {_ratio_text(first)} | {_link_text(first)} | "
+            f"{first.comm_compute:.2f} | {first.bound_s * 1e3:.1f} | "
+            f"{_ms(first.contended_bound_s)} | " + " | ".join(cells) + " |"
+        )
+    return "\n".join(lines)
+
+
+def _groups(rows: Sequence[Row]) -> list[list[Row]]:
+    """Rows grouped by (model, ratio, link), in first-seen order."""
+    grouped: dict[tuple[str, float | None, str], list[Row]] = {}
+    for row in rows:
+        grouped.setdefault((row.model, row.ratio, row.link), []).append(row)
+    return list(grouped.values())
+
+
+def plot_speedups(rows: Sequence[Row], path: str | Path, title: str = "") -> None:
+    """Grouped bars of speed-up vs DDP: one panel per model, a group per ratio, a bar per
+    strategy, and a line at 1.0 (DDP's own speed).
+
+    Args:
+        rows: The rows (at least one).
+        path: Where the PNG goes.
+        title: The figure's title (a default when empty).
+    """
+    import matplotlib  # noqa: PLC0415 - heavy import, only when a plot is asked for
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - after choosing the Agg backend
+
+    models = list(dict.fromkeys(row.model for row in rows))
+    strategies = list(dict.fromkeys(row.strategy for row in rows))
+    if not models:
+        raise ValueError("no rows to plot")
+    figure, axes = plt.subplots(
+        1, len(models), figsize=(3.2 * len(models) + 1.0, 4.0), squeeze=False, sharey=True
+    )
+    width = 0.8 / max(len(strategies), 1)
+    colours = plt.get_cmap("tab10")
+    for panel, model in zip(axes[0], models, strict=True):
+        groups = [g for g in _groups(rows) if g[0].model == model]
+        for index, strategy in enumerate(strategies):
+            xs, ys = [], []
+            for position, group in enumerate(groups):
+                row = next((r for r in group if r.strategy == strategy), None)
+                if row is not None and row.speedup_vs_ddp is not None:
+                    xs.append(position + (index - (len(strategies) - 1) / 2) * width)
+                    ys.append(row.speedup_vs_ddp)
+            panel.bar(xs, ys, width=width, label=strategy, color=colours(index % 10))
+        panel.axhline(1.0, color="black", linewidth=0.8)
+        panel.set_xticks(range(len(groups)))
+        panel.set_xticklabels(
+            [f"r={_ratio_text(g[0])}\n{g[0].comm_compute:.2f}\n{g[0].link}" for g in groups],
+            fontsize=7,
+        )
+        panel.set_title(model)
+        panel.grid(axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("speed-up vs DDP")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    # Below the panels, so no bar is ever hidden behind it.
+    figure.legend(
+        handles, labels, loc="lower center", ncol=len(strategies), fontsize=8, frameon=False
+    )
+    figure.suptitle(title or "speed-up vs DDP (target ratio / measured comm/compute / link)")
+    figure.tight_layout(rect=(0.0, 0.07, 1.0, 1.0))
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def one_line(rows: Sequence[Row]) -> str:
+    """One launch's rows in one line, as the progress bar shows them.
+
+    Args:
+        rows: The rows of one launch (at least one).
+    """
+    first = rows[0]
+    parts = ", ".join(
+        f"{row.strategy} {row.iteration_s * 1e3:.0f} ms"
+        + ("" if row.speedup_vs_ddp is None else f" ({row.speedup_vs_ddp:.2f}x)")
+        for row in rows
+    )
+    return (
+        f"{first.model} ratio {_ratio_text(first)} at {first.link} (measured "
+        f"{first.comm_compute:.2f}, bound {first.bound_s * 1e3:.0f} ms, contended bound "
+        f"{_ms(first.contended_bound_s)} ms): {parts}"
+    )

@@ -1,0 +1,425 @@
+"""``interlace bench kfac``, rank side: the jobs, and the rank code that times a distributed
+K-FAC iteration phase by phase (the breakdown) or the ablation's modes side by side."""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional
+
+from interlace.bench.harness import (
+    NUM_CLASSES,
+    Contender,
+    max_over_ranks,
+    synthetic_batches,
+)
+from interlace.dp import DataParallel
+from interlace.kfac import KFAC, PHASES
+from interlace.zoo import build_model
+
+#: Upper bound on warm-up steps spent waiting for the data-parallel plan (a bug otherwise).
+MAX_WARMUP_STEPS = 300
+
+#: SPD-KFAC's ablation (``--ablation``): each mode's ``(factor_comm, fusion, placement)``, all
+#: from the one :class:`interlace.KFAC`. ``dkfac`` is the baseline every speed-up is against.
+ABLATION_MODES: dict[str, tuple[str, str, str]] = {
+    "dkfac": ("bulk", "none", "greedy"),
+    "pipelined": ("pipelined", "merged", "greedy"),
+    "lbp": ("bulk", "none", "lbp"),
+    "spd": ("pipelined", "merged", "lbp"),
+}
+BASELINE_MODE = "dkfac"
+#: ``--compare kfac-pytorch`` adds this contender: kfac-pytorch's ``KFACPreconditioner`` with its
+#: defaults (COMM-OPT, factors all-reduced from its hooks) and the run's update intervals.
+KFAC_PYTORCH_MODE = "kfac-pytorch"
+
+
+def mode_settings(mode: str) -> tuple[str, str, str]:
+    """``(factor_comm, fusion, placement)`` of an ablation mode or of the compared peer.
+
+    Args:
+        mode: A key of :data:`ABLATION_MODES`, or :data:`KFAC_PYTORCH_MODE`.
+    """
+    if mode == KFAC_PYTORCH_MODE:
+        return ("kfac-pytorch", "kfac-pytorch", "kaisa")
+    return ABLATION_MODES[mode]
+
+
+#: The ablation's extra column: the K-FAC model's own forward + backward (DataParallel's gradient
+#: all-reduces, the factor hooks and, when pipelined, the factor all-reduces they launch).
+KFAC_PASSES = ("kfac_passes", "fwd+bwd+hooks")
+
+
+@dataclass(frozen=True)
+class KfacJob:
+    """What every rank of one launch measures."""
+
+    model: str
+    batch: int
+    input_shape: tuple[int, ...]
+    seed: int
+    iters: int
+    warmup: int
+    compute_method: str
+    grad_worker_fraction: float
+    inv_update_steps: int
+    timeline: bool
+    placement: str = "greedy"
+    factor_update_steps: int = 1
+
+
+@dataclass(frozen=True)
+class AblationJob:
+    """What every rank of one ``--ablation`` launch measures: ``modes`` side by side."""
+
+    model: str
+    batch: int
+    input_shape: tuple[int, ...]
+    seed: int
+    iters: int
+    warmup: int
+    compute_method: str
+    factor_update_steps: int
+    inv_update_steps: int
+    modes: tuple[str, ...] = tuple(ABLATION_MODES)
+
+
+def _kfac_iteration(
+    contender: KfacContender, batch: tuple[torch.Tensor, torch.Tensor], passes_key: str
+) -> dict[str, float]:
+    """One timed K-FAC iteration behind a barrier: the preconditioner's phases, the passes
+    (forward + backward, under ``passes_key``), the optimizer step and the whole iteration."""
+    inputs, targets = batch
+    dist.barrier()
+    start = time.perf_counter()
+    contender.optimizer.zero_grad()
+    loss = functional.cross_entropy(contender.wrapper(inputs), targets)
+    loss.backward()
+    backward_end = time.perf_counter()
+    contender.precond.step()
+    precond_end = time.perf_counter()
+    contender.optimizer.step()
+    end = time.perf_counter()
+    sample = dict(contender.precond.last_phase_s)
+    sample[passes_key] = backward_end - start
+    sample["optimizer"] = end - precond_end
+    sample["iteration"] = end - start
+    return sample
+
+
+def _passes(module: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+    """Seconds of ``module``'s forward and backward behind a barrier (no optimizer step)."""
+    inputs, targets = batch
+    dist.barrier()
+    start = time.perf_counter()
+    module.zero_grad()
+    functional.cross_entropy(module(inputs), targets).backward()
+    return time.perf_counter() - start
+
+
+def measure_rank(job: KfacJob) -> dict[str, Any]:
+    """One rank of a launch: warm up, time ``job.iters`` iterations, return the medians.
+
+    Args:
+        job: The model and K-FAC settings to time.
+    """
+    rank = dist.get_rank()
+    torch.manual_seed(job.seed)
+    plain = build_model(job.model, job.input_shape, NUM_CLASSES)
+    model = copy.deepcopy(plain)
+    wrapped = DataParallel(model)
+    data_parallel_only = DataParallel(copy.deepcopy(plain))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    precond = KFAC(
+        wrapped,
+        lr=0.01,
+        compute_method=job.compute_method,
+        grad_worker_fraction=job.grad_worker_fraction,
+        factor_update_steps=job.factor_update_steps,
+        inv_update_steps=job.inv_update_steps,
+        placement=job.placement,
+    )
+    batches = synthetic_batches(job.batch, job.input_shape, job.seed, rank)
+
+    contender = KfacContender("kfac", wrapped, optimizer, precond=precond)
+
+    def kfac_iteration(step: int) -> dict[str, float]:
+        return _kfac_iteration(contender, batches[step % len(batches)], "passes")
+
+    def passes(module: Any, step: int) -> float:
+        return _passes(module, batches[step % len(batches)])
+
+    step = 0
+    while step < job.warmup or not (wrapped.planning_done and data_parallel_only.planning_done):
+        kfac_iteration(step)
+        passes(data_parallel_only, step)
+        step += 1
+        if step > MAX_WARMUP_STEPS:
+            raise RuntimeError(f"{job.model}: DataParallel did not finish planning in warm-up")
+    precond.take_events()
+
+    keys = [*PHASES, "passes", "optimizer", "iteration", "plain", "data_parallel"]
+    samples: dict[str, list[float]] = {key: [] for key in keys}
+    events: list[dict[str, Any]] = []
+    for index in range(job.iters):
+        last = index == job.iters - 1
+        if last and job.timeline:
+            wrapped.record_timeline(True)
+            precond.take_events()
+        sample = kfac_iteration(step + index)
+        if last and job.timeline:
+            events = _iteration_events(wrapped, precond, rank, sample)
+        sample["plain"] = passes(plain, step + index)
+        sample["data_parallel"] = passes(data_parallel_only, step + index)
+        for key in keys:
+            samples[key].append(sample[key])
+    maxima = {key: max_over_ranks(values) for key, values in samples.items()}
+    medians = {key: statistics.median(values) for key, values in maxima.items()}
+    # Data parallelism's share of forward + backward: the wrapped passes beyond the plain ones.
+    exposed = [
+        max(0.0, wrapped_s - plain_s)
+        for wrapped_s, plain_s in zip(maxima["data_parallel"], maxima["plain"], strict=True)
+    ]
+    medians["gradient_comm"] = statistics.median(exposed)
+    medians["forward_backward"] = medians["plain"]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, events)
+    return {
+        "medians": medians,
+        "layers": len(precond.layers),
+        "events": [event for rank_events in gathered for event in rank_events],
+    }
+
+
+@dataclass(kw_only=True)
+class KfacContender(Contender):
+    """One K-FAC contender on one rank: its own copy of the model, wrapper, optimizer and
+    preconditioner (an ablation mode, or the compared peer).
+
+    Args:
+        precond: Its preconditioner (:class:`interlace.KFAC` or the peer's stand-in).
+    """
+
+    precond: Any
+
+    def settled(self) -> bool:
+        """Whether every plan is final: DataParallel's buckets, and for pipelined factors the
+        merged buckets (one bulk factor step, then ``profile_steps`` profiled ones)."""
+        if not self.wrapper.planning_done:
+            return False
+        precond = self.precond
+        if precond.factor_comm != "pipelined":
+            return True
+        return bool(precond.steps > precond.profile_steps * precond.factor_update_steps)
+
+
+class _KfacPytorch:
+    """kfac-pytorch's ``KFACPreconditioner`` (its defaults) seen through what a contender needs.
+
+    It keeps no phase timings, so :attr:`last_phase_s` stays zero and the row shows only the
+    iteration; its factors go out from its own hooks (``update_factors_in_hook=True``).
+    """
+
+    factor_comm = "kfac-pytorch"
+    placement = "kaisa"
+    factor_plan = None
+
+    def __init__(self, model: Any, job: AblationJob) -> None:
+        self.factor_owners: dict[str, Any] = {}
+        # An optional peer, not a dependency: checked by check_kfac_pytorch before launching.
+        from kfac.preconditioner import (  # type: ignore[import-not-found]  # noqa: PLC0415 - optional dependency
+            KFACPreconditioner,
+        )
+
+        self.inner = KFACPreconditioner(
+            model,
+            factor_update_steps=job.factor_update_steps,
+            inv_update_steps=job.inv_update_steps,
+            lr=0.01,
+            compute_method=job.compute_method,
+        )
+        self.last_phase_s = dict.fromkeys(PHASES, 0.0)
+        layers = getattr(self.inner, "_layers", None)
+        self.layers = list(layers) if layers is not None else []
+
+    def step(self) -> None:
+        self.inner.step()
+
+
+def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
+    """One rank of an ablation launch: every mode on its own copy of the model, interleaved.
+
+    Every round runs one iteration of each mode (the first mode rotating from round to round),
+    then the plain module's passes and DataParallel's alone, each behind a barrier.
+
+    Args:
+        job: The model and the modes to time side by side.
+    """
+    rank = dist.get_rank()
+    torch.manual_seed(job.seed)
+    plain = build_model(job.model, job.input_shape, NUM_CLASSES)
+    data_parallel_only = DataParallel(copy.deepcopy(plain))
+    contenders: list[KfacContender] = []
+    lbp_costs: dict[str, Any] = {}
+    # The same order on every rank: KFAC creates process groups and measures LBP's costs with
+    # collectives. The LBP modes share one measurement, so they share one placement.
+    for mode in job.modes:
+        model = copy.deepcopy(plain)
+        wrapped = DataParallel(model)
+        if mode == KFAC_PYTORCH_MODE:
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            contenders.append(
+                KfacContender(mode, wrapped, optimizer, precond=_KfacPytorch(wrapped, job))
+            )
+            continue
+        factor_comm, fusion, placement = ABLATION_MODES[mode]
+        precond = KFAC(
+            wrapped,
+            lr=0.01,
+            compute_method=job.compute_method,
+            grad_worker_fraction=1.0,
+            factor_update_steps=job.factor_update_steps,
+            inv_update_steps=job.inv_update_steps,
+            placement=placement,
+            factor_comm=factor_comm,
+            fusion=fusion,
+            **(lbp_costs if placement == "lbp" else {}),
+        )
+        if placement == "lbp" and not lbp_costs:
+            lbp_costs = {
+                "decomposition_cost": precond.decomposition_cost,
+                "broadcast_cost": precond.broadcast_cost,
+            }
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        contenders.append(KfacContender(mode, wrapped, optimizer, precond=precond))
+    batches = synthetic_batches(job.batch, job.input_shape, job.seed, rank)
+
+    def kfac_iteration(contender: KfacContender, step: int) -> dict[str, float]:
+        return _kfac_iteration(contender, batches[step % len(batches)], KFAC_PASSES[0])
+
+    def passes(module: Any, step: int) -> float:
+        return _passes(module, batches[step % len(batches)])
+
+    def one_round(step: int) -> tuple[dict[str, dict[str, float]], float, float]:
+        first = step % len(contenders)
+        samples = {
+            contender.name: kfac_iteration(contender, step)
+            for contender in contenders[first:] + contenders[:first]
+        }
+        return samples, passes(plain, step), passes(data_parallel_only, step)
+
+    # Warm up until every plan is final, then one more round on the final plans.
+    step = 0
+    settled_at: int | None = None
+    while step < job.warmup or settled_at is None or step <= settled_at:
+        one_round(step)
+        step += 1
+        if (
+            settled_at is None
+            and data_parallel_only.planning_done
+            and all(contender.settled() for contender in contenders)
+        ):
+            settled_at = step
+        if step > MAX_WARMUP_STEPS:
+            raise RuntimeError(f"{job.model}: the plans were not final after the warm-up")
+
+    keys = [*PHASES, KFAC_PASSES[0], "optimizer", "iteration"]
+    samples: dict[str, dict[str, list[float]]] = {
+        mode: {key: [] for key in keys} for mode in job.modes
+    }
+    plain_s: list[float] = []
+    data_parallel_s: list[float] = []
+    for index in range(job.iters):
+        round_samples, plain_sample, data_parallel_sample = one_round(step + index)
+        for mode, sample in round_samples.items():
+            for key in keys:
+                samples[mode][key].append(sample[key])
+        plain_s.append(plain_sample)
+        data_parallel_s.append(data_parallel_sample)
+    # One collective for every series: the maximum over ranks of each sample.
+    series = [samples[mode][key] for mode in job.modes for key in keys]
+    series += [plain_s, data_parallel_s]
+    flat = max_over_ranks([value for values in series for value in values])
+    maxima = [flat[i * job.iters : (i + 1) * job.iters] for i in range(len(series))]
+    plain_max, data_parallel_max = maxima[-2], maxima[-1]
+    forward_backward = statistics.median(plain_max)
+    # Data parallelism's share of forward + backward: the wrapped passes beyond the plain ones.
+    gradient_comm = statistics.median(
+        max(0.0, wrapped_s - plain_s)
+        for wrapped_s, plain_s in zip(data_parallel_max, plain_max, strict=True)
+    )
+    medians: dict[str, dict[str, float]] = {}
+    for m, mode in enumerate(job.modes):
+        medians[mode] = {
+            key: statistics.median(maxima[m * len(keys) + k]) for k, key in enumerate(keys)
+        }
+        medians[mode]["forward_backward"] = forward_backward
+        medians[mode]["gradient_comm"] = gradient_comm
+    return {
+        "medians": medians,
+        "layers": len(contenders[0].precond.layers),
+        "factor_buckets": {
+            c.name: len(c.precond.factor_plan) if c.precond.factor_plan is not None else None
+            for c in contenders
+        },
+        "local_factors": {
+            c.name: sum(
+                owner is None for pair in c.precond.factor_owners.values() for owner in pair
+            )
+            if c.precond.placement == "lbp"
+            else None
+            for c in contenders
+        },
+    }
+
+
+def _iteration_events(
+    wrapped: Any, precond: Any, rank: int, sample: dict[str, float]
+) -> list[dict[str, Any]]:
+    """The last iteration as plain dicts (picklable): the data-parallel timeline of forward,
+    backward and gradient all-reduces, then K-FAC's spans, on one time origin."""
+    process = f"rank {rank}"
+    origin = wrapped.last_forward_start
+    events: list[dict[str, Any]] = []
+    timeline = wrapped.last_timeline
+    if timeline is not None:
+        for event in timeline.events:
+            events.append(
+                {
+                    "name": event.name,
+                    "category": event.category,
+                    "start_s": event.start_s,
+                    "end_s": event.end_s,
+                    "lane": event.lane,
+                    "process": process,
+                }
+            )
+    for event in precond.take_events(process=process, origin_s=origin):
+        events.append(
+            {
+                "name": event.name,
+                "category": event.category,
+                "start_s": event.start_s,
+                "end_s": event.end_s,
+                "lane": "kfac comm" if event.category == "comm" else "kfac",
+                "process": process,
+            }
+        )
+    end = sample["iteration"]
+    events.append(
+        {
+            "name": "SGD step",
+            "category": "optimizer",
+            "start_s": end - sample["optimizer"],
+            "end_s": end,
+            "lane": "kfac",
+            "process": process,
+        }
+    )
+    return events

@@ -1,0 +1,328 @@
+"""``interlace bench kfac``, rows and tables: the phase breakdown and the ablation's rows, their
+markdown tables, the ablation's header and its stacked bars."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from interlace.bench.kfac_rank import (
+    ABLATION_MODES,
+    BASELINE_MODE,
+    KFAC_PASSES,
+    KFAC_PYTORCH_MODE,
+    mode_settings,
+)
+
+#: Columns of the table, in order: (key, heading).
+COLUMNS: tuple[tuple[str, str], ...] = (
+    ("forward_backward", "fwd+bwd"),
+    ("gradient_comm", "grad comm"),
+    ("factor_compute", "factor compute"),
+    ("factor_comm", "factor comm"),
+    ("decomposition", "decomposition"),
+    ("decomposition_comm", "decomp comm"),
+    ("precondition", "precondition"),
+    ("precondition_comm", "precond comm"),
+    ("optimizer", "step"),
+)
+
+
+@dataclass
+class KfacRow:
+    """One model's measured breakdown (milliseconds, medians of maxima over ranks)."""
+
+    model: str
+    ranks: int
+    link: str
+    batch: int
+    compute_method: str
+    grad_worker_fraction: float
+    inv_update_steps: int
+    placement: str
+    layers: int
+    iteration_ms: float
+    phases_ms: dict[str, float] = field(default_factory=dict)
+    factor_update_steps: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class AblationRow:
+    """One (model, mode) of the ablation (seconds, medians of maxima over ranks).
+
+    ``phases_s`` holds the :data:`COLUMNS` phases and :data:`KFAC_PASSES`; ``factor_buckets`` is
+    the number of pipelined factor all-reduces per factor step (None for bulk), and
+    ``local_factors`` how many factors LBP decomposes on every rank (None for greedy).
+    """
+
+    model: str
+    mode: str
+    factor_comm: str
+    fusion: str
+    placement: str
+    ranks: int
+    link: str
+    batch: int
+    factor_update_steps: int
+    inv_update_steps: int
+    layers: int
+    iters: int
+    iteration_s: float
+    speedup_vs_dkfac: float | None
+    phases_s: dict[str, float] = field(default_factory=dict)
+    factor_buckets: int | None = None
+    local_factors: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def format_table(rows: Sequence[KfacRow]) -> str:
+    """The breakdown's markdown table: one line per model, its iteration and phases (ms).
+
+    Args:
+        rows: The breakdown rows, in order.
+    """
+    head = ["model", "ranks", "link", "iteration ms", *(title + " ms" for _, title in COLUMNS)]
+    lines = [
+        "| " + " | ".join(head) + " |",
+        "|---|---:|---|" + "---:|" * (len(head) - 3),
+    ]
+    for row in rows:
+        cells = [row.model, str(row.ranks), row.link, f"{row.iteration_ms:.1f}"]
+        cells += [f"{row.phases_ms.get(key, 0.0):.1f}" for key, _ in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def ablation_rows(
+    model: str,
+    value: dict[str, Any],
+    *,
+    ranks: int,
+    link: str,
+    batch: int,
+    factor_update_steps: int,
+    inv_update_steps: int,
+    iters: int,
+) -> list[AblationRow]:
+    """One row per mode from an ablation launch's value (:func:`measure_ablation_rank`'s),
+    each with its speed-up over :data:`BASELINE_MODE` (None when that mode was not run).
+
+    Args:
+        model: The launch's model.
+        value: Rank 0's value of the launch.
+        ranks: Ranks it ran on.
+        link: Its link (or ``"loopback"``).
+        batch: Per-rank batch.
+        factor_update_steps: Steps between factor updates.
+        inv_update_steps: Steps between decompositions.
+        iters: Timed iterations.
+    """
+    medians: dict[str, dict[str, float]] = value["medians"]
+    baseline = medians.get(BASELINE_MODE, {}).get("iteration")
+    rows: list[AblationRow] = []
+    for mode, phases in medians.items():
+        factor_comm, fusion, placement = mode_settings(mode)
+        iteration = phases["iteration"]
+        measured_phases = mode != KFAC_PYTORCH_MODE
+        rows.append(
+            AblationRow(
+                model=model,
+                mode=mode,
+                factor_comm=factor_comm,
+                fusion=fusion,
+                placement=placement,
+                ranks=ranks,
+                link=link,
+                batch=batch,
+                factor_update_steps=factor_update_steps,
+                inv_update_steps=inv_update_steps,
+                layers=value["layers"],
+                iters=iters,
+                iteration_s=iteration,
+                speedup_vs_dkfac=baseline / iteration if baseline and iteration > 0 else None,
+                # kfac-pytorch does not time its phases: only its iteration is known (and the
+                # passes every mode shares).
+                phases_s={
+                    key: phases[key]
+                    for key, _ in (*COLUMNS, KFAC_PASSES)
+                    if measured_phases or key in ("forward_backward", "gradient_comm")
+                },
+                factor_buckets=value.get("factor_buckets", {}).get(mode),
+                local_factors=value.get("local_factors", {}).get(mode),
+            )
+        )
+    return rows
+
+
+def format_ablation_table(rows: Sequence[AblationRow]) -> str:
+    """One line per (model, mode): iteration, speed-up over dkfac, the phases (ms).
+
+    Args:
+        rows: The ablation rows, in order.
+    """
+    head = [
+        "model",
+        "mode",
+        "iteration ms",
+        "vs dkfac",
+        *(title + " ms" for _, title in (*COLUMNS, KFAC_PASSES)),
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    for row in rows:
+        speedup = "-" if row.speedup_vs_dkfac is None else f"{row.speedup_vs_dkfac:.2f}x"
+        cells = [row.model, row.mode, _ms(row.iteration_s), speedup]
+        cells += [
+            _ms(row.phases_s[key]) if key in row.phases_s else "-"
+            for key, _ in (*COLUMNS, KFAC_PASSES)
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def factor_comm_share(rows: Sequence[AblationRow]) -> dict[str, float]:
+    """Per model, the fraction of dkfac's iteration spent in factor communication.
+
+    Args:
+        rows: The ablation rows.
+    """
+    return {
+        row.model: row.phases_s.get("factor_comm", 0.0) / row.iteration_s
+        for row in rows
+        if row.mode == BASELINE_MODE and row.iteration_s > 0
+    }
+
+
+def format_ablation_header(
+    rows: Sequence[AblationRow], *, ranks: int, link: str, compute_method: str, iters: int
+) -> str:
+    """The regime in a few lines: ranks, link, batches, update intervals, and how much of
+    dkfac's iteration factor communication takes (the part the pipelined modes can hide).
+
+    Args:
+        rows: The ablation rows.
+        ranks: Ranks of the launches.
+        link: Their link.
+        compute_method: The decomposition (``eigen`` or ``inverse``).
+        iters: Timed iterations per launch.
+    """
+    first = rows[0] if rows else None
+    factor_steps = first.factor_update_steps if first else 1
+    inv_steps = first.inv_update_steps if first else 1
+    batches = ", ".join(
+        dict.fromkeys(f"{row.model} {row.batch}" for row in rows)  # first-seen order
+    )
+    modes = "; ".join(
+        f"{mode} = {comm} factor all-reduce"
+        + (f" ({fusion} buckets)" if comm == "pipelined" else "")
+        + f", {placement} placement"
+        for mode, (comm, fusion, placement) in ABLATION_MODES.items()
+    )
+    lines = [
+        f"SPD-KFAC ablation: {ranks} ranks on {link}, per-rank batch ({batches or 'none'}); "
+        f"factors all-reduced every {factor_steps} step(s), decomposed ({compute_method}, "
+        f"COMM-OPT) every {inv_steps} step(s); medians over {iters} iterations of the maximum "
+        "over ranks, the modes interleaved round-robin in one launch per model.",
+        f"Modes: {modes}.",
+    ]
+    by_model = {row.model: row for row in rows if row.mode == BASELINE_MODE}
+    shares = factor_comm_share(rows)
+    if shares:
+        lines.append(
+            "Factor comm share of dkfac's iteration: "
+            + ", ".join(
+                f"{model} {share:.0%} ({_ms(by_model[model].phases_s.get('factor_comm', 0.0))} "
+                f"of {_ms(by_model[model].iteration_s)} ms)"
+                for model, share in shares.items()
+            )
+            + "."
+        )
+    return "\n".join(lines)
+
+
+def plot_ablation(rows: Sequence[AblationRow], path: str | Path, title: str = "") -> None:
+    """Grouped bars: a panel per model, a bar per mode stacked by phase (the medians; what the
+    phases leave of the measured iteration is drawn as "other"), the measured iteration as a
+    black tick and the speed-up over dkfac above each bar.
+
+    Args:
+        rows: The ablation rows (at least one).
+        path: Where the PNG goes.
+        title: The figure's title (a default when empty).
+    """
+    import matplotlib  # noqa: PLC0415 - heavy import, only when a plot is asked for
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - after choosing the Agg backend
+
+    models = list(dict.fromkeys(row.model for row in rows))
+    if not models:
+        raise ValueError("no rows to plot")
+    modes = list(dict.fromkeys(row.mode for row in rows))
+    figure, axes = plt.subplots(
+        1, len(models), figsize=(max(6.4, 2.6 * len(models) + 1.6), 4.6), squeeze=False
+    )
+    colours = plt.get_cmap("tab10")
+    stack = [*COLUMNS, ("other", "other (overlap, hooks, noise)")]
+    for panel, model in zip(axes[0], models, strict=True):
+        highest = 0.0
+        for position, mode in enumerate(modes):
+            row = next((r for r in rows if r.model == model and r.mode == mode), None)
+            if row is None:
+                continue
+            bottom = 0.0
+            for index, (key, label) in enumerate(stack):
+                if key == "other":
+                    height = max(0.0, row.iteration_s - bottom / 1e3) * 1e3
+                    colour: Any = "lightgrey"
+                else:
+                    height = row.phases_s.get(key, 0.0) * 1e3
+                    colour = colours(index % 10)
+                panel.bar(
+                    position,
+                    height,
+                    bottom=bottom,
+                    width=0.7,
+                    color=colour,
+                    label=label if position == 0 and model == models[0] else None,
+                )
+                bottom += height
+            top = row.iteration_s * 1e3
+            highest = max(highest, top, bottom)
+            panel.hlines(top, position - 0.38, position + 0.38, color="black", linewidth=1.5)
+            if row.speedup_vs_dkfac is not None:
+                panel.annotate(
+                    f"{row.speedup_vs_dkfac:.2f}x",
+                    (position, max(top, bottom)),
+                    textcoords="offset points",
+                    xytext=(0, 3),
+                    ha="center",
+                    fontsize=7,
+                )
+        panel.set_xticks(range(len(modes)))
+        panel.set_xticklabels(modes, fontsize=8)
+        panel.set_title(model)
+        panel.grid(axis="y", alpha=0.3)
+        # Room above the tallest bar for its speed-up label.
+        panel.set_ylim(0.0, max(highest, 1e-3) * 1.12)
+    axes[0][0].set_ylabel("iteration ms (median of max over ranks)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="lower center", ncol=5, fontsize=7, frameon=False)
+    figure.suptitle(
+        (title or "SPD-KFAC ablation: iteration time by phase")
+        + "\n(black tick: measured iteration; label: speed-up vs dkfac)",
+        fontsize=10,
+    )
+    figure.tight_layout(rect=(0.0, 0.1, 1.0, 1.0))
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -1,0 +1,333 @@
+"""``interlace bench pipeline``, rank side: the contenders (pipeline schedules, DataParallel and
+torch's pipelines), the job, and the rank code that times them in interleaved blocks."""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage as TorchStage
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+from torch.nn import functional
+
+from interlace.bench.harness import (
+    NUM_CLASSES,
+    Contender,
+    max_over_ranks,
+    synthetic_batches,
+)
+from interlace.dp import DataParallel
+from interlace.pipeline.partition import pipeline_blocks, stage_module
+from interlace.pipeline.runtime import PipelineStage
+from interlace.pipeline.stages import local_stage
+from interlace.timeline import Event
+from interlace.zoo import build_model
+
+#: The interlace pipeline schedules, then the baselines, in table order.
+INTERLACE_SCHEDULES: tuple[str, ...] = (
+    "gpipe",
+    "1f1b",
+    "naive",
+    "pipedream",
+    "spectrain",
+    "spectrain-reuse",
+)
+#: ``spectrain-reuse`` is SpecTrain whose backward reuses the forward's prediction (and graph)
+#: instead of computing the stage again: ``PipelineStage(spectrain_backward="reuse")``.
+REUSE_SUFFIX = "-reuse"
+SYNCHRONOUS: tuple[str, ...] = ("gpipe", "1f1b")
+TORCH_SCHEDULES: tuple[str, ...] = ("torch-gpipe", "torch-1f1b")
+SCHEDULES: tuple[str, ...] = (*INTERLACE_SCHEDULES, "dp", *TORCH_SCHEDULES)
+#: The contenders every ratio column is taken against.
+TORCH_BASELINE = "torch-gpipe"
+DP_BASELINE = "dp"
+#: What ``--png`` draws, each in its own group of lanes, when measured.
+TIMELINE_SCHEDULES: tuple[str, ...] = ("spectrain", "gpipe")
+DEFAULT_LR = 0.01
+DEFAULT_MOMENTUM = 0.9
+#: Upper bound on warm-up steps spent waiting for DataParallel's plan (a bug otherwise).
+MAX_PLAN_STEPS = 200
+#: The stream of the job's seed its mini-batches come from: the same on every rank.
+BATCH_STREAM = 7
+
+
+@dataclass(frozen=True)
+class PipelineJob:
+    """What every rank of one launch measures."""
+
+    model: str
+    batch: int
+    microbatches: int
+    input_shape: tuple[int, ...]
+    schedules: tuple[str, ...]
+    block: int
+    iters: int
+    warmup: int
+    seed: int = 0
+    partition_by: str = "time"
+    timeline: bool = False
+    lr: float = DEFAULT_LR
+    momentum: float = DEFAULT_MOMENTUM
+
+
+@dataclass(kw_only=True)
+class PipelineContender(Contender):
+    """One schedule on one rank: its own copy of the model and optimizer, and how it trains.
+
+    Args:
+        train: Trains on a list of mini-batches; the mean loss where this rank knows it.
+        stage: The interlace stage (for its events), else None.
+        cpu_s: Process CPU seconds of each timed block.
+        compute_s: Seconds of each timed block spent computing (interlace stages only).
+        comm_s: Seconds of each timed block spent in communication calls (same).
+        loss: The mean loss of the last timed block.
+    """
+
+    train: Callable[[Sequence[tuple[Any, Any]]], float | None]
+    stage: Any = None
+    cpu_s: list[float] = field(default_factory=list)
+    compute_s: list[float] = field(default_factory=list)
+    comm_s: list[float] = field(default_factory=list)
+    loss: float | None = None
+
+
+def _boundary_bytes(blocks: Any, plan: Any, sample: Any, batch: int) -> list[int]:
+    """Bytes of one mini-batch's activations at the end of every stage but the last."""
+    ends = {end for _, end in plan.bounds[:-1]}
+    sizes: list[int] = []
+    x = sample
+    was_training = blocks.training
+    blocks.eval()
+    with torch.no_grad():
+        for index, block in enumerate(blocks):
+            x = block(x)
+            if index + 1 in ends:
+                per_sample = x.numel() * x.element_size() / max(sample.shape[0], 1)
+                sizes.append(round(per_sample * batch))
+    blocks.train(was_training)
+    return sizes
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else None
+
+
+def _build_contender(
+    schedule: str, base: Any, *, plan: Any, job: PipelineJob, rank: int, ranks: int
+) -> PipelineContender:
+    """``schedule``'s own copy of ``base`` (identical weights), optimizer and training step."""
+    model = copy.deepcopy(base)
+
+    def sgd(parameters: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(parameters, lr=job.lr, momentum=job.momentum)
+
+    last = rank == ranks - 1
+    if schedule == DP_BASELINE:
+        wrapper = DataParallel(model, bucketing="merged")
+        optimizer = sgd(wrapper.parameters())
+        shard = job.batch // ranks
+
+        def train_dp(batches: Sequence[tuple[Any, Any]]) -> float | None:
+            losses = []
+            for inputs, targets in batches:
+                x = inputs[rank * shard : (rank + 1) * shard]
+                y = targets[rank * shard : (rank + 1) * shard]
+                optimizer.zero_grad()
+                loss = functional.cross_entropy(wrapper(x), y)
+                loss.backward()
+                optimizer.step()
+                losses.append(float(loss.detach()))
+            return _mean(losses)
+
+        return PipelineContender(schedule, wrapper=wrapper, train=train_dp)
+
+    module = stage_module(pipeline_blocks(model), plan, rank)
+    optimizer = sgd(module.parameters())
+    if schedule in INTERLACE_SCHEDULES:
+        reuse = schedule.endswith(REUSE_SUFFIX)
+        stage = PipelineStage(
+            module,
+            optimizer,
+            stage=rank,
+            num_stages=ranks,
+            schedule=schedule.removesuffix(REUSE_SUFFIX),
+            loss_fn=functional.cross_entropy,
+            microbatches=job.microbatches,
+            spectrain_backward="reuse" if reuse else "recompute",
+            # The asynchronous schedules stream each mini-batch in as many pieces as the
+            # synchronous ones cut it into, so every contender moves the same messages.
+            chunks=1 if schedule in SYNCHRONOUS else job.microbatches,
+        )
+
+        def train_interlace(batches: Sequence[tuple[Any, Any]]) -> float | None:
+            result = stage.run(list(batches), len(batches))
+            return _mean(result.losses) if last else None
+
+        return PipelineContender(schedule, train=train_interlace, stage=stage)
+
+    torch_stage = TorchStage(module, rank, ranks, torch.device("cpu"))
+    kind = ScheduleGPipe if schedule == "torch-gpipe" else Schedule1F1B
+    runner = kind(torch_stage, job.microbatches, loss_fn=functional.cross_entropy)
+
+    def train_torch(batches: Sequence[tuple[Any, Any]]) -> float | None:
+        losses: list[Any] = []
+        for inputs, targets in batches:
+            optimizer.zero_grad()
+            if rank == 0:
+                runner.step(inputs, return_outputs=False)
+            elif last:
+                runner.step(target=targets, losses=losses, return_outputs=False)
+            else:
+                runner.step(return_outputs=False)
+            optimizer.step()
+        return _mean([float(loss.detach()) for loss in losses]) if last else None
+
+    return PipelineContender(schedule, train=train_torch)
+
+
+def _event_dicts(events: Sequence[Event]) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": e.name,
+            "category": e.category,
+            "start_s": e.start_s,
+            "end_s": e.end_s,
+            "lane": e.lane,
+            "process": e.process,
+            "args": dict(e.args),
+        }
+        for e in events
+    ]
+
+
+def measure_rank(job: PipelineJob) -> dict[str, Any]:
+    """One rank of a launch: build every contender, warm up, time interleaved blocks.
+
+    Returns (the same on every rank) each contender's block seconds (maximum over ranks), the
+    stage plan, the bytes at the stage boundaries and of the gradients, per-stage compute and
+    communication seconds of the interlace pipelines, the mean loss of the last timed block,
+    and with ``job.timeline`` the events of one timed block of :data:`TIMELINE_SCHEDULES`.
+
+    Args:
+        job: The model, contenders and blocks to time.
+    """
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(job.seed)
+    base = build_model(job.model, job.input_shape, NUM_CLASSES)
+    batches = synthetic_batches(job.batch, job.input_shape, job.seed, BATCH_STREAM)
+    sample = batches[0][0][: max(1, job.batch // job.microbatches)]
+    plan = local_stage(base, num_stages=ranks, stage=rank, by=job.partition_by, sample=sample).plan
+    boundary = _boundary_bytes(pipeline_blocks(base), plan, sample, job.batch)
+    parameters = sum(p.numel() for p in base.parameters() if p.requires_grad)
+    gradient_bytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
+    # The same order on every rank: DataParallel builds process groups and fits its cost model
+    # with collectives.
+    contenders = [
+        _build_contender(s, base, plan=plan, job=job, rank=rank, ranks=ranks) for s in job.schedules
+    ]
+    del base
+
+    def blocks_from(start: int, count: int) -> list[tuple[Any, Any]]:
+        return [batches[(start + i) % len(batches)] for i in range(count)]
+
+    def drain(contender: PipelineContender) -> list[Event]:
+        return list(contender.stage.take_events()) if contender.stage is not None else []
+
+    # Warm-up: every contender ``job.warmup`` mini-batches (at least one: torch's stages infer
+    # their shapes on their first step), DataParallel until its plan is final.
+    for contender in contenders:
+        dist.barrier()
+        contender.train(blocks_from(0, max(job.warmup, 1)))
+        steps = 0
+        while contender.wrapper is not None and not contender.wrapper.planning_done:
+            if steps >= MAX_PLAN_STEPS:
+                raise RuntimeError(f"dp had no plan after {steps} warm-up steps")
+            contender.train(blocks_from(steps, 1))
+            steps += 1
+        if contender.wrapper is not None and steps:
+            contender.train(blocks_from(0, 1))  # one step on the final buckets
+        drain(contender)
+
+    events: dict[str, list[dict[str, Any]]] = {}
+    origins: dict[str, float] = {}
+    for round_index in range(job.iters):
+        shift = round_index % len(contenders)
+        data = blocks_from(round_index, job.block)
+        for contender in contenders[shift:] + contenders[:shift]:
+            dist.barrier()
+            start, cpu_start = time.perf_counter(), time.process_time()
+            loss = contender.train(data)
+            contender.times.append(time.perf_counter() - start)
+            contender.cpu_s.append(time.process_time() - cpu_start)
+            contender.loss = loss
+            recorded = drain(contender)
+            if contender.stage is not None:
+                contender.compute_s.append(
+                    sum(e.duration_s for e in recorded if e.category != "comm")
+                )
+                contender.comm_s.append(sum(e.duration_s for e in recorded if e.category == "comm"))
+            last_round = round_index == job.iters - 1
+            if job.timeline and last_round and contender.name in TIMELINE_SCHEDULES:
+                events[contender.name] = _event_dicts(recorded)
+                origins[contender.name] = start
+
+    maxima = max_over_ranks([t for c in contenders for t in c.times])
+    block_s = {
+        c.name: maxima[i * job.iters : (i + 1) * job.iters] for i, c in enumerate(contenders)
+    }
+    cpu_flat = torch.tensor([t for c in contenders for t in c.cpu_s], dtype=torch.float64)
+    dist.all_reduce(cpu_flat)  # summed over ranks
+    cpu_sums: list[float] = cpu_flat.tolist()
+    cpu_s = {
+        c.name: cpu_sums[i * job.iters : (i + 1) * job.iters] for i, c in enumerate(contenders)
+    }
+    local = {
+        "stats": {
+            c.name: (statistics.median(c.compute_s), statistics.median(c.comm_s))
+            for c in contenders
+            if c.stage is not None
+        },
+        "losses": {c.name: c.loss for c in contenders},
+        "events": events,
+        "origins": origins,
+    }
+    gathered: list[Any] = [None] * ranks
+    dist.all_gather_object(gathered, local)
+    stage_stats = {
+        schedule: {
+            "compute_s": [g["stats"][schedule][0] for g in gathered],
+            "comm_s": [g["stats"][schedule][1] for g in gathered],
+        }
+        for schedule in gathered[0]["stats"]
+    }
+    losses = {c.name: gathered[-1]["losses"][c.name] for c in contenders}
+    if DP_BASELINE in losses:  # each rank's shard: the mean over ranks is the global batch's
+        values = [g["losses"][DP_BASELINE] for g in gathered]
+        losses[DP_BASELINE] = _mean([v for v in values if v is not None])
+    merged_events = {
+        schedule: [e for g in gathered for e in g["events"].get(schedule, [])]
+        for schedule in events
+    }
+    merged_origins = {
+        schedule: min(g["origins"][schedule] for g in gathered) for schedule in events
+    }
+    return {
+        "block_s": block_s,
+        "cpu_s": cpu_s,
+        "plan": plan.describe(),
+        "boundary_bytes": boundary,
+        "parameters": parameters,
+        "gradient_bytes": gradient_bytes,
+        "stage_stats": stage_stats,
+        "losses": losses,
+        "events": merged_events,
+        "origins": merged_origins,
+    }

@@ -1,0 +1,144 @@
+"""``interlace bench dp``: strategy variants, a tiny real run, and bad input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from interlace.bench import dp, dp_rank
+from interlace.errors import UsageError
+
+
+def test_channel_and_compression_variants_are_named_and_parsed_back() -> None:
+    labels = dp.expand_variants(["ddp", "mgwfbp"], "1,auto", "none,fp16")
+    assert labels == (
+        "ddp",
+        "ddp/fp16",
+        "mgwfbp",
+        "mgwfbp/k=auto",
+        "mgwfbp/fp16",
+        "mgwfbp/k=auto/fp16",
+    )
+    assert dp_rank.parse_variant("mgwfbp/k=auto/fp16") == ("mgwfbp", "auto", "fp16")
+    assert dp_rank.parse_variant("wfbp/k=3") == ("wfbp", 3, None)
+    assert dp_rank.parse_variant("ddp") == ("ddp", 1, None)
+
+
+# ---------------------------------------------------------------------------- a real run
+
+
+def test_a_tiny_run_on_loopback_writes_rows_table_and_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    json_path, png_path = tmp_path / "rows.json", tmp_path / "speedups.png"
+    status = dp.main(
+        [
+            "--no-netem",
+            "-n",
+            "2",
+            "--models",
+            "mlp",
+            "--strategies",
+            "ddp,single,mgwfbp",
+            "--channels",
+            "1,2",
+            "--input-shape",
+            "1,8,8",
+            "--batch-size",
+            "16",
+            "--iters",
+            "4",
+            "--warmup",
+            "1",
+            "--rounds",
+            "2",
+            "--timeout",
+            "120",
+            "--json",
+            str(json_path),
+            "--png",
+            str(png_path),
+        ]
+    )
+    assert status == 0
+    rows = json.loads(json_path.read_text())
+    assert [row["strategy"] for row in rows] == [
+        "ddp",
+        "single",
+        "single/k=2",
+        "mgwfbp",
+        "mgwfbp/k=2",
+    ]
+    for row in rows:
+        assert row["model"] == "mlp" and row["link"] == "loopback" and row["ratio"] is None
+        assert row["ranks"] == 2 and row["batch"] == 16 and row["samples"] == 4
+        assert row["iteration_s"] > 0 and row["allreduce_s"] > 0 and row["comm_compute"] > 0
+        # By construction the bound covers all of compute and the whole all-reduce.
+        assert row["bound_s"] >= row["compute_s"] - 1e-12
+        assert row["bound_s"] >= row["allreduce_s"] - 1e-12
+        assert row["time_over_bound"] == pytest.approx(row["iteration_s"] / row["bound_s"])
+        assert row["contended_bound_s"] > 0
+        assert row["iteration_p25_s"] <= row["iteration_s"] <= row["iteration_p75_s"]
+    by_name = {row["strategy"]: row for row in rows}
+    assert by_name["ddp"]["speedup_vs_ddp"] == 1.0
+    assert by_name["single"]["buckets"] == 1
+    assert isinstance(by_name["mgwfbp"]["buckets"], int) and by_name["mgwfbp"]["buckets"] >= 1
+    # The plan its trials kept: the merge rule's own (start-up as fitted or scaled), or one of
+    # the fixed-size candidates (DDP's buckets, even buckets) when that measured fastest.
+    assert by_name["mgwfbp"]["plan"].startswith(("merged plan", "fixed plan"))
+    assert "kept" in by_name["mgwfbp"]["tuning"]
+    assert by_name["mgwfbp"]["cost_b"] is not None
+    two = by_name["mgwfbp/k=2"]
+    assert (two["base_strategy"], two["channels"], two["chosen_channels"]) == ("mgwfbp", "2", 2)
+    assert two["speedup_vs_one_channel"] == pytest.approx(
+        by_name["mgwfbp"]["iteration_s"] / two["iteration_s"]
+    )
+    assert by_name["mgwfbp"]["speedup_vs_one_channel"] is None
+    out = capsys.readouterr().out
+    assert "| model | batch | target ratio | link |" in out and "| mlp | 16 | - | loopback |" in out
+    assert "maximum over ranks per iteration" in out
+    assert png_path.read_bytes()[:4] == b"\x89PNG"
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--models", "resnet1000"], "unknown model 'resnet1000'"),
+        (["--strategies", "ddp,fastest"], "unknown strategy 'fastest'"),
+        (["--ratios", "1,0"], "must be > 0"),
+        (["--ratios", "-2"], "must be > 0"),
+        (["--ratios", "one"], "not a number"),
+        (["-n", "1"], "-n must be >= 2"),
+        (["--iters", "0"], "--iters must be >= 1"),
+        (["--link", "1gbit", "--no-netem"], "contradict"),
+        (["--link", "fast"], "unknown link rate"),
+        (["--input-shape", "3,0,32"], "positive"),
+        (["--channels", "1,0"], "--channels must be 'auto' or an integer >= 1"),
+        (["--compression", "fp8"], "unknown 'fp8'"),
+    ],
+)
+def test_bad_input_is_one_line_and_status_2(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert dp.main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.startswith("interlace bench dp: error:")
+
+
+def test_a_malformed_flag_is_an_argparse_error_with_status_2() -> None:
+    with pytest.raises(SystemExit) as exc:
+        dp.main(["--iters", "many"])
+    assert exc.value.code == 2
+
+
+def test_run_raises_usage_error_for_the_lead_cli() -> None:
+    parser = argparse.ArgumentParser()
+    dp.add_arguments(parser)
+    with pytest.raises(UsageError, match="unknown model"):
+        dp.run(parser.parse_args(["--models", "nope"]))

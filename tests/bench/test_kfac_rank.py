@@ -1,0 +1,33 @@
+"""``interlace bench kfac``'s rank side: the ablation's modes and when a contender's plans
+are final."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from interlace.bench.kfac_rank import ABLATION_MODES, KfacContender
+
+MODES = ("dkfac", "pipelined", "lbp", "spd")
+
+
+def test_the_ablation_modes_are_spd_kfacs() -> None:
+    assert tuple(ABLATION_MODES) == MODES
+    assert ABLATION_MODES["dkfac"] == ("bulk", "none", "greedy")
+    assert ABLATION_MODES["pipelined"] == ("pipelined", "merged", "greedy")
+    assert ABLATION_MODES["lbp"] == ("bulk", "none", "lbp")
+    assert ABLATION_MODES["spd"] == ("pipelined", "merged", "lbp")
+
+
+def _contender(planning_done: bool, factor_comm: str, steps: int) -> KfacContender:
+    precond = SimpleNamespace(
+        factor_comm=factor_comm, steps=steps, profile_steps=3, factor_update_steps=1
+    )
+    return KfacContender("m", SimpleNamespace(planning_done=planning_done), None, precond=precond)
+
+
+def test_warm_up_waits_for_every_plan() -> None:
+    assert not _contender(False, "bulk", 10).settled()
+    assert _contender(True, "bulk", 1).settled()
+    # Pipelined: one bulk factor step, then 3 profiled ones before the merged buckets exist.
+    assert not _contender(True, "pipelined", 3).settled()
+    assert _contender(True, "pipelined", 4).settled()
