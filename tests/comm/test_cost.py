@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 
 from interlace.comm.cost import CostModel, fit_osu_log, read_osu_log, ring_allreduce_time
+from interlace.sim.traces import data_path
 
-#: Measured OSU logs, in ``shared/`` beside the checkout (the repository's parent directory).
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
+#: The measured OSU logs shipped with the simulator.
+TRACES = data_path("osu_allreduce_2workers_10gbe.log").parent
 
 
 @pytest.mark.parametrize("workers", [2, 4, 16, 64])
@@ -67,7 +67,6 @@ def test_fit_keeps_the_model_physical() -> None:
         CostModel(a=-1.0, b=0.0)
 
 
-@pytest.mark.skipif(not TRACES.exists(), reason="shared traces not beside the checkout")
 @pytest.mark.parametrize("workers", [2, 4, 8])
 def test_osu_logs_fit_the_alpha_beta_model(workers: int) -> None:
     path = TRACES / f"osu_allreduce_{workers}workers_10gbe.log"

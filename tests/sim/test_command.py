@@ -13,10 +13,6 @@ import pytest
 from interlace.sim.command import add_arguments, plot_path
 from interlace.sim.trace import load_trace
 
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
-GOOGLENET = TRACES / "googlenet_k80_8workers.log"
-needs_traces = pytest.mark.skipif(not GOOGLENET.exists(), reason=f"{GOOGLENET} not present")
-
 
 def interlace(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -28,15 +24,14 @@ def interlace(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[s
     )
 
 
-@needs_traces
 def test_simulate_prints_the_table_and_writes_rows_and_plots(tmp_path: Path) -> None:
     rows_path, png = tmp_path / "rows.json", tmp_path / "out" / "scaling.png"
     done = interlace(
         "simulate",
         "--trace",
-        str(GOOGLENET),
+        "googlenet-k80",
         "--network",
-        f"osu:{TRACES}",
+        "osu:10gbe",
         "--workers",
         "4,64,2048",
         "--json",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 
@@ -15,11 +14,12 @@ from interlace.sim.network import (
 )
 from interlace.sim.profiled import from_ready
 from interlace.sim.trace import Trace, load_trace
+from interlace.sim.traces import data_path
 
 MS = 1e-3
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
-GOOGLENET = TRACES / "googlenet_k80_8workers.log"
-needs_traces = pytest.mark.skipif(not GOOGLENET.exists(), reason=f"{GOOGLENET} not present")
+#: The shipped GoogLeNet K80 trace, and the folder that holds it beside the 10 GbE OSU logs.
+GOOGLENET = data_path("googlenet_k80_8workers.log")
+TRACES = GOOGLENET.parent
 
 
 def toy_trace(ready_ms: list[float], sizes: list[int], backward_ms: float | None = None) -> Trace:
@@ -89,7 +89,6 @@ def test_a_run_s_own_buckets_are_replayed_instead_of_planned() -> None:
 # ---------------------------------------------------------------------- network models
 
 
-@needs_traces
 def test_every_strategy_has_a_timeline_with_its_buckets() -> None:
     trace = load_trace(GOOGLENET)
     cost = parse_network("ring:10gbit").cost(64)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from interlace.errors import UsageError
@@ -12,10 +10,11 @@ from interlace.sim.network import (
     parse_network,
 )
 from interlace.sim.trace import load_trace
+from interlace.sim.traces import data_path
 
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
-GOOGLENET = TRACES / "googlenet_k80_8workers.log"
-needs_traces = pytest.mark.skipif(not GOOGLENET.exists(), reason=f"{GOOGLENET} not present")
+#: The shipped GoogLeNet K80 trace, and the folder that holds it beside the 10 GbE OSU logs.
+GOOGLENET = data_path("googlenet_k80_8workers.log")
+TRACES = GOOGLENET.parent
 WORKERS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
@@ -30,7 +29,6 @@ def test_parse_workers() -> None:
 # ---------------------------------------------------------------------- MG-WFBP's properties
 
 
-@needs_traces
 @pytest.mark.parametrize("spec", [f"osu:{TRACES}", "ring:10gbit", "tree:10gbit", "hier:8:10gbit"])
 def test_mgwfbp_never_loses_to_wfbp_or_syncesgd_and_its_buckets_shrink(spec: str) -> None:
     trace = load_trace(GOOGLENET)
@@ -47,7 +45,6 @@ def test_mgwfbp_never_loses_to_wfbp_or_syncesgd_and_its_buckets_shrink(spec: str
     assert all(note.startswith("ok") for note in notes[:1])
 
 
-@needs_traces
 def test_on_the_osu_ring_mgwfbp_becomes_syncesgd_at_large_scale() -> None:
     trace = load_trace(GOOGLENET)
     results = simulate_scaling(trace, parse_network(f"osu:{TRACES}"), (2048,), ("mgwfbp",))

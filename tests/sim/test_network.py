@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from interlace.comm.cost import CostModel
@@ -17,10 +15,11 @@ from interlace.sim.network import (
     fit_ring_link,
     parse_network,
 )
+from interlace.sim.traces import data_path
 
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
-GOOGLENET = TRACES / "googlenet_k80_8workers.log"
-needs_traces = pytest.mark.skipif(not GOOGLENET.exists(), reason=f"{GOOGLENET} not present")
+#: The shipped GoogLeNet K80 trace, and the folder that holds it beside the 10 GbE OSU logs.
+GOOGLENET = data_path("googlenet_k80_8workers.log")
+TRACES = GOOGLENET.parent
 
 
 def test_ring_and_tree_follow_the_papers_formulas() -> None:
@@ -75,7 +74,6 @@ def test_network_specs() -> None:
             parse_network(bad)
 
 
-@needs_traces
 def test_osu_logs_give_a_ring_close_to_each_fit() -> None:
     network = parse_network(f"osu:{TRACES}")
     assert isinstance(network, Ring)

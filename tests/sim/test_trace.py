@@ -15,10 +15,11 @@ from interlace.sim.trace import (
     load_trace,
     scaled,
 )
+from interlace.sim.traces import data_path
 
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
-GOOGLENET = TRACES / "googlenet_k80_8workers.log"
-needs_traces = pytest.mark.skipif(not GOOGLENET.exists(), reason=f"{GOOGLENET} not present")
+#: The shipped GoogLeNet K80 trace, and the folder that holds it beside the 10 GbE OSU logs.
+GOOGLENET = data_path("googlenet_k80_8workers.log")
+TRACES = GOOGLENET.parent
 
 LINE = "I0219 13:29:33.944887 66221 distributed.cpp:112] [{}, {}, {}, 0, 0]"
 
@@ -27,7 +28,6 @@ def caffe_log(records: list[tuple[int, int, float]]) -> str:
     return "\n".join(LINE.format(*record) for record in records) + "\n"
 
 
-@needs_traces
 def test_googlenet_log_parses_to_its_documented_counts_and_sizes() -> None:
     trace = load_trace(GOOGLENET)
     # README: 128 parameter tensors in 64 layers, 13.38 M parameters, float32.

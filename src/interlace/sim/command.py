@@ -30,6 +30,7 @@ from interlace.sim.kfac import KFAC_STRATEGIES, check_trace
 from interlace.sim.kfac_costs import KFAC_COSTS_HELP, parse_kfac_costs
 from interlace.sim.network import NETWORK_HELP, parse_network
 from interlace.sim.trace import load_trace
+from interlace.sim.traces import trace_names
 
 PROG = "interlace simulate"
 DEFAULT_NETWORK = "ring:10gbit"
@@ -51,8 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trace",
         metavar="T",
-        help="trace to simulate: an interlace-trace JSON (interlace profile --trace-out) or an "
-        "MG-WFBP Caffe log such as ../shared/traces/googlenet_k80_8workers.log",
+        help="trace to simulate: a shipped trace's name "
+        f"({', '.join(trace_names())}), an interlace-trace JSON (interlace profile "
+        "--trace-out) or an MG-WFBP Caffe log",
     )
     parser.add_argument(
         "--workers",

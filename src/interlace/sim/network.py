@@ -17,6 +17,7 @@ from pathlib import Path
 from interlace.comm.cost import CostModel, fit_osu_log
 from interlace.comm.links import parse_link
 from interlace.errors import UsageError
+from interlace.sim.traces import osu_set_names, shipped_osu_set
 
 #: Latency per step of a link when a ``--network`` spec gives none: a small-message round on
 #: 10 GbE with TCP and MPI costs tens of microseconds.
@@ -229,20 +230,27 @@ def osu_logs(paths: Sequence[str | Path]) -> list[Path]:
     """The OSU logs named by ``paths``; a folder stands for its ``osu_allreduce*`` files.
 
     Args:
-        paths: Files or folders.
+        paths: Shipped log set names (:func:`interlace.sim.traces.osu_set_names`, such as
+            ``10gbe``), files or folders.
 
     Raises:
         UsageError: For a path that does not exist, or no logs at all.
     """
     found: list[Path] = []
     for item in paths:
+        if isinstance(item, str) and (shipped := shipped_osu_set(item)) is not None:
+            found.extend(shipped)
+            continue
         path = Path(item).expanduser()
         if path.is_dir():
             found.extend(sorted(path.glob("osu_allreduce*")))
         elif path.exists():
             found.append(path)
         else:
-            raise UsageError(f"--network osu: {path} does not exist")
+            raise UsageError(
+                f"--network osu: {path} does not exist and is not a shipped log set "
+                f"({', '.join(osu_set_names())})"
+            )
     if not found:
         raise UsageError(f"--network osu: no osu_allreduce* logs in {', '.join(map(str, paths))}")
     return found
@@ -278,7 +286,7 @@ _LATENCY_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 NETWORK_HELP = (
     "ring:RATE[:LATENCY] | tree:RATE[:LATENCY] | hier:G:RATE[:LATENCY[:INTRA_RATE]] | "
-    "osu:PATH[,PATH...] | fitted:A,B[@N]"
+    "osu:NAME|PATH[,PATH...] | fitted:A,B[@N]"
 )
 
 
@@ -291,7 +299,8 @@ def parse_network(text: str) -> Network:
     - ``hier:8:10gbit[:50us[:100gbit]]``: hierarchical ring, 8 workers per node, the given
       link between nodes and (default :data:`DEFAULT_INTRA_RATE_BPS`) inside a node;
     - ``osu:PATH[,PATH...]``: a ring whose per-link alpha and beta are fitted on OSU all-reduce
-      logs at several worker counts (a folder means its ``osu_allreduce*`` files);
+      logs at several worker counts (a folder means its ``osu_allreduce*`` files; a shipped
+      set's name, such as ``osu:10gbe``, its files);
     - ``fitted:A,B``: ``a = A`` seconds and ``b = B`` seconds/byte at every worker count;
       ``fitted:A,B@N``: fitted on N workers, extrapolated with the ring formula.
 
@@ -328,7 +337,9 @@ def parse_network(text: str) -> Network:
             return HierarchicalRing(gpus, inter, intra, text)
         if kind == "osu":
             if not rest:
-                raise UsageError("osu takes PATH[,PATH...] (OSU logs or a folder of them)")
+                raise UsageError(
+                    "osu takes NAME or PATH[,PATH...] (a shipped log set, OSU logs or a folder)"
+                )
             link, _ = link_from_osu([p for p in rest.split(",") if p])
             return Ring(link, text)
         if kind == "fitted":

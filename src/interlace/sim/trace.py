@@ -16,6 +16,7 @@ from typing import Any
 
 from interlace.comm.plan import ReadyTensor
 from interlace.errors import UsageError
+from interlace.sim.traces import shipped_trace, trace_names
 
 FORMAT = "interlace-trace"
 VERSION = 1
@@ -226,19 +227,28 @@ class Trace:
 
 
 def load_trace(path: str | Path) -> Trace:
-    """A trace from an ``interlace-trace`` JSON file or an MG-WFBP Caffe log (by content).
+    """A trace from a shipped trace's name, an ``interlace-trace`` JSON file or a Caffe log.
+
+    A file's format is told by its content.
 
     Args:
-        path: The file.
+        path: A shipped trace name (:func:`interlace.sim.traces.trace_names`, such as
+            ``googlenet-k80``) or a file.
 
     Raises:
-        TraceFormatError: ``FILE:LINE: what is wrong``, for a file that cannot be read.
+        TraceFormatError: ``FILE:LINE: what is wrong``, for a file that cannot be read, or an
+            unknown name (naming the shipped ones).
     """
+    if isinstance(path, str) and (shipped := shipped_trace(path)) is not None:
+        path = shipped
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as error:
-        raise TraceFormatError(f"{path}: cannot read the trace ({error.strerror})") from None
+        raise TraceFormatError(
+            f"{path}: cannot read the trace ({error.strerror}); give a file or a shipped trace "
+            f"name ({', '.join(trace_names())})"
+        ) from None
     if text.lstrip().startswith("{"):
         return _from_json(path, text)
     return read_caffe_log(path, text)
@@ -352,7 +362,7 @@ def read_caffe_log(path: str | Path, text: str | None = None, *, model: str = ""
     """The last complete iteration of an MG-WFBP Caffe log as a :class:`Trace`.
 
     Each line ends with ``[i, numel, backward_us, comm_us, merged_comm_us]`` (see
-    ``../shared/traces/README.md``): tensor ``i`` counts from the input side, even ``i`` a
+    docs/traces.md): tensor ``i`` counts from the input side, even ``i`` a
     layer's weight and odd ``i`` its bias, both carrying the layer's backward time; an iteration
     is the run of lines ``i = 0, 1, ...`` and backward visits it from the highest ``i`` down.
     Blank lines and ``#`` comments are skipped; any other line that does not end in such a
