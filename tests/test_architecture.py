@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "interlace"
-LIBRARIES = ("interlace.comm", "interlace.kfac", "interlace.pipeline", "interlace.dp")
+LIBRARIES = (
+    "interlace.comm",
+    "interlace.kfac",
+    "interlace.pipeline",
+    "interlace.dp",
+    "interlace.emulate",
+)
 JOBS = ("interlace.train", "interlace.bench", "interlace.cli")
 MAX_LINES = 900
 

@@ -1,0 +1,26 @@
+"""Emulated compute: a model built from a trace whose layers take device time, not cores.
+
+With time dilation (:mod:`interlace.emulate.dilation`) it measures what a strategy does for a
+traced GPU model on a target network, on a machine without that GPU. See docs/emulate.md.
+"""
+
+from interlace.emulate.dilation import DEFAULT_DILATION, check_dilation, dilate_rate, undilate
+from interlace.emulate.model import (
+    EmulatedLayer,
+    EmulatedModel,
+    EmulationCost,
+    gradient_factor,
+    measure_cost,
+)
+
+__all__ = [
+    "DEFAULT_DILATION",
+    "EmulatedLayer",
+    "EmulatedModel",
+    "EmulationCost",
+    "check_dilation",
+    "dilate_rate",
+    "gradient_factor",
+    "measure_cost",
+    "undilate",
+]

@@ -1,0 +1,290 @@
+"""An emulated model built from a trace: the traced parameters, device time instead of compute.
+
+Each traced layer is a module whose forward and backward sleep the layer's traced time x the
+dilation, leaving the cores to communication, and whose gradients are cheap, deterministic
+functions of the inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from interlace.emulate.dilation import DEFAULT_DILATION, check_dilation
+from interlace.sim.trace import Trace, load_trace
+
+_NOT_A_NAME = re.compile(r"\W")
+#: torch runs an elementwise kernel on one thread up to this many elements (its grain size).
+_SERIAL_ELEMENTS = 32768
+
+
+@dataclass(frozen=True)
+class EmulationCost:
+    """The CPU time the emulation itself took, against the device time it emulated.
+
+    Args:
+        cpu_s: CPU time spent in the emulated layers' forward and backward (thread CPU time:
+            the gradient arithmetic and bookkeeping, not the sleeps), seconds.
+        device_s: The emulated device time over the same passes (dilated), seconds.
+        iterations: Backward passes counted.
+    """
+
+    cpu_s: float
+    device_s: float
+    iterations: int
+
+    @property
+    def fraction(self) -> float:
+        """CPU time per emulated device second (0.01 means 1%)."""
+        return self.cpu_s / self.device_s if self.device_s > 0 else 0.0
+
+    def describe(self) -> str:
+        """One line: CPU ms and device ms per iteration, and their ratio."""
+        per = max(self.iterations, 1)
+        return (
+            f"emulation CPU {1e3 * self.cpu_s / per:.2f} ms per iteration against "
+            f"{1e3 * self.device_s / per:.1f} ms of device time ({100 * self.fraction:.2f}%)"
+        )
+
+
+class _Meter:
+    """Running totals of an emulated model's own CPU time and its device time."""
+
+    def __init__(self) -> None:
+        self.cpu_s = 0.0
+        self.device_s = 0.0
+        self.iterations = 0
+
+
+class _DeviceTime(torch.autograd.Function):
+    """Forward and backward of one emulated layer: device time, pass-through, cheap gradients.
+
+    Arguments of ``apply``: the input, the layer, whether the caller sleeps the forward time
+    for it, then the layer's parameters (so that autograd hands their gradients to their
+    accumulators as soon as this backward returns).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, layer: EmulatedLayer, defer: bool, *params: torch.Tensor
+    ) -> Any:
+        cpu = time.thread_time()
+        if not defer:
+            time.sleep(layer.forward_s)
+        ctx.layer = layer
+        ctx.save_for_backward(x)
+        out = x.clone()
+        layer.meter.cpu_s += time.thread_time() - cpu
+        layer.meter.device_s += layer.forward_s
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
+        cpu = time.thread_time()
+        layer: EmulatedLayer = ctx.layer
+        (x,) = ctx.saved_tensors
+        time.sleep(layer.backward_s)
+        # One scalar per layer from the batch and the upstream gradient, times a fixed factor per
+        # parameter: different inputs give different gradients at one write per element.
+        scale = float((grad_out * x).sum()) * layer.scale
+        grads = tuple(_filled(numel, scale * factor) for numel, factor in layer.factors)
+        layer.meter.cpu_s += time.thread_time() - cpu
+        layer.meter.device_s += layer.backward_s
+        if layer.index == 0:
+            layer.meter.iterations += 1
+        return (grad_out, None, None, *grads)
+
+
+class EmulatedLayer(nn.Module):
+    """One traced layer: one flat parameter per traced tensor, and its dilated device times.
+
+    Args:
+        name: The traced layer's name.
+        index: The layer's place in forward order (0 nearest the input).
+        params: ``(parameter name, numel)`` of each traced tensor, in trace order.
+        forward_s: Dilated forward device time, seconds.
+        backward_s: Dilated backward device time, seconds.
+        first: The index of the layer's first parameter in the model.
+        meter: Where the model totals the emulation's CPU and device time.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        index: int,
+        params: list[tuple[str, int]],
+        *,
+        forward_s: float,
+        backward_s: float,
+        first: int,
+        meter: _Meter,
+    ) -> None:
+        super().__init__()
+        self.name = name
+        self.index = index
+        self.forward_s = forward_s
+        self.backward_s = backward_s
+        self.scale = 1.0 / (index + 1)
+        self.meter = meter
+        #: ``(numel, factor)`` of each parameter: its gradient is the layer's scalar x factor.
+        self.factors: list[tuple[int, float]] = []
+        for position, (given, numel) in enumerate(params):
+            # Two traced tensors of one layer may share a name.
+            param_name = f"p{position}_{given}" if hasattr(self, given) else given
+            self.register_parameter(param_name, nn.Parameter(torch.zeros(numel)))
+            self.factors.append((numel, gradient_factor(first + position)))
+
+    def forward(self, x: torch.Tensor, defer: bool = False) -> torch.Tensor:
+        """``x`` as a new tensor, after the layer's forward device time.
+
+        Args:
+            x: The input.
+            defer: Leave the forward device time to the caller (who sleeps it).
+        """
+        out: torch.Tensor = _DeviceTime.apply(x, self, defer, *self.parameters())  # type: ignore[no-untyped-call]
+        return out
+
+
+class EmulatedModel(nn.Module):
+    """A model emulated from a trace: its traced parameters, its traced time as device time.
+
+    One :class:`EmulatedLayer` per traced layer, in forward order (the trace's backward order
+    reversed), each with one flat parameter per traced tensor of that size. The forward pass
+    returns its input unchanged (as a new tensor); each layer's forward and backward take the
+    layer's traced time x ``dilation`` as sleep, so the cores stay free for communication (the
+    forward pass sleeps its layers' times at once, at its end). A layer's
+    backward returns its parameters' gradients before the next layer's backward starts, so
+    torch DDP's and :class:`interlace.DataParallel`'s gradient hooks fire layer by layer as on
+    the traced device. Gradients are a per-layer scalar (from the batch and the upstream
+    gradient) times a fixed factor per parameter (:func:`gradient_factor`).
+
+    Args:
+        trace: A :class:`~interlace.sim.trace.Trace`, a shipped trace's name
+            (``googlenet-k80``) or a trace file.
+        dilation: Multiplies every device time (:data:`DEFAULT_DILATION`).
+
+    Raises:
+        UsageError: For an unknown trace name, an unreadable trace, or a dilation that is not a
+            finite number > 0.
+    """
+
+    def __init__(self, trace: Trace | str | Path, dilation: float = DEFAULT_DILATION) -> None:
+        super().__init__()
+        self.dilation = check_dilation(dilation)
+        self.trace = trace if isinstance(trace, Trace) else load_trace(trace)
+        self._meter = _Meter()
+        forward_layers = list(reversed(self.trace.layers))
+        layers: list[EmulatedLayer] = []
+        first = 0
+        for index, (name, indices) in enumerate(forward_layers):
+            # Forward order is the trace's backward order reversed, within a layer too.
+            tensors = [self.trace.tensors[i] for i in reversed(indices)]
+            params = [(_param_name(t.name, name, i), t.numel) for i, t in enumerate(tensors)]
+            layers.append(
+                EmulatedLayer(
+                    name,
+                    index,
+                    params,
+                    forward_s=tensors[0].layer_forward_s * self.dilation,
+                    backward_s=tensors[0].layer_backward_s * self.dilation,
+                    first=first,
+                    meter=self._meter,
+                )
+            )
+            first += len(params)
+        self.layers = nn.ModuleList(layers)
+
+    @property
+    def device_s(self) -> float:
+        """Dilated device time of one forward and backward pass, seconds."""
+        return sum(layer.forward_s + layer.backward_s for layer in self.emulated_layers())
+
+    def emulated_layers(self) -> list[EmulatedLayer]:
+        """The layers, in forward order."""
+        return [layer for layer in self.layers if isinstance(layer, EmulatedLayer)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # No hook fires inside the forward pass, so its layers' device times are slept at once:
+        # every wake-up costs the CPU a little, and backward needs one per layer already.
+        forward_s = 0.0
+        for layer in self.emulated_layers():
+            x = layer(x, defer=True)
+            forward_s += layer.forward_s
+        time.sleep(forward_s)
+        return x
+
+    def emulation_cost(self) -> EmulationCost:
+        """The emulation's own CPU time and the device time emulated since the last reset."""
+        meter = self._meter
+        return EmulationCost(meter.cpu_s, meter.device_s, meter.iterations)
+
+    def reset_emulation_cost(self) -> None:
+        """Start counting :meth:`emulation_cost` afresh (e.g. after warm-up iterations)."""
+        self._meter.cpu_s = self._meter.device_s = 0.0
+        self._meter.iterations = 0
+
+
+def gradient_factor(position: int) -> float:
+    """The fixed factor of the gradient of the model's ``position``-th parameter (0-based).
+
+    Args:
+        position: The parameter's place in :meth:`EmulatedModel.parameters` order.
+    """
+    return 1.0 + 0.5 * math.sin(position + 1.0)
+
+
+def _filled(numel: int, value: float) -> torch.Tensor:
+    """A new tensor of ``numel`` copies of ``value``, filled on this thread alone.
+
+    Pieces no larger than torch's parallel grain stay serial: an intra-op thread pool woken
+    here would spin on the cores the communication needs while the next layer sleeps.
+    """
+    out = torch.empty(numel)
+    for piece in out.split(_SERIAL_ELEMENTS):
+        piece.fill_(value)
+    return out
+
+
+def _param_name(tensor: str, layer: str, position: int) -> str:
+    """The tensor's name within its layer, made a valid attribute name."""
+    short = tensor[len(layer) + 1 :] if tensor.startswith(layer + ".") else tensor
+    short = _NOT_A_NAME.sub("_", short)
+    return short if short and not short[0].isdigit() else f"p{position}_{short}"
+
+
+def measure_cost(
+    emulated: EmulatedModel,
+    batch: torch.Tensor,
+    iterations: int = 3,
+    wrapper: nn.Module | None = None,
+) -> EmulationCost:
+    """Process CPU time of forward + backward against their emulated device time.
+
+    Runs ``wrapper`` (or ``emulated`` itself) ``iterations`` times on ``batch`` with
+    ``output.sum()`` as the loss, after one warm-up pass. Process CPU time counts every thread,
+    so with a wrapper it includes the wrapper's own work (hooks, copies, communication).
+
+    Args:
+        emulated: The emulated model.
+        batch: The input.
+        iterations: Timed passes (>= 1).
+        wrapper: A module wrapping ``emulated`` (torch DDP, :class:`interlace.DataParallel`).
+
+    Returns:
+        The totals over the timed passes.
+    """
+    model = emulated if wrapper is None else wrapper
+    iterations = max(int(iterations), 1)
+    model(batch).sum().backward()
+    cpu = time.process_time()
+    for _ in range(iterations):
+        model.zero_grad(set_to_none=True)
+        model(batch).sum().backward()
+    return EmulationCost(time.process_time() - cpu, emulated.device_s * iterations, iterations)
