@@ -87,14 +87,15 @@ class _DeviceTime(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
-        cpu = time.thread_time()
+        cpu, start = time.thread_time(), time.perf_counter()
         layer: EmulatedLayer = ctx.layer
         (x,) = ctx.saved_tensors
-        time.sleep(layer.backward_s)
         # One scalar per layer from the batch and the upstream gradient, times a fixed factor per
         # parameter: different inputs give different gradients at one write per element.
         scale = float((grad_out * x).sum()) * layer.scale
         grads = tuple(_filled(numel, scale * factor) for numel, factor in layer.factors)
+        # The gradients are made within the layer's device time, not after it.
+        time.sleep(max(layer.backward_s - (time.perf_counter() - start), 0.0))
         layer.meter.cpu_s += time.thread_time() - cpu
         layer.meter.device_s += layer.backward_s
         if layer.index == 0:
