@@ -33,7 +33,7 @@ def test_tree_pays_log_start_ups_and_a_constant_per_byte() -> None:
 
 
 def test_ring_time_on_an_emulated_link() -> None:
-    # 16 MB on 4 ranks at 1 Gbit/s: 2*3/4 * 16e6 * 8 / 1e9 = 0.192 s (DESIGN.md's figure).
+    # 16 MB on 4 ranks at 1 Gbit/s: 2*3/4 * 16e6 * 8 / 1e9 = 0.192 s (the ring formula).
     assert ring_allreduce_time(16e6, 4, 1e9) == pytest.approx(0.192)
     assert ring_allreduce_time(16e6, 1, 1e9) == 0.0
 
