@@ -11,7 +11,7 @@ import statistics
 import time
 from pathlib import Path
 
-from interlace.sim.engine import STRATEGIES
+from interlace.comm.strategies import PLANNED_STRATEGIES
 from interlace.sim.experiments import (
     check_claims,
     format_paper_comparison,
@@ -40,7 +40,7 @@ def main() -> int:
         trace = load_trace(folder / "googlenet_k80_8workers.log")
         network = parse_network(f"osu:{folder}")
         results = simulate_scaling(
-            trace, network, WORKERS, tuple(STRATEGIES), per_layer=args.per_layer
+            trace, network, WORKERS, tuple(PLANNED_STRATEGIES), per_layer=args.per_layer
         )
         return trace, [network, results]
 
@@ -51,7 +51,9 @@ def main() -> int:
         seconds.append(time.perf_counter() - started)
     trace = load_trace(folder / "googlenet_k80_8workers.log")
     network = parse_network(f"osu:{folder}")
-    results = simulate_scaling(trace, network, WORKERS, tuple(STRATEGIES), per_layer=args.per_layer)
+    results = simulate_scaling(
+        trace, network, WORKERS, tuple(PLANNED_STRATEGIES), per_layer=args.per_layer
+    )
     rows = scaling_rows(trace, results)
     print(trace.describe())
     print(f"network: {network.describe()} (osu:{folder})")
@@ -62,7 +64,7 @@ def main() -> int:
     for note in check_claims(rows):
         print(note)
     print(
-        f"\nspeed: {len(STRATEGIES)} strategies x {len(WORKERS)} worker counts "
+        f"\nspeed: {len(PLANNED_STRATEGIES)} strategies x {len(WORKERS)} worker counts "
         f"({len(results)} simulated iterations), trace loading and OSU fit included: median "
         f"{statistics.median(seconds):.3f} s over {len(seconds)} runs "
         f"(min {min(seconds):.3f}, max {max(seconds):.3f})"

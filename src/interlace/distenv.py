@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from interlace.launch.env import free_port
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> Di
         else:
             dist.init_process_group(
                 backend,
-                init_method=f"tcp://127.0.0.1:{_free_port()}",
+                init_method=f"tcp://127.0.0.1:{free_port()}",
                 rank=0,
                 world_size=1,
                 timeout=timeout,
@@ -106,12 +107,6 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> Di
         device=device,
         backend=backend,
     )
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:

@@ -21,13 +21,14 @@ from torch.nn import functional
 from interlace import launch
 from interlace.cliutil import add_channel_arguments, parse_shape, report_failure
 from interlace.comm.links import parse_link
+from interlace.comm.strategies import RUNTIME_STRATEGIES
 from interlace.distenv import init_distributed
 from interlace.dp import DataParallel
 from interlace.errors import UsageError
 from interlace.kfac import KFAC
 from interlace.sim.profiled import trace_from_plan
 from interlace.sim.trace import Trace
-from interlace.strategies import STRATEGIES, parse_channels, wrap_model
+from interlace.strategies import parse_channels, wrap_model
 from interlace.timeline import Event, Timeline
 from interlace.zoo import build_model, load_data
 
@@ -273,9 +274,9 @@ def run(args: argparse.Namespace) -> int:
     """
     if args.nprocs < 1:
         raise UsageError(f"-n must be >= 1, got {args.nprocs}")
-    if args.strategy not in STRATEGIES:
+    if args.strategy not in RUNTIME_STRATEGIES:
         raise UsageError(
-            f"unknown --strategy '{args.strategy}'; choose one of {', '.join(STRATEGIES)}"
+            f"unknown --strategy '{args.strategy}'; choose one of {', '.join(RUNTIME_STRATEGIES)}"
         )
     if args.link is not None:
         parse_link(args.link)

@@ -18,9 +18,6 @@ from interlace.comm.strategies import STRATEGIES as TABLE
 from interlace.dp import DataParallel
 from interlace.errors import UsageError
 
-#: The names ``--strategy`` and ``--strategies`` accept (the runnable ones of the strategy table).
-STRATEGIES: tuple[str, ...] = RUNTIME_STRATEGIES
-
 
 def parse_channels(text: str | int) -> int | str:
     """``--channels`` as DataParallel takes it.
@@ -60,7 +57,7 @@ def wrap_model(
 
     Args:
         model: the model to wrap.
-        strategy: one of :data:`STRATEGIES`.
+        strategy: one of :data:`~interlace.comm.strategies.RUNTIME_STRATEGIES`.
         device: the rank's device (DDP's ``device_ids`` on a GPU).
         bucket_cap_mb: None keeps each implementation's default (25 MB, first bucket 1 MB). For
             ``ddp`` a cap is passed on only when given: torch then applies it to the first
@@ -83,7 +80,9 @@ def wrap_model(
         return _wrap_ddp(model, device, bucket_cap_mb, channels, compression)
     chosen = TABLE.get(strategy)
     if chosen is None or not chosen.runtime or chosen.bucketing is None:
-        raise UsageError(f"unknown strategy '{strategy}'; choose one of {', '.join(STRATEGIES)}")
+        raise UsageError(
+            f"unknown strategy '{strategy}'; choose one of {', '.join(RUNTIME_STRATEGIES)}"
+        )
     return DataParallel(
         model,
         bucketing=chosen.bucketing,

@@ -14,13 +14,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from interlace.comm.cost import CostModel
+from interlace.comm.plan import Bucketing
 from interlace.comm.tuning import PlanTrials
 from interlace.dp import DataParallel
 from interlace.errors import RankFailedError, UsageError
 from interlace.testing import run_ranks
 from interlace.zoo import build_model
 
-STRATEGIES = ("merged", "per-tensor", "fixed", "single", "optimal")
+#: Every bucketing, by the string a user passes.
+BUCKETINGS = tuple(bucketing.value for bucketing in Bucketing)
 # A cost model that makes "merged" form several buckets on these small models.
 COST = CostModel(a=2e-4, b=1e-9)
 
@@ -70,7 +72,7 @@ def _compare_with_ddp(name: str, steps: int) -> dict[str, Any]:
     """Train our wrapper (each bucketing) and DDP side by side; report the worst differences."""
     rank = dist.get_rank()
     report: dict[str, Any] = {}
-    for bucketing in STRATEGIES:
+    for bucketing in BUCKETINGS:
         torch.manual_seed(1234)
         reference = _make(name)
         ours_model = copy.deepcopy(reference)

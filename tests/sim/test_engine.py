@@ -7,8 +7,9 @@ import math
 import pytest
 
 from interlace.comm.cost import CostModel
+from interlace.comm.strategies import PLANNED_STRATEGIES
 from interlace.errors import UsageError
-from interlace.sim.engine import STRATEGIES, simulate, strategy_named
+from interlace.sim.engine import simulate, strategy_named
 from interlace.sim.network import (
     parse_network,
 )
@@ -92,7 +93,7 @@ def test_a_run_s_own_buckets_are_replayed_instead_of_planned() -> None:
 def test_every_strategy_has_a_timeline_with_its_buckets() -> None:
     trace = load_trace(GOOGLENET)
     cost = parse_network("ring:10gbit").cost(64)
-    for name in STRATEGIES:
+    for name in PLANNED_STRATEGIES:
         result = simulate(trace, name, cost, workers=64)
         timeline = result.timeline()
         comms = [e for e in timeline.events if e.category == "comm"]

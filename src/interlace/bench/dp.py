@@ -59,8 +59,9 @@ from interlace.bench.harness import (
 )
 from interlace.cliutil import standalone_main
 from interlace.comm.links import parse_link
+from interlace.comm.strategies import RUNTIME_STRATEGIES
 from interlace.errors import UsageError
-from interlace.strategies import STRATEGIES, parse_channels
+from interlace.strategies import parse_channels
 from interlace.zoo import build_model
 
 PROG = "interlace bench dp"
@@ -253,7 +254,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         else (QUICK_MODELS if quick else DEFAULT_MODELS)
     )
     strategies = (
-        parse_names(args.strategies, STRATEGIES, "strategies", "strategy")
+        parse_names(args.strategies, RUNTIME_STRATEGIES, "strategies", "strategy")
         if args.strategies
         else DEFAULT_STRATEGIES
     )

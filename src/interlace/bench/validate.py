@@ -38,11 +38,11 @@ from interlace.bench.harness import (
 )
 from interlace.comm.calibrate import fit_stream_cost_model
 from interlace.comm.links import parse_link
+from interlace.comm.strategies import PLANNED_STRATEGIES, RUNTIME_STRATEGIES
 from interlace.dp import DataParallel
 from interlace.errors import UsageError
 from interlace.launch import netem
 from interlace.profile import layer_forward_times
-from interlace.sim.engine import STRATEGIES
 from interlace.sim.profiled import trace_from_plan
 from interlace.sim.validate import (
     DEFAULT_LINKS,
@@ -56,7 +56,6 @@ from interlace.sim.validate import (
     plot_validation,
     rows_from_sample,
 )
-from interlace.strategies import STRATEGIES as RUNNABLE
 from interlace.strategies import wrap_model
 from interlace.zoo import MODEL_NAMES, build_model
 
@@ -292,7 +291,10 @@ def config_from_args(args: argparse.Namespace, png_path: Path | None) -> Validat
             )
     strategies = (
         parse_names(
-            args.strategy, tuple(s for s in STRATEGIES if s in RUNNABLE), "strategy", "strategy"
+            args.strategy,
+            tuple(s for s in PLANNED_STRATEGIES if s in RUNTIME_STRATEGIES),
+            "strategy",
+            "strategy",
         )
         if args.strategy
         else DEFAULT_STRATEGIES

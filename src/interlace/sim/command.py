@@ -12,9 +12,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from interlace.comm.strategies import PLANNED_STRATEGIES
 from interlace.errors import UsageError
 from interlace.sim import validate
-from interlace.sim.engine import STRATEGIES
 from interlace.sim.experiments import (
     check_claims,
     format_paper_comparison,
@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--strategies",
         dest="strategy",
         help=f"comma-separated strategies, each optionally with /k=K for K channels "
-        f"(default: all of {', '.join(STRATEGIES)}; "
+        f"(default: all of {', '.join(PLANNED_STRATEGIES)}; "
         f"--validate: {','.join(validate.DEFAULT_STRATEGIES)}), or K-FAC strategies "
         f"({', '.join(KFAC_STRATEGIES)}; they need a trace with factor sizes)",
     )

@@ -18,9 +18,6 @@ from interlace.sim.replay import NO_CONTENTION, Contention, Replay, replay
 from interlace.sim.trace import Trace
 from interlace.timeline import Timeline
 
-#: Every simulated strategy by name: the planned ones of :mod:`interlace.comm.strategies`.
-STRATEGIES: dict[str, Strategy] = PLANNED_STRATEGIES
-
 
 @dataclass(frozen=True)
 class SimResult:
@@ -129,10 +126,11 @@ class SimResult:
 
 
 def strategy_named(name: str) -> Strategy:
-    """The :data:`STRATEGIES` entry ``name``; a clear error naming the choices otherwise.
+    """The planned strategy ``name``; a clear error naming the choices otherwise.
 
     Args:
-        name: A strategy of :data:`STRATEGIES`, optionally with ``/k=K`` for ``K`` channels.
+        name: A key of :data:`~interlace.comm.strategies.PLANNED_STRATEGIES`, optionally
+            with ``/k=K`` for ``K`` channels.
 
     Raises:
         UsageError: For an unknown name, or the optimal planner on several channels.
@@ -141,7 +139,7 @@ def strategy_named(name: str) -> Strategy:
     if chosen is not None:
         return chosen
     raise UsageError(
-        f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}, or any of them "
+        f"unknown strategy {name!r}; choose from {', '.join(PLANNED_STRATEGIES)}, or any of them "
         "with /k=K for K channels (e.g. mgwfbp/k=3)"
     )
 

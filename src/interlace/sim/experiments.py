@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from interlace.comm.strategies import planned_strategy
+from interlace.comm.strategies import PLANNED_STRATEGIES, planned_strategy
 from interlace.errors import UsageError
-from interlace.sim.engine import STRATEGIES, SimResult, simulate, strategy_named
+from interlace.sim.engine import SimResult, simulate, strategy_named
 from interlace.sim.kfac import KFAC_STRATEGIES, PHASES, check_trace, simulate_kfac
 from interlace.sim.kfac_costs import KfacCosts
 from interlace.sim.network import Network
@@ -41,8 +41,8 @@ def check_strategy(name: str) -> None:
         return
     if planned_strategy(name) is None:
         raise UsageError(
-            f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}, or any of them "
-            "with /k=K for K channels (e.g. mgwfbp/k=3), or a K-FAC strategy "
+            f"unknown strategy {name!r}; choose from {', '.join(PLANNED_STRATEGIES)}, "
+            "or any of them with /k=K for K channels (e.g. mgwfbp/k=3), or a K-FAC strategy "
             f"({', '.join(KFAC_STRATEGIES)})"
         )
     strategy_named(name)
@@ -58,7 +58,7 @@ def parse_strategies(text: str | None) -> tuple[str, ...]:
         UsageError: For an empty list or an unknown name (:func:`check_strategy`).
     """
     if not text:
-        return tuple(STRATEGIES)
+        return tuple(PLANNED_STRATEGIES)
     names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
     if not names:
         raise UsageError("--strategy: name at least one")

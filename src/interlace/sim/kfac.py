@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from interlace.comm.cost import CostModel
 from interlace.comm.plan import ReadyTensor, schedule
+from interlace.comm.strategies import PLANNED_STRATEGIES
 from interlace.errors import UsageError
 from interlace.kfac.costs import decomposition_numel
 from interlace.kfac.fusion import make_groups
@@ -25,7 +26,7 @@ from interlace.kfac.placement import (
     predicted_makespan,
     schedule_order,
 )
-from interlace.sim.engine import STRATEGIES, SimResult
+from interlace.sim.engine import SimResult
 from interlace.sim.kfac_costs import KfacCosts
 from interlace.sim.replay import replay
 from interlace.sim.trace import Trace
@@ -346,7 +347,7 @@ def simulate_kfac(
             ReadyTensor(tensor.name, tensor.nbytes, gradient_ready[index])
             for index, tensor in enumerate(trace.tensors)
         ]
-    gradient_plan = STRATEGIES["mgwfbp"].plan(
+    gradient_plan = PLANNED_STRATEGIES["mgwfbp"].plan(
         [replace(t, ready_s=t.ready_s - backward_start) for t in gradients],
         cost,
         backward_s=passes_end - backward_start,

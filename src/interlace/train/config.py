@@ -15,12 +15,13 @@ from pathlib import Path
 import torch
 
 from interlace.comm.engine import COMPRESSIONS
+from interlace.comm.strategies import RUNTIME_STRATEGIES
 from interlace.distenv import DistContext
 from interlace.errors import UsageError
 from interlace.kfac.decomp import COMPUTE_METHODS
 from interlace.pipeline import ASYNCHRONOUS, PLAN_BY, SCHEDULES, SPECTRAIN_BACKWARDS, SYNCHRONOUS
 from interlace.runlog import RunLog, new_run_dir
-from interlace.strategies import STRATEGIES, parse_channels
+from interlace.strategies import parse_channels
 
 #: The ``--optimizer`` choices: plain SGD with momentum, or K-FAC in front of it.
 OPTIMIZERS = ("sgd", "kfac")
@@ -42,7 +43,7 @@ class TrainConfig:
     Args:
         model: a zoo name or ``package.module:callable``.
         data: digits, synthetic-cifar10, synthetic-imagenet, or a CIFAR-10 folder.
-        strategy: how gradients are averaged (one of ``interlace.strategies.STRATEGIES``).
+        strategy: how gradients are averaged (one of ``interlace.strategies.RUNTIME_STRATEGIES``).
         bucket_cap_mb: bucket cap of the ddp and fixed strategies, MB.
         channels: communication channels, an integer >= 1 or ``"auto"``.
         compression: ``"fp16"`` or ``"bf16"`` gradient buckets, or None.
@@ -129,8 +130,9 @@ class TrainConfig:
         checks = [
             (self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}"),
             (
-                self.strategy in STRATEGIES,
-                f"unknown --strategy '{self.strategy}'; choose one of {', '.join(STRATEGIES)}",
+                self.strategy in RUNTIME_STRATEGIES,
+                f"unknown --strategy '{self.strategy}'; "
+                f"choose one of {', '.join(RUNTIME_STRATEGIES)}",
             ),
             (
                 self.bucket_cap_mb is None or self.bucket_cap_mb > 0,
