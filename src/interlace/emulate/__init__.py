@@ -4,6 +4,13 @@ With time dilation (:mod:`interlace.emulate.dilation`) it measures what a strate
 traced GPU model on a target network, on a machine without that GPU. See docs/emulate.md.
 """
 
+from interlace.emulate.compute import (
+    Compute,
+    ComputeKind,
+    add_compute_arguments,
+    compute_from_args,
+    parse_compute,
+)
 from interlace.emulate.dilation import DEFAULT_DILATION, check_dilation, dilate_rate, undilate
 from interlace.emulate.model import (
     EmulatedLayer,
@@ -15,12 +22,17 @@ from interlace.emulate.model import (
 
 __all__ = [
     "DEFAULT_DILATION",
+    "Compute",
+    "ComputeKind",
     "EmulatedLayer",
     "EmulatedModel",
     "EmulationCost",
+    "add_compute_arguments",
     "check_dilation",
+    "compute_from_args",
     "dilate_rate",
     "gradient_factor",
     "measure_cost",
+    "parse_compute",
     "undilate",
 ]
