@@ -29,6 +29,8 @@ def _write(path: Path, text: str) -> str:
         (["-n", "2"], "no command to launch"),
         (["-n", "2", "--"], "no command to launch"),
         (["--", "python", "x.py"], "required: -n"),
+        (["-n", "2", "--", "nosuchprogram"], "command not found: nosuchprogram"),
+        (["-n", "2", "--", "/nonexistent/tool"], "command not found: /nonexistent/tool"),
     ],
 )
 def test_cli_bad_input(argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -31,6 +31,7 @@ from interlace.launch.output import Output, pump
 from interlace.launch.result import TIMEOUT_STATUS, LaunchResult
 from interlace.launch.worker import (
     WORKDIR_PREFIX,
+    check_executable,
     collect_results,
     command_for,
     earliest_error,
@@ -363,6 +364,8 @@ def _run_job(
         master_port=master_port,
         result_dir=workdir if is_worker else None,
     )
+    if not is_worker:
+        check_executable(argv[0], envs[0].get("PATH"))
     watch = _Watch(queue.Queue(), nprocs, workdir, is_worker)
     for rank, rank_env in enumerate(envs):
         _start_rank(job, rank, argv, rank_env, watch.exits, sink=sink, prefix_rank0=prefix_rank0)
@@ -407,16 +410,19 @@ def _start_rank(
     cluster = job.cluster
     rank_argv = cluster.wrap(rank, argv) if cluster is not None else argv
     piped = rank != 0 or prefix_rank0 or sink.captured
-    proc = subprocess.Popen(
-        rank_argv,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE if piped else None,
-        stderr=subprocess.PIPE if piped else None,
-        # Its own session and process group: stopping a rank reaches its children too, and a
-        # Ctrl-C at the terminal reaches only the launcher, which then stops ranks in order.
-        start_new_session=True,
-    )
+    try:
+        proc = subprocess.Popen(
+            rank_argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if piped else None,
+            stderr=subprocess.PIPE if piped else None,
+            # Its own session and process group: stopping a rank reaches its children too, and
+            # a Ctrl-C at the terminal reaches only the launcher, which then stops ranks in order.
+            start_new_session=True,
+        )
+    except OSError as exc:  # checked before the start, so only a race or an odd file gets here
+        raise UsageError(f"cannot start rank {rank}: {argv[0]}: {exc.strerror or exc}") from None
     tail: deque[str] | None = deque(maxlen=_STDERR_TAIL) if piped else None
     threads: list[threading.Thread] = []
     if piped:

@@ -28,6 +28,7 @@ __all__ = [
     "RESULT_DIR_VARIABLE",
     "WORKDIR_PREFIX",
     "WORKER_FLAG",
+    "check_executable",
     "collect_results",
     "command_for",
     "earliest_error",
@@ -144,6 +145,30 @@ def command_for(
     if not command:
         raise UsageError("no command to launch")
     return [*command, *map(str, args)], False
+
+
+def check_executable(program: str, path: str | None) -> None:
+    """Make sure ``program`` names something a rank can run, before any rank starts.
+
+    Args:
+        program: The command's first word (a name looked up on ``path``, or a file path).
+        path: The ranks' ``PATH`` (this process's when None).
+
+    Raises:
+        UsageError: Naming the program and what to do, when it is not found or not executable.
+    """
+    if os.sep in program:
+        if not os.path.isfile(program):
+            raise UsageError(f"command not found: {program} (no such file)")
+        if not os.access(program, os.X_OK):
+            raise UsageError(
+                f"command not executable: {program} (chmod +x it, or run it with its interpreter)"
+            )
+        return
+    if shutil.which(program, path=path) is None:
+        raise UsageError(
+            f"command not found: {program} (not on PATH); check the spelling, or give its path"
+        )
 
 
 # -- the launcher reads the results ---------------------------------------------------------------
