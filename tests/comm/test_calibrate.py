@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import json
+import math
+import warnings
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-from interlace.comm.calibrate import cache_path, fit_cost_model, fit_stream_cost_model
+from interlace.comm.calibrate import (
+    cache_path,
+    fit_concurrency,
+    fit_cost_model,
+    fit_stream_cost_model,
+)
 from interlace.comm.cost import CostModel
 from interlace.testing import run_ranks
 
@@ -53,3 +60,38 @@ def test_streamed_all_reduces_fit_one_model_everywhere() -> None:
     results = run_ranks(_fit_stream, 2, None, timeout=120)
     assert len(set(results)) == 1, results  # maxima over ranks: bit-identical
     assert results[0].a > 0 and results[0].b >= 0
+
+
+def _fit_over_bad_entries(_: None) -> tuple[CostModel, list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = fit_cost_model(sizes=(4096, 65536), repeats=2, warmup=1)
+        groups = [None, dist.new_group()]
+        with_terms = fit_concurrency(groups, model, nbytes=65536, repeats=2, warmup=1)
+    return with_terms, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize(
+    ("model_entry", "terms_entry"),
+    [([float("nan"), 1e-9], [[1e-4, float("inf")]]), ([-1.0, 1e-9], [[-1e-4, 1.5]])],
+    ids=["non-finite", "negative"],
+)
+def test_unusable_cache_entries_are_measured_again_with_a_warning(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    model_entry: list[float],
+    terms_entry: list[list[float]],
+) -> None:
+    monkeypatch.setenv("INTERLACE_CACHE_DIR", str(tmp_path))
+    key = "gloo|2|loopback"
+    entries = {key: model_entry, f"{key}|concurrency": terms_entry}
+    (tmp_path / "cost_models.json").write_text(json.dumps(entries))
+    results = run_ranks(_fit_over_bad_entries, 2, None, timeout=120)
+    (model, messages), (other, other_messages) = results
+    assert model == other
+    assert all(math.isfinite(v) and v >= 0 for v in (model.a, model.b, *model.concurrency[0]))
+    assert len(messages) == 2 and all("measuring again" in m for m in messages), messages
+    assert other_messages == []  # one warning per job, from rank 0
+    cached = json.loads((tmp_path / "cost_models.json").read_text())
+    assert cached[key] == [model.a, model.b]
+    assert cached[f"{key}|concurrency"] == [list(model.concurrency[0])]

@@ -10,6 +10,7 @@ import json
 import os
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -237,8 +238,10 @@ def fit_cost_model(
         cached[0] = _read_cache().get(key)
     if use_cache:
         dist.broadcast_object_list(cached, src=_global_rank0(group), group=group)
-    if isinstance(cached[0], list) and len(cached[0]) == 2:
-        return CostModel(float(cached[0][0]), float(cached[0][1]))
+    if cached[0] is not None:
+        model = _cached_model(cached[0], key, warn=rank == 0)
+        if model is not None:
+            return model
 
     device = device or torch.device("cpu")
     # The start-up cost is what a 4-byte all-reduce takes; the per-byte cost is fitted on top.
@@ -330,9 +333,10 @@ def fit_concurrency(
         cached[0] = _read_cache().get(key)
     if use_cache:
         dist.broadcast_object_list(cached, src=_global_rank0(first), group=first)
-    if isinstance(cached[0], list) and len(cached[0]) >= len(groups) - 1:
-        terms = [(float(a), float(c)) for a, c in cached[0][: len(groups) - 1]]
-        return base.with_concurrency(terms)
+    if cached[0] is not None:
+        with_terms = _cached_concurrency(cached[0], key, base, len(groups) - 1, warn=rank == 0)
+        if with_terms is not None:
+            return with_terms
 
     measured = []
     for count in range(1, len(groups) + 1):
@@ -358,6 +362,51 @@ def fit_concurrency(
 
 def _global_rank0(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+def _unusable(key: str, entry: object, why: str, warn: bool) -> None:
+    """Say (on one rank) that a cached entry is ignored and measured again."""
+    if warn:
+        warnings.warn(
+            f"cost cache {cache_path()}: entry {key!r} = {entry!r} is unusable ({why}); "
+            "measuring again and replacing it",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _cached_model(entry: object, key: str, *, warn: bool) -> CostModel | None:
+    """The cached ``[a, b]`` as a model, or None (with a warning) when it is not a valid one.
+
+    Every rank decides on the same broadcast entry, so they all measure again or none does.
+    """
+    if not isinstance(entry, list) or len(entry) != 2:
+        _unusable(key, entry, "expected [a, b]", warn)
+        return None
+    try:
+        return CostModel(float(entry[0]), float(entry[1]))
+    except (TypeError, ValueError) as exc:  # NaN, infinity, a negative term, a string
+        _unusable(key, entry, str(exc), warn)
+        return None
+
+
+def _cached_concurrency(
+    entry: object, key: str, base: CostModel, count: int, *, warn: bool
+) -> CostModel | None:
+    """``base`` with the first ``count`` cached ``(a_j, c_j)``, or None when they are unusable.
+
+    Too few terms (the cache was written for fewer channels) is not an error: measure again.
+    """
+    if not isinstance(entry, list):
+        _unusable(key, entry, "expected a list of [a_j, c_j]", warn)
+        return None
+    if len(entry) < count:
+        return None
+    try:
+        return base.with_concurrency([(float(a), float(c)) for a, c in entry[:count]])
+    except (TypeError, ValueError) as exc:
+        _unusable(key, entry, str(exc), warn)
+        return None
 
 
 def _read_cache() -> dict[str, object]:
