@@ -56,3 +56,29 @@ def test_a_lone_process_on_cpu_gets_a_one_rank_gloo_group(monkeypatch: pytest.Mo
         assert distenv.collective_device() == torch.device("cpu")
     finally:
         torch.distributed.destroy_process_group()
+
+
+def _group_timeout_s() -> float:
+    backend = torch.distributed.group.WORLD._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+    return float(backend.options._timeout.total_seconds())
+
+
+def test_the_collective_timeout_comes_from_the_launchers_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv(distenv.BACKEND_VARIABLE, raising=False)
+    monkeypatch.setenv(distenv.COLLECTIVE_TIMEOUT_VARIABLE, "7")
+    _gpus(monkeypatch, 0)
+    distenv.init_distributed()
+    try:
+        assert _group_timeout_s() == 7.0
+    finally:
+        torch.distributed.destroy_process_group()
+    monkeypatch.delenv(distenv.COLLECTIVE_TIMEOUT_VARIABLE)
+    distenv.init_distributed()
+    try:
+        assert _group_timeout_s() == distenv.DEFAULT_COLLECTIVE_TIMEOUT_S == 300.0
+    finally:
+        torch.distributed.destroy_process_group()

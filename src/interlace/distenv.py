@@ -10,6 +10,25 @@ import torch
 import torch.distributed as dist
 
 from interlace.launch.env import free_port
+from interlace.launch.rank import (
+    COLLECTIVE_TIMEOUT_VARIABLE,
+    DEFAULT_COLLECTIVE_TIMEOUT_S,
+    collective_timeout_s,
+    report_phase,
+)
+
+__all__ = [
+    "BACKEND_VARIABLE",
+    "COLLECTIVE_TIMEOUT_VARIABLE",
+    "DEFAULT_COLLECTIVE_TIMEOUT_S",
+    "DistContext",
+    "collective_device",
+    "collective_timeout_s",
+    "default_backend",
+    "in_launched_job",
+    "init_distributed",
+    "report_phase",
+]
 
 
 @dataclass(frozen=True)
@@ -70,7 +89,7 @@ def default_backend(local_rank: int | None = None) -> str:
     return "nccl" if max(local_rank + 1, local_world) <= torch.cuda.device_count() else "gloo"
 
 
-def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> DistContext:
+def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> DistContext:
     """Join the job described by the env:// variables, or make a one-rank group when there is none.
 
     A one-rank group lets the same training code (which always wraps its model for data
@@ -78,8 +97,12 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> Di
 
     Args:
         backend: ``gloo`` or ``nccl``; :func:`default_backend` chooses when None.
-        timeout_s: Bounds every collective, so a peer that vanished ends this rank with an error
-            instead of a hang.
+        timeout_s: Bounds every collective, so a peer that vanished or stopped ends this rank
+            with an error instead of a hang; when None, :func:`collective_timeout_s` (the
+            launcher's ``--collective-timeout``, ``$INTERLACE_COLLECTIVE_TIMEOUT``, else 300 s).
+
+    Raises:
+        UsageError: When ``$INTERLACE_COLLECTIVE_TIMEOUT`` is not a positive number.
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     backend = backend or default_backend(local_rank)
@@ -88,7 +111,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> Di
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = datetime.timedelta(seconds=collective_timeout_s() if timeout_s is None else timeout_s)
     if not dist.is_initialized():
         if in_launched_job():
             dist.init_process_group(backend, timeout=timeout)

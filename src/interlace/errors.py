@@ -21,13 +21,17 @@ class RankFailedError(RuntimeError):
         rank: The failing rank (-1 when unknown).
         returncode: Its exit status.
         detail: Its formatted traceback (or the tail of its stderr), if known.
+        reason: Why the rank is blamed, when it is not simply that it failed (e.g. it stopped
+            making progress and a peer timed out waiting for it); replaces the first line.
     """
 
-    def __init__(self, rank: int, returncode: int, detail: str = "") -> None:
+    def __init__(self, rank: int, returncode: int, detail: str = "", reason: str = "") -> None:
         self.rank = rank
         self.returncode = returncode
         self.detail = detail
-        message = f"rank {rank} failed with exit status {returncode}"
+        self.reason = reason
+        message = reason or f"rank {rank} failed with exit status {returncode}"
         if detail:
-            message += f"\n--- rank {rank} traceback ---\n{detail.rstrip()}"
+            heading = "traceback" if reason else f"rank {rank} traceback"
+            message += f"\n--- {heading} ---\n{detail.rstrip()}"
         super().__init__(message)

@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -125,3 +126,60 @@ def test_timeout_kills_hung_ranks() -> None:
     assert result.elapsed_s < 8.0
     with pytest.raises(TimeoutError, match="ranks still running: 0, 1"):
         result.check()
+
+
+# -- hangs: the rank that stopped is named, not the one that gave up waiting ----------------------
+
+
+def step_with_a_stall(x: Any, step: int) -> None:
+    import torch.distributed as dist  # noqa: PLC0415 - torch only inside the ranks
+
+    if _rank() == 1 and step == 1:
+        time.sleep(60)  # stops making progress; rank 0 waits for it in the all-reduce
+    dist.all_reduce(x)
+
+
+def train_with_a_stalled_rank() -> None:
+    import torch  # noqa: PLC0415 - torch only inside the ranks
+    import torch.distributed as dist  # noqa: PLC0415 - torch only inside the ranks
+
+    # No timeout given: the launcher's collective timeout must bound it, not gloo's 30 minutes.
+    dist.init_process_group("gloo")
+    x = torch.ones(2)
+    for step in range(3):
+        step_with_a_stall(x, step)
+
+
+def test_a_collective_timeout_names_the_stalled_rank_not_the_waiting_one() -> None:
+    out = io.StringIO()
+    result = launch.run(train_with_a_stalled_rank, 2, output=out, timeout=60, collective_timeout=2)
+    assert not result.timed_out, out.getvalue()
+    assert (result.failed_rank, result.stuck_ranks) == (1, [1]), out.getvalue()
+    assert result.returncode == 1  # rank 0's status: it raised the timeout
+    message = out.getvalue()
+    assert "rank 1 stopped making progress (in step_with_a_stall (test_supervise.py:" in message
+    assert "rank 0 timed out waiting for it after the 2 s collective timeout" in message
+    assert "--collective-timeout" in message  # says how to change it
+    with pytest.raises(RankFailedError, match="rank 1 stopped making progress") as caught:
+        result.check()
+    assert "Timed out" in str(caught.value)  # rank 0's traceback comes along
+
+
+# -- a crash after the rank's code returned ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("returned", "status"), [(True, 0), (False, 128 + signal.SIGABRT)])
+def test_an_abort_at_shutdown_after_success_counts_as_finished(
+    tmp_path: Path, returned: bool, status: int
+) -> None:
+    # What gloo's teardown does to some finished ranks: SIGABRT after the script's code is done.
+    abort = "os.kill(os.getpid(), signal.SIGABRT)"
+    body = "import atexit, os, signal\n" + (
+        f"atexit.register(lambda: {abort})\nprint('done')\n" if returned else f"{abort}\n"
+    )
+    script = _write(tmp_path / "aborts.py", body)
+    out = io.StringIO()
+    result = launch.run(script, 2, output=out, timeout=30)
+    assert result.returncode == status, out.getvalue()
+    finished = "had finished (its code returned) but then was killed by SIGABRT"
+    assert (finished in out.getvalue()) == returned, out.getvalue()

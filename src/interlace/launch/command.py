@@ -11,6 +11,12 @@ from pathlib import Path
 from interlace.cliutil import OneLineArgumentParser
 from interlace.comm.links import LINK_RATES, parse_link
 from interlace.errors import UsageError
+from interlace.launch.rank import (
+    COLLECTIVE_TIMEOUT_VARIABLE,
+    DEFAULT_COLLECTIVE_TIMEOUT_S,
+    SCRIPT_FLAG,
+    run_script,
+)
 from interlace.launch.supervise import run
 from interlace.launch.worker import WORKER_FLAG, worker_main
 
@@ -87,7 +93,18 @@ def build_parser() -> OneLineArgumentParser:
     )
     parser.add_argument("--master-port", type=int, metavar="P", help="rendezvous port")
     parser.add_argument(
-        "--timeout", type=float, metavar="S", help="stop every rank after S seconds"
+        "--timeout",
+        type=float,
+        metavar="S",
+        help="stop every rank after S seconds of the whole job (default: no limit)",
+    )
+    parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        metavar="S",
+        help=f"end the job, naming the rank that stopped making progress, when any one "
+        f"collective waits S seconds for it (default: ${COLLECTIVE_TIMEOUT_VARIABLE} or "
+        f"{DEFAULT_COLLECTIVE_TIMEOUT_S:g})",
     )
     parser.add_argument(
         "command", nargs=argparse.REMAINDER, help="the command each rank runs, after --"
@@ -106,6 +123,8 @@ def _checked_command(ns: argparse.Namespace) -> list[str]:
         parse_link(ns.link)
     if ns.timeout is not None and ns.timeout <= 0:
         raise UsageError(f"--timeout must be > 0 seconds, got {ns.timeout:g}")
+    if ns.collective_timeout is not None and not 0 < ns.collective_timeout < float("inf"):
+        raise UsageError(f"--collective-timeout must be > 0 seconds, got {ns.collective_timeout:g}")
     if ns.master_port is not None and not 0 < ns.master_port < 65536:
         raise UsageError(f"--master-port must be 1-65535, got {ns.master_port}")
     if not command:
@@ -143,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             timeout=ns.timeout,
             prefix_rank0=ns.prefix_rank0,
             master_port=ns.master_port,
+            collective_timeout=ns.collective_timeout,
         )
     except UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
@@ -155,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry(argv: list[str]) -> int:
-    """``python -m interlace.launch``: the worker when given ``--worker JOB``, else the CLI.
+    """``python -m interlace.launch``: a rank's worker (``--worker JOB``), a rank's script
+    (``--run X.py ARGS``), or else the CLI.
 
     Args:
         argv: The arguments after ``-m interlace.launch``.
@@ -163,6 +184,8 @@ def entry(argv: list[str]) -> int:
     Returns:
         The command's exit status (a worker leaves through :func:`os._exit` instead).
     """
+    if len(argv) >= 2 and argv[0] == SCRIPT_FLAG:
+        return run_script(argv[1:])
     if len(argv) == 2 and argv[0] == WORKER_FLAG:
         status = worker_main(argv[1])
         # The result is on disk; leave without interpreter teardown. Tearing down a process that

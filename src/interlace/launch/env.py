@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from interlace.launch.netem import EmulatedCluster
+from interlace.launch.rank import COLLECTIVE_TIMEOUT_VARIABLE, STATE_DIR_VARIABLE
 from interlace.launch.worker import RESULT_DIR_VARIABLE
 
 __all__ = ["LINK_VARIABLE", "free_port", "job_envs", "rank_env", "worker_pythonpath"]
@@ -38,6 +39,8 @@ def rank_env(
     link: str | None,
     result_dir: Path | None,
     pythonpath: str | None,
+    state_dir: Path | None = None,
+    collective_timeout_s: float | None = None,
 ) -> dict[str, str]:
     """torchrun's env:// contract for one rank, plus what the emulated network needs.
 
@@ -52,6 +55,8 @@ def rank_env(
         link: The emulated link's rate name (with ``cluster``).
         result_dir: Where a callable's worker writes its result, or None for a command.
         pythonpath: The worker's ``PYTHONPATH``, or None to keep the inherited one.
+        state_dir: Where the rank writes its heartbeat, or None for none.
+        collective_timeout_s: The rank's collective timeout, or None to keep the inherited one.
     """
     env = dict(base)
     env.update(
@@ -86,6 +91,10 @@ def rank_env(
         env[RESULT_DIR_VARIABLE] = str(result_dir)
     if pythonpath is not None:
         env["PYTHONPATH"] = pythonpath
+    if state_dir is not None:
+        env[STATE_DIR_VARIABLE] = str(state_dir)
+    if collective_timeout_s is not None:
+        env[COLLECTIVE_TIMEOUT_VARIABLE] = f"{collective_timeout_s:g}"
     return env
 
 
@@ -110,6 +119,8 @@ def job_envs(
     link: str | None,
     master_port: int | None,
     result_dir: Path | None,
+    state_dir: Path | None = None,
+    collective_timeout_s: float | None = None,
 ) -> list[dict[str, str]]:
     """Every rank's environment for one job, sharing one rendezvous address, port and run id.
 
@@ -120,6 +131,8 @@ def job_envs(
         link: The emulated link's rate name (with ``cluster``).
         master_port: The rendezvous port, or None for a free one.
         result_dir: Where callable workers write their results, or None for a command.
+        state_dir: Where every rank writes its heartbeat, or None for none.
+        collective_timeout_s: Every rank's collective timeout, or None to keep the inherited one.
     """
     base = dict(os.environ)
     if env is not None:
@@ -141,6 +154,8 @@ def job_envs(
             link=link,
             result_dir=result_dir,
             pythonpath=pythonpath,
+            state_dir=state_dir,
+            collective_timeout_s=collective_timeout_s,
         )
         for rank in range(nprocs)
     ]

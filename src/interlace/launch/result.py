@@ -27,6 +27,9 @@ class LaunchResult:
         elapsed_s: Seconds from the start of the launch to its end.
         timed_out: Whether ``timeout`` expired.
         hung_ranks: The ranks still running when ``timeout`` expired.
+        stuck_ranks: The ranks that stopped making progress while a peer's collective timed
+            out waiting for them (``failed_rank`` is the first of them).
+        reason: The launcher's explanation of a collective timeout, or empty.
     """
 
     returncode: int
@@ -36,6 +39,8 @@ class LaunchResult:
     elapsed_s: float
     timed_out: bool
     hung_ranks: list[int] = field(default_factory=list)
+    stuck_ranks: list[int] = field(default_factory=list)
+    reason: str = ""
 
     @property
     def ok(self) -> bool:
@@ -56,5 +61,7 @@ class LaunchResult:
             )
         if self.returncode != 0:
             rank = -1 if self.failed_rank is None else self.failed_rank
-            raise RankFailedError(rank, self.returncode, self.tracebacks.get(rank, ""))
+            # A stuck rank has no traceback; the rank that timed out waiting for it has one.
+            detail = self.tracebacks.get(rank) or "\n".join(self.tracebacks.values())
+            raise RankFailedError(rank, self.returncode, detail, reason=self.reason)
         return self

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import os
 import queue
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -26,8 +28,15 @@ from typing import Any, TextIO
 from interlace.comm.links import parse_link
 from interlace.errors import UsageError
 from interlace.launch import netem
+from interlace.launch.diagnose import (
+    explain_timeout,
+    failure_text,
+    finished_before_exit,
+    is_collective_timeout,
+)
 from interlace.launch.env import job_envs
 from interlace.launch.output import Output, pump
+from interlace.launch.rank import collective_timeout_s
 from interlace.launch.result import TIMEOUT_STATUS, LaunchResult
 from interlace.launch.worker import (
     WORKDIR_PREFIX,
@@ -69,6 +78,33 @@ def _signal_group(proc: subprocess.Popen[bytes], signo: int) -> None:
     """Send ``signo`` to the process group the rank leads (it started its own session)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signo)
+
+
+#: ``prctl(PR_SET_PDEATHSIG, ...)``: the signal a process receives when its parent dies.
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_launcher() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the rank receive SIGKILL when the launcher dies (Linux only).
+
+    ``prctl`` is looked up here, before the fork: the child only makes the call.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    launcher = os.getpid()
+
+    def set_parent_death_signal() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != launcher:  # the launcher died before the call: it would never fire
+            os._exit(1)
+
+    return set_parent_death_signal
 
 
 def _stop_ranks(ranks: Sequence[_Rank], grace_s: float = GRACE_S) -> None:
@@ -239,6 +275,7 @@ def run(
     prefix_rank0: bool = False,
     output: TextIO | None = None,
     master_port: int | None = None,
+    collective_timeout: float | None = None,
 ) -> LaunchResult:
     """Run ``target`` on ``nprocs`` local ranks and wait for all of them.
 
@@ -261,6 +298,10 @@ def run(
         prefix_rank0: Prefix rank 0's lines too.
         output: Receives every line instead of sys.stdout/sys.stderr.
         master_port: The rendezvous port (a free one by default).
+        collective_timeout: Seconds any one collective may wait for its peers in every rank
+            whose process group is made without an explicit timeout (``$INTERLACE_COLLECTIVE_
+            TIMEOUT`` or 300 s by default). When one times out, the launcher names the rank
+            that stopped making progress, from the ranks' heartbeats.
 
     Raises:
         UsageError: For bad arguments, or when the emulated network cannot be built here.
@@ -276,6 +317,10 @@ def run(
         netem.check_available()
     if timeout is not None and timeout <= 0:
         raise UsageError(f"timeout must be > 0 seconds, got {timeout}")
+    if collective_timeout is None:
+        collective_timeout = collective_timeout_s({**os.environ, **(env or {})})
+    elif not 0 < collective_timeout < float("inf"):
+        raise UsageError(f"collective timeout must be > 0 seconds, got {collective_timeout}")
 
     sink = Output(output)
     job = _Job()
@@ -298,6 +343,7 @@ def run(
                     sink=sink,
                     master_port=master_port,
                     start=start,
+                    collective_timeout=collective_timeout,
                 )
             except _Terminated as exc:
                 sink.message(f"received {signal.Signals(exc.signo).name}; stopping all ranks")
@@ -324,6 +370,8 @@ class _Watch:
     nprocs: int
     workdir: Path
     is_worker: bool
+    collective_timeout: float
+    stderr_tails: list[deque[str] | None] = field(default_factory=list)
 
 
 @dataclass
@@ -334,6 +382,8 @@ class _Ending:
     returncode: int = 0
     timed_out: bool = False
     hung: list[int] = field(default_factory=list)
+    stuck: list[int] = field(default_factory=list)
+    reason: str = ""
 
 
 def _run_job(
@@ -349,6 +399,7 @@ def _run_job(
     sink: Output,
     master_port: int | None,
     start: float,
+    collective_timeout: float,
 ) -> LaunchResult:
     """Start the ranks, wait for the first failure (or the end), stop them, read the results."""
     assert job.workdir is not None
@@ -363,12 +414,15 @@ def _run_job(
         link=link,
         master_port=master_port,
         result_dir=workdir if is_worker else None,
+        state_dir=workdir,
+        collective_timeout_s=collective_timeout,
     )
     if not is_worker:
         check_executable(argv[0], envs[0].get("PATH"))
-    watch = _Watch(queue.Queue(), nprocs, workdir, is_worker)
+    watch = _Watch(queue.Queue(), nprocs, workdir, is_worker, collective_timeout)
     for rank, rank_env in enumerate(envs):
         _start_rank(job, rank, argv, rank_env, watch.exits, sink=sink, prefix_rank0=prefix_rank0)
+        watch.stderr_tails.append(job.ranks[-1].stderr_tail)
 
     deadline = None if timeout is None else start + timeout
     ending = _wait_for_ranks(watch, sink, deadline=deadline, timeout=timeout)
@@ -393,6 +447,8 @@ def _run_job(
         elapsed_s=time.monotonic() - start,
         timed_out=ending.timed_out,
         hung_ranks=ending.hung,
+        stuck_ranks=ending.stuck,
+        reason=ending.reason,
     )
 
 
@@ -420,6 +476,8 @@ def _start_rank(
             # Its own session and process group: stopping a rank reaches its children too, and
             # a Ctrl-C at the terminal reaches only the launcher, which then stops ranks in order.
             start_new_session=True,
+            # Dies with the launcher, even one killed by SIGKILL, which gets no chance to stop it.
+            preexec_fn=_die_with_launcher(),  # noqa: PLW1509 - one prctl call, resolved pre-fork
         )
     except OSError as exc:  # checked before the start, so only a race or an odd file gets here
         raise UsageError(f"cannot start rank {rank}: {argv[0]}: {exc.strerror or exc}") from None
@@ -474,7 +532,24 @@ def _wait_for_ranks(
         running.discard(rank)
         if status == 0:
             continue
+        if finished_before_exit(watch.workdir, rank):
+            how, _ = describe_exit(status)
+            sink.message(
+                f"warning: rank {rank} had finished (its code returned) but then {how} while "
+                "the interpreter shut down; counting it as finished"
+            )
+            continue
         failed_rank, returncode, how = _blame(watch, rank, status, running)
+        text = failure_text(watch.workdir, failed_rank, watch.stderr_tails[failed_rank])
+        if is_collective_timeout(text):
+            stuck, reason = explain_timeout(
+                watch.workdir, failed_rank, running, watch.collective_timeout
+            )
+            alive = len(running)
+            stopping = f"stopping {_plural(alive, 'rank')} still running" if alive else "none left"
+            sink.message(f"{reason}; {stopping}")
+            blamed = stuck[0] if stuck else failed_rank
+            return _Ending(failed_rank=blamed, returncode=returncode, stuck=stuck, reason=reason)
         others = len(running - {failed_rank})
         stopping = f"stopping the other {_plural(others, 'rank')}" if others else "none left"
         sink.message(f"rank {failed_rank} {how}; {stopping}")

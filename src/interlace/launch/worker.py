@@ -23,6 +23,7 @@ from typing import Any
 
 from interlace.errors import UsageError
 from interlace.launch.netem import pid_alive
+from interlace.launch.rank import SCRIPT_FLAG, prepare_rank
 
 __all__ = [
     "RESULT_DIR_VARIABLE",
@@ -35,6 +36,7 @@ __all__ = [
     "load_job",
     "read_result",
     "remove_stale_workdirs",
+    "with_heartbeat",
     "worker_main",
     "write_job",
 ]
@@ -120,6 +122,43 @@ def write_job(workdir: Path, target: Callable[..., Any], args: Sequence[Any]) ->
     return path
 
 
+# Interpreter options without a value that keep PYTHONPATH working (not -I, -E), so the rank can
+# still import interlace to run the script for us.
+_PASSED_FLAGS = {"-u", "-O", "-OO", "-B", "-s", "-S", "-q", "-b", "-bb", "-d", "-v"}
+
+
+def with_heartbeat(command: Sequence[str]) -> list[str]:
+    """``python [flags] X.py ARGS`` or ``... -m M ARGS`` run through interlace, with a heartbeat.
+
+    Only commands of this interpreter are rewritten (``python -m interlace.launch --run X.py
+    ARGS`` behaves as ``python X.py ARGS``); any other command is returned unchanged.
+
+    Args:
+        command: The rank's command line.
+    """
+    if not command or command[0] != sys.executable:
+        return list(command)
+    flags: list[str] = []
+    index = 1
+    while index < len(command):
+        arg = command[index]
+        if arg in ("-W", "-X") and index + 1 < len(command):
+            flags += command[index : index + 2]
+            index += 2
+        elif arg in _PASSED_FLAGS:
+            flags.append(arg)
+            index += 1
+        else:
+            break
+    rest = list(command[index:])
+    runner = [sys.executable, *flags, "-m", "interlace.launch", SCRIPT_FLAG]
+    if rest[:1] == ["-m"] and len(rest) >= 2:
+        return [*runner, *rest]
+    if not rest or rest[0].startswith("-"):  # -c CODE, an interactive interpreter, -I...
+        return list(command)
+    return [*runner, *rest]
+
+
 def command_for(
     target: Callable[..., Any] | str | Sequence[str], args: Sequence[Any], workdir: Path
 ) -> tuple[list[str], bool]:
@@ -137,14 +176,14 @@ def command_for(
     if isinstance(target, str):
         if not target.endswith(".py"):
             raise UsageError(f"a script target must end in .py, got {target!r}")
-        return [sys.executable, target, *map(str, args)], False
+        return with_heartbeat([sys.executable, target, *map(str, args)]), False
     if callable(target):
         job = write_job(workdir, target, args)
         return [sys.executable, "-m", "interlace.launch", WORKER_FLAG, str(job)], True
     command = [str(part) for part in target]
     if not command:
         raise UsageError("no command to launch")
-    return [*command, *map(str, args)], False
+    return with_heartbeat([*command, *map(str, args)]), False
 
 
 def check_executable(program: str, path: str | None) -> None:
@@ -280,6 +319,7 @@ def worker_main(job_path: str) -> int:
     rank = int(os.environ.get("RANK", "0"))
     result_dir = Path(os.environ.get(RESULT_DIR_VARIABLE, str(Path(job_path).parent)))
     result_path = result_dir / f"result-{rank}.pkl"
+    heartbeat = prepare_rank()
     try:
         target, args = load_job(job_path)
         try:
@@ -290,6 +330,8 @@ def worker_main(job_path: str) -> int:
             value = None  # sys.exit(0) in the target is a success without a value
         record: dict[str, Any] = {"ok": True, "value": value}
         _write_result(result_path, record)
+        if heartbeat is not None:
+            heartbeat.finish("returned")
     except BaseException as exc:
         failed_at = time.time()
         text = traceback.format_exc()
@@ -299,6 +341,8 @@ def worker_main(job_path: str) -> int:
         with contextlib.suppress(Exception):
             record = {"ok": False, "traceback": text, "time": failed_at, "status": status}
             _write_result(result_path, record)
+        if heartbeat is not None:
+            heartbeat.finish("raised", text.strip().splitlines()[-1] if text.strip() else None)
         sys.stderr.write(text)
         sys.stderr.flush()
         return status
