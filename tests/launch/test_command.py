@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from interlace import launch
+from interlace.launch import netem
 
 
 def _write(path: Path, text: str) -> str:
@@ -138,3 +140,62 @@ def test_launch_with_link_when_unavailable_is_a_usage_error(
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2
     assert len(err) == 1 and "drop --link" in err[0]
+
+
+def _start_and_kill_launcher(tmp_path: Path, *launch_args: str) -> tuple[int, list[int]]:
+    """Start ``interlace launch`` with two sleeping ranks, SIGKILL it; its PID and the ranks'."""
+    script = _write(
+        tmp_path / "pidfile.py",
+        "import os, sys, time\n"
+        "path = os.path.join(sys.argv[1], os.environ['RANK'] + '.pid')\n"
+        "open(path, 'w').write(str(os.getpid()))\n"
+        "time.sleep(60)\n",
+    )
+    command = [sys.executable, "-m", "interlace.launch", "-n", "2", *launch_args, "--"]
+    launcher = subprocess.Popen(
+        [*command, "python", script, str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        pidfiles = [tmp_path / "0.pid", tmp_path / "1.pid"]
+        while not all(p.exists() and p.read_text() for p in pidfiles):
+            assert time.monotonic() < deadline, "ranks never started"
+            assert launcher.poll() is None, launcher.communicate()
+            time.sleep(0.05)
+        pids = [int(p.read_text()) for p in pidfiles]
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=15)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    return launcher.pid, pids
+
+
+def test_ranks_die_with_a_launcher_killed_by_sigkill(tmp_path: Path) -> None:
+    _, pids = _start_and_kill_launcher(tmp_path)
+    assert _wait_gone(pids, 5.0) == []
+
+
+def _our_namespaces(pid: int) -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
+    prefix = f"{netem.NAME_PREFIX}{pid}c"
+    return [line.split()[0] for line in listed.stdout.splitlines() if line.startswith(prefix)]
+
+
+@pytest.mark.netns
+def test_a_killed_launchers_network_is_swept_at_the_next_start(tmp_path: Path) -> None:
+    launcher_pid, pids = _start_and_kill_launcher(tmp_path, "--link", "1gbit")
+    assert _wait_gone(pids, 5.0) == []
+    left = _our_namespaces(launcher_pid)
+    assert len(left) == 3  # the switch and two ranks: nothing could remove them
+    try:
+        out = io.StringIO()
+        launch.run([sys.executable, "-c", "pass"], 1, output=out, timeout=30).check()
+        assert _our_namespaces(launcher_pid) == []
+        assert "left by a launcher that was killed" in out.getvalue()
+    finally:
+        for name in left:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)

@@ -325,6 +325,7 @@ def run(
     sink = Output(output)
     job = _Job()
     remove_stale_workdirs()
+    _sweep_stale_networks(sink)
     job.workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))
     start = time.monotonic()
     _active_jobs.add(job)
@@ -360,6 +361,22 @@ def run(
             job.cleanup()
             job.remove_workdir()
         _active_jobs.discard(job)
+
+
+def _sweep_stale_networks(sink: Output) -> None:
+    """Remove namespaces and veths of launchers that were killed (SIGKILL leaves them behind).
+
+    Only names this module's own pattern makes, whose launcher PID is no longer alive; needs
+    root, and without root there is nothing of ours to remove.
+    """
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return
+    removed = netem.cleanup_stale()
+    if removed:
+        sink.message(
+            f"removed {_plural(len(removed), 'network namespace or link')} left by a launcher "
+            f"that was killed: {', '.join(removed)}"
+        )
 
 
 @dataclass
