@@ -374,8 +374,7 @@ def _sweep_stale_networks(sink: Output) -> None:
     removed = netem.cleanup_stale()
     if removed:
         sink.message(
-            f"removed {_plural(len(removed), 'network namespace or link')} left by a launcher "
-            f"that was killed: {', '.join(removed)}"
+            f"removed the network left by a launcher that was killed: {', '.join(removed)}"
         )
 
 
