@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
-from interlace import distenv
+from interlace import distenv, launch
 
 
 def _gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
@@ -82,3 +86,38 @@ def test_the_collective_timeout_comes_from_the_launchers_variable(
         assert _group_timeout_s() == distenv.DEFAULT_COLLECTIVE_TIMEOUT_S == 300.0
     finally:
         torch.distributed.destroy_process_group()
+
+
+def _leave_after_a_late_peer(marker: str) -> tuple[float, float]:
+    """Rank 1 arrives late; rank 0 must not leave before it. Both then leave while failing."""
+    rank = int(os.environ["RANK"])
+    distenv.init_distributed(timeout_s=30)
+    if rank == 1:
+        time.sleep(1.0)
+        Path(marker).write_text(str(time.time()))
+    distenv.finish_distributed()
+    left = time.time()
+    assert not torch.distributed.is_initialized()
+    # While an exception propagates: no barrier (rank 1 never joins one), only the teardown.
+    distenv.init_distributed(timeout_s=30)
+    started = time.time()
+    try:
+        if rank == 0:
+            raise KeyError("failing")
+    except KeyError:
+        pass
+    else:
+        time.sleep(3.0)  # rank 1 holds back; a barrier on rank 0 would wait for it
+    try:
+        raise RuntimeError("unwinding")
+    except RuntimeError:
+        distenv.finish_distributed()
+    return left, time.time() - started
+
+
+def test_finish_waits_for_every_rank_after_success_only(tmp_path: Path) -> None:
+    marker = tmp_path / "rank1-arrived"
+    result = launch.run(_leave_after_a_late_peer, 2, args=(str(marker),), timeout=120).check()
+    (left_0, unwind_0), _ = result.values
+    assert left_0 >= float(marker.read_text())  # rank 0 left only after rank 1 arrived
+    assert unwind_0 < 3.0  # and did not wait for rank 1 while unwinding

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ __all__ = [
     "collective_device",
     "collective_timeout_s",
     "default_backend",
+    "finish_distributed",
     "in_launched_job",
     "init_distributed",
     "report_phase",
@@ -130,6 +132,25 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
         device=device,
         backend=backend,
     )
+
+
+def finish_distributed() -> None:
+    """Leave the job: wait for every rank (a barrier), then destroy the process group.
+
+    A rank that destroys its group while a peer still finishes the last collective can make
+    that peer fail, or abort in gloo's teardown, after a run that succeeded. Meant for a
+    ``finally`` block: while an exception propagates the barrier is skipped (a peer may be gone,
+    and waiting for it would hold this rank for the whole collective timeout), and the group is
+    only destroyed. Does nothing without a process group.
+    """
+    if not dist.is_initialized():
+        return
+    failing = sys.exc_info()[1] is not None
+    try:
+        if not failing and dist.get_world_size() > 1:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn import functional
 
@@ -22,7 +21,7 @@ from interlace import launch
 from interlace.cliutil import add_channel_arguments, parse_shape, report_failure
 from interlace.comm.links import parse_link
 from interlace.comm.strategies import RUNTIME_STRATEGIES
-from interlace.distenv import init_distributed
+from interlace.distenv import finish_distributed, init_distributed
 from interlace.dp import DataParallel
 from interlace.errors import UsageError
 from interlace.kfac import KFAC
@@ -218,8 +217,7 @@ def profile_rank(config: ProfileConfig) -> RankProfile:
             )
         return RankProfile(context.rank, chosen, times, plan, step_s, trace)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        finish_distributed()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
-from interlace.distenv import init_distributed
+from interlace.distenv import finish_distributed, init_distributed
 from interlace.train.config import TrainConfig, TrainResult
 from interlace.train.data_parallel import train_data_parallel
 from interlace.train.pipeline import train_pipeline
@@ -31,5 +29,4 @@ def train_rank(config: TrainConfig, run_dir: str | None = None) -> TrainResult:
             return train_pipeline(config, context, run_dir)
         return train_data_parallel(config, context, run_dir)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        finish_distributed()
