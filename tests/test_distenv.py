@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from interlace import distenv, launch
+from interlace.errors import UsageError
 
 
 def _gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
@@ -121,3 +122,19 @@ def test_finish_waits_for_every_rank_after_success_only(tmp_path: Path) -> None:
     (left_0, unwind_0), _ = result.values
     assert left_0 >= float(marker.read_text())  # rank 0 left only after rank 1 arrived
     assert unwind_0 < 3.0  # and did not wait for rank 1 while unwinding
+
+
+def test_an_entry_points_flag_sets_the_timeout_its_ranks_inherit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Set, then removed: either way the variable is restored after the test.
+    monkeypatch.setenv(distenv.COLLECTIVE_TIMEOUT_VARIABLE, "300")
+    monkeypatch.delenv(distenv.COLLECTIVE_TIMEOUT_VARIABLE)
+    distenv.set_collective_timeout(None)  # no flag: nothing changes
+    assert distenv.COLLECTIVE_TIMEOUT_VARIABLE not in os.environ
+    distenv.set_collective_timeout(45)
+    assert distenv.collective_timeout_s() == 45.0
+    assert os.environ[distenv.COLLECTIVE_TIMEOUT_VARIABLE] == "45"  # what launched ranks inherit
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(UsageError, match="--collective-timeout must be > 0 seconds"):
+            distenv.set_collective_timeout(bad)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from interlace.errors import UsageError
 from interlace.launch.env import free_port
 from interlace.launch.rank import (
     COLLECTIVE_TIMEOUT_VARIABLE,
@@ -30,6 +31,7 @@ __all__ = [
     "in_launched_job",
     "init_distributed",
     "report_phase",
+    "set_collective_timeout",
 ]
 
 
@@ -89,6 +91,25 @@ def default_backend(local_rank: int | None = None) -> str:
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1)))
     return "nccl" if max(local_rank + 1, local_world) <= torch.cuda.device_count() else "gloo"
+
+
+def set_collective_timeout(seconds: float | None) -> None:
+    """Make ``seconds`` this process's collective timeout, and that of the ranks it launches.
+
+    Entry points call this with their ``--collective-timeout`` flag; :func:`init_distributed`
+    and :func:`interlace.launch.run` then read it from ``$INTERLACE_COLLECTIVE_TIMEOUT``.
+
+    Args:
+        seconds: The timeout, or None to keep the inherited one (300 s if none).
+
+    Raises:
+        UsageError: When ``seconds`` is not a positive, finite number.
+    """
+    if seconds is None:
+        return
+    if not 0 < seconds < float("inf"):
+        raise UsageError(f"--collective-timeout must be > 0 seconds, got {seconds:g}")
+    os.environ[COLLECTIVE_TIMEOUT_VARIABLE] = f"{seconds:g}"
 
 
 def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> DistContext:

@@ -81,6 +81,7 @@ def run_ranks(
         args=(fn, tuple(args), backend, collective_timeout),
         timeout=timeout,
         prefix_rank0=True,
+        collective_timeout=collective_timeout,
     ).check()
     return result.values
 

@@ -132,6 +132,7 @@ def launch_on_ranks(
             timeout=timeout_s,
             env=env,
             output=sink,
+            collective_timeout=timeout_s,
         )
         if result.ok:
             return result.values[0]

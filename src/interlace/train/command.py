@@ -7,7 +7,7 @@ import argparse
 from interlace import launch
 from interlace.cliutil import add_channel_arguments, parse_shape, report_failure
 from interlace.comm.links import parse_link
-from interlace.distenv import in_launched_job
+from interlace.distenv import in_launched_job, set_collective_timeout
 from interlace.errors import UsageError
 from interlace.kfac.placement import worker_count
 from interlace.pipeline import SPECTRAIN_BACKWARDS
@@ -93,6 +93,13 @@ def add_arguments(
     parser.add_argument("--out", help="exact run folder to write (default: a new one in runs/)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--timeout", type=float, help="stop the whole job after this many seconds")
+    parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        metavar="S",
+        help="end the job, naming the rank that stopped, when a collective waits S seconds "
+        "(default 300; see interlace launch --help)",
+    )
     parser.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
@@ -250,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
     )
     config.validate()
 
+    set_collective_timeout(args.collective_timeout)
     if in_launched_job():
         # Started by torchrun or `interlace launch`: this process is one rank already.
         train_rank(config, args.out)
