@@ -12,7 +12,12 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from interlace.launch.rank import COLLECTIVE_TIMEOUT_VARIABLE, RankState, read_state
+from interlace.launch.rank import (
+    COLLECTIVE_TIMEOUT_VARIABLE,
+    STALE_AFTER_S,
+    RankState,
+    read_state,
+)
 from interlace.launch.worker import read_result
 
 __all__ = ["explain_timeout", "failure_text", "finished_before_exit", "is_collective_timeout"]
@@ -92,7 +97,13 @@ def explain_timeout(
         state = read_state(workdir, rank)
         if state is not None and state.state == "running":
             states[rank] = state
-    stuck = [rank for rank, state in states.items() if state.collective is None]
+    # Outside any collective, or silent (a frozen process, or one stuck in a native call that
+    # holds Python's lock): either way its peers are waiting for it.
+    stuck = [
+        rank
+        for rank, state in states.items()
+        if state.collective is None or now - state.beat > STALE_AFTER_S
+    ]
     how_to_change = f"--collective-timeout or ${COLLECTIVE_TIMEOUT_VARIABLE} changes it"
     if stuck:
         if len(stuck) == 1:

@@ -54,6 +54,9 @@ COLLECTIVE_TIMEOUT_VARIABLE = "INTERLACE_COLLECTIVE_TIMEOUT"
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
 #: Seconds between two heartbeats.
 HEARTBEAT_S = 1.0
+#: A heartbeat older than this says the rank's process no longer runs Python at all (frozen, or
+#: in a native call that holds Python's lock).
+STALE_AFTER_S = 3 * HEARTBEAT_S
 #: ``python -m interlace.launch --run script.py ARGS`` (or ``--run -m module ARGS``) runs a
 #: user's script as ``python script.py ARGS`` would, with a heartbeat.
 SCRIPT_FLAG = "--run"
@@ -145,7 +148,7 @@ class RankState:
         elif self.where:
             parts.append(f"in {self.where} for {now - self.since:.0f} s")
         age = now - self.beat
-        if age > 3 * HEARTBEAT_S:
+        if age > STALE_AFTER_S:
             parts.append(f"last heartbeat {age:.0f} s ago")
         return "; ".join(parts) or f"last heartbeat {age:.0f} s ago"
 
