@@ -75,18 +75,21 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def explain_timeout(
-    workdir: Path, waiter: int, running: Iterable[int], timeout_s: float
+    workdir: Path, waiter: int, running: Iterable[int], timeout_s: float, nprocs: int
 ) -> tuple[list[int], str]:
     """The ranks that stopped making progress, and one line that names them and the waiter.
 
-    A rank still running whose heartbeat shows it outside any collective is stuck: its peers
-    wait for it. Ranks also waiting in a collective are only described.
+    A rank still running whose heartbeat shows it outside any collective, or whose heartbeat
+    went silent, is stuck: its peers wait for it. Ranks also waiting in a collective, or that
+    timed out too, are only described; when they waited in different collectives, the line
+    says so (the ranks disagree on what to run).
 
     Args:
         workdir: The job's folder.
         waiter: The rank whose collective timed out.
         running: The ranks still running.
         timeout_s: The collective timeout the ranks ran with.
+        nprocs: The number of ranks.
 
     Returns:
         The stuck ranks (possibly none) and the launcher's message.
@@ -115,9 +118,28 @@ def explain_timeout(
             f"waiting for {'it' if len(stuck) == 1 else 'them'} after the {timeout_s:g} s "
             f"collective timeout ({how_to_change})"
         )
+    own = read_state(workdir, waiter)
+    waited_in = [own.collective] if own is not None and own.collective else []
     message = (
-        f"rank {waiter} timed out waiting in a collective after the {timeout_s:g} s collective "
-        f"timeout ({how_to_change})"
+        f"rank {waiter} timed out waiting in "
+        f"{_in(own) if own is not None and own.collective else 'a collective'} after the "
+        f"{timeout_s:g} s collective timeout ({how_to_change})"
     )
-    others = "; ".join(f"rank {rank} {state.describe(now)}" for rank, state in states.items())
-    return [], f"{message}; {others}" if others else message
+    notes = [f"rank {rank} {state.describe(now)}" for rank, state in states.items()]
+    for rank in range(nprocs):
+        other = read_state(workdir, rank) if rank != waiter and rank not in states else None
+        if (
+            other is not None
+            and other.state == "raised"
+            and is_collective_timeout(other.error or "")
+        ):
+            notes.append(f"rank {rank} timed out too, waiting in {_in(other)}")
+            waited_in += [other.collective] if other.collective else []
+    if len(set(waited_in) - {"wait"}) > 1:
+        notes.append("the ranks called different collectives")
+    return [], "; ".join([message, *notes])
+
+
+def _in(state: RankState) -> str:
+    """``all_reduce at step (job.py:12)``: the collective a state waits in, and where."""
+    return f"{state.collective or 'a collective'} at {state.where}"

@@ -559,7 +559,7 @@ def _wait_for_ranks(
         text = failure_text(watch.workdir, failed_rank, watch.stderr_tails[failed_rank])
         if is_collective_timeout(text):
             stuck, reason = explain_timeout(
-                watch.workdir, failed_rank, running, watch.collective_timeout
+                watch.workdir, failed_rank, running, watch.collective_timeout, watch.nprocs
             )
             alive = len(running)
             stopping = f"stopping {_plural(alive, 'rank')} still running" if alive else "none left"
