@@ -139,10 +139,15 @@ def step_with_a_stall(x: Any, step: int) -> None:
     dist.all_reduce(x)
 
 
-def train_with_a_stalled_rank() -> None:
+def train_with_a_stalled_rank(folder: str) -> None:
     import torch  # noqa: PLC0415 - torch only inside the ranks
     import torch.distributed as dist  # noqa: PLC0415 - torch only inside the ranks
 
+    # Join together: on a loaded machine one rank may import torch seconds after the other, and
+    # the short timeout also bounds the rendezvous.
+    Path(folder, f"{_rank()}.ready").touch()
+    while len(list(Path(folder).glob("*.ready"))) < 2:
+        time.sleep(0.01)
     # No timeout given: the launcher's collective timeout must bound it, not gloo's 30 minutes.
     dist.init_process_group("gloo")
     x = torch.ones(2)
@@ -150,15 +155,22 @@ def train_with_a_stalled_rank() -> None:
         step_with_a_stall(x, step)
 
 
-def test_a_collective_timeout_names_the_stalled_rank_not_the_waiting_one() -> None:
+def test_a_collective_timeout_names_the_stalled_rank_not_the_waiting_one(tmp_path: Path) -> None:
     out = io.StringIO()
-    result = launch.run(train_with_a_stalled_rank, 2, output=out, timeout=60, collective_timeout=2)
+    result = launch.run(
+        train_with_a_stalled_rank,
+        2,
+        args=(str(tmp_path),),
+        output=out,
+        timeout=240,  # only a backstop: the collective timeout ends the job
+        collective_timeout=3,
+    )
     assert not result.timed_out, out.getvalue()
     assert (result.failed_rank, result.stuck_ranks) == (1, [1]), out.getvalue()
     assert result.returncode == 1  # rank 0's status: it raised the timeout
     message = out.getvalue()
     assert "rank 1 stopped making progress (in step_with_a_stall (test_supervise.py:" in message
-    assert "rank 0 timed out waiting for it after the 2 s collective timeout" in message
+    assert "rank 0 timed out waiting for it after the 3 s collective timeout" in message
     assert "--collective-timeout" in message  # says how to change it
     with pytest.raises(RankFailedError, match="rank 1 stopped making progress") as caught:
         result.check()
