@@ -1,19 +1,29 @@
-"""The environment each rank starts with: torchrun's env:// contract, the rendezvous port."""
+"""The environment each rank starts with: torchrun's env:// contract, the rendezvous port, and
+the parent-death signal that ends it with its launcher."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import socket
 import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from interlace.launch.netem import EmulatedCluster
 from interlace.launch.rank import COLLECTIVE_TIMEOUT_VARIABLE, STATE_DIR_VARIABLE
 from interlace.launch.worker import RESULT_DIR_VARIABLE
 
-__all__ = ["LINK_VARIABLE", "free_port", "job_envs", "rank_env", "worker_pythonpath"]
+__all__ = [
+    "LINK_VARIABLE",
+    "die_with_launcher",
+    "free_port",
+    "job_envs",
+    "rank_env",
+    "worker_pythonpath",
+]
 
 #: Carries the emulated link's rate into the ranks (absent on plain loopback).
 LINK_VARIABLE = "INTERLACE_LINK"
@@ -159,3 +169,32 @@ def job_envs(
         )
         for rank in range(nprocs)
     ]
+
+
+#: ``prctl(PR_SET_PDEATHSIG, ...)``: the signal a process receives when its parent dies.
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_launcher() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the rank receive SIGKILL when the launcher dies (Linux only).
+
+    ``prctl`` is looked up here, before the fork: the child only makes the call. The signal
+    fires when the thread that started the rank ends, which is no earlier than the launcher:
+    :func:`interlace.launch.run` waits for its ranks in the thread that started them.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    launcher = os.getpid()
+
+    def set_parent_death_signal() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != launcher:  # the launcher died before the call: it would never fire
+            os._exit(1)
+
+    return set_parent_death_signal

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import os
 import queue
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -34,7 +32,7 @@ from interlace.launch.diagnose import (
     finished_before_exit,
     is_collective_timeout,
 )
-from interlace.launch.env import job_envs
+from interlace.launch.env import die_with_launcher, job_envs
 from interlace.launch.output import Output, pump
 from interlace.launch.rank import collective_timeout_s
 from interlace.launch.result import TIMEOUT_STATUS, LaunchResult
@@ -78,33 +76,6 @@ def _signal_group(proc: subprocess.Popen[bytes], signo: int) -> None:
     """Send ``signo`` to the process group the rank leads (it started its own session)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signo)
-
-
-#: ``prctl(PR_SET_PDEATHSIG, ...)``: the signal a process receives when its parent dies.
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_launcher() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the rank receive SIGKILL when the launcher dies (Linux only).
-
-    ``prctl`` is looked up here, before the fork: the child only makes the call.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    launcher = os.getpid()
-
-    def set_parent_death_signal() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != launcher:  # the launcher died before the call: it would never fire
-            os._exit(1)
-
-    return set_parent_death_signal
 
 
 def _stop_ranks(ranks: Sequence[_Rank], grace_s: float = GRACE_S) -> None:
@@ -493,7 +464,7 @@ def _start_rank(
             # a Ctrl-C at the terminal reaches only the launcher, which then stops ranks in order.
             start_new_session=True,
             # Dies with the launcher, even one killed by SIGKILL, which gets no chance to stop it.
-            preexec_fn=_die_with_launcher(),  # noqa: PLW1509 - one prctl call, resolved pre-fork
+            preexec_fn=die_with_launcher(),  # noqa: PLW1509 - one prctl call, resolved pre-fork
         )
     except OSError as exc:  # checked before the start, so only a race or an odd file gets here
         raise UsageError(f"cannot start rank {rank}: {argv[0]}: {exc.strerror or exc}") from None
