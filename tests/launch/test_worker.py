@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import io
 import os
+import sys
 import time
 
 import pytest
 
 from interlace import launch
 from interlace.errors import RankFailedError
+from interlace.launch.rank import SCRIPT_FLAG
+from interlace.launch.worker import with_heartbeat
 
 # -- rank targets (run in the worker processes) ---------------------------------------------------
 
@@ -51,3 +54,28 @@ def test_failing_callable_surfaces_traceback() -> None:
     assert "interlace launch: rank 1 exited with status 1; stopping the other 2 ranks" in (
         out.getvalue()
     )
+
+
+def test_python_commands_run_through_the_heartbeat_runner() -> None:
+    py = sys.executable
+    runner = [py, "-m", "interlace.launch", SCRIPT_FLAG]
+    assert with_heartbeat([py, "train.py", "--epochs", "2"]) == [
+        *runner,
+        "train.py",
+        "--epochs",
+        "2",
+    ]
+    assert with_heartbeat([py, "-u", "-X", "dev", "t.py"]) == [
+        py,
+        "-u",
+        "-X",
+        "dev",
+        "-m",
+        "interlace.launch",
+        SCRIPT_FLAG,
+        "t.py",
+    ]
+    assert with_heartbeat([py, "-m", "pkg.train", "-x"]) == [*runner, "-m", "pkg.train", "-x"]
+    # Left alone: code given inline, isolated mode (no PYTHONPATH), other programs.
+    for command in ([py, "-c", "pass"], [py, "-I", "t.py"], [py], ["bash", "run.sh"]):
+        assert with_heartbeat(command) == command
