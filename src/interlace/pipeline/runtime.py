@@ -6,6 +6,7 @@ that :mod:`interlace.pipeline.schedule` lists for it.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -303,7 +304,9 @@ class PipelineStage:
                 "stage's own state into the same pipeline"
             )
         self.module.load_state_dict(state["module"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        # A copy: the optimizer would otherwise adopt the saved tensors themselves, which may be
+        # another live stage's momentum buffers (state_dict() hands out references).
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
 
     def take_events(self) -> list[Event]:
         """The timed actions since the last call (forward, backward, comm, optimizer)."""
