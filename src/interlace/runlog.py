@@ -56,8 +56,33 @@ class RunLog:
         self.path.mkdir(parents=True, exist_ok=True)
         self.rows: list[dict[str, float]] = []
         (self.path / "config.json").write_text(json.dumps(dict(config), indent=2, default=str))
+        self._write_rows()
+
+    @classmethod
+    def resume(cls, path: str | Path, before_epoch: int) -> RunLog:
+        """Continue the run folder ``path``: its config stays, its metrics up to an epoch.
+
+        Rows of epoch ``before_epoch`` and later (recorded after the checkpoint the run resumes
+        from) are dropped, since the resumed run records them again.
+
+        Args:
+            path: an existing run folder.
+            before_epoch: the first epoch the resumed run trains.
+        """
+        log = cls.__new__(cls)
+        log.path = Path(path)
+        metrics = log.metrics_path
+        rows = read_metrics(metrics) if metrics.exists() else []
+        log.rows = [row for row in rows if row["epoch"] < before_epoch]
+        log._write_rows()
+        return log
+
+    def _write_rows(self) -> None:
         with self.metrics_path.open("w", newline="") as handle:
-            csv.writer(handle).writerow(METRIC_COLUMNS)
+            writer = csv.writer(handle)
+            writer.writerow(METRIC_COLUMNS)
+            for row in self.rows:
+                writer.writerow([_format(row[column]) for column in METRIC_COLUMNS])
 
     @property
     def metrics_path(self) -> Path:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from interlace.errors import RankFailedError
+from interlace.errors import RankFailedError, UsageError
 from interlace.pipeline.runtime import PipelineStage
 from interlace.testing import run_ranks
 
@@ -314,3 +314,42 @@ def test_bad_configuration_is_a_clear_error() -> None:
         PipelineStage(module, sgd, stage=0, num_stages=2, schedule="gpipe", chunks=2)
     with pytest.raises(ValueError, match="chunks must be >= 1"):
         PipelineStage(module, sgd, stage=0, num_stages=2, schedule="naive", chunks=0)
+
+
+def _one_stage(seed: int) -> PipelineStage:
+    torch.manual_seed(seed)
+    module = nn.Sequential(*_stages(4))
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    return PipelineStage(
+        module,
+        optimizer,
+        stage=0,
+        num_stages=1,
+        schedule="spectrain",
+        loss_fn=nn.functional.cross_entropy,
+    )
+
+
+def test_a_stage_restored_from_its_state_dict_trains_on_identically() -> None:
+    # One stage is the whole pipeline, so no process group is needed.
+    data = _data(6)
+    trained = _one_stage(0)
+    trained.run(data[:3], 3)
+    saved = trained.state_dict()
+    restored = _one_stage(1)  # other weights, no momentum yet
+    restored.load_state_dict(saved)
+    trained.run(data[3:], 3)
+    restored.run(data[3:], 3)
+    for a, b in zip(trained.module.parameters(), restored.module.parameters(), strict=True):
+        assert torch.equal(a, b)
+    momentum = [trained.optimizer.state[p]["momentum_buffer"] for p in trained.module.parameters()]
+    again = [restored.optimizer.state[p]["momentum_buffer"] for p in restored.module.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(momentum, again, strict=True))
+
+
+def test_a_stage_refuses_another_stages_state() -> None:
+    saved = _one_stage(0).state_dict()
+    saved["stage"] = 1
+    saved["num_stages"] = 2
+    with pytest.raises(UsageError, match="stage 1 of 2"):
+        _one_stage(0).load_state_dict(saved)

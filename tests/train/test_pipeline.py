@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,8 @@ def test_a_pipelined_resnet_learns_digits(tmp_path: Path, schedule: str, chunks:
     assert rows[-1]["train_loss"] < rows[0]["train_loss"]
     assert all(row["samples_per_s"] > 0 for row in rows)
     assert (run_dir / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    recorded = json.loads((run_dir / "config.json").read_text())
+    assert recorded["schedule"] == schedule and "strategy" not in recorded
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from interlace.comm.strategies import bucketing_named
 from interlace.comm.tuning import PlanTrials
 from interlace.distenv import collective_device
 from interlace.dp.iteration import CommEvent, ProfiledPasses, iteration_timeline
+from interlace.dp.plan_state import plan_from_dict, plan_state_of
 from interlace.dp.replicas import BufferBroadcast, broadcast_from_first, check_same_model
 from interlace.errors import UsageError
 from interlace.timeline import Timeline
@@ -120,6 +121,7 @@ class DataParallel(nn.Module):
         self.tune_steps = tune_steps
         self.profile_steps = profile_steps or (5 if self.bucketing is Bucketing.MERGED else 1)
         self.plan: Plan | None = None
+        self._order: tuple[int, ...] = ()
         self.channel_choice = ""
         """Why the plan uses the channels it does (set when planned)."""
         self.tuning_summary = ""
@@ -258,6 +260,44 @@ class DataParallel(nn.Module):
     def bucket_channels(self) -> list[list[int]]:
         """The channel of each slice of each bucket in use (one entry unless partitioned)."""
         return [list(channels) for channels in self._engine.assignment]
+
+    def plan_state(self) -> dict[str, Any] | None:
+        """The final plan as plain data (for a checkpoint); None while profiling or on trial."""
+        if not self.planning_done or self.plan is None:
+            return None
+        return plan_state_of(
+            self._names, self._order, self.plan, self.channel_choice, self.tuning_summary
+        )
+
+    def load_plan_state(self, state: Mapping[str, Any]) -> None:
+        """Use a saved plan from now on, with no profiling and no trials; collective.
+
+        Args:
+            state: what :meth:`plan_state` returned for the same model (or
+                :func:`interlace.dp.plan_state.plan_state_of`'s plan of it).
+
+        Raises:
+            UsageError: when the plan is for other parameters or more channels than this
+                wrapper has, or ranks load different plans.
+        """
+        if list(state["names"]) != self._names:
+            raise UsageError(
+                "the saved DataParallel plan is for other parameters than this model's; "
+                "load it into the model it was made for"
+            )
+        plan = plan_from_dict(state["plan"])
+        if plan.channels > len(self._channels):
+            raise UsageError(
+                f"the saved DataParallel plan uses {plan.channels} channels; this wrapper has "
+                f"{len(self._channels)} (pass channels={plan.channels} or 'auto')"
+            )
+        self._profiled.clear()
+        self._trials = None
+        self._candidates = []
+        if self._cost_model is None:
+            self._cost_model = plan.cost
+        self._adopt(Candidate(plan, tuple(state["order"]), str(state.get("why", ""))))
+        self.tuning_summary = str(state.get("tuning_summary", ""))
 
     # ------------------------------------------------------------------ hooks
 
@@ -408,6 +448,7 @@ class DataParallel(nn.Module):
         )
         self._engine.recorder = recorder
         self.plan = plan
+        self._order = candidate.order
 
     # ------------------------------------------------------------------ trials
 

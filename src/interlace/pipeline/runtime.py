@@ -6,9 +6,11 @@ that :mod:`interlace.pipeline.schedule` lists for it.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -271,6 +273,40 @@ class PipelineStage:
         self.module.train()
         seen = int(counts[1])
         return EvalResult(int(counts[0]), seen, float(counts[2]) / max(seen, 1))
+
+    def state_dict(self) -> dict[str, Any]:
+        """This stage's weights and optimizer state, and where it sits in which pipeline.
+
+        Between calls of :meth:`run` no batch is in flight, so this is all the stage holds.
+        """
+        return {
+            "stage": self.stage,
+            "num_stages": self.num_stages,
+            "schedule": self.schedule_name,
+            "module": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` into this stage.
+
+        Args:
+            state: what :meth:`state_dict` returned on the same stage of the same pipeline.
+
+        Raises:
+            UsageError: when ``state`` is another stage's, or from another pipeline or schedule.
+        """
+        saved = (state["stage"], state["num_stages"], state["schedule"])
+        if saved != (self.stage, self.num_stages, self.schedule_name):
+            raise UsageError(
+                f"the saved pipeline state is stage {saved[0]} of {saved[1]} ({saved[2]}); this "
+                f"is stage {self.stage} of {self.num_stages} ({self.schedule_name}): load each "
+                "stage's own state into the same pipeline"
+            )
+        self.module.load_state_dict(state["module"])
+        # A copy: the optimizer would otherwise adopt the saved tensors themselves, which may be
+        # another live stage's momentum buffers (state_dict() hands out references).
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
 
     def take_events(self) -> list[Event]:
         """The timed actions since the last call (forward, backward, comm, optimizer)."""

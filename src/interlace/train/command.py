@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields, replace
+from pathlib import Path
 
 from interlace import launch
 from interlace.cliutil import add_channel_arguments, parse_shape, report_failure
@@ -12,6 +14,7 @@ from interlace.errors import UsageError
 from interlace.kfac.placement import worker_count
 from interlace.pipeline import SPECTRAIN_BACKWARDS
 from interlace.runlog import new_run_dir
+from interlace.train.checkpoint import latest_checkpoint, read_header
 from interlace.train.config import (
     OPTIMIZERS,
     PARALLELISMS,
@@ -36,12 +39,15 @@ def add_arguments(
     """
     defaults = TrainConfig()
     parser.add_argument(
-        "--model", default=defaults.model, help="zoo name or package.module:callable"
+        "--model",
+        default=defaults.model,
+        help=f"zoo name or package.module:callable (default {defaults.model})",
     )
     parser.add_argument(
         "--data",
         default=defaults.data,
-        help="digits, synthetic-cifar10, synthetic-imagenet, or a CIFAR-10 python folder",
+        help="digits, synthetic-cifar10, synthetic-imagenet, or a CIFAR-10 python folder "
+        f"(default {defaults.data})",
     )
     parser.add_argument(
         "--strategy",
@@ -59,24 +65,69 @@ def add_arguments(
     parser.add_argument(
         "-n",
         "--nprocs",
+        "--nproc-per-node",
+        dest="nprocs",
         type=int,
-        default=default_nprocs,
-        help=f"number of ranks to start (default {default_nprocs}); ignored under torchrun",
+        metavar="N",
+        default=None,
+        help=f"number of ranks to start (default {default_nprocs}, or the resumed run's); "
+        "ignored under torchrun",
     )
     parser.add_argument(
         "--link",
         help="emulate a network of this rate per rank: 100mbit, 1gbit, 2.5gbit or 10gbit "
         "(needs root); default: plain loopback",
     )
-    parser.add_argument("--epochs", type=int, default=default_epochs)
     parser.add_argument(
-        "--batch-size", type=int, default=defaults.batch_size, help="per-rank batch size"
+        "--epochs",
+        type=int,
+        default=default_epochs,
+        help=f"epochs to train (default {default_epochs})",
     )
-    parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate")
-    parser.add_argument("--momentum", type=float, default=defaults.momentum)
-    parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
-    parser.add_argument("--warmup-epochs", type=float, default=defaults.warmup_epochs)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=defaults.batch_size,
+        help=f"per-rank batch size (default {defaults.batch_size})",
+    )
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=defaults.lr,
+        help=f"peak learning rate (default {defaults.lr:g})",
+    )
+    parser.add_argument(
+        "--momentum",
+        type=float,
+        default=defaults.momentum,
+        help=f"SGD momentum (default {defaults.momentum})",
+    )
+    parser.add_argument(
+        "--weight-decay",
+        type=float,
+        default=defaults.weight_decay,
+        help=f"SGD weight decay (default {defaults.weight_decay})",
+    )
+    parser.add_argument(
+        "--warmup-epochs",
+        type=float,
+        default=defaults.warmup_epochs,
+        help="epochs of linear learning-rate warm-up before the cosine decay "
+        f"(default {defaults.warmup_epochs:g})",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=defaults.seed,
+        help=f"seeds the model, the shuffle and synthetic data (default {defaults.seed})",
+    )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="fix DataParallel's buckets before training (DDP-style caps, or the wfbp and "
+        "single layouts) instead of planning them from measured times: the same --seed then "
+        "gives the same numbers at any -n",
+    )
     parser.add_argument(
         "--input-shape", type=parse_shape, help="input shape the model expects, e.g. 3,32,32"
     )
@@ -93,6 +144,19 @@ def add_arguments(
     parser.add_argument("--out", help="exact run folder to write (default: a new one in runs/)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--timeout", type=float, help="stop the whole job after this many seconds")
+    checkpoints = parser.add_argument_group("checkpoints")
+    checkpoints.add_argument(
+        "--save-every",
+        metavar="N|Nep",
+        help="save a checkpoint in the run folder every N optimizer steps (e.g. 500) or every "
+        "N epochs (e.g. 2ep), and at the end; the two latest are kept (default: none)",
+    )
+    checkpoints.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its latest checkpoint, with its own settings: "
+        "the losses are those of the run never stopped",
+    )
     parser.add_argument(
         "--collective-timeout",
         type=float,
@@ -204,6 +268,7 @@ def add_arguments(
         help="G from gradients of the mean loss (kfac-pytorch) or of each example's loss "
         "(the per-example Fisher: G times the squared global batch)",
     )
+    parser.set_defaults(default_epochs=default_epochs, default_nprocs=default_nprocs)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -254,22 +319,37 @@ def run(args: argparse.Namespace) -> int:
         partition_by=args.partition_by,
         spectrain_backward=args.spectrain_backward,
         chunks=args.chunks,
+        save_every=args.save_every,
+        deterministic=args.deterministic,
     )
     config.validate()
+    nprocs: int = args.default_nprocs if args.nprocs is None else args.nprocs
+    run_dir: str | None = args.out
+    if args.resume is not None:
+        defaults = replace(TrainConfig(), epochs=args.default_epochs)
+        config, world_size = resumed_config(args.resume, config, defaults)
+        if args.nprocs is not None and args.nprocs != world_size:
+            raise UsageError(
+                f"-n {args.nprocs}: {args.resume} was trained by {world_size} rank(s); resume "
+                f"it with as many (drop -n)"
+            )
+        if args.out is not None and Path(args.out).resolve() != Path(args.resume).resolve():
+            raise UsageError("--resume continues RUN_DIR in place; drop --out")
+        nprocs, run_dir = world_size, args.resume
 
     set_collective_timeout(args.collective_timeout)
     if in_launched_job():
         # Started by torchrun or `interlace launch`: this process is one rank already.
-        train_rank(config, args.out)
+        train_rank(config, run_dir, args.resume is not None)
         return 0
 
-    if args.nprocs < 1:
-        raise UsageError(f"-n must be >= 1, got {args.nprocs}")
+    if nprocs < 1:
+        raise UsageError(f"-n must be >= 1, got {nprocs}")
     if args.link is not None:
         parse_link(args.link)
     if config.optimizer == "kfac":
         try:
-            worker_count(config.kfac_grad_worker_fraction, args.nprocs)
+            worker_count(config.kfac_grad_worker_fraction, nprocs)
         except ValueError as error:
             raise UsageError(f"--kfac-grad-worker-fraction: {error}") from None
     # Check the model and data here, once, so a typo is one line rather than N tracebacks.
@@ -279,12 +359,69 @@ def run(args: argparse.Namespace) -> int:
         config.input_shape or bundle.input_shape,
         config.num_classes or bundle.num_classes,
     )
-    run_dir = args.out or str(
+    run_dir = run_dir or str(
         new_run_dir(
-            config.runs_dir, f"{run_label(config.model)}-{run_label(config.data)}-n{args.nprocs}"
+            config.runs_dir, f"{run_label(config.model)}-{run_label(config.data)}-n{nprocs}"
         )
     )
     result = launch.run(
-        train_rank, args.nprocs, link=args.link, args=(config, run_dir), timeout=args.timeout
+        train_rank,
+        nprocs,
+        link=args.link,
+        args=(config, run_dir, args.resume is not None),
+        timeout=args.timeout,
     )
     return report_failure(f"interlace {args.command}", result, args.timeout)
+
+
+#: Settings a resumed run may change: they do not change what it computes.
+_FREE_ON_RESUME = ("progress", "runs_dir", "save_every", "extra")
+#: Flags whose name is not the field's.
+_FLAGS = {"num_classes": "--classes", "input_shape": "--input-shape"}
+
+
+def resumed_config(
+    run_dir: str, asked: TrainConfig, defaults: TrainConfig
+) -> tuple[TrainConfig, int]:
+    """The config saved in ``run_dir``'s latest checkpoint, and the job size that saved it.
+
+    Flags given with ``--resume`` that differ from their default and from the saved value are
+    refused: a resumed run keeps its settings, or it would not continue the same run. Only
+    :data:`_FREE_ON_RESUME` (progress bar, ``--save-every``) may change.
+
+    Args:
+        run_dir: the run folder to resume.
+        asked: the config the command line describes.
+        defaults: the config of no flags at all.
+
+    Raises:
+        UsageError: when there is no readable checkpoint, the run is finished, or a flag
+            contradicts the saved config.
+    """
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        raise UsageError(
+            f"--resume: {run_dir} holds no checkpoint (runs save them with --save-every)"
+        )
+    header = read_header(path)
+    saved = TrainConfig(**header["config"])
+    saved.validate()
+    defaults.validate()
+    for item in fields(TrainConfig):
+        name = item.name
+        mine, default, theirs = (getattr(c, name) for c in (asked, defaults, saved))
+        if name in _FREE_ON_RESUME or mine in (default, theirs):
+            continue
+        flag = _FLAGS.get(name, "--" + name.replace("_", "-"))
+        raise UsageError(
+            f"{flag} {mine} differs from the resumed run's {theirs}: a resumed run keeps its "
+            "settings (start a new run to change them)"
+        )
+    saved.progress = asked.progress
+    if asked.save_every is not None:
+        saved.save_every = asked.save_every
+    saved.validate()
+    epoch = int(header["position"]["epoch"])
+    if epoch > saved.epochs:
+        raise UsageError(f"--resume: {run_dir} finished all its {saved.epochs} epochs already")
+    return saved, int(header["world_size"])

@@ -22,6 +22,7 @@ from interlace.kfac.decomp import COMPUTE_METHODS
 from interlace.pipeline import ASYNCHRONOUS, PLAN_BY, SCHEDULES, SPECTRAIN_BACKWARDS, SYNCHRONOUS
 from interlace.runlog import RunLog, new_run_dir
 from interlace.strategies import parse_channels
+from interlace.train.checkpoint import SaveEvery
 
 #: The ``--optimizer`` choices: plain SGD with momentum, or K-FAC in front of it.
 OPTIMIZERS = ("sgd", "kfac")
@@ -75,6 +76,10 @@ class TrainConfig:
         partition_by: one of :data:`PARTITION_BY`.
         spectrain_backward: ``"recompute"`` or ``"reuse"``.
         chunks: pieces each mini-batch travels in through an asynchronous schedule.
+        save_every: save a checkpoint every ``N`` optimizer steps (``"500"``) or epochs
+            (``"2ep"``), and at the end; None saves none.
+        deterministic: fix DataParallel's buckets before training instead of planning them
+            from measured times, so the same seed gives the same numbers at any rank count.
         extra: free-form notes recorded with the run.
     """
 
@@ -119,6 +124,8 @@ class TrainConfig:
     spectrain_backward: str = "recompute"
     # Pieces each mini-batch travels in through an asynchronous schedule (1: whole).
     chunks: int = 1
+    save_every: str | None = None
+    deterministic: bool = False
     extra: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -237,6 +244,19 @@ class TrainConfig:
                 "wfbp, fixed or single",
             )
         )
+        saves = None if self.save_every is None else SaveEvery.parse(self.save_every)
+        checks += [
+            (
+                saves is None or saves.epochs or self.parallel != "pipeline",
+                "--parallel pipeline saves between epochs (a pipeline drains only there): give "
+                f"--save-every in epochs, e.g. {saves.count if saves else 1}ep",
+            ),
+            (
+                not self.deterministic or self.channels != "auto",
+                "--deterministic fixes the plan before training, and --channels auto chooses "
+                "the channels by measuring: give --channels a number",
+            ),
+        ]
         for ok, message in checks:
             if not ok:
                 raise UsageError(message)
@@ -340,7 +360,11 @@ def run_label(spec: str) -> str:
 
 
 def open_run_log(
-    config: TrainConfig, context: DistContext, run_dir: str | None, suffix: str
+    config: TrainConfig,
+    context: DistContext,
+    run_dir: str | None,
+    suffix: str,
+    resume_epoch: int | None = None,
 ) -> RunLog | None:
     """Rank 0's run folder; None on the other ranks.
 
@@ -350,9 +374,13 @@ def open_run_log(
         run_dir: the folder to write; None makes a new one named after model, data and
             ``suffix`` under ``config.runs_dir``.
         suffix: the last part of a new folder's name, e.g. ``n4``.
+        resume_epoch: continue ``run_dir`` from this epoch (see :meth:`RunLog.resume`).
     """
     if not context.is_main:
         return None
+    if resume_epoch is not None:
+        assert run_dir is not None
+        return RunLog.resume(run_dir, resume_epoch)
     path = (
         Path(run_dir)
         if run_dir
@@ -414,8 +442,42 @@ def finish_run(
     )
 
 
-def _config_record(config: TrainConfig, context: DistContext) -> dict[str, object]:
+#: Settings that only a data-parallel run uses.
+_DATA_PARALLEL_ONLY = ("strategy", "bucket_cap_mb", "channels", "compression")
+#: Settings that only a pipelined run uses, and the schedules each one applies to.
+_PIPELINE_ONLY = {
+    "schedule": SCHEDULES,
+    "partition_by": SCHEDULES,
+    "microbatches": SYNCHRONOUS,
+    "chunks": ASYNCHRONOUS,
+    "spectrain_backward": ("spectrain",),
+}
+
+
+def applicable_settings(config: TrainConfig) -> dict[str, object]:
+    """``config``'s settings that apply to its run, as plain data (``config.json``'s part).
+
+    A data-parallel run has no pipeline settings, a pipelined one no gradient-averaging ones,
+    and only a K-FAC run has ``kfac_*`` ones.
+
+    Args:
+        config: the run's config.
+    """
     record: dict[str, object] = asdict(config)
+    for name, schedules in _PIPELINE_ONLY.items():
+        if config.parallel != "pipeline" or config.schedule not in schedules:
+            del record[name]
+    if config.parallel == "pipeline":
+        for name in _DATA_PARALLEL_ONLY:
+            del record[name]
+    if config.optimizer != "kfac":
+        for name in [key for key in record if key.startswith("kfac_")]:
+            del record[name]
+    return record
+
+
+def _config_record(config: TrainConfig, context: DistContext) -> dict[str, object]:
+    record = applicable_settings(config)
     record.update(
         world_size=context.world_size,
         backend=context.backend,

@@ -6,21 +6,38 @@ of the same SGD and schedule, so a K-FAC run and an SGD run of one config differ
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 from tqdm import tqdm
 
+from interlace.comm.cost import CostModel
+from interlace.comm.plan import Bucketing, ReadyTensor, make_plan
 from interlace.distenv import DistContext
+from interlace.dp import DataParallel
+from interlace.dp.plan_state import plan_state_of
 from interlace.errors import UsageError
 from interlace.kfac import KFAC
 from interlace.strategies import wrap_model
+from interlace.train.checkpoint import (
+    Position,
+    SaveEvery,
+    describe_position,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from interlace.train.config import (
     TrainConfig,
     TrainResult,
@@ -33,7 +50,7 @@ from interlace.zoo import build_model, load_data, make_loader
 
 
 def train_data_parallel(
-    config: TrainConfig, context: DistContext, run_dir: str | None
+    config: TrainConfig, context: DistContext, run_dir: str | None, resume: bool = False
 ) -> TrainResult:
     """Train ``config.model`` replicated over the job's ranks; same result on every rank.
 
@@ -41,6 +58,7 @@ def train_data_parallel(
         config: the run's config (already validated).
         context: this rank's place in the job (process group initialised).
         run_dir: where rank 0 writes its records (made fresh when None).
+        resume: continue ``run_dir`` from its latest checkpoint.
     """
     bundle = load_data(config.data, synthetic_size=config.synthetic_size, seed=config.seed)
     input_shape = bundle.input_shape
@@ -55,6 +73,7 @@ def train_data_parallel(
             f"--classes {config.num_classes} does not match the data '{bundle.name}', "
             f"which has {num_classes} classes"
         )
+    resumed = load_checkpoint(run_dir or "", context) if resume else None
 
     torch.manual_seed(config.seed)
     model = build_model(config.model, input_shape, num_classes).to(context.device)
@@ -87,8 +106,26 @@ def train_data_parallel(
     optimizer, schedule = sgd_with_schedule(model.parameters(), config, steps_per_epoch)
     total_steps = config.epochs * steps_per_epoch
     precond = make_kfac(config, parallel_model, optimizer) if config.optimizer == "kfac" else None
+    if resumed is not None:
+        saved = resumed.state
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        schedule.load_state_dict(saved["schedule"])
+        if precond is not None:
+            precond.load_state_dict(saved["kfac"])
+        if saved["plan"] is not None and isinstance(parallel_model, DataParallel):
+            parallel_model.load_plan_state(saved["plan"])
+    elif config.deterministic and isinstance(parallel_model, DataParallel):
+        parallel_model.load_plan_state(fixed_plan_state(parallel_model, config))
+    start = resumed.position if resumed is not None else Position(1, 0, 0)
 
-    log = open_run_log(config, context, run_dir, f"n{context.world_size}")
+    log = open_run_log(
+        config,
+        context,
+        run_dir,
+        f"n{context.world_size}",
+        resume_epoch=start.epoch if resumed is not None else None,
+    )
     if log is not None:
         path = log.path
         print(
@@ -100,28 +137,69 @@ def train_data_parallel(
             f"global batch {config.batch_size * context.world_size}, run folder {path}",
             flush=True,
         )
+        if resumed is not None:
+            print(f"resuming from {resumed.path} ({describe_position(start)})", flush=True)
+        if config.deterministic and isinstance(parallel_model, DataParallel):
+            print(
+                f"deterministic: {len(parallel_model.buckets)} fixed bucket(s), not planned "
+                "from measured times",
+                flush=True,
+            )
         if precond is not None:
             print(precond.describe().splitlines()[0], flush=True)
 
+    saves = SaveEvery.parse(config.save_every) if config.save_every else None
+    record = asdict(config)
+
+    def save(position: Position, loss_sum: torch.Tensor) -> None:
+        state = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "schedule": schedule.state_dict(),
+            "kfac": precond.state_dict() if precond is not None else None,
+            "plan": (
+                parallel_model.plan_state() if isinstance(parallel_model, DataParallel) else None
+            ),
+            "loss_sum": loss_sum,
+            "rng": rng_state(),
+        }
+        save_checkpoint(log.path if log else None, context, position, record, state)
+
     show_bar = context.is_main and config.progress and sys.stderr.isatty()
-    bar = tqdm(total=total_steps, disable=not show_bar, unit="step", dynamic_ncols=True)
+    bar = tqdm(
+        total=total_steps,
+        initial=start.global_step,
+        disable=not show_bar,
+        unit="step",
+        dynamic_ncols=True,
+    )
     global_batch = config.batch_size * context.world_size
+    global_step = start.global_step
     result_accuracy = 0.0
     result_loss = math.nan
     throughput = 0.0
     plan_reported = False
     tuning_reported = False
     try:
-        for epoch in range(1, config.epochs + 1):
+        for epoch in range(start.epoch, config.epochs + 1):
             sampler = train_loader.sampler
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
             parallel_model.train()
+            skip = start.step if epoch == start.epoch else 0
             loss_sum = torch.zeros(2, dtype=torch.float64, device=context.device)
+            continuing = resumed is not None and epoch == start.epoch
+            if continuing and skip == 0:
+                set_rng_state(resumed.state["rng"])  # type: ignore[union-attr]
+            # Making the iterator draws from torch's generator: a resumed epoch makes it anew,
+            # then takes the generator's state of the moment the checkpoint was saved.
+            batches = iter(skip_batches(train_loader, skip))
+            if continuing and skip > 0:
+                set_rng_state(resumed.state["rng"])  # type: ignore[union-attr]
+                loss_sum.copy_(resumed.state["loss_sum"])  # type: ignore[union-attr]
             started = time.perf_counter()
-            for step, (batch_inputs, batch_targets) in enumerate(train_loader):
-                if step >= steps_per_epoch:
-                    break
+            for step in range(skip, steps_per_epoch):
+                batch_inputs, batch_targets = next(batches)
                 inputs = batch_inputs.to(context.device, non_blocking=True)
                 targets = batch_targets.to(context.device, non_blocking=True)
                 optimizer.zero_grad(set_to_none=True)
@@ -133,14 +211,17 @@ def train_data_parallel(
                 schedule.step()
                 loss_sum[0] += loss.detach().double() * targets.numel()
                 loss_sum[1] += targets.numel()
+                global_step += 1
                 bar.update(1)
                 bar.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}", refresh=False)
+                if saves is not None and saves.after_step(global_step):
+                    save(Position(epoch, step + 1, global_step), loss_sum)
             if context.device.type == "cuda":
                 torch.cuda.synchronize(context.device)
             epoch_s = time.perf_counter() - started
             dist.all_reduce(loss_sum)
             train_loss = float(loss_sum[0] / loss_sum[1])
-            throughput = steps_per_epoch * global_batch / epoch_s
+            throughput = (steps_per_epoch - skip) * global_batch / epoch_s
             test_loss, test_accuracy = evaluate(model, test_loader, context)
             result_accuracy, result_loss = test_accuracy, train_loss
             if log is not None:
@@ -169,6 +250,8 @@ def train_data_parallel(
                     file=sys.stdout,
                 )
                 sys.stdout.flush()
+            if saves is not None and (saves.after_epoch(epoch) or epoch == config.epochs):
+                save(Position(epoch + 1, 0, global_step), torch.zeros_like(loss_sum))
     finally:
         bar.close()
     if log is not None and not getattr(parallel_model, "planning_done", True):
@@ -187,6 +270,76 @@ def train_data_parallel(
         samples_per_s=throughput,
         epochs=config.epochs,
     )
+
+
+def fixed_plan_state(model: DataParallel, config: TrainConfig) -> dict[str, Any]:
+    """Buckets that depend on the model alone, for ``--deterministic``.
+
+    The gradients in reverse registration order (the order backward usually produces them),
+    cut as the strategy would without measurements: one per tensor for ``wfbp``, one in all
+    for ``single``, DDP's caps (``--bucket-cap-mb``, first bucket 1 MB) otherwise. The bucket
+    layout fixes the order in which an all-reduce of more than two ranks adds, so the same
+    seed gives the same numbers.
+
+    Args:
+        model: the wrapped model.
+        config: the strategy, caps, channels and compression come from here.
+
+    Returns:
+        What :meth:`DataParallel.load_plan_state` takes.
+    """
+    names = model.parameter_names
+    sizes = {name: p.numel() * p.element_size() for name, p in model.module.named_parameters()}
+    wire = 0.5 if config.compression is not None else 1.0
+    order = list(reversed(range(len(names))))
+    tensors = [ReadyTensor(names[i], max(int(sizes[names[i]] * wire), 1), 0.0) for i in order]
+    bucketing = {"wfbp": Bucketing.PER_TENSOR, "single": Bucketing.SINGLE}.get(
+        config.strategy, Bucketing.FIXED
+    )
+    plan = make_plan(
+        bucketing,
+        tensors,
+        CostModel(0.0, 0.0),
+        cap_bytes=(25.0 if config.bucket_cap_mb is None else config.bucket_cap_mb) * 1e6,
+        first_cap_bytes=1e6,
+        channels=int(config.channels),
+    )
+    return plan_state_of(names, order, plan)
+
+
+def skip_batches(
+    loader: DataLoader[tuple[torch.Tensor, torch.Tensor]], count: int
+) -> DataLoader[tuple[torch.Tensor, torch.Tensor]]:
+    """``loader`` without its first ``count`` batches of this epoch (its sampler's order).
+
+    Args:
+        loader: a loader with a sampler and a batch size (``make_loader``'s).
+        count: batches to skip; 0 returns ``loader`` itself.
+    """
+    if count == 0:
+        return loader
+    assert loader.batch_size is not None
+    return DataLoader(
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=_SkipFirst(loader.sampler, count * loader.batch_size),
+        drop_last=loader.drop_last,
+        num_workers=loader.num_workers,
+    )
+
+
+class _SkipFirst(Sampler[int]):
+    """A sampler's indices without the first ``count``."""
+
+    def __init__(self, sampler: Sampler[int] | Iterable[int], count: int) -> None:
+        self.sampler = sampler
+        self.count = count
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(iter(self.sampler), self.count, None)
+
+    def __len__(self) -> int:
+        return max(len(self.sampler) - self.count, 0)  # type: ignore[arg-type]
 
 
 @torch.no_grad()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -16,9 +17,19 @@ from tqdm import tqdm
 
 from interlace.distenv import DistContext, collective_device
 from interlace.errors import UsageError
+from interlace.pipeline.partition import StagePlan, pipeline_blocks, stage_module
 from interlace.pipeline.runtime import PipelineStage
 from interlace.pipeline.schedule import SYNCHRONOUS
-from interlace.pipeline.stages import local_stage
+from interlace.pipeline.stages import LocalStage, local_stage
+from interlace.train.checkpoint import (
+    Position,
+    SaveEvery,
+    describe_position,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from interlace.train.config import (
     TrainConfig,
     TrainResult,
@@ -30,7 +41,9 @@ from interlace.train.config import (
 from interlace.zoo import build_model, load_data, make_loader
 
 
-def train_pipeline(config: TrainConfig, context: DistContext, run_dir: str | None) -> TrainResult:
+def train_pipeline(
+    config: TrainConfig, context: DistContext, run_dir: str | None, resume: bool = False
+) -> TrainResult:
     """Train ``config.model`` pipelined over the job's ranks; same result on every rank.
 
     Every rank builds the same data loaders (one data stream, one shuffle); stage 0 reads the
@@ -40,6 +53,7 @@ def train_pipeline(config: TrainConfig, context: DistContext, run_dir: str | Non
         config: the run's config (already validated), with ``parallel == "pipeline"``.
         context: this rank's place in the job (process group initialised).
         run_dir: where rank 0 writes its records (made fresh when None).
+        resume: continue ``run_dir`` from its latest checkpoint (taken between epochs).
 
     Raises:
         UsageError: for an optimizer other than SGD, or spectrain without momentum.
@@ -49,20 +63,32 @@ def train_pipeline(config: TrainConfig, context: DistContext, run_dir: str | Non
     if config.schedule == "spectrain" and config.momentum <= 0:
         raise UsageError("--schedule spectrain predicts from the momentum: use --momentum > 0")
     bundle = load_data(config.data, synthetic_size=config.synthetic_size, seed=config.seed)
+    resumed = load_checkpoint(run_dir or "", context) if resume else None
     torch.manual_seed(config.seed)
     model = build_model(config.model, bundle.input_shape, bundle.num_classes)
     train_loader = make_loader(
         bundle.train, config.batch_size, shuffle=True, seed=config.seed, drop_last=True
     )
     test_loader = make_loader(bundle.test, max(config.batch_size, 64), shuffle=False)
-    sample = next(iter(train_loader))[0][: max(1, config.batch_size // config.microbatches)]
-    local = local_stage(
-        model,
-        num_stages=context.world_size,
-        stage=context.rank,
-        by=config.partition_by,
-        sample=sample,
-    )
+    if resumed is not None:
+        # The stages as first cut: measuring again could cut elsewhere, and the saved
+        # weights fit only their own stage.
+        plan = StagePlan(**resumed.state["partition"])
+        local = LocalStage(
+            stage_module(pipeline_blocks(model), plan, context.rank),
+            plan,
+            context.rank,
+            context.world_size,
+        )
+    else:
+        sample = next(iter(train_loader))[0][: max(1, config.batch_size // config.microbatches)]
+        local = local_stage(
+            model,
+            num_stages=context.world_size,
+            stage=context.rank,
+            by=config.partition_by,
+            sample=sample,
+        )
     module = local.module.to(context.device)
     steps_per_epoch = steps_in_epoch(
         config,
@@ -72,8 +98,15 @@ def train_pipeline(config: TrainConfig, context: DistContext, run_dir: str | Non
     )
     optimizer, schedule = sgd_with_schedule(module.parameters(), config, steps_per_epoch)
     total_steps = config.epochs * steps_per_epoch
+    start = resumed.position if resumed is not None else Position(1, 0, 0)
     show_bar = context.is_main and config.progress and sys.stderr.isatty()
-    bar = tqdm(total=total_steps, disable=not show_bar, unit="step", dynamic_ncols=True)
+    bar = tqdm(
+        total=total_steps,
+        initial=start.global_step,
+        disable=not show_bar,
+        unit="step",
+        dynamic_ncols=True,
+    )
 
     def after_update() -> None:
         schedule.step()
@@ -92,7 +125,17 @@ def train_pipeline(config: TrainConfig, context: DistContext, run_dir: str | Non
         spectrain_backward=config.spectrain_backward,
         chunks=config.chunks,
     )
-    log = open_run_log(config, context, run_dir, f"pipe{context.world_size}")
+    if resumed is not None:
+        stage.load_state_dict(resumed.state["stage"])
+        schedule.load_state_dict(resumed.state["schedule"])
+        set_rng_state(resumed.state["rng"])
+    log = open_run_log(
+        config,
+        context,
+        run_dir,
+        f"pipe{context.world_size}",
+        resume_epoch=start.epoch if resumed is not None else None,
+    )
     if log is not None:
         print(
             f"training {config.model} on {bundle.name} pipelined over {context.world_size} "
@@ -105,12 +148,18 @@ def train_pipeline(config: TrainConfig, context: DistContext, run_dir: str | Non
             + f", run folder {log.path}",
             flush=True,
         )
+        if resumed is not None:
+            print(f"resuming from {resumed.path} ({describe_position(start)})", flush=True)
         print(local.plan.describe(), flush=True)
+
+    saves = SaveEvery.parse(config.save_every) if config.save_every else None
+    record = asdict(config)
+    partition = {"bounds": local.plan.bounds, "costs": local.plan.costs, "by": local.plan.by}
 
     accuracy, train_loss, throughput = 0.0, math.nan, 0.0
     last = context.world_size - 1
     try:
-        for epoch in range(1, config.epochs + 1):
+        for epoch in range(start.epoch, config.epochs + 1):
             sampler = train_loader.sampler
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
@@ -145,6 +194,15 @@ def train_pipeline(config: TrainConfig, context: DistContext, run_dir: str | Non
                     file=sys.stdout,
                 )
                 sys.stdout.flush()
+            if saves is not None and (saves.after_epoch(epoch) or epoch == config.epochs):
+                state = {
+                    "stage": stage.state_dict(),
+                    "schedule": schedule.state_dict(),
+                    "partition": partition,
+                    "rng": rng_state(),
+                }
+                position = Position(epoch + 1, 0, epoch * steps_per_epoch)
+                save_checkpoint(log.path if log else None, context, position, record, state)
     finally:
         bar.close()
     return finish_run(

@@ -1,0 +1,80 @@
+"""DataParallel's plan as plain data: saved once planned, loaded without profiling or trials."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from interlace.comm.cost import CostModel
+from interlace.dp import DataParallel
+from interlace.errors import UsageError
+from interlace.testing import run_ranks
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)
+    )
+
+
+def _step(model: nn.Module, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed + dist.get_rank())
+    inputs = torch.randn(6, 8, generator=generator)
+    model.zero_grad()
+    model(inputs).square().mean().backward()
+
+
+def _plan_travels() -> dict[str, Any]:
+    cost = CostModel(1e-4, 1e-9)
+    # Caps of a few hundred bytes: several buckets, so the layout is worth carrying.
+    first = DataParallel(
+        _net(), bucketing="fixed", bucket_cap_mb=5e-4, first_bucket_cap_mb=2e-4, cost_model=cost
+    )
+    before = first.plan_state()
+    for seed in range(4):
+        _step(first, seed)
+    state = first.plan_state()
+    assert state is not None
+
+    second = DataParallel(_net(), bucketing="merged", cost_model=cost)
+    second.load_plan_state(state)
+    loaded_at_once = second.planning_done
+    _step(second, 10)
+    _step(first, 10)
+    same_grads = all(
+        torch.equal(a.grad, b.grad)  # type: ignore[arg-type]
+        for a, b in zip(first.module.parameters(), second.module.parameters(), strict=True)
+    )
+    for seed in range(11, 19):
+        _step(second, seed)
+
+    refused = ""
+    other = DataParallel(nn.Sequential(nn.Linear(8, 4)), cost_model=cost)
+    try:
+        other.load_plan_state(state)
+    except UsageError as error:
+        refused = str(error)
+    return {
+        "before": before,
+        "state": state,
+        "loaded_at_once": loaded_at_once,
+        "same_buckets": second.buckets == first.buckets,
+        "same_grads": same_grads,
+        "kept": second.plan_state() == state,
+        "refused": refused,
+    }
+
+
+def test_a_saved_plan_is_loaded_without_profiling() -> None:
+    for report in run_ranks(_plan_travels, 2, timeout=120):
+        assert report["before"] is None  # nothing to save before the plan is made
+        assert len(report["state"]["plan"]["buckets"]) > 1
+        assert report["loaded_at_once"]
+        assert report["same_buckets"] and report["same_grads"]
+        # Eight more steps: no profiling, no trials, the loaded plan stays.
+        assert report["kept"]
+        assert "other parameters" in report["refused"]
