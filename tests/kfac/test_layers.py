@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from interlace.kfac.layers import Conv2dHelper
+from interlace.kfac.layers import Conv1dHelper, Conv2dHelper, make_helper
 
 
 @pytest.mark.parametrize(
@@ -34,3 +34,43 @@ def test_conv_patches_are_unfold_s_columns_for_any_input_layout(
     unfolded = functional.unfold(inputs, kernel, dilation=dilation, padding=padding, stride=stride)
     expected = unfolded.permute(1, 0, 2).reshape(unfolded.shape[1], -1)
     assert torch.equal(Conv2dHelper(conv).patches(inputs), expected)
+
+
+@pytest.mark.parametrize(
+    ("kernel", "stride", "padding", "dilation", "bias"),
+    [(5, 2, 1, 1, True), (3, 1, 0, 2, False), (1, 3, 2, 1, True)],
+)
+def test_conv1d_factors_are_the_moments_of_its_patches_and_output_gradients(
+    kernel: int, stride: int, padding: int, dilation: int, bias: bool
+) -> None:
+    conv = nn.Conv1d(3, 4, kernel, stride=stride, padding=padding, dilation=dilation, bias=bias)
+    helper = make_helper(conv)[0]
+    assert isinstance(helper, Conv1dHelper)
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(6, 3, 17, generator=generator, dtype=torch.float64)
+    conv = conv.double()
+    output = conv(inputs)
+    grad_output = torch.randn(output.shape, generator=generator, dtype=torch.float64)
+    positions = output.shape[2]
+    # Reference, written out: one row per (sample, position) holding the receptive field in
+    # the weight's (in, k) order, a ones column for the bias, each row divided by the number
+    # of positions (spatial averaging), then rows^T rows / rows.
+    padded = functional.pad(inputs, (padding, padding))
+    rows = []
+    for sample in range(inputs.shape[0]):
+        for position in range(positions):
+            start = position * stride
+            taps = padded[sample, :, start : start + dilation * (kernel - 1) + 1 : dilation]
+            row = taps.reshape(-1)
+            if bias:
+                row = torch.cat([row, torch.ones(1, dtype=torch.float64)])
+            rows.append(row / positions)
+    a_rows = torch.stack(rows)
+    expected_a = a_rows.t() @ a_rows / a_rows.shape[0]
+    g_rows = grad_output.permute(0, 2, 1).reshape(-1, 4) / positions
+    expected_g = g_rows.t() @ g_rows / g_rows.shape[0]
+    helper = Conv1dHelper(conv)
+    assert helper.a_dim == 3 * kernel + int(bias)
+    assert helper.g_dim == 4
+    torch.testing.assert_close(helper.a_factor(inputs), expected_a)
+    torch.testing.assert_close(helper.g_factor(grad_output), expected_g)

@@ -1,7 +1,7 @@
 """What K-FAC needs from each supported module: its two factors and its gradient as one matrix.
 
-One :class:`LayerHelper` per module kind (Linear, Conv2d, Embedding); the state built on them
-lives in :mod:`interlace.kfac.layer`.
+One :class:`LayerHelper` per module kind (Linear, Conv1d, Conv2d, Embedding); the state built
+on them lives in :mod:`interlace.kfac.layer`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn import functional
 
 __all__ = [
+    "Conv1dHelper",
     "Conv2dHelper",
     "EmbeddingHelper",
     "LayerHelper",
@@ -240,6 +241,59 @@ class Conv2dHelper(LayerHelper):
         return windows.reshape(channels * kernel_h * kernel_w, batch * out_h * out_w)
 
 
+class Conv1dHelper(Conv2dHelper):
+    """:class:`torch.nn.Conv1d` with ``groups=1``: a Conv2d of height 1 (kernel ``(1, k)``).
+
+    The factors are those of :class:`Conv2dHelper` on the input seen as ``(batch, in, 1,
+    length)``, so patches, spatial averaging and the weight's ``(in, k)`` column order agree.
+
+    Args:
+        module: The convolution (numeric padding, ``padding_mode="zeros"``).
+    """
+
+    module: nn.Conv1d  # type: ignore[assignment]
+
+    @property
+    def a_dim(self) -> int:
+        (kernel,) = self.module.kernel_size
+        return self.module.in_channels * kernel + int(self.bias is not None)
+
+    def a_factor(self, layer_input: torch.Tensor) -> torch.Tensor:
+        return super().a_factor(layer_input.unsqueeze(2))
+
+    def g_factor(self, grad_output: torch.Tensor) -> torch.Tensor:
+        return super().g_factor(grad_output.unsqueeze(2))
+
+    def patches(self, layer_input: torch.Tensor) -> torch.Tensor:
+        """Every receptive field as a column: ``(in * k, batch * positions)``.
+
+        Args:
+            layer_input: The convolution's ``(batch, in, length)`` input, or that input with a
+                height-1 axis inserted, ``(batch, in, 1, length)``.
+        """
+        conv = self.module
+        if isinstance(conv.padding, str):
+            raise ValueError("string padding is resolved to numbers by Conv1dHelper's caller")
+        if layer_input.dim() == 3:
+            layer_input = layer_input.unsqueeze(2)
+        (kernel,), (stride,), (dilation,), (pad,) = (
+            conv.kernel_size,
+            conv.stride,
+            conv.dilation,
+            conv.padding,
+        )
+        padded = functional.pad(layer_input, (pad, pad))
+        batch, channels, _, length = padded.shape
+        positions = (length - dilation * (kernel - 1) - 1) // stride + 1
+        step_n, step_c, _, step_l = padded.stride()
+        windows = padded.as_strided(
+            (channels, kernel, batch, positions),
+            (step_c, step_l * dilation, step_n, step_l * stride),
+            padded.storage_offset(),
+        )
+        return windows.reshape(channels * kernel, batch * positions)
+
+
 class EmbeddingHelper(LayerHelper):
     """:class:`torch.nn.Embedding` (dense gradients): a diagonal ``A`` from token counts.
 
@@ -293,13 +347,15 @@ def make_helper(module: nn.Module) -> tuple[LayerHelper | None, str]:
         return None, "no trainable weight"
     if isinstance(module, nn.Linear):
         return LinearHelper(module), ""
-    if isinstance(module, nn.Conv2d):
+    if isinstance(module, (nn.Conv1d, nn.Conv2d)):
         if module.groups != 1:
             return None, f"grouped convolution (groups={module.groups}) is not supported"
         if module.padding_mode != "zeros":
             return None, f"padding_mode={module.padding_mode!r} is not supported (only 'zeros')"
         if isinstance(module.padding, str):
             return None, f"padding={module.padding!r} is not supported; give numbers"
+        if isinstance(module, nn.Conv1d):
+            return Conv1dHelper(module), ""
         return Conv2dHelper(module), ""
     if isinstance(module, nn.Embedding):
         if module.sparse:

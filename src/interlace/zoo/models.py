@@ -1,7 +1,8 @@
 """The model zoo: reference networks that span the shapes distributed training cares about.
 
 ``mlp``, ``resnet20/32/56``, ``vgg11`` and ``transformer``, each adapting to the input shape it
-is given; :func:`build_model` also accepts a user's ``package.module:callable``.
+is given, and ``mlp1d``, ``cnn1d`` and ``resnet1d`` for sequences (MNIST-1D);
+:func:`build_model` also accepts a user's ``package.module:callable``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.nn.functional as F  # noqa: N812 - the conventional alias
 from torch import Tensor, nn
 
 from interlace.errors import UsageError
+from interlace.zoo.models1d import CNN1d, MLP1d, ResNet1d
 from interlace.zoo.transformer import PatchTransformer
 
 __all__ = [
@@ -34,7 +36,17 @@ __all__ = [
     "summarize_model",
 ]
 
-MODEL_NAMES: tuple[str, ...] = ("mlp", "resnet20", "resnet32", "resnet56", "vgg11", "transformer")
+MODEL_NAMES: tuple[str, ...] = (
+    "mlp",
+    "resnet20",
+    "resnet32",
+    "resnet56",
+    "vgg11",
+    "transformer",
+    "mlp1d",
+    "cnn1d",
+    "resnet1d",
+)
 
 
 def _image_shape(name: str, input_shape: tuple[int, ...]) -> tuple[int, int, int]:
@@ -335,6 +347,12 @@ class VGG11(nn.Module):
 def _build_zoo_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     if name == "mlp":
         return MLP(input_shape, num_classes)
+    if name == "mlp1d":
+        return MLP1d(input_shape, num_classes)
+    if name == "cnn1d":
+        return CNN1d(input_shape, num_classes)
+    if name == "resnet1d":
+        return ResNet1d(input_shape, num_classes)
     if name.startswith("resnet"):
         return CifarResNet(int(name.removeprefix("resnet")), input_shape, num_classes)
     if name == "vgg11":
