@@ -46,7 +46,7 @@ def add_arguments(
     parser.add_argument(
         "--data",
         default=defaults.data,
-        help="digits, synthetic-cifar10, synthetic-imagenet, or a CIFAR-10 python folder "
+        help="digits, mnist1d, synthetic-cifar10, synthetic-imagenet, or a CIFAR-10 python folder "
         f"(default {defaults.data})",
     )
     parser.add_argument(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -365,6 +365,8 @@ def open_run_log(
     run_dir: str | None,
     suffix: str,
     resume_epoch: int | None = None,
+    *,
+    data_source: Mapping[str, object] | None = None,
 ) -> RunLog | None:
     """Rank 0's run folder; None on the other ranks.
 
@@ -375,6 +377,8 @@ def open_run_log(
             ``suffix`` under ``config.runs_dir``.
         suffix: the last part of a new folder's name, e.g. ``n4``.
         resume_epoch: continue ``run_dir`` from this epoch (see :meth:`RunLog.resume`).
+        data_source: how a generated data set was made (its generator's arguments and seed),
+            recorded as ``data_source``; None or empty for fixed data.
     """
     if not context.is_main:
         return None
@@ -388,7 +392,10 @@ def open_run_log(
             config.runs_dir, f"{run_label(config.model)}-{run_label(config.data)}-{suffix}"
         )
     )
-    return RunLog(path, _config_record(config, context))
+    record = _config_record(config, context)
+    if data_source:
+        record["data_source"] = dict(data_source)
+    return RunLog(path, record)
 
 
 def finish_run_log(

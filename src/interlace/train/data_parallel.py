@@ -125,6 +125,7 @@ def train_data_parallel(
         run_dir,
         f"n{context.world_size}",
         resume_epoch=start.epoch if resumed is not None else None,
+        data_source=bundle.source,
     )
     if log is not None:
         path = log.path

@@ -135,6 +135,7 @@ def train_pipeline(
         run_dir,
         f"pipe{context.world_size}",
         resume_epoch=start.epoch if resumed is not None else None,
+        data_source=bundle.source,
     )
     if log is not None:
         print(
