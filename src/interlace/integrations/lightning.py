@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Generator
+from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -45,6 +47,7 @@ class InterlaceStrategy(DDPStrategy):
         checkpoint_io: as DDPStrategy's.
         precision_plugin: as DDPStrategy's.
         process_group_backend: as DDPStrategy's (default: gloo on CPUs, NCCL on GPUs).
+        timeout: as DDPStrategy's: how long a collective may wait.
         start_method: as DDPStrategy's.
         **data_parallel: passed to :class:`interlace.DataParallel` (``bucketing``,
             ``channels``, ``compression``, ...).
@@ -67,6 +70,7 @@ class InterlaceStrategy(DDPStrategy):
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
         process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
         **data_parallel: Any,
     ) -> None:
@@ -81,6 +85,7 @@ class InterlaceStrategy(DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
+            timeout=timeout,
             start_method=start_method,  # type: ignore[arg-type]
             **data_parallel,
         )
