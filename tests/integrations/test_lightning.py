@@ -117,7 +117,7 @@ def _assert_same(ours: dict[str, Any], reference: dict[str, Any]) -> None:
 
 
 def test_interlace_strategy_trains_like_lightning_ddp() -> None:
-    results = run_ranks(_compare, 2, None, timeout=180)
+    results = run_ranks(_compare, 2, None, timeout=400)
     for result in results:
         assert result["world"] == 2
         _assert_same(result["interlace"], result["ddp"])
