@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -131,6 +132,7 @@ def _train_every_case(_: None) -> dict[tuple[str, str], dict[str, Any]]:
     return {case: _train(*case) for case in CASES}
 
 
+@pytest.mark.timeout(460)  # above the harness's own limit, which reports better
 def test_torch_hooks_train_exactly_as_under_ddp() -> None:
     results = run_ranks(_train_every_case, 2, None, timeout=400)
     for by_case in results:

@@ -116,6 +116,7 @@ def _assert_same(ours: dict[str, Any], reference: dict[str, Any]) -> None:
         torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-8)
 
 
+@pytest.mark.timeout(460)  # above the harness's own limit, which reports better
 def test_interlace_strategy_trains_like_lightning_ddp() -> None:
     results = run_ranks(_compare, 2, None, timeout=400)
     for result in results:
