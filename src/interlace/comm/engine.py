@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from interlace.comm.hooks import HookBucket, HookSpec
+
 CommRecorder = Callable[[int, int, int, float, float], None]
 """Called with (bucket index, channel, bytes, launch time, completion time) for each finished
 all-reduce (one per slice of a partitioned bucket)."""
@@ -40,9 +42,14 @@ class BucketEngine:
         channels: the process groups buckets travel on (default: ``process_group`` alone).
         assignment: for each bucket, the channel of each of its slices (default: channel 0).
         compression: ``None``, ``"fp16"`` or ``"bf16"``: float32 buckets travel in that type.
+        hook: a DDP communication hook that averages each bucket instead of the engine's own
+            all-reduce (then channels, assignment and compression do not apply): it gets the
+            bucket's gradients undivided, and the used-tensor marks travel in one small
+            all-reduce of their own after the hooks' futures are done.
 
     Raises:
-        ValueError: for no tensors, an unknown compression or an assignment that does not fit.
+        ValueError: for no tensors, an unknown compression, compression together with a hook,
+            or an assignment that does not fit.
     """
 
     def __init__(
@@ -55,6 +62,7 @@ class BucketEngine:
         channels: Sequence[dist.ProcessGroup | None] | None = None,
         assignment: Sequence[Sequence[int]] | None = None,
         compression: str | None = None,
+        hook: HookSpec | None = None,
     ) -> None:
         if not tensors:
             raise ValueError("a bucket engine needs at least one tensor")
@@ -62,7 +70,10 @@ class BucketEngine:
             raise ValueError(
                 f"unknown compression '{compression}'; choose one of {', '.join(COMPRESSIONS)}"
             )
+        if compression is not None and hook is not None:
+            raise ValueError("a communication hook and compression cannot be combined")
         self.tensors = list(tensors)
+        self.hook = hook
         self.process_group = process_group
         self.channels = list(channels) if channels is not None else [process_group]
         self.world_size = dist.get_world_size(process_group)
@@ -83,6 +94,7 @@ class BucketEngine:
         """The channel of each slice of each bucket (after splitting buckets by dtype)."""
         self.slots: list[_Slot] = [_Slot(-1, 0, 0)] * len(self.tensors)
         self.buffers: list[torch.Tensor] = []
+        self._data_numel: list[int] = []
         self._wires: list[torch.Tensor | None] = []
         device = self.tensors[0].device
         for bucket, group in enumerate(self.groups):
@@ -96,6 +108,7 @@ class BucketEngine:
             dtype = self.tensors[group[0]].dtype
             buffer = torch.zeros(offset + extra, dtype=dtype, device=device)
             self.buffers.append(buffer)
+            self._data_numel.append(offset)
             wire = None
             if compression is not None and dtype == torch.float32:
                 wire = torch.zeros(buffer.numel(), dtype=COMPRESSIONS[compression], device=device)
@@ -119,6 +132,7 @@ class BucketEngine:
         self._ready: list[bool] = []
         self._used: list[bool] = []
         self._handles: list[list[dist.Work]] = []
+        self._futures: list[torch.futures.Future[torch.Tensor] | None] = []
         self._next_launch = 0
         self.begin()
 
@@ -128,6 +142,7 @@ class BucketEngine:
         self._ready = [False] * len(self.tensors)
         self._used = [False] * len(self.tensors)
         self._handles = [[] for _ in self.groups]
+        self._futures = [None] * len(self.groups)
         self._next_launch = 0
 
     def add(self, index: int, grad: torch.Tensor) -> None:
@@ -168,12 +183,48 @@ class BucketEngine:
             wire = self._wires[bucket]
             if wire is not None:
                 self.buffers[bucket].copy_(wire)
+        if self.hook is not None:
+            self._finish_hooks()
         if all(self._used):
             # This rank used every tensor, so every sum of marks is positive: no need to read
             # them back (on a GPU that read would wait for the whole backward to finish).
             return list(self._views)
         usage = self._usage.tolist()
         return [view if used > 0 else None for view, used in zip(self._views, usage, strict=True)]
+
+    def _finish_hooks(self) -> None:
+        """Wait for each hook's future, write its value into the bucket, share the marks."""
+        for bucket, future in enumerate(self._futures):
+            if future is None:
+                continue
+            result = future.wait()
+            grads = self.buffers[bucket][: self._data_numel[bucket]]
+            # Hooks that work in place return the buffer itself; others (a wrapper that swapped
+            # the buffer, a hook that allocates) return a new tensor: copy it, casting back.
+            if result.data_ptr() != grads.data_ptr() or result.dtype != grads.dtype:
+                grads.copy_(result.reshape(grads.shape))
+        # After every hook is done, so that this collective cannot interleave with those a
+        # hook issues from its callbacks (PowerSGD does) in a different order on other ranks.
+        dist.all_reduce(self._usage, group=self.process_group)
+
+    def _call_hook(self, bucket: int, hook: HookSpec) -> None:
+        group = self.groups[bucket]
+        view = HookBucket(
+            bucket,
+            self.buffers[bucket][: self._data_numel[bucket]],
+            [self._views[i] for i in group],
+            [self.tensors[i] for i in group],
+            is_last=bucket == len(self.groups) - 1,
+        )
+        launched = time.perf_counter()
+        future = hook.hook(hook.state, view)
+        if self.recorder is not None:
+            future.add_done_callback(
+                functools.partial(
+                    _report_done, self.recorder, bucket, 0, self.bucket_bytes[bucket], launched
+                )
+            )
+        self._futures[bucket] = future
 
     def _slice_bytes(self, bucket: int, numel: int, total: int) -> int:
         return self.bucket_bytes[bucket] * numel // max(total, 1)
@@ -194,6 +245,10 @@ class BucketEngine:
                     self._usage.fill_(1)
                 else:
                     self._usage.copy_(torch.tensor(self._used, dtype=self._usage.dtype))
+            if self.hook is not None:
+                self._call_hook(bucket, self.hook)
+                self._next_launch += 1
+                continue
             # Divide before summing, as DDP does: the average without risking overflow.
             buffer.div_(self.world_size)
             wire = self._wires[bucket]

@@ -28,6 +28,7 @@ from interlace.comm.channels import (
 from interlace.comm.choose import Candidate, PlanRequest, Timings, candidate_plans, settle_trials
 from interlace.comm.cost import CostModel
 from interlace.comm.engine import COMPRESSIONS, BucketEngine
+from interlace.comm.hooks import CommHook, HookSpec, layout_changed
 from interlace.comm.plan import Bucketing, Plan
 from interlace.comm.strategies import bucketing_named
 from interlace.comm.tuning import PlanTrials
@@ -160,6 +161,7 @@ class DataParallel(nn.Module):
             channels=self._channels.groups,
             compression=compression,
         )
+        self._hook: HookSpec | None = None
         self._init_iteration_state()
         for index, param in enumerate(self._params):
             param.register_post_accumulate_grad_hook(self._make_hook(index))
@@ -218,6 +220,59 @@ class DataParallel(nn.Module):
             yield
         finally:
             self._sync = previous
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Average each bucket with a DDP communication hook instead of interlace's all-reduce.
+
+        As :meth:`torch.nn.parallel.DistributedDataParallel.register_comm_hook`: ``hook(state,
+        bucket)`` gets a bucket with ``torch.distributed.GradBucket``'s methods (``buffer()``,
+        ``index()``, ``is_last()``, ``gradients()``, ``parameters()``, ``set_buffer()``) and
+        returns a future of the averaged flat buffer, which is waited on at the end of backward
+        and written into the gradients. Torch's ``allreduce_hook``, ``fp16_compress_hook``,
+        ``bf16_compress_hook`` and ``powerSGD_hook`` (with a ``PowerSGDState``) run as they do
+        under DDP. Buckets are still planned by interlace; the hook sees each bucket when it is
+        launched. Until :attr:`planning_done` the layout may change, and PowerSGD's per-bucket
+        memories are then started afresh.
+
+        Args:
+            state: the hook's first argument: the process group (or None) for the default hooks,
+                a ``PowerSGDState`` for PowerSGD.
+            hook: the hook.
+
+        Raises:
+            UsageError: when a hook is registered already, when a backward pass has run, or
+                with ``compression`` or ``channels`` other than 1 (a hook sends the bucket
+                itself, so interlace's own compression and channels would not apply).
+        """
+        if self._hook is not None:
+            raise UsageError(
+                "register_comm_hook can only be called once; build a new DataParallel to "
+                "use another hook"
+            )
+        if self._backward_passes > 0:
+            raise UsageError(
+                "register_comm_hook must be called before the first backward pass; register "
+                "the hook right after wrapping the model"
+            )
+        if self.compression is not None:
+            raise UsageError(
+                f"compression={self.compression!r} cannot be combined with a communication "
+                "hook; wrap with compression=None and use fp16_compress_hook or "
+                "bf16_compress_hook instead"
+            )
+        if self.channels_requested != 1:
+            raise UsageError(
+                f"channels={self.channels_requested!r} cannot be combined with a communication "
+                "hook, which sends each bucket itself; wrap with channels=1"
+            )
+        if not callable(hook):
+            raise UsageError(f"hook must be callable as hook(state, bucket), got {hook!r}")
+        self._hook = HookSpec(state, hook)
+        recorder = self._engine.recorder
+        self._engine = BucketEngine(
+            self._params, self._engine.groups, self.process_group, hook=self._hook
+        )
+        self._engine.recorder = recorder
 
     def record_timeline(self, enabled: bool = True) -> None:
         """Keep each iteration's forward, per-tensor backward and per-bucket all-reduce times in
@@ -438,6 +493,7 @@ class DataParallel(nn.Module):
             self.process_group,
         )
         recorder = self._engine.recorder
+        previous_groups = self._engine.groups
         self._engine = BucketEngine(
             self._params,
             groups,
@@ -445,8 +501,11 @@ class DataParallel(nn.Module):
             channels=self._channels.groups,
             assignment=assignment,
             compression=self.compression,
+            hook=self._hook,
         )
         self._engine.recorder = recorder
+        if self._hook is not None and self._engine.groups != previous_groups:
+            layout_changed(self._hook.state)
         self.plan = plan
         self._order = candidate.order
 
