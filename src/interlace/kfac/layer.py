@@ -19,7 +19,7 @@ from interlace.kfac.decomp import (
 )
 from interlace.kfac.layers import LayerHelper, make_helper
 
-__all__ = ["KFACLayer", "PendingBroadcast", "find_layers", "unwrap"]
+__all__ = ["KFACLayer", "PendingBroadcast", "describe_layers", "find_layers", "unwrap"]
 
 
 class PendingBroadcast:
@@ -444,3 +444,28 @@ def find_layers(
             "precondition in this model (check skip_layers)"
         )
     return layers, skipped
+
+
+def describe_layers(layers: Iterable[KFACLayer]) -> dict[str, str]:
+    """The registered layers as ranks compare them: kind, weight shape and dtype, bias, factor
+    sides, and their order (the factor collectives are laid out in it).
+
+    Args:
+        layers: The registered layers, in order.
+
+    Returns:
+        ``{"layer '<name>'": "Linear weight (8, 6) float32 with bias, A 7, G 8", ...,
+        "layer order": "<name>, ..."}``.
+    """
+    entries: dict[str, str] = {}
+    for layer in layers:
+        helper = layer.helper
+        weight = helper.weight
+        bias = "with bias" if helper.bias is not None else "without bias"
+        dtype = str(weight.dtype).removeprefix("torch.")
+        entries[f"layer '{layer.name}'"] = (
+            f"{type(helper.module).__name__} weight {tuple(weight.shape)} {dtype} {bias}, "
+            f"A {helper.a_dim}, G {helper.g_dim}"
+        )
+    entries["layer order"] = ", ".join(layer.name for layer in layers)
+    return entries

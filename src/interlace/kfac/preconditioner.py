@@ -18,14 +18,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from interlace.comm.agree import check_agreement
 from interlace.comm.cost import CostModel
 from interlace.kfac.assignment import PLACEMENTS, GroupRanks, WorkAssignment
 from interlace.kfac.costs import DecompositionCostModel
 from interlace.kfac.decomp import kl_clip_scale
 from interlace.kfac.factor_comm import FACTOR_COMMS, FactorComm
 from interlace.kfac.fusion import FUSIONS
-from interlace.kfac.layer import KFACLayer, find_layers, unwrap
-from interlace.kfac.options import G_NORMALIZATIONS, check_options
+from interlace.kfac.layer import KFACLayer, describe_layers, find_layers, unwrap
+from interlace.kfac.options import (
+    G_NORMALIZATIONS,
+    check_hyperparameters,
+    check_options,
+    describe_hyperparameter,
+)
 from interlace.kfac.placement import WorkerGroups
 from interlace.kfac.timing import SpanLog
 from interlace.timeline import Event
@@ -201,9 +207,36 @@ class KFAC:
 
         #: Modules left to the optimiser, with the reason: ``{name: reason}``.
         self.skipped: dict[str, str]
+        skip_layers = tuple(skip_layers)  # read twice below: a generator would be spent
         self._layers, self.skipped = find_layers(
             unwrap(model), skip_layers, compute_method, inv_dtype
         )
+        if ranks.distributed and self.world_size > 1:
+            # Before the first collective: ranks that disagree here would hang, abort in gloo
+            # or drift apart silently later.
+            at_start = self._hyperparameters()
+            settings: dict[str, Any] = {
+                key: describe_hyperparameter(getattr(self, f"_{key}"), at_start[key])
+                for key in _PLAIN_HYPERPARAMETERS
+            }
+            settings.update(
+                skip_layers=sorted({name.lower() for name in skip_layers}),
+                accumulation_steps=accumulation_steps,
+                compute_method=compute_method,
+                grad_worker_fraction=self.grad_worker_fraction,
+                factor_dtype=factor_dtype,
+                inv_dtype=inv_dtype,
+                bucket_cap_mb=bucket_cap_mb,
+                placement=placement,
+                decomposition_cost=_given(decomposition_cost),
+                broadcast_cost=_given(broadcast_cost),
+                factor_comm=factor_comm,
+                fusion=fusion,
+                profile_steps=profile_steps,
+                factor_cost=_given(factor_cost),
+                g_normalization=g_normalization,
+            )
+            check_agreement("K-FAC", settings, describe_layers(self._layers), self.group)
         for layer in self._layers:
             hook = partial(self._forward_hook, layer)
             layer.handles.append(layer.helper.module.register_forward_hook(hook))
@@ -275,18 +308,12 @@ class KFAC:
         """The learning rate the KL-clip assumes at the current step."""
         return float(self._value(self._lr))
 
+    def _hyperparameters(self) -> dict[str, Any]:
+        """The plain hyperparameters' values at the current step."""
+        return {key: self._value(getattr(self, f"_{key}")) for key in _PLAIN_HYPERPARAMETERS}
+
     def _check_hyperparameters(self) -> None:
-        checks = [
-            (self.factor_update_steps >= 1, "factor_update_steps must be >= 1"),
-            (self.inv_update_steps >= 1, "inv_update_steps must be >= 1"),
-            (self.damping >= 0, "damping must be >= 0"),
-            (0 <= self.factor_decay < 1, "factor_decay must be in [0, 1)"),
-            (self.kl_clip is None or self.kl_clip > 0, "kl_clip must be > 0 or None"),
-            (self.lr > 0, "lr must be > 0"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(f"{message} (at step {self.steps})")
+        check_hyperparameters(self._hyperparameters(), self.steps)
 
     # -- what is preconditioned, and where ------------------------------------------------
 
@@ -634,6 +661,11 @@ class KFAC:
 
     def __iter__(self) -> Iterator[str]:
         return iter(layer.name for layer in self._layers)
+
+
+def _given(model: object) -> str:
+    """A cost model as ranks compare it: its value, or that it is measured (collectively)."""
+    return "measured at start-up" if model is None else repr(model)
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> list[bool]:
