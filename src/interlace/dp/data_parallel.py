@@ -11,7 +11,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -525,12 +525,12 @@ def _plan_request(
     )
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     """An integer, and not a bool (``True`` is an ``int`` to Python, never a count here)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_real(value: object) -> bool:
+def _is_real(value: object) -> TypeGuard[int | float]:
     """A real number (int or float), and not a bool."""
     return isinstance(value, int | float) and not isinstance(value, bool)
 

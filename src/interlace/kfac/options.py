@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from interlace.errors import UsageError
 from interlace.kfac.assignment import PLACEMENTS
@@ -121,7 +121,7 @@ def describe_hyperparameter(value: Any, at_step: Any) -> Any:
     return value
 
 
-def _is_real(value: object) -> bool:
+def _is_real(value: object) -> TypeGuard[int | float]:
     """An int or float, and not a bool (``True`` is an ``int`` to Python, never a setting here)."""
     return isinstance(value, int | float) and not isinstance(value, bool)
 
