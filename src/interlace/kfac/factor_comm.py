@@ -349,7 +349,8 @@ class FactorComm:
             [[layer.a_count, layer.g_count] for layer in layers], dtype=torch.int64
         )
         present = (counts > 0).to(torch.int64).reshape(-1)
-        repeated = int(bool((counts > 1).any()))
+        # A layer seen twice, or restarted after a skipped step: the sums sent are stale.
+        repeated = int(bool((counts > 1).any()) or any(layer.restarted for layer in layers))
         flags = torch.cat([present, torch.tensor([-repeated])]).to(device)
         # On the main group, idle once backward has returned: on the factor group this small
         # all-reduce would queue behind the buckets still in flight and hide their wait here.

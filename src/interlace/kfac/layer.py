@@ -71,6 +71,9 @@ class KFACLayer:
         self.g_sum: torch.Tensor | None = None
         self.a_count = 0
         self.g_count = 0
+        #: Whether this step's sums were restarted (by :meth:`restart_batch`) after part of the
+        #: step's factors had been sent: they must then be averaged anew.
+        self.restarted = False
         #: The running averages (None until the first factor step reaches this layer).
         self.a_factor: torch.Tensor | None = None
         self.g_factor: torch.Tensor | None = None
@@ -135,6 +138,14 @@ class KFACLayer:
         """Forget this step's factor sums."""
         self.a_sum = self.g_sum = None
         self.a_count = self.g_count = 0
+        self.restarted = False
+
+    def restart_batch(self) -> None:
+        """Forget the factor sums so far, within a step (after a batch whose step was skipped);
+        :attr:`restarted` tells the factor communication that what it sent is stale."""
+        self.a_sum = self.g_sum = None
+        self.a_count = self.g_count = 0
+        self.restarted = True
 
     def update_factors(self, a: torch.Tensor, g: torch.Tensor, decay: float) -> None:
         """Fold averaged factors into the running averages (which start from the identity).

@@ -202,6 +202,12 @@ class KFAC:
         self._hook_s = 0.0
         self._spans = SpanLog()
         self._hooks_checked = False
+        self._warned_unregistered = False
+        # Whether a forward hook has checked the sums since the last backward (a new batch).
+        self._batch_checked = False
+        # The preconditioned gradients' (id, version) after the last step: equal at the next
+        # step means no backward since, and the step would precondition them twice.
+        self._written: list[tuple[int, int] | None] | None = None
         self._needs_decomposition = False
         self._loaded = False
 
@@ -391,6 +397,11 @@ class KFAC:
         if not self._collecting(module) or not inputs:
             return
         started = time.perf_counter()
+        if layer.g_count and layer.g_count >= layer.a_count and not self._batch_checked:
+            # A backward went through this layer since the last step: a new batch, so either
+            # accumulation or a step the caller skipped (say, on a non-finite loss).
+            self._batch_checked = True
+            self._drop_non_finite_sums()
         with torch.no_grad():
             a = layer.add_input(inputs[0], self.factor_dtype)
             self._comm.factor_ready((layer.name, "A"), a, layer.a_count)
@@ -402,6 +413,7 @@ class KFAC:
 
     def _grad_hook(self, layer: KFACLayer, grad: torch.Tensor) -> None:
         started = time.perf_counter()
+        self._batch_checked = False
         with torch.no_grad():
             per_example = self.g_normalization == "per-example"
             g = layer.add_grad_output(grad, self.factor_dtype, self.world_size, per_example)
@@ -410,6 +422,31 @@ class KFAC:
         self._hook_s += ended - started
         self._spans.add(f"G {layer.name}", "factor", started, ended)
 
+    def _drop_non_finite_sums(self) -> None:
+        """Forget the factor sums that are not finite, so that a batch whose step was skipped
+        leaves nothing behind in the next one's (one read back for all layers)."""
+        held = [layer for layer in self._layers if layer.a_count or layer.g_count]
+        if not held:
+            return
+        per_layer = [
+            torch.stack(
+                [torch.isfinite(t).all() for t in (layer.a_sum, layer.g_sum) if t is not None]
+            ).all()
+            for layer in held
+        ]
+        finite: list[bool] = torch.stack(per_layer).tolist()
+        bad = [layer for layer, ok in zip(held, finite, strict=True) if not ok]
+        for layer in bad:
+            layer.restart_batch()
+        if bad:
+            warnings.warn(
+                f"K-FAC: the factors summed since the last step() are not finite in "
+                f"{', '.join(layer.name for layer in bad)} (a step skipped after a bad batch?); "
+                "they are dropped and this batch's factors start afresh",
+                KFACWarning,
+                stacklevel=4,
+            )
+
     # -- the step -----------------------------------------------------------------------
 
     @torch.no_grad()
@@ -417,9 +454,19 @@ class KFAC:
         """Precondition every registered layer's gradient in place (call before the optimiser).
 
         Gradients must already be averaged across ranks, as DataParallel and DDP leave them
-        after ``backward()``.
+        after ``backward()``. A second call with no backward in between does nothing (with a
+        :class:`KFACWarning`): the gradients it would see are preconditioned already.
         """
         self._check_hyperparameters()
+        if self._written is not None and self._written == self._gradient_marks():
+            warnings.warn(
+                f"K-FAC: step() called again with no backward since the last one (step "
+                f"{self.steps - 1}); the gradients are preconditioned already, so this call "
+                "does nothing",
+                KFACWarning,
+                stacklevel=3,
+            )
+            return
         phases = dict.fromkeys(PHASES, 0.0)
         phases["factor_compute"] = self._hook_s
         self._hook_s = 0.0
@@ -430,7 +477,17 @@ class KFAC:
         preconditioned = self._precondition(phases)
         if preconditioned:
             self._scale(phases, preconditioned)
+        self._written = self._gradient_marks() if preconditioned else None
         self._end_step(phases)
+
+    def _gradient_marks(self) -> list[tuple[int, int] | None]:
+        """Each layer's weight gradient as ``(id, version)``: any backward, zeroing or
+        replacement changes it."""
+        marks: list[tuple[int, int] | None] = []
+        for layer in self._layers:
+            grad = layer.helper.weight.grad
+            marks.append(None if grad is None else (id(grad), grad._version))
+        return marks
 
     def _update_factors(self, phases: dict[str, float]) -> None:
         """Average this step's factors across ranks and fold them into the running averages."""
@@ -442,6 +499,9 @@ class KFAC:
         else:
             everywhere, anywhere = self._comm.agree_presence(self._layers, self._device())
             if not self._hooks_checked:
+                if not any(everywhere.values()):
+                    self._wait_for_training_step()
+                    return
                 self._hooks_checked = True
                 self._drop_silent_layers(anywhere)
             ready = [layer for layer in self._layers if everywhere[layer.name]]
@@ -472,15 +532,32 @@ class KFAC:
                     continue
                 layer.update_factors(averaged[2 * index], averaged[2 * index + 1], decay)
 
+    def _wait_for_training_step(self) -> None:
+        """No layer has both factors: no training-mode forward and backward ran since the last
+        step. Which layers never run can only be told after one that did, so none is dropped."""
+        if self.rank == 0 and not self._warned_unregistered:
+            self._warned_unregistered = True
+            warnings.warn(
+                f"K-FAC step {self.steps} had no training-mode forward and backward behind it "
+                "(step() before the first backward, or the model in eval() mode or under "
+                "no_grad); nothing is preconditioned yet, and K-FAC takes its layers from the "
+                "first step that has one",
+                KFACWarning,
+                stacklevel=4,
+            )
+
     def _drop_silent_layers(self, anywhere: dict[str, bool]) -> None:
-        """Unregister layers whose forward hook fired on no rank in the first factor step."""
+        """Unregister layers whose forward hook fired on no rank in the first training step."""
         keep: list[KFACLayer] = []
         for layer in self._layers:
             if anywhere[layer.name]:
                 keep.append(layer)
                 continue
             layer.remove_hooks()
-            reason = "its forward never ran (its weight is used functionally by its parent)"
+            reason = (
+                "its forward never ran in the first training step (its weight is used "
+                "functionally by its parent)"
+            )
             self.skipped[layer.name] = reason
             if self.rank == 0:
                 warnings.warn(
@@ -573,11 +650,24 @@ class KFAC:
         """kfac-pytorch's KL-clip: scale every preconditioned gradient by one factor, write back."""
         with self._spans.timed(phases, "precondition", "precondition", "KL-clip and write-back"):
             # One sum on the device and one read back, not a device sync per layer.
-            per_layer = [(result * grad).sum(dtype=torch.float64) for _, result, grad in results]
+            # Products formed in float64: float32's would overflow on large finite gradients
+            # and turn the clip off exactly when it matters.
+            per_layer = [
+                torch.sum(result.to(torch.float64) * grad.to(torch.float64))
+                for _, result, grad in results
+            ]
             products = float(torch.stack(per_layer).sum())
             scale = kl_clip_scale(products, self.kl_clip, self.lr)
+            if scale == 0.0:
+                warnings.warn(
+                    f"K-FAC: the preconditioned gradients overflow at step {self.steps} (their "
+                    "KL-clip sum is not finite); the KL-clip sets them to zero for this step",
+                    KFACWarning,
+                    stacklevel=4,
+                )
             for layer, result, _ in results:
-                layer.set_grad(result * scale)
+                # Zeros, not result * 0: an infinite entry times 0 is NaN.
+                layer.set_grad(torch.zeros_like(result) if scale == 0.0 else result * scale)
 
     def _end_step(self, phases: dict[str, float]) -> None:
         for layer in self._layers:
