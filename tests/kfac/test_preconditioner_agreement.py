@@ -7,6 +7,8 @@ usable, so the next case (and a final matching K-FAC that trains) runs on the sa
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Any
 
 import pytest
@@ -17,7 +19,7 @@ from torch.nn import functional
 
 from interlace.dp import DataParallel
 from interlace.errors import UsageError
-from interlace.kfac import KFAC
+from interlace.kfac import KFAC, KFACWarning
 from interlace.testing import run_ranks
 
 
@@ -91,7 +93,34 @@ def _every_case(_: None) -> dict[str, Any]:
         dist.all_reduce(param.grad)
         param.grad /= 2
     precond.step()
-    return {"errors": errors, "a": precond.kfac_layers["0"].a_factor.tolist()}
+    return {
+        "errors": errors,
+        "a": precond.kfac_layers["0"].a_factor.tolist(),
+        "pipelined": {skip: _pipelined_factors(rank, skip) for skip in (False, True)},
+    }
+
+
+def _pipelined_factors(rank: int, skip: bool) -> list[list[float]]:
+    """Pipelined factor all-reduces, with or without a bad batch whose step is skipped."""
+    model = _model()
+    precond = KFAC(model, factor_comm="pipelined")
+    # Batch 2 is the bad one (inputs x inf); the clean run never sees it.
+    batches = (
+        [(0, 1.0), (1, 1.0), (2, math.inf), (3, 1.0)] if skip else [(0, 1.0), (1, 1.0), (3, 1.0)]
+    )
+    for seed, scale in batches:
+        inputs = torch.randn(8, 6, generator=torch.Generator().manual_seed(10 * seed + rank))
+        model.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", KFACWarning)
+            functional.cross_entropy(
+                model(inputs * scale), torch.zeros(8, dtype=torch.long)
+            ).backward()
+        if math.isfinite(scale):
+            precond.step()
+    layer = precond.kfac_layers["0"]
+    assert layer.a_factor is not None and layer.g_factor is not None
+    return [layer.a_factor.reshape(-1).tolist(), layer.g_factor.reshape(-1).tolist()]
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +134,13 @@ def test_each_mismatch_is_one_clear_error_on_every_rank(
 ) -> None:
     for rank in (0, 1):
         assert EXPECTED[case] in outcome[rank]["errors"][case]
+
+
+def test_a_skipped_step_leaves_pipelined_factors_clean(outcome: list[dict[str, Any]]) -> None:
+    for rank in (0, 1):
+        clean, skipped = outcome[rank]["pipelined"][False], outcome[rank]["pipelined"][True]
+        for ours, reference in zip(skipped, clean, strict=True):
+            torch.testing.assert_close(torch.tensor(ours), torch.tensor(reference))
 
 
 def test_matching_ranks_still_average_their_factors(outcome: list[dict[str, Any]]) -> None:

@@ -19,7 +19,15 @@ from interlace.kfac.decomp import (
 )
 from interlace.kfac.layers import LayerHelper, make_helper
 
-__all__ = ["KFACLayer", "PendingBroadcast", "describe_layers", "find_layers", "unwrap"]
+__all__ = [
+    "KFACLayer",
+    "PendingBroadcast",
+    "describe_layers",
+    "find_layers",
+    "gradient_marks",
+    "restart_non_finite",
+    "unwrap",
+]
 
 
 class PendingBroadcast:
@@ -480,3 +488,42 @@ def describe_layers(layers: Iterable[KFACLayer]) -> dict[str, str]:
         )
     entries["layer order"] = ", ".join(layer.name for layer in layers)
     return entries
+
+
+def restart_non_finite(layers: Iterable[KFACLayer]) -> list[str]:
+    """Restart the factor sums that are not finite (one read back for all layers).
+
+    Args:
+        layers: The registered layers.
+
+    Returns:
+        The names of the layers restarted.
+    """
+    held = [layer for layer in layers if layer.a_count or layer.g_count]
+    if not held:
+        return []
+    per_layer = [
+        torch.stack(
+            [torch.isfinite(t).all() for t in (layer.a_sum, layer.g_sum) if t is not None]
+        ).all()
+        for layer in held
+    ]
+    finite: list[bool] = torch.stack(per_layer).tolist()
+    bad = [layer for layer, ok in zip(held, finite, strict=True) if not ok]
+    for layer in bad:
+        layer.restart_batch()
+    return [layer.name for layer in bad]
+
+
+def gradient_marks(layers: Iterable[KFACLayer]) -> list[tuple[int, int] | None]:
+    """Each layer's weight gradient as ``(id, version)``, None when absent: any backward,
+    zeroing or replacement of a gradient changes its mark.
+
+    Args:
+        layers: The registered layers.
+    """
+    marks: list[tuple[int, int] | None] = []
+    for layer in layers:
+        grad = layer.helper.weight.grad
+        marks.append(None if grad is None else (id(grad), grad._version))
+    return marks

@@ -13,7 +13,7 @@ from interlace.kfac.decomp import COMPUTE_METHODS
 from interlace.kfac.factor_comm import FACTOR_COMMS
 from interlace.kfac.fusion import FUSIONS
 
-__all__ = ["G_NORMALIZATIONS", "check_hyperparameters", "check_options", "describe_hyperparameter"]
+__all__ = ["G_NORMALIZATIONS", "agreement_settings", "check_hyperparameters", "check_options"]
 
 #: Values of ``KFAC(g_normalization=...)``: how ``G`` is scaled.
 G_NORMALIZATIONS = ("kfac-pytorch", "per-example")
@@ -109,16 +109,29 @@ def check_hyperparameters(values: Mapping[str, Any], step: int) -> None:
             raise UsageError(f"{message}{at}")
 
 
-def describe_hyperparameter(value: Any, at_step: Any) -> Any:
-    """A hyperparameter as ranks compare it: the value, or for a callable its value at step 0.
+def agreement_settings(
+    given: Mapping[str, Any], at_start: Mapping[str, Any], **options: Any
+) -> dict[str, Any]:
+    """``KFAC``'s settings as ranks compare them (see :mod:`interlace.comm.agree`).
+
+    A hyperparameter given as a callable is compared by its value at step 0; a cost model by its
+    value, or as measured at start-up (collectively) when not given.
 
     Args:
-        value: The hyperparameter as given.
-        at_step: Its value at step 0.
+        given: The hyperparameters as given (numbers or callables).
+        at_start: Their values at step 0.
+        **options: The other settings; ``*_cost`` ones are cost models or None.
     """
-    if callable(value):
-        return f"{at_step!r} at step 0 (a callable)"
-    return value
+    settings: dict[str, Any] = {
+        key: f"{at_start[key]!r} at step 0 (a callable)" if callable(value) else value
+        for key, value in given.items()
+    }
+    for key, value in options.items():
+        is_cost = key.endswith("_cost")
+        settings[key] = (
+            ("measured at start-up" if value is None else repr(value)) if is_cost else value
+        )
+    return settings
 
 
 def _is_real(value: object) -> TypeGuard[int | float]:

@@ -25,12 +25,19 @@ from interlace.kfac.costs import DecompositionCostModel
 from interlace.kfac.decomp import kl_clip_scale
 from interlace.kfac.factor_comm import FACTOR_COMMS, FactorComm
 from interlace.kfac.fusion import FUSIONS
-from interlace.kfac.layer import KFACLayer, describe_layers, find_layers, unwrap
+from interlace.kfac.layer import (
+    KFACLayer,
+    describe_layers,
+    find_layers,
+    gradient_marks,
+    restart_non_finite,
+    unwrap,
+)
 from interlace.kfac.options import (
     G_NORMALIZATIONS,
+    agreement_settings,
     check_hyperparameters,
     check_options,
-    describe_hyperparameter,
 )
 from interlace.kfac.placement import WorkerGroups
 from interlace.kfac.timing import SpanLog
@@ -220,12 +227,9 @@ class KFAC:
         if ranks.distributed and self.world_size > 1:
             # Before the first collective: ranks that disagree here would hang, abort in gloo
             # or drift apart silently later.
-            at_start = self._hyperparameters()
-            settings: dict[str, Any] = {
-                key: describe_hyperparameter(getattr(self, f"_{key}"), at_start[key])
-                for key in _PLAIN_HYPERPARAMETERS
-            }
-            settings.update(
+            settings = agreement_settings(
+                {key: getattr(self, f"_{key}") for key in _PLAIN_HYPERPARAMETERS},
+                self._hyperparameters(),
                 skip_layers=sorted({name.lower() for name in skip_layers}),
                 accumulation_steps=accumulation_steps,
                 compute_method=compute_method,
@@ -234,12 +238,12 @@ class KFAC:
                 inv_dtype=inv_dtype,
                 bucket_cap_mb=bucket_cap_mb,
                 placement=placement,
-                decomposition_cost=_given(decomposition_cost),
-                broadcast_cost=_given(broadcast_cost),
+                decomposition_cost=decomposition_cost,
+                broadcast_cost=broadcast_cost,
                 factor_comm=factor_comm,
                 fusion=fusion,
                 profile_steps=profile_steps,
-                factor_cost=_given(factor_cost),
+                factor_cost=factor_cost,
                 g_normalization=g_normalization,
             )
             check_agreement("K-FAC", settings, describe_layers(self._layers), self.group)
@@ -424,25 +428,13 @@ class KFAC:
 
     def _drop_non_finite_sums(self) -> None:
         """Forget the factor sums that are not finite, so that a batch whose step was skipped
-        leaves nothing behind in the next one's (one read back for all layers)."""
-        held = [layer for layer in self._layers if layer.a_count or layer.g_count]
-        if not held:
-            return
-        per_layer = [
-            torch.stack(
-                [torch.isfinite(t).all() for t in (layer.a_sum, layer.g_sum) if t is not None]
-            ).all()
-            for layer in held
-        ]
-        finite: list[bool] = torch.stack(per_layer).tolist()
-        bad = [layer for layer, ok in zip(held, finite, strict=True) if not ok]
-        for layer in bad:
-            layer.restart_batch()
+        leaves nothing behind in the next one's."""
+        bad = restart_non_finite(self._layers)
         if bad:
             warnings.warn(
                 f"K-FAC: the factors summed since the last step() are not finite in "
-                f"{', '.join(layer.name for layer in bad)} (a step skipped after a bad batch?); "
-                "they are dropped and this batch's factors start afresh",
+                f"{', '.join(bad)} (a step skipped after a bad batch?); they are dropped and "
+                "this batch's factors start afresh",
                 KFACWarning,
                 stacklevel=4,
             )
@@ -458,7 +450,7 @@ class KFAC:
         :class:`KFACWarning`): the gradients it would see are preconditioned already.
         """
         self._check_hyperparameters()
-        if self._written is not None and self._written == self._gradient_marks():
+        if self._written is not None and self._written == gradient_marks(self._layers):
             warnings.warn(
                 f"K-FAC: step() called again with no backward since the last one (step "
                 f"{self.steps - 1}); the gradients are preconditioned already, so this call "
@@ -477,17 +469,8 @@ class KFAC:
         preconditioned = self._precondition(phases)
         if preconditioned:
             self._scale(phases, preconditioned)
-        self._written = self._gradient_marks() if preconditioned else None
+        self._written = gradient_marks(self._layers) if preconditioned else None
         self._end_step(phases)
-
-    def _gradient_marks(self) -> list[tuple[int, int] | None]:
-        """Each layer's weight gradient as ``(id, version)``: any backward, zeroing or
-        replacement changes it."""
-        marks: list[tuple[int, int] | None] = []
-        for layer in self._layers:
-            grad = layer.helper.weight.grad
-            marks.append(None if grad is None else (id(grad), grad._version))
-        return marks
 
     def _update_factors(self, phases: dict[str, float]) -> None:
         """Average this step's factors across ranks and fold them into the running averages."""
@@ -751,11 +734,6 @@ class KFAC:
 
     def __iter__(self) -> Iterator[str]:
         return iter(layer.name for layer in self._layers)
-
-
-def _given(model: object) -> str:
-    """A cost model as ranks compare it: its value, or that it is measured (collectively)."""
-    return "measured at start-up" if model is None else repr(model)
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> list[bool]:
