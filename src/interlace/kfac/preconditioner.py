@@ -139,6 +139,11 @@ class KFAC:
         g_normalization: ``"kfac-pytorch"`` (``G`` of the mean loss) or ``"per-example"``
             (``G`` scaled by the squared global batch: the per-example Fisher's factor, whose
             damping means the same thing at every batch size).
+
+    Raises:
+        UsageError: For a bad option or hyperparameter (a ``ValueError``), or, on every rank
+            instead of a hang later, for ranks that differ in settings or registered layers
+            (see :func:`interlace.comm.agree.check_agreement`).
     """
 
     def __init__(
