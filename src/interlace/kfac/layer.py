@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -378,6 +379,18 @@ class KFACLayer:
         self.a_decomp, self.g_decomp = decomps
         self.decomposed = self.a_factor is not None
 
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this layer holds, by kind (see ``KFAC.memory_usage``)."""
+        held: dict[str, list[torch.Tensor]] = {
+            "a_factors": [self.a_factor] if self.a_factor is not None else [],
+            "g_factors": [self.g_factor] if self.g_factor is not None else [],
+            "a_batch": [self.a_sum] if self.a_sum is not None else [],
+            "g_batch": [self.g_sum] if self.g_sum is not None else [],
+        }
+        for key, decomposition in (("a_inverses", self.a_decomp), ("g_inverses", self.g_decomp)):
+            held[key] = decomposition.tensors() if decomposition is not None else []
+        return held
+
     def remove_hooks(self) -> None:
         """Remove the module's K-FAC hooks."""
         for handle in self.handles:
@@ -428,8 +441,9 @@ def find_layers(
 
     Args:
         model: The model (unwrapped, see :func:`unwrap`).
-        skip_layers: Names of modules to leave out: a module's name, any enclosing module's
-            name, or its class name (case-insensitive).
+        skip_layers: Modules to leave out. Each entry matches a module's name, any enclosing
+            module's name or its class name (case-insensitive), or, as kfac-pytorch reads it,
+            is a regular expression found in the module's name or class name.
         compute_method: ``"eigen"`` or ``"inverse"``.
         inv_dtype: The dtype decompositions are kept in.
 
@@ -440,6 +454,7 @@ def find_layers(
         ValueError: No layer is left to precondition.
     """
     skip = {s.lower() for s in skip_layers}
+    patterns = [_pattern(s) for s in skip_layers]
     layers: list[KFACLayer] = []
     skipped: dict[str, str] = {}
     for name, module in model.named_modules():
@@ -449,7 +464,9 @@ def find_layers(
         # The module's own name and every enclosing module's ("block", "block.0", ...).
         segments = name.lower().split(".")
         names = {".".join(segments[: i + 1]) for i in range(len(segments))}
-        if names & skip or type(module).__name__.lower() in skip:
+        kind = type(module).__name__
+        found = any(p is not None and (p.search(name) or p.search(kind)) for p in patterns)
+        if names & skip or kind.lower() in skip or found:
             skipped[name] = "in skip_layers"
             continue
         helper, reason = make_helper(module)
@@ -459,10 +476,18 @@ def find_layers(
         layers.append(KFACLayer(name or type(module).__name__, helper, compute_method, inv_dtype))
     if not layers:
         raise ValueError(
-            "K-FAC found no Linear, Conv2d or Embedding layer with a trainable weight to "
+            "K-FAC found no Linear, Conv1d, Conv2d or Embedding layer with a trainable weight to "
             "precondition in this model (check skip_layers)"
         )
     return layers, skipped
+
+
+def _pattern(text: str) -> re.Pattern[str] | None:
+    """``text`` as a regular expression; None when it is not one (it still matches by name)."""
+    try:
+        return re.compile(text)
+    except re.error:
+        return None
 
 
 def describe_layers(layers: Iterable[KFACLayer]) -> dict[str, str]:

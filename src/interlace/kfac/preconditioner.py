@@ -7,6 +7,7 @@ The per-layer work is done by :class:`~interlace.kfac.layer.KFACLayer`, placemen
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -20,9 +21,23 @@ from torch import nn
 
 from interlace.comm.agree import check_agreement
 from interlace.comm.cost import CostModel
+from interlace.errors import UsageError
 from interlace.kfac.assignment import PLACEMENTS, GroupRanks, WorkAssignment
+from interlace.kfac.compat import (
+    bucket_cap_from,
+    factor_comm_from,
+    grad_scale_function,
+    placement_from,
+    resolve_grad_worker_fraction,
+)
 from interlace.kfac.costs import DecompositionCostModel
 from interlace.kfac.decomp import kl_clip_scale
+from interlace.kfac.enums import (
+    AssignmentStrategy,
+    ComputeMethod,
+    DistributedStrategy,
+    coerce_choice,
+)
 from interlace.kfac.factor_comm import FACTOR_COMMS, FactorComm
 from interlace.kfac.fusion import FUSIONS
 from interlace.kfac.layer import (
@@ -77,6 +92,9 @@ _PLAIN_HYPERPARAMETERS = (
 #: A hyperparameter: a number, or a callable giving the number for a step count.
 IntHyper = int | Callable[[int], int]
 FloatHyper = float | Callable[[int], float]
+
+
+_LOG = logging.getLogger("interlace.kfac")
 
 
 class KFACWarning(UserWarning):
@@ -157,33 +175,64 @@ class KFAC:
         kl_clip: FloatHyper | None = 0.001,
         lr: FloatHyper = 0.1,
         accumulation_steps: int = 1,
-        compute_method: str = "eigen",
-        grad_worker_fraction: float | None = 1.0,
-        skip_layers: Iterable[str] = (),
+        compute_method: ComputeMethod | str = ComputeMethod.EIGEN,
+        grad_worker_fraction: DistributedStrategy | float | None = 1.0,
+        skip_layers: Iterable[str] | None = (),
         factor_dtype: torch.dtype | None = None,
         inv_dtype: torch.dtype = torch.float32,
         process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float = 25.0,
-        placement: str = "greedy",
+        bucket_cap_mb: float | None = None,
+        placement: str | None = None,
         decomposition_cost: DecompositionCostModel | None = None,
         broadcast_cost: CostModel | None = None,
-        factor_comm: str = "bulk",
+        factor_comm: str | None = None,
         fusion: str = "none",
         profile_steps: int = 3,
         factor_cost: CostModel | None = None,
         g_normalization: str = "kfac-pytorch",
+        allreduce_bucket_cap_mb: float | None = None,
+        assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
+        colocate_factors: bool | None = None,
+        compute_eigenvalue_outer_product: bool = True,
+        symmetry_aware: bool = False,
+        grad_scaler: Any = None,
+        update_factors_in_hook: bool | None = None,
+        loglevel: int = logging.DEBUG,
     ) -> None:
+        compute_method = coerce_choice(ComputeMethod, compute_method, "compute_method").value
+        for flag, value in (
+            ("compute_eigenvalue_outer_product", compute_eigenvalue_outer_product),
+            ("symmetry_aware", symmetry_aware),
+        ):
+            if not isinstance(value, bool):
+                raise UsageError(f"{flag} must be True or False, got {value!r}")
+        bucket_cap_mb = bucket_cap_from(bucket_cap_mb, allreduce_bucket_cap_mb)
+        factor_comm = factor_comm_from(factor_comm, update_factors_in_hook)
+        placement, balance = placement_from(
+            placement,
+            assignment_strategy,
+            colocate_factors,
+            compute_eigenvalue_outer_product,
+            eigen=compute_method == ComputeMethod.EIGEN.value,
+        )
+        self._grad_scale = grad_scale_function(grad_scaler)
+        skip_layers = () if skip_layers is None else skip_layers
         check_options(
             factor_comm=factor_comm,
             fusion=fusion,
             profile_steps=profile_steps,
             g_normalization=g_normalization,
             placement=placement,
-            grad_worker_fraction=grad_worker_fraction,
+            grad_worker_fraction=1.0,  # checked below, once the world size is known
             compute_method=compute_method,
             accumulation_steps=accumulation_steps,
-            bucket_cap_mb=bucket_cap_mb,
+            bucket_cap_mb=bucket_cap_mb if bucket_cap_mb > 0 else 1.0,
         )
+        #: kfac-pytorch's switches, kept for :meth:`__repr__` and checkpoints.
+        self.assignment_strategy = balance
+        self.compute_eigenvalue_outer_product = compute_eigenvalue_outer_product
+        self.symmetry_aware = symmetry_aware
+        self.loglevel = loglevel
         self.g_normalization = g_normalization
         self._factor_update_steps = factor_update_steps
         self._inv_update_steps = inv_update_steps
@@ -195,6 +244,7 @@ class KFAC:
         self.compute_method = compute_method
         self.factor_dtype = factor_dtype
         self.inv_dtype = inv_dtype
+        # A cap of 0 (kfac-pytorch: no bucketing) gives every factor an all-reduce of its own.
         self.bucket_bytes = int(bucket_cap_mb * 1024 * 1024)
         self.placement = placement
         self.factor_comm = factor_comm
@@ -205,7 +255,13 @@ class KFAC:
 
         ranks = GroupRanks.of(process_group)
         self.group, self.world_size, self.rank = ranks.group, ranks.world_size, ranks.rank
-        fraction = 1.0 if grad_worker_fraction is None else grad_worker_fraction
+        fraction = resolve_grad_worker_fraction(grad_worker_fraction, self.world_size)
+        if placement == "lbp" and fraction < 1:
+            raise UsageError(
+                "placement='lbp' needs grad_worker_fraction=1 (COMM-OPT): it broadcasts each "
+                f"factor's decomposition to every rank, got grad_worker_fraction={fraction:g}; "
+                "use placement='greedy' for MEM-OPT or HYBRID"
+            )
         self.worker_groups = WorkerGroups.for_fraction(fraction, self.world_size)
         self.grad_worker_fraction = self.worker_groups.workers / self.world_size
 
@@ -243,6 +299,9 @@ class KFAC:
                 inv_dtype=inv_dtype,
                 bucket_cap_mb=bucket_cap_mb,
                 placement=placement,
+                assignment_strategy=balance.value,
+                symmetry_aware=symmetry_aware,
+                grad_scaler=self._grad_scale is not None,
                 decomposition_cost=decomposition_cost,
                 broadcast_cost=broadcast_cost,
                 factor_comm=factor_comm,
@@ -266,6 +325,7 @@ class KFAC:
             device=self._device(),
             decomposition_cost=decomposition_cost,
             broadcast_cost=broadcast_cost,
+            balance=balance.value,
         )
         self._comm = FactorComm(
             factor_comm,
@@ -276,8 +336,18 @@ class KFAC:
             profile_steps=profile_steps,
             factor_cost=factor_cost,
             spans=self._spans,
+            symmetry_aware=symmetry_aware,
         )
         self.assignment.make_owner_groups()
+        for layer in self._layers:
+            _LOG.log(
+                loglevel,
+                "K-FAC registered %s: A %d, G %d",
+                layer.name,
+                layer.helper.a_dim,
+                layer.helper.g_dim,
+            )
+        _LOG.log(loglevel, "K-FAC layer assignment: %s", self.describe().splitlines()[0])
         if self.skipped and self.rank == 0:
             listing = ", ".join(f"{name} ({why})" for name, why in self.skipped.items())
             warnings.warn(
@@ -424,6 +494,8 @@ class KFAC:
         started = time.perf_counter()
         self._batch_checked = False
         with torch.no_grad():
+            if self._grad_scale is not None:
+                grad = grad / self._grad_scale()  # G of the unscaled loss, as without AMP
             per_example = self.g_normalization == "per-example"
             g = layer.add_grad_output(grad, self.factor_dtype, self.world_size, per_example)
             self._comm.factor_ready((layer.name, "G"), g, layer.g_count)
@@ -686,26 +758,43 @@ class KFAC:
 
     # -- state --------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        """Step count, plain hyperparameters, and per layer its factors and decompositions."""
+    def state_dict(self, include_factors: bool = True) -> dict[str, Any]:
+        """Step count, plain hyperparameters, and per layer its factors and decompositions.
+
+        Args:
+            include_factors: Keep the layers' factors and decompositions (kfac-pytorch's
+                option). Without them the checkpoint is small, but a resumed run
+                preconditions nothing until its next factor and decomposition steps.
+        """
         state: dict[str, Any] = {"steps": self.steps}
         for key in _PLAIN_HYPERPARAMETERS:
             value = getattr(self, f"_{key}")
             if not callable(value):
                 state[key] = value
-        state["layers"] = {layer.name: layer.state_dict() for layer in self._layers}
+        if include_factors:
+            state["layers"] = {layer.name: layer.state_dict() for layer in self._layers}
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; a layer without saved decompositions is re-decomposed.
+    def load_state_dict(self, state: dict[str, Any], compute_inverses: bool = True) -> None:
+        """Restore :meth:`state_dict`.
 
         Args:
             state: What :meth:`state_dict` returned (on any rank of the same run).
+            compute_inverses: Decompose the loaded factors again at the next step wherever a
+                gradient worker lacks a saved decomposition (kfac-pytorch's option). False
+                waits for the next scheduled decomposition step instead.
         """
         self.steps = int(state["steps"])
         for key in _PLAIN_HYPERPARAMETERS:
             if key in state:
                 setattr(self, f"_{key}", state[key])
+        if "layers" not in state and compute_inverses:
+            warnings.warn(
+                "K-FAC state has no factors (saved with include_factors=False), so nothing can "
+                "be decomposed until the next factor and decomposition steps",
+                KFACWarning,
+                stacklevel=2,
+            )
         saved = state.get("layers", {})
         names = {layer.name for layer in self._layers}
         unknown = sorted(set(saved) - names)
@@ -720,7 +809,8 @@ class KFAC:
                 continue
             layer.load_state_dict(entry, device)
             holds = layer.a_decomp is not None and layer.g_decomp is not None
-            if layer.decomposed and self.assignment.is_grad_worker(layer.name) and not holds:
+            worker = self.assignment.is_grad_worker(layer.name)
+            if compute_inverses and layer.decomposed and worker and not holds:
                 self._needs_decomposition = True
         self._loaded = True
 
@@ -732,6 +822,48 @@ class KFAC:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         self._needs_decomposition = bool(flag.item())
 
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes this rank holds for K-FAC, by kind, as kfac-pytorch reports them.
+
+        Returns:
+            ``a_factors``, ``g_factors`` (running averages), ``a_batch``, ``g_batch`` (this
+            step's sums), ``a_inverses``, ``g_inverses`` (decompositions) and ``total``.
+        """
+        sizes = dict.fromkeys(
+            ("a_factors", "g_factors", "a_batch", "g_batch", "a_inverses", "g_inverses"), 0
+        )
+        for layer in self._layers:
+            for key, tensors in layer.held_tensors().items():
+                sizes[key] += sum(t.numel() * t.element_size() for t in tensors)
+        sizes["total"] = sum(sizes.values())
+        return sizes
+
+    def reset_batch(self) -> None:
+        """Forget the factors summed since the last step (kfac-pytorch's ``reset_batch``)."""
+        for layer in self._layers:
+            layer.reset_batch()
+
+    def __repr__(self) -> str:
+        settings = {
+            "layers": len(self._layers),
+            "steps": self.steps,
+            **{key: getattr(self, f"_{key}") for key in _PLAIN_HYPERPARAMETERS},
+            "accumulation_steps": self.accumulation_steps,
+            "compute_method": self.compute_method,
+            "grad_worker_fraction": self.grad_worker_fraction,
+            "placement": self.placement,
+            "assignment_strategy": self.assignment_strategy.value,
+            "factor_comm": self.factor_comm,
+            "fusion": self.fusion,
+            "bucket_cap_mb": self.bucket_bytes / 2**20,
+            "symmetry_aware": self.symmetry_aware,
+            "grad_scaler": self._grad_scale is not None,
+            "factor_dtype": self.factor_dtype,
+            "inv_dtype": self.inv_dtype,
+        }
+        lines = "".join(f"  {key}={value!r},\n" for key, value in sorted(settings.items()))
+        return f"{type(self).__name__}(\n{lines})"
+
     def remove_hooks(self) -> None:
         """Detach K-FAC from the model (its modules' hooks); the preconditioner is then inert."""
         for layer in self._layers:
@@ -739,6 +871,10 @@ class KFAC:
 
     def __iter__(self) -> Iterator[str]:
         return iter(layer.name for layer in self._layers)
+
+
+#: :class:`KFAC` under kfac-pytorch's name (``kfac.preconditioner.KFACPreconditioner``).
+KFACPreconditioner = KFAC
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> list[bool]:
