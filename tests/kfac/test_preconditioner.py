@@ -100,7 +100,7 @@ def test_skip_layers_match_names_parents_and_classes() -> None:
         ({"inv_update_steps": 0}, "inv_update_steps"),
         ({"kl_clip": 0.0}, "kl_clip"),
         ({"accumulation_steps": 0}, "accumulation_steps"),
-        ({"grad_worker_fraction": 0.0}, "grad_worker_fraction"),
+        ({"grad_worker_fraction": -0.5}, "grad_worker_fraction"),
     ],
 )
 def test_bad_hyperparameters_are_clear_errors(kwargs: dict[str, object], match: str) -> None:

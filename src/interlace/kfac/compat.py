@@ -16,6 +16,7 @@ from interlace.errors import UsageError
 from interlace.kfac.enums import AssignmentStrategy, DistributedStrategy, coerce_choice
 
 __all__ = [
+    "asks_for_comm_opt",
     "bucket_cap_from",
     "factor_comm_from",
     "grad_scale_function",
@@ -80,6 +81,21 @@ def resolve_grad_worker_fraction(value: object, world_size: int) -> float:
             stacklevel=3,
         )
     return fraction
+
+
+def asks_for_comm_opt(value: object) -> bool:
+    """Whether ``grad_worker_fraction`` asks for every rank as a gradient worker (COMM-OPT).
+
+    Args:
+        value: What the caller passed.
+    """
+    if value is None:
+        return True
+    if isinstance(value, str | enum.Enum):
+        return coerce_choice(DistributedStrategy, value, "grad_worker_fraction") is (
+            DistributedStrategy.COMM_OPT
+        )
+    return value == 1
 
 
 def bucket_cap_from(bucket_cap_mb: float | None, allreduce_bucket_cap_mb: float | None) -> float:

@@ -24,6 +24,7 @@ from interlace.comm.cost import CostModel
 from interlace.errors import UsageError
 from interlace.kfac.assignment import PLACEMENTS, GroupRanks, WorkAssignment
 from interlace.kfac.compat import (
+    asks_for_comm_opt,
     bucket_cap_from,
     factor_comm_from,
     grad_scale_function,
@@ -256,11 +257,11 @@ class KFAC:
         ranks = GroupRanks.of(process_group)
         self.group, self.world_size, self.rank = ranks.group, ranks.world_size, ranks.rank
         fraction = resolve_grad_worker_fraction(grad_worker_fraction, self.world_size)
-        if placement == "lbp" and fraction < 1:
+        if placement == "lbp" and not asks_for_comm_opt(grad_worker_fraction):
             raise UsageError(
                 "placement='lbp' needs grad_worker_fraction=1 (COMM-OPT): it broadcasts each "
-                f"factor's decomposition to every rank, got grad_worker_fraction={fraction:g}; "
-                "use placement='greedy' for MEM-OPT or HYBRID"
+                f"factor's decomposition to every rank, got grad_worker_fraction="
+                f"{grad_worker_fraction!r}; use placement='greedy' for MEM-OPT or HYBRID"
             )
         self.worker_groups = WorkerGroups.for_fraction(fraction, self.world_size)
         self.grad_worker_fraction = self.worker_groups.workers / self.world_size
