@@ -201,7 +201,10 @@ def test_kl_clip_scale_is_kfac_pytorch_s_formula() -> None:
     assert kl_clip_scale(-4.0, 1e-3, 0.1) == pytest.approx(math.sqrt(1e-3 / (0.01 * 4.0)))
     assert kl_clip_scale(1e-6, 1e-3, 0.1) == 1.0  # never scales up
     assert kl_clip_scale(0.0, 1e-3, 0.1) == 1.0
-    assert kl_clip_scale(float("inf"), 1e-3, 0.1) == 1.0
+    # An overflowing sum clips to zero (kfac-pytorch's formula gives 0), never lets it through.
+    assert kl_clip_scale(float("inf"), 1e-3, 0.1) == 0.0
+    assert kl_clip_scale(float("nan"), 1e-3, 0.1) == 0.0
+    assert kl_clip_scale(1e308, 1e-3, 10.0) == 0.0
 
 
 @pytest.mark.parametrize("method", COMPUTE_METHODS)

@@ -87,7 +87,7 @@ def test_skip_layers_match_names_parents_and_classes() -> None:
         by_parent = KFAC(model, skip_layers=["1"])
     assert set(by_parent.layers) == {"0", "2"}
     by_parent.remove_hooks()
-    with pytest.raises(ValueError, match="no Linear, Conv2d or Embedding"):
+    with pytest.raises(ValueError, match="no Linear, Conv1d, Conv2d or Embedding"):
         KFAC(model, skip_layers=["linear"])
 
 
@@ -100,7 +100,7 @@ def test_skip_layers_match_names_parents_and_classes() -> None:
         ({"inv_update_steps": 0}, "inv_update_steps"),
         ({"kl_clip": 0.0}, "kl_clip"),
         ({"accumulation_steps": 0}, "accumulation_steps"),
-        ({"grad_worker_fraction": 0.0}, "grad_worker_fraction"),
+        ({"grad_worker_fraction": -0.5}, "grad_worker_fraction"),
     ],
 )
 def test_bad_hyperparameters_are_clear_errors(kwargs: dict[str, object], match: str) -> None:
@@ -109,7 +109,7 @@ def test_bad_hyperparameters_are_clear_errors(kwargs: dict[str, object], match: 
 
 
 def test_a_model_without_supported_layers_is_refused() -> None:
-    with pytest.raises(ValueError, match="no Linear, Conv2d or Embedding"):
+    with pytest.raises(ValueError, match="no Linear, Conv1d, Conv2d or Embedding"):
         KFAC(nn.Sequential(nn.BatchNorm1d(3)))
 
 

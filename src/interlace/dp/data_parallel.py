@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_leaves
 
+from interlace.comm.agree import check_agreement, describe_tensors
 from interlace.comm.calibrate import fit_concurrency, fit_cost_model
 from interlace.comm.channels import (
     MAX_AUTO_CHANNELS,
@@ -35,7 +37,7 @@ from interlace.comm.tuning import PlanTrials
 from interlace.distenv import collective_device
 from interlace.dp.iteration import CommEvent, ProfiledPasses, iteration_timeline
 from interlace.dp.plan_state import plan_from_dict, plan_state_of
-from interlace.dp.replicas import BufferBroadcast, broadcast_from_first, check_same_model
+from interlace.dp.replicas import BufferBroadcast, broadcast_from_first
 from interlace.errors import UsageError
 from interlace.timeline import Timeline
 
@@ -99,6 +101,13 @@ class DataParallel(nn.Module):
         tune_steps: int = 2,
     ) -> None:
         super().__init__()
+        if not isinstance(broadcast_buffers, bool):
+            raise UsageError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
+        if cost_model is not None and not isinstance(cost_model, CostModel):
+            raise UsageError(
+                "cost_model must be an interlace CostModel or None, got "
+                f"{type(cost_model).__name__}"
+            )
         self._request = _plan_request(
             bucketing=bucketing,
             bucket_cap_mb=bucket_cap_mb,
@@ -138,16 +147,26 @@ class DataParallel(nn.Module):
         self._rank = dist.get_rank(process_group)
         self._src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
 
-        check_same_model(named, process_group)
-        # Checked before any group is created: ranks that disagree here would hang there.
-        check_same_everywhere(
+        # Before any other collective: ranks that disagree on these would hang or abort in the
+        # collectives that follow, or average differently laid out tensors.
+        check_agreement(
+            "DataParallel",
             {
-                "bucketing": self.bucketing.value,
+                "bucketing": self.bucketing,
+                "bucket_cap_mb": bucket_cap_mb,
+                "first_bucket_cap_mb": first_bucket_cap_mb,
+                "profile_steps": self.profile_steps,
+                "tune_steps": tune_steps,
+                "broadcast_buffers": broadcast_buffers,
                 "channels": channels,
                 "partition_mb": partition_mb,
                 "compression": compression,
+                "cost_model": _cost_model_kind(cost_model),
             },
-            "DataParallel's communication settings",
+            {
+                **describe_tensors("parameter", named),
+                **describe_tensors("buffer", module.named_buffers()),
+            },
             process_group,
         )
         broadcast_from_first([*self._params, *module.buffers()], process_group)
@@ -558,18 +577,18 @@ def _plan_request(
 ) -> PlanRequest:
     """DataParallel's settings, checked, as the plan choice takes them; raises UsageError."""
     chosen = bucketing_named(bucketing)
-    if not bucket_cap_mb > 0 or not first_bucket_cap_mb > 0:
-        raise UsageError(
-            f"bucket caps must be > 0 MB, got bucket_cap_mb={bucket_cap_mb}, "
-            f"first_bucket_cap_mb={first_bucket_cap_mb}"
-        )
-    if channels != "auto" and not (isinstance(channels, int) and channels >= 1):
+    caps = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb}
+    for name, cap in caps.items():
+        if not _is_real(cap) or not 0 < cap < math.inf:
+            raise UsageError(f"bucket caps must be > 0 MB and finite, got {name}={cap!r}")
+    if channels != "auto" and not (_is_int(channels) and channels >= 1):
         raise UsageError(f"channels must be an integer >= 1 or 'auto', got {channels!r}")
-    if partition_mb not in ("auto", None) and (
-        isinstance(partition_mb, str) or not partition_mb > 0
+    if partition_mb not in ("auto", None) and not (
+        _is_real(partition_mb) and 0 < partition_mb < math.inf
     ):
         raise UsageError(
-            f"partition_mb must be > 0, None (never split) or 'auto', got {partition_mb!r}"
+            f"partition_mb must be > 0 and finite, None (never split) or 'auto', "
+            f"got {partition_mb!r}"
         )
     if compression is not None and compression not in COMPRESSIONS:
         raise UsageError(
@@ -581,12 +600,13 @@ def _plan_request(
             "bucketing='optimal' is exact on one channel only; use bucketing='merged' with "
             f"channels={channels!r}"
         )
-    if tune_steps < 0:
+    if not (_is_int(tune_steps) and tune_steps >= 0):
         raise UsageError(
-            f"tune_steps must be >= 0 (0: keep the cost model's plan), got {tune_steps}"
+            f"tune_steps must be an integer >= 0 (0: keep the cost model's plan), "
+            f"got {tune_steps!r}"
         )
-    if profile_steps is not None and profile_steps < 1:
-        raise UsageError(f"profile_steps must be >= 1, got {profile_steps}")
+    if profile_steps is not None and not (_is_int(profile_steps) and profile_steps >= 1):
+        raise UsageError(f"profile_steps must be an integer >= 1 or None, got {profile_steps!r}")
     if not dist.is_available() or not dist.is_initialized():
         raise UsageError(
             "torch.distributed is not initialised: call "
@@ -603,6 +623,25 @@ def _plan_request(
         compression=compression,
         tune_steps=tune_steps,
     )
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    """An integer, and not a bool (``True`` is an ``int`` to Python, never a count here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> TypeGuard[int | float]:
+    """A real number (int or float), and not a bool."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _cost_model_kind(cost_model: CostModel | None) -> str:
+    """What decides the collectives a cost model leads to (rank 0's plans for everyone): whether
+    one is given (else it is fitted, collectively) and how many concurrency terms it has (else
+    they are measured, collectively)."""
+    if cost_model is None:
+        return "fitted on the group"
+    return f"given, with {len(cost_model.concurrency)} concurrency term(s)"
 
 
 def _trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -1,48 +1,15 @@
-"""Keeping the replicas alike: the same-model check, and rank 0's parameters and buffers."""
+"""Keeping the replicas alike: rank 0's parameters and buffers, at wrap time and every forward.
+
+That the ranks built the same model is checked by :func:`interlace.comm.agree.check_agreement`.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-
-from interlace.errors import UsageError
-
-
-def check_same_model(
-    named: Sequence[tuple[str, torch.Tensor]], process_group: dist.ProcessGroup | None = None
-) -> None:
-    """Raise on every rank unless every rank has the same parameter names, shapes and dtypes.
-
-    Args:
-        named: this rank's ``(name, parameter)`` pairs, in registration order.
-        process_group: the ranks to compare (default: the world).
-
-    Raises:
-        UsageError: naming the first rank and parameter that differ from rank 0's.
-    """
-    signature = [(name, tuple(p.shape), str(p.dtype)) for name, p in named]
-    gathered: list[Any] = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(gathered, signature, group=process_group)
-    reference = gathered[0]
-    for rank, theirs in enumerate(gathered):
-        if theirs == reference:
-            continue
-        if len(theirs) != len(reference):
-            raise UsageError(
-                f"rank {rank} has {len(theirs)} trainable parameters but rank 0 has "
-                f"{len(reference)}; every rank must build the same model"
-            )
-        for mine, other in zip(reference, theirs, strict=True):
-            if mine != other:
-                raise UsageError(
-                    f"parameter '{other[0]}' has shape {other[1]} ({other[2]}) on rank "
-                    f"{rank} but '{mine[0]}' has shape {mine[1]} ({mine[2]}) on rank 0; "
-                    "every rank must build the same model"
-                )
 
 
 def broadcast_from_first(

@@ -1,5 +1,18 @@
-"""Distributed K-FAC (SC20 / KAISA, SPD-KFAC): :class:`KFAC` and the pieces it is built from."""
+"""Distributed K-FAC (SC20 / KAISA, SPD-KFAC): :class:`KFAC` and the pieces it is built from.
 
-from interlace.kfac.preconditioner import KFAC, PHASES, KFACWarning
+``KFACPreconditioner`` is :class:`KFAC` under kfac-pytorch's name, and :mod:`interlace.kfac.enums`
+holds its enums, so a kfac-pytorch script switches by changing its imports.
+"""
 
-__all__ = ["KFAC", "PHASES", "KFACWarning"]
+from interlace.kfac.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy
+from interlace.kfac.preconditioner import KFAC, PHASES, KFACPreconditioner, KFACWarning
+
+__all__ = [
+    "KFAC",
+    "PHASES",
+    "AssignmentStrategy",
+    "ComputeMethod",
+    "DistributedStrategy",
+    "KFACPreconditioner",
+    "KFACWarning",
+]

@@ -22,6 +22,7 @@ from interlace.kfac.placement import (
     decomposition_cost,
     greedy_placement,
     lbp_placement,
+    memory_cost,
     predicted_makespan,
     round_robin_placement,
     schedule_order,
@@ -110,6 +111,8 @@ class WorkAssignment:
         device: Where LBP's start-up measurements run.
         decomposition_cost: LBP's decomposition cost model (None: measured when needed).
         broadcast_cost: LBP's broadcast cost model (None: measured when needed).
+        balance: What greedy placement balances: ``"compute"`` (decomposition work, ``n^3``)
+            or ``"memory"`` (``n^2``; kfac-pytorch's ``AssignmentStrategy.MEMORY``).
     """
 
     def __init__(
@@ -124,10 +127,12 @@ class WorkAssignment:
         device: torch.device,
         decomposition_cost: DecompositionCostModel | None = None,
         broadcast_cost: CostModel | None = None,
+        balance: str = "compute",
     ) -> None:
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
         self.placement = placement
+        self.balance = balance
         self.worker_groups = worker_groups
         self.world_size = worker_groups.world_size
         self.compute_method = compute_method
@@ -159,8 +164,9 @@ class WorkAssignment:
         if self.placement == "round-robin":
             owners = round_robin_placement(len(layers), self.world_size)
         else:
+            cost = memory_cost if self.balance == "memory" else decomposition_cost
             costs = [
-                decomposition_cost(layer.helper.a_dim, layer.helper.g_dim, layer.helper.diagonal_a)
+                cost(layer.helper.a_dim, layer.helper.g_dim, layer.helper.diagonal_a)
                 for layer in layers
             ]
             owners = greedy_placement(costs, self.world_size)

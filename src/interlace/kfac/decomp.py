@@ -199,7 +199,8 @@ def precondition(
 def kl_clip_scale(products: float, kl_clip: float | None, lr: float) -> float:
     """kfac-pytorch's KL-clip: ``min(1, sqrt(kl_clip / |lr^2 * sum <V', V>|))``.
 
-    ``products`` is ``sum <V', V>`` over all preconditioned layers.
+    ``products`` is ``sum <V', V>`` over all preconditioned layers. A sum that is not finite
+    (the preconditioned gradients overflow) gives 0, as kfac-pytorch's formula does.
 
     Args:
         products: ``sum <V', V>`` over all preconditioned layers.
@@ -209,6 +210,8 @@ def kl_clip_scale(products: float, kl_clip: float | None, lr: float) -> float:
     if kl_clip is None:
         return 1.0
     total = abs(products * lr * lr)
-    if total == 0.0 or not math.isfinite(total):
+    if not math.isfinite(total):
+        return 0.0  # kfac-pytorch's formula gives 0 here too: an overflow is never let through
+    if total == 0.0:
         return 1.0
     return min(1.0, math.sqrt(kl_clip / total))

@@ -213,6 +213,8 @@ class FactorComm:
         profile_steps: Factor steps profiled before ``"merged"`` plans its buckets.
         factor_cost: The all-reduce cost model behind ``"merged"`` (None: fitted when needed).
         spans: Where timed spans go.
+        symmetry_aware: Bulk all-reduces send each factor's upper triangle only (kfac-pytorch's
+            ``symmetry_aware``); pipelined buckets always do.
     """
 
     def __init__(
@@ -226,6 +228,7 @@ class FactorComm:
         profile_steps: int,
         factor_cost: CostModel | None,
         spans: SpanLog,
+        symmetry_aware: bool = False,
     ) -> None:
         if mode not in FACTOR_COMMS:
             raise ValueError(f"factor_comm must be one of {', '.join(FACTOR_COMMS)}, got {mode!r}")
@@ -237,6 +240,7 @@ class FactorComm:
         self.group = ranks.group
         self.global_ranks = ranks.global_ranks
         self.bucket_bytes = bucket_bytes
+        self.symmetry_aware = symmetry_aware
         self.accumulation_steps = accumulation_steps
         self.profile_steps = profile_steps
         #: The all-reduce cost model behind ``fusion="merged"`` (given, or fitted when needed).
@@ -284,7 +288,16 @@ class FactorComm:
         Args:
             tensors: The same shapes and dtypes on every rank.
         """
-        return all_reduce_mean(tensors, self.world_size, self.group, self.bucket_bytes)
+        if not self.symmetry_aware or self.world_size == 1:
+            return all_reduce_mean(tensors, self.world_size, self.group, self.bucket_bytes)
+        packed = [pack_upper(tensor) for tensor in tensors]
+        # A diagonal factor passes through pack_upper as itself; the all-reduce is in place.
+        packed = [p.clone() if p is t else p for p, t in zip(packed, tensors, strict=True)]
+        means = all_reduce_mean(packed, self.world_size, self.group, self.bucket_bytes)
+        return [
+            unpack_upper(mean, tensor.shape[0], diagonal=tensor.dim() == 1)
+            for mean, tensor in zip(means, tensors, strict=True)
+        ]
 
     def agree_presence(
         self, layers: Sequence[KFACLayer], device: torch.device
@@ -349,7 +362,8 @@ class FactorComm:
             [[layer.a_count, layer.g_count] for layer in layers], dtype=torch.int64
         )
         present = (counts > 0).to(torch.int64).reshape(-1)
-        repeated = int(bool((counts > 1).any()))
+        # A layer seen twice, or restarted after a skipped step: the sums sent are stale.
+        repeated = int(bool((counts > 1).any()) or any(layer.restarted for layer in layers))
         flags = torch.cat([present, torch.tensor([-repeated])]).to(device)
         # On the main group, idle once backward has returned: on the factor group this small
         # all-reduce would queue behind the buckets still in flight and hide their wait here.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -19,7 +20,15 @@ from interlace.kfac.decomp import (
 )
 from interlace.kfac.layers import LayerHelper, make_helper
 
-__all__ = ["KFACLayer", "PendingBroadcast", "find_layers", "unwrap"]
+__all__ = [
+    "KFACLayer",
+    "PendingBroadcast",
+    "describe_layers",
+    "find_layers",
+    "gradient_marks",
+    "restart_non_finite",
+    "unwrap",
+]
 
 
 class PendingBroadcast:
@@ -71,6 +80,9 @@ class KFACLayer:
         self.g_sum: torch.Tensor | None = None
         self.a_count = 0
         self.g_count = 0
+        #: Whether this step's sums were restarted (by :meth:`restart_batch`) after part of the
+        #: step's factors had been sent: they must then be averaged anew.
+        self.restarted = False
         #: The running averages (None until the first factor step reaches this layer).
         self.a_factor: torch.Tensor | None = None
         self.g_factor: torch.Tensor | None = None
@@ -135,6 +147,14 @@ class KFACLayer:
         """Forget this step's factor sums."""
         self.a_sum = self.g_sum = None
         self.a_count = self.g_count = 0
+        self.restarted = False
+
+    def restart_batch(self) -> None:
+        """Forget the factor sums so far, within a step (after a batch whose step was skipped);
+        :attr:`restarted` tells the factor communication that what it sent is stale."""
+        self.a_sum = self.g_sum = None
+        self.a_count = self.g_count = 0
+        self.restarted = True
 
     def update_factors(self, a: torch.Tensor, g: torch.Tensor, decay: float) -> None:
         """Fold averaged factors into the running averages (which start from the identity).
@@ -359,6 +379,18 @@ class KFACLayer:
         self.a_decomp, self.g_decomp = decomps
         self.decomposed = self.a_factor is not None
 
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this layer holds, by kind (see ``KFAC.memory_usage``)."""
+        held: dict[str, list[torch.Tensor]] = {
+            "a_factors": [self.a_factor] if self.a_factor is not None else [],
+            "g_factors": [self.g_factor] if self.g_factor is not None else [],
+            "a_batch": [self.a_sum] if self.a_sum is not None else [],
+            "g_batch": [self.g_sum] if self.g_sum is not None else [],
+        }
+        for key, decomposition in (("a_inverses", self.a_decomp), ("g_inverses", self.g_decomp)):
+            held[key] = decomposition.tensors() if decomposition is not None else []
+        return held
+
     def remove_hooks(self) -> None:
         """Remove the module's K-FAC hooks."""
         for handle in self.handles:
@@ -409,8 +441,9 @@ def find_layers(
 
     Args:
         model: The model (unwrapped, see :func:`unwrap`).
-        skip_layers: Names of modules to leave out: a module's name, any enclosing module's
-            name, or its class name (case-insensitive).
+        skip_layers: Modules to leave out. Each entry matches a module's name, any enclosing
+            module's name or its class name (case-insensitive), or, as kfac-pytorch reads it,
+            is a regular expression found in the module's name or class name.
         compute_method: ``"eigen"`` or ``"inverse"``.
         inv_dtype: The dtype decompositions are kept in.
 
@@ -421,6 +454,7 @@ def find_layers(
         ValueError: No layer is left to precondition.
     """
     skip = {s.lower() for s in skip_layers}
+    patterns = [_pattern(s) for s in skip_layers]
     layers: list[KFACLayer] = []
     skipped: dict[str, str] = {}
     for name, module in model.named_modules():
@@ -430,7 +464,9 @@ def find_layers(
         # The module's own name and every enclosing module's ("block", "block.0", ...).
         segments = name.lower().split(".")
         names = {".".join(segments[: i + 1]) for i in range(len(segments))}
-        if names & skip or type(module).__name__.lower() in skip:
+        kind = type(module).__name__
+        found = any(p is not None and (p.search(name) or p.search(kind)) for p in patterns)
+        if names & skip or kind.lower() in skip or found:
             skipped[name] = "in skip_layers"
             continue
         helper, reason = make_helper(module)
@@ -440,7 +476,79 @@ def find_layers(
         layers.append(KFACLayer(name or type(module).__name__, helper, compute_method, inv_dtype))
     if not layers:
         raise ValueError(
-            "K-FAC found no Linear, Conv2d or Embedding layer with a trainable weight to "
+            "K-FAC found no Linear, Conv1d, Conv2d or Embedding layer with a trainable weight to "
             "precondition in this model (check skip_layers)"
         )
     return layers, skipped
+
+
+def _pattern(text: str) -> re.Pattern[str] | None:
+    """``text`` as a regular expression; None when it is not one (it still matches by name)."""
+    try:
+        return re.compile(text)
+    except re.error:
+        return None
+
+
+def describe_layers(layers: Iterable[KFACLayer]) -> dict[str, str]:
+    """The registered layers as ranks compare them: kind, weight shape and dtype, bias, factor
+    sides, and their order (the factor collectives are laid out in it).
+
+    Args:
+        layers: The registered layers, in order.
+
+    Returns:
+        ``{"layer '<name>'": "Linear weight (8, 6) float32 with bias, A 7, G 8", ...,
+        "layer order": "<name>, ..."}``.
+    """
+    entries: dict[str, str] = {}
+    for layer in layers:
+        helper = layer.helper
+        weight = helper.weight
+        bias = "with bias" if helper.bias is not None else "without bias"
+        dtype = str(weight.dtype).removeprefix("torch.")
+        entries[f"layer '{layer.name}'"] = (
+            f"{type(helper.module).__name__} weight {tuple(weight.shape)} {dtype} {bias}, "
+            f"A {helper.a_dim}, G {helper.g_dim}"
+        )
+    entries["layer order"] = ", ".join(layer.name for layer in layers)
+    return entries
+
+
+def restart_non_finite(layers: Iterable[KFACLayer]) -> list[str]:
+    """Restart the factor sums that are not finite (one read back for all layers).
+
+    Args:
+        layers: The registered layers.
+
+    Returns:
+        The names of the layers restarted.
+    """
+    held = [layer for layer in layers if layer.a_count or layer.g_count]
+    if not held:
+        return []
+    per_layer = [
+        torch.stack(
+            [torch.isfinite(t).all() for t in (layer.a_sum, layer.g_sum) if t is not None]
+        ).all()
+        for layer in held
+    ]
+    finite: list[bool] = torch.stack(per_layer).tolist()
+    bad = [layer for layer, ok in zip(held, finite, strict=True) if not ok]
+    for layer in bad:
+        layer.restart_batch()
+    return [layer.name for layer in bad]
+
+
+def gradient_marks(layers: Iterable[KFACLayer]) -> list[tuple[int, int] | None]:
+    """Each layer's weight gradient as ``(id, version)``, None when absent: any backward,
+    zeroing or replacement of a gradient changes its mark.
+
+    Args:
+        layers: The registered layers.
+    """
+    marks: list[tuple[int, int] | None] = []
+    for layer in layers:
+        grad = layer.helper.weight.grad
+        marks.append(None if grad is None else (id(grad), grad._version))
+    return marks

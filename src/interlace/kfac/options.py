@@ -1,13 +1,19 @@
-"""The checks of ``KFAC``'s constructor options, made before it touches the model."""
+"""The checks of ``KFAC``'s constructor options and hyperparameters, made before it touches the
+model (and, for callables, at every step)."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from typing import Any, TypeGuard
+
+from interlace.errors import UsageError
 from interlace.kfac.assignment import PLACEMENTS
 from interlace.kfac.decomp import COMPUTE_METHODS
 from interlace.kfac.factor_comm import FACTOR_COMMS
 from interlace.kfac.fusion import FUSIONS
 
-__all__ = ["G_NORMALIZATIONS", "check_options"]
+__all__ = ["G_NORMALIZATIONS", "agreement_settings", "check_hyperparameters", "check_options"]
 
 #: Values of ``KFAC(g_normalization=...)``: how ``G`` is scaled.
 G_NORMALIZATIONS = ("kfac-pytorch", "per-example")
@@ -39,33 +45,105 @@ def check_options(
         bucket_cap_mb: ``KFAC(bucket_cap_mb=)``.
 
     Raises:
-        ValueError: The first option that is out of range.
+        UsageError: The first option that is out of range (a ``ValueError``).
     """
-    if factor_comm not in FACTOR_COMMS:
-        raise ValueError(
-            f"factor_comm must be one of {', '.join(FACTOR_COMMS)}, got {factor_comm!r}"
+    _check_choice("factor_comm", factor_comm, FACTOR_COMMS)
+    _check_choice("fusion", fusion, FUSIONS)
+    _check_count("profile_steps", profile_steps)
+    _check_choice("g_normalization", g_normalization, G_NORMALIZATIONS)
+    _check_choice("placement", placement, PLACEMENTS)
+    _check_choice("compute_method", compute_method, COMPUTE_METHODS)
+    _check_count("accumulation_steps", accumulation_steps)
+    if grad_worker_fraction is not None and not (
+        _is_real(grad_worker_fraction) and 0 < grad_worker_fraction <= 1
+    ):
+        raise UsageError(
+            f"grad_worker_fraction must be a number in (0, 1] or None, got "
+            f"{grad_worker_fraction!r}; use 1 for COMM-OPT, 1/world_size for MEM-OPT"
         )
-    if fusion not in FUSIONS:
-        raise ValueError(f"fusion must be one of {', '.join(FUSIONS)}, got {fusion!r}")
-    if profile_steps < 1:
-        raise ValueError(f"profile_steps must be >= 1, got {profile_steps}")
-    if g_normalization not in G_NORMALIZATIONS:
-        raise ValueError(
-            f"g_normalization must be one of {', '.join(G_NORMALIZATIONS)}, got {g_normalization!r}"
-        )
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
+    if not (_is_real(bucket_cap_mb) and 0 < bucket_cap_mb < math.inf):
+        raise UsageError(f"bucket_cap_mb must be > 0 and finite, got {bucket_cap_mb!r}")
     if placement == "lbp" and grad_worker_fraction is not None and grad_worker_fraction < 1:
-        raise ValueError(
+        raise UsageError(
             "placement='lbp' needs grad_worker_fraction=1 (COMM-OPT): it broadcasts each "
             f"factor's decomposition to every rank, got grad_worker_fraction="
             f"{grad_worker_fraction}; use placement='greedy' for MEM-OPT or HYBRID"
         )
-    if compute_method not in COMPUTE_METHODS:
-        raise ValueError(
-            f"compute_method must be one of {', '.join(COMPUTE_METHODS)}, got {compute_method!r}"
+
+
+#: ``KFAC``'s hyperparameters that count steps (integers >= 1).
+_STEP_COUNTS = ("factor_update_steps", "inv_update_steps")
+
+
+def check_hyperparameters(values: Mapping[str, Any], step: int) -> None:
+    """Refuse a hyperparameter value (given, or a callable's at ``step``) out of range.
+
+    Args:
+        values: ``factor_update_steps``, ``inv_update_steps``, ``damping``, ``factor_decay``,
+            ``kl_clip`` and ``lr`` as numbers.
+        step: The step they hold at, for the message.
+
+    Raises:
+        UsageError: The first bad value: a bool, a non-number, a non-finite number, a
+            fractional step count, or one out of range.
+    """
+    at = f" (at step {step})"
+    for name in _STEP_COUNTS:
+        value = values[name]
+        if not (_is_real(value) and math.isfinite(value) and value == int(value) and value >= 1):
+            raise UsageError(f"{name} must be an integer >= 1, got {value!r}{at}")
+    for name, value in values.items():
+        if name in _STEP_COUNTS or (name == "kl_clip" and value is None):
+            continue
+        if not (_is_real(value) and math.isfinite(value)):
+            hint = " (use kl_clip=None for no clip)" if name == "kl_clip" else ""
+            raise UsageError(f"{name} must be a finite number, got {value!r}{hint}{at}")
+    ranges = [
+        (values["damping"] >= 0, "damping must be >= 0"),
+        (0 <= values["factor_decay"] < 1, "factor_decay must be in [0, 1)"),
+        (values["kl_clip"] is None or values["kl_clip"] > 0, "kl_clip must be > 0 or None"),
+        (values["lr"] > 0, "lr must be > 0"),
+    ]
+    for ok, message in ranges:
+        if not ok:
+            raise UsageError(f"{message}{at}")
+
+
+def agreement_settings(
+    given: Mapping[str, Any], at_start: Mapping[str, Any], **options: Any
+) -> dict[str, Any]:
+    """``KFAC``'s settings as ranks compare them (see :mod:`interlace.comm.agree`).
+
+    A hyperparameter given as a callable is compared by its value at step 0; a cost model by its
+    value, or as measured at start-up (collectively) when not given.
+
+    Args:
+        given: The hyperparameters as given (numbers or callables).
+        at_start: Their values at step 0.
+        **options: The other settings; ``*_cost`` ones are cost models or None.
+    """
+    settings: dict[str, Any] = {
+        key: f"{at_start[key]!r} at step 0 (a callable)" if callable(value) else value
+        for key, value in given.items()
+    }
+    for key, value in options.items():
+        is_cost = key.endswith("_cost")
+        settings[key] = (
+            ("measured at start-up" if value is None else repr(value)) if is_cost else value
         )
-    if accumulation_steps < 1:
-        raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
-    if not bucket_cap_mb > 0:
-        raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+    return settings
+
+
+def _is_real(value: object) -> TypeGuard[int | float]:
+    """An int or float, and not a bool (``True`` is an ``int`` to Python, never a setting here)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_count(name: str, value: object) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise UsageError(f"{name} must be one of {', '.join(choices)}, got {value!r}")

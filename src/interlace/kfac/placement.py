@@ -18,6 +18,7 @@ __all__ = [
     "factor_greedy_placement",
     "greedy_placement",
     "lbp_placement",
+    "memory_cost",
     "predicted_makespan",
     "round_robin_placement",
     "schedule_order",
@@ -34,6 +35,17 @@ def decomposition_cost(a_dim: int, g_dim: int, a_diagonal: bool = False) -> floa
         a_diagonal: Whether ``A`` is a diagonal.
     """
     return float(a_dim if a_diagonal else a_dim**3) + float(g_dim**3)
+
+
+def memory_cost(a_dim: int, g_dim: int, a_diagonal: bool = False) -> float:
+    """Relative memory of a layer's decompositions: ``n^2`` each (a diagonal takes ``n``).
+
+    Args:
+        a_dim: Side of ``A``.
+        g_dim: Side of ``G``.
+        a_diagonal: Whether ``A`` is a diagonal.
+    """
+    return float(a_dim if a_diagonal else a_dim**2) + float(g_dim**2)
 
 
 def greedy_placement(costs: Sequence[float], ranks: int) -> list[int]:

@@ -7,6 +7,7 @@ The per-layer work is done by :class:`~interlace.kfac.layer.KFACLayer`, placemen
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -18,14 +19,42 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from interlace.comm.agree import check_agreement
 from interlace.comm.cost import CostModel
+from interlace.errors import UsageError
 from interlace.kfac.assignment import PLACEMENTS, GroupRanks, WorkAssignment
+from interlace.kfac.compat import (
+    asks_for_comm_opt,
+    bucket_cap_from,
+    factor_comm_from,
+    grad_scale_function,
+    placement_from,
+    resolve_grad_worker_fraction,
+)
 from interlace.kfac.costs import DecompositionCostModel
 from interlace.kfac.decomp import kl_clip_scale
+from interlace.kfac.enums import (
+    AssignmentStrategy,
+    ComputeMethod,
+    DistributedStrategy,
+    coerce_choice,
+)
 from interlace.kfac.factor_comm import FACTOR_COMMS, FactorComm
 from interlace.kfac.fusion import FUSIONS
-from interlace.kfac.layer import KFACLayer, find_layers, unwrap
-from interlace.kfac.options import G_NORMALIZATIONS, check_options
+from interlace.kfac.layer import (
+    KFACLayer,
+    describe_layers,
+    find_layers,
+    gradient_marks,
+    restart_non_finite,
+    unwrap,
+)
+from interlace.kfac.options import (
+    G_NORMALIZATIONS,
+    agreement_settings,
+    check_hyperparameters,
+    check_options,
+)
 from interlace.kfac.placement import WorkerGroups
 from interlace.kfac.timing import SpanLog
 from interlace.timeline import Event
@@ -64,6 +93,9 @@ _PLAIN_HYPERPARAMETERS = (
 #: A hyperparameter: a number, or a callable giving the number for a step count.
 IntHyper = int | Callable[[int], int]
 FloatHyper = float | Callable[[int], float]
+
+
+_LOG = logging.getLogger("interlace.kfac")
 
 
 class KFACWarning(UserWarning):
@@ -126,6 +158,11 @@ class KFAC:
         g_normalization: ``"kfac-pytorch"`` (``G`` of the mean loss) or ``"per-example"``
             (``G`` scaled by the squared global batch: the per-example Fisher's factor, whose
             damping means the same thing at every batch size).
+
+    Raises:
+        UsageError: For a bad option or hyperparameter (a ``ValueError``), or, on every rank
+            instead of a hang later, for ranks that differ in settings or registered layers
+            (see :func:`interlace.comm.agree.check_agreement`).
     """
 
     def __init__(
@@ -139,33 +176,64 @@ class KFAC:
         kl_clip: FloatHyper | None = 0.001,
         lr: FloatHyper = 0.1,
         accumulation_steps: int = 1,
-        compute_method: str = "eigen",
-        grad_worker_fraction: float | None = 1.0,
-        skip_layers: Iterable[str] = (),
+        compute_method: ComputeMethod | str = ComputeMethod.EIGEN,
+        grad_worker_fraction: DistributedStrategy | float | None = 1.0,
+        skip_layers: Iterable[str] | None = (),
         factor_dtype: torch.dtype | None = None,
         inv_dtype: torch.dtype = torch.float32,
         process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float = 25.0,
-        placement: str = "greedy",
+        bucket_cap_mb: float | None = None,
+        placement: str | None = None,
         decomposition_cost: DecompositionCostModel | None = None,
         broadcast_cost: CostModel | None = None,
-        factor_comm: str = "bulk",
+        factor_comm: str | None = None,
         fusion: str = "none",
         profile_steps: int = 3,
         factor_cost: CostModel | None = None,
         g_normalization: str = "kfac-pytorch",
+        allreduce_bucket_cap_mb: float | None = None,
+        assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
+        colocate_factors: bool | None = None,
+        compute_eigenvalue_outer_product: bool = True,
+        symmetry_aware: bool = False,
+        grad_scaler: Any = None,
+        update_factors_in_hook: bool | None = None,
+        loglevel: int = logging.DEBUG,
     ) -> None:
+        compute_method = coerce_choice(ComputeMethod, compute_method, "compute_method").value
+        for flag, value in (
+            ("compute_eigenvalue_outer_product", compute_eigenvalue_outer_product),
+            ("symmetry_aware", symmetry_aware),
+        ):
+            if not isinstance(value, bool):
+                raise UsageError(f"{flag} must be True or False, got {value!r}")
+        bucket_cap_mb = bucket_cap_from(bucket_cap_mb, allreduce_bucket_cap_mb)
+        factor_comm = factor_comm_from(factor_comm, update_factors_in_hook)
+        placement, balance = placement_from(
+            placement,
+            assignment_strategy,
+            colocate_factors,
+            compute_eigenvalue_outer_product,
+            eigen=compute_method == ComputeMethod.EIGEN.value,
+        )
+        self._grad_scale = grad_scale_function(grad_scaler)
+        skip_layers = () if skip_layers is None else skip_layers
         check_options(
             factor_comm=factor_comm,
             fusion=fusion,
             profile_steps=profile_steps,
             g_normalization=g_normalization,
             placement=placement,
-            grad_worker_fraction=grad_worker_fraction,
+            grad_worker_fraction=1.0,  # checked below, once the world size is known
             compute_method=compute_method,
             accumulation_steps=accumulation_steps,
-            bucket_cap_mb=bucket_cap_mb,
+            bucket_cap_mb=bucket_cap_mb if bucket_cap_mb > 0 else 1.0,
         )
+        #: kfac-pytorch's switches, kept for :meth:`__repr__` and checkpoints.
+        self.assignment_strategy = balance
+        self.compute_eigenvalue_outer_product = compute_eigenvalue_outer_product
+        self.symmetry_aware = symmetry_aware
+        self.loglevel = loglevel
         self.g_normalization = g_normalization
         self._factor_update_steps = factor_update_steps
         self._inv_update_steps = inv_update_steps
@@ -177,6 +245,7 @@ class KFAC:
         self.compute_method = compute_method
         self.factor_dtype = factor_dtype
         self.inv_dtype = inv_dtype
+        # A cap of 0 (kfac-pytorch: no bucketing) gives every factor an all-reduce of its own.
         self.bucket_bytes = int(bucket_cap_mb * 1024 * 1024)
         self.placement = placement
         self.factor_comm = factor_comm
@@ -187,7 +256,13 @@ class KFAC:
 
         ranks = GroupRanks.of(process_group)
         self.group, self.world_size, self.rank = ranks.group, ranks.world_size, ranks.rank
-        fraction = 1.0 if grad_worker_fraction is None else grad_worker_fraction
+        fraction = resolve_grad_worker_fraction(grad_worker_fraction, self.world_size)
+        if placement == "lbp" and not asks_for_comm_opt(grad_worker_fraction):
+            raise UsageError(
+                "placement='lbp' needs grad_worker_fraction=1 (COMM-OPT): it broadcasts each "
+                f"factor's decomposition to every rank, got grad_worker_fraction="
+                f"{grad_worker_fraction!r}; use placement='greedy' for MEM-OPT or HYBRID"
+            )
         self.worker_groups = WorkerGroups.for_fraction(fraction, self.world_size)
         self.grad_worker_fraction = self.worker_groups.workers / self.world_size
 
@@ -196,14 +271,47 @@ class KFAC:
         self._hook_s = 0.0
         self._spans = SpanLog()
         self._hooks_checked = False
+        self._warned_unregistered = False
+        # Whether a forward hook has checked the sums since the last backward (a new batch).
+        self._batch_checked = False
+        # The preconditioned gradients' (id, version) after the last step: equal at the next
+        # step means no backward since, and the step would precondition them twice.
+        self._written: list[tuple[int, int] | None] | None = None
         self._needs_decomposition = False
         self._loaded = False
 
         #: Modules left to the optimiser, with the reason: ``{name: reason}``.
         self.skipped: dict[str, str]
+        skip_layers = tuple(skip_layers)  # read twice below: a generator would be spent
         self._layers, self.skipped = find_layers(
             unwrap(model), skip_layers, compute_method, inv_dtype
         )
+        if ranks.distributed and self.world_size > 1:
+            # Before the first collective: ranks that disagree here would hang, abort in gloo
+            # or drift apart silently later.
+            settings = agreement_settings(
+                {key: getattr(self, f"_{key}") for key in _PLAIN_HYPERPARAMETERS},
+                self._hyperparameters(),
+                skip_layers=sorted({name.lower() for name in skip_layers}),
+                accumulation_steps=accumulation_steps,
+                compute_method=compute_method,
+                grad_worker_fraction=self.grad_worker_fraction,
+                factor_dtype=factor_dtype,
+                inv_dtype=inv_dtype,
+                bucket_cap_mb=bucket_cap_mb,
+                placement=placement,
+                assignment_strategy=balance.value,
+                symmetry_aware=symmetry_aware,
+                grad_scaler=self._grad_scale is not None,
+                decomposition_cost=decomposition_cost,
+                broadcast_cost=broadcast_cost,
+                factor_comm=factor_comm,
+                fusion=fusion,
+                profile_steps=profile_steps,
+                factor_cost=factor_cost,
+                g_normalization=g_normalization,
+            )
+            check_agreement("K-FAC", settings, describe_layers(self._layers), self.group)
         for layer in self._layers:
             hook = partial(self._forward_hook, layer)
             layer.handles.append(layer.helper.module.register_forward_hook(hook))
@@ -218,6 +326,7 @@ class KFAC:
             device=self._device(),
             decomposition_cost=decomposition_cost,
             broadcast_cost=broadcast_cost,
+            balance=balance.value,
         )
         self._comm = FactorComm(
             factor_comm,
@@ -228,8 +337,18 @@ class KFAC:
             profile_steps=profile_steps,
             factor_cost=factor_cost,
             spans=self._spans,
+            symmetry_aware=symmetry_aware,
         )
         self.assignment.make_owner_groups()
+        for layer in self._layers:
+            _LOG.log(
+                loglevel,
+                "K-FAC registered %s: A %d, G %d",
+                layer.name,
+                layer.helper.a_dim,
+                layer.helper.g_dim,
+            )
+        _LOG.log(loglevel, "K-FAC layer assignment: %s", self.describe().splitlines()[0])
         if self.skipped and self.rank == 0:
             listing = ", ".join(f"{name} ({why})" for name, why in self.skipped.items())
             warnings.warn(
@@ -275,18 +394,12 @@ class KFAC:
         """The learning rate the KL-clip assumes at the current step."""
         return float(self._value(self._lr))
 
+    def _hyperparameters(self) -> dict[str, Any]:
+        """The plain hyperparameters' values at the current step."""
+        return {key: self._value(getattr(self, f"_{key}")) for key in _PLAIN_HYPERPARAMETERS}
+
     def _check_hyperparameters(self) -> None:
-        checks = [
-            (self.factor_update_steps >= 1, "factor_update_steps must be >= 1"),
-            (self.inv_update_steps >= 1, "inv_update_steps must be >= 1"),
-            (self.damping >= 0, "damping must be >= 0"),
-            (0 <= self.factor_decay < 1, "factor_decay must be in [0, 1)"),
-            (self.kl_clip is None or self.kl_clip > 0, "kl_clip must be > 0 or None"),
-            (self.lr > 0, "lr must be > 0"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(f"{message} (at step {self.steps})")
+        check_hyperparameters(self._hyperparameters(), self.steps)
 
     # -- what is preconditioned, and where ------------------------------------------------
 
@@ -364,6 +477,11 @@ class KFAC:
         if not self._collecting(module) or not inputs:
             return
         started = time.perf_counter()
+        if layer.g_count and layer.g_count >= layer.a_count and not self._batch_checked:
+            # A backward went through this layer since the last step: a new batch, so either
+            # accumulation or a step the caller skipped (say, on a non-finite loss).
+            self._batch_checked = True
+            self._drop_non_finite_sums()
         with torch.no_grad():
             a = layer.add_input(inputs[0], self.factor_dtype)
             self._comm.factor_ready((layer.name, "A"), a, layer.a_count)
@@ -375,13 +493,29 @@ class KFAC:
 
     def _grad_hook(self, layer: KFACLayer, grad: torch.Tensor) -> None:
         started = time.perf_counter()
+        self._batch_checked = False
         with torch.no_grad():
+            if self._grad_scale is not None:
+                grad = grad / self._grad_scale()  # G of the unscaled loss, as without AMP
             per_example = self.g_normalization == "per-example"
             g = layer.add_grad_output(grad, self.factor_dtype, self.world_size, per_example)
             self._comm.factor_ready((layer.name, "G"), g, layer.g_count)
         ended = time.perf_counter()
         self._hook_s += ended - started
         self._spans.add(f"G {layer.name}", "factor", started, ended)
+
+    def _drop_non_finite_sums(self) -> None:
+        """Forget the factor sums that are not finite, so that a batch whose step was skipped
+        leaves nothing behind in the next one's."""
+        bad = restart_non_finite(self._layers)
+        if bad:
+            warnings.warn(
+                f"K-FAC: the factors summed since the last step() are not finite in "
+                f"{', '.join(bad)} (a step skipped after a bad batch?); they are dropped and "
+                "this batch's factors start afresh",
+                KFACWarning,
+                stacklevel=4,
+            )
 
     # -- the step -----------------------------------------------------------------------
 
@@ -390,9 +524,19 @@ class KFAC:
         """Precondition every registered layer's gradient in place (call before the optimiser).
 
         Gradients must already be averaged across ranks, as DataParallel and DDP leave them
-        after ``backward()``.
+        after ``backward()``. A second call with no backward in between does nothing (with a
+        :class:`KFACWarning`): the gradients it would see are preconditioned already.
         """
         self._check_hyperparameters()
+        if self._written is not None and self._written == gradient_marks(self._layers):
+            warnings.warn(
+                f"K-FAC: step() called again with no backward since the last one (step "
+                f"{self.steps - 1}); the gradients are preconditioned already, so this call "
+                "does nothing",
+                KFACWarning,
+                stacklevel=3,
+            )
+            return
         phases = dict.fromkeys(PHASES, 0.0)
         phases["factor_compute"] = self._hook_s
         self._hook_s = 0.0
@@ -403,6 +547,7 @@ class KFAC:
         preconditioned = self._precondition(phases)
         if preconditioned:
             self._scale(phases, preconditioned)
+        self._written = gradient_marks(self._layers) if preconditioned else None
         self._end_step(phases)
 
     def _update_factors(self, phases: dict[str, float]) -> None:
@@ -415,6 +560,9 @@ class KFAC:
         else:
             everywhere, anywhere = self._comm.agree_presence(self._layers, self._device())
             if not self._hooks_checked:
+                if not any(everywhere.values()):
+                    self._wait_for_training_step()
+                    return
                 self._hooks_checked = True
                 self._drop_silent_layers(anywhere)
             ready = [layer for layer in self._layers if everywhere[layer.name]]
@@ -445,15 +593,32 @@ class KFAC:
                     continue
                 layer.update_factors(averaged[2 * index], averaged[2 * index + 1], decay)
 
+    def _wait_for_training_step(self) -> None:
+        """No layer has both factors: no training-mode forward and backward ran since the last
+        step. Which layers never run can only be told after one that did, so none is dropped."""
+        if self.rank == 0 and not self._warned_unregistered:
+            self._warned_unregistered = True
+            warnings.warn(
+                f"K-FAC step {self.steps} had no training-mode forward and backward behind it "
+                "(step() before the first backward, or the model in eval() mode or under "
+                "no_grad); nothing is preconditioned yet, and K-FAC takes its layers from the "
+                "first step that has one",
+                KFACWarning,
+                stacklevel=4,
+            )
+
     def _drop_silent_layers(self, anywhere: dict[str, bool]) -> None:
-        """Unregister layers whose forward hook fired on no rank in the first factor step."""
+        """Unregister layers whose forward hook fired on no rank in the first training step."""
         keep: list[KFACLayer] = []
         for layer in self._layers:
             if anywhere[layer.name]:
                 keep.append(layer)
                 continue
             layer.remove_hooks()
-            reason = "its forward never ran (its weight is used functionally by its parent)"
+            reason = (
+                "its forward never ran in the first training step (its weight is used "
+                "functionally by its parent)"
+            )
             self.skipped[layer.name] = reason
             if self.rank == 0:
                 warnings.warn(
@@ -546,11 +711,24 @@ class KFAC:
         """kfac-pytorch's KL-clip: scale every preconditioned gradient by one factor, write back."""
         with self._spans.timed(phases, "precondition", "precondition", "KL-clip and write-back"):
             # One sum on the device and one read back, not a device sync per layer.
-            per_layer = [(result * grad).sum(dtype=torch.float64) for _, result, grad in results]
+            # Products formed in float64: float32's would overflow on large finite gradients
+            # and turn the clip off exactly when it matters.
+            per_layer = [
+                torch.sum(result.to(torch.float64) * grad.to(torch.float64))
+                for _, result, grad in results
+            ]
             products = float(torch.stack(per_layer).sum())
             scale = kl_clip_scale(products, self.kl_clip, self.lr)
+            if scale == 0.0:
+                warnings.warn(
+                    f"K-FAC: the preconditioned gradients overflow at step {self.steps} (their "
+                    "KL-clip sum is not finite); the KL-clip sets them to zero for this step",
+                    KFACWarning,
+                    stacklevel=4,
+                )
             for layer, result, _ in results:
-                layer.set_grad(result * scale)
+                # Zeros, not result * 0: an infinite entry times 0 is NaN.
+                layer.set_grad(torch.zeros_like(result) if scale == 0.0 else result * scale)
 
     def _end_step(self, phases: dict[str, float]) -> None:
         for layer in self._layers:
@@ -581,26 +759,43 @@ class KFAC:
 
     # -- state --------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        """Step count, plain hyperparameters, and per layer its factors and decompositions."""
+    def state_dict(self, include_factors: bool = True) -> dict[str, Any]:
+        """Step count, plain hyperparameters, and per layer its factors and decompositions.
+
+        Args:
+            include_factors: Keep the layers' factors and decompositions (kfac-pytorch's
+                option). Without them the checkpoint is small, but a resumed run
+                preconditions nothing until its next factor and decomposition steps.
+        """
         state: dict[str, Any] = {"steps": self.steps}
         for key in _PLAIN_HYPERPARAMETERS:
             value = getattr(self, f"_{key}")
             if not callable(value):
                 state[key] = value
-        state["layers"] = {layer.name: layer.state_dict() for layer in self._layers}
+        if include_factors:
+            state["layers"] = {layer.name: layer.state_dict() for layer in self._layers}
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; a layer without saved decompositions is re-decomposed.
+    def load_state_dict(self, state: dict[str, Any], compute_inverses: bool = True) -> None:
+        """Restore :meth:`state_dict`.
 
         Args:
             state: What :meth:`state_dict` returned (on any rank of the same run).
+            compute_inverses: Decompose the loaded factors again at the next step wherever a
+                gradient worker lacks a saved decomposition (kfac-pytorch's option). False
+                waits for the next scheduled decomposition step instead.
         """
         self.steps = int(state["steps"])
         for key in _PLAIN_HYPERPARAMETERS:
             if key in state:
                 setattr(self, f"_{key}", state[key])
+        if "layers" not in state and compute_inverses:
+            warnings.warn(
+                "K-FAC state has no factors (saved with include_factors=False), so nothing can "
+                "be decomposed until the next factor and decomposition steps",
+                KFACWarning,
+                stacklevel=2,
+            )
         saved = state.get("layers", {})
         names = {layer.name for layer in self._layers}
         unknown = sorted(set(saved) - names)
@@ -615,7 +810,8 @@ class KFAC:
                 continue
             layer.load_state_dict(entry, device)
             holds = layer.a_decomp is not None and layer.g_decomp is not None
-            if layer.decomposed and self.assignment.is_grad_worker(layer.name) and not holds:
+            worker = self.assignment.is_grad_worker(layer.name)
+            if compute_inverses and layer.decomposed and worker and not holds:
                 self._needs_decomposition = True
         self._loaded = True
 
@@ -627,6 +823,48 @@ class KFAC:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         self._needs_decomposition = bool(flag.item())
 
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes this rank holds for K-FAC, by kind, as kfac-pytorch reports them.
+
+        Returns:
+            ``a_factors``, ``g_factors`` (running averages), ``a_batch``, ``g_batch`` (this
+            step's sums), ``a_inverses``, ``g_inverses`` (decompositions) and ``total``.
+        """
+        sizes = dict.fromkeys(
+            ("a_factors", "g_factors", "a_batch", "g_batch", "a_inverses", "g_inverses"), 0
+        )
+        for layer in self._layers:
+            for key, tensors in layer.held_tensors().items():
+                sizes[key] += sum(t.numel() * t.element_size() for t in tensors)
+        sizes["total"] = sum(sizes.values())
+        return sizes
+
+    def reset_batch(self) -> None:
+        """Forget the factors summed since the last step (kfac-pytorch's ``reset_batch``)."""
+        for layer in self._layers:
+            layer.reset_batch()
+
+    def __repr__(self) -> str:
+        settings = {
+            "layers": len(self._layers),
+            "steps": self.steps,
+            **{key: getattr(self, f"_{key}") for key in _PLAIN_HYPERPARAMETERS},
+            "accumulation_steps": self.accumulation_steps,
+            "compute_method": self.compute_method,
+            "grad_worker_fraction": self.grad_worker_fraction,
+            "placement": self.placement,
+            "assignment_strategy": self.assignment_strategy.value,
+            "factor_comm": self.factor_comm,
+            "fusion": self.fusion,
+            "bucket_cap_mb": self.bucket_bytes / 2**20,
+            "symmetry_aware": self.symmetry_aware,
+            "grad_scaler": self._grad_scale is not None,
+            "factor_dtype": self.factor_dtype,
+            "inv_dtype": self.inv_dtype,
+        }
+        lines = "".join(f"  {key}={value!r},\n" for key, value in sorted(settings.items()))
+        return f"{type(self).__name__}(\n{lines})"
+
     def remove_hooks(self) -> None:
         """Detach K-FAC from the model (its modules' hooks); the preconditioner is then inert."""
         for layer in self._layers:
@@ -634,6 +872,10 @@ class KFAC:
 
     def __iter__(self) -> Iterator[str]:
         return iter(layer.name for layer in self._layers)
+
+
+#: :class:`KFAC` under kfac-pytorch's name (``kfac.preconditioner.KFACPreconditioner``).
+KFACPreconditioner = KFAC
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> list[bool]:

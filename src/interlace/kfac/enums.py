@@ -1,0 +1,63 @@
+"""The choices ``KFAC`` takes as enums, with kfac-pytorch's names, so its scripts switch unchanged.
+
+Each option accepts a member of these enums, its string (any case, ``-`` or ``_``), or a member
+of kfac-pytorch's enum of the same name (``kfac.enums.ComputeMethod.EIGEN``).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TypeVar
+
+from interlace.errors import UsageError
+
+__all__ = ["AssignmentStrategy", "ComputeMethod", "DistributedStrategy", "coerce_choice"]
+
+
+class ComputeMethod(str, enum.Enum):
+    """How factors are turned into a preconditioner: eigendecompositions or inverses."""
+
+    EIGEN = "eigen"
+    INVERSE = "inverse"
+
+
+class DistributedStrategy(str, enum.Enum):
+    """Shortcuts for ``grad_worker_fraction`` (KAISA): 1, 1/2 or 1/world_size."""
+
+    COMM_OPT = "comm-opt"
+    HYBRID_OPT = "hybrid-opt"
+    MEM_OPT = "mem-opt"
+
+
+class AssignmentStrategy(str, enum.Enum):
+    """What greedy placement balances: decomposition work (``n^3``) or memory (``n^2``)."""
+
+    COMPUTE = "compute"
+    MEMORY = "memory"
+
+
+Choice = TypeVar("Choice", ComputeMethod, DistributedStrategy, AssignmentStrategy)
+
+
+def coerce_choice(kind: type[Choice], value: object, option: str) -> Choice:
+    """``value`` as a member of ``kind``: a member, its string, or a foreign enum of that name.
+
+    Args:
+        kind: The enum (:class:`ComputeMethod`, ...).
+        value: What the caller passed.
+        option: The keyword, for the error.
+
+    Raises:
+        UsageError: A value that names no member.
+    """
+    if isinstance(value, kind):
+        return value
+    key: str | None = None
+    if isinstance(value, enum.Enum) and type(value).__name__ == kind.__name__:
+        key = value.name  # kfac-pytorch's enum of the same name: match by member name
+    elif isinstance(value, str):
+        key = value.strip().upper().replace("-", "_")
+    if key is not None and key in kind.__members__:
+        return kind.__members__[key]
+    names = ", ".join(repr(member.value) for member in kind)
+    raise UsageError(f"{option} must be one of {names} (or {kind.__name__}.<NAME>), got {value!r}")
