@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -121,6 +122,68 @@ def test_train_runs_end_to_end_on_two_ranks(
         )
     (run,) = list(tmp_path.iterdir())
     assert (run / "metrics.csv").exists() and (run / "curves.png").exists()
+
+
+def test_models_table_columns_line_up_with_the_separator_row() -> None:
+    done = interlace("models", "--data", "digits")
+    assert done.returncode == 0, done.stderr
+    table = [line for line in done.stdout.splitlines() if line.startswith("|")]
+    assert len(table) == 2 + len(MODEL_NAMES)
+    pipes = {tuple(i for i, char in enumerate(line) if char == "|") for line in table}
+    assert len(pipes) == 1, "\n".join(table)
+    assert set(table[1]) <= {"|", "-", ":"}
+
+
+def test_models_with_a_bad_model_prints_only_the_error() -> None:
+    done = interlace("models", "--model", "mlp", "--model", "nosuch")
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr.startswith("interlace models: error: unknown model 'nosuch'")
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_closed_stdout_ends_quietly_without_a_traceback() -> None:
+    # `interlace models | head -4`: the reader is gone before the table is written.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "interlace", "models"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert done.returncode == 1
+    assert done.stderr == ""
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["bench", "dp", "--no-such-flag"],
+        ["bench", "kfac", "-n", "two"],
+        ["simulate", "--workers"],
+        ["models", "--no-such-flag"],
+        ["profile", "--no-such-flag"],
+    ],
+)
+def test_a_subcommands_usage_error_points_to_its_own_help(args: list[str]) -> None:
+    done = interlace(*args, timeout=60)
+    assert done.returncode == 2
+    command = " ".join(["interlace", *args[: 2 if args[0] == "bench" else 1]])
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"{command}: error: ")
+    assert line.endswith(f"(see '{command} --help')")
+
+
+def test_a_subcommands_bad_value_names_the_subcommand() -> None:
+    done = interlace("bench", "dp", "--no-netem", "--iters", "0", timeout=60)
+    assert done.returncode == 2
+    assert done.stderr == "interlace bench dp: error: --iters must be >= 1, got 0\n"
 
 
 def test_version() -> None:
