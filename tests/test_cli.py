@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from interlace import cli
+from interlace.cliutil import add_model_shape_arguments
 from interlace.zoo import MODEL_NAMES, build_model, load_data, summarize_model
 
 
@@ -209,3 +212,55 @@ def test_help_and_the_launcher_import_no_torch() -> None:
     assert done.returncode == 0, done.stderr
     assert "usage: interlace" in done.stdout
     assert done.stdout.splitlines()[-1] == "torch imported: False"
+
+
+#: Every command that builds a model from --model, as typed before that option.
+MODEL_COMMANDS = [
+    ["train"],
+    ["profile"],
+    ["bench", "dp", "--no-netem"],
+    ["bench", "kfac", "--no-netem"],
+    ["bench", "pipeline", "--no-netem"],
+    ["simulate", "--validate"],
+    ["models"],
+]
+
+
+@pytest.mark.parametrize("command", MODEL_COMMANDS, ids=lambda c: " ".join(c[:2]))
+def test_every_model_command_builds_its_model_with_the_given_shape_and_classes(
+    command: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The user's callable reports what it was called with, as a usage error, so nothing launches.
+    (tmp_path / "shape_probe.py").write_text(
+        "from interlace.errors import UsageError\n"
+        "def built(input_shape, num_classes):\n"
+        "    raise UsageError(f'built for {tuple(input_shape)} in {num_classes} classes')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    argv = [*command, "--model", "shape_probe:built", "--input-shape", "2,5,5", "--classes", "7"]
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(argv)
+    assert stopped.value.code == 2
+    assert "built for (2, 5, 5) in 7 classes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", MODEL_COMMANDS, ids=lambda c: " ".join(c[:2]))
+def test_input_shape_and_classes_are_one_shared_definition(command: list[str]) -> None:
+    parser = cli.subcommand_parsers()[" ".join(w for w in command if not w.startswith("-"))]
+    reference = argparse.ArgumentParser()
+    add_model_shape_arguments(reference)
+    for flag in ("--input-shape", "--classes"):
+        ours, theirs = _action(parser, flag), _action(reference, flag)
+        assert (ours.type, ours.metavar) == (theirs.type, theirs.metavar)
+        assert ours.help is not None and theirs.help is not None
+        assert ours.help.startswith(theirs.help)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--classes", "0"])
+
+
+def _action(parser: argparse.ArgumentParser, flag: str) -> argparse.Action:
+    return next(a for a in parser._actions if flag in a.option_strings)

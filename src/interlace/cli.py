@@ -145,6 +145,30 @@ def build_parser() -> OneLineArgumentParser:
     return parser
 
 
+def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every command's parser, with its options added, by the words that name it.
+
+    The keys are ``train``, ``bench dp`` and so on (``bench`` itself included, and ``launch``,
+    whose parser is the launcher's own); adding the options imports torch.
+
+    Returns:
+        The parsers, in the order ``interlace --help`` lists them.
+    """
+    found: dict[str, argparse.ArgumentParser] = {}
+
+    def walk(parser: argparse.ArgumentParser, words: list[str]) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    child.format_help()  # adds a lazily populated parser's options
+                    found[" ".join([*words, name])] = child
+                    walk(child, [*words, name])
+
+    walk(build_parser(), [])
+    found["launch"] = launch.build_parser()
+    return found
+
+
 # Each function below imports its subcommand's module when that subcommand is parsed: the
 # modules need torch (over a second to import), which `interlace --help` and `launch` do without.
 

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn import functional
 
 from interlace import launch
-from interlace.cliutil import add_channel_arguments, parse_shape, report_failure
+from interlace.cliutil import add_channel_arguments, add_model_shape_arguments, report_failure
 from interlace.comm.links import parse_link
 from interlace.comm.strategies import RUNTIME_STRATEGIES
 from interlace.distenv import init_distributed
@@ -234,8 +234,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="synthetic-cifar10",
         help="data set whose sample shape and classes size the model (default synthetic-cifar10)",
     )
-    parser.add_argument("--input-shape", type=parse_shape, help="input shape, e.g. 3,32,32")
-    parser.add_argument("--classes", type=int, help="number of classes")
+    add_model_shape_arguments(parser, defaults_from="the --data set's")
     parser.add_argument(
         "--strategy", default="mgwfbp", help="ddp, wfbp, fixed, single, mgwfbp or optimal"
     )

@@ -54,10 +54,9 @@ from interlace.bench.harness import (
     machine_load,
     parse_names,
     parse_ratios,
-    parse_shape,
     split_blocks,
 )
-from interlace.cliutil import standalone_main
+from interlace.cliutil import add_model_shape_arguments, standalone_main
 from interlace.comm.links import parse_link
 from interlace.comm.strategies import RUNTIME_STRATEGIES
 from interlace.errors import UsageError
@@ -113,6 +112,7 @@ class BenchConfig:
     seed: int
     json_path: str | None
     png_path: str | None
+    num_classes: int = NUM_CLASSES
 
     def batch_for(self, model: str) -> int:
         """The per-rank batch of ``model``: ``--batch-size``, else the model's default.
@@ -187,11 +187,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="round-robin blocks the timed iterations are split into "
         f"(default {DEFAULT_ROUNDS}; --quick: {QUICK_ROUNDS})",
     )
-    parser.add_argument(
-        "--input-shape",
-        default=",".join(map(str, DEFAULT_INPUT_SHAPE)),
-        help="input shape of the synthetic batches (default 3,32,32; 1,8,8 is the digits shape)",
-    )
+    add_model_shape_arguments(parser, input_shape=DEFAULT_INPUT_SHAPE, classes=NUM_CLASSES)
     parser.add_argument(
         "--batch-size",
         type=int,
@@ -289,7 +285,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         iters=iters,
         warmup=warmup,
         rounds=rounds,
-        input_shape=parse_shape(args.input_shape),
+        input_shape=tuple(args.input_shape),
+        num_classes=args.classes,
         batch_size=args.batch_size,
         link=args.link,
         netem=not args.no_netem,
@@ -332,7 +329,7 @@ def _check_models_build(config: BenchConfig) -> None:
     """Build each model once here, so a bad model or shape is one line, not N tracebacks."""
 
     for model in config.models:
-        build_model(model, config.input_shape, NUM_CLASSES)
+        build_model(model, config.input_shape, config.num_classes)
 
 
 @dataclass
@@ -427,6 +424,7 @@ def run(args: argparse.Namespace) -> int:
                     tuple(config.batch_for(m) for m in config.models),
                     config.input_shape,
                     config.seed,
+                    num_classes=config.num_classes,
                 )
                 try:
                     found = launch_on_ranks(
@@ -462,6 +460,7 @@ def run(args: argparse.Namespace) -> int:
                     config.warmup,
                     config.rounds,
                     config.seed,
+                    num_classes=config.num_classes,
                 )
                 link = plan.context.link if config.netem else None
                 try:

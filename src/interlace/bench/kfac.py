@@ -18,12 +18,12 @@ from tqdm import tqdm
 
 from interlace.bench.harness import (
     DEFAULT_INPUT_SHAPE,
+    NUM_CLASSES,
     LaunchFailedError,
     check_netem,
     default_batch,
     launch_on_ranks,
     parse_names,
-    parse_shape,
 )
 from interlace.bench.kfac_rank import (
     ABLATION_MODES,
@@ -43,10 +43,12 @@ from interlace.bench.kfac_report import (
     format_table,
     plot_ablation,
 )
+from interlace.cliutil import add_model_shape_arguments
 from interlace.comm.links import parse_link
 from interlace.errors import UsageError
 from interlace.kfac.placement import worker_count
 from interlace.timeline import Event, Timeline
+from interlace.zoo import build_model
 
 PROG = "interlace bench kfac"
 #: The mlp is left out by default: on 3x32x32 inputs its first layer's A factor is 3073 x 3073,
@@ -84,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-netem", action="store_true", help="plain loopback instead of the emulated cluster"
     )
     parser.add_argument("--batch", type=int, help="per-rank batch (default: per model)")
-    parser.add_argument("--input-shape", type=parse_shape, default=DEFAULT_INPUT_SHAPE)
+    add_model_shape_arguments(parser, input_shape=DEFAULT_INPUT_SHAPE, classes=NUM_CLASSES)
     parser.add_argument("--iters", type=int, default=DEFAULT_ITERS, help="timed iterations")
     parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP)
     parser.add_argument("--compute-method", choices=("eigen", "inverse"), default="eigen")
@@ -185,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
         worker_count(args.grad_worker_fraction, args.nprocs)
     except ValueError as exc:
         raise UsageError(f"--grad-worker-fraction: {exc}") from None
+    for model in models:  # a bad model or size is one line here, not a traceback per rank
+        build_model(model, tuple(args.input_shape), args.classes)
     link: str | None = None
     if not args.no_netem:
         parse_link(args.link)
@@ -245,6 +249,7 @@ def _run_ablation(args: argparse.Namespace, models: Sequence[str], link: str | N
                 factor_update_steps=args.factor_update_steps,
                 inv_update_steps=args.inv_update_steps,
                 modes=tuple(ABLATION_MODES) + ((args.compare,) if args.compare else ()),
+                num_classes=args.classes,
             )
             value = _launch(measure_ablation_rank, job, args, link, bar.write)
             bar.update(1)
@@ -312,6 +317,7 @@ def _run_breakdown(args: argparse.Namespace, models: Sequence[str], link: str | 
                 timeline=bool(args.png) and index == 0,
                 placement=placement,
                 factor_update_steps=args.factor_update_steps,
+                num_classes=args.classes,
             )
             value = _launch(measure_rank, job, args, link, bar.write)
             bar.update(1)

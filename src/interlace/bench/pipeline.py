@@ -31,7 +31,6 @@ from interlace.bench.harness import (
     launch_on_ranks,
     machine_load,
     parse_names,
-    parse_shape,
 )
 from interlace.bench.pipeline_rank import (
     DEFAULT_LR,
@@ -52,7 +51,7 @@ from interlace.bench.pipeline_report import (
     rows_from_value,
     timeline_from_events,
 )
-from interlace.cliutil import standalone_main
+from interlace.cliutil import add_model_shape_arguments, standalone_main
 from interlace.comm.links import parse_link
 from interlace.errors import UsageError
 from interlace.pipeline.partition import pipeline_blocks
@@ -95,6 +94,7 @@ class BenchConfig:
     timeout_s: float
     json_path: str | None
     png_path: str | None
+    num_classes: int = NUM_CLASSES
 
     @property
     def link_text(self) -> str:
@@ -165,11 +165,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_WARMUP,
         help=f"untimed mini-batches per contender first (default {DEFAULT_WARMUP})",
     )
-    parser.add_argument(
-        "--input-shape",
-        default=",".join(map(str, DEFAULT_INPUT_SHAPE)),
-        help="input shape of the synthetic batches (default 3,32,32; 1,8,8 is the digits shape)",
-    )
+    add_model_shape_arguments(parser, input_shape=DEFAULT_INPUT_SHAPE, classes=NUM_CLASSES)
     parser.add_argument(
         "--partition-by",
         choices=("time", "params"),
@@ -252,7 +248,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         block=args.block,
         iters=args.iters,
         warmup=args.warmup,
-        input_shape=parse_shape(args.input_shape),
+        input_shape=tuple(args.input_shape),
+        num_classes=args.classes,
         link=link,
         partition_by=args.partition_by,
         seed=args.seed,
@@ -265,7 +262,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 def _check_models(config: BenchConfig) -> None:
     """Build each model once here, so a bad model, shape or stage count is one line."""
     for model in config.models:
-        blocks = pipeline_blocks(build_model(model, config.input_shape, NUM_CLASSES))
+        blocks = pipeline_blocks(build_model(model, config.input_shape, config.num_classes))
         if len(blocks) < config.nprocs:
             raise UsageError(
                 f"{model} has {len(blocks)} pipeline blocks, too few for {config.nprocs} stages; "
@@ -341,6 +338,7 @@ def run(args: argparse.Namespace) -> int:
                     seed=config.seed,
                     partition_by=config.partition_by,
                     timeline=bool(config.png_path) and timeline_path is None,
+                    num_classes=config.num_classes,
                 )
                 try:
                     value = launch_on_ranks(

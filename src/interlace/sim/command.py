@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from interlace.cliutil import add_model_shape_arguments
 from interlace.comm.strategies import PLANNED_STRATEGIES
 from interlace.errors import UsageError
 from interlace.sim import validate
@@ -109,6 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         help="zoo name(s) or package.module:callable, comma-separated "
         f"(default {','.join(validate.DEFAULT_MODELS)})",
+    )
+    add_model_shape_arguments(
+        group, defaults_from="the benchmarks' synthetic data, 3,32,32 in 10 classes"
     )
     group.add_argument(
         "-n",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from interlace import launch
-from interlace.cliutil import add_channel_arguments, parse_shape, report_failure
+from interlace.cliutil import add_channel_arguments, add_model_shape_arguments, report_failure
 from interlace.comm.links import parse_link
 from interlace.distenv import in_launched_job
 from interlace.errors import UsageError
@@ -77,10 +77,7 @@ def add_arguments(
     parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
     parser.add_argument("--warmup-epochs", type=float, default=defaults.warmup_epochs)
     parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument(
-        "--input-shape", type=parse_shape, help="input shape the model expects, e.g. 3,32,32"
-    )
-    parser.add_argument("--classes", type=int, help="number of classes the model predicts")
+    add_model_shape_arguments(parser, defaults_from="the --data set's")
     parser.add_argument(
         "--synthetic-size", type=int, help="training samples of a synthetic data set"
     )
