@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from interlace import cli
-from interlace.cliutil import add_model_shape_arguments
+from interlace.cliutil import DefaultsHelpFormatter, add_model_shape_arguments
+from interlace.train.config import TrainConfig
 from interlace.zoo import MODEL_NAMES, build_model, load_data, summarize_model
 
 
@@ -264,3 +265,77 @@ def test_input_shape_and_classes_are_one_shared_definition(command: list[str]) -
 
 def _action(parser: argparse.ArgumentParser, flag: str) -> argparse.Action:
     return next(a for a in parser._actions if flag in a.option_strings)
+
+
+#: Spellings retired in favour of the one every command uses; still accepted, never shown.
+RETIRED = {"--batch": "--batch-size", "--steps": "--iters"}
+
+
+def test_no_command_shows_a_retired_spelling() -> None:
+    for name, parser in cli.subcommand_parsers().items():
+        shown = {
+            flag
+            for action in parser._actions
+            if action.help != argparse.SUPPRESS
+            for flag in action.option_strings
+        }
+        assert not shown & set(RETIRED), name
+        assert not {"--batch", "--steps"} & set(parser.format_help().split()), name
+
+
+@pytest.mark.parametrize(
+    ("command", "old", "dest"),
+    [
+        ("bench kfac", "--batch", "batch_size"),
+        ("bench pipeline", "--batch", "batch_size"),
+        ("profile", "--steps", "steps"),
+    ],
+)
+def test_a_retired_spelling_still_works_with_a_note(
+    command: str, old: str, dest: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = cli.subcommand_parsers()[command]
+    assert getattr(parser.parse_args([old, "16"]), dest) == 16
+    assert f"{old} is deprecated; use {RETIRED[old]}" in capsys.readouterr().err
+    assert getattr(parser.parse_args([RETIRED[old], "24"]), dest) == 24
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    "command", ["launch", "profile", "bench dp", "bench kfac", "bench pipeline", "simulate"]
+)
+def test_every_command_that_starts_ranks_spells_their_count_alike(command: str) -> None:
+    parser = cli.subcommand_parsers()[command]
+    (action,) = (a for a in parser._actions if "-n" in a.option_strings)
+    assert set(action.option_strings) == {"-n", "--nprocs", "--nproc-per-node"}
+    extra = ["--", "true"] if command == "launch" else []
+    for flag in ("-n", "--nprocs", "--nproc-per-node"):
+        assert parser.parse_args([flag, "3", *extra]).nprocs == 3
+
+
+@pytest.mark.parametrize("command", ["bench dp", "bench kfac", "bench pipeline"])
+def test_every_benchmark_takes_model_or_models_and_batch_size(command: str) -> None:
+    parser = cli.subcommand_parsers()[command]
+    args = parser.parse_args(["--model", "mlp", "--batch-size", "8"])
+    assert (args.model, args.batch_size) == ("mlp", 8)
+    assert parser.parse_args(["--models", "mlp,vgg11"]).models == "mlp,vgg11"
+
+
+def test_every_option_of_every_command_has_help_and_shows_its_default() -> None:
+    for name, parser in cli.subcommand_parsers().items():
+        assert issubclass(parser.formatter_class, DefaultsHelpFormatter), name
+        for action in parser._actions:
+            if action.option_strings and action.help != argparse.SUPPRESS:
+                assert action.help, f"interlace {name} {action.option_strings[-1]} has no help"
+
+
+def test_top_level_help_describes_train_and_what_demo_runs() -> None:
+    text = " ".join(cli.build_parser().format_help().split())
+    assert "data parallelism" in text and "pipeline parallelism" in text
+    defaults = TrainConfig()
+    demo = cli.subcommand_parsers()["demo"].parse_args([])
+    expected = (
+        f"{defaults.model} on the embedded {defaults.data} data, {demo.nprocs} ranks, "
+        f"{demo.epochs} epochs"
+    )
+    assert expected in text

@@ -142,3 +142,14 @@ def test_run_raises_usage_error_for_the_lead_cli() -> None:
     dp.add_arguments(parser)
     with pytest.raises(UsageError, match="unknown model"):
         dp.run(parser.parse_args(["--models", "nope"]))
+
+
+def test_model_shape_and_classes_reach_the_config() -> None:
+    parser = argparse.ArgumentParser()
+    dp.add_arguments(parser)
+    config = dp.config_from_args(
+        parser.parse_args(["--model", "mlp", "--input-shape", "1,8,8", "--classes", "7"])
+    )
+    assert (config.models, config.input_shape, config.num_classes) == (("mlp",), (1, 8, 8), 7)
+    with pytest.raises(UsageError, match="--model and --models"):
+        dp.config_from_args(parser.parse_args(["--model", "mlp", "--models", "vgg11"]))

@@ -127,7 +127,7 @@ def test_profile_writes_a_trace_the_simulator_reads(tmp_path: Path) -> None:
         "2",
         "--strategy",
         "single",
-        "--steps",
+        "--iters",
         "2",
         "--warmup",
         "2",

@@ -56,7 +56,7 @@ from interlace.bench.harness import (
     parse_ratios,
     split_blocks,
 )
-from interlace.cliutil import add_model_shape_arguments, standalone_main
+from interlace.cliutil import add_model_shape_arguments, add_nprocs_argument, standalone_main
 from interlace.comm.links import parse_link
 from interlace.comm.strategies import RUNTIME_STRATEGIES
 from interlace.errors import UsageError
@@ -140,8 +140,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated zoo models or package.module:callable "
         f"(default {','.join(DEFAULT_MODELS)}; --quick: {','.join(QUICK_MODELS)})",
     )
+    parser.add_argument("--model", help="one model (zoo name or package.module:callable)")
     parser.add_argument(
         "--strategies",
+        "--strategy",
+        dest="strategies",
         help=f"comma-separated strategies (default {','.join(DEFAULT_STRATEGIES)})",
     )
     parser.add_argument(
@@ -162,13 +165,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default {','.join(f'{r:g}' for r in DEFAULT_RATIOS)}; --quick: "
         f"{','.join(f'{r:g}' for r in QUICK_RATIOS)})",
     )
-    parser.add_argument(
-        "-n",
-        "--nprocs",
-        type=int,
-        default=DEFAULT_NPROCS,
-        help=f"ranks (default {DEFAULT_NPROCS})",
-    )
+    add_nprocs_argument(parser, default=DEFAULT_NPROCS, help_text="ranks")
     parser.add_argument(
         "--iters",
         type=int,
@@ -244,11 +241,14 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """
 
     quick = bool(args.quick)
-    models = (
-        parse_names(args.models, None, "models", "model")
-        if args.models
-        else (QUICK_MODELS if quick else DEFAULT_MODELS)
-    )
+    if args.model and args.models:
+        raise UsageError("--model and --models contradict each other; give one of them")
+    if args.model:
+        models: tuple[str, ...] = (args.model,)
+    elif args.models:
+        models = parse_names(args.models, None, "models", "model")
+    else:
+        models = QUICK_MODELS if quick else DEFAULT_MODELS
     strategies = (
         parse_names(args.strategies, RUNTIME_STRATEGIES, "strategies", "strategy")
         if args.strategies

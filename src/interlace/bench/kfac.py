@@ -43,7 +43,7 @@ from interlace.bench.kfac_report import (
     format_table,
     plot_ablation,
 )
-from interlace.cliutil import add_model_shape_arguments
+from interlace.cliutil import add_deprecated_alias, add_model_shape_arguments, add_nprocs_argument
 from interlace.comm.links import parse_link
 from interlace.errors import UsageError
 from interlace.kfac.placement import worker_count
@@ -78,18 +78,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{','.join(DEFAULT_ABLATION_MODELS)})",
     )
     parser.add_argument("--model", help="one model (zoo name or package.module:callable)")
-    parser.add_argument("-n", "--nprocs", type=int, default=DEFAULT_NPROCS)
+    add_nprocs_argument(parser, default=DEFAULT_NPROCS, help_text="ranks")
     parser.add_argument(
         "--link", default=DEFAULT_LINK, help=f"emulated link per rank (default {DEFAULT_LINK})"
     )
     parser.add_argument(
         "--no-netem", action="store_true", help="plain loopback instead of the emulated cluster"
     )
-    parser.add_argument("--batch", type=int, help="per-rank batch (default: per model)")
+    parser.add_argument(
+        "--batch-size", type=int, help="per-rank batch (default: per model, as bench dp)"
+    )
+    add_deprecated_alias(parser, "--batch", "--batch-size", "batch_size", type=int)
     add_model_shape_arguments(parser, input_shape=DEFAULT_INPUT_SHAPE, classes=NUM_CLASSES)
     parser.add_argument("--iters", type=int, default=DEFAULT_ITERS, help="timed iterations")
-    parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP)
-    parser.add_argument("--compute-method", choices=("eigen", "inverse"), default="eigen")
+    parser.add_argument(
+        "--warmup", type=int, default=DEFAULT_WARMUP, help="untimed iterations before timing"
+    )
+    parser.add_argument(
+        "--compute-method",
+        choices=("eigen", "inverse"),
+        default="eigen",
+        help="how each factor is decomposed for preconditioning: eigendecomposition or inverse",
+    )
     parser.add_argument(
         "--grad-worker-fraction",
         type=float,
@@ -131,7 +141,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --ablation, also run kfac-pytorch's KFACPreconditioner (its defaults, the "
         f"same update intervals) side by side; needs it installed: {KFAC_PYTORCH_INSTALL}",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="model and data seed")
     parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     parser.add_argument(
         "--png",
@@ -139,7 +149,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="timeline of the first model's last iteration (PNG); with --ablation, bars of "
         "every mode's iteration time stacked by phase",
     )
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
+    parser.add_argument(
+        "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds allowed per launch"
+    )
 
 
 def models_from_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -147,7 +159,12 @@ def models_from_args(args: argparse.Namespace) -> tuple[str, ...]:
 
     Args:
         args: The parsed flags (see :func:`add_arguments`).
+
+    Raises:
+        UsageError: When both ``--model`` and ``--models`` are given.
     """
+    if args.model and args.models:
+        raise UsageError("--model and --models contradict each other; give one of them")
     if args.model:
         return (args.model,)
     if args.models:
@@ -240,7 +257,7 @@ def _run_ablation(args: argparse.Namespace, models: Sequence[str], link: str | N
             bar.set_postfix_str(model)
             job = AblationJob(
                 model=model,
-                batch=args.batch or default_batch(model),
+                batch=args.batch_size or default_batch(model),
                 input_shape=tuple(args.input_shape),
                 seed=args.seed,
                 iters=args.iters,
@@ -306,7 +323,7 @@ def _run_breakdown(args: argparse.Namespace, models: Sequence[str], link: str | 
             bar.set_postfix_str(model)
             job = KfacJob(
                 model=model,
-                batch=args.batch or default_batch(model),
+                batch=args.batch_size or default_batch(model),
                 input_shape=tuple(args.input_shape),
                 seed=args.seed,
                 iters=args.iters,

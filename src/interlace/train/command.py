@@ -68,15 +68,24 @@ def add_arguments(
         help="emulate a network of this rate per rank: 100mbit, 1gbit, 2.5gbit or 10gbit "
         "(needs root); default: plain loopback",
     )
-    parser.add_argument("--epochs", type=int, default=default_epochs)
+    parser.add_argument("--epochs", type=int, default=default_epochs, help="epochs to train")
     parser.add_argument(
         "--batch-size", type=int, default=defaults.batch_size, help="per-rank batch size"
     )
     parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate")
-    parser.add_argument("--momentum", type=float, default=defaults.momentum)
-    parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
-    parser.add_argument("--warmup-epochs", type=float, default=defaults.warmup_epochs)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--momentum", type=float, default=defaults.momentum, help="SGD momentum")
+    parser.add_argument(
+        "--weight-decay", type=float, default=defaults.weight_decay, help="SGD weight decay"
+    )
+    parser.add_argument(
+        "--warmup-epochs",
+        type=float,
+        default=defaults.warmup_epochs,
+        help="epochs of linear learning-rate warm-up before the cosine decay",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=defaults.seed, help="seeds the model, the shuffle and data"
+    )
     add_model_shape_arguments(parser, defaults_from="the --data set's")
     parser.add_argument(
         "--synthetic-size", type=int, help="training samples of a synthetic data set"
