@@ -11,6 +11,7 @@ import argparse
 import functools
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from interlace import __version__, launch
 from interlace.cliutil import (
@@ -79,57 +80,65 @@ def build_parser() -> OneLineArgumentParser:
     commands = parser.add_subparsers(
         dest="command", metavar="COMMAND", parser_class=OneLineArgumentParser
     )
-    commands.add_parser(
+    _add_command(
+        commands,
         "launch",
         help="start N ranks of a torchrun-style script, optionally on an emulated network",
         add_help=False,
     )
-    commands.add_parser(
+    _add_command(
+        commands,
         "train",
         help="train a model over N ranks with data parallelism (--strategy) or pipeline "
         "parallelism (--parallel pipeline), SGD or K-FAC",
         populate=_train_arguments(default_epochs=15, default_nprocs=1),
     )
-    commands.add_parser(
+    _add_command(
+        commands,
         "demo",
         help=f"train with the defaults: {DEMO_MODEL} on the embedded {DEMO_DATA} data, "
         f"{DEMO_NPROCS} ranks, {DEMO_EPOCHS} epochs (takes train's options)",
         populate=_train_arguments(default_epochs=DEMO_EPOCHS, default_nprocs=DEMO_NPROCS),
     )
-    commands.add_parser(
+    _add_command(
+        commands,
         "profile",
         help="record one iteration of every rank: compute vs communication timeline (PNG + trace)",
         populate=_profile_arguments,
     )
 
-    bench = commands.add_parser("bench", help="benchmarks that back the README's claims")
+    bench = _add_command(commands, "bench", help="benchmarks that back the README's claims")
     benchmarks = bench.add_subparsers(
         dest="benchmark", metavar="BENCHMARK", parser_class=OneLineArgumentParser, required=True
     )
-    benchmarks.add_parser(
+    _add_command(
+        benchmarks,
         "dp",
         help="data-parallel strategies against torch DDP on the emulated cluster",
         populate=_bench_dp_arguments,
     )
-    benchmarks.add_parser(
+    _add_command(
+        benchmarks,
         "kfac",
         help="distributed K-FAC's per-phase iteration breakdown on the emulated cluster",
         populate=_bench_kfac_arguments,
     )
-    benchmarks.add_parser(
+    _add_command(
+        benchmarks,
         "pipeline",
         help="pipeline schedules vs DataParallel and torch's pipelines at equal global batch",
         populate=_bench_pipeline_arguments,
     )
 
-    commands.add_parser(
+    _add_command(
+        commands,
         "simulate",
         help="predict iteration times at 4..2048 workers from a trace, or --validate them "
         "against measured runs",
         populate=_simulate_arguments,
     )
 
-    models = commands.add_parser("models", help="list the model zoo with parameter counts")
+    models = _add_command(commands, "models", help="list the model zoo with parameter counts")
     models.add_argument(
         "--data",
         default="digits",
@@ -143,6 +152,19 @@ def build_parser() -> OneLineArgumentParser:
     add_model_shape_arguments(models, defaults_from="the --data set's")
     models.set_defaults(handler=_run_models)
     return parser
+
+
+def _add_command(
+    group: argparse._SubParsersAction[OneLineArgumentParser],
+    name: str,
+    *,
+    help: str,
+    **kwargs: Any,
+) -> OneLineArgumentParser:
+    """Add subcommand ``name``: its one-line summary in the list, and at the top of its own
+    ``--help`` too."""
+    description = help[0].upper() + help[1:] + "."
+    return group.add_parser(name, help=help, description=description, **kwargs)
 
 
 def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:

@@ -248,7 +248,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_nprocs_argument(parser, default=4, help_text="ranks")
     parser.add_argument("--link", help="emulated link rate per rank, e.g. 1gbit (needs root)")
     parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
-    parser.add_argument("--iters", dest="steps", type=int, default=10, help="iterations measured")
+    parser.add_argument(
+        "--iters", dest="steps", metavar="ITERS", type=int, default=10, help="iterations measured"
+    )
     add_deprecated_alias(parser, "--steps", "--iters", "steps", type=int)
     parser.add_argument("--warmup", type=int, default=8, help="iterations before measuring")
     parser.add_argument(

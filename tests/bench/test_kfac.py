@@ -83,6 +83,8 @@ def test_a_tiny_run_on_loopback_writes_rows_and_a_timeline(
         (["--ablation", "--grad-worker-fraction", "0.5", "--no-netem"], "--grad-worker-fraction"),
         (["--ablation", "-n", "1", "--no-netem"], "-n >= 2"),
         (["--compare", "kfac-pytorch", "--no-netem"], "add --ablation"),
+        (["--batch-size", "0", "--no-netem"], "--batch-size must be >= 1"),
+        (["--model", "mlp", "--models", "vgg11", "--no-netem"], "--model and --models"),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(

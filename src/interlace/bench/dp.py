@@ -262,7 +262,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     warmup = args.warmup if args.warmup is not None else (QUICK_WARMUP if quick else DEFAULT_WARMUP)
     rounds = args.rounds if args.rounds is not None else (QUICK_ROUNDS if quick else DEFAULT_ROUNDS)
     check_launch_args(
-        args, models, prefix="--models: ", ranks_reason="data parallelism needs ranks to average"
+        args,
+        models,
+        prefix="--model: " if args.model else "--models: ",
+        ranks_reason="data parallelism needs ranks to average",
     )
     if iters < 1:
         raise UsageError(f"--iters must be >= 1, got {iters}")

@@ -183,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"-n must be >= 1, got {args.nprocs}")
     if args.iters < 1 or args.warmup < 0:
         raise UsageError("--iters must be >= 1 and --warmup >= 0")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.ablation:
         if args.placement is not None:
             raise UsageError("--placement is set by each --ablation mode; leave it out")
