@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from interlace import cli
+from interlace.cliutil import DefaultsHelpFormatter, add_model_shape_arguments
+from interlace.train.config import TrainConfig
 from interlace.zoo import MODEL_NAMES, build_model, load_data, summarize_model
 
 
@@ -123,6 +128,68 @@ def test_train_runs_end_to_end_on_two_ranks(
     assert (run / "metrics.csv").exists() and (run / "curves.png").exists()
 
 
+def test_models_table_columns_line_up_with_the_separator_row() -> None:
+    done = interlace("models", "--data", "digits")
+    assert done.returncode == 0, done.stderr
+    table = [line for line in done.stdout.splitlines() if line.startswith("|")]
+    assert len(table) == 2 + len(MODEL_NAMES)
+    pipes = {tuple(i for i, char in enumerate(line) if char == "|") for line in table}
+    assert len(pipes) == 1, "\n".join(table)
+    assert set(table[1]) <= {"|", "-", ":"}
+
+
+def test_models_with_a_bad_model_prints_only_the_error() -> None:
+    done = interlace("models", "--model", "mlp", "--model", "nosuch")
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr.startswith("interlace models: error: unknown model 'nosuch'")
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_closed_stdout_ends_quietly_without_a_traceback() -> None:
+    # `interlace models | head -4`: the reader is gone before the table is written.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "interlace", "models"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert done.returncode == 1
+    assert done.stderr == ""
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["bench", "dp", "--no-such-flag"],
+        ["bench", "kfac", "-n", "two"],
+        ["simulate", "--workers"],
+        ["models", "--no-such-flag"],
+        ["profile", "--no-such-flag"],
+    ],
+)
+def test_a_subcommands_usage_error_points_to_its_own_help(args: list[str]) -> None:
+    done = interlace(*args, timeout=60)
+    assert done.returncode == 2
+    command = " ".join(["interlace", *args[: 2 if args[0] == "bench" else 1]])
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"{command}: error: ")
+    assert line.endswith(f"(see '{command} --help')")
+
+
+def test_a_subcommands_bad_value_names_the_subcommand() -> None:
+    done = interlace("bench", "dp", "--no-netem", "--iters", "0", timeout=60)
+    assert done.returncode == 2
+    assert done.stderr == "interlace bench dp: error: --iters must be >= 1, got 0\n"
+
+
 def test_version() -> None:
     done = interlace("--version")
     assert done.returncode == 0 and done.stdout.startswith("interlace ")
@@ -146,3 +213,129 @@ def test_help_and_the_launcher_import_no_torch() -> None:
     assert done.returncode == 0, done.stderr
     assert "usage: interlace" in done.stdout
     assert done.stdout.splitlines()[-1] == "torch imported: False"
+
+
+#: Every command that builds a model from --model, as typed before that option.
+MODEL_COMMANDS = [
+    ["train"],
+    ["profile"],
+    ["bench", "dp", "--no-netem"],
+    ["bench", "kfac", "--no-netem"],
+    ["bench", "pipeline", "--no-netem"],
+    ["simulate", "--validate"],
+    ["models"],
+]
+
+
+@pytest.mark.parametrize("command", MODEL_COMMANDS, ids=lambda c: " ".join(c[:2]))
+def test_every_model_command_builds_its_model_with_the_given_shape_and_classes(
+    command: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The user's callable reports what it was called with, as a usage error, so nothing launches.
+    (tmp_path / "shape_probe.py").write_text(
+        "from interlace.errors import UsageError\n"
+        "def built(input_shape, num_classes):\n"
+        "    raise UsageError(f'built for {tuple(input_shape)} in {num_classes} classes')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    argv = [*command, "--model", "shape_probe:built", "--input-shape", "2,5,5", "--classes", "7"]
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(argv)
+    assert stopped.value.code == 2
+    assert "built for (2, 5, 5) in 7 classes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", MODEL_COMMANDS, ids=lambda c: " ".join(c[:2]))
+def test_input_shape_and_classes_are_one_shared_definition(command: list[str]) -> None:
+    parser = cli.subcommand_parsers()[" ".join(w for w in command if not w.startswith("-"))]
+    reference = argparse.ArgumentParser()
+    add_model_shape_arguments(reference)
+    for flag in ("--input-shape", "--classes"):
+        ours, theirs = _action(parser, flag), _action(reference, flag)
+        assert (ours.type, ours.metavar) == (theirs.type, theirs.metavar)
+        assert ours.help is not None and theirs.help is not None
+        assert ours.help.startswith(theirs.help)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--classes", "0"])
+
+
+def _action(parser: argparse.ArgumentParser, flag: str) -> argparse.Action:
+    return next(a for a in parser._actions if flag in a.option_strings)
+
+
+#: Spellings retired in favour of the one every command uses; still accepted, never shown.
+RETIRED = {"--batch": "--batch-size", "--steps": "--iters"}
+
+
+def test_no_command_shows_a_retired_spelling() -> None:
+    for name, parser in cli.subcommand_parsers().items():
+        shown = {
+            flag
+            for action in parser._actions
+            if action.help != argparse.SUPPRESS
+            for flag in action.option_strings
+        }
+        assert not shown & set(RETIRED), name
+        assert not {"--batch", "--steps"} & set(parser.format_help().split()), name
+
+
+@pytest.mark.parametrize(
+    ("command", "old", "dest"),
+    [
+        ("bench kfac", "--batch", "batch_size"),
+        ("bench pipeline", "--batch", "batch_size"),
+        ("profile", "--steps", "steps"),
+    ],
+)
+def test_a_retired_spelling_still_works_with_a_note(
+    command: str, old: str, dest: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = cli.subcommand_parsers()[command]
+    assert getattr(parser.parse_args([old, "16"]), dest) == 16
+    assert f"{old} is deprecated; use {RETIRED[old]}" in capsys.readouterr().err
+    assert getattr(parser.parse_args([RETIRED[old], "24"]), dest) == 24
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    "command", ["launch", "profile", "bench dp", "bench kfac", "bench pipeline", "simulate"]
+)
+def test_every_command_that_starts_ranks_spells_their_count_alike(command: str) -> None:
+    parser = cli.subcommand_parsers()[command]
+    (action,) = (a for a in parser._actions if "-n" in a.option_strings)
+    assert set(action.option_strings) == {"-n", "--nprocs", "--nproc-per-node"}
+    extra = ["--", "true"] if command == "launch" else []
+    for flag in ("-n", "--nprocs", "--nproc-per-node"):
+        assert parser.parse_args([flag, "3", *extra]).nprocs == 3
+
+
+@pytest.mark.parametrize("command", ["bench dp", "bench kfac", "bench pipeline"])
+def test_every_benchmark_takes_model_or_models_and_batch_size(command: str) -> None:
+    parser = cli.subcommand_parsers()[command]
+    args = parser.parse_args(["--model", "mlp", "--batch-size", "8"])
+    assert (args.model, args.batch_size) == ("mlp", 8)
+    assert parser.parse_args(["--models", "mlp,vgg11"]).models == "mlp,vgg11"
+
+
+def test_every_option_of_every_command_has_help_and_shows_its_default() -> None:
+    for name, parser in cli.subcommand_parsers().items():
+        assert issubclass(parser.formatter_class, DefaultsHelpFormatter), name
+        for action in parser._actions:
+            if action.option_strings and action.help != argparse.SUPPRESS:
+                assert action.help, f"interlace {name} {action.option_strings[-1]} has no help"
+
+
+def test_top_level_help_describes_train_and_what_demo_runs() -> None:
+    text = " ".join(cli.build_parser().format_help().split())
+    assert "data parallelism" in text and "pipeline parallelism" in text
+    defaults = TrainConfig()
+    demo = cli.subcommand_parsers()["demo"].parse_args([])
+    expected = (
+        f"{defaults.model} on the embedded {defaults.data} data, {demo.nprocs} ranks, "
+        f"{demo.epochs} epochs"
+    )
+    assert expected in text

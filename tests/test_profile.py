@@ -26,7 +26,7 @@ def test_profile_writes_a_trace_with_every_ranks_compute_and_buckets(tmp_path: P
             "2",
             "--strategy",
             "wfbp",
-            "--steps",
+            "--iters",
             "3",
             "--warmup",
             "2",
@@ -69,7 +69,7 @@ def test_profile_with_kfac_draws_its_phases_after_backward(tmp_path: Path) -> No
     done = subprocess.run(
         [
             *(sys.executable, "-m", "interlace", "profile", "--model", "mlp", "--data"),
-            *("digits", "-n", "2", "--steps", "2", "--warmup", "1", "--batch-size", "16"),
+            *("digits", "-n", "2", "--iters", "2", "--warmup", "1", "--batch-size", "16"),
             *("--optimizer", "kfac", "--out", str(out)),
         ],
         capture_output=True,

@@ -11,12 +11,25 @@ import argparse
 import functools
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from interlace import __version__, launch
-from interlace.cliutil import OneLineArgumentParser, fail, parse_shape
+from interlace.cliutil import (
+    OneLineArgumentParser,
+    add_model_shape_arguments,
+    fail,
+    quiet_on_broken_pipe,
+)
 from interlace.errors import UsageError
 
 PROG = "interlace"
+
+#: What ``interlace demo`` trains: the training job's default model and data (``TrainConfig``),
+#: on these ranks for these epochs.
+DEMO_MODEL = "resnet20"
+DEMO_DATA = "digits"
+DEMO_NPROCS = 4
+DEMO_EPOCHS = 12
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -28,6 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit status.
     """
+    return quiet_on_broken_pipe(lambda: _main(argv))
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] == "launch":
         # The launcher owns everything after `launch`, including the user's own command line.
@@ -39,12 +56,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     handler = args.handler
+    # The command as typed, down to the benchmark: `interlace bench dp`.
+    prog = " ".join([PROG, args.command, *([args.benchmark] if "benchmark" in args else [])])
     try:
         status: int = handler(args)
     except UsageError as error:
-        fail(f"{PROG} {args.command}", str(error))
+        fail(prog, str(error))
     except KeyboardInterrupt:
-        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     return status
 
@@ -55,60 +74,71 @@ def build_parser() -> OneLineArgumentParser:
         prog=PROG,
         description="Faster distributed PyTorch training by interlacing computation with "
         "communication.",
+        epilog=f"'{PROG} COMMAND --help' describes a command's options.",
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(
         dest="command", metavar="COMMAND", parser_class=OneLineArgumentParser
     )
-    commands.add_parser(
+    _add_command(
+        commands,
         "launch",
         help="start N ranks of a torchrun-style script, optionally on an emulated network",
         add_help=False,
     )
-    commands.add_parser(
+    _add_command(
+        commands,
         "train",
-        help="train a model data-parallel over N ranks",
+        help="train a model over N ranks with data parallelism (--strategy) or pipeline "
+        "parallelism (--parallel pipeline), SGD or K-FAC",
         populate=_train_arguments(default_epochs=15, default_nprocs=1),
     )
-    commands.add_parser(
+    _add_command(
+        commands,
         "demo",
-        help="the main job: resnet20 on the embedded digits data with 4 ranks",
-        populate=_train_arguments(default_epochs=12, default_nprocs=4),
+        help=f"train with the defaults: {DEMO_MODEL} on the embedded {DEMO_DATA} data, "
+        f"{DEMO_NPROCS} ranks, {DEMO_EPOCHS} epochs (takes train's options)",
+        populate=_train_arguments(default_epochs=DEMO_EPOCHS, default_nprocs=DEMO_NPROCS),
     )
-    commands.add_parser(
+    _add_command(
+        commands,
         "profile",
         help="record one iteration of every rank: compute vs communication timeline (PNG + trace)",
         populate=_profile_arguments,
     )
 
-    bench = commands.add_parser("bench", help="benchmarks that back the README's claims")
+    bench = _add_command(commands, "bench", help="benchmarks that back the README's claims")
     benchmarks = bench.add_subparsers(
         dest="benchmark", metavar="BENCHMARK", parser_class=OneLineArgumentParser, required=True
     )
-    benchmarks.add_parser(
+    _add_command(
+        benchmarks,
         "dp",
         help="data-parallel strategies against torch DDP on the emulated cluster",
         populate=_bench_dp_arguments,
     )
-    benchmarks.add_parser(
+    _add_command(
+        benchmarks,
         "kfac",
         help="distributed K-FAC's per-phase iteration breakdown on the emulated cluster",
         populate=_bench_kfac_arguments,
     )
-    benchmarks.add_parser(
+    _add_command(
+        benchmarks,
         "pipeline",
         help="pipeline schedules vs DataParallel and torch's pipelines at equal global batch",
         populate=_bench_pipeline_arguments,
     )
 
-    commands.add_parser(
+    _add_command(
+        commands,
         "simulate",
         help="predict iteration times at 4..2048 workers from a trace, or --validate them "
         "against measured runs",
         populate=_simulate_arguments,
     )
 
-    models = commands.add_parser("models", help="list the model zoo with parameter counts")
+    models = _add_command(commands, "models", help="list the model zoo with parameter counts")
     models.add_argument(
         "--data",
         default="digits",
@@ -119,10 +149,46 @@ def build_parser() -> OneLineArgumentParser:
         action="append",
         help="a zoo name or package.module:callable (repeatable; default: the whole zoo)",
     )
-    models.add_argument("--input-shape", type=parse_shape, help="input shape, e.g. 3,32,32")
-    models.add_argument("--classes", type=int, help="number of classes")
+    add_model_shape_arguments(models, defaults_from="the --data set's")
     models.set_defaults(handler=_run_models)
     return parser
+
+
+def _add_command(
+    group: argparse._SubParsersAction[OneLineArgumentParser],
+    name: str,
+    *,
+    help: str,
+    **kwargs: Any,
+) -> OneLineArgumentParser:
+    """Add subcommand ``name``: its one-line summary in the list, and at the top of its own
+    ``--help`` too."""
+    description = help[0].upper() + help[1:] + "."
+    return group.add_parser(name, help=help, description=description, **kwargs)
+
+
+def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every command's parser, with its options added, by the words that name it.
+
+    The keys are ``train``, ``bench dp`` and so on (``bench`` itself included, and ``launch``,
+    whose parser is the launcher's own); adding the options imports torch.
+
+    Returns:
+        The parsers, in the order ``interlace --help`` lists them.
+    """
+    found: dict[str, argparse.ArgumentParser] = {}
+
+    def walk(parser: argparse.ArgumentParser, words: list[str]) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    child.format_help()  # adds a lazily populated parser's options
+                    found[" ".join([*words, name])] = child
+                    walk(child, [*words, name])
+
+    walk(build_parser(), [])
+    found["launch"] = launch.build_parser()
+    return found
 
 
 # Each function below imports its subcommand's module when that subcommand is parsed: the
@@ -193,18 +259,53 @@ def _run_models(args: argparse.Namespace) -> int:
         num_classes = args.classes or bundle.num_classes
         source = bundle.name
     specs = args.model or list(MODEL_NAMES)
+    # Every model is built before anything is printed: a bad one is an error line, not a table
+    # cut short.
+    summaries = [
+        summarize_model(spec, build_model(spec, input_shape, num_classes)) for spec in specs
+    ]
     shape_text = "x".join(str(size) for size in input_shape)
     print(f"models for input {shape_text}, {num_classes} classes ({source})\n")
-    header = f"| {'model':<24} | {'parameters':>12} | {'tensors':>7} | {'gradient MB':>11} |"
-    print(header)
-    print(f"|{'-' * 26}|{'-' * 14}:|{'-' * 8}:|{'-' * 12}:|")
-    for spec in specs:
-        summary = summarize_model(spec, build_model(spec, input_shape, num_classes))
-        print(
-            f"| {spec:<24} | {summary.params:>12,} | {summary.tensors:>7} | "
-            f"{summary.trainable_bytes / 1e6:>11.2f} |"
-        )
+    rows = [
+        (s.name, f"{s.params:,}", str(s.tensors), f"{s.trainable_bytes / 1e6:.2f}")
+        for s in summaries
+    ]
+    print(format_table(("model", "parameters", "tensors", "gradient MB"), rows, right=(1, 2, 3)))
     return 0
+
+
+def format_table(
+    header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()
+) -> str:
+    """A Markdown table whose columns (and separator row) line up in plain text too.
+
+    Args:
+        header: the column titles.
+        rows: the cells, one sequence per row, as many as ``header``.
+        right: indices of the columns aligned right (numbers).
+
+    Returns:
+        The table's lines, joined by newlines.
+    """
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
+
+    def line(cells: Sequence[str]) -> str:
+        padded = (
+            cell.rjust(width) if index in right else cell.ljust(width)
+            for index, (cell, width) in enumerate(zip(cells, widths, strict=True))
+        )
+        return "| " + " | ".join(padded) + " |"
+
+    # `---:` marks a right-aligned column; the colon takes the place of the cell's last space.
+    separator = (
+        "|"
+        + "|".join(
+            "-" * (width + 1) + ":" if index in right else "-" * (width + 2)
+            for index, width in enumerate(widths)
+        )
+        + "|"
+    )
+    return "\n".join([line(header), separator, *(line(row) for row in rows)])
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
 """Command-line plumbing shared by every ``interlace`` subcommand.
 
 Errors are one line (``interlace train: error: ...``) with exit status 2, so a mistyped flag is
-answered with what was wrong rather than a screen of usage text.
+answered with what was wrong rather than a screen of usage text. Options that several commands
+take (``--input-shape``/``--classes``, ``-n``) are defined here once, so they read the same
+everywhere.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NoReturn, Protocol, TypeVar, overload
@@ -36,14 +39,41 @@ class JobOutcome(Protocol):
         """Each failed rank's traceback."""
 
 
+#: Where a parser records itself in the namespace it fills, so that arguments nobody
+#: recognised are reported by the innermost (sub)command's parser, pointing to its own help.
+_PARSER_ATTR = "_interlace_parser"
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Help that shows every option's default: ``(default X)`` is appended to an option's help
+    unless the text already names its default or the option has none worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or "%(default)" in text
+            or default is None
+            or default is False
+            or default is argparse.SUPPRESS
+            or not action.option_strings
+        ):
+            return action.help
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else "%(default)s"
+        return f"{text} (default {shown})" if text else text
+
+
 class OneLineArgumentParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are a single line on stderr and exit status 2.
+    """An ArgumentParser whose errors are a single line on stderr and exit status 2, naming the
+    (sub)command's own ``--help``, and whose help shows every option's default.
 
     Args:
         *args: :class:`argparse.ArgumentParser`'s.
         populate: adds the parser's arguments the first time it parses or prints help, so a
             subcommand's (heavy) module is imported only when that subcommand is used.
-        **kwargs: :class:`argparse.ArgumentParser`'s.
+        **kwargs: :class:`argparse.ArgumentParser`'s (``formatter_class`` defaults to
+            :class:`DefaultsHelpFormatter`).
     """
 
     def __init__(
@@ -52,6 +82,7 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         populate: Callable[[argparse.ArgumentParser], None] | None = None,
         **kwargs: Any,
     ) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
         super().__init__(*args, **kwargs)
         self._populate = populate
 
@@ -83,7 +114,34 @@ class OneLineArgumentParser(argparse.ArgumentParser):
             namespace: the namespace to fill (default: a new one).
         """
         self._add_arguments_once()
-        return super().parse_known_args(args, namespace)
+        parsed, extras = super().parse_known_args(args, namespace)
+        # The innermost parser finishes first; an enclosing one must not replace it.
+        if not hasattr(parsed, _PARSER_ATTR):
+            setattr(parsed, _PARSER_ATTR, self)
+        return parsed, extras
+
+    @overload
+    def parse_args(
+        self, args: Iterable[str] | None = None, namespace: None = None
+    ) -> argparse.Namespace: ...
+    @overload
+    def parse_args(self, args: Iterable[str] | None, namespace: _N) -> _N: ...
+    @overload
+    def parse_args(self, *, namespace: _N) -> _N: ...
+    def parse_args(self, args: Iterable[str] | None = None, namespace: Any = None) -> Any:
+        """Parse as argparse does, but leave arguments nobody recognised to the innermost
+        subcommand's parser, so the error points to that subcommand's ``--help``.
+
+        Args:
+            args: the arguments (default: ``sys.argv[1:]``).
+            namespace: the namespace to fill (default: a new one).
+        """
+        parsed, extras = self.parse_known_args(args, namespace)
+        owner = getattr(parsed, _PARSER_ATTR, self)
+        delattr(parsed, _PARSER_ATTR)
+        if extras:
+            owner.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
 
     def format_usage(self) -> str:
         self._add_arguments_once()
@@ -111,6 +169,30 @@ def fail(prog: str, message: str, status: int = 2) -> NoReturn:
     raise SystemExit(status)
 
 
+def quiet_on_broken_pipe(command: Callable[[], int]) -> int:
+    """Run a command's entry point; if its reader goes away (``interlace models | head -4``),
+    stop quietly with status 1 instead of a BrokenPipeError traceback.
+
+    Args:
+        command: the entry point, returning the exit status.
+
+    Returns:
+        The command's exit status, or 1 when stdout was closed under it.
+    """
+    try:
+        status = command()
+        # Flush here rather than at interpreter exit, so a closed pipe is caught below.
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python's documented recipe: point stdout at devnull so the interpreter's own flush at
+        # exit cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 1
+    return status
+
+
 def standalone_main(
     prog: str,
     description: str,
@@ -131,14 +213,18 @@ def standalone_main(
     parser = OneLineArgumentParser(prog=prog, description=description)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except UsageError as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+
+    def command() -> int:
+        try:
+            return run(args)
+        except UsageError as error:
+            print(f"{prog}: error: {error}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print(f"{prog}: interrupted", file=sys.stderr)
+            return 130
+
+    return quiet_on_broken_pipe(command)
 
 
 def add_channel_arguments(parser: argparse.ArgumentParser) -> None:
@@ -157,6 +243,145 @@ def add_channel_arguments(parser: argparse.ArgumentParser) -> None:
         "--compression",
         choices=["fp16", "bf16"],
         help="send float32 gradient buckets as fp16 or bf16 (averaged in fp32; default: none)",
+    )
+
+
+class _DeprecatedAlias(argparse.Action):
+    """Stores its value like the option it stands for, after a one-line note on stderr."""
+
+    def __init__(self, *args: Any, replacement: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.replacement = replacement
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        print(
+            f"{parser.prog}: note: {option_string} is deprecated; use {self.replacement}",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, values)
+
+
+def add_deprecated_alias(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    old: str,
+    new: str,
+    dest: str,
+    **kwargs: Any,
+) -> None:
+    """Accept ``old`` as a hidden, deprecated spelling of the option ``new``.
+
+    The alias is left out of ``--help`` and notes on stderr that it is deprecated; its value
+    lands where ``new``'s does, and ``new``'s default stands when it is not given.
+
+    Args:
+        parser: the parser (or argument group) that has ``new``.
+        old: the deprecated spelling, e.g. ``--batch``.
+        new: the option to use instead, e.g. ``--batch-size``.
+        dest: ``new``'s destination.
+        **kwargs: how the value is read (``type``, ``nargs``), as ``new`` reads it.
+    """
+    parser.add_argument(
+        old,
+        dest=dest,
+        action=_DeprecatedAlias,
+        replacement=new,
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+        **kwargs,
+    )
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type`` for counts that must be at least 1.
+
+    Args:
+        text: the value as typed.
+
+    Raises:
+        argparse.ArgumentTypeError: for anything but an integer >= 1.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_model_shape_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    *,
+    input_shape: tuple[int, ...] | None = None,
+    classes: int | None = None,
+    defaults_from: str | None = None,
+) -> None:
+    """``--input-shape`` and ``--classes``: the sizes a ``--model`` is built with.
+
+    Every command that builds a model from ``--model`` (a zoo name or
+    ``package.module:callable``, called as ``callable(input_shape, num_classes)``) takes both,
+    defined here once.
+
+    Args:
+        parser: the subcommand's parser (or argument group).
+        input_shape: the shape used when ``--input-shape`` is not given; None leaves
+            ``args.input_shape`` None for the command to fill in (see ``defaults_from``).
+        classes: the class count used when ``--classes`` is not given; None as above.
+        defaults_from: where the sizes come from when not given (e.g. "the --data set"),
+            named in the help when there is no fixed default.
+    """
+    source = f"default: {defaults_from}" if defaults_from else None
+    parser.add_argument(
+        "--input-shape",
+        type=parse_shape,
+        default=input_shape,
+        metavar="SHAPE",
+        help="shape of one input sample the model is built for, e.g. 3,32,32 or 1x8x8"
+        + (f" ({source})" if input_shape is None and source else ""),
+    )
+    parser.add_argument(
+        "--classes",
+        type=positive_int,
+        default=classes,
+        metavar="K",
+        help="number of classes the model predicts"
+        + (f" ({source})" if classes is None and source else ""),
+    )
+
+
+def add_nprocs_argument(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    *,
+    default: int | None,
+    help_text: str,
+    required: bool = False,
+) -> None:
+    """``-n``/``--nprocs``/``--nproc-per-node``: how many ranks to start on this machine.
+
+    ``--nproc-per-node`` is torchrun's spelling, accepted by every command that starts ranks.
+
+    Args:
+        parser: the subcommand's parser (or argument group).
+        default: ranks when not given (None: the command decides).
+        help_text: what the ranks are, for the help text (the default is appended).
+        required: whether the option must be given.
+    """
+    parser.add_argument(
+        "-n",
+        "--nprocs",
+        "--nproc-per-node",
+        dest="nprocs",
+        type=int,
+        default=default,
+        required=required,
+        metavar="N",
+        help=help_text,
     )
 
 

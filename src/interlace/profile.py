@@ -18,7 +18,13 @@ from torch import nn
 from torch.nn import functional
 
 from interlace import launch
-from interlace.cliutil import add_channel_arguments, parse_shape, report_failure
+from interlace.cliutil import (
+    add_channel_arguments,
+    add_deprecated_alias,
+    add_model_shape_arguments,
+    add_nprocs_argument,
+    report_failure,
+)
 from interlace.comm.links import parse_link
 from interlace.comm.strategies import RUNTIME_STRATEGIES
 from interlace.distenv import finish_distributed, init_distributed
@@ -77,7 +83,7 @@ class ProfileConfig:
             UsageError: naming the flag.
         """
         if self.batch_size < 1 or self.steps < 1 or self.warmup < 0:
-            raise UsageError("--batch-size and --steps must be >= 1 and --warmup >= 0")
+            raise UsageError("--batch-size and --iters must be >= 1 and --warmup >= 0")
         if self.optimizer not in ("sgd", "kfac"):
             raise UsageError(f"--optimizer must be sgd or kfac, got {self.optimizer!r}")
 
@@ -232,16 +238,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="synthetic-cifar10",
         help="data set whose sample shape and classes size the model (default synthetic-cifar10)",
     )
-    parser.add_argument("--input-shape", type=parse_shape, help="input shape, e.g. 3,32,32")
-    parser.add_argument("--classes", type=int, help="number of classes")
+    add_model_shape_arguments(parser, defaults_from="the --data set's")
     parser.add_argument(
         "--strategy", default="mgwfbp", help="ddp, wfbp, fixed, single, mgwfbp or optimal"
     )
     add_channel_arguments(parser)
-    parser.add_argument("-n", "--nprocs", type=int, default=4, help="ranks (default 4)")
+    add_nprocs_argument(parser, default=4, help_text="ranks")
     parser.add_argument("--link", help="emulated link rate per rank, e.g. 1gbit (needs root)")
     parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
-    parser.add_argument("--steps", type=int, default=10, help="iterations measured")
+    parser.add_argument(
+        "--iters", dest="steps", metavar="ITERS", type=int, default=10, help="iterations measured"
+    )
+    add_deprecated_alias(parser, "--steps", "--iters", "steps", type=int)
     parser.add_argument("--warmup", type=int, default=8, help="iterations before measuring")
     parser.add_argument(
         "--optimizer",
@@ -250,7 +258,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="kfac: K-FAC (kfac-pytorch's defaults) before each SGD step, drawn on its own lanes",
     )
     parser.add_argument("--out", default="profile", help="folder for timeline.json/.png")
-    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for the job")
     parser.add_argument(
         "--trace-out",
         metavar="T",

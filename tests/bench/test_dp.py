@@ -118,7 +118,6 @@ def test_a_tiny_run_on_loopback_writes_rows_table_and_plot(
         (["--iters", "0"], "--iters must be >= 1"),
         (["--link", "1gbit", "--no-netem"], "contradict"),
         (["--link", "fast"], "unknown link rate"),
-        (["--input-shape", "3,0,32"], "positive"),
         (["--channels", "1,0"], "--channels must be 'auto' or an integer >= 1"),
         (["--compression", "fp8"], "unknown 'fp8'"),
     ],
@@ -131,10 +130,18 @@ def test_bad_input_is_one_line_and_status_2(
     assert needle in err and err.startswith("interlace bench dp: error:")
 
 
-def test_a_malformed_flag_is_an_argparse_error_with_status_2() -> None:
+@pytest.mark.parametrize(
+    "argv", [["--iters", "many"], ["--input-shape", "3,0,32"], ["--classes", "0"]]
+)
+def test_a_malformed_flag_is_an_argparse_error_with_status_2(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exc:
-        dp.main(["--iters", "many"])
+        dp.main(argv)
     assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"interlace bench dp: error: argument {argv[0]}")
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_run_raises_usage_error_for_the_lead_cli() -> None:
@@ -142,3 +149,14 @@ def test_run_raises_usage_error_for_the_lead_cli() -> None:
     dp.add_arguments(parser)
     with pytest.raises(UsageError, match="unknown model"):
         dp.run(parser.parse_args(["--models", "nope"]))
+
+
+def test_model_shape_and_classes_reach_the_config() -> None:
+    parser = argparse.ArgumentParser()
+    dp.add_arguments(parser)
+    config = dp.config_from_args(
+        parser.parse_args(["--model", "mlp", "--input-shape", "1,8,8", "--classes", "7"])
+    )
+    assert (config.models, config.input_shape, config.num_classes) == (("mlp",), (1, 8, 8), 7)
+    with pytest.raises(UsageError, match="--model and --models"):
+        dp.config_from_args(parser.parse_args(["--model", "mlp", "--models", "vgg11"]))

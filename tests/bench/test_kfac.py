@@ -40,7 +40,7 @@ def test_a_tiny_run_on_loopback_writes_rows_and_a_timeline(
             "mlp",
             "--input-shape",
             "1,8,8",
-            "--batch",
+            "--batch-size",
             "8",
             "--iters",
             "2",
@@ -83,6 +83,8 @@ def test_a_tiny_run_on_loopback_writes_rows_and_a_timeline(
         (["--ablation", "--grad-worker-fraction", "0.5", "--no-netem"], "--grad-worker-fraction"),
         (["--ablation", "-n", "1", "--no-netem"], "-n >= 2"),
         (["--compare", "kfac-pytorch", "--no-netem"], "add --ablation"),
+        (["--batch-size", "0", "--no-netem"], "--batch-size must be >= 1"),
+        (["--model", "mlp", "--models", "vgg11", "--no-netem"], "--model and --models"),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(
@@ -138,7 +140,7 @@ def test_a_tiny_ablation_on_loopback_measures_the_four_modes(
             "mlp",
             "--input-shape",
             "1,8,8",
-            "--batch",
+            "--batch-size",
             "8",
             "--iters",
             "2",
@@ -229,7 +231,7 @@ def test_compare_runs_the_peer_beside_the_modes(
     status = cli.main(
         [
             "bench", "kfac", "--ablation", "--compare", "kfac-pytorch", "--no-netem",
-            "-n", "2", "--model", "mlp", "--input-shape", "1,8,8", "--batch", "8",
+            "-n", "2", "--model", "mlp", "--input-shape", "1,8,8", "--batch-size", "8",
             "--iters", "2", "--warmup", "1", "--json", str(rows_path),
         ]
     )  # fmt: skip

@@ -55,7 +55,7 @@ def test_flags_are_resolved() -> None:
             "--no-netem",
             "-n",
             "2",
-            "--batch",
+            "--batch-size",
             "8",
             "--microbatches",
             "2",
@@ -81,12 +81,17 @@ def test_flags_are_resolved() -> None:
     )
 
 
+def test_the_model_is_built_for_the_given_shape_and_classes() -> None:
+    config = config_from_args(_parse("--input-shape", "1,8,8", "--classes", "7"))
+    assert (config.input_shape, config.num_classes) == ((1, 8, 8), 7)
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
         (["-n", "1"], "-n must be >= 2"),
-        (["--batch", "62"], "equal data-parallel shards"),
-        (["--batch", "20", "--microbatches", "8"], "equal micro-batches"),
+        (["--batch-size", "62"], "equal data-parallel shards"),
+        (["--batch-size", "20", "--microbatches", "8"], "equal micro-batches"),
         (["--block", "0"], "--block"),
         (["--iters", "0"], "--iters"),
         (["--warmup", "-1"], "--warmup"),
@@ -126,7 +131,7 @@ def test_a_tiny_run_on_loopback_measures_every_schedule(
             "mlp",
             "--input-shape",
             "1,8,8",
-            "--batch",
+            "--batch-size",
             "8",
             "--microbatches",
             "2",

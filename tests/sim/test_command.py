@@ -69,6 +69,28 @@ def test_a_malformed_trace_is_one_line_with_file_and_line(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (bytes(range(128, 256)) * 4, "not a text file; a trace is an interlace-trace JSON file"),
+        (
+            b'{"format": "interlace-trace"}\n{"format": "interlace-trace"}\n',
+            ":2: more after the JSON object; a trace file holds one JSON object",
+        ),
+    ],
+)
+def test_a_file_that_is_not_one_trace_is_one_line_saying_what_a_trace_is(
+    tmp_path: Path, content: bytes, message: str
+) -> None:
+    trace = tmp_path / "trace.json"
+    trace.write_bytes(content)
+    done = interlace("simulate", "--trace", str(trace), "--png", "none")
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"interlace simulate: error: {trace}")
+    assert message in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
     ("args", "message"),
     [
         (("--network", "ring"), "--network 'ring'"),
@@ -105,7 +127,7 @@ def test_profile_writes_a_trace_the_simulator_reads(tmp_path: Path) -> None:
         "2",
         "--strategy",
         "single",
-        "--steps",
+        "--iters",
         "2",
         "--warmup",
         "2",

@@ -54,10 +54,9 @@ from interlace.bench.harness import (
     machine_load,
     parse_names,
     parse_ratios,
-    parse_shape,
     split_blocks,
 )
-from interlace.cliutil import standalone_main
+from interlace.cliutil import add_model_shape_arguments, add_nprocs_argument, standalone_main
 from interlace.comm.links import parse_link
 from interlace.comm.strategies import RUNTIME_STRATEGIES
 from interlace.errors import UsageError
@@ -113,6 +112,7 @@ class BenchConfig:
     seed: int
     json_path: str | None
     png_path: str | None
+    num_classes: int = NUM_CLASSES
 
     def batch_for(self, model: str) -> int:
         """The per-rank batch of ``model``: ``--batch-size``, else the model's default.
@@ -140,8 +140,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated zoo models or package.module:callable "
         f"(default {','.join(DEFAULT_MODELS)}; --quick: {','.join(QUICK_MODELS)})",
     )
+    parser.add_argument("--model", help="one model (zoo name or package.module:callable)")
     parser.add_argument(
         "--strategies",
+        "--strategy",
+        dest="strategies",
         help=f"comma-separated strategies (default {','.join(DEFAULT_STRATEGIES)})",
     )
     parser.add_argument(
@@ -162,13 +165,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default {','.join(f'{r:g}' for r in DEFAULT_RATIOS)}; --quick: "
         f"{','.join(f'{r:g}' for r in QUICK_RATIOS)})",
     )
-    parser.add_argument(
-        "-n",
-        "--nprocs",
-        type=int,
-        default=DEFAULT_NPROCS,
-        help=f"ranks (default {DEFAULT_NPROCS})",
-    )
+    add_nprocs_argument(parser, default=DEFAULT_NPROCS, help_text="ranks")
     parser.add_argument(
         "--iters",
         type=int,
@@ -187,11 +184,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="round-robin blocks the timed iterations are split into "
         f"(default {DEFAULT_ROUNDS}; --quick: {QUICK_ROUNDS})",
     )
-    parser.add_argument(
-        "--input-shape",
-        default=",".join(map(str, DEFAULT_INPUT_SHAPE)),
-        help="input shape of the synthetic batches (default 3,32,32; 1,8,8 is the digits shape)",
-    )
+    add_model_shape_arguments(parser, input_shape=DEFAULT_INPUT_SHAPE, classes=NUM_CLASSES)
     parser.add_argument(
         "--batch-size",
         type=int,
@@ -248,11 +241,14 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """
 
     quick = bool(args.quick)
-    models = (
-        parse_names(args.models, None, "models", "model")
-        if args.models
-        else (QUICK_MODELS if quick else DEFAULT_MODELS)
-    )
+    if args.model and args.models:
+        raise UsageError("--model and --models contradict each other; give one of them")
+    if args.model:
+        models: tuple[str, ...] = (args.model,)
+    elif args.models:
+        models = parse_names(args.models, None, "models", "model")
+    else:
+        models = QUICK_MODELS if quick else DEFAULT_MODELS
     strategies = (
         parse_names(args.strategies, RUNTIME_STRATEGIES, "strategies", "strategy")
         if args.strategies
@@ -266,7 +262,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     warmup = args.warmup if args.warmup is not None else (QUICK_WARMUP if quick else DEFAULT_WARMUP)
     rounds = args.rounds if args.rounds is not None else (QUICK_ROUNDS if quick else DEFAULT_ROUNDS)
     check_launch_args(
-        args, models, prefix="--models: ", ranks_reason="data parallelism needs ranks to average"
+        args,
+        models,
+        prefix="--model: " if args.model else "--models: ",
+        ranks_reason="data parallelism needs ranks to average",
     )
     if iters < 1:
         raise UsageError(f"--iters must be >= 1, got {iters}")
@@ -289,7 +288,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         iters=iters,
         warmup=warmup,
         rounds=rounds,
-        input_shape=parse_shape(args.input_shape),
+        input_shape=tuple(args.input_shape),
+        num_classes=args.classes,
         batch_size=args.batch_size,
         link=args.link,
         netem=not args.no_netem,
@@ -332,7 +332,7 @@ def _check_models_build(config: BenchConfig) -> None:
     """Build each model once here, so a bad model or shape is one line, not N tracebacks."""
 
     for model in config.models:
-        build_model(model, config.input_shape, NUM_CLASSES)
+        build_model(model, config.input_shape, config.num_classes)
 
 
 @dataclass
@@ -427,6 +427,7 @@ def run(args: argparse.Namespace) -> int:
                     tuple(config.batch_for(m) for m in config.models),
                     config.input_shape,
                     config.seed,
+                    num_classes=config.num_classes,
                 )
                 try:
                     found = launch_on_ranks(
@@ -462,6 +463,7 @@ def run(args: argparse.Namespace) -> int:
                     config.warmup,
                     config.rounds,
                     config.seed,
+                    num_classes=config.num_classes,
                 )
                 link = plan.context.link if config.netem else None
                 try:

@@ -80,6 +80,7 @@ class CalibrationJob:
     seed: int = 0
     iters: int = 5
     warmup: int = 2
+    num_classes: int = NUM_CLASSES
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,7 @@ class MeasureJob:
     #: round: the start-up and synchronisation probes as a block of their own, the bytes probe
     #: in the reference slot.
     probe_contention: bool = False
+    num_classes: int = NUM_CLASSES
 
 
 @dataclass(frozen=True)
@@ -228,9 +230,11 @@ def _allreduce_sample(flat: Any) -> float:
     return time.perf_counter() - start
 
 
-def _plain(model_name: str, input_shape: tuple[int, ...], seed: int) -> tuple[Any, Any]:
+def _plain(
+    model_name: str, input_shape: tuple[int, ...], seed: int, num_classes: int
+) -> tuple[Any, Any]:
     torch.manual_seed(seed)
-    model = build_model(model_name, input_shape, NUM_CLASSES)
+    model = build_model(model_name, input_shape, num_classes)
     return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
 
@@ -250,8 +254,10 @@ def calibrate_rank(job: CalibrationJob) -> list[Calibration]:
     rank = dist.get_rank()
     results = []
     for name, batch in zip(job.models, job.batches, strict=True):
-        model, optimizer = _plain(name, job.input_shape, job.seed)
-        batches = synthetic_batches(batch, job.input_shape, job.seed, rank)
+        model, optimizer = _plain(name, job.input_shape, job.seed, job.num_classes)
+        batches = synthetic_batches(
+            batch, job.input_shape, job.seed, rank, num_classes=job.num_classes
+        )
         computes = []
         for index in range(job.warmup + job.iters):
             sample = _compute_sample(model, optimizer, *batches[index % len(batches)])
@@ -313,15 +319,17 @@ def measure_rank(job: MeasureJob) -> Measurement:
     """
 
     rank = dist.get_rank()
-    batches = synthetic_batches(job.batch, job.input_shape, job.seed, rank)
+    batches = synthetic_batches(
+        job.batch, job.input_shape, job.seed, rank, num_classes=job.num_classes
+    )
     contenders = []
     for strategy in job.strategies:
         torch.manual_seed(job.seed)
-        model = build_model(job.model, job.input_shape, NUM_CLASSES)
+        model = build_model(job.model, job.input_shape, job.num_classes)
         wrapper = _wrap(model, strategy)
         optimizer = torch.optim.SGD(wrapper.parameters(), lr=0.01, momentum=0.9)
         contenders.append(Contender(strategy, wrapper, optimizer))
-    plain, plain_optimizer = _plain(job.model, job.input_shape, job.seed)
+    plain, plain_optimizer = _plain(job.model, job.input_shape, job.seed, job.num_classes)
     flat = _flat_gradients(plain)
     alongside = _flat_gradients(plain)
 

@@ -187,9 +187,15 @@ def max_over_ranks(samples: Sequence[float]) -> list[float]:
 
 
 def synthetic_batches(
-    batch: int, input_shape: Sequence[int], seed: int, stream: int, count: int = BATCHES
+    batch: int,
+    input_shape: Sequence[int],
+    seed: int,
+    stream: int,
+    count: int = BATCHES,
+    *,
+    num_classes: int = NUM_CLASSES,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``count`` random ``(inputs, targets)`` batches of :data:`NUM_CLASSES` classes.
+    """``count`` random ``(inputs, targets)`` batches of ``num_classes`` classes.
 
     Args:
         batch: Samples per batch.
@@ -198,6 +204,7 @@ def synthetic_batches(
         stream: Which stream of that seed: the rank for per-rank data, a constant for data that
             is the same on every rank.
         count: Batches to make.
+        num_classes: Classes the targets are drawn from (the model's ``--classes``).
 
     Returns:
         The batches, generated once so that data loading is never timed.
@@ -206,7 +213,7 @@ def synthetic_batches(
     return [
         (
             torch.randn(batch, *input_shape, generator=generator),
-            torch.randint(0, NUM_CLASSES, (batch,), generator=generator),
+            torch.randint(0, num_classes, (batch,), generator=generator),
         )
         for _ in range(count)
     ]

@@ -18,12 +18,12 @@ from tqdm import tqdm
 
 from interlace.bench.harness import (
     DEFAULT_INPUT_SHAPE,
+    NUM_CLASSES,
     LaunchFailedError,
     check_netem,
     default_batch,
     launch_on_ranks,
     parse_names,
-    parse_shape,
 )
 from interlace.bench.kfac_rank import (
     ABLATION_MODES,
@@ -43,10 +43,12 @@ from interlace.bench.kfac_report import (
     format_table,
     plot_ablation,
 )
+from interlace.cliutil import add_deprecated_alias, add_model_shape_arguments, add_nprocs_argument
 from interlace.comm.links import parse_link
 from interlace.errors import UsageError
 from interlace.kfac.placement import worker_count
 from interlace.timeline import Event, Timeline
+from interlace.zoo import build_model
 
 PROG = "interlace bench kfac"
 #: The mlp is left out by default: on 3x32x32 inputs its first layer's A factor is 3073 x 3073,
@@ -76,18 +78,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{','.join(DEFAULT_ABLATION_MODELS)})",
     )
     parser.add_argument("--model", help="one model (zoo name or package.module:callable)")
-    parser.add_argument("-n", "--nprocs", type=int, default=DEFAULT_NPROCS)
+    add_nprocs_argument(parser, default=DEFAULT_NPROCS, help_text="ranks")
     parser.add_argument(
         "--link", default=DEFAULT_LINK, help=f"emulated link per rank (default {DEFAULT_LINK})"
     )
     parser.add_argument(
         "--no-netem", action="store_true", help="plain loopback instead of the emulated cluster"
     )
-    parser.add_argument("--batch", type=int, help="per-rank batch (default: per model)")
-    parser.add_argument("--input-shape", type=parse_shape, default=DEFAULT_INPUT_SHAPE)
+    parser.add_argument(
+        "--batch-size", type=int, help="per-rank batch (default: per model, as bench dp)"
+    )
+    add_deprecated_alias(parser, "--batch", "--batch-size", "batch_size", type=int)
+    add_model_shape_arguments(parser, input_shape=DEFAULT_INPUT_SHAPE, classes=NUM_CLASSES)
     parser.add_argument("--iters", type=int, default=DEFAULT_ITERS, help="timed iterations")
-    parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP)
-    parser.add_argument("--compute-method", choices=("eigen", "inverse"), default="eigen")
+    parser.add_argument(
+        "--warmup", type=int, default=DEFAULT_WARMUP, help="untimed iterations before timing"
+    )
+    parser.add_argument(
+        "--compute-method",
+        choices=("eigen", "inverse"),
+        default="eigen",
+        help="how each factor is decomposed for preconditioning: eigendecomposition or inverse",
+    )
     parser.add_argument(
         "--grad-worker-fraction",
         type=float,
@@ -129,7 +141,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --ablation, also run kfac-pytorch's KFACPreconditioner (its defaults, the "
         f"same update intervals) side by side; needs it installed: {KFAC_PYTORCH_INSTALL}",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="model and data seed")
     parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     parser.add_argument(
         "--png",
@@ -137,7 +149,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="timeline of the first model's last iteration (PNG); with --ablation, bars of "
         "every mode's iteration time stacked by phase",
     )
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
+    parser.add_argument(
+        "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds allowed per launch"
+    )
 
 
 def models_from_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -145,7 +159,12 @@ def models_from_args(args: argparse.Namespace) -> tuple[str, ...]:
 
     Args:
         args: The parsed flags (see :func:`add_arguments`).
+
+    Raises:
+        UsageError: When both ``--model`` and ``--models`` are given.
     """
+    if args.model and args.models:
+        raise UsageError("--model and --models contradict each other; give one of them")
     if args.model:
         return (args.model,)
     if args.models:
@@ -164,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"-n must be >= 1, got {args.nprocs}")
     if args.iters < 1 or args.warmup < 0:
         raise UsageError("--iters must be >= 1 and --warmup >= 0")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.ablation:
         if args.placement is not None:
             raise UsageError("--placement is set by each --ablation mode; leave it out")
@@ -185,6 +206,8 @@ def run(args: argparse.Namespace) -> int:
         worker_count(args.grad_worker_fraction, args.nprocs)
     except ValueError as exc:
         raise UsageError(f"--grad-worker-fraction: {exc}") from None
+    for model in models:  # a bad model or size is one line here, not a traceback per rank
+        build_model(model, tuple(args.input_shape), args.classes)
     link: str | None = None
     if not args.no_netem:
         parse_link(args.link)
@@ -236,7 +259,7 @@ def _run_ablation(args: argparse.Namespace, models: Sequence[str], link: str | N
             bar.set_postfix_str(model)
             job = AblationJob(
                 model=model,
-                batch=args.batch or default_batch(model),
+                batch=args.batch_size or default_batch(model),
                 input_shape=tuple(args.input_shape),
                 seed=args.seed,
                 iters=args.iters,
@@ -245,6 +268,7 @@ def _run_ablation(args: argparse.Namespace, models: Sequence[str], link: str | N
                 factor_update_steps=args.factor_update_steps,
                 inv_update_steps=args.inv_update_steps,
                 modes=tuple(ABLATION_MODES) + ((args.compare,) if args.compare else ()),
+                num_classes=args.classes,
             )
             value = _launch(measure_ablation_rank, job, args, link, bar.write)
             bar.update(1)
@@ -301,7 +325,7 @@ def _run_breakdown(args: argparse.Namespace, models: Sequence[str], link: str | 
             bar.set_postfix_str(model)
             job = KfacJob(
                 model=model,
-                batch=args.batch or default_batch(model),
+                batch=args.batch_size or default_batch(model),
                 input_shape=tuple(args.input_shape),
                 seed=args.seed,
                 iters=args.iters,
@@ -312,6 +336,7 @@ def _run_breakdown(args: argparse.Namespace, models: Sequence[str], link: str | 
                 timeline=bool(args.png) and index == 0,
                 placement=placement,
                 factor_update_steps=args.factor_update_steps,
+                num_classes=args.classes,
             )
             value = _launch(measure_rank, job, args, link, bar.write)
             bar.update(1)

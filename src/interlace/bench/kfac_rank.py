@@ -72,6 +72,7 @@ class KfacJob:
     timeline: bool
     placement: str = "greedy"
     factor_update_steps: int = 1
+    num_classes: int = NUM_CLASSES
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class AblationJob:
     factor_update_steps: int
     inv_update_steps: int
     modes: tuple[str, ...] = tuple(ABLATION_MODES)
+    num_classes: int = NUM_CLASSES
 
 
 def _kfac_iteration(
@@ -131,7 +133,7 @@ def measure_rank(job: KfacJob) -> dict[str, Any]:
     """
     rank = dist.get_rank()
     torch.manual_seed(job.seed)
-    plain = build_model(job.model, job.input_shape, NUM_CLASSES)
+    plain = build_model(job.model, job.input_shape, job.num_classes)
     model = copy.deepcopy(plain)
     wrapped = DataParallel(model)
     data_parallel_only = DataParallel(copy.deepcopy(plain))
@@ -145,7 +147,9 @@ def measure_rank(job: KfacJob) -> dict[str, Any]:
         inv_update_steps=job.inv_update_steps,
         placement=job.placement,
     )
-    batches = synthetic_batches(job.batch, job.input_shape, job.seed, rank)
+    batches = synthetic_batches(
+        job.batch, job.input_shape, job.seed, rank, num_classes=job.num_classes
+    )
 
     contender = KfacContender("kfac", wrapped, optimizer, precond=precond)
 
@@ -263,7 +267,7 @@ def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
     """
     rank = dist.get_rank()
     torch.manual_seed(job.seed)
-    plain = build_model(job.model, job.input_shape, NUM_CLASSES)
+    plain = build_model(job.model, job.input_shape, job.num_classes)
     data_parallel_only = DataParallel(copy.deepcopy(plain))
     contenders: list[KfacContender] = []
     lbp_costs: dict[str, Any] = {}
@@ -298,7 +302,9 @@ def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
             }
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         contenders.append(KfacContender(mode, wrapped, optimizer, precond=precond))
-    batches = synthetic_batches(job.batch, job.input_shape, job.seed, rank)
+    batches = synthetic_batches(
+        job.batch, job.input_shape, job.seed, rank, num_classes=job.num_classes
+    )
 
     def kfac_iteration(contender: KfacContender, step: int) -> dict[str, float]:
         return _kfac_iteration(contender, batches[step % len(batches)], KFAC_PASSES[0])

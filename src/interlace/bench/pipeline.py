@@ -31,7 +31,6 @@ from interlace.bench.harness import (
     launch_on_ranks,
     machine_load,
     parse_names,
-    parse_shape,
 )
 from interlace.bench.pipeline_rank import (
     DEFAULT_LR,
@@ -52,7 +51,12 @@ from interlace.bench.pipeline_report import (
     rows_from_value,
     timeline_from_events,
 )
-from interlace.cliutil import standalone_main
+from interlace.cliutil import (
+    add_deprecated_alias,
+    add_model_shape_arguments,
+    add_nprocs_argument,
+    standalone_main,
+)
 from interlace.comm.links import parse_link
 from interlace.errors import UsageError
 from interlace.pipeline.partition import pipeline_blocks
@@ -95,6 +99,7 @@ class BenchConfig:
     timeout_s: float
     json_path: str | None
     png_path: str | None
+    num_classes: int = NUM_CLASSES
 
     @property
     def link_text(self) -> str:
@@ -115,14 +120,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="one model (zoo name or package.module:callable)")
     parser.add_argument(
         "--schedules",
+        "--schedule",
+        dest="schedules",
         help=f"comma-separated contenders (default all: {','.join(SCHEDULES)})",
     )
-    parser.add_argument(
-        "-n",
-        "--nprocs",
-        type=int,
+    add_nprocs_argument(
+        parser,
         default=DEFAULT_NPROCS,
-        help=f"ranks = pipeline stages (default {DEFAULT_NPROCS})",
+        help_text=f"ranks = pipeline stages (default {DEFAULT_NPROCS})",
     )
     parser.add_argument(
         "--link",
@@ -133,11 +138,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-netem", action="store_true", help="plain loopback instead of the emulated cluster"
     )
     parser.add_argument(
-        "--batch",
+        "--batch-size",
         type=int,
         default=DEFAULT_BATCH,
-        help=f"global batch per mini-batch, the same for every contender (default {DEFAULT_BATCH})",
+        help="global batch per mini-batch, the same for every contender (split over the ranks "
+        f"by dp; default {DEFAULT_BATCH})",
     )
+    add_deprecated_alias(parser, "--batch", "--batch-size", "batch_size", type=int)
     parser.add_argument(
         "--microbatches",
         type=int,
@@ -165,11 +172,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_WARMUP,
         help=f"untimed mini-batches per contender first (default {DEFAULT_WARMUP})",
     )
-    parser.add_argument(
-        "--input-shape",
-        default=",".join(map(str, DEFAULT_INPUT_SHAPE)),
-        help="input shape of the synthetic batches (default 3,32,32; 1,8,8 is the digits shape)",
-    )
+    add_model_shape_arguments(parser, input_shape=DEFAULT_INPUT_SHAPE, classes=NUM_CLASSES)
     parser.add_argument(
         "--partition-by",
         choices=("time", "params"),
@@ -214,7 +217,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     )
     schedules = tuple(s for s in SCHEDULES if s in schedules)  # table order
     for flag, value, least in (
-        ("--batch", args.batch, 1),
+        ("--batch-size", args.batch_size, 1),
         ("--microbatches", args.microbatches, 1),
         ("--block", args.block, 1),
         ("--iters", args.iters, 1),
@@ -222,15 +225,15 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     ):
         if value < least:
             raise UsageError(f"{flag} must be >= {least}, got {value}")
-    if args.batch % args.nprocs:
+    if args.batch_size % args.nprocs:
         raise UsageError(
-            f"--batch {args.batch} does not split into {args.nprocs} equal data-parallel shards; "
-            f"use a multiple of -n {args.nprocs}"
+            f"--batch-size {args.batch_size} does not split into {args.nprocs} equal "
+            f"data-parallel shards; use a multiple of -n {args.nprocs}"
         )
-    if args.batch % args.microbatches:
+    if args.batch_size % args.microbatches:
         raise UsageError(
-            f"--batch {args.batch} does not split into {args.microbatches} equal micro-batches; "
-            "use a multiple of --microbatches"
+            f"--batch-size {args.batch_size} does not split into {args.microbatches} equal "
+            "micro-batches; use a multiple of --microbatches"
         )
     if (
         args.json
@@ -247,12 +250,13 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         models=models,
         schedules=schedules,
         nprocs=args.nprocs,
-        batch=args.batch,
+        batch=args.batch_size,
         microbatches=args.microbatches,
         block=args.block,
         iters=args.iters,
         warmup=args.warmup,
-        input_shape=parse_shape(args.input_shape),
+        input_shape=tuple(args.input_shape),
+        num_classes=args.classes,
         link=link,
         partition_by=args.partition_by,
         seed=args.seed,
@@ -265,7 +269,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 def _check_models(config: BenchConfig) -> None:
     """Build each model once here, so a bad model, shape or stage count is one line."""
     for model in config.models:
-        blocks = pipeline_blocks(build_model(model, config.input_shape, NUM_CLASSES))
+        blocks = pipeline_blocks(build_model(model, config.input_shape, config.num_classes))
         if len(blocks) < config.nprocs:
             raise UsageError(
                 f"{model} has {len(blocks)} pipeline blocks, too few for {config.nprocs} stages; "
@@ -341,6 +345,7 @@ def run(args: argparse.Namespace) -> int:
                     seed=config.seed,
                     partition_by=config.partition_by,
                     timeline=bool(config.png_path) and timeline_path is None,
+                    num_classes=config.num_classes,
                 )
                 try:
                     value = launch_on_ranks(

@@ -75,6 +75,7 @@ class PipelineJob:
     timeline: bool = False
     lr: float = DEFAULT_LR
     momentum: float = DEFAULT_MOMENTUM
+    num_classes: int = NUM_CLASSES
 
 
 @dataclass(kw_only=True)
@@ -221,8 +222,10 @@ def measure_rank(job: PipelineJob) -> dict[str, Any]:
     """
     rank, ranks = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(job.seed)
-    base = build_model(job.model, job.input_shape, NUM_CLASSES)
-    batches = synthetic_batches(job.batch, job.input_shape, job.seed, BATCH_STREAM)
+    base = build_model(job.model, job.input_shape, job.num_classes)
+    batches = synthetic_batches(
+        job.batch, job.input_shape, job.seed, BATCH_STREAM, num_classes=job.num_classes
+    )
     sample = batches[0][0][: max(1, job.batch // job.microbatches)]
     plan = local_stage(base, num_stages=ranks, stage=rank, by=job.partition_by, sample=sample).plan
     boundary = _boundary_bytes(pipeline_blocks(base), plan, sample, job.batch)

@@ -28,6 +28,7 @@ from interlace.bench.harness import (
     DEFAULT_BATCH,
     DEFAULT_INPUT_SHAPE,
     FALLBACK_BATCH,
+    NUM_CLASSES,
     Contender,
     LaunchFailedError,
     launch_on_ranks,
@@ -81,12 +82,14 @@ def validate_rank(job: MeasureJob) -> ValidateSample:
     """
     rank = dist.get_rank()
     torch.manual_seed(job.seed)
-    module = build_model(job.model, job.input_shape, 10)
+    module = build_model(job.model, job.input_shape, job.num_classes)
     wrapper = wrap_model(module, "single", profile_steps=PROFILE_STEPS)
     assert isinstance(wrapper, DataParallel)
     optimizer = torch.optim.SGD(wrapper.parameters(), lr=0.01, momentum=0.9)
     contender = Contender("single", wrapper, optimizer)
-    batches = synthetic_batches(job.batch, job.input_shape, job.seed, rank)
+    batches = synthetic_batches(
+        job.batch, job.input_shape, job.seed, rank, num_classes=job.num_classes
+    )
     count = 0
     while wrapper.plan is None:
         if count > 50:
@@ -136,6 +139,8 @@ class ValidateConfig:
         json_path: Where the rows go as JSON (None: nowhere).
         trace_dir: Where each launch's profiled trace goes (None: nowhere).
         png_path: Where the predicted-against-measured plot goes (None: no plot).
+        input_shape: The shape of one sample the models are built for.
+        num_classes: The classes the models predict.
     """
 
     models: tuple[str, ...]
@@ -150,6 +155,8 @@ class ValidateConfig:
     json_path: str | None
     trace_dir: str | None
     png_path: str | None = None
+    input_shape: tuple[int, ...] = DEFAULT_INPUT_SHAPE
+    num_classes: int = NUM_CLASSES
 
 
 def run_validation(config: ValidateConfig) -> int:
@@ -161,6 +168,8 @@ def run_validation(config: ValidateConfig) -> int:
     Raises:
         UsageError: Without root for the emulated cluster, or for an unknown link or model.
     """
+    for model in config.models:  # a bad model or size is one line, wherever this runs
+        build_model(model, config.input_shape, config.num_classes)
     try:
         netem.check_available()
     except netem.NetemUnavailableError as exc:
@@ -169,8 +178,6 @@ def run_validation(config: ValidateConfig) -> int:
         ) from exc
     for link in config.links:
         parse_link(link)
-    for model in config.models:
-        build_model(model, DEFAULT_INPUT_SHAPE, 10)
 
     cache_dir = tempfile.mkdtemp(prefix="interlace-validate-")
     rows: list[ValidationRow] = []
@@ -184,12 +191,13 @@ def run_validation(config: ValidateConfig) -> int:
                 job = MeasureJob(
                     model,
                     batch,
-                    DEFAULT_INPUT_SHAPE,
+                    config.input_shape,
                     config.strategies,
                     config.iters,
                     config.warmup,
                     config.rounds,
                     probe_contention=True,
+                    num_classes=config.num_classes,
                 )
                 bench = _bench_config(config, nprocs)
                 try:
@@ -253,7 +261,8 @@ def _bench_config(config: ValidateConfig, nprocs: int) -> Any:
         iters=config.iters,
         warmup=config.warmup,
         rounds=config.rounds,
-        input_shape=DEFAULT_INPUT_SHAPE,
+        input_shape=config.input_shape,
+        num_classes=config.num_classes,
         batch_size=config.batch_size,
         link=None,
         netem=True,
@@ -322,6 +331,8 @@ def config_from_args(args: argparse.Namespace, png_path: Path | None) -> Validat
         json_path=args.json,
         trace_dir=args.trace_dir,
         png_path=None if png_path is None else str(png_path),
+        input_shape=DEFAULT_INPUT_SHAPE if args.input_shape is None else tuple(args.input_shape),
+        num_classes=NUM_CLASSES if args.classes is None else args.classes,
     )
 
 

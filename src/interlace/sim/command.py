@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from interlace.cliutil import add_model_shape_arguments, add_nprocs_argument
 from interlace.comm.strategies import PLANNED_STRATEGIES
 from interlace.errors import UsageError
 from interlace.sim import validate
@@ -88,6 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     parser.add_argument(
         "--png",
+        metavar="PATH",
         help=f"plot: scaling efficiency (default {DEFAULT_PNG}) or, with --validate, predicted "
         f"against measured (default {DEFAULT_VALIDATION_PNG}); 'none' for no plot",
     )
@@ -110,11 +112,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="zoo name(s) or package.module:callable, comma-separated "
         f"(default {','.join(validate.DEFAULT_MODELS)})",
     )
-    group.add_argument(
-        "-n",
-        "--nprocs",
-        type=int,
-        help=f"ranks (default: each of {','.join(map(str, validate.DEFAULT_RANKS))})",
+    add_model_shape_arguments(
+        group, defaults_from="the benchmarks' synthetic data, 3,32,32 in 10 classes"
+    )
+    add_nprocs_argument(
+        group,
+        default=None,
+        help_text=f"ranks (default: each of {','.join(map(str, validate.DEFAULT_RANKS))})",
     )
     group.add_argument(
         "--link",

@@ -249,6 +249,11 @@ def load_trace(path: str | Path) -> Trace:
             f"{path}: cannot read the trace ({error.strerror}); give a file or a shipped trace "
             f"name ({', '.join(trace_names())})"
         ) from None
+    except UnicodeDecodeError:
+        raise TraceFormatError(
+            f"{path}: not a text file; a trace is an {FORMAT} JSON file (interlace profile "
+            "--trace-out) or an MG-WFBP Caffe log"
+        ) from None
     if text.lstrip().startswith("{"):
         return _from_json(path, text)
     return read_caffe_log(path, text)
@@ -258,6 +263,11 @@ def _from_json(path: Path, text: str) -> Trace:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as error:
+        if error.msg == "Extra data":
+            raise TraceFormatError(
+                f"{path}:{error.lineno}: more after the JSON object; a trace file holds one JSON "
+                f'object (with "format": "{FORMAT}", as interlace profile --trace-out writes)'
+            ) from None
         raise TraceFormatError(f"{path}:{error.lineno}: not valid JSON ({error.msg})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise TraceFormatError(f'{path}:1: not an {FORMAT} file (no "format": "{FORMAT}")')

@@ -7,7 +7,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 from interlace import launch
-from interlace.cliutil import add_channel_arguments, parse_shape, report_failure
+from interlace.cliutil import add_channel_arguments, add_model_shape_arguments, report_failure
 from interlace.comm.links import parse_link
 from interlace.distenv import in_launched_job, set_collective_timeout
 from interlace.errors import UsageError
@@ -128,10 +128,7 @@ def add_arguments(
         "single layouts) instead of planning them from measured times: the same --seed then "
         "gives the same numbers at any -n",
     )
-    parser.add_argument(
-        "--input-shape", type=parse_shape, help="input shape the model expects, e.g. 3,32,32"
-    )
-    parser.add_argument("--classes", type=int, help="number of classes the model predicts")
+    add_model_shape_arguments(parser, defaults_from="the --data set's")
     parser.add_argument(
         "--synthetic-size", type=int, help="training samples of a synthetic data set"
     )
