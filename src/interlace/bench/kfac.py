@@ -44,6 +44,8 @@ from interlace.bench.kfac_report import (
     plot_ablation,
 )
 from interlace.comm.links import parse_link
+from interlace.emulate.compute import Compute, add_compute_arguments, compute_from_args
+from interlace.emulate.device import dilate_link
 from interlace.errors import UsageError
 from interlace.kfac.placement import worker_count
 from interlace.timeline import Event, Timeline
@@ -138,6 +140,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "every mode's iteration time stacked by phase",
     )
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
+    add_compute_arguments(parser)
 
 
 def models_from_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -159,7 +162,12 @@ def run(args: argparse.Namespace) -> int:
     Args:
         args: The parsed flags (see :func:`add_arguments`).
     """
-    models = models_from_args(args)
+    compute = compute_from_args(args)
+    if compute.emulated and (args.model or args.models):
+        raise UsageError(
+            "--compute emulated:TRACE runs the trace's model; leave out --model/--models"
+        )
+    models = (str(compute.trace),) if compute.emulated else models_from_args(args)
     if args.nprocs < 1:
         raise UsageError(f"-n must be >= 1, got {args.nprocs}")
     if args.iters < 1 or args.warmup < 0:
@@ -189,10 +197,25 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_netem:
         parse_link(args.link)
         check_netem()
-        link = args.link
+        # Emulated compute runs D times slower, and so must its links.
+        link = dilate_link(args.link, compute.dilation) if compute.emulated else args.link
+    args.link_text = args.link if link is not None else "loopback"
     if args.ablation:
-        return _run_ablation(args, models, link)
-    return _run_breakdown(args, models, link)
+        return _run_ablation(args, models, link, compute)
+    return _run_breakdown(args, models, link, compute)
+
+
+def undilated(medians: dict[str, Any], dilation: float) -> dict[str, Any]:
+    """Every time in a launch's medians (nested by mode or not) divided by ``dilation``.
+
+    Args:
+        medians: Seconds by key, or by mode and key.
+        dilation: The run's dilation (1 for real compute).
+    """
+    return {
+        key: undilated(value, dilation) if isinstance(value, dict) else value / dilation
+        for key, value in medians.items()
+    }
 
 
 def check_kfac_pytorch() -> None:
@@ -227,10 +250,12 @@ def _launch(
         return str(exc)
 
 
-def _run_ablation(args: argparse.Namespace, models: Sequence[str], link: str | None) -> int:
+def _run_ablation(
+    args: argparse.Namespace, models: Sequence[str], link: str | None, compute: Compute
+) -> int:
     rows: list[AblationRow] = []
     failures: list[str] = []
-    link_text = link or "loopback"
+    link_text = args.link_text
     with tqdm(total=len(models), unit="model", desc=PROG, dynamic_ncols=True) as bar:
         for model in models:
             bar.set_postfix_str(model)
@@ -245,6 +270,7 @@ def _run_ablation(args: argparse.Namespace, models: Sequence[str], link: str | N
                 factor_update_steps=args.factor_update_steps,
                 inv_update_steps=args.inv_update_steps,
                 modes=tuple(ABLATION_MODES) + ((args.compare,) if args.compare else ()),
+                compute=compute,
             )
             value = _launch(measure_ablation_rank, job, args, link, bar.write)
             bar.update(1)
@@ -252,9 +278,11 @@ def _run_ablation(args: argparse.Namespace, models: Sequence[str], link: str | N
                 failures.append(f"{model}: {value}")
                 bar.write(failures[-1])
                 continue
+            value["medians"] = undilated(value["medians"], compute.dilation)
             new_rows = ablation_rows(
                 model,
                 value,
+                compute=compute.label(),
                 ranks=args.nprocs,
                 link=link_text,
                 batch=job.batch,
@@ -271,6 +299,7 @@ def _run_ablation(args: argparse.Namespace, models: Sequence[str], link: str | N
         link=link_text,
         compute_method=args.compute_method,
         iters=args.iters,
+        compute=compute.label(),
     )
     print(f"\n{header}\n")
     print(format_ablation_table(rows))
@@ -291,7 +320,9 @@ def _run_ablation(args: argparse.Namespace, models: Sequence[str], link: str | N
     return 1 if failures else 0
 
 
-def _run_breakdown(args: argparse.Namespace, models: Sequence[str], link: str | None) -> int:
+def _run_breakdown(
+    args: argparse.Namespace, models: Sequence[str], link: str | None, compute: Compute
+) -> int:
     placement = args.placement or "greedy"
     rows: list[KfacRow] = []
     failures: list[str] = []
@@ -312,6 +343,7 @@ def _run_breakdown(args: argparse.Namespace, models: Sequence[str], link: str | 
                 timeline=bool(args.png) and index == 0,
                 placement=placement,
                 factor_update_steps=args.factor_update_steps,
+                compute=compute,
             )
             value = _launch(measure_rank, job, args, link, bar.write)
             bar.update(1)
@@ -319,12 +351,13 @@ def _run_breakdown(args: argparse.Namespace, models: Sequence[str], link: str | 
                 failures.append(f"{model}: {value}")
                 bar.write(failures[-1])
                 continue
-            medians = value["medians"]
+            medians = undilated(value["medians"], compute.dilation)
             rows.append(
                 KfacRow(
                     model=model,
                     ranks=args.nprocs,
-                    link=link or "loopback",
+                    link=args.link_text,
+                    compute=compute.label(),
                     batch=job.batch,
                     compute_method=job.compute_method,
                     grad_worker_fraction=job.grad_worker_fraction,
