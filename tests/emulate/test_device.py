@@ -6,8 +6,8 @@ import copy
 import pickle
 import time
 
-from interlace.emulate.device import MAX_CREDIT_S, DeviceClock, dilate_link
 from interlace.comm.links import parse_link
+from interlace.emulate.device import MAX_CREDIT_S, DeviceClock, dilate_link
 
 #: How late a sleep may end on a loaded test machine.
 SLACK_S = 0.05

@@ -381,7 +381,9 @@ def _run_breakdown(
             else ""
         )
         + f"decompositions every {args.inv_update_steps} step(s)), "
-        f"{args.nprocs} ranks on {link or 'loopback'}; per-rank batch per model "
+        f"{args.nprocs} ranks on {args.link_text}, compute {compute.label()}"
+        + (f" (links at {link}, times undilated)" if compute.emulated and link else "")
+        + "; per-rank batch per model "
         f"({', '.join(f'{r.model} {r.batch}' for r in rows)}); medians over {args.iters} "
         "iterations of the maximum over ranks:\n"
     )

@@ -2,9 +2,10 @@
 
 :class:`EmulatedPipelineModel` holds one :class:`EmulatedBlock` per traced layer and lists them
 as its pipeline blocks, so interlace's pipeline stages, torch's ``PipelineStage`` and data
-parallelism cut and wrap it like a zoo model. A block's forward and backward take the layer's traced time
-(scaled to the micro-batch, times the dilation) as device time, and its output is a real tensor
-of the traced activation size, so what crosses a stage boundary is what the traced model sends.
+parallelism cut and wrap it like a zoo model. A block's forward and backward take the layer's
+traced time (scaled to the micro-batch, times the dilation) as device time, and its output is a
+real tensor of the traced activation size, so what crosses a stage boundary is what the traced
+model sends.
 """
 
 from __future__ import annotations
