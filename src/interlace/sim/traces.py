@@ -17,6 +17,7 @@ TRACES: dict[str, str] = {
     # CPU-profiled zoo models (with activation sizes and K-FAC factor sizes), labelled -cpu.
     "resnet20-cpu": "resnet20_cpu.json",
     "resnet32-cpu": "resnet32_cpu.json",
+    "vgg11-cpu": "vgg11_cpu.json",
 }
 
 #: Shipped OSU all-reduce log sets: name -> files in ``interlace/sim/data``.
