@@ -9,8 +9,8 @@ import time
 from interlace.comm.links import parse_link
 from interlace.emulate.device import MAX_CREDIT_S, DeviceClock, dilate_link
 
-#: How late a sleep may end on a loaded test machine.
-SLACK_S = 0.05
+#: How late a sleep may end on a loaded test machine (a busy 2-core host wakes threads late).
+SLACK_S = 0.25
 
 
 def test_a_spend_of_t_at_dilation_d_takes_t_times_d() -> None:

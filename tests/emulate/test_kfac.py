@@ -20,7 +20,7 @@ from interlace.kfac import KFAC
 from interlace.sim.trace import ActivationTrace, FactorTrace, TensorTrace, Trace, load_trace
 
 MS = 1e-3
-SLACK_S = 0.1
+SLACK_S = 0.25
 
 
 def factor_trace() -> Trace:

@@ -14,7 +14,7 @@ from interlace.pipeline.partition import pipeline_blocks
 from interlace.sim.trace import ActivationTrace, TensorTrace, Trace, load_trace
 
 MS = 1e-3
-SLACK_S = 0.05
+SLACK_S = 0.25
 
 
 def pipeline_trace(activations: bool = True) -> Trace:
