@@ -7,6 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+from torch import nn
+
+from interlace.profile import layer_activations
+from interlace.sim.trace import ActivationTrace
 from interlace.timeline import Timeline
 
 
@@ -92,3 +97,12 @@ def test_profile_with_kfac_draws_its_phases_after_backward(tmp_path: Path) -> No
         assert backward_end <= decompositions.start_s <= decompositions.end_s <= step.start_s
         # Factors of A are taken in forward hooks: during the pass, before backward ends.
         assert min(e.start_s for e in events if e.name.startswith("A ")) < backward_end
+
+
+def test_layer_activations_gives_each_parameter_layers_output_shape_in_forward_order() -> None:
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5)
+    )
+    shapes = layer_activations(model, torch.randn(2, 3, 6, 6))
+    assert shapes == (ActivationTrace("0", (4, 6, 6)), ActivationTrace("3", (5,)))
+    assert model.training  # put back as it was

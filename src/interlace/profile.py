@@ -32,7 +32,7 @@ from interlace.dp import DataParallel
 from interlace.errors import UsageError
 from interlace.kfac import KFAC
 from interlace.sim.profiled import trace_from_plan
-from interlace.sim.trace import Trace
+from interlace.sim.trace import ActivationTrace, Trace
 from interlace.strategies import parse_channels, wrap_model
 from interlace.timeline import Event, Timeline
 from interlace.zoo import build_model, load_data
@@ -221,6 +221,12 @@ def profile_rank(config: ProfileConfig) -> RankProfile:
                 workers=context.world_size,
                 source=f"interlace profile, {context.world_size} ranks, {config.strategy}",
             )
+            trace = replace(
+                trace,
+                activations=layer_activations(model, inputs),
+                batch_size=config.batch_size,
+                input_shape=tuple(config.input_shape),
+            )
         return RankProfile(context.rank, chosen, times, plan, step_s, trace)
     finally:
         finish_distributed()
@@ -407,3 +413,38 @@ def layer_forward_times(
         for handle in handles:
             handle.remove()
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def layer_activations(module: nn.Module, inputs: torch.Tensor) -> tuple[ActivationTrace, ...]:
+    """One sample's output shape of every module that owns parameters, in forward order.
+
+    A module called more than once keeps its first output. Run without gradients, apart from
+    the measured iterations.
+
+    Args:
+        module: The model.
+        inputs: A batch (its first dimension is the batch).
+    """
+    shapes: dict[str, tuple[int, ...]] = {}
+    handles = []
+
+    def record(name: str) -> object:
+        def hook(_module: nn.Module, _inputs: object, output: object) -> None:
+            if isinstance(output, torch.Tensor) and output.dim() >= 1 and name not in shapes:
+                shapes[name] = tuple(output.shape[1:]) or (1,)
+
+        return hook
+
+    for name, layer in module.named_modules():
+        if any(True for _ in layer.parameters(recurse=False)):
+            handles.append(layer.register_forward_hook(record(name)))
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            module(inputs)
+    finally:
+        module.train(was_training)
+        for handle in handles:
+            handle.remove()
+    return tuple(ActivationTrace(name, shape) for name, shape in shapes.items())

@@ -20,6 +20,7 @@ from interlace.bench.kfac import (
 )
 from interlace.bench.kfac_rank import KFAC_PASSES
 from interlace.bench.kfac_report import COLUMNS
+from interlace.sim.trace import ActivationTrace, FactorTrace, TensorTrace, Trace
 
 MODES = ("dkfac", "pipelined", "lbp", "spd")
 
@@ -85,6 +86,10 @@ def test_a_tiny_run_on_loopback_writes_rows_and_a_timeline(
         (["--compare", "kfac-pytorch", "--no-netem"], "add --ablation"),
         (["--batch-size", "0", "--no-netem"], "--batch-size must be >= 1"),
         (["--model", "mlp", "--models", "vgg11", "--no-netem"], "--model and --models"),
+        (["--compute", "emulated:nosuchtrace", "--no-netem"], "no shipped trace has that name"),
+        (["--compute", "emulated:resnet20-cpu", "--dilation", "0"], "dilation must be"),
+        (["--compute", "emulated:resnet20-cpu", "--dilation", "-2"], "dilation must be"),
+        (["--compute", "emulated:resnet20-cpu", "--model", "mlp"], "leave out --model"),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(
@@ -243,3 +248,46 @@ def test_compare_runs_the_peer_beside_the_modes(
     # It keeps no phase timings: only the passes every mode shares are filled in.
     assert set(peer["phases_s"]) == {"forward_backward", "gradient_comm"}
     assert "| mlp | kfac-pytorch |" in capsys.readouterr().out
+
+
+# ================================================================================ emulated
+
+
+def tiny_factor_trace(path: Path) -> Path:
+    """Two linear layers (6 -> 5 -> 3) with their factor sizes, 1 ms a pass each."""
+    ms = 1e-3
+    tensors = (
+        TensorTrace("fc1.weight", "fc1", 15, 60, ms, ms),
+        TensorTrace("fc1.bias", "fc1", 3, 12, ms, ms),
+        TensorTrace("fc0.weight", "fc0", 30, 120, ms, ms),
+        TensorTrace("fc0.bias", "fc0", 5, 20, ms, ms),
+    )
+    trace = Trace(
+        "tiny",
+        tensors,
+        forward_s=2 * ms,
+        backward_s=2 * ms,
+        factors=(FactorTrace("fc0", 7, 5), FactorTrace("fc1", 6, 3)),
+        activations=(ActivationTrace("fc0", (5,)), ActivationTrace("fc1", (3,))),
+        batch_size=4,
+    )
+    return trace.save(path)
+
+
+@pytest.mark.slow
+def test_a_tiny_emulated_run_on_two_ranks_says_its_compute_and_undilates(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tiny_factor_trace(tmp_path / "tiny.json")
+    rows_path = tmp_path / "rows.json"
+    argv = ["bench", "kfac", "--no-netem", "-n", "2", "--batch", "4", "--iters", "2"]
+    argv += ["--warmup", "1", "--compute", f"emulated:{trace}", "--dilation", "3"]
+    status = cli.main([*argv, "--json", str(rows_path)])
+    assert status == 0
+    out = capsys.readouterr().out
+    assert f"compute emulated:{trace} D=3" in out
+    (row,) = json.loads(rows_path.read_text())
+    assert row["compute"] == f"emulated:{trace} D=3" and row["layers"] == 2
+    # Undilated: forward and backward take 4 ms of device time, at D=3 12 ms of wall time.
+    assert 4.0 <= row["phases_ms"]["forward_backward"] < 12.0
+    assert row["phases_ms"]["decomposition"] > 0

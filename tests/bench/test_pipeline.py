@@ -16,7 +16,9 @@ from interlace.bench.pipeline import (
     config_from_args,
 )
 from interlace.bench.pipeline_rank import SCHEDULES
+from interlace.comm.links import parse_link
 from interlace.errors import UsageError
+from interlace.sim.trace import ActivationTrace, TensorTrace, Trace
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -100,6 +102,11 @@ def test_the_model_is_built_for_the_given_shape_and_classes() -> None:
         (["--model", "mlp", "--models", "vgg11"], "--model and --models"),
         (["--link", "1gbit", "--no-netem"], "--no-netem"),
         (["--link", "fast"], "fast"),
+        (["--compute", "emulated:nosuchtrace"], "no shipped trace has that name"),
+        (["--compute", "emulated:resnet20-cpu", "--dilation", "0"], "dilation must be"),
+        (["--compute", "emulated:resnet20-cpu", "--dilation", "-1"], "dilation must be"),
+        (["--compute", "emulated:resnet20-cpu", "--models", "mlp"], "leave out --model"),
+        (["--compute", "real", "--dilation", "2"], "emulated compute only"),
     ],
 )
 def test_bad_flags_are_usage_errors(argv: list[str], needle: str) -> None:
@@ -161,3 +168,43 @@ def test_a_tiny_run_on_loopback_measures_every_schedule(
     trace = json.loads(png.with_suffix(".json").read_text())
     names = {event.get("name") for event in trace["traceEvents"]}
     assert "F0" in names and "B0" in names
+
+
+def test_emulated_compute_runs_the_trace_on_dilated_links() -> None:
+    config = config_from_args(_parse("--compute", "emulated:resnet20-cpu", "--dilation", "4"))
+    assert config.models == ("resnet20-cpu",)
+    assert config.link == DEFAULT_LINK and config.compute.dilation == 4.0
+    assert parse_link(str(config.launch_link)) == pytest.approx(parse_link(DEFAULT_LINK) / 4)
+    assert config_from_args(_parse()).launch_link == DEFAULT_LINK
+
+
+@pytest.mark.slow
+def test_a_tiny_emulated_run_on_two_ranks_says_its_compute(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ms = 1e-3
+    trace = Trace(
+        "tiny",
+        (
+            TensorTrace("fc1.weight", "fc1", 15, 60, ms, ms),
+            TensorTrace("fc0.weight", "fc0", 30, 120, ms, ms),
+        ),
+        forward_s=2 * ms,
+        backward_s=2 * ms,
+        activations=(ActivationTrace("fc0", (5,)), ActivationTrace("fc1", (3,))),
+        batch_size=4,
+    ).save(tmp_path / "tiny.json")
+    rows_path = tmp_path / "rows.json"
+    argv = ["bench", "pipeline", "--no-netem", "-n", "2", "--batch", "4", "--microbatches", "2"]
+    argv += ["--block", "2", "--iters", "1", "--warmup", "1", "--input-shape", "6"]
+    argv += ["--schedules", "spectrain,dp,torch-gpipe", "--compute", f"emulated:{trace}"]
+    status = cli.main([*argv, "--dilation", "2", "--json", str(rows_path)])
+    assert status == 0
+    assert f"compute emulated:{trace} D=2" in capsys.readouterr().out
+    rows = json.loads(rows_path.read_text())
+    assert [row["schedule"] for row in rows] == ["spectrain", "dp", "torch-gpipe"]
+    for row in rows:
+        assert row["compute"] == f"emulated:{trace} D=2"
+        # 4 ms of undilated device time per mini-batch of 4, shared by at most 2 devices.
+        assert 0 < row["samples_per_s"] <= 2 * 4 / (4 * ms)
+        assert row["regime"]["boundary_bytes"] == [4 * 5 * 4]

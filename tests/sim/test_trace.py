@@ -8,6 +8,7 @@ import pytest
 
 from interlace.sim.profiled import from_ready
 from interlace.sim.trace import (
+    ActivationTrace,
     FactorTrace,
     TensorTrace,
     Trace,
@@ -143,3 +144,67 @@ def test_a_backward_shorter_than_its_layers_is_refused() -> None:
     tensor = TensorTrace("w", "l", 1, 4, 0.0, 0.01)
     with pytest.raises(ValueError, match="shorter than its layers"):
         Trace("m", (tensor,), forward_s=0.0, backward_s=0.005)
+
+
+def test_activations_batch_and_input_shape_round_trip(tmp_path: Path) -> None:
+    base = small_trace()
+    trace = Trace(
+        model=base.model,
+        tensors=base.tensors,
+        forward_s=base.forward_s,
+        backward_s=base.backward_s,
+        factors=base.factors,
+        activations=(ActivationTrace("conv", (4, 8, 8)), ActivationTrace("fc", (10,))),
+        batch_size=32,
+        input_shape=(3, 8, 8),
+    )
+    loaded = load_trace(trace.save(tmp_path / "with_activations.json"))
+    assert loaded == trace
+    assert loaded.activations[0].shape == (4, 8, 8)
+    assert loaded.activation("conv") == ActivationTrace("conv", (4, 8, 8))
+    assert loaded.activation("conv").numel == 4 * 8 * 8  # type: ignore[union-attr]
+    assert loaded.activation("bn") is None
+    assert loaded.factor("fc") == FactorTrace("fc", 11, 10)
+    assert (loaded.batch_size, loaded.input_shape) == (32, (3, 8, 8))
+
+
+def test_a_trace_written_before_activations_still_loads(tmp_path: Path) -> None:
+    path = small_trace().save(tmp_path / "old.json")
+    text = path.read_text()
+    # The format as it was: no activations list, no batch size, no input shape.
+    start = text.index(' ],\n "activations"')
+    old = text[:start] + " ]\n}\n"
+    old = old.replace(' "batch_size": 0,\n', "").replace(' "input_shape": [],\n', "")
+    assert "activations" not in old and "batch_size" not in old
+    path.write_text(old)
+    loaded = load_trace(path)
+    assert loaded == small_trace()
+    assert (loaded.activations, loaded.batch_size, loaded.input_shape) == ((), 0, ())
+
+
+def test_a_malformed_activation_names_its_line(tmp_path: Path) -> None:
+    trace = Trace(
+        model="m",
+        tensors=small_trace().tensors,
+        forward_s=0.002,
+        backward_s=0.005,
+        activations=(ActivationTrace("conv", (4, 8, 8)),),
+    )
+    path = trace.save(tmp_path / "bad.json")
+    lines = path.read_text().splitlines()
+    number = next(i for i, line in enumerate(lines, 1) if '"shape"' in line)
+    lines[number - 1] = lines[number - 1].replace("[4, 8, 8]", '"big"')
+    path.write_text("\n".join(lines))
+    with pytest.raises(TraceFormatError, match=rf"^{path}:{number}: activation 0 is malformed"):
+        load_trace(path)
+
+
+def test_an_empty_activation_shape_is_refused() -> None:
+    with pytest.raises(ValueError, match="every dimension must be >= 1"):
+        Trace(
+            "m",
+            small_trace().tensors,
+            forward_s=0.002,
+            backward_s=0.005,
+            activations=(ActivationTrace("conv", (4, 0)),),
+        )

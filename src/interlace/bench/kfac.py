@@ -45,6 +45,8 @@ from interlace.bench.kfac_report import (
 )
 from interlace.cliutil import add_deprecated_alias, add_model_shape_arguments, add_nprocs_argument
 from interlace.comm.links import parse_link
+from interlace.emulate.compute import Compute, add_compute_arguments, compute_from_args
+from interlace.emulate.device import dilate_link
 from interlace.errors import UsageError
 from interlace.kfac.placement import worker_count
 from interlace.timeline import Event, Timeline
@@ -152,6 +154,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds allowed per launch"
     )
+    add_compute_arguments(parser)
 
 
 def models_from_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -178,7 +181,12 @@ def run(args: argparse.Namespace) -> int:
     Args:
         args: The parsed flags (see :func:`add_arguments`).
     """
-    models = models_from_args(args)
+    compute = compute_from_args(args)
+    if compute.emulated and (args.model or args.models):
+        raise UsageError(
+            "--compute emulated:TRACE runs the trace's model; leave out --model/--models"
+        )
+    models = (str(compute.trace),) if compute.emulated else models_from_args(args)
     if args.nprocs < 1:
         raise UsageError(f"-n must be >= 1, got {args.nprocs}")
     if args.iters < 1 or args.warmup < 0:
@@ -212,10 +220,25 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_netem:
         parse_link(args.link)
         check_netem()
-        link = args.link
+        # Emulated compute runs D times slower, and so must its links.
+        link = dilate_link(args.link, compute.dilation) if compute.emulated else args.link
+    args.link_text = args.link if link is not None else "loopback"
     if args.ablation:
-        return _run_ablation(args, models, link)
-    return _run_breakdown(args, models, link)
+        return _run_ablation(args, models, link, compute)
+    return _run_breakdown(args, models, link, compute)
+
+
+def undilated(medians: dict[str, Any], dilation: float) -> dict[str, Any]:
+    """Every time in a launch's medians (nested by mode or not) divided by ``dilation``.
+
+    Args:
+        medians: Seconds by key, or by mode and key.
+        dilation: The run's dilation (1 for real compute).
+    """
+    return {
+        key: undilated(value, dilation) if isinstance(value, dict) else value / dilation
+        for key, value in medians.items()
+    }
 
 
 def check_kfac_pytorch() -> None:
@@ -250,10 +273,12 @@ def _launch(
         return str(exc)
 
 
-def _run_ablation(args: argparse.Namespace, models: Sequence[str], link: str | None) -> int:
+def _run_ablation(
+    args: argparse.Namespace, models: Sequence[str], link: str | None, compute: Compute
+) -> int:
     rows: list[AblationRow] = []
     failures: list[str] = []
-    link_text = link or "loopback"
+    link_text = args.link_text
     with tqdm(total=len(models), unit="model", desc=PROG, dynamic_ncols=True) as bar:
         for model in models:
             bar.set_postfix_str(model)
@@ -269,6 +294,7 @@ def _run_ablation(args: argparse.Namespace, models: Sequence[str], link: str | N
                 inv_update_steps=args.inv_update_steps,
                 modes=tuple(ABLATION_MODES) + ((args.compare,) if args.compare else ()),
                 num_classes=args.classes,
+                compute=compute,
             )
             value = _launch(measure_ablation_rank, job, args, link, bar.write)
             bar.update(1)
@@ -276,9 +302,11 @@ def _run_ablation(args: argparse.Namespace, models: Sequence[str], link: str | N
                 failures.append(f"{model}: {value}")
                 bar.write(failures[-1])
                 continue
+            value["medians"] = undilated(value["medians"], compute.dilation)
             new_rows = ablation_rows(
                 model,
                 value,
+                compute=compute.label(),
                 ranks=args.nprocs,
                 link=link_text,
                 batch=job.batch,
@@ -295,6 +323,7 @@ def _run_ablation(args: argparse.Namespace, models: Sequence[str], link: str | N
         link=link_text,
         compute_method=args.compute_method,
         iters=args.iters,
+        compute=compute.label(),
     )
     print(f"\n{header}\n")
     print(format_ablation_table(rows))
@@ -315,7 +344,9 @@ def _run_ablation(args: argparse.Namespace, models: Sequence[str], link: str | N
     return 1 if failures else 0
 
 
-def _run_breakdown(args: argparse.Namespace, models: Sequence[str], link: str | None) -> int:
+def _run_breakdown(
+    args: argparse.Namespace, models: Sequence[str], link: str | None, compute: Compute
+) -> int:
     placement = args.placement or "greedy"
     rows: list[KfacRow] = []
     failures: list[str] = []
@@ -337,6 +368,7 @@ def _run_breakdown(args: argparse.Namespace, models: Sequence[str], link: str | 
                 placement=placement,
                 factor_update_steps=args.factor_update_steps,
                 num_classes=args.classes,
+                compute=compute,
             )
             value = _launch(measure_rank, job, args, link, bar.write)
             bar.update(1)
@@ -344,12 +376,13 @@ def _run_breakdown(args: argparse.Namespace, models: Sequence[str], link: str | 
                 failures.append(f"{model}: {value}")
                 bar.write(failures[-1])
                 continue
-            medians = value["medians"]
+            medians = undilated(value["medians"], compute.dilation)
             rows.append(
                 KfacRow(
                     model=model,
                     ranks=args.nprocs,
-                    link=link or "loopback",
+                    link=args.link_text,
+                    compute=compute.label(),
                     batch=job.batch,
                     compute_method=job.compute_method,
                     grad_worker_fraction=job.grad_worker_fraction,
@@ -373,7 +406,9 @@ def _run_breakdown(args: argparse.Namespace, models: Sequence[str], link: str | 
             else ""
         )
         + f"decompositions every {args.inv_update_steps} step(s)), "
-        f"{args.nprocs} ranks on {link or 'loopback'}; per-rank batch per model "
+        f"{args.nprocs} ranks on {args.link_text}, compute {compute.label()}"
+        + (f" (links at {link}, times undilated)" if compute.emulated and link else "")
+        + "; per-rank batch per model "
         f"({', '.join(f'{r.model} {r.batch}' for r in rows)}); medians over {args.iters} "
         "iterations of the maximum over ranks:\n"
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,6 +20,8 @@ from interlace.bench.harness import (
     synthetic_batches,
 )
 from interlace.dp import DataParallel
+from interlace.emulate.compute import Compute, ComputeKind
+from interlace.emulate.kfac import EmulatedKFACModel
 from interlace.kfac import KFAC, PHASES
 from interlace.zoo import build_model
 
@@ -73,6 +75,8 @@ class KfacJob:
     placement: str = "greedy"
     factor_update_steps: int = 1
     num_classes: int = NUM_CLASSES
+    #: Real kernels, or a trace's device time (``model`` is then the trace).
+    compute: Compute = field(default_factory=lambda: Compute(ComputeKind.REAL))
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,64 @@ class AblationJob:
     inv_update_steps: int
     modes: tuple[str, ...] = tuple(ABLATION_MODES)
     num_classes: int = NUM_CLASSES
+    #: Real kernels, or a trace's device time (``model`` is then the trace).
+    compute: Compute = field(default_factory=lambda: Compute(ComputeKind.REAL))
+
+
+def build_job_model(
+    model: str, input_shape: tuple[int, ...], compute: Compute, num_classes: int = NUM_CLASSES
+) -> torch.nn.Module:
+    """The model a job trains: the zoo's (real compute) or the trace's emulated K-FAC model.
+
+    Args:
+        model: A zoo name (real compute); ignored for emulated compute, whose trace it names.
+        input_shape: One sample's shape (real compute).
+        compute: What the job computes on.
+        num_classes: Classes the model predicts (real compute).
+    """
+    if compute.emulated:
+        assert compute.trace is not None
+        return EmulatedKFACModel(compute.trace, compute.dilation)
+    return build_model(model, input_shape, num_classes)
+
+
+def job_batches(
+    batch: int,
+    input_shape: tuple[int, ...],
+    seed: int,
+    rank: int,
+    compute: Compute,
+    num_classes: int = NUM_CLASSES,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The job's synthetic batches. An emulated model returns its input, so its batches are
+    logits of :data:`NUM_CLASSES` classes and the loss is the same cross-entropy.
+
+    Args:
+        batch: Per-rank batch.
+        input_shape: One sample's shape (real compute).
+        seed: The data seed.
+        rank: This rank.
+        compute: What the job computes on.
+        num_classes: Classes of the targets (real compute).
+    """
+    if compute.emulated:
+        return synthetic_batches(batch, (NUM_CLASSES,), seed, rank)
+    return synthetic_batches(batch, input_shape, seed, rank, num_classes=num_classes)
+
+
+def lbp_costs_for(model: torch.nn.Module, compute_method: str) -> dict[str, Any]:
+    """LBP's decomposition cost model for an emulated model: its device's, dilated; else none
+    (the preconditioner measures one).
+
+    Args:
+        model: The job's model.
+        compute_method: ``"eigen"`` or ``"inverse"``.
+    """
+    if isinstance(model, EmulatedKFACModel):
+        return {
+            "decomposition_cost": model.costs.decomposition_model(compute_method, model.dilation)
+        }
+    return {}
 
 
 def _kfac_iteration(
@@ -133,7 +195,7 @@ def measure_rank(job: KfacJob) -> dict[str, Any]:
     """
     rank = dist.get_rank()
     torch.manual_seed(job.seed)
-    plain = build_model(job.model, job.input_shape, job.num_classes)
+    plain = build_job_model(job.model, job.input_shape, job.compute, job.num_classes)
     model = copy.deepcopy(plain)
     wrapped = DataParallel(model)
     data_parallel_only = DataParallel(copy.deepcopy(plain))
@@ -146,10 +208,9 @@ def measure_rank(job: KfacJob) -> dict[str, Any]:
         factor_update_steps=job.factor_update_steps,
         inv_update_steps=job.inv_update_steps,
         placement=job.placement,
+        **(lbp_costs_for(model, job.compute_method) if job.placement == "lbp" else {}),
     )
-    batches = synthetic_batches(
-        job.batch, job.input_shape, job.seed, rank, num_classes=job.num_classes
-    )
+    batches = job_batches(job.batch, job.input_shape, job.seed, rank, job.compute, job.num_classes)
 
     contender = KfacContender("kfac", wrapped, optimizer, precond=precond)
 
@@ -267,10 +328,10 @@ def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
     """
     rank = dist.get_rank()
     torch.manual_seed(job.seed)
-    plain = build_model(job.model, job.input_shape, job.num_classes)
+    plain = build_job_model(job.model, job.input_shape, job.compute, job.num_classes)
     data_parallel_only = DataParallel(copy.deepcopy(plain))
     contenders: list[KfacContender] = []
-    lbp_costs: dict[str, Any] = {}
+    lbp_costs: dict[str, Any] = lbp_costs_for(plain, job.compute_method)
     # The same order on every rank: KFAC creates process groups and measures LBP's costs with
     # collectives. The LBP modes share one measurement, so they share one placement.
     for mode in job.modes:
@@ -295,16 +356,14 @@ def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
             fusion=fusion,
             **(lbp_costs if placement == "lbp" else {}),
         )
-        if placement == "lbp" and not lbp_costs:
+        if placement == "lbp" and "broadcast_cost" not in lbp_costs:
             lbp_costs = {
                 "decomposition_cost": precond.decomposition_cost,
                 "broadcast_cost": precond.broadcast_cost,
             }
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         contenders.append(KfacContender(mode, wrapped, optimizer, precond=precond))
-    batches = synthetic_batches(
-        job.batch, job.input_shape, job.seed, rank, num_classes=job.num_classes
-    )
+    batches = job_batches(job.batch, job.input_shape, job.seed, rank, job.compute, job.num_classes)
 
     def kfac_iteration(contender: KfacContender, step: int) -> dict[str, float]:
         return _kfac_iteration(contender, batches[step % len(batches)], KFAC_PASSES[0])
@@ -361,10 +420,17 @@ def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
         for wrapped_s, plain_s in zip(data_parallel_max, plain_max, strict=True)
     )
     medians: dict[str, dict[str, float]] = {}
+    # Whole cycles of decompositions: every inv_update_steps consecutive iterations hold one.
+    cycle = max(job.inv_update_steps, 1)
+    whole = job.iters // cycle * cycle
     for m, mode in enumerate(job.modes):
         medians[mode] = {
             key: statistics.median(maxima[m * len(keys) + k]) for k, key in enumerate(keys)
         }
+        iterations = maxima[m * len(keys) + keys.index("iteration")]
+        medians[mode]["cycle_iteration"] = (
+            statistics.fmean(iterations[:whole]) if whole else medians[mode]["iteration"]
+        )
         medians[mode]["forward_backward"] = forward_backward
         medians[mode]["gradient_comm"] = gradient_comm
     return {

@@ -46,6 +46,8 @@ class KfacRow:
     iteration_ms: float
     phases_ms: dict[str, float] = field(default_factory=dict)
     factor_update_steps: int = 1
+    #: ``real``, or the emulated trace and dilation (times are then undilated).
+    compute: str = "real"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,6 +79,12 @@ class AblationRow:
     phases_s: dict[str, float] = field(default_factory=dict)
     factor_buckets: int | None = None
     local_factors: int | None = None
+    #: ``real``, or the emulated trace and dilation (times are then undilated).
+    compute: str = "real"
+    #: Mean iteration over whole cycles of ``inv_update_steps`` (decompositions included).
+    cycle_iteration_s: float | None = None
+    #: The speed-up over dkfac in whole-cycle throughput.
+    cycle_speedup_vs_dkfac: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -114,6 +122,7 @@ def ablation_rows(
     factor_update_steps: int,
     inv_update_steps: int,
     iters: int,
+    compute: str = "real",
 ) -> list[AblationRow]:
     """One row per mode from an ablation launch's value (:func:`measure_ablation_rank`'s),
     each with its speed-up over :data:`BASELINE_MODE` (None when that mode was not run).
@@ -127,9 +136,11 @@ def ablation_rows(
         factor_update_steps: Steps between factor updates.
         inv_update_steps: Steps between decompositions.
         iters: Timed iterations.
+        compute: What the launch computed on (:meth:`interlace.emulate.Compute.label`).
     """
     medians: dict[str, dict[str, float]] = value["medians"]
     baseline = medians.get(BASELINE_MODE, {}).get("iteration")
+    baseline_cycle = medians.get(BASELINE_MODE, {}).get("cycle_iteration")
     rows: list[AblationRow] = []
     for mode, phases in medians.items():
         factor_comm, fusion, placement = mode_settings(mode)
@@ -160,6 +171,11 @@ def ablation_rows(
                 },
                 factor_buckets=value.get("factor_buckets", {}).get(mode),
                 local_factors=value.get("local_factors", {}).get(mode),
+                compute=compute,
+                cycle_iteration_s=(cycle := phases.get("cycle_iteration")),
+                cycle_speedup_vs_dkfac=(
+                    baseline_cycle / cycle if baseline_cycle and cycle else None
+                ),
             )
         )
     return rows
@@ -204,7 +220,13 @@ def factor_comm_share(rows: Sequence[AblationRow]) -> dict[str, float]:
 
 
 def format_ablation_header(
-    rows: Sequence[AblationRow], *, ranks: int, link: str, compute_method: str, iters: int
+    rows: Sequence[AblationRow],
+    *,
+    ranks: int,
+    link: str,
+    compute_method: str,
+    iters: int,
+    compute: str = "real",
 ) -> str:
     """The regime in a few lines: ranks, link, batches, update intervals, and how much of
     dkfac's iteration factor communication takes (the part the pipelined modes can hide).
@@ -215,6 +237,7 @@ def format_ablation_header(
         link: Their link.
         compute_method: The decomposition (``eigen`` or ``inverse``).
         iters: Timed iterations per launch.
+        compute: What the launches computed on (emulated times are undilated).
     """
     first = rows[0] if rows else None
     factor_steps = first.factor_update_steps if first else 1
@@ -234,7 +257,21 @@ def format_ablation_header(
         f"COMM-OPT) every {inv_steps} step(s); medians over {iters} iterations of the maximum "
         "over ranks, the modes interleaved round-robin in one launch per model.",
         f"Modes: {modes}.",
+        f"Compute: {compute}"
+        + (" (device time; every time divided by the dilation)." if compute != "real" else "."),
     ]
+    cycles = [row for row in rows if row.cycle_speedup_vs_dkfac is not None]
+    if inv_steps > 1 and cycles:
+        lines.append(
+            f"Throughput over whole cycles of {inv_steps} iterations (mean iteration, speed-up "
+            "over dkfac): "
+            + ", ".join(
+                f"{row.model} {row.mode} {_ms(row.cycle_iteration_s or 0.0)} ms "
+                f"({row.cycle_speedup_vs_dkfac:.2f}x)"
+                for row in cycles
+            )
+            + "."
+        )
     by_model = {row.model: row for row in rows if row.mode == BASELINE_MODE}
     shares = factor_comm_share(rows)
     if shares:

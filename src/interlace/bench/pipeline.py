@@ -15,7 +15,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from interlace.bench.pipeline_rank import (
     SCHEDULES,
     TIMELINE_SCHEDULES,
     PipelineJob,
+    build_pipeline_model,
     measure_rank,
 )
 from interlace.bench.pipeline_report import (
@@ -58,9 +59,15 @@ from interlace.cliutil import (
     standalone_main,
 )
 from interlace.comm.links import parse_link
+from interlace.emulate.compute import (
+    Compute,
+    ComputeKind,
+    add_compute_arguments,
+    compute_from_args,
+)
+from interlace.emulate.device import dilate_link
 from interlace.errors import UsageError
 from interlace.pipeline.partition import pipeline_blocks
-from interlace.zoo import build_model
 
 #: vgg11: 9.8M parameters in a few large tensors against a few MB of activations per mini-batch,
 #: the case where data parallelism is bound by its all-reduce on a slow link; resnet20: 0.27M
@@ -100,10 +107,20 @@ class BenchConfig:
     json_path: str | None
     png_path: str | None
     num_classes: int = NUM_CLASSES
+    #: Real kernels, or a trace's device time: then ``models`` is the trace, the launches run
+    #: on ``link`` divided by the dilation, and every time is divided by it.
+    compute: Compute = field(default_factory=lambda: Compute(ComputeKind.REAL))
 
     @property
     def link_text(self) -> str:
         return self.link or "loopback (no emulated network)"
+
+    @property
+    def launch_link(self) -> str | None:
+        """The link the ranks run on: ``link``, dilated for emulated compute."""
+        if self.link is None or not self.compute.emulated:
+            return self.link
+        return dilate_link(self.link, self.compute.dilation)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -193,6 +210,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="timeline of one timed block of spectrain and of gpipe on the first model, a lane "
         "per stage (and a Chrome trace next to it)",
     )
+    add_compute_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -201,15 +219,28 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     Args:
         args: The parsed flags (see :func:`add_arguments`).
     """
+    compute = compute_from_args(args)
     if args.model and args.models:
         raise UsageError("--model and --models contradict each other; give one of them")
-    if args.model:
+    if compute.emulated and (args.model or args.models):
+        raise UsageError(
+            "--compute emulated:TRACE runs the trace's model; leave out --model/--models"
+        )
+    if compute.emulated:
+        models: tuple[str, ...] = (str(compute.trace),)
+    elif args.model:
         models = parse_names(args.model, None, "model", "model")
     elif args.models:
         models = parse_names(args.models, None, "models", "model")
     else:
         models = DEFAULT_MODELS
-    check_launch_args(args, models, prefix="", ranks_reason="a pipeline needs two stages")
+    # An emulated run's model is its trace, which compute_from_args has checked.
+    check_launch_args(
+        args,
+        () if compute.emulated else models,
+        prefix="",
+        ranks_reason="a pipeline needs two stages",
+    )
     schedules = (
         parse_names(args.schedules, SCHEDULES, "schedules", "schedule")
         if args.schedules
@@ -263,13 +294,16 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         timeout_s=float(args.timeout),
         json_path=args.json,
         png_path=args.png,
+        compute=compute,
     )
 
 
 def _check_models(config: BenchConfig) -> None:
     """Build each model once here, so a bad model, shape or stage count is one line."""
     for model in config.models:
-        blocks = pipeline_blocks(build_model(model, config.input_shape, config.num_classes))
+        blocks = pipeline_blocks(
+            build_pipeline_model(model, config.input_shape, config.compute, config.num_classes)
+        )
         if len(blocks) < config.nprocs:
             raise UsageError(
                 f"{model} has {len(blocks)} pipeline blocks, too few for {config.nprocs} stages; "
@@ -288,7 +322,14 @@ def describe_conditions(config: BenchConfig) -> str:
         f"Machine: {platform.node()} ({os.cpu_count()} CPUs, load {load} at the end), torch "
         f"{torch.__version__}, gloo, 1 thread per rank; stages cut by {config.partition_by} "
         f"(rank 0's plan); input {'x'.join(map(str, config.input_shape))}; SGD lr {DEFAULT_LR:g} "
-        f"momentum {DEFAULT_MOMENTUM:g}."
+        f"momentum {DEFAULT_MOMENTUM:g}; compute {config.compute.label()}"
+        + (
+            " (device time"
+            + (f"; links at {config.launch_link}" if config.launch_link else "")
+            + "; every time and rate undilated)."
+            if config.compute.emulated
+            else "."
+        )
     )
 
 
@@ -311,6 +352,26 @@ def _write_timeline(
     timeline.to_png(target)
     timeline.to_chrome_trace(target.with_suffix(".json"))
     return target
+
+
+def undilated_value(value: dict[str, Any], dilation: float) -> dict[str, Any]:
+    """A launch's value with its times divided by ``dilation``: wall times, and CPU seconds
+    too, so that the cores a contender keeps busy stay a fraction of its wall time.
+
+    Args:
+        value: :func:`measure_rank`'s value.
+        dilation: The run's dilation (1 for real compute).
+    """
+    if dilation == 1:
+        return value
+    out = dict(value)
+    for key in ("block_s", "cpu_s"):
+        out[key] = {k: [t / dilation for t in v] for k, v in value.get(key, {}).items()}
+    out["stage_stats"] = {
+        schedule: {key: [t / dilation for t in times] for key, times in stats.items()}
+        for schedule, stats in value.get("stage_stats", {}).items()
+    }
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -346,13 +407,14 @@ def run(args: argparse.Namespace) -> int:
                     partition_by=config.partition_by,
                     timeline=bool(config.png_path) and timeline_path is None,
                     num_classes=config.num_classes,
+                    compute=config.compute,
                 )
                 try:
                     value = launch_on_ranks(
                         measure_rank,
                         job,
                         nprocs=config.nprocs,
-                        link=config.link,
+                        link=config.launch_link,
                         timeout_s=config.timeout_s,
                         cache_dir=cache_dir,
                         note=bar.write,
@@ -363,6 +425,7 @@ def run(args: argparse.Namespace) -> int:
                     bar.write(f"{PROG}: launch failed: {failures[-1]}")
                     bar.update(1)
                     continue
+                value = undilated_value(value, config.compute.dilation)
                 regime = Regime(
                     model=model,
                     ranks=config.nprocs,
@@ -376,7 +439,10 @@ def run(args: argparse.Namespace) -> int:
                     plan=value["plan"],
                 )
                 regimes.append(regime)
-                new_rows = rows_from_value(value, regime, block=config.block)
+                new_rows = [
+                    replace(row, compute=config.compute.label())
+                    for row in rows_from_value(value, regime, block=config.block)
+                ]
                 rows += new_rows
                 bar.write(one_line(new_rows))
                 if job.timeline and config.png_path:

@@ -24,6 +24,8 @@ from interlace.bench.harness import (
     synthetic_batches,
 )
 from interlace.dp import DataParallel
+from interlace.emulate.compute import Compute, ComputeKind
+from interlace.emulate.pipeline import EmulatedPipelineModel
 from interlace.pipeline.partition import pipeline_blocks, stage_module
 from interlace.pipeline.runtime import PipelineStage
 from interlace.pipeline.stages import local_stage
@@ -76,6 +78,25 @@ class PipelineJob:
     lr: float = DEFAULT_LR
     momentum: float = DEFAULT_MOMENTUM
     num_classes: int = NUM_CLASSES
+    #: Real kernels, or a trace's device time (``model`` is then the trace).
+    compute: Compute = field(default_factory=lambda: Compute(ComputeKind.REAL))
+
+
+def build_pipeline_model(
+    model: str, input_shape: tuple[int, ...], compute: Compute, num_classes: int = NUM_CLASSES
+) -> torch.nn.Module:
+    """The model a job cuts into stages: the zoo's, or the trace's emulated block sequence.
+
+    Args:
+        model: A zoo name (real compute); for emulated compute the trace names the model.
+        input_shape: One sample's shape (real compute).
+        compute: What the job computes on.
+        num_classes: Classes the model predicts.
+    """
+    if compute.emulated:
+        assert compute.trace is not None
+        return EmulatedPipelineModel(compute.trace, compute.dilation, classes=num_classes)
+    return build_model(model, input_shape, num_classes)
 
 
 @dataclass(kw_only=True)
@@ -222,7 +243,7 @@ def measure_rank(job: PipelineJob) -> dict[str, Any]:
     """
     rank, ranks = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(job.seed)
-    base = build_model(job.model, job.input_shape, job.num_classes)
+    base = build_pipeline_model(job.model, job.input_shape, job.compute, job.num_classes)
     batches = synthetic_batches(
         job.batch, job.input_shape, job.seed, BATCH_STREAM, num_classes=job.num_classes
     )

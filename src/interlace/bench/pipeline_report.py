@@ -92,6 +92,8 @@ class Row:
     #: those seconds over the block's wall time: the cores the contender kept busy (medians).
     cpu_s_per_minibatch: float | None = None
     cores_busy: float | None = None
+    #: ``real``, or the emulated trace and dilation (times and rates are then undilated).
+    compute: str = "real"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -16,7 +16,6 @@ from interlace.kfac.decomp import (
     FactorDecomposition,
     decompose,
     empty_like_decomposition,
-    precondition,
 )
 from interlace.kfac.layers import LayerHelper, make_helper
 
@@ -227,7 +226,7 @@ class KFACLayer:
         factor = self.factor(which)
         assert factor is not None
         try:
-            result = decompose(factor, self.compute_method, damping, self.inv_dtype)
+            result = self.helper.decompose(factor, self.compute_method, damping, self.inv_dtype)
         except DecompositionError as error:
             fallback = self.held_decomposition(which)
             what = "keeps the previous decomposition"
@@ -328,7 +327,9 @@ class KFACLayer:
             grad: The gradient, from :meth:`grad_matrix`.
             damping: The damping.
         """
-        return precondition(grad, self.decomposition("A"), self.decomposition("G"), damping)
+        return self.helper.precondition(
+            grad, self.decomposition("A"), self.decomposition("G"), damping
+        )
 
     def set_grad(self, matrix: torch.Tensor) -> None:
         """Write a ``(g_dim, a_dim)`` matrix back into the module's gradients.

@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+from interlace.kfac.decomp import FactorDecomposition, decompose, precondition
+
 __all__ = [
     "Conv1dHelper",
     "Conv2dHelper",
@@ -77,6 +79,40 @@ class LayerHelper:
             grad_output: The gradient of the loss with respect to the module's output.
         """
         raise NotImplementedError
+
+    def decompose(
+        self, factor: torch.Tensor, method: str, damping: float, dtype: torch.dtype
+    ) -> FactorDecomposition:
+        """Decompose one of this layer's factors (:func:`interlace.kfac.decomp.decompose`).
+
+        A helper that supplies its own compute (an emulated device) overrides this.
+
+        Args:
+            factor: The running average of ``A`` or ``G``.
+            method: ``"eigen"`` or ``"inverse"``.
+            damping: The damping.
+            dtype: The dtype to decompose in.
+        """
+        return decompose(factor, method, damping, dtype)
+
+    def precondition(
+        self,
+        grad: torch.Tensor,
+        a: FactorDecomposition,
+        g: FactorDecomposition,
+        damping: float,
+    ) -> torch.Tensor:
+        """The preconditioned gradient (:func:`interlace.kfac.decomp.precondition`).
+
+        A helper that supplies its own compute (an emulated device) overrides this.
+
+        Args:
+            grad: The ``(g_dim, a_dim)`` gradient.
+            a: ``A``'s decomposition.
+            g: ``G``'s decomposition.
+            damping: The damping.
+        """
+        return precondition(grad, a, g, damping)
 
     def grad_matrix(self) -> torch.Tensor | None:
         """The gradient as the ``(g_dim, a_dim)`` matrix K-FAC preconditions, or None if absent."""
@@ -339,9 +375,19 @@ class EmbeddingHelper(LayerHelper):
 def make_helper(module: nn.Module) -> tuple[LayerHelper | None, str]:
     """The helper for ``module``, or None and the reason K-FAC leaves it to the optimizer.
 
+    A module with a ``kfac_helper()`` method returning a :class:`LayerHelper` gets that helper:
+    the extension point for layers whose factors, decompositions and preconditioning run
+    elsewhere (``interlace.emulate``'s layers spend them as emulated device time).
+
     Args:
         module: Any module with parameters.
     """
+    # A module may bring its own helper (an emulated layer whose compute is device time).
+    own = getattr(module, "kfac_helper", None)
+    if callable(own):
+        helper = own()
+        if isinstance(helper, LayerHelper):
+            return helper, ""
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or not weight.requires_grad:
         return None, "no trainable weight"

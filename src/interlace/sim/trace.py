@@ -71,6 +71,24 @@ class FactorTrace:
 
 
 @dataclass(frozen=True)
+class ActivationTrace:
+    """The output of one traced layer, as one sample of the batch gives it.
+
+    Args:
+        layer: The layer (a name of :attr:`Trace.layers`).
+        shape: One sample's output shape (the batch dimension left out).
+    """
+
+    layer: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        """Elements of one sample's output."""
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
 class Trace:
     """One iteration of one model on one kind of device.
 
@@ -92,10 +110,16 @@ class Trace:
         workers: Ranks the trace was profiled with (compute per rank depends on it on a shared
             CPU).
         notes: Free text.
+        activations: Every traced layer's output size, in forward order (empty where the
+            source does not say, as in Caffe logs): what crosses a pipeline's stage boundary
+            and how many rows a K-FAC factor is computed from.
+        batch_size: The per-rank batch the trace was measured with (0: not known).
+        input_shape: One sample's input shape (empty: not known).
         extra: Anything else the source had (a Caffe log's communication times).
 
     Raises:
-        ValueError: For no tensors, a negative time, or a backward shorter than its layers.
+        ValueError: For no tensors, a negative time, a backward shorter than its layers, or an
+            activation of no elements.
     """
 
     model: str
@@ -108,6 +132,9 @@ class Trace:
     source: str = ""
     workers: int = 1
     notes: str = ""
+    activations: tuple[ActivationTrace, ...] = ()
+    batch_size: int = 0
+    input_shape: tuple[int, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -125,6 +152,14 @@ class Trace:
                 raise ValueError(f"tensor {tensor.name!r} has no elements")
             if not (tensor.layer_backward_s >= 0 and tensor.layer_forward_s >= 0):
                 raise ValueError(f"tensor {tensor.name!r} has a negative layer time")
+        for activation in self.activations:
+            if not activation.shape or min(activation.shape) < 1:
+                raise ValueError(
+                    f"activation of layer {activation.layer!r} has shape {activation.shape}; "
+                    "every dimension must be >= 1"
+                )
+        if self.batch_size < 0:
+            raise ValueError(f"trace of {self.model!r}: batch_size must be >= 0")
         layers_s = self.layer_backward_total_s
         if self.backward_s < layers_s * (1 - 1e-9):
             raise ValueError(
@@ -157,6 +192,22 @@ class Trace:
     @property
     def total_numel(self) -> int:
         return sum(tensor.numel for tensor in self.tensors)
+
+    def activation(self, layer: str) -> ActivationTrace | None:
+        """The traced output of ``layer``, or None when the trace does not record it.
+
+        Args:
+            layer: A layer name.
+        """
+        return next((a for a in self.activations if a.layer == layer), None)
+
+    def factor(self, layer: str) -> FactorTrace | None:
+        """The K-FAC factor sizes of ``layer``, or None when the trace has none for it.
+
+        Args:
+            layer: A layer name.
+        """
+        return next((f for f in self.factors if f.layer == layer), None)
 
     def ready_times(self) -> list[float]:
         """Seconds from the start of backward at which each tensor is ready."""
@@ -212,14 +263,16 @@ class Trace:
         data = self.to_dict()
         tensors = data.pop("tensors")
         factors = data.pop("factors")
+        activations = data.pop("activations")
         head = json.dumps(data, indent=1, allow_nan=False)[:-2]
         lines = [head + ",", ' "tensors": [']
         lines += [f"  {json.dumps(t, allow_nan=False)}," for t in tensors]
         lines[-1] = lines[-1].rstrip(",")
-        lines += [" ],", ' "factors": [']
-        lines += [f"  {json.dumps(f, allow_nan=False)}," for f in factors]
-        if factors:
-            lines[-1] = lines[-1].rstrip(",")
+        for key, items in (("factors", factors), ("activations", activations)):
+            lines += [" ],", f' "{key}": [']
+            lines += [f"  {json.dumps(item, allow_nan=False)}," for item in items]
+            if items:
+                lines[-1] = lines[-1].rstrip(",")
         lines += [" ]", "}"]
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(lines) + "\n")
@@ -319,6 +372,18 @@ def _from_json(path: Path, text: str) -> Trace:
                 f"{path}:{where}: factor {index} is malformed ({_reason(error)}); each needs "
                 "layer, a_dim and g_dim"
             ) from None
+    activations: list[ActivationTrace] = []
+    cursor = line_of('"activations"')
+    for index, item in enumerate(data.get("activations") or []):
+        where = line_of("{", cursor)
+        cursor = where
+        try:
+            activations.append(ActivationTrace(str(item["layer"]), _shape(item["shape"])))
+        except (KeyError, TypeError, ValueError) as error:
+            raise TraceFormatError(
+                f"{path}:{where}: activation {index} is malformed ({_reason(error)}); each "
+                "needs layer and shape (a list of integers)"
+            ) from None
     try:
         return Trace(
             model=str(data["model"]),
@@ -331,6 +396,9 @@ def _from_json(path: Path, text: str) -> Trace:
             workers=_int(data.get("workers", 1)),
             notes=str(data.get("notes", "")),
             broadcast_bytes=tuple(_int(v) for v in data.get("broadcast_bytes") or ()),
+            activations=tuple(activations),
+            batch_size=_int(data.get("batch_size", 0)),
+            input_shape=_shape(data.get("input_shape") or []),
             extra=dict(data.get("extra") or {}),
         )
     except (KeyError, TypeError, ValueError) as error:
@@ -347,6 +415,12 @@ def _int(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"expected an integer, got {value!r}")
     return value
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"expected a list of integers, got {value!r}")
+    return tuple(_int(v) for v in value)
 
 
 def _float(value: Any) -> float:

@@ -12,7 +12,13 @@ from importlib.resources import as_file, files
 from pathlib import Path
 
 #: Shipped traces: name -> file in ``interlace/sim/data``.
-TRACES: dict[str, str] = {"googlenet-k80": "googlenet_k80_8workers.log"}
+TRACES: dict[str, str] = {
+    "googlenet-k80": "googlenet_k80_8workers.log",
+    # CPU-profiled zoo models (with activation sizes and K-FAC factor sizes), labelled -cpu.
+    "resnet20-cpu": "resnet20_cpu.json",
+    "resnet32-cpu": "resnet32_cpu.json",
+    "vgg11-cpu": "vgg11_cpu.json",
+}
 
 #: Shipped OSU all-reduce log sets: name -> files in ``interlace/sim/data``.
 OSU_SETS: dict[str, tuple[str, ...]] = {

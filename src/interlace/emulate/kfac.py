@@ -1,0 +1,397 @@
+"""K-FAC on emulated compute: traced layers K-FAC can register, and device-time cost models.
+
+:class:`EmulatedKFACModel` is an :class:`~interlace.emulate.model.EmulatedModel` whose layers
+with traced factor sizes are preconditioned by :class:`interlace.KFAC`; their factors,
+decompositions and preconditioning take device time from :class:`KFACDeviceCosts` (H100 solver
+measurements shipped here), while every collective K-FAC makes stays real. See docs/kfac.md.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+import torch
+from torch import nn
+
+from interlace.emulate.device import DeviceClock
+from interlace.emulate.dilation import DEFAULT_DILATION
+from interlace.emulate.model import EmulatedLayer, EmulatedModel
+from interlace.kfac.costs import DecompositionCostModel
+from interlace.kfac.decomp import COMPUTE_METHODS, FactorDecomposition
+from interlace.kfac.layers import LayerHelper
+from interlace.sim.trace import FactorTrace, Trace
+
+#: ``torch.linalg.eigh`` of a float32 ``n x n`` SPD matrix on one NVIDIA H100 80GB (torch
+#: 2.11, cuSOLVER), seconds: ``(n, seconds)``, measured 2026-11-24 (docs/gpu/paths.md).
+H100_EIGH_S: tuple[tuple[int, float], ...] = (
+    (64, 0.000853),
+    (256, 0.005171),
+    (1024, 0.010746),
+    (2048, 0.026065),
+    (4096, 0.097110),
+)
+#: The damped inverse (Cholesky) of the same matrices on the same H100, seconds.
+H100_INVERSE_S: tuple[tuple[int, float], ...] = (
+    (64, 0.000147),
+    (256, 0.000331),
+    (1024, 0.001151),
+    (2048, 0.002623),
+    (4096, 0.008267),
+)
+#: Dense float32 matrix products on an H100 are priced at this rate. An assumption, not a
+#: measurement: about 40% of the H100 SXM's 67 TFLOP/s float32 peak, for the tall-skinny
+#: products of factors and preconditioning.
+H100_GEMM_FLOPS = 25e12
+#: Seconds per kernel launched (a factor: one product and a symmetrisation).
+H100_KERNEL_S = 10e-6
+
+
+@dataclass(frozen=True)
+class KFACDeviceCosts:
+    """Device seconds of K-FAC's compute on one device, undilated.
+
+    Decompositions are interpolated log-log between measured ``(n, seconds)`` points (and
+    extended along the end segments); factors and preconditioning are matrix products priced
+    by a throughput and a launch cost per kernel.
+
+    Args:
+        eigen_s: ``(n, seconds)`` of an eigendecomposition, in increasing ``n``.
+        inverse_s: ``(n, seconds)`` of a damped inverse, in increasing ``n``.
+        gemm_flops: Matrix-product throughput, flop/s.
+        kernel_s: Launch cost per kernel, seconds.
+        device: What the numbers describe, for rows and docs.
+    """
+
+    eigen_s: tuple[tuple[int, float], ...] = H100_EIGH_S
+    inverse_s: tuple[tuple[int, float], ...] = H100_INVERSE_S
+    gemm_flops: float = H100_GEMM_FLOPS
+    kernel_s: float = H100_KERNEL_S
+    device: str = "H100"
+
+    def __post_init__(self) -> None:
+        for name, points in (("eigen_s", self.eigen_s), ("inverse_s", self.inverse_s)):
+            sizes = [n for n, _ in points]
+            if len(points) < 2 or sizes != sorted(set(sizes)) or min(sizes) < 1:
+                raise ValueError(f"{name} needs >= 2 points of increasing size >= 1")
+            if any(not (math.isfinite(t) and t > 0) for _, t in points):
+                raise ValueError(f"{name} needs finite times > 0")
+        if not (self.gemm_flops > 0 and self.kernel_s >= 0):
+            raise ValueError("gemm_flops must be > 0 and kernel_s >= 0")
+
+    def decomposition_s(self, method: str, n: int) -> float:
+        """Seconds to decompose one ``n x n`` factor.
+
+        Args:
+            method: ``"eigen"`` or ``"inverse"``.
+            n: The factor's side.
+        """
+        if method not in COMPUTE_METHODS:
+            raise ValueError(f"method must be one of {COMPUTE_METHODS}, got {method!r}")
+        if n < 1:
+            return 0.0
+        return _log_log(self.eigen_s if method == "eigen" else self.inverse_s, n)
+
+    def decomposition_model(self, method: str, dilation: float = 1.0) -> DecompositionCostModel:
+        """LBP's ``c0 + c2 n^2 + c3 n^3`` fitted to the measurements, times ``dilation``.
+
+        Args:
+            method: ``"eigen"`` or ``"inverse"``.
+            dilation: The dilation the placement's broadcasts run under.
+        """
+        points = self.eigen_s if method == "eigen" else self.inverse_s
+        fit = DecompositionCostModel.fit([(n, t * dilation) for n, t in points])
+        return fit
+
+    def gemm_s(self, flops: float, kernels: int = 1) -> float:
+        """Seconds of ``kernels`` matrix products doing ``flops`` together.
+
+        Args:
+            flops: Floating-point operations.
+            kernels: Kernels launched.
+        """
+        return kernels * self.kernel_s + max(flops, 0.0) / self.gemm_flops
+
+    def factor_s(self, rows: int, dim: int) -> float:
+        """Seconds to compute one ``dim x dim`` factor from ``rows`` rows: ``X^T X`` and its
+        symmetrisation.
+
+        Args:
+            rows: Rows of ``X`` (the batch times the layer's output positions).
+            dim: The factor's side.
+        """
+        return self.gemm_s(2.0 * rows * dim * dim, kernels=2)
+
+    def precondition_s(self, method: str, a_dim: int, g_dim: int) -> float:
+        """Seconds to precondition one ``g_dim x a_dim`` gradient.
+
+        ``eigen``: four products into and out of both eigenbases and one elementwise division;
+        ``inverse``: two products.
+
+        Args:
+            method: ``"eigen"`` or ``"inverse"``.
+            a_dim: Side of ``A``.
+            g_dim: Side of ``G``.
+        """
+        both = 2.0 * (g_dim * g_dim * a_dim + g_dim * a_dim * a_dim)
+        if method == "eigen":
+            return self.gemm_s(2.0 * both, kernels=5)
+        return self.gemm_s(both, kernels=2)
+
+
+def _log_log(points: tuple[tuple[int, float], ...], n: int) -> float:
+    """Piecewise-linear interpolation of ``points`` in log(n), log(seconds)."""
+    sizes = [p[0] for p in points]
+    index = min(max(bisect.bisect_left(sizes, n), 1), len(points) - 1)
+    (n0, t0), (n1, t1) = points[index - 1], points[index]
+    slope = math.log(t1 / t0) / math.log(n1 / n0)
+    return t0 * math.exp(slope * math.log(n / n0))
+
+
+class EmulatedFactorHelper(LayerHelper):
+    """K-FAC's view of one emulated layer: traced factor sizes, compute as device time.
+
+    Factors come back as identity matrices (finite, symmetric, of the traced sizes), so the
+    running averages, all-reduces and broadcasts move real tensors of the right sizes;
+    decompositions are identities too, and preconditioning returns the gradient unchanged. Each
+    takes its device time from ``costs`` on ``clock``.
+
+    Args:
+        module: The emulated layer: a weight of ``g_dim x (a_dim - 1)`` elements and a bias of
+            ``g_dim`` (or a weight of ``g_dim x a_dim`` alone), in either order.
+        factor: The layer's traced factor sizes.
+        rows: Rows each factor is computed from (batch x output positions).
+        costs: The device's cost models.
+        clock: Where device time is spent (dilated).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        factor: FactorTrace,
+        rows: int,
+        costs: KFACDeviceCosts,
+        clock: DeviceClock,
+    ) -> None:
+        super().__init__(module)
+        weight, bias = _weight_and_bias(module, factor)
+        self._weight: torch.Tensor = weight
+        self._bias = bias
+        self.factor_dims = factor
+        self.rows = rows
+        self.costs = costs
+        self.clock = clock
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self._bias
+
+    @property
+    def a_dim(self) -> int:
+        return self.factor_dims.a_dim
+
+    @property
+    def g_dim(self) -> int:
+        return self.factor_dims.g_dim
+
+    def a_factor(self, layer_input: torch.Tensor) -> torch.Tensor:
+        self.clock.spend(self.costs.factor_s(self.rows, self.a_dim))
+        return torch.eye(self.a_dim)
+
+    def g_factor(self, grad_output: torch.Tensor) -> torch.Tensor:
+        self.clock.spend(self.costs.factor_s(self.rows, self.g_dim))
+        return torch.eye(self.g_dim)
+
+    def decompose(
+        self, factor: torch.Tensor, method: str, damping: float, dtype: torch.dtype
+    ) -> FactorDecomposition:
+        n = factor.shape[0]
+        self.clock.spend(self.costs.decomposition_s(method, n))
+        if method == "eigen":
+            return FactorDecomposition(
+                method, values=torch.ones(n, dtype=dtype), vectors=torch.eye(n, dtype=dtype)
+            )
+        return FactorDecomposition(method, inverse=torch.eye(n, dtype=dtype))
+
+    def precondition(
+        self,
+        grad: torch.Tensor,
+        a: FactorDecomposition,
+        g: FactorDecomposition,
+        damping: float,
+    ) -> torch.Tensor:
+        self.clock.spend(self.costs.precondition_s(g.method, self.a_dim, self.g_dim))
+        return grad.clone()
+
+    def grad_matrix(self) -> torch.Tensor | None:
+        grad = self._weight.grad
+        if grad is None:
+            return None
+        matrix = grad.reshape(self.g_dim, -1)
+        if self._bias is not None:
+            bias_grad = self._bias.grad
+            column = torch.zeros(self.g_dim) if bias_grad is None else bias_grad
+            matrix = torch.cat([matrix, column.reshape(-1, 1)], dim=1)
+        return matrix
+
+    def set_grad(self, matrix: torch.Tensor) -> None:
+        weight_grad = cast(torch.Tensor, self._weight.grad)
+        weight_part = matrix[:, :-1] if self._bias is not None else matrix
+        weight_grad.copy_(weight_part.reshape(weight_grad.shape))
+        if self._bias is not None:
+            if self._bias.grad is None:
+                self._bias.grad = torch.zeros_like(self._bias)
+            self._bias.grad.copy_(matrix[:, -1])
+
+
+class EmulatedFactorLayer(EmulatedLayer):
+    """An emulated layer with traced K-FAC factor sizes, which :class:`interlace.KFAC`
+    preconditions through :class:`EmulatedFactorHelper`.
+
+    Args:
+        layer: The emulated layer it replaces (its name, parameters and times are kept).
+        first: The index of the layer's first parameter in the model.
+        factor: Its traced factor sizes.
+        rows: Rows each factor is computed from.
+        costs: The device's cost models.
+        clock: Where K-FAC's device time is spent.
+    """
+
+    def __init__(
+        self,
+        layer: EmulatedLayer,
+        first: int,
+        *,
+        factor: FactorTrace,
+        rows: int,
+        costs: KFACDeviceCosts,
+        clock: DeviceClock,
+    ) -> None:
+        super().__init__(
+            layer.name,
+            layer.index,
+            [(name, p.numel()) for name, p in layer.named_parameters()],
+            forward_s=layer.forward_s,
+            backward_s=layer.backward_s,
+            first=first,
+            meter=layer.meter,
+        )
+        self._factor = factor
+        self._rows = rows
+        self._costs = costs
+        self._clock = clock
+
+    def kfac_helper(self) -> EmulatedFactorHelper:
+        """K-FAC's helper for this layer (see :func:`interlace.kfac.layers.make_helper`)."""
+        return EmulatedFactorHelper(self, self._factor, self._rows, self._costs, self._clock)
+
+
+class EmulatedKFACModel(EmulatedModel):
+    """An emulated model whose traced factor layers :class:`interlace.KFAC` preconditions.
+
+    Every traced layer with factor sizes whose weight (and bias) have ``g_dim x (a_dim - 1)``
+    (and ``g_dim``) elements, or ``g_dim x a_dim`` without a bias, becomes an
+    :class:`EmulatedFactorLayer`; the others (normalisations, a Caffe layer whose sizes were
+    rounded) stay plain and are left to the optimizer. Each layer's forward sleeps its own time
+    before the next layer runs, so K-FAC's forward hooks fire as on the traced device.
+
+    Args:
+        trace: A :class:`~interlace.sim.trace.Trace`, a shipped trace's name or a file.
+        dilation: Multiplies every device time.
+        costs: K-FAC's device costs (default: the shipped H100 measurements).
+        batch_size: The per-rank batch factors are priced for (default: the trace's, else 32).
+
+    Raises:
+        UsageError: For an unknown trace name, an unreadable trace or a bad dilation.
+        ValueError: For a trace with no layer K-FAC can precondition.
+    """
+
+    def __init__(
+        self,
+        trace: Trace | str | Path,
+        dilation: float = DEFAULT_DILATION,
+        *,
+        costs: KFACDeviceCosts | None = None,
+        batch_size: int | None = None,
+    ) -> None:
+        super().__init__(trace, dilation)
+        self.costs = costs or KFACDeviceCosts()
+        #: Where K-FAC's factor, decomposition and preconditioning time is spent.
+        self.clock = DeviceClock(self.dilation)
+        batch = batch_size or self.trace.batch_size or 32
+        layers: list[nn.Module] = []
+        first = 0
+        for layer in self.emulated_layers():
+            count = len(list(layer.parameters()))
+            factor = self.trace.factor(layer.name)
+            if factor is not None and _fits(layer, factor):
+                rows = batch * _positions(self.trace, layer.name, factor.g_dim)
+                layers.append(
+                    EmulatedFactorLayer(
+                        layer, first, factor=factor, rows=rows, costs=self.costs, clock=self.clock
+                    )
+                )
+            else:
+                layers.append(layer)
+            first += count
+        if not any(isinstance(layer, EmulatedFactorLayer) for layer in layers):
+            raise ValueError(
+                f"trace {self.trace.model!r} has no layer with K-FAC factor sizes that match its "
+                "tensors; profile the model with `interlace profile --trace-out`"
+            )
+        self.layers = nn.ModuleList(layers)
+
+    def factor_layers(self) -> list[EmulatedFactorLayer]:
+        """The layers K-FAC can precondition, in forward order."""
+        return [layer for layer in self.layers if isinstance(layer, EmulatedFactorLayer)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.emulated_layers():
+            x = layer(x)
+        return x
+
+
+def _weight_and_bias(
+    layer: nn.Module, factor: FactorTrace
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The layer's weight and bias by their sizes (a trace lists them in either order).
+
+    Raises:
+        ValueError: When the tensors are not a weight (and bias) of the traced factor sizes.
+    """
+    params = list(layer.parameters())
+    g, a = factor.g_dim, factor.a_dim
+    if len(params) == 1 and params[0].numel() == g * a:
+        return params[0], None
+    if len(params) == 2 and a > 1:
+        for weight, bias in (params, params[::-1]):
+            if weight.numel() == g * (a - 1) and bias.numel() == g:
+                return weight, bias
+    raise ValueError(
+        f"layer {factor.layer!r}: tensors of {[p.numel() for p in params]} elements are not a "
+        f"weight and bias of K-FAC factors {a} x {a} and {g} x {g}"
+    )
+
+
+def _fits(layer: EmulatedLayer, factor: FactorTrace) -> bool:
+    """Whether the layer's tensors are a ``G x A`` weight (and a bias) of the traced sizes."""
+    try:
+        _weight_and_bias(layer, factor)
+    except ValueError:
+        return False
+    return True
+
+
+def _positions(trace: Trace, layer: str, g_dim: int) -> int:
+    """Output positions per sample (a convolution's height x width; 1 for a linear layer)."""
+    activation = trace.activation(layer)
+    if activation is None or activation.numel % g_dim:
+        return 1
+    return max(activation.numel // g_dim, 1)
