@@ -165,12 +165,12 @@ def test_an_emulated_run_reports_undilated_times_the_compute_and_the_bound(
     trace = _small_trace_file(tmp_path / "toy.json")
     json_path = tmp_path / "rows.json"
     dilation = 3.0
-    argv = ["--no-netem", "-n", "2", "--strategies", "ddp,mgwfbp", "--compute"]
+    argv = ["--no-netem", "-n", "2", "--strategies", "ddp,wfbp", "--compute"]
     argv += [f"emulated:{trace}", "--dilation", f"{dilation:g}", "--iters", "3"]
     argv += ["--warmup", "1", "--rounds", "1", "--timeout", "120", "--json", str(json_path)]
     assert dp.main(argv) == 0
     rows = json.loads(json_path.read_text())
-    assert [row["strategy"] for row in rows] == ["ddp", "mgwfbp", dp_report.BOUND_ROW]
+    assert [row["strategy"] for row in rows] == ["ddp", "wfbp", dp_report.BOUND_ROW]
     label = f"emulated:{trace} D=3"
     # Every layer's forward and backward sleep its traced time x 3; divided by 3 again, no
     # iteration can be shorter than the trace's forward + backward + step (15 ms).
