@@ -61,6 +61,10 @@ class _Meter:
         self.cpu_s = 0.0
         self.device_s = 0.0
         self.iterations = 0
+        #: ``time.perf_counter()`` at which the emulated device finished its latest backward
+        #: work, and the index of the layer that did it (-1: none in this backward pass).
+        self.device_free = 0.0
+        self.last_index = -1
 
 
 class _DeviceTime(torch.autograd.Function):
@@ -89,17 +93,27 @@ class _DeviceTime(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
         cpu, start = time.thread_time(), time.perf_counter()
         layer: EmulatedLayer = ctx.layer
+        meter = layer.meter
+        # A device runs the layers' backward kernels back to back while the host runs the
+        # hooks (bucket copies, launches) of the layer before: this layer ends one backward time
+        # after the previous one did on the device, not after the host came back to it.
+        if meter.last_index != layer.index + 1:
+            meter.device_free = start  # the first emulated layer of this backward pass
+        deadline = meter.device_free + layer.backward_s
         (x,) = ctx.saved_tensors
         # One scalar per layer from the batch and the upstream gradient, times a fixed factor per
         # parameter: different inputs give different gradients at one write per element.
         scale = float((grad_out * x).sum()) * layer.scale
         grads = tuple(_filled(numel, scale * factor) for numel, factor in layer.factors)
         # The gradients are made within the layer's device time, not after it.
-        time.sleep(max(layer.backward_s - (time.perf_counter() - start), 0.0))
-        layer.meter.cpu_s += time.thread_time() - cpu
-        layer.meter.device_s += layer.backward_s
+        time.sleep(max(deadline - time.perf_counter(), 0.0))
+        meter.device_free = deadline
+        meter.last_index = layer.index
+        meter.cpu_s += time.thread_time() - cpu
+        meter.device_s += layer.backward_s
         if layer.index == 0:
-            layer.meter.iterations += 1
+            meter.iterations += 1
+            meter.last_index = -1
         return (grad_out, None, None, *grads)
 
 
