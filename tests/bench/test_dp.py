@@ -178,8 +178,8 @@ def test_an_emulated_run_reports_undilated_times_the_compute_and_the_bound(
     for row in rows:
         assert row["compute"] == label and row["model"] == "toy"
         assert row["startup_s"] > 0 and row["per_byte_s"] >= 0
-    ddp, mgwfbp, bound = rows
-    for row in (ddp, mgwfbp):
+    ddp, wfbp, bound = rows
+    for row in (ddp, wfbp):
         assert row["iteration_s"] >= traced_s and row["samples"] == 3
         # Far below the dilated time: the times were divided by the dilation.
         assert row["iteration_s"] < dilation * traced_s + 1.0
