@@ -240,6 +240,7 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
     from interlace.sim import command  # noqa: PLC0415 - heavy (torch), only for this subcommand
 
     command.add_arguments(parser)
+    validate.add_arguments(parser)
     parser.set_defaults(handler=functools.partial(command.run, runner=validate.run))
 
 

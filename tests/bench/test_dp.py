@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from interlace.bench import dp, dp_rank
+from interlace.bench import dp, dp_rank, dp_report
 from interlace.errors import UsageError
+from interlace.sim.trace import TensorTrace, Trace
 
 
 def test_channel_and_compression_variants_are_named_and_parsed_back() -> None:
@@ -98,7 +99,8 @@ def test_a_tiny_run_on_loopback_writes_rows_table_and_plot(
     )
     assert by_name["mgwfbp"]["speedup_vs_one_channel"] is None
     out = capsys.readouterr().out
-    assert "| model | batch | target ratio | link |" in out and "| mlp | 16 | - | loopback |" in out
+    assert "| model | compute | batch | target ratio | link |" in out
+    assert "| mlp | real | 16 | - | loopback |" in out
     assert "maximum over ranks per iteration" in out
     assert png_path.read_bytes()[:4] == b"\x89PNG"
 
@@ -160,3 +162,79 @@ def test_model_shape_and_classes_reach_the_config() -> None:
     assert (config.models, config.input_shape, config.num_classes) == (("mlp",), (1, 8, 8), 7)
     with pytest.raises(UsageError, match="--model and --models"):
         dp.config_from_args(parser.parse_args(["--model", "mlp", "--models", "vgg11"]))
+
+
+# ---------------------------------------------------------------------------- emulated compute
+
+
+def _small_trace_file(path: Path) -> Path:
+    """A four-layer trace of a few ms per layer, saved as an interlace-trace file."""
+    tensors = []
+    for index in range(4):
+        layer = f"block{3 - index}"
+        for name, numel in (("bias", 16), ("weight", 4096 * (index + 1))):
+            tensors.append(TensorTrace(f"{layer}.{name}", layer, numel, 4 * numel, 1e-3, 2e-3))
+    return Trace("toy", tuple(tensors), forward_s=4e-3, backward_s=8e-3, step_s=1e-3).save(path)
+
+
+def test_an_emulated_run_reports_undilated_times_the_compute_and_the_bound(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = _small_trace_file(tmp_path / "toy.json")
+    json_path = tmp_path / "rows.json"
+    dilation = 3.0
+    argv = ["--no-netem", "-n", "2", "--strategies", "ddp,wfbp", "--compute"]
+    argv += [f"emulated:{trace}", "--dilation", f"{dilation:g}", "--iters", "3"]
+    argv += ["--warmup", "1", "--rounds", "1", "--timeout", "600", "--json", str(json_path)]
+    assert dp.main(argv) == 0
+    rows = json.loads(json_path.read_text())
+    assert [row["strategy"] for row in rows] == ["ddp", "wfbp", dp_report.BOUND_ROW]
+    label = f"emulated:{trace} D=3"
+    # Every layer's forward and backward sleep its traced time x 3; divided by 3 again, no
+    # iteration can be shorter than the trace's forward + backward + step (15 ms).
+    traced_s = 4 * (1e-3 + 2e-3) + 1e-3
+    for row in rows:
+        assert row["compute"] == label and row["model"] == "toy"
+        assert row["startup_s"] > 0 and row["per_byte_s"] >= 0
+    ddp, wfbp, bound = rows
+    for row in (ddp, wfbp):
+        assert row["iteration_s"] >= traced_s and row["samples"] == 3
+        # Far below the dilated time: the times were divided by the dilation.
+        assert row["iteration_s"] < dilation * traced_s + 1.0
+    # The bound row: the trace's forward + max(backward, all-reduce) + the measured step.
+    expected = 4e-3 + max(8e-3, bound["allreduce_s"]) + bound["step_s"]
+    assert bound["iteration_s"] == pytest.approx(expected)
+    assert bound["speedup_vs_ddp"] == pytest.approx(ddp["iteration_s"] / bound["iteration_s"])
+    out = capsys.readouterr().out
+    assert label in out and "all-reduce a + b*M (undilated)" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--compute", "emulated:no-such-trace", "--link", "1gbit"], "no shipped trace"),
+        (["--compute", "emulated:googlenet-k80", "--dilation", "0", "--link", "1gbit"], "> 0"),
+        (["--compute", "emulated:googlenet-k80", "--dilation", "-2", "--no-netem"], "> 0"),
+        (["--compute", "real", "--dilation", "4"], "emulated compute only"),
+        (["--compute", "emulated:googlenet-k80"], "needs --link"),
+        (["--compute", "emulated:googlenet-k80", "--models", "mlp", "--no-netem"], "contradict"),
+        (["--network", "osu:nowhere", "--no-netem"], "does not exist"),
+    ],
+)
+def test_bad_compute_input_is_one_line_and_status_2(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert dp.main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.startswith("interlace bench dp: error:")
+
+
+def test_the_emulated_link_runs_at_the_target_rate_over_the_dilation() -> None:
+    parser = argparse.ArgumentParser()
+    dp.add_arguments(parser)
+    args = ["--compute", "emulated:googlenet-k80", "--dilation", "4", "--link", "10gbit"]
+    config = dp.config_from_args(parser.parse_args([*args, "--network", "osu:10gbe"]))
+    assert config.models == ("googlenet-k80",)
+    context = dp.launch_context(config)
+    assert (context.link, context.emulated_link) == ("10gbit", "2.5gbit")
+    assert context.target is not None and context.target.b > 0

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from interlace import cli
+from interlace.sim.trace import TensorTrace, Trace
 
 
 def interlace(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -88,3 +89,70 @@ def test_bad_validation_flags_are_one_line(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert message in err
+
+
+@pytest.mark.netns
+def test_an_emulated_validation_predicts_without_contention_calibration(tmp_path: Path) -> None:
+    tensors = []
+    for index in range(4):
+        layer = f"block{3 - index}"
+        for name, numel in (("bias", 16), ("weight", 8192 * (index + 1))):
+            tensors.append(TensorTrace(f"{layer}.{name}", layer, numel, 4 * numel, 1e-3, 3e-3))
+    trace = Trace("toy", tuple(tensors), forward_s=4e-3, backward_s=12e-3).save(tmp_path / "t.json")
+    rows_path = tmp_path / "validation.json"
+    done = interlace(
+        "simulate",
+        "--validate",
+        "--compute",
+        f"emulated:{trace}",
+        "--dilation",
+        "2",
+        "-n",
+        "2",
+        "--link",
+        "1gbit",
+        "--strategy",
+        "single,mgwfbp",
+        "--iters",
+        "3",
+        "--warmup",
+        "0",
+        "--rounds",
+        "1",
+        "--json",
+        str(rows_path),
+        "--png",
+        "none",
+        timeout=280,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(rows_path.read_text())
+    assert [row["strategy"] for row in rows] == ["single", "mgwfbp"]
+    for row in rows:
+        assert (row["model"], row["ranks"]) == ("t", 2)
+        assert row["link"] == "1gbit (emulated at 500mbit)"
+        # Undilated: no iteration is shorter than the trace's forward and backward (16 ms),
+        # nor near twice that plus the communication, as on the dilated clock.
+        assert 16e-3 <= row["measured_s"] < 0.2 and row["predicted_s"] >= 16e-3
+        # Nothing was calibrated: no probes, no slowdown, the prediction is the plain replay.
+        assert row["probes"] == {} and row["compute_slowdown"] == 1.0
+        assert row["transfer_rate"] == 1.0
+    assert "no contention calibration" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--compute", "emulated:no-such-trace"), "no shipped trace"),
+        (("--compute", "emulated:googlenet-k80", "--dilation", "0"), "> 0"),
+        (("--compute", "emulated:googlenet-k80", "--model", "mlp"), "contradict"),
+    ],
+)
+def test_bad_emulated_validation_flags_are_one_line(
+    flags: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["simulate", "--validate", *flags])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err

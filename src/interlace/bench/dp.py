@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from interlace.bench.dp_rank import (
+    REAL_COMPUTE,
     Calibration,
     CalibrationJob,
     MeasureJob,
@@ -34,6 +35,7 @@ from interlace.bench.dp_rank import (
 from interlace.bench.dp_report import (
     LaunchContext,
     Row,
+    format_cluster,
     format_rate,
     format_summary,
     format_table,
@@ -57,9 +59,12 @@ from interlace.bench.harness import (
     split_blocks,
 )
 from interlace.cliutil import add_model_shape_arguments, add_nprocs_argument, standalone_main
+from interlace.comm.cost import CostModel
 from interlace.comm.links import parse_link
 from interlace.comm.strategies import RUNTIME_STRATEGIES
+from interlace.emulate import Compute, add_compute_arguments, compute_from_args, dilate_rate
 from interlace.errors import UsageError
+from interlace.sim.network import NETWORK_HELP, parse_network
 from interlace.strategies import parse_channels
 from interlace.zoo import build_model
 
@@ -75,6 +80,9 @@ REF_LINK = "1gbit"
 MIN_LINK = "20mbit"
 #: Fastest link chosen: on a 2-core machine faster shaping is not reproduced faithfully.
 MAX_LINK = "2.5gbit"
+
+#: Per-rank batch on emulated compute: the batch only feeds the gradients' arithmetic.
+EMULATED_BATCH = 8
 
 DEFAULT_ITERS = 12
 DEFAULT_WARMUP = 2
@@ -113,6 +121,10 @@ class BenchConfig:
     json_path: str | None
     png_path: str | None
     num_classes: int = NUM_CLASSES
+    #: What the ranks compute on; on emulated compute ``models`` holds the trace's name.
+    compute: Compute = REAL_COMPUTE
+    #: The target cluster (``--network``) whose all-reduce ``a`` and ``b`` the rows show.
+    network: str | None = None
 
     def batch_for(self, model: str) -> int:
         """The per-rank batch of ``model``: ``--batch-size``, else the model's default.
@@ -122,6 +134,8 @@ class BenchConfig:
         """
         if self.batch_size is not None:
             return self.batch_size
+        if self.compute.emulated:
+            return EMULATED_BATCH
         return default_batch(model)
 
     @property
@@ -228,6 +242,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=MAX_LINK,
         help=f"fastest link a ratio may pick (default {MAX_LINK})",
     )
+    add_compute_arguments(parser)
+    parser.add_argument(
+        "--network",
+        metavar="SPEC",
+        help="the target cluster whose all-reduce start-up a and per-byte b the rows show beside "
+        f"the measured ones, e.g. osu:10gbe ({NETWORK_HELP})",
+    )
     parser.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
     parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     parser.add_argument("--png", metavar="PATH", help="plot speed-ups vs DDP")
@@ -241,14 +262,30 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """
 
     quick = bool(args.quick)
+    compute = compute_from_args(args)
     if args.model and args.models:
         raise UsageError("--model and --models contradict each other; give one of them")
-    if args.model:
-        models: tuple[str, ...] = (args.model,)
+    if compute.emulated and (args.models or args.model):
+        raise UsageError(
+            "--model/--models and --compute emulated:TRACE contradict each other: the trace is "
+            "the model"
+        )
+    if compute.emulated:
+        models: tuple[str, ...] = (_trace_label(compute),)
+    elif args.model:
+        models = (args.model,)
     elif args.models:
         models = parse_names(args.models, None, "models", "model")
     else:
         models = QUICK_MODELS if quick else DEFAULT_MODELS
+    if compute.emulated and args.link is None and not args.no_netem:
+        raise UsageError(
+            "--compute emulated:TRACE needs --link RATE (the target cluster's link; the ranks run "
+            "at RATE / dilation) or --no-netem"
+        )
+    network = getattr(args, "network", None)
+    if network is not None:
+        parse_network(network)
     strategies = (
         parse_names(args.strategies, RUNTIME_STRATEGIES, "strategies", "strategy")
         if args.strategies
@@ -263,7 +300,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     rounds = args.rounds if args.rounds is not None else (QUICK_ROUNDS if quick else DEFAULT_ROUNDS)
     check_launch_args(
         args,
-        models,
+        () if compute.emulated else models,
         prefix="--model: " if args.model else "--models: ",
         ranks_reason="data parallelism needs ranks to average",
     )
@@ -300,7 +337,15 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed,
         json_path=args.json,
         png_path=args.png,
+        compute=compute,
+        network=network,
     )
+
+
+def _trace_label(compute: Compute) -> str:
+    """What the rows call an emulated model: the shipped trace's name or the file's stem."""
+    assert compute.trace is not None
+    return compute.trace if not Path(compute.trace).is_file() else Path(compute.trace).stem
 
 
 def expand_variants(
@@ -331,6 +376,8 @@ def expand_variants(
 def _check_models_build(config: BenchConfig) -> None:
     """Build each model once here, so a bad model or shape is one line, not N tracebacks."""
 
+    if config.compute.emulated:
+        return
     for model in config.models:
         build_model(model, config.input_shape, config.num_classes)
 
@@ -349,7 +396,7 @@ def _launch_plan(config: BenchConfig, calibrations: dict[str, Calibration] | Non
             plans.append(_Plan(model, LaunchContext(None, "loopback")))
             continue
         if config.link is not None:
-            plans.append(_Plan(model, LaunchContext(None, config.link)))
+            plans.append(_Plan(model, launch_context(config)))
             continue
         assert calibrations is not None
         calibration = calibrations[model]
@@ -373,6 +420,25 @@ def _launch_plan(config: BenchConfig, calibrations: dict[str, Calibration] | Non
     return plans
 
 
+def launch_context(config: BenchConfig) -> LaunchContext:
+    """The context of a launch at ``--link``: on emulated compute the ranks run at the link's
+    rate / dilation, and ``--network`` gives the target's all-reduce cost.
+
+    Args:
+        config: A run with a fixed ``--link``.
+    """
+    assert config.link is not None
+    target: CostModel | None = None
+    if config.network is not None:
+        target = parse_network(config.network).cost(config.nprocs)
+    if not config.compute.emulated:
+        return LaunchContext(None, config.link, target=target, target_name=config.network)
+    emulated = format_rate(dilate_rate(config.link, config.compute.dilation))
+    return LaunchContext(
+        None, config.link, emulated_link=emulated, target=target, target_name=config.network
+    )
+
+
 def describe_conditions(config: BenchConfig) -> str:
     """One paragraph saying when, where and how the rows were measured.
 
@@ -391,15 +457,28 @@ def describe_conditions(config: BenchConfig) -> str:
     )
     return (
         f"{now}; {platform.node()} ({os.cpu_count()} CPUs, load {load} at the end), torch "
-        f"{torch.__version__}, gloo; {config.nprocs} ranks on {network}; input "
-        f"{'x'.join(map(str, config.input_shape))}; per strategy {config.warmup} warm-up "
+        f"{torch.__version__}, gloo; {config.nprocs} ranks on {network}; "
+        + (
+            f"compute {config.compute.label()}, every time undilated (measured / "
+            f"{config.compute.dilation:g}), links at the given rate / "
+            f"{config.compute.dilation:g}"
+            if config.compute.emulated
+            else f"input {'x'.join(map(str, config.input_shape))}"
+        )
+        + f"; per strategy {config.warmup} warm-up "
         f"iterations after its buckets are final, then {config.iters} timed in "
         f"{len(split_blocks(config.iters, config.rounds))} round-robin rounds; iteration = "
         "forward + backward + SGD step, wall clock, maximum over ranks per iteration, median over "
-        "iterations; bound = forward + max(backward, one all-reduce of all gradients) + step of "
-        "the plain module, measured in the same rounds; contended bound = the same iteration run "
-        "with that all-reduce launched as backward starts (what perfect overlap costs on these "
-        "cores)."
+        "iterations; "
+        + (
+            "bound = the trace's forward + max(its backward, one all-reduce of all gradients) + "
+            "the measured step (the ideal-bound row)."
+            if config.compute.emulated
+            else "bound = forward + max(backward, one all-reduce of all gradients) + step of "
+            "the plain module, measured in the same rounds; contended bound = the same iteration "
+            "run with that all-reduce launched as backward starts (what perfect overlap costs on "
+            "these cores)."
+        )
     )
 
 
@@ -464,8 +543,9 @@ def run(args: argparse.Namespace) -> int:
                     config.rounds,
                     config.seed,
                     num_classes=config.num_classes,
+                    compute=config.compute,
                 )
-                link = plan.context.link if config.netem else None
+                link = (plan.context.emulated_link or plan.context.link) if config.netem else None
                 try:
                     measurement = launch_on_ranks(
                         measure_rank,
@@ -497,6 +577,10 @@ def run(args: argparse.Namespace) -> int:
         print(format_summary(rows))
         print()
         print(format_table(rows))
+        cluster = format_cluster(rows)
+        if cluster:
+            print(f"\nall-reduce a + b*M{' (undilated)' if config.compute.emulated else ''}:")
+            print(cluster)
     if config.json_path:
         Path(config.json_path).write_text(
             json.dumps([row.to_dict() for row in rows], indent=1) + "\n"

@@ -25,6 +25,7 @@ from interlace.bench.harness import (
     train_step,
 )
 from interlace.bench.probes import ContentionProbe
+from interlace.emulate import Compute, ComputeKind, EmulatedModel, EmulatedStep
 from interlace.strategies import wrap_model
 from interlace.zoo import build_model
 
@@ -33,6 +34,8 @@ from interlace.zoo import build_model
 MAX_PLAN_STEPS = 200
 #: DDP rebuilds its buckets in gradient-ready order during its second iteration.
 DDP_REBUILD_STEPS = 2
+#: The model's own kernels: what a job computes on unless it names a trace.
+REAL_COMPUTE = Compute(ComputeKind.REAL)
 
 
 def variant_label(strategy: str, channels: int | str = 1, compression: str | None = None) -> str:
@@ -110,6 +113,9 @@ class MeasureJob:
     #: in the reference slot.
     probe_contention: bool = False
     num_classes: int = NUM_CLASSES
+    #: What the ranks compute on: ``model``'s kernels, or an :class:`EmulatedModel` of a trace
+    #: (then ``model`` only names the rows and the times come back dilated).
+    compute: Compute = REAL_COMPUTE
 
 
 @dataclass(frozen=True)
@@ -156,6 +162,16 @@ class Measurement:
     #: The simulator's contention probes (a :class:`interlace.sim.contention.ContentionSamples`)
     #: when the job asked for them.
     contention: Any = None
+    #: Seconds of an all-reduce of one float (the rate-independent start-up), per round's
+    #: reference iteration; empty when not measured.
+    latency_s: list[float] = field(default_factory=list)
+    #: :meth:`Compute.label` of what the ranks computed on, and its dilation: every time above is
+    #: as measured, on the dilated clock.
+    compute: str = "real"
+    dilation: float = 1.0
+    #: Emulated compute: the trace's forward and backward device time (dilated), seconds.
+    device_forward_s: float | None = None
+    device_backward_s: float | None = None
 
 
 def _compute_sample(
@@ -230,12 +246,53 @@ def _allreduce_sample(flat: Any) -> float:
     return time.perf_counter() - start
 
 
+def build_module(
+    model_name: str,
+    input_shape: tuple[int, ...],
+    compute: Compute = REAL_COMPUTE,
+    num_classes: int = NUM_CLASSES,
+) -> torch.nn.Module:
+    """The module a rank trains: the zoo model, or the emulated model of ``compute``'s trace.
+
+    An emulated model returns its input, so its batches have :data:`NUM_CLASSES` features and
+    the cross-entropy loss applies unchanged.
+
+    Args:
+        model_name: A zoo name or ``package.module:callable`` (real compute).
+        input_shape: One sample's shape (real compute).
+        compute: What to compute on.
+        num_classes: Classes the model predicts (real compute).
+    """
+    if compute.emulated:
+        assert compute.trace is not None
+        return EmulatedModel(compute.trace, compute.dilation)
+    return build_model(model_name, input_shape, num_classes)
+
+
 def _plain(
-    model_name: str, input_shape: tuple[int, ...], seed: int, num_classes: int
+    model_name: str,
+    input_shape: tuple[int, ...],
+    seed: int,
+    compute: Compute = REAL_COMPUTE,
+    num_classes: int = NUM_CLASSES,
 ) -> tuple[Any, Any]:
     torch.manual_seed(seed)
-    model = build_model(model_name, input_shape, num_classes)
-    return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model = build_module(model_name, input_shape, compute, num_classes)
+    return model, make_optimizer(model)
+
+
+def make_optimizer(model: torch.nn.Module, wrapper: torch.nn.Module | None = None) -> Any:
+    """The benchmark's optimizer: SGD with momentum, or on an emulated model the traced step's
+    device time (:class:`EmulatedStep`; a real step would hold a core as a GPU's does not).
+
+    Args:
+        model: The module (emulated or not).
+        wrapper: Its data-parallel wrapper, whose ``parameters()`` the optimizer owns.
+    """
+    params = (model if wrapper is None else wrapper).parameters()
+    if isinstance(model, EmulatedModel):
+        return EmulatedStep(model, params)
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
 
 def _flat_gradients(model: Any) -> Any:
@@ -319,19 +376,24 @@ def measure_rank(job: MeasureJob) -> Measurement:
     """
 
     rank = dist.get_rank()
-    batches = synthetic_batches(
-        job.batch, job.input_shape, job.seed, rank, num_classes=job.num_classes
-    )
+    emulated = job.compute.emulated
+    if emulated:
+        # The cores belong to communication; an intra-op pool would spin through the sleeps.
+        torch.set_num_threads(1)
+    input_shape = (NUM_CLASSES,) if emulated else job.input_shape
+    classes = NUM_CLASSES if emulated else job.num_classes
+    batches = synthetic_batches(job.batch, input_shape, job.seed, rank, num_classes=classes)
     contenders = []
     for strategy in job.strategies:
         torch.manual_seed(job.seed)
-        model = build_model(job.model, job.input_shape, job.num_classes)
+        model = build_module(job.model, input_shape, job.compute, job.num_classes)
         wrapper = _wrap(model, strategy)
-        optimizer = torch.optim.SGD(wrapper.parameters(), lr=0.01, momentum=0.9)
+        optimizer = make_optimizer(model, wrapper)
         contenders.append(Contender(strategy, wrapper, optimizer))
-    plain, plain_optimizer = _plain(job.model, job.input_shape, job.seed, job.num_classes)
+    plain, plain_optimizer = _plain(job.model, input_shape, job.seed, job.compute, classes)
     flat = _flat_gradients(plain)
     alongside = _flat_gradients(plain)
+    tiny = torch.zeros(1)
 
     counter = 0
 
@@ -356,7 +418,11 @@ def measure_rank(job: MeasureJob) -> Measurement:
     for _ in range(max(job.warmup, 1)):
         _compute_sample(plain, plain_optimizer, *next_batch())
     _allreduce_sample(flat)
-    _overlapped_sample(plain, plain_optimizer, *next_batch(), alongside)
+    _allreduce_sample(tiny)
+    # On emulated compute nothing contends for the cores, so the contended bound is not taken.
+    contended = not emulated
+    if contended:
+        _overlapped_sample(plain, plain_optimizer, *next_batch(), alongside)
 
     probe = ContentionProbe(plain, plain_optimizer, flat) if job.probe_contention else None
 
@@ -364,6 +430,7 @@ def measure_rank(job: MeasureJob) -> Measurement:
     backwards: list[float] = []
     steps_s: list[float] = []
     allreduces: list[float] = []
+    latencies: list[float] = []
     overlapped: list[float] = []
     # None: the reference measurements; the probe: its own block, timed like a strategy's.
     slots: list[Contender | ContentionProbe | None] = [*contenders, None]
@@ -384,6 +451,9 @@ def measure_rank(job: MeasureJob) -> Measurement:
                     backwards.append(backward_s)
                     steps_s.append(step_s)
                     allreduces.append(_allreduce_sample(flat))
+                    latencies.append(_allreduce_sample(tiny))
+                    if not contended:
+                        continue
                     iteration_s, overlapped_backward_s, overlapped_done_s = _overlapped_sample(
                         plain, plain_optimizer, *next_batch(), alongside
                     )
@@ -439,4 +509,13 @@ def measure_rank(job: MeasureJob) -> Measurement:
         allreduce_s=max_over_ranks(allreduces),
         overlapped_s=max_over_ranks(overlapped),
         contention=None if probe is None else probe.finish(),
+        latency_s=max_over_ranks(latencies),
+        compute=job.compute.label(),
+        dilation=job.compute.dilation,
+        device_forward_s=(
+            sum(layer.forward_s for layer in plain.emulated_layers()) if emulated else None
+        ),
+        device_backward_s=(
+            sum(layer.backward_s for layer in plain.emulated_layers()) if emulated else None
+        ),
     )

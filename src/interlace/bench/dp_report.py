@@ -6,13 +6,17 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from interlace.bench.dp_rank import Measurement, parse_variant, variant_label
 from interlace.bench.harness import quartiles
+from interlace.comm.cost import CostModel
 from interlace.errors import UsageError
+
+#: The row that stands for the ideal-overlap bound on emulated compute.
+BOUND_ROW = "ideal-bound"
 
 
 @dataclass(frozen=True)
@@ -113,12 +117,20 @@ def ideal_bound_s(forward_s: float, backward_s: float, allreduce_s: float, step_
 
 @dataclass(frozen=True)
 class LaunchContext:
-    """How a launch was set up: its target ratio (None for a fixed link) and link."""
+    """How a launch was set up: its target ratio (None for a fixed link) and link.
+
+    On emulated compute ``link`` is the target cluster's link and ``emulated_link`` the
+    dilated rate the ranks ran on; ``target`` is the target cluster's all-reduce cost at the
+    launch's ranks (``--network``), when given.
+    """
 
     ratio: float | None
     link: str
     clamped: bool = False
     wanted_link: str | None = None
+    emulated_link: str | None = None
+    target: CostModel | None = None
+    target_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -163,6 +175,16 @@ class Row:
     #: What DataParallel's trials of candidate plans measured, and which plan it kept.
     tuning: str | None = None
     speedup_vs_one_channel: float | None = None
+    #: What the ranks computed on (:meth:`interlace.emulate.Compute.label`); on emulated
+    #: compute every time above is undilated (measured / D).
+    compute: str = "real"
+    emulated_link: str | None = None
+    #: The measured cluster's all-reduce ``a + b*M`` (undilated): ``a`` from an all-reduce of
+    #: one float, ``b`` from the all-reduce of all gradients; and the target's, when given.
+    startup_s: float | None = None
+    per_byte_s: float | None = None
+    target_startup_s: float | None = None
+    target_per_byte_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -175,12 +197,30 @@ def rows_from_measurement(measurement: Measurement, context: LaunchContext) -> l
         measurement: What one launch measured.
         context: Its target ratio and link.
     """
+    measurement = undilated(measurement)
     forward = statistics.median(measurement.forward_s)
     backward = statistics.median(measurement.backward_s)
     step = statistics.median(measurement.step_s)
     allreduce = statistics.median(measurement.allreduce_s)
     compute = forward + backward + step
-    bound = ideal_bound_s(forward, backward, allreduce, step)
+    emulated = measurement.device_forward_s is not None
+    if emulated:
+        # The bound of the traced device: its forward and backward, not the sleeps' overshoot.
+        bound = ideal_bound_s(
+            measurement.device_forward_s or 0.0,
+            measurement.device_backward_s or 0.0,
+            allreduce,
+            step,
+        )
+    else:
+        bound = ideal_bound_s(forward, backward, allreduce, step)
+    startup = statistics.median(measurement.latency_s) if measurement.latency_s else None
+    per_byte = (
+        None
+        if startup is None or measurement.gradient_bytes <= 0
+        else max(allreduce - startup, 0.0) / measurement.gradient_bytes
+    )
+    target = context.target
     contended = statistics.median(measurement.overlapped_s) if measurement.overlapped_s else None
     medians = {s.strategy: statistics.median(s.iteration_s) for s in measurement.strategies}
     ddp = medians.get("ddp")
@@ -228,9 +268,81 @@ def rows_from_measurement(measurement: Measurement, context: LaunchContext) -> l
                 speedup_vs_one_channel=(
                     None if one_channel is None or channels == 1 else one_channel / median
                 ),
+                compute=measurement.compute,
+                emulated_link=context.emulated_link,
+                startup_s=startup,
+                per_byte_s=per_byte,
+                target_startup_s=None if target is None else target.a,
+                target_per_byte_s=None if target is None else target.b,
+            )
+        )
+    if emulated and rows:
+        rows.append(
+            replace(
+                rows[-1],
+                strategy=BOUND_ROW,
+                base_strategy=BOUND_ROW,
+                iteration_s=bound,
+                iteration_p25_s=bound,
+                iteration_p75_s=bound,
+                samples=0,
+                speedup_vs_ddp=None if ddp is None else ddp / bound,
+                buckets="-",
+                time_over_bound=1.0,
+                predicted_s=None,
+                cost_a=None,
+                cost_b=None,
+                plan=None,
+                channels="1",
+                compression="none",
+                chosen_channels=None,
+                channel_choice=None,
+                tuning=None,
+                speedup_vs_one_channel=None,
             )
         )
     return rows
+
+
+def undilated(measurement: Measurement) -> Measurement:
+    """``measurement`` with every time divided by its dilation (itself when that is 1).
+
+    Args:
+        measurement: What one launch measured, on the dilated clock.
+    """
+    factor = measurement.dilation
+    if factor == 1.0:
+        return measurement
+
+    def times(values: list[float]) -> list[float]:
+        return [value / factor for value in values]
+
+    def scaled(value: float | None) -> float | None:
+        return None if value is None else value / factor
+
+    strategies = [
+        replace(
+            samples,
+            iteration_s=times(samples.iteration_s),
+            predicted_s=scaled(samples.predicted_s),
+            cost_a=scaled(samples.cost_a),
+            cost_b=scaled(samples.cost_b),
+        )
+        for samples in measurement.strategies
+    ]
+    return replace(
+        measurement,
+        strategies=strategies,
+        forward_s=times(measurement.forward_s),
+        backward_s=times(measurement.backward_s),
+        step_s=times(measurement.step_s),
+        allreduce_s=times(measurement.allreduce_s),
+        overlapped_s=times(measurement.overlapped_s),
+        latency_s=times(measurement.latency_s),
+        device_forward_s=scaled(measurement.device_forward_s),
+        device_backward_s=scaled(measurement.device_backward_s),
+        dilation=1.0,
+    )
 
 
 def _ratio_text(row: Row) -> str:
@@ -240,7 +352,45 @@ def _ratio_text(row: Row) -> str:
 def _link_text(row: Row) -> str:
     if row.clamped and row.wanted_link is not None:
         return f"{row.link} (clamped; wanted {row.wanted_link})"
+    if row.emulated_link is not None:
+        return f"{row.link} (emulated at {row.emulated_link})"
     return row.link
+
+
+def format_cluster(rows: Sequence[Row]) -> str:
+    """One line per launch: the measured cluster's all-reduce ``a`` and ``b`` (undilated on
+    emulated compute) beside the target cluster's, where ``--network`` named one.
+
+    ``b`` is also shown as the per-link rate a ring of the launch's ranks would need for it
+    (``b = 2(n-1)/n / rate``).
+
+    Args:
+        rows: The rows, in order.
+    """
+    lines = []
+    for group in _groups(rows):
+        first = group[0]
+        if first.startup_s is None or first.per_byte_s is None:
+            continue
+        line = (
+            f"{first.model} at {_link_text(first)}, {first.ranks} ranks, {first.compute}: "
+            f"measured a = {first.startup_s * 1e3:.3f} ms, "
+            f"b = {_per_byte_text(first.per_byte_s, first.ranks)}"
+        )
+        if first.target_startup_s is not None and first.target_per_byte_s is not None:
+            line += (
+                f"; target a = {first.target_startup_s * 1e3:.3f} ms, "
+                f"b = {_per_byte_text(first.target_per_byte_s, first.ranks)}"
+            )
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _per_byte_text(per_byte_s: float, ranks: int) -> str:
+    if per_byte_s <= 0:
+        return "0 ns/B"
+    link_bps = 2.0 * (ranks - 1) / ranks * 8.0 / per_byte_s
+    return f"{per_byte_s * 1e9:.3f} ns/B ({format_rate(link_bps)} per ring link)"
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -250,10 +400,11 @@ def format_table(rows: Sequence[Row]) -> str:
         rows: The rows, in order.
     """
     lines = [
-        "| model | batch | target ratio | link | comm/compute | strategy | channels | k used | "
+        "| model | compute | batch | target ratio | link | comm/compute | strategy | channels | "
+        "k used | "
         "compression | iteration ms (p25-p75) | vs DDP | vs 1 channel | buckets | bound ms | "
         "time/bound | contended bound ms | time/contended |",
-        "|---|---:|---:|---|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         speedup = "-" if row.speedup_vs_ddp is None else f"{row.speedup_vs_ddp:.2f}x"
@@ -262,7 +413,8 @@ def format_table(rows: Sequence[Row]) -> str:
         )
         used = "-" if row.chosen_channels is None else str(row.chosen_channels)
         lines.append(
-            f"| {row.model} | {row.batch} | {_ratio_text(row)} | {_link_text(row)} | "
+            f"| {row.model} | {row.compute} | {row.batch} | {_ratio_text(row)} | "
+            f"{_link_text(row)} | "
             f"{row.comm_compute:.2f} | {row.base_strategy or row.strategy} | {row.channels} | "
             f"{used} | {row.compression} | {row.iteration_s * 1e3:.1f} "
             f"({row.iteration_p25_s * 1e3:.1f}-{row.iteration_p75_s * 1e3:.1f}) | {speedup} | "
@@ -289,10 +441,10 @@ def format_summary(rows: Sequence[Row]) -> str:
     strategies = list(dict.fromkeys(row.strategy for row in rows))
     groups = _groups(rows)
     header = (
-        "| model | target ratio | link | comm/compute | bound ms | contended bound ms | "
+        "| model | compute | target ratio | link | comm/compute | bound ms | contended bound ms | "
         + " | ".join(f"{s} vs DDP (t/bound)" for s in strategies)
     )
-    lines = [header + " |", "|---|---:|---|---:|---:|---:|" + "---:|" * len(strategies)]
+    lines = [header + " |", "|---|---|---:|---|---:|---:|---:|" + "---:|" * len(strategies)]
     for group in groups:
         first = group[0]
         by_strategy = {row.strategy: row for row in group}
@@ -305,7 +457,7 @@ def format_summary(rows: Sequence[Row]) -> str:
             speedup = "-" if row.speedup_vs_ddp is None else f"{row.speedup_vs_ddp:.2f}x"
             cells.append(f"{speedup} ({row.time_over_bound:.2f})")
         lines.append(
-            f"| {first.model} | {_ratio_text(first)} | {_link_text(first)} | "
+            f"| {first.model} | {first.compute} | {_ratio_text(first)} | {_link_text(first)} | "
             f"{first.comm_compute:.2f} | {first.bound_s * 1e3:.1f} | "
             f"{_ms(first.contended_bound_s)} | " + " | ".join(cells) + " |"
         )
@@ -386,7 +538,8 @@ def one_line(rows: Sequence[Row]) -> str:
         for row in rows
     )
     return (
-        f"{first.model} ratio {_ratio_text(first)} at {first.link} (measured "
+        f"{first.model} ({first.compute}) ratio {_ratio_text(first)} at {_link_text(first)} "
+        "(measured "
         f"{first.comm_compute:.2f}, bound {first.bound_s * 1e3:.0f} ms, contended bound "
         f"{_ms(first.contended_bound_s)} ms): {parts}"
     )

@@ -121,6 +121,7 @@ def job_batches(
     seed: int,
     rank: int,
     compute: Compute,
+    *,
     num_classes: int = NUM_CLASSES,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The job's synthetic batches. An emulated model returns its input, so its batches are
@@ -210,7 +211,9 @@ def measure_rank(job: KfacJob) -> dict[str, Any]:
         placement=job.placement,
         **(lbp_costs_for(model, job.compute_method) if job.placement == "lbp" else {}),
     )
-    batches = job_batches(job.batch, job.input_shape, job.seed, rank, job.compute, job.num_classes)
+    batches = job_batches(
+        job.batch, job.input_shape, job.seed, rank, job.compute, num_classes=job.num_classes
+    )
 
     contender = KfacContender("kfac", wrapped, optimizer, precond=precond)
 
@@ -363,7 +366,9 @@ def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
             }
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         contenders.append(KfacContender(mode, wrapped, optimizer, precond=precond))
-    batches = job_batches(job.batch, job.input_shape, job.seed, rank, job.compute, job.num_classes)
+    batches = job_batches(
+        job.batch, job.input_shape, job.seed, rank, job.compute, num_classes=job.num_classes
+    )
 
     def kfac_iteration(contender: KfacContender, step: int) -> dict[str, float]:
         return _kfac_iteration(contender, batches[step % len(batches)], KFAC_PASSES[0])

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from interlace.bench.dp import BenchConfig
-from interlace.bench.dp_rank import MeasureJob, measure_rank
+from interlace.bench.dp_rank import REAL_COMPUTE, MeasureJob, build_module, measure_rank
+from interlace.bench.dp_report import format_rate, undilated
 from interlace.bench.harness import (
     DEFAULT_BATCH,
     DEFAULT_INPUT_SHAPE,
@@ -37,10 +38,18 @@ from interlace.bench.harness import (
     synthetic_batches,
     train_step,
 )
-from interlace.comm.calibrate import fit_stream_cost_model
+from interlace.comm.calibrate import fit_cost_model, fit_stream_cost_model
+from interlace.comm.cost import CostModel
 from interlace.comm.links import parse_link
 from interlace.comm.strategies import PLANNED_STRATEGIES, RUNTIME_STRATEGIES
 from interlace.dp import DataParallel
+from interlace.emulate import (
+    Compute,
+    EmulatedModel,
+    add_compute_arguments,
+    compute_from_args,
+    dilate_rate,
+)
 from interlace.errors import UsageError
 from interlace.launch import netem
 from interlace.profile import layer_forward_times
@@ -122,6 +131,33 @@ def validate_rank(job: MeasureJob) -> ValidateSample:
     return ValidateSample(trace, cost, stream_cost, measurement)
 
 
+def validate_emulated_rank(job: MeasureJob) -> ValidateSample:
+    """One rank of a validation launch on emulated compute (collective).
+
+    The trace is the emulated model's own (its tensors named as the model's parameters), the
+    cost models are fitted on the live group, and the strategies are measured without the
+    contention probes: device time leaves the cores to communication, so nothing is
+    calibrated. Every time comes back undilated.
+
+    Args:
+        job: What to measure; ``job.compute`` is emulated.
+    """
+    compute = job.compute
+    module = build_module(job.model, job.input_shape, compute)
+    assert isinstance(module, EmulatedModel)
+    cost = _undilated_cost(fit_cost_model(use_cache=False), compute.dilation)
+    stream_cost = _undilated_cost(fit_stream_cost_model(), compute.dilation)
+    measurement = undilated(measure_rank(replace(job, probe_contention=False)))
+    trace = replace(module.named_trace(), workers=dist.get_world_size())
+    return ValidateSample(trace, cost, stream_cost, measurement)
+
+
+def _undilated_cost(cost: CostModel, dilation: float) -> CostModel:
+    """``cost`` fitted on the dilated cluster, as the undilated cluster's (``a`` and ``b`` / D;
+    the concurrency terms are dropped: validation plans on one channel)."""
+    return CostModel(cost.a / dilation, cost.b / dilation)
+
+
 @dataclass(frozen=True)
 class ValidateConfig:
     """Every launch of a validation run and what to write.
@@ -141,6 +177,8 @@ class ValidateConfig:
         png_path: Where the predicted-against-measured plot goes (None: no plot).
         input_shape: The shape of one sample the models are built for.
         num_classes: The classes the models predict.
+        compute: Real compute (profiled zoo models, contention calibrated) or an emulated
+            trace (no calibration; ``links`` are the target's, run at rate / dilation).
     """
 
     models: tuple[str, ...]
@@ -157,6 +195,7 @@ class ValidateConfig:
     png_path: str | None = None
     input_shape: tuple[int, ...] = DEFAULT_INPUT_SHAPE
     num_classes: int = NUM_CLASSES
+    compute: Compute = REAL_COMPUTE
 
 
 def run_validation(config: ValidateConfig) -> int:
@@ -168,7 +207,8 @@ def run_validation(config: ValidateConfig) -> int:
     Raises:
         UsageError: Without root for the emulated cluster, or for an unknown link or model.
     """
-    for model in config.models:  # a bad model or size is one line, wherever this runs
+    # A bad model or size is one line, wherever this runs (a trace names an emulated model).
+    for model in () if config.compute.emulated else config.models:
         build_model(model, config.input_shape, config.num_classes)
     try:
         netem.check_available()
@@ -178,6 +218,8 @@ def run_validation(config: ValidateConfig) -> int:
         ) from exc
     for link in config.links:
         parse_link(link)
+    emulated = config.compute.emulated
+    rank_code = validate_emulated_rank if emulated else validate_rank
 
     cache_dir = tempfile.mkdtemp(prefix="interlace-validate-")
     rows: list[ValidationRow] = []
@@ -196,16 +238,20 @@ def run_validation(config: ValidateConfig) -> int:
                     config.iters,
                     config.warmup,
                     config.rounds,
-                    probe_contention=True,
+                    probe_contention=not emulated,
                     num_classes=config.num_classes,
+                    compute=config.compute,
                 )
                 bench = _bench_config(config, nprocs)
+                run_link = (
+                    format_rate(dilate_rate(link, config.compute.dilation)) if emulated else link
+                )
                 try:
                     sample = launch_on_ranks(
-                        validate_rank,
+                        rank_code,
                         job,
                         nprocs=bench.nprocs,
-                        link=link,
+                        link=run_link,
                         timeout_s=bench.timeout_s,
                         cache_dir=cache_dir,
                         note=bar.write,
@@ -220,7 +266,8 @@ def run_validation(config: ValidateConfig) -> int:
                     sample.trace.save(
                         Path(config.trace_dir) / f"{_label(model)}-n{nprocs}-{link}.json"
                     )
-                new_rows = rows_from_sample(sample, link, config.strategies)
+                shown = f"{link} (emulated at {run_link})" if emulated else link
+                new_rows = rows_from_sample(sample, shown, config.strategies)
                 rows.extend(new_rows)
                 bar.write(
                     f"{model}, {nprocs} ranks, {link}: "
@@ -234,7 +281,14 @@ def run_validation(config: ValidateConfig) -> int:
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
     if rows:
-        print()
+        print(
+            f"\ncompute: {config.compute.label()}"
+            + (
+                " (times undilated; no contention calibration)"
+                if emulated
+                else " (contention calibrated by the probes)"
+            )
+        )
         print(format_table(rows))
         print()
         print(format_summary(rows))
@@ -291,8 +345,17 @@ def config_from_args(args: argparse.Namespace, png_path: Path | None) -> Validat
     Raises:
         UsageError: Naming what is wrong.
     """
+    compute = compute_from_args(args)
+    if compute.emulated and args.model:
+        raise UsageError(
+            "--model and --compute emulated:TRACE contradict each other: the trace is the model"
+        )
     models = parse_names(args.model, None, "model", "model") if args.model else DEFAULT_MODELS
-    for model in models:
+    if compute.emulated:
+        assert compute.trace is not None
+        path = Path(compute.trace)
+        models = (path.stem if path.is_file() else compute.trace,)
+    for model in () if compute.emulated else models:
         if ":" not in model and model not in MODEL_NAMES:
             raise UsageError(
                 f"--model: unknown model {model!r}; choose from {', '.join(MODEL_NAMES)} or give "
@@ -333,7 +396,22 @@ def config_from_args(args: argparse.Namespace, png_path: Path | None) -> Validat
         png_path=None if png_path is None else str(png_path),
         input_shape=DEFAULT_INPUT_SHAPE if args.input_shape is None else tuple(args.input_shape),
         num_classes=NUM_CLASSES if args.classes is None else args.classes,
+        compute=compute,
     )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--compute`` and ``--dilation`` for ``interlace simulate --validate``.
+
+    With ``--compute real`` (the default) the zoo models are profiled and the replay is
+    calibrated by the contention probes (CPU compute fights communication for the cores);
+    with ``--compute emulated:TRACE`` the trace's device time is measured and nothing is
+    calibrated.
+
+    Args:
+        parser: ``interlace simulate``'s parser.
+    """
+    add_compute_arguments(parser)
 
 
 def run(args: argparse.Namespace, png_path: Path | None) -> int:

@@ -15,6 +15,7 @@ from interlace.emulate.dilation import DEFAULT_DILATION, check_dilation, dilate_
 from interlace.emulate.model import (
     EmulatedLayer,
     EmulatedModel,
+    EmulatedStep,
     EmulationCost,
     gradient_factor,
     measure_cost,
@@ -26,6 +27,7 @@ __all__ = [
     "ComputeKind",
     "EmulatedLayer",
     "EmulatedModel",
+    "EmulatedStep",
     "EmulationCost",
     "add_compute_arguments",
     "check_dilation",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,10 @@ class _Meter:
         self.cpu_s = 0.0
         self.device_s = 0.0
         self.iterations = 0
+        #: ``time.perf_counter()`` at which the emulated device finished its latest backward
+        #: work, and the index of the layer that did it (-1: none in this backward pass).
+        self.device_free = 0.0
+        self.last_index = -1
 
 
 class _DeviceTime(torch.autograd.Function):
@@ -89,17 +93,27 @@ class _DeviceTime(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
         cpu, start = time.thread_time(), time.perf_counter()
         layer: EmulatedLayer = ctx.layer
+        meter = layer.meter
+        # A device runs the layers' backward kernels back to back while the host runs the
+        # hooks (bucket copies, launches) of the layer before: this layer ends one backward time
+        # after the previous one did on the device, not after the host came back to it.
+        if meter.last_index != layer.index + 1:
+            meter.device_free = start  # the first emulated layer of this backward pass
+        deadline = meter.device_free + layer.backward_s
         (x,) = ctx.saved_tensors
         # One scalar per layer from the batch and the upstream gradient, times a fixed factor per
         # parameter: different inputs give different gradients at one write per element.
         scale = float((grad_out * x).sum()) * layer.scale
         grads = tuple(_filled(numel, scale * factor) for numel, factor in layer.factors)
         # The gradients are made within the layer's device time, not after it.
-        time.sleep(max(layer.backward_s - (time.perf_counter() - start), 0.0))
-        layer.meter.cpu_s += time.thread_time() - cpu
-        layer.meter.device_s += layer.backward_s
+        time.sleep(max(deadline - time.perf_counter(), 0.0))
+        meter.device_free = deadline
+        meter.last_index = layer.index
+        meter.cpu_s += time.thread_time() - cpu
+        meter.device_s += layer.backward_s
         if layer.index == 0:
-            layer.meter.iterations += 1
+            meter.iterations += 1
+            meter.last_index = -1
         return (grad_out, None, None, *grads)
 
 
@@ -203,9 +217,25 @@ class EmulatedModel(nn.Module):
         self.layers = nn.ModuleList(layers)
 
     @property
+    def step_s(self) -> float:
+        """Dilated device time of one optimizer step (the trace's ``step_s`` x dilation)."""
+        return self.trace.step_s * self.dilation
+
+    @property
     def device_s(self) -> float:
         """Dilated device time of one forward and backward pass, seconds."""
         return sum(layer.forward_s + layer.backward_s for layer in self.emulated_layers())
+
+    def named_trace(self) -> Trace:
+        """The (undilated) trace with each tensor named as the model's parameter that stands
+        for it, so plans made on the wrapped model (bucket tensor names) apply to the trace."""
+        names = [name for name, _ in self.named_parameters()]
+        # Parameters run in forward order, the trace's tensors in backward order.
+        tensors = tuple(
+            replace(tensor, name=name)
+            for tensor, name in zip(self.trace.tensors, reversed(names), strict=True)
+        )
+        return replace(self.trace, tensors=tensors)
 
     def emulated_layers(self) -> list[EmulatedLayer]:
         """The layers, in forward order."""
@@ -230,6 +260,36 @@ class EmulatedModel(nn.Module):
         """Start counting :meth:`emulation_cost` afresh (e.g. after warm-up iterations)."""
         self._meter.cpu_s = self._meter.device_s = 0.0
         self._meter.iterations = 0
+
+
+class EmulatedStep(torch.optim.Optimizer):
+    """An optimizer whose step is the traced step's device time: a sleep, parameters unchanged.
+
+    On a GPU the optimizer step runs on the device; on the CPU a real step over the emulated
+    model's parameters would hold a core for as long as a backward pass. The emulated model's
+    gradients teach nothing, so its step only needs to take the right time.
+
+    Args:
+        model: The emulated model whose parameters (and ``step_s``) the step stands for.
+        params: The parameters to own (default ``model.parameters()``); a wrapper's
+            ``parameters()`` are the same tensors.
+    """
+
+    def __init__(self, model: EmulatedModel, params: Any = None) -> None:
+        super().__init__(model.parameters() if params is None else params, {})
+        self._step_s = model.step_s
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Sleep the traced step's device time.
+
+        Args:
+            closure: Re-evaluates the loss, as for any optimizer; its value is returned.
+        """
+        loss = closure() if closure is not None else None
+        if self._step_s > 0:
+            time.sleep(self._step_s)
+        return loss
 
 
 def gradient_factor(position: int) -> float:

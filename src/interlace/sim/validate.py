@@ -142,7 +142,7 @@ def rows_from_sample(
     backward = statistics.median(measurement.backward_s)
     step = statistics.median(measurement.step_s)
     allreduce = statistics.median(measurement.allreduce_s)
-    overlapped = statistics.median(measurement.overlapped_s)
+    overlapped = statistics.median(measurement.overlapped_s) if measurement.overlapped_s else 0.0
     timing = sample.stream_cost
     contention = Contention()
     sync = 0.0
