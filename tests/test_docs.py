@@ -41,6 +41,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+# The long description of the package (pyproject's readme).
+PACKAGE_DESCRIPTION = ROOT / "docs" / "package-description.md"
 MAX_README_LINES = 330
 PLACEHOLDERS = ("LINK_TABLE", "TODO", "TBD", "XXX")
 TIMEOUT_S = 240  # one block; the 2-core CI machine is shared, so this is generous on purpose
@@ -398,3 +400,12 @@ def test_readme_is_short() -> None:
 def test_link_pattern_finds_links_and_images() -> None:
     sample = "See [a](docs/a.md#part) and ![b](img/b.png) but not `[c](d.md)`."
     assert LINK.findall(INLINE_CODE.sub("", sample)) == ["docs/a.md#part", "img/b.png"]
+
+
+def test_package_description_needs_no_repository() -> None:
+    # A package index shows this page without the repository around it: relative links and
+    # images would be broken there.
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    assert f'file = "{relative_name(PACKAGE_DESCRIPTION)}"' in pyproject
+    relative = [t for t in link_targets(PACKAGE_DESCRIPTION) if not t.startswith(EXTERNAL)]
+    assert not relative, f"{relative_name(PACKAGE_DESCRIPTION)} has relative links: {relative}"
