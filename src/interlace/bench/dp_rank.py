@@ -311,7 +311,7 @@ def calibrate_rank(job: CalibrationJob) -> list[Calibration]:
     rank = dist.get_rank()
     results = []
     for name, batch in zip(job.models, job.batches, strict=True):
-        model, optimizer = _plain(name, job.input_shape, job.seed, job.num_classes)
+        model, optimizer = _plain(name, job.input_shape, job.seed, num_classes=job.num_classes)
         batches = synthetic_batches(
             batch, job.input_shape, job.seed, rank, num_classes=job.num_classes
         )
