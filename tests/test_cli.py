@@ -29,15 +29,31 @@ def interlace(
     )
 
 
+#: The zoo's models for images, and those for sequences (MNIST-1D).
+SEQUENCE_MODELS = ("mlp1d", "cnn1d", "resnet1d")
+IMAGE_MODELS = tuple(name for name in MODEL_NAMES if name not in SEQUENCE_MODELS)
+
+
 def test_models_lists_the_zoo_with_its_counts() -> None:
     done = interlace("models", "--data", "digits")
     assert done.returncode == 0, done.stderr
     bundle = load_data("digits")
-    for name in MODEL_NAMES:
+    for name in IMAGE_MODELS:
         summary = summarize_model(name, build_model(name, bundle.input_shape, bundle.num_classes))
         line = next(row for row in done.stdout.splitlines() if row.startswith(f"| {name} "))
         assert f"{summary.params:,}" in line
         assert f" {summary.tensors} " in line
+    # The sequence models are named below the table, not built for images.
+    assert done.stdout.rstrip().endswith(
+        f"made for other data than 1x8x8: {', '.join(SEQUENCE_MODELS)}"
+    )
+
+
+def test_models_for_sequences_lists_the_1d_models() -> None:
+    done = interlace("models", "--data", "mnist1d")
+    assert done.returncode == 0, done.stderr
+    for name in SEQUENCE_MODELS:
+        assert any(row.startswith(f"| {name} ") for row in done.stdout.splitlines())
 
 
 def test_models_accepts_a_users_callable(tmp_path: Path) -> None:
@@ -132,7 +148,7 @@ def test_models_table_columns_line_up_with_the_separator_row() -> None:
     done = interlace("models", "--data", "digits")
     assert done.returncode == 0, done.stderr
     table = [line for line in done.stdout.splitlines() if line.startswith("|")]
-    assert len(table) == 2 + len(MODEL_NAMES)
+    assert len(table) == 2 + len(IMAGE_MODELS)
     pipes = {tuple(i for i, char in enumerate(line) if char == "|") for line in table}
     assert len(pipes) == 1, "\n".join(table)
     assert set(table[1]) <= {"|", "-", ":"}
@@ -335,7 +351,7 @@ def test_top_level_help_describes_train_and_what_demo_runs() -> None:
     defaults = TrainConfig()
     demo = cli.subcommand_parsers()["demo"].parse_args([])
     expected = (
-        f"{defaults.model} on the embedded {defaults.data} data, {demo.nprocs} ranks, "
+        f"{defaults.model} on the embedded {defaults.data} data, {demo.default_nprocs} ranks, "
         f"{demo.epochs} epochs"
     )
     assert expected in text

@@ -71,6 +71,19 @@ def parse_then_stop(self, args=None, namespace=None):
     raise SystemExit(0)
 
 argparse.ArgumentParser.parse_args = parse_then_stop
+try:  # interlace's own parsers override parse_args (their errors name the subcommand)
+    from interlace.cliutil import OneLineArgumentParser
+except ImportError:
+    pass
+else:
+    own_parse_args = OneLineArgumentParser.parse_args
+
+    def own_parse_then_stop(self, args=None, namespace=None):
+        parsed = own_parse_args(self, args, namespace)
+        print(f"parse-only: {self.prog} accepted {parsed}")
+        raise SystemExit(0)
+
+    OneLineArgumentParser.parse_args = own_parse_then_stop
 kind, target, *argv = sys.argv[1:]
 sys.argv = [target, *argv]
 if kind == "-m":
@@ -80,6 +93,9 @@ else:
     runpy.run_path(target, run_name="__main__")
 """
 PARSED = "parse-only: "
+#: Plain file commands a page may show between its own (``ls`` a run folder, ``rm`` a file);
+#: they run in the test's folder for that page.
+FILE_COMMANDS = ("ls", "rm", "cat")
 
 
 def markdown_files() -> list[Path]:
@@ -238,6 +254,11 @@ def run_command(line: list[str], block: Block, cwd: Path) -> None:
         if block.mode != "parse-only":
             pytest.fail(f"{where}: make sets up a virtual environment; mark the block parse-only")
         run_checked(["make", "-n", "-C", str(ROOT), *words[1:]], cwd, where, env)
+        return
+    if words[0] in FILE_COMMANDS:
+        # Looking at or removing the files a page's own commands wrote, in the test's folder.
+        if block.mode == "run":
+            run_checked(words, cwd, where, env)
         return
     program = python_program(words, cwd)
     if program is None:

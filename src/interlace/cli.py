@@ -259,12 +259,17 @@ def _run_models(args: argparse.Namespace) -> int:
         input_shape = args.input_shape or bundle.input_shape
         num_classes = args.classes or bundle.num_classes
         source = bundle.name
-    specs = args.model or list(MODEL_NAMES)
     # Every model is built before anything is printed: a bad one is an error line, not a table
-    # cut short.
-    summaries = [
-        summarize_model(spec, build_model(spec, input_shape, num_classes)) for spec in specs
-    ]
+    # cut short. Listing the whole zoo, a model made for other data (a 1-D model on images,
+    # an image model on sequences) is named below the table instead.
+    summaries, other_data = [], []
+    for spec in args.model or list(MODEL_NAMES):
+        try:
+            summaries.append(summarize_model(spec, build_model(spec, input_shape, num_classes)))
+        except UsageError:
+            if args.model:
+                raise
+            other_data.append(spec)
     shape_text = "x".join(str(size) for size in input_shape)
     print(f"models for input {shape_text}, {num_classes} classes ({source})\n")
     rows = [
@@ -272,6 +277,8 @@ def _run_models(args: argparse.Namespace) -> int:
         for s in summaries
     ]
     print(format_table(("model", "parameters", "tensors", "gradient MB"), rows, right=(1, 2, 3)))
+    if other_data:
+        print(f"\nmade for other data than {shape_text}: {', '.join(other_data)}")
     return 0
 
 

@@ -214,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
         worker_count(args.grad_worker_fraction, args.nprocs)
     except ValueError as exc:
         raise UsageError(f"--grad-worker-fraction: {exc}") from None
-    for model in models:  # a bad model or size is one line here, not a traceback per rank
+    # A bad model or size is one line here, not a traceback per rank (a trace is no zoo model).
+    for model in () if compute.emulated else models:
         build_model(model, tuple(args.input_shape), args.classes)
     link: str | None = None
     if not args.no_netem:
