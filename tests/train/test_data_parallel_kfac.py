@@ -102,14 +102,15 @@ def test_kfac_clip_follows_the_scheduled_learning_rate() -> None:
     assert precond.lr != pytest.approx(0.1)
 
 
-def test_a_worker_fraction_the_world_cannot_split_names_its_flag() -> None:
+def test_a_worker_fraction_is_rounded_to_whole_workers_as_kfac_pytorch_does() -> None:
     model = nn.Sequential(nn.Linear(4, 3))
     optimizer, _ = _sgd_with_schedule(model)
-    # Valid in (0, 1], but half of one rank is not a whole number of gradient workers.
+    # Half of one rank is one worker (kfac-pytorch rounds the same way), with a warning.
     config = TrainConfig(optimizer="kfac", kfac_grad_worker_fraction=0.5)
     config.validate()
-    with pytest.raises(UsageError, match="--kfac-grad-worker-fraction"):
-        make_kfac(config, model, optimizer)
+    with pytest.warns(UserWarning, match="rounded to 1 gradient worker"):
+        precond = make_kfac(config, model, optimizer)
+    assert precond.grad_worker_fraction == 1.0
 
 
 def test_cli_passes_every_kfac_flag_to_the_job(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,6 +18,9 @@ from interlace.errors import UsageError
 from interlace.zoo import MODEL_NAMES, ModelSummary, build_model, summarize_model
 from interlace.zoo.transformer import PatchTransformer, patch_size_for
 
+#: The zoo's models for images; the 1-D ones (MNIST-1D) have tests/zoo/test_models1d.py.
+IMAGE_MODELS = tuple(name for name in MODEL_NAMES if not name.endswith("1d"))
+
 DIGITS = ((1, 8, 8), 10)
 CIFAR = ((3, 32, 32), 10)
 IMAGENET = ((3, 224, 224), 1000)
@@ -122,7 +125,7 @@ EXPECTED_TENSORS = {
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize("name", IMAGE_MODELS)
 @pytest.mark.parametrize("shape_classes", [DIGITS, CIFAR], ids=["digits", "cifar"])
 def test_forward_shape_and_every_parameter_gets_a_gradient(
     name: str, shape_classes: tuple[tuple[int, ...], int]
@@ -141,7 +144,7 @@ def test_forward_shape_and_every_parameter_gets_a_gradient(
         assert param.grad.abs().sum() > 0, f"{name}: {pname} got an all-zero gradient"
 
 
-@pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize("name", IMAGE_MODELS)
 def test_imagenet_shape_forward(name: str) -> None:
     input_shape, classes = IMAGENET
     torch.manual_seed(0)
@@ -181,7 +184,7 @@ def test_mlp_is_many_small_tensors_and_vgg_few_large_ones() -> None:
     assert sum(isinstance(m, nn.Linear) for m in mlp.modules()) == 13
 
 
-@pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize("name", IMAGE_MODELS)
 def test_models_are_deterministic_given_the_seed(name: str) -> None:
     def make() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         torch.manual_seed(1234)
