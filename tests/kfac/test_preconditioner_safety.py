@@ -176,6 +176,19 @@ def test_a_second_step_without_a_backward_does_nothing_and_warns() -> None:
     assert precond.steps == 2
 
 
+def test_a_new_gradient_at_a_freed_gradients_address_is_preconditioned() -> None:
+    model = _mlp()
+    precond = KFAC(model, factor_update_steps=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KFACWarning)
+        for seed in range(30):
+            # zero_grad() frees the gradients; the allocator often hands the next backward's
+            # gradients the same addresses, so the same id() must not read as "no backward".
+            _backward(model, seed)
+            precond.step()
+    assert precond.steps == 30
+
+
 # -- refused values --------------------------------------------------------------------------
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -20,14 +21,19 @@ from interlace.kfac.decomp import (
 from interlace.kfac.layers import LayerHelper, make_helper
 
 __all__ = [
+    "GradientMark",
     "KFACLayer",
     "PendingBroadcast",
     "describe_layers",
     "find_layers",
     "gradient_marks",
+    "gradients_unchanged",
     "restart_non_finite",
     "unwrap",
 ]
+
+GradientMark = tuple["weakref.ref[torch.Tensor]", int]
+"""A gradient tensor, weakly held, and its in-place version counter."""
 
 
 class PendingBroadcast:
@@ -541,15 +547,38 @@ def restart_non_finite(layers: Iterable[KFACLayer]) -> list[str]:
     return [layer.name for layer in bad]
 
 
-def gradient_marks(layers: Iterable[KFACLayer]) -> list[tuple[int, int] | None]:
-    """Each layer's weight gradient as ``(id, version)``, None when absent: any backward,
-    zeroing or replacement of a gradient changes its mark.
+def gradient_marks(layers: Iterable[KFACLayer]) -> list[GradientMark | None]:
+    """Each layer's weight gradient as a weak reference and its version, None when absent.
+
+    A weak reference, not ``id()``: a gradient freed by ``zero_grad()`` and a new one allocated
+    at the same address must not look the same.
 
     Args:
         layers: The registered layers.
     """
-    marks: list[tuple[int, int] | None] = []
+    marks: list[GradientMark | None] = []
     for layer in layers:
         grad = layer.helper.weight.grad
-        marks.append(None if grad is None else (id(grad), grad._version))
+        marks.append(None if grad is None else (weakref.ref(grad), grad._version))
     return marks
+
+
+def gradients_unchanged(marks: list[GradientMark | None], layers: Iterable[KFACLayer]) -> bool:
+    """Whether every layer's gradient is still the very tensor ``marks`` saw, unmodified since.
+
+    Args:
+        marks: What :func:`gradient_marks` returned earlier.
+        layers: The registered layers, in the same order.
+    """
+    current = [layer.helper.weight.grad for layer in layers]
+    if len(current) != len(marks):
+        return False
+    for mark, grad in zip(marks, current, strict=True):
+        if mark is None or grad is None:
+            if mark is not grad:
+                return False
+            continue
+        ref, version = mark
+        if ref() is not grad or grad._version != version:
+            return False
+    return True

@@ -42,10 +42,12 @@ from interlace.kfac.enums import (
 from interlace.kfac.factor_comm import FACTOR_COMMS, FactorComm
 from interlace.kfac.fusion import FUSIONS
 from interlace.kfac.layer import (
+    GradientMark,
     KFACLayer,
     describe_layers,
     find_layers,
     gradient_marks,
+    gradients_unchanged,
     restart_non_finite,
     unwrap,
 )
@@ -276,7 +278,7 @@ class KFAC:
         self._batch_checked = False
         # The preconditioned gradients' (id, version) after the last step: equal at the next
         # step means no backward since, and the step would precondition them twice.
-        self._written: list[tuple[int, int] | None] | None = None
+        self._written: list[GradientMark | None] | None = None
         self._needs_decomposition = False
         self._loaded = False
 
@@ -528,7 +530,7 @@ class KFAC:
         :class:`KFACWarning`): the gradients it would see are preconditioned already.
         """
         self._check_hyperparameters()
-        if self._written is not None and self._written == gradient_marks(self._layers):
+        if self._written is not None and gradients_unchanged(self._written, self._layers):
             warnings.warn(
                 f"K-FAC: step() called again with no backward since the last one (step "
                 f"{self.steps - 1}); the gradients are preconditioned already, so this call "
