@@ -11,8 +11,7 @@ import torch
 
 from interlace.distenv import DistContext
 from interlace.errors import UsageError
-from interlace.train import TrainConfig, WarmupCosine, applicable_settings, run_label
-from interlace.train.config import open_run_log
+from interlace.train import TrainConfig, WarmupCosine, applicable_settings, open_run_log, run_label
 
 
 def test_schedule_warms_up_linearly_then_follows_a_cosine() -> None:

@@ -54,8 +54,9 @@ def test_two_rank_kfac_run_learns_digits_and_records_its_optimizer(tmp_path: Pat
         ("kfac_factor_decay", 1.0, "--kfac-factor-decay"),
         ("kfac_kl_clip", -0.001, "--kfac-kl-clip"),
         ("kfac_compute_method", "cholesky", "--kfac-compute-method"),
-        ("kfac_grad_worker_fraction", 0.0, "--kfac-grad-worker-fraction"),
+        ("kfac_grad_worker_fraction", -0.5, "--kfac-grad-worker-fraction"),
         ("kfac_grad_worker_fraction", 1.5, "--kfac-grad-worker-fraction"),
+        ("kfac_grad_worker_fraction", "half", "--kfac-grad-worker-fraction"),
     ],
 )
 def test_bad_kfac_settings_name_their_flag(field: str, value: object, flag: str) -> None:
@@ -185,8 +186,9 @@ def test_cli_defaults_to_sgd_with_kfac_pytorchs_settings() -> None:
         (["--optimizer", "kfac", "--kfac-damping", "-1"], "--kfac-damping"),
         (["--optimizer", "kfac", "--kfac-inv-update-steps", "0"], "--kfac-inv-update-steps"),
         (["--optimizer", "kfac", "--kfac-compute-method", "qr"], "--kfac-compute-method"),
-        # 0.3 of 4 ranks is not a whole number of gradient workers: refused before any start.
-        (["--optimizer", "kfac", "-n", "4", "--kfac-grad-worker-fraction", "0.3"], "--kfac-grad"),
+        # Half of 3 ranks rounds to 2 gradient workers, which do not divide the 3 ranks into
+        # equal groups: refused before any rank starts, as KFAC would refuse it on every rank.
+        (["--optimizer", "kfac", "-n", "3", "--kfac-grad-worker-fraction", "0.5"], "--kfac-grad"),
     ],
 )
 def test_bad_kfac_flags_are_one_line_and_status_2(

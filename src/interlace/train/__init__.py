@@ -11,9 +11,6 @@ from interlace.train.config import (
     TrainResult,
     WarmupCosine,
     applicable_settings,
-    finish_run,
-    finish_run_log,
-    open_run_log,
     run_label,
     sgd_with_schedule,
     steps_in_epoch,
@@ -21,12 +18,14 @@ from interlace.train.config import (
 from interlace.train.data_parallel import evaluate, make_kfac, train_data_parallel
 from interlace.train.job import train_rank
 from interlace.train.pipeline import train_pipeline
+from interlace.train.records import RunRecords, finish_run, finish_run_log, open_run_log
 
 __all__ = [
     "OPTIMIZERS",
     "PARALLELISMS",
     "PARTITION_BY",
     "PIPELINE_SCHEDULES",
+    "RunRecords",
     "TrainConfig",
     "TrainResult",
     "WarmupCosine",

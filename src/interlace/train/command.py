@@ -11,7 +11,6 @@ from interlace.cliutil import add_channel_arguments, add_model_shape_arguments, 
 from interlace.comm.links import parse_link
 from interlace.distenv import in_launched_job, set_collective_timeout
 from interlace.errors import UsageError
-from interlace.kfac.placement import worker_count
 from interlace.pipeline import SPECTRAIN_BACKWARDS
 from interlace.runlog import new_run_dir
 from interlace.train.checkpoint import latest_checkpoint, read_header
@@ -24,6 +23,7 @@ from interlace.train.config import (
     run_label,
 )
 from interlace.train.job import train_rank
+from interlace.train.kfac_options import add_kfac_arguments, check_worker_fraction, kfac_options
 from interlace.zoo import build_model, load_data
 
 
@@ -216,55 +216,11 @@ def add_arguments(
         help="balance stages by measured forward+backward time or by parameter count "
         f"(default {defaults.partition_by})",
     )
-    kfac = parser.add_argument_group("K-FAC (with --optimizer kfac; defaults are kfac-pytorch's)")
-    kfac.add_argument(
-        "--kfac-factor-update-steps",
-        type=int,
-        default=defaults.kfac_factor_update_steps,
-        metavar="N",
-        help="update the Kronecker factors every N steps",
+    kfac = parser.add_argument_group(
+        "K-FAC (with --optimizer kfac and --parallel data): interlace.KFAC's keywords, "
+        "defaults KFAC's (kfac-pytorch's)"
     )
-    kfac.add_argument(
-        "--kfac-inv-update-steps",
-        type=int,
-        default=defaults.kfac_inv_update_steps,
-        metavar="N",
-        help="decompose (or invert) the factors every N steps",
-    )
-    kfac.add_argument(
-        "--kfac-damping", type=float, default=defaults.kfac_damping, help="Tikhonov damping"
-    )
-    kfac.add_argument(
-        "--kfac-factor-decay",
-        type=float,
-        default=defaults.kfac_factor_decay,
-        help="running-average decay of the factors, in [0, 1)",
-    )
-    kfac.add_argument(
-        "--kfac-kl-clip",
-        type=float,
-        default=defaults.kfac_kl_clip,
-        help="KL-clip bound on the preconditioned step (0: no clip)",
-    )
-    kfac.add_argument(
-        "--kfac-compute-method",
-        default=defaults.kfac_compute_method,
-        help="eigen (eigendecompositions) or inverse (damped inverses)",
-    )
-    kfac.add_argument(
-        "--kfac-grad-worker-fraction",
-        type=float,
-        default=defaults.kfac_grad_worker_fraction,
-        metavar="F",
-        help="share of ranks preconditioning each layer: 1 COMM-OPT, 1/n MEM-OPT, between HYBRID",
-    )
-    kfac.add_argument(
-        "--kfac-g-normalization",
-        choices=("kfac-pytorch", "per-example"),
-        default=defaults.kfac_g_normalization,
-        help="G from gradients of the mean loss (kfac-pytorch) or of each example's loss "
-        "(the per-example Fisher: G times the squared global batch)",
-    )
+    add_kfac_arguments(kfac, TrainConfig)
     parser.set_defaults(default_epochs=default_epochs, default_nprocs=default_nprocs)
 
 
@@ -302,14 +258,7 @@ def run(args: argparse.Namespace) -> int:
         runs_dir=args.runs_dir,
         progress=not args.no_progress,
         optimizer=args.optimizer,
-        kfac_factor_update_steps=args.kfac_factor_update_steps,
-        kfac_inv_update_steps=args.kfac_inv_update_steps,
-        kfac_damping=args.kfac_damping,
-        kfac_factor_decay=args.kfac_factor_decay,
-        kfac_kl_clip=args.kfac_kl_clip,
-        kfac_compute_method=args.kfac_compute_method,
-        kfac_grad_worker_fraction=args.kfac_grad_worker_fraction,
-        kfac_g_normalization=args.kfac_g_normalization,
+        **{option.field: getattr(args, option.field) for option in kfac_options(TrainConfig)},
         parallel=args.parallel,
         schedule=args.schedule,
         microbatches=args.microbatches,
@@ -320,6 +269,8 @@ def run(args: argparse.Namespace) -> int:
         deterministic=args.deterministic,
     )
     config.validate()
+    if args.resume is None and config.optimizer != "kfac":
+        _refuse_kfac_flags(config)
     nprocs: int = args.default_nprocs if args.nprocs is None else args.nprocs
     run_dir: str | None = args.out
     if args.resume is not None:
@@ -345,10 +296,7 @@ def run(args: argparse.Namespace) -> int:
     if args.link is not None:
         parse_link(args.link)
     if config.optimizer == "kfac":
-        try:
-            worker_count(config.kfac_grad_worker_fraction, nprocs)
-        except ValueError as error:
-            raise UsageError(f"--kfac-grad-worker-fraction: {error}") from None
+        check_worker_fraction(config, nprocs)
     # Check the model and data here, once, so a typo is one line rather than N tracebacks.
     bundle = load_data(config.data, synthetic_size=config.synthetic_size, seed=config.seed)
     build_model(
@@ -369,6 +317,15 @@ def run(args: argparse.Namespace) -> int:
         timeout=args.timeout,
     )
     return report_failure(f"interlace {args.command}", result, args.timeout)
+
+
+def _refuse_kfac_flags(config: TrainConfig) -> None:
+    """Refuse K-FAC flags given without ``--optimizer kfac``: they would change nothing."""
+    for option in kfac_options(TrainConfig):
+        if getattr(config, option.field) != option.default:
+            raise UsageError(
+                f"{option.flag} applies to --optimizer kfac; add --optimizer kfac or drop it"
+            )
 
 
 #: Settings a resumed run may change: they do not change what it computes.

@@ -7,22 +7,34 @@ folder's opening and closing, and folder-safe labels of model and data specs.
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
 from interlace.comm.engine import COMPRESSIONS
 from interlace.comm.strategies import RUNTIME_STRATEGIES
-from interlace.distenv import DistContext
 from interlace.errors import UsageError
+from interlace.kfac import AssignmentStrategy, ComputeMethod
+from interlace.kfac.assignment import PLACEMENTS
 from interlace.kfac.decomp import COMPUTE_METHODS
+from interlace.kfac.factor_comm import FACTOR_COMMS
+from interlace.kfac.fusion import FUSIONS
+from interlace.kfac.options import G_NORMALIZATIONS
 from interlace.pipeline import ASYNCHRONOUS, PLAN_BY, SCHEDULES, SPECTRAIN_BACKWARDS, SYNCHRONOUS
-from interlace.runlog import RunLog, new_run_dir
 from interlace.strategies import parse_channels
 from interlace.train.checkpoint import SaveEvery
+from interlace.train.kfac_options import (
+    Choice,
+    Count,
+    DType,
+    Fraction,
+    Names,
+    Real,
+    Switch,
+    check_kfac_options,
+    kfac_option,
+)
 
 #: The ``--optimizer`` choices: plain SGD with momentum, or K-FAC in front of it.
 OPTIMIZERS = ("sgd", "kfac")
@@ -62,14 +74,11 @@ class TrainConfig:
         runs_dir: where new run folders are made.
         progress: show a progress bar on rank 0 (when stderr is a terminal).
         optimizer: one of :data:`OPTIMIZERS`.
-        kfac_factor_update_steps: K-FAC updates the Kronecker factors every N steps.
-        kfac_inv_update_steps: K-FAC decomposes the factors every N steps.
-        kfac_damping: K-FAC's Tikhonov damping.
-        kfac_factor_decay: running-average decay of the factors, in [0, 1).
-        kfac_kl_clip: the KL-clip bound; 0 turns the clip off.
-        kfac_compute_method: ``"eigen"`` or ``"inverse"``.
-        kfac_grad_worker_fraction: share of ranks preconditioning each layer, in (0, 1].
-        kfac_g_normalization: ``"kfac-pytorch"`` or ``"per-example"``.
+        kfac_*: ``interlace.KFAC``'s keyword of the same name, as the command line spells
+            it (each field's help says how): e.g. ``kfac_damping``, ``kfac_factor_comm``
+            (``"bulk"`` or ``"pipelined"``), ``kfac_inv_dtype`` (``"float32"``),
+            ``kfac_skip_layers`` (comma-separated), ``kfac_kl_clip`` (0: no clip) and
+            ``kfac_lr`` (None: the SGD's scheduled rate).
         parallel: one of :data:`PARALLELISMS`.
         schedule: one of :data:`PIPELINE_SCHEDULES`.
         microbatches: micro-batches per mini-batch of gpipe and 1f1b.
@@ -103,18 +112,129 @@ class TrainConfig:
     runs_dir: str = "runs"
     progress: bool = True
     optimizer: str = "sgd"
-    # K-FAC's options (used when optimizer == "kfac"), with kfac-pytorch's defaults; see
-    # interlace.KFAC. A K-FAC run keeps every SGD option above: lr, momentum, weight decay and
-    # the warm-up + cosine schedule apply to the preconditioned gradients.
-    kfac_factor_update_steps: int = 1
-    kfac_inv_update_steps: int = 1
-    kfac_damping: float = 0.001
-    kfac_factor_decay: float = 0.95
-    #: The KL-clip bound; 0 turns the clip off (kfac-pytorch's ``kl_clip=None``).
-    kfac_kl_clip: float = 0.001
-    kfac_compute_method: str = "eigen"
-    kfac_grad_worker_fraction: float = 1.0
-    kfac_g_normalization: str = "kfac-pytorch"
+    # K-FAC's options (used when optimizer == "kfac"): one declaration per interlace.KFAC
+    # keyword, its default KFAC's (kfac-pytorch's) unless the help says why not; the flag, check
+    # and KFAC keyword follow from it (train/kfac_options.py). A K-FAC run keeps every SGD option
+    # above: lr, momentum, weight decay and the schedule apply to the preconditioned gradients.
+    kfac_factor_update_steps: int = kfac_option(
+        "factor_update_steps", Count(), "update the Kronecker factors every N steps"
+    )
+    kfac_inv_update_steps: int = kfac_option(
+        "inv_update_steps", Count(), "decompose (or invert) the factors every N steps"
+    )
+    kfac_damping: float = kfac_option("damping", Real(), "Tikhonov damping")
+    kfac_factor_decay: float = kfac_option(
+        "factor_decay", Real(0.0, 1.0), "running-average decay of the factors"
+    )
+    kfac_kl_clip: float = kfac_option(
+        "kl_clip", Real(zero_is_none=True), "KL-clip bound on the preconditioned step (0: no clip)"
+    )
+    kfac_lr: float | None = kfac_option(
+        "lr",
+        Real(low_open=True, optional=True, name="LR"),
+        "learning rate the KL-clip assumes, fixed (KFAC's own default, 0.1, would not follow "
+        "the schedule)",
+        default=None,
+        unset="the SGD's current rate: --lr through its warm-up and cosine schedule",
+    )
+    kfac_compute_method: str = kfac_option(
+        "compute_method",
+        Choice(COMPUTE_METHODS, ComputeMethod),
+        "eigen (eigendecompositions) or inverse (damped inverses)",
+    )
+    kfac_grad_worker_fraction: float | str = kfac_option(
+        "grad_worker_fraction",
+        Fraction(),
+        "share of ranks preconditioning each layer: 1 or comm-opt (COMM-OPT), 0, 1/n or "
+        "mem-opt (MEM-OPT), between (HYBRID; hybrid-opt is 1/2), rounded to whole ranks",
+    )
+    kfac_skip_layers: str = kfac_option(
+        "skip_layers",
+        Names(),
+        "modules left to SGD, by their name in the model, an enclosing module's name or their "
+        "class name (case-insensitive)",
+    )
+    kfac_factor_dtype: str | None = kfac_option(
+        "factor_dtype",
+        DType(optional=True),
+        "dtype the factors are computed in",
+        unset="the layer's",
+    )
+    kfac_inv_dtype: str = kfac_option(
+        "inv_dtype", DType(), "dtype the decompositions are computed and kept in"
+    )
+    kfac_bucket_cap_mb: float | None = kfac_option(
+        "bucket_cap_mb",
+        Real(optional=True, name="MB"),
+        "largest bulk factor all-reduce (and --kfac-fusion fixed bucket), MiB; 0: one "
+        "all-reduce per factor",
+        unset="25 MiB",
+        aliases=("allreduce_bucket_cap_mb",),
+    )
+    kfac_placement: str | None = kfac_option(
+        "placement",
+        Choice(PLACEMENTS, optional=True),
+        "where the factors are decomposed: greedy (SC20 / KAISA), round-robin, or lbp "
+        "(SPD-KFAC; comm-opt only)",
+        unset="greedy; lbp with --kfac-colocate-factors false",
+    )
+    kfac_factor_comm: str | None = kfac_option(
+        "factor_comm",
+        Choice(FACTOR_COMMS, optional=True),
+        "bulk (step() all-reduces the factors in buckets) or pipelined (SPD-KFAC: each factor "
+        "as soon as its hook computes it)",
+        unset="bulk; pipelined with --kfac-update-factors-in-hook",
+    )
+    kfac_fusion: str = kfac_option(
+        "fusion",
+        Choice(FUSIONS),
+        "pipelined buckets: none (one per factor), fixed (up to --kfac-bucket-cap-mb in ready "
+        "order) or merged (MG-WFBP's rule)",
+    )
+    kfac_profile_steps: int = kfac_option(
+        "profile_steps", Count(), "factor steps profiled before --kfac-fusion merged plans"
+    )
+    kfac_g_normalization: str = kfac_option(
+        "g_normalization",
+        Choice(G_NORMALIZATIONS),
+        "G from gradients of the mean loss (kfac-pytorch) or of each example's loss (the "
+        "per-example Fisher: G times the squared global batch)",
+    )
+    kfac_assignment_strategy: str = kfac_option(
+        "assignment_strategy",
+        Choice(tuple(member.value for member in AssignmentStrategy), AssignmentStrategy),
+        "what greedy placement balances: compute (decomposition work, n^3) or memory (n^2)",
+    )
+    kfac_colocate_factors: bool | None = kfac_option(
+        "colocate_factors",
+        Switch(optional=True),
+        "kfac-pytorch's switch: true keeps a layer's two factors on one rank (greedy, "
+        "round-robin), false places them apart (lbp)",
+        unset="as --kfac-placement places them",
+    )
+    kfac_compute_eigenvalue_outer_product: bool = kfac_option(
+        "compute_eigenvalue_outer_product",
+        Switch(),
+        "kfac-pytorch's switch, accepted (results do not depend on it); with eigen it needs "
+        "colocated factors",
+    )
+    kfac_symmetry_aware: bool = kfac_option(
+        "symmetry_aware",
+        Switch(),
+        "bulk factor all-reduces send upper triangles only (pipelined ones always do)",
+    )
+    kfac_update_factors_in_hook: bool | None = kfac_option(
+        "update_factors_in_hook",
+        Switch(optional=True),
+        "kfac-pytorch's switch: true is --kfac-factor-comm pipelined, false is bulk",
+        unset="as --kfac-factor-comm says",
+    )
+    kfac_loglevel: str = kfac_option(
+        "loglevel",
+        Choice(("debug", "info", "warning", "error"), levels=True),
+        "level of K-FAC's messages (layers registered, placement) on the interlace.kfac "
+        "logger; warning prints them",
+    )
     # Pipeline parallelism (used when parallel == "pipeline"; see interlace.pipeline). There
     # --batch-size is the mini-batch that goes through the pipeline, so also the global batch.
     parallel: str = "data"
@@ -164,34 +284,9 @@ class TrainConfig:
                 f"unknown --optimizer '{self.optimizer}'; choose one of {', '.join(OPTIMIZERS)}",
             ),
             (
-                self.kfac_factor_update_steps >= 1,
-                f"--kfac-factor-update-steps must be >= 1, got {self.kfac_factor_update_steps}",
-            ),
-            (
-                self.kfac_inv_update_steps >= 1,
-                f"--kfac-inv-update-steps must be >= 1, got {self.kfac_inv_update_steps}",
-            ),
-            (
-                self.kfac_damping >= 0 and math.isfinite(self.kfac_damping),
-                f"--kfac-damping must be >= 0, got {self.kfac_damping}",
-            ),
-            (
-                0 <= self.kfac_factor_decay < 1,
-                f"--kfac-factor-decay must be in [0, 1), got {self.kfac_factor_decay}",
-            ),
-            (
-                self.kfac_kl_clip >= 0 and math.isfinite(self.kfac_kl_clip),
-                f"--kfac-kl-clip must be >= 0 (0 turns the clip off), got {self.kfac_kl_clip}",
-            ),
-            (
-                self.kfac_compute_method in COMPUTE_METHODS,
-                f"unknown --kfac-compute-method '{self.kfac_compute_method}'; choose one of "
-                f"{', '.join(COMPUTE_METHODS)}",
-            ),
-            (
-                0 < self.kfac_grad_worker_fraction <= 1,
-                "--kfac-grad-worker-fraction must be in (0, 1] (1 COMM-OPT, 1/n MEM-OPT), got "
-                f"{self.kfac_grad_worker_fraction}",
+                self.optimizer != "kfac" or self.parallel != "pipeline",
+                "--optimizer kfac preconditions data-parallel training; --parallel pipeline "
+                "trains with SGD: drop one of the two",
             ),
         ]
         checks += [
@@ -260,6 +355,7 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise UsageError(message)
+        check_kfac_options(self)
 
 
 @dataclass(frozen=True)
@@ -359,96 +455,6 @@ def run_label(spec: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in tail) or "run"
 
 
-def open_run_log(
-    config: TrainConfig,
-    context: DistContext,
-    run_dir: str | None,
-    suffix: str,
-    resume_epoch: int | None = None,
-    *,
-    data_source: Mapping[str, object] | None = None,
-) -> RunLog | None:
-    """Rank 0's run folder; None on the other ranks.
-
-    Args:
-        config: the run's config, recorded in ``config.json`` with the environment.
-        context: this rank's place in the job.
-        run_dir: the folder to write; None makes a new one named after model, data and
-            ``suffix`` under ``config.runs_dir``.
-        suffix: the last part of a new folder's name, e.g. ``n4``.
-        resume_epoch: continue ``run_dir`` from this epoch (see :meth:`RunLog.resume`).
-        data_source: how a generated data set was made (its generator's arguments and seed),
-            recorded as ``data_source``; None or empty for fixed data.
-    """
-    if not context.is_main:
-        return None
-    if resume_epoch is not None:
-        assert run_dir is not None
-        return RunLog.resume(run_dir, resume_epoch)
-    path = (
-        Path(run_dir)
-        if run_dir
-        else new_run_dir(
-            config.runs_dir, f"{run_label(config.model)}-{run_label(config.data)}-{suffix}"
-        )
-    )
-    record = _config_record(config, context)
-    if data_source:
-        record["data_source"] = dict(data_source)
-    return RunLog(path, record)
-
-
-def finish_run_log(
-    log: RunLog, title: str, accuracy: float, epochs: int, samples_per_s: float
-) -> None:
-    """Draw the curves and print the final line every training job ends with.
-
-    Args:
-        log: rank 0's run log.
-        title: the curves' title.
-        accuracy: the final test accuracy, in [0, 1].
-        epochs: epochs trained.
-        samples_per_s: the last epoch's throughput.
-    """
-    log.plot(title)
-    print(
-        f"final test accuracy: {100 * accuracy:.2f}% after {epochs} epochs "
-        f"({samples_per_s:.1f} samples/s); metrics in {log.metrics_path}, curves in "
-        f"{log.curves_path}",
-        flush=True,
-    )
-
-
-def finish_run(
-    log: RunLog | None,
-    title: str,
-    *,
-    accuracy: float,
-    train_loss: float,
-    samples_per_s: float,
-    epochs: int,
-) -> TrainResult:
-    """End a run: rank 0 closes its run folder (:func:`finish_run_log`); every rank reports.
-
-    Args:
-        log: rank 0's run log; None on the other ranks.
-        title: the curves' title.
-        accuracy: the final test accuracy, in [0, 1].
-        train_loss: the last epoch's mean training loss.
-        samples_per_s: the last epoch's throughput.
-        epochs: epochs trained.
-    """
-    if log is not None:
-        finish_run_log(log, title, accuracy, epochs, samples_per_s)
-    return TrainResult(
-        final_test_accuracy=accuracy,
-        final_train_loss=train_loss,
-        samples_per_s=samples_per_s,
-        run_dir=str(log.path) if log is not None else None,
-        epochs=epochs,
-    )
-
-
 #: Settings that only a data-parallel run uses.
 _DATA_PARALLEL_ONLY = ("strategy", "bucket_cap_mb", "channels", "compression")
 #: Settings that only a pipelined run uses, and the schedules each one applies to.
@@ -480,16 +486,4 @@ def applicable_settings(config: TrainConfig) -> dict[str, object]:
     if config.optimizer != "kfac":
         for name in [key for key in record if key.startswith("kfac_")]:
             del record[name]
-    return record
-
-
-def _config_record(config: TrainConfig, context: DistContext) -> dict[str, object]:
-    record = applicable_settings(config)
-    record.update(
-        world_size=context.world_size,
-        backend=context.backend,
-        device=str(context.device),
-        link=os.environ.get("INTERLACE_LINK", "loopback"),
-        torch=torch.__version__,
-    )
     return record

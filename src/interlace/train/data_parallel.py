@@ -11,7 +11,6 @@ import math
 import sys
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -19,7 +18,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
-from tqdm import tqdm
 
 from interlace.comm.cost import CostModel
 from interlace.comm.plan import Bucketing, ReadyTensor, make_plan
@@ -29,23 +27,10 @@ from interlace.dp.plan_state import plan_state_of
 from interlace.errors import UsageError
 from interlace.kfac import KFAC
 from interlace.strategies import wrap_model
-from interlace.train.checkpoint import (
-    Position,
-    SaveEvery,
-    describe_position,
-    load_checkpoint,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
-from interlace.train.config import (
-    TrainConfig,
-    TrainResult,
-    finish_run,
-    open_run_log,
-    sgd_with_schedule,
-    steps_in_epoch,
-)
+from interlace.train.checkpoint import Position, rng_state, set_rng_state
+from interlace.train.config import TrainConfig, TrainResult, sgd_with_schedule, steps_in_epoch
+from interlace.train.kfac_options import kfac_keywords, kfac_options, kfac_usage_error
+from interlace.train.records import RunRecords, finish_run
 from interlace.zoo import build_model, load_data, make_loader
 
 
@@ -73,7 +58,8 @@ def train_data_parallel(
             f"--classes {config.num_classes} does not match the data '{bundle.name}', "
             f"which has {num_classes} classes"
         )
-    resumed = load_checkpoint(run_dir or "", context) if resume else None
+    records = RunRecords(config, context, run_dir, resume)
+    resumed, start = records.resumed, records.start
 
     torch.manual_seed(config.seed)
     model = build_model(config.model, input_shape, num_classes).to(context.device)
@@ -117,29 +103,20 @@ def train_data_parallel(
             parallel_model.load_plan_state(saved["plan"])
     elif config.deterministic and isinstance(parallel_model, DataParallel):
         parallel_model.load_plan_state(fixed_plan_state(parallel_model, config))
-    start = resumed.position if resumed is not None else Position(1, 0, 0)
 
-    log = open_run_log(
-        config,
-        context,
-        run_dir,
+    log = records.open_log(
         f"n{context.world_size}",
-        resume_epoch=start.epoch if resumed is not None else None,
-        data_source=bundle.source,
-    )
-    if log is not None:
-        path = log.path
-        print(
+        bundle.source,
+        lambda path: (
             f"training {config.model} on {bundle.name} ({len(bundle.train)} train / "
             f"{len(bundle.test)} test) with {context.world_size} rank(s) on "
             f"{context.device.type} ({context.backend}), strategy "
             f"{config.strategy}, channels {config.channels}, "
             f"compression {config.compression or 'none'}, "
-            f"global batch {config.batch_size * context.world_size}, run folder {path}",
-            flush=True,
-        )
-        if resumed is not None:
-            print(f"resuming from {resumed.path} ({describe_position(start)})", flush=True)
+            f"global batch {config.batch_size * context.world_size}, run folder {path}"
+        ),
+    )
+    if log is not None:
         if config.deterministic and isinstance(parallel_model, DataParallel):
             print(
                 f"deterministic: {len(parallel_model.buckets)} fixed bucket(s), not planned "
@@ -149,8 +126,7 @@ def train_data_parallel(
         if precond is not None:
             print(precond.describe().splitlines()[0], flush=True)
 
-    saves = SaveEvery.parse(config.save_every) if config.save_every else None
-    record = asdict(config)
+    saves = records.saves
 
     def save(position: Position, loss_sum: torch.Tensor) -> None:
         state = {
@@ -164,16 +140,9 @@ def train_data_parallel(
             "loss_sum": loss_sum,
             "rng": rng_state(),
         }
-        save_checkpoint(log.path if log else None, context, position, record, state)
+        records.save(position, state)
 
-    show_bar = context.is_main and config.progress and sys.stderr.isatty()
-    bar = tqdm(
-        total=total_steps,
-        initial=start.global_step,
-        disable=not show_bar,
-        unit="step",
-        dynamic_ncols=True,
-    )
+    bar = records.progress_bar(total_steps)
     global_batch = config.batch_size * context.world_size
     global_step = start.global_step
     result_accuracy = 0.0
@@ -385,7 +354,9 @@ def _eval_loader(
 def make_kfac(
     config: TrainConfig, parallel_model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> KFAC:
-    """K-FAC on the wrapped model, its KL-clip following the optimiser's scheduled rate.
+    """K-FAC on the wrapped model with the config's ``kfac_*`` options.
+
+    Its KL-clip follows the optimiser's scheduled rate unless ``kfac_lr`` fixes one.
 
     Args:
         config: the ``kfac_*`` options come from here.
@@ -398,28 +369,13 @@ def make_kfac(
             ``--kfac-grad-worker-fraction`` that does not split this world size evenly, a model
             with no layer to precondition).
     """
+    keywords = kfac_keywords(config)
+    if keywords["lr"] is None:
+        keywords["lr"] = _CurrentLr(optimizer)
     try:
-        return KFAC(
-            parallel_model,
-            factor_update_steps=config.kfac_factor_update_steps,
-            inv_update_steps=config.kfac_inv_update_steps,
-            damping=config.kfac_damping,
-            factor_decay=config.kfac_factor_decay,
-            kl_clip=config.kfac_kl_clip or None,
-            lr=_CurrentLr(optimizer),
-            compute_method=config.kfac_compute_method,
-            grad_worker_fraction=config.kfac_grad_worker_fraction,
-            g_normalization=config.kfac_g_normalization,
-        )
+        return KFAC(parallel_model, **keywords)
     except ValueError as error:
-        flag = (
-            "--kfac-grad-worker-fraction"
-            if "grad_worker_fraction" in str(error)
-            else "--kfac-g-normalization"
-            if "g_normalization" in str(error)
-            else "--optimizer kfac"
-        )
-        raise UsageError(f"{flag}: {error}") from None
+        raise kfac_usage_error(error, kfac_options(TrainConfig)) from None
 
 
 class _CurrentLr:

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 from torch.nn import functional
-from tqdm import tqdm
 
 from interlace.distenv import DistContext, collective_device
 from interlace.errors import UsageError
@@ -21,23 +19,9 @@ from interlace.pipeline.partition import StagePlan, pipeline_blocks, stage_modul
 from interlace.pipeline.runtime import PipelineStage
 from interlace.pipeline.schedule import SYNCHRONOUS
 from interlace.pipeline.stages import LocalStage, local_stage
-from interlace.train.checkpoint import (
-    Position,
-    SaveEvery,
-    describe_position,
-    load_checkpoint,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
-from interlace.train.config import (
-    TrainConfig,
-    TrainResult,
-    finish_run,
-    open_run_log,
-    sgd_with_schedule,
-    steps_in_epoch,
-)
+from interlace.train.checkpoint import Position, rng_state, set_rng_state
+from interlace.train.config import TrainConfig, TrainResult, sgd_with_schedule, steps_in_epoch
+from interlace.train.records import RunRecords, finish_run
 from interlace.zoo import build_model, load_data, make_loader
 
 
@@ -63,7 +47,8 @@ def train_pipeline(
     if config.schedule == "spectrain" and config.momentum <= 0:
         raise UsageError("--schedule spectrain predicts from the momentum: use --momentum > 0")
     bundle = load_data(config.data, synthetic_size=config.synthetic_size, seed=config.seed)
-    resumed = load_checkpoint(run_dir or "", context) if resume else None
+    records = RunRecords(config, context, run_dir, resume)
+    resumed, start = records.resumed, records.start
     torch.manual_seed(config.seed)
     model = build_model(config.model, bundle.input_shape, bundle.num_classes)
     train_loader = make_loader(
@@ -98,15 +83,7 @@ def train_pipeline(
     )
     optimizer, schedule = sgd_with_schedule(module.parameters(), config, steps_per_epoch)
     total_steps = config.epochs * steps_per_epoch
-    start = resumed.position if resumed is not None else Position(1, 0, 0)
-    show_bar = context.is_main and config.progress and sys.stderr.isatty()
-    bar = tqdm(
-        total=total_steps,
-        initial=start.global_step,
-        disable=not show_bar,
-        unit="step",
-        dynamic_ncols=True,
-    )
+    bar = records.progress_bar(total_steps)
 
     def after_update() -> None:
         schedule.step()
@@ -129,32 +106,24 @@ def train_pipeline(
         stage.load_state_dict(resumed.state["stage"])
         schedule.load_state_dict(resumed.state["schedule"])
         set_rng_state(resumed.state["rng"])
-    log = open_run_log(
-        config,
-        context,
-        run_dir,
+    pieces = (
+        f" in {config.microbatches} micro-batches"
+        if config.schedule in SYNCHRONOUS
+        else (f" in {config.chunks} chunks" if config.chunks > 1 else "")
+    )
+    log = records.open_log(
         f"pipe{context.world_size}",
-        resume_epoch=start.epoch if resumed is not None else None,
-        data_source=bundle.source,
+        bundle.source,
+        lambda path: (
+            f"training {config.model} on {bundle.name} pipelined over {context.world_size} "
+            f"stage(s), schedule {config.schedule}, mini-batch {config.batch_size}{pieces}, "
+            f"run folder {path}"
+        ),
     )
     if log is not None:
-        print(
-            f"training {config.model} on {bundle.name} pipelined over {context.world_size} "
-            f"stage(s), schedule {config.schedule}, mini-batch {config.batch_size}"
-            + (
-                f" in {config.microbatches} micro-batches"
-                if config.schedule in SYNCHRONOUS
-                else (f" in {config.chunks} chunks" if config.chunks > 1 else "")
-            )
-            + f", run folder {log.path}",
-            flush=True,
-        )
-        if resumed is not None:
-            print(f"resuming from {resumed.path} ({describe_position(start)})", flush=True)
         print(local.plan.describe(), flush=True)
 
-    saves = SaveEvery.parse(config.save_every) if config.save_every else None
-    record = asdict(config)
+    saves = records.saves
     partition = {"bounds": local.plan.bounds, "costs": local.plan.costs, "by": local.plan.by}
 
     accuracy, train_loss, throughput = 0.0, math.nan, 0.0
@@ -203,7 +172,7 @@ def train_pipeline(
                     "rng": rng_state(),
                 }
                 position = Position(epoch + 1, 0, epoch * steps_per_epoch)
-                save_checkpoint(log.path if log else None, context, position, record, state)
+                records.save(position, state)
     finally:
         bar.close()
     return finish_run(
