@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import pytest
-import torch
 
-from interlace.distenv import DistContext
 from interlace.errors import UsageError
-from interlace.train import TrainConfig, WarmupCosine, applicable_settings, open_run_log, run_label
+from interlace.train import TrainConfig, WarmupCosine, applicable_settings, run_label
 
 
 def test_schedule_warms_up_linearly_then_follows_a_cosine() -> None:
@@ -94,16 +90,3 @@ def test_deterministic_runs_need_a_channel_count() -> None:
     with pytest.raises(UsageError, match="--deterministic"):
         TrainConfig(deterministic=True, channels="auto").validate()
     TrainConfig(deterministic=True, channels=2).validate()
-
-
-def test_a_generated_data_set_s_arguments_are_recorded_in_config_json(tmp_path: Path) -> None:
-    context = DistContext(0, 1, 0, torch.device("cpu"), "gloo")
-    source = {"generator": "mnist1d.data.make_dataset", "seed": 42, "num_samples": 5000}
-    config = TrainConfig(data="mnist1d")
-    log = open_run_log(config, context, str(tmp_path / "run"), "n1", data_source=source)
-    assert log is not None
-    record = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert record["data_source"] == source and record["data"] == "mnist1d"
-    fixed = open_run_log(TrainConfig(), context, str(tmp_path / "fixed"), "n1")
-    assert fixed is not None
-    assert "data_source" not in json.loads((tmp_path / "fixed" / "config.json").read_text())
