@@ -552,8 +552,8 @@ def kfac_keywords(config: Any) -> dict[str, Any]:
 def kfac_usage_error(error: Exception, options: Iterable[KfacOption]) -> UsageError:
     """``KFAC``'s error in the command line's words, led by the flag it names first.
 
-    ``placement='lbp'`` becomes ``--kfac-placement lbp``, and a keyword with an underscore
-    its flag; the first flag named leads the message.
+    ``placement='lbp'`` becomes ``--kfac-placement lbp``, a keyword with an underscore its
+    flag, ``True`` ``true``; the first flag named leads the message.
 
     Args:
         error: what ``KFAC`` (or its checks) raised.
@@ -572,6 +572,7 @@ def kfac_usage_error(error: Exception, options: Iterable[KfacOption]) -> UsageEr
     assigned = re.compile(r"\b([a-z_]+)=(['\"]?)([\w.\-]+)\2")
     message = assigned.sub(as_flag, str(error))
     message = re.sub(r"\b([a-z]+_[a-z_]+)\b()()", as_flag, message)
+    message = re.sub(r"\b(True|False|None)\b", lambda word: word.group(0).lower(), message)
     first = re.search(r"--kfac-[a-z\-]+", message)
     if first is not None and first.start() == 0:
         return UsageError(message)
