@@ -98,7 +98,7 @@ def test_kfac_pytorch_example_constructor_calls_run_unchanged() -> None:
     )
     precond.load_state_dict(checkpoint["preconditioner"])
     assert precond.steps == 2
-    assert repr(precond).startswith("KFAC(") and "steps=2," in repr(precond)
+    assert repr(precond).startswith("KFACPreconditioner(") and "steps=2," in repr(precond)
 
 
 class ComputeMethod(enum.Enum):  # kfac-pytorch's enum, as its own module defines it

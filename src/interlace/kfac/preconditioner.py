@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import partial
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -33,9 +33,16 @@ from interlace.kfac.compat import (
     resolve_grad_worker_fraction,
 )
 from interlace.kfac.costs import DecompositionCostModel
+from interlace.kfac.damping import (
+    AdaptiveDamping,
+    LevenbergMarquardt,
+    check_adaptation,
+    damping_adaptation_from,
+)
 from interlace.kfac.enums import (
     AssignmentStrategy,
     ComputeMethod,
+    DampingAdaptation,
     DistributedStrategy,
     coerce_choice,
 )
@@ -123,7 +130,7 @@ class KFAC:
         factor_update_steps: Steps between factor updates (a number, or a callable of the step
             count, like the other hyperparameters below).
         inv_update_steps: Steps between decompositions.
-        damping: Tikhonov damping.
+        damping: Tikhonov damping (where ``damping_adaptation`` starts from).
         factor_decay: Weight of the old running average of each factor, in ``[0, 1)``.
         kl_clip: KL-clip bound, or None for no clip.
         lr: Learning rate, used only by the KL-clip; pass the optimiser's current rate when a
@@ -156,6 +163,11 @@ class KFAC:
         g_normalization: ``"kfac-pytorch"`` (``G`` of the mean loss) or ``"per-example"``
             (``G`` scaled by the squared global batch: the per-example Fisher's factor, whose
             damping means the same thing at every batch size).
+        damping_adaptation: ``"levenberg-marquardt"`` (a :class:`DampingAdaptation`, its
+            string, or :class:`~interlace.kfac.damping.LevenbergMarquardt` settings): the
+            damping follows Martens & Grosse's rule, driven by the loss given to :meth:`step`
+            (no loss: it stays as given, kfac-pytorch's behaviour); ``"fixed"``: kfac-pytorch's
+            fixed (or scheduled) damping. See docs/kfac/damping.md.
 
     Raises:
         UsageError: For a bad option or hyperparameter (a ``ValueError``), or, on every rank
@@ -197,6 +209,9 @@ class KFAC:
         grad_scaler: Any = None,
         update_factors_in_hook: bool | None = None,
         loglevel: int = logging.DEBUG,
+        damping_adaptation: DampingAdaptation
+        | str
+        | LevenbergMarquardt = DampingAdaptation.LEVENBERG_MARQUARDT,
     ) -> None:
         compute_method = coerce_choice(ComputeMethod, compute_method, "compute_method").value
         for flag, value in (
@@ -251,6 +266,8 @@ class KFAC:
         self.profile_steps = profile_steps
         self.steps = 0
         self._check_hyperparameters()
+        adaptation = damping_adaptation_from(damping_adaptation)
+        check_adaptation(adaptation, damping)
 
         ranks = GroupRanks.of(process_group)
         self.group, self.world_size, self.rank = ranks.group, ranks.world_size, ranks.rank
@@ -306,6 +323,7 @@ class KFAC:
                 profile_steps=profile_steps,
                 factor_cost=factor_cost,
                 g_normalization=g_normalization,
+                damping_adaptation=repr(adaptation) if adaptation else "fixed",
             )
             check_agreement("K-FAC", settings, describe_layers(self._layers), self.group)
         for layer in self._layers:
@@ -338,6 +356,13 @@ class KFAC:
         self.assignment.make_owner_groups()
         self._factor_update = FactorUpdate(self._comm, self._spans, self.rank)
         self._gradients = GradientPreconditioning(self.assignment, self.worker_groups, self._spans)
+        #: The Levenberg-Marquardt damping (None: the ``damping`` given, fixed or scheduled).
+        self.adaptive_damping = (
+            None
+            if adaptation is None
+            else AdaptiveDamping(adaptation, cast(float, damping), self.world_size, self.group)
+        )
+        self._batch_rows = 1
         for layer in self._layers:
             _LOG.log(
                 loglevel,
@@ -373,7 +398,9 @@ class KFAC:
 
     @property
     def damping(self) -> float:
-        """The damping at the current step."""
+        """The damping at the current step (the adapted one under Levenberg-Marquardt)."""
+        if self.adaptive_damping is not None:
+            return self.adaptive_damping.damping
         return float(self._value(self._damping))
 
     @property
@@ -495,6 +522,7 @@ class KFAC:
         with torch.no_grad():
             if self._grad_scale is not None:
                 grad = grad / self._grad_scale()  # G of the unscaled loss, as without AMP
+            self._batch_rows = grad.shape[0]
             per_example = self.g_normalization == "per-example"
             g = layer.add_grad_output(grad, self.factor_dtype, self.world_size, per_example)
             self._comm.factor_ready((layer.name, "G"), g, layer.g_count)
@@ -518,12 +546,17 @@ class KFAC:
     # -- the step -----------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, loss: torch.Tensor | float | None = None) -> None:
         """Precondition every registered layer's gradient in place (call before the optimiser).
 
         Gradients must already be averaged across ranks, as DataParallel and DDP leave them
         after ``backward()``. A second call with no backward in between does nothing (with a
         :class:`KFACWarning`): the gradients it would see are preconditioned already.
+
+        Args:
+            loss: This rank's loss of the batch behind the gradients (a tensor or a number),
+                at every step on every rank: it drives ``damping_adaptation``. Ignored under
+                fixed damping; without it the damping stays as it is.
         """
         self._check_hyperparameters()
         if self._written is not None and gradients_unchanged(self._written, self._layers):
@@ -538,6 +571,10 @@ class KFAC:
         phases = dict.fromkeys(PHASES, 0.0)
         phases["factor_compute"] = self._hook_s
         self._hook_s = 0.0
+        adaptive = self.adaptive_damping
+        if adaptive is not None and loss is not None:
+            with self._spans.timed(phases, "precondition", "precondition", "adaptive damping"):
+                adaptive.observe(loss, self._layers)
         if self.steps % self.factor_update_steps == 0:
             self._layers = self._factor_update.run(
                 self._layers,
@@ -552,12 +589,25 @@ class KFAC:
         preconditioned = self._gradients.precondition(
             self._layers, self.damping, self.steps, phases
         )
+        if adaptive is not None and loss is not None and preconditioned:
+            # Before the write-back, which may overwrite the raw gradients' storage.
+            raw = {layer.name: grad for layer, _, grad in preconditioned}
+            adaptive.remember(self._layers, raw, self._curvature_scale())
+        elif adaptive is not None:
+            adaptive.forget()
         if preconditioned:
             self._gradients.clip_and_write(
                 preconditioned, self.kl_clip, self.lr, self.steps, phases
             )
         self._written = gradient_marks(self._layers) if preconditioned else None
         self._end_step(phases)
+
+    def _curvature_scale(self) -> float:
+        """What turns the factors into the per-example Fisher of the mean loss (``G`` of the
+        mean loss is the per-example one over the squared global batch)."""
+        if self.g_normalization == "per-example":
+            return 1.0
+        return float(self._batch_rows * self.world_size) ** 2
 
     def _decompositions_due(self) -> bool:
         """A decomposition step, or the first step after a load that left a rank without one."""
@@ -632,7 +682,10 @@ class KFAC:
                 preconditions nothing until its next factor and decomposition steps.
         """
         given = {key: getattr(self, f"_{key}") for key in PLAIN_HYPERPARAMETERS}
-        return save_state(self.steps, given, self._layers, include_factors)
+        state = save_state(self.steps, given, self._layers, include_factors)
+        if self.adaptive_damping is not None:
+            state["adaptive_damping"] = self.adaptive_damping.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any], compute_inverses: bool = True) -> None:
         """Restore :meth:`state_dict`.
@@ -648,6 +701,8 @@ class KFAC:
             if key in state:
                 setattr(self, f"_{key}", state[key])
         device = self._device()
+        if self.adaptive_damping is not None and "adaptive_damping" in state:
+            self.adaptive_damping.load_state_dict(state["adaptive_damping"], device)
         if load_state(state, self._layers, self.assignment, device, compute_inverses):
             self._needs_decomposition = True
         self._loaded = True
@@ -683,6 +738,9 @@ class KFAC:
             "grad_scaler": self._grad_scale is not None,
             "factor_dtype": self.factor_dtype,
             "inv_dtype": self.inv_dtype,
+            "damping_adaptation": "fixed"
+            if self.adaptive_damping is None
+            else self.adaptive_damping.settings,
         }
         lines = "".join(f"  {key}={value!r},\n" for key, value in sorted(settings.items()))
         return f"{type(self).__name__}(\n{lines})"
@@ -696,5 +754,21 @@ class KFAC:
         return iter(layer.name for layer in self._layers)
 
 
-#: :class:`KFAC` under kfac-pytorch's name (``kfac.preconditioner.KFACPreconditioner``).
-KFACPreconditioner = KFAC
+class KFACPreconditioner(KFAC):
+    """:class:`KFAC` under kfac-pytorch's name (``kfac.preconditioner.KFACPreconditioner``), with
+    kfac-pytorch's fixed damping by default, so a script switched by its import behaves as before.
+
+    Args:
+        model: The model, or a DataParallel / DDP wrapper around it.
+        damping_adaptation: As :class:`KFAC`'s, ``"fixed"`` unless given.
+        **options: :class:`KFAC`'s other keyword arguments.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        damping_adaptation: DampingAdaptation | str | LevenbergMarquardt = DampingAdaptation.FIXED,
+        **options: Any,
+    ) -> None:
+        super().__init__(model, damping_adaptation=damping_adaptation, **options)
