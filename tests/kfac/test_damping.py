@@ -87,7 +87,7 @@ def _reference_dampings(
     loss of a window's second half minus its first.
     """
     omega = (20 / 19) ** interval
-    low, high = start / 1000, start * 1000
+    low, high = start / 100, start * 100
     predicted = []
     for before, after in itertools.pairwise(records):
         total = 0.0
@@ -261,7 +261,7 @@ def test_the_choice_is_an_enum_its_string_or_settings(choice: Any) -> None:
             lambda: KFAC(
                 _model(), damping=2.0, damping_adaptation=LevenbergMarquardt(max_damping=1)
             ),
-            "damping 2.0 is outside the Levenberg-Marquardt bounds [0.002, 1]",
+            "damping 2.0 is outside the Levenberg-Marquardt bounds [0.02, 1]",
         ),
         (
             lambda: KFAC(_model(), damping_adaptation="trust-region"),

@@ -38,8 +38,8 @@ class LevenbergMarquardt:
     Args:
         interval: Steps between two adjustments (Martens & Grosse's ``T1``).
         omega: The factor (> 1); None is Martens & Grosse's ``(20/19) ** interval``.
-        min_damping: The least damping the rule sets (None: the starting damping / 1000).
-        max_damping: The most damping the rule sets (None: the starting damping x 1000).
+        min_damping: The least damping the rule sets (None: the starting damping / 100).
+        max_damping: The most damping the rule sets (None: the starting damping x 100).
     """
 
     interval: int = 5
@@ -77,8 +77,8 @@ class LevenbergMarquardt:
         Args:
             start: The starting damping.
         """
-        low = self.min_damping if self.min_damping is not None else start / 1000
-        high = self.max_damping if self.max_damping is not None else start * 1000
+        low = self.min_damping if self.min_damping is not None else start / 100
+        high = self.max_damping if self.max_damping is not None else start * 100
         return low, high
 
 

@@ -230,6 +230,8 @@ class KFAC:
             eigen=compute_method == ComputeMethod.EIGEN.value,
         )
         self._grad_scale = grad_scale_function(grad_scaler)
+        # The loss scale, read once per backward: a read is a device sync on an accelerator.
+        self._scale_now: float | None = None
         skip_layers = () if skip_layers is None else skip_layers
         check_options(
             factor_comm=factor_comm,
@@ -502,6 +504,7 @@ class KFAC:
         if not self._collecting(module) or not inputs:
             return
         started = time.perf_counter()
+        self._scale_now = None  # a forward: the scale may have changed since the last backward
         if layer.g_count and layer.g_count >= layer.a_count and not self._batch_checked:
             # A backward went through this layer since the last step: a new batch, so either
             # accumulation or a step the caller skipped (say, on a non-finite loss).
@@ -521,7 +524,9 @@ class KFAC:
         self._batch_checked = False
         with torch.no_grad():
             if self._grad_scale is not None:
-                grad = grad / self._grad_scale()  # G of the unscaled loss, as without AMP
+                if self._scale_now is None:
+                    self._scale_now = self._grad_scale()
+                grad = grad / self._scale_now  # G of the unscaled loss, as without AMP
             self._batch_rows = grad.shape[0]
             per_example = self.g_normalization == "per-example"
             g = layer.add_grad_output(grad, self.factor_dtype, self.world_size, per_example)
