@@ -305,3 +305,20 @@ def test_kfac_pytorchs_path_is_fixed_damping_exactly() -> None:
         lambda m: KFAC(m, damping_adaptation=LevenbergMarquardt(interval=1)), with_loss=True
     )
     assert not all(torch.equal(a, b) for a, b in zip(adapted, fixed, strict=True))
+
+
+def test_the_models_scale_turns_g_into_the_per_example_fisher_factor() -> None:
+    # The model scores d with batch^2 * G: the second moment of the per-example gradients with
+    # respect to the layer's output, which the mean loss divides by the batch.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 3))
+    precond = KFAC(model, factor_decay=0.0)
+    inputs, targets = _batch(0)
+    functional.cross_entropy(model(inputs), targets).backward()
+    precond.step()
+    outputs = model(inputs).detach().requires_grad_(True)
+    per_example = functional.cross_entropy(outputs, targets, reduction="none")
+    (rows,) = torch.autograd.grad(per_example.sum(), outputs)
+    g_factor = precond.kfac_layers["0"].g_factor
+    assert g_factor is not None
+    torch.testing.assert_close(len(inputs) ** 2 * g_factor, rows.t() @ rows / len(inputs))
