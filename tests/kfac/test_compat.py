@@ -98,7 +98,7 @@ def test_kfac_pytorch_example_constructor_calls_run_unchanged() -> None:
     )
     precond.load_state_dict(checkpoint["preconditioner"])
     assert precond.steps == 2
-    assert repr(precond).startswith("KFAC(") and "steps=2," in repr(precond)
+    assert repr(precond).startswith("KFACPreconditioner(") and "steps=2," in repr(precond)
 
 
 class ComputeMethod(enum.Enum):  # kfac-pytorch's enum, as its own module defines it
@@ -283,3 +283,27 @@ def test_grad_worker_fractions_and_bucket_options_on_two_ranks() -> None:
         for label in ("unbucketed", "symmetric"):
             for got, want in zip(grads[label], grads["bucketed"], strict=True):
                 torch.testing.assert_close(got, want)
+
+
+def test_the_loss_scale_is_read_once_per_backward() -> None:
+    plain_model, scaled_model = _model(), _model()
+    scales = [4.0, 8.0]  # the scaler changes its scale between the two backwards
+    reads: list[float] = []
+
+    def scale() -> float:
+        reads.append(scales[min(len(reads), 1)])
+        return reads[-1]
+
+    plain = KFAC(plain_model, kl_clip=None)
+    scaled = KFAC(scaled_model, kl_clip=None, grad_scaler=scale)
+    for step, factor in enumerate(scales):
+        x, y = _batch(step)
+        for model, precond, times in ((plain_model, plain, 1.0), (scaled_model, scaled, factor)):
+            model.zero_grad()
+            (nn.functional.cross_entropy(model(x), y) * times).backward()
+            precond.step()
+    assert reads == scales  # once per backward, not once per layer (two layers)
+    for name in plain:
+        torch.testing.assert_close(
+            scaled.kfac_layers[name].g_factor, plain.kfac_layers[name].g_factor
+        )

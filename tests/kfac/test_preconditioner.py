@@ -121,7 +121,9 @@ def test_hyperparameters_may_be_callables_of_the_step() -> None:
         seen.append(step)
         return 0.01 / (step + 1)
 
-    precond = KFAC(model, damping=damping, inv_update_steps=lambda step: 2)
+    precond = KFAC(
+        model, damping=damping, inv_update_steps=lambda step: 2, damping_adaptation="fixed"
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for seed in range(3):
         _train_step(model, precond, optimizer, seed)

@@ -44,6 +44,7 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "factor_dtype": ({}, {"factor_dtype": torch.float64}),
     "g_normalization": ({}, {"g_normalization": "per-example"}),
     "skip_layers": ({}, {"skip_layers": ["0"]}),
+    "damping_adaptation": ({}, {"damping_adaptation": "fixed"}),
     "layer list": ({}, {}),
     "layer list under DataParallel": ({}, {}),
 }
@@ -63,6 +64,8 @@ EXPECTED = {
     "factor_dtype": "factor_dtype is None on rank 0 but torch.float64 on rank 1",
     "g_normalization": "g_normalization is 'kfac-pytorch' on rank 0 but 'per-example' on rank 1",
     "skip_layers": "skip_layers is [] on rank 0 but ['0'] on rank 1",
+    "damping_adaptation": "damping_adaptation is 'LevenbergMarquardt(interval=5, omega=None, "
+    "min_damping=None, max_damping=None)' on rank 0 but 'fixed' on rank 1",
     "layer list": "K-FAC's model differs between ranks: layer '0' is Linear weight (8, 6) float32 "
     "with bias, A 7, G 8 on rank 0 but Linear weight (9, 6) float32 with bias, A 7, G 9 on "
     "rank 1 (and 1 more differ: layer '2'); build the same model on every rank",

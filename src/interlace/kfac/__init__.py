@@ -4,7 +4,13 @@
 holds its enums, so a kfac-pytorch script switches by changing its imports.
 """
 
-from interlace.kfac.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy
+from interlace.kfac.damping import LevenbergMarquardt
+from interlace.kfac.enums import (
+    AssignmentStrategy,
+    ComputeMethod,
+    DampingAdaptation,
+    DistributedStrategy,
+)
 from interlace.kfac.preconditioner import KFAC, PHASES, KFACPreconditioner, KFACWarning
 
 __all__ = [
@@ -12,7 +18,9 @@ __all__ = [
     "PHASES",
     "AssignmentStrategy",
     "ComputeMethod",
+    "DampingAdaptation",
     "DistributedStrategy",
     "KFACPreconditioner",
     "KFACWarning",
+    "LevenbergMarquardt",
 ]

@@ -1,4 +1,5 @@
-"""The choices ``KFAC`` takes as enums, with kfac-pytorch's names, so its scripts switch unchanged.
+"""The choices ``KFAC`` takes as enums, with kfac-pytorch's names, so its scripts switch unchanged
+(and :class:`DampingAdaptation`, interlace's own).
 
 Each option accepts a member of these enums, its string (any case, ``-`` or ``_``), or a member
 of kfac-pytorch's enum of the same name (``kfac.enums.ComputeMethod.EIGEN``).
@@ -11,7 +12,13 @@ from typing import TypeVar
 
 from interlace.errors import UsageError
 
-__all__ = ["AssignmentStrategy", "ComputeMethod", "DistributedStrategy", "coerce_choice"]
+__all__ = [
+    "AssignmentStrategy",
+    "ComputeMethod",
+    "DampingAdaptation",
+    "DistributedStrategy",
+    "coerce_choice",
+]
 
 
 class ComputeMethod(str, enum.Enum):
@@ -36,7 +43,16 @@ class AssignmentStrategy(str, enum.Enum):
     MEMORY = "memory"
 
 
-Choice = TypeVar("Choice", ComputeMethod, DistributedStrategy, AssignmentStrategy)
+class DampingAdaptation(str, enum.Enum):
+    """How the damping changes: fixed (kfac-pytorch), or by the Levenberg-Marquardt rule."""
+
+    FIXED = "fixed"
+    LEVENBERG_MARQUARDT = "levenberg-marquardt"
+
+
+Choice = TypeVar(
+    "Choice", ComputeMethod, DistributedStrategy, AssignmentStrategy, DampingAdaptation
+)
 
 
 def coerce_choice(kind: type[Choice], value: object, option: str) -> Choice:

@@ -126,6 +126,15 @@ class LayerHelper:
             matrix = torch.cat([matrix, bias_grad.reshape(-1, 1)], dim=1)
         return matrix
 
+    def param_matrix(self) -> torch.Tensor:
+        """The parameters laid out as :meth:`grad_matrix` lays out their gradient (a copy)."""
+        weight = self.weight.detach()
+        matrix = weight.reshape(weight.shape[0], -1)
+        bias = self.bias
+        if bias is not None:
+            return torch.cat([matrix, bias.detach().reshape(-1, 1)], dim=1)
+        return matrix.clone()
+
     def set_grad(self, matrix: torch.Tensor) -> None:
         """Write a ``(g_dim, a_dim)`` matrix back into the weight's (and bias's) gradient.
 
@@ -367,6 +376,9 @@ class EmbeddingHelper(LayerHelper):
     def grad_matrix(self) -> torch.Tensor | None:
         grad = self.weight.grad
         return None if grad is None else grad.t()
+
+    def param_matrix(self) -> torch.Tensor:
+        return self.weight.detach().t().clone()
 
     def set_grad(self, matrix: torch.Tensor) -> None:
         cast(torch.Tensor, self.weight.grad).copy_(matrix.t())

@@ -1,8 +1,9 @@
 """``interlace.KFAC``: the distributed K-FAC preconditioner (SC20 / KAISA), like kfac-pytorch's.
 
-The per-layer work is done by :class:`~interlace.kfac.layer.KFACLayer`, placement by
-:class:`~interlace.kfac.assignment.WorkAssignment` and factor averaging by
-:class:`~interlace.kfac.factor_comm.FactorComm`; this module holds the hyperparameters and the step.
+Per-layer work is in :mod:`~interlace.kfac.layer`, placement in :mod:`~interlace.kfac.assignment`,
+the factor step in :mod:`~interlace.kfac.factor_update`, the gradient step in
+:mod:`~interlace.kfac.gradients` and checkpoints in :mod:`~interlace.kfac.state`; this module
+holds the options, the hooks and the order of a step.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import partial
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -32,15 +33,23 @@ from interlace.kfac.compat import (
     resolve_grad_worker_fraction,
 )
 from interlace.kfac.costs import DecompositionCostModel
-from interlace.kfac.decomp import kl_clip_scale
+from interlace.kfac.damping import (
+    AdaptiveDamping,
+    LevenbergMarquardt,
+    check_adaptation,
+    damping_adaptation_from,
+)
 from interlace.kfac.enums import (
     AssignmentStrategy,
     ComputeMethod,
+    DampingAdaptation,
     DistributedStrategy,
     coerce_choice,
 )
 from interlace.kfac.factor_comm import FACTOR_COMMS, FactorComm
+from interlace.kfac.factor_update import FactorUpdate
 from interlace.kfac.fusion import FUSIONS
+from interlace.kfac.gradients import GradientPreconditioning
 from interlace.kfac.layer import (
     GradientMark,
     KFACLayer,
@@ -58,7 +67,15 @@ from interlace.kfac.options import (
     check_options,
 )
 from interlace.kfac.placement import WorkerGroups
+from interlace.kfac.state import (
+    PLAIN_HYPERPARAMETERS,
+    agree_on_decomposition,
+    load_state,
+    memory_usage,
+    save_state,
+)
 from interlace.kfac.timing import SpanLog
+from interlace.kfac.warning import KFACWarning
 from interlace.timeline import Event
 
 __all__ = [
@@ -82,26 +99,12 @@ PHASES = (
     "precondition_comm",
 )
 
-#: The hyperparameters :meth:`KFAC.state_dict` keeps when they are numbers, in its order.
-_PLAIN_HYPERPARAMETERS = (
-    "factor_update_steps",
-    "inv_update_steps",
-    "damping",
-    "factor_decay",
-    "kl_clip",
-    "lr",
-)
-
 #: A hyperparameter: a number, or a callable giving the number for a step count.
 IntHyper = int | Callable[[int], int]
 FloatHyper = float | Callable[[int], float]
 
 
 _LOG = logging.getLogger("interlace.kfac")
-
-
-class KFACWarning(UserWarning):
-    """Something K-FAC skipped or worked around; training goes on."""
 
 
 class KFAC:
@@ -127,7 +130,7 @@ class KFAC:
         factor_update_steps: Steps between factor updates (a number, or a callable of the step
             count, like the other hyperparameters below).
         inv_update_steps: Steps between decompositions.
-        damping: Tikhonov damping.
+        damping: Tikhonov damping (where ``damping_adaptation`` starts from).
         factor_decay: Weight of the old running average of each factor, in ``[0, 1)``.
         kl_clip: KL-clip bound, or None for no clip.
         lr: Learning rate, used only by the KL-clip; pass the optimiser's current rate when a
@@ -160,6 +163,11 @@ class KFAC:
         g_normalization: ``"kfac-pytorch"`` (``G`` of the mean loss) or ``"per-example"``
             (``G`` scaled by the squared global batch: the per-example Fisher's factor, whose
             damping means the same thing at every batch size).
+        damping_adaptation: ``"levenberg-marquardt"`` (a :class:`DampingAdaptation`, its
+            string, or :class:`~interlace.kfac.damping.LevenbergMarquardt` settings): the
+            damping follows Martens & Grosse's rule, driven by the loss given to :meth:`step`
+            (no loss: it stays as given, kfac-pytorch's behaviour); ``"fixed"``: kfac-pytorch's
+            fixed (or scheduled) damping. See docs/kfac/damping.md.
 
     Raises:
         UsageError: For a bad option or hyperparameter (a ``ValueError``), or, on every rank
@@ -201,6 +209,9 @@ class KFAC:
         grad_scaler: Any = None,
         update_factors_in_hook: bool | None = None,
         loglevel: int = logging.DEBUG,
+        damping_adaptation: DampingAdaptation
+        | str
+        | LevenbergMarquardt = DampingAdaptation.LEVENBERG_MARQUARDT,
     ) -> None:
         compute_method = coerce_choice(ComputeMethod, compute_method, "compute_method").value
         for flag, value in (
@@ -219,6 +230,8 @@ class KFAC:
             eigen=compute_method == ComputeMethod.EIGEN.value,
         )
         self._grad_scale = grad_scale_function(grad_scaler)
+        # The loss scale, read once per backward: a read is a device sync on an accelerator.
+        self._scale_now: float | None = None
         skip_layers = () if skip_layers is None else skip_layers
         check_options(
             factor_comm=factor_comm,
@@ -255,6 +268,8 @@ class KFAC:
         self.profile_steps = profile_steps
         self.steps = 0
         self._check_hyperparameters()
+        adaptation = damping_adaptation_from(damping_adaptation)
+        check_adaptation(adaptation, damping)
 
         ranks = GroupRanks.of(process_group)
         self.group, self.world_size, self.rank = ranks.group, ranks.world_size, ranks.rank
@@ -272,8 +287,6 @@ class KFAC:
         self.last_phase_s: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self._hook_s = 0.0
         self._spans = SpanLog()
-        self._hooks_checked = False
-        self._warned_unregistered = False
         # Whether a forward hook has checked the sums since the last backward (a new batch).
         self._batch_checked = False
         # The preconditioned gradients' (id, version) after the last step: equal at the next
@@ -292,7 +305,7 @@ class KFAC:
             # Before the first collective: ranks that disagree here would hang, abort in gloo
             # or drift apart silently later.
             settings = agreement_settings(
-                {key: getattr(self, f"_{key}") for key in _PLAIN_HYPERPARAMETERS},
+                {key: getattr(self, f"_{key}") for key in PLAIN_HYPERPARAMETERS},
                 self._hyperparameters(),
                 skip_layers=sorted({name.lower() for name in skip_layers}),
                 accumulation_steps=accumulation_steps,
@@ -312,6 +325,7 @@ class KFAC:
                 profile_steps=profile_steps,
                 factor_cost=factor_cost,
                 g_normalization=g_normalization,
+                damping_adaptation=repr(adaptation) if adaptation else "fixed",
             )
             check_agreement("K-FAC", settings, describe_layers(self._layers), self.group)
         for layer in self._layers:
@@ -342,6 +356,15 @@ class KFAC:
             symmetry_aware=symmetry_aware,
         )
         self.assignment.make_owner_groups()
+        self._factor_update = FactorUpdate(self._comm, self._spans, self.rank)
+        self._gradients = GradientPreconditioning(self.assignment, self.worker_groups, self._spans)
+        #: The Levenberg-Marquardt damping (None: the ``damping`` given, fixed or scheduled).
+        self.adaptive_damping = (
+            None
+            if adaptation is None
+            else AdaptiveDamping(adaptation, cast(float, damping), self.world_size, self.group)
+        )
+        self._batch_rows = 1
         for layer in self._layers:
             _LOG.log(
                 loglevel,
@@ -377,7 +400,9 @@ class KFAC:
 
     @property
     def damping(self) -> float:
-        """The damping at the current step."""
+        """The damping at the current step (the adapted one under Levenberg-Marquardt)."""
+        if self.adaptive_damping is not None:
+            return self.adaptive_damping.damping
         return float(self._value(self._damping))
 
     @property
@@ -398,7 +423,7 @@ class KFAC:
 
     def _hyperparameters(self) -> dict[str, Any]:
         """The plain hyperparameters' values at the current step."""
-        return {key: self._value(getattr(self, f"_{key}")) for key in _PLAIN_HYPERPARAMETERS}
+        return {key: self._value(getattr(self, f"_{key}")) for key in PLAIN_HYPERPARAMETERS}
 
     def _check_hyperparameters(self) -> None:
         check_hyperparameters(self._hyperparameters(), self.steps)
@@ -479,6 +504,7 @@ class KFAC:
         if not self._collecting(module) or not inputs:
             return
         started = time.perf_counter()
+        self._scale_now = None  # a forward: the scale may have changed since the last backward
         if layer.g_count and layer.g_count >= layer.a_count and not self._batch_checked:
             # A backward went through this layer since the last step: a new batch, so either
             # accumulation or a step the caller skipped (say, on a non-finite loss).
@@ -498,7 +524,10 @@ class KFAC:
         self._batch_checked = False
         with torch.no_grad():
             if self._grad_scale is not None:
-                grad = grad / self._grad_scale()  # G of the unscaled loss, as without AMP
+                if self._scale_now is None:
+                    self._scale_now = self._grad_scale()
+                grad = grad / self._scale_now  # G of the unscaled loss, as without AMP
+            self._batch_rows = grad.shape[0]
             per_example = self.g_normalization == "per-example"
             g = layer.add_grad_output(grad, self.factor_dtype, self.world_size, per_example)
             self._comm.factor_ready((layer.name, "G"), g, layer.g_count)
@@ -522,12 +551,17 @@ class KFAC:
     # -- the step -----------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, loss: torch.Tensor | float | None = None) -> None:
         """Precondition every registered layer's gradient in place (call before the optimiser).
 
         Gradients must already be averaged across ranks, as DataParallel and DDP leave them
         after ``backward()``. A second call with no backward in between does nothing (with a
         :class:`KFACWarning`): the gradients it would see are preconditioned already.
+
+        Args:
+            loss: This rank's loss of the batch behind the gradients (a tensor or a number),
+                at every step on every rank: it drives ``damping_adaptation``. Ignored under
+                fixed damping; without it the damping stays as it is.
         """
         self._check_hyperparameters()
         if self._written is not None and gradients_unchanged(self._written, self._layers):
@@ -542,101 +576,51 @@ class KFAC:
         phases = dict.fromkeys(PHASES, 0.0)
         phases["factor_compute"] = self._hook_s
         self._hook_s = 0.0
+        adaptive = self.adaptive_damping
+        if adaptive is not None and loss is not None:
+            with self._spans.timed(phases, "precondition", "precondition", "adaptive damping"):
+                adaptive.observe(loss, self._layers)
         if self.steps % self.factor_update_steps == 0:
-            self._update_factors(phases)
+            self._layers = self._factor_update.run(
+                self._layers,
+                skipped=self.skipped,
+                decay=self.factor_decay,
+                step=self.steps,
+                device=self._device(),
+                phases=phases,
+            )
         if self._decompositions_due():
             self._update_decompositions(phases)
-        preconditioned = self._precondition(phases)
+        preconditioned = self._gradients.precondition(
+            self._layers, self.damping, self.steps, phases
+        )
+        if adaptive is not None and loss is not None and preconditioned:
+            # Before the write-back, which may overwrite the raw gradients' storage.
+            raw = {layer.name: grad for layer, _, grad in preconditioned}
+            adaptive.remember(self._layers, raw, self._curvature_scale())
+        elif adaptive is not None:
+            adaptive.forget()
         if preconditioned:
-            self._scale(phases, preconditioned)
+            self._gradients.clip_and_write(
+                preconditioned, self.kl_clip, self.lr, self.steps, phases
+            )
         self._written = gradient_marks(self._layers) if preconditioned else None
         self._end_step(phases)
 
-    def _update_factors(self, phases: dict[str, float]) -> None:
-        """Average this step's factors across ranks and fold them into the running averages."""
-        started = time.perf_counter()
-        if self._comm.pipelining:
-            ready, averaged = self._comm.finish_pipelined(
-                self._layers, phases, self._device(), started
-            )
-        else:
-            everywhere, anywhere = self._comm.agree_presence(self._layers, self._device())
-            if not self._hooks_checked:
-                if not any(everywhere.values()):
-                    self._wait_for_training_step()
-                    return
-                self._hooks_checked = True
-                self._drop_silent_layers(anywhere)
-            ready = [layer for layer in self._layers if everywhere[layer.name]]
-            phases["factor_compute"] += time.perf_counter() - started
-            tensors = [tensor for layer in ready for tensor in layer.batch_factors()]
-            with self._spans.timed(phases, "factor_comm", "comm", "factor all-reduce"):
-                averaged = self._comm.all_reduce_mean(tensors)
-        self._fold(phases, ready, averaged)
-        self._comm.end_factor_step(self._layers, self._device())
-
-    def _fold(
-        self, phases: dict[str, float], ready: list[KFACLayer], averaged: list[torch.Tensor]
-    ) -> None:
-        """Fold each ready layer's averaged ``A`` and ``G`` (alternating in ``averaged``) into its
-        running averages, dropping a layer's non-finite factors for this step."""
-        with self._spans.timed(phases, "factor_compute", "factor", "running averages"):
-            decay = self.factor_decay
-            finite = _all_finite(averaged)
-            for index, layer in enumerate(ready):
-                if not (finite[2 * index] and finite[2 * index + 1]):
-                    warnings.warn(
-                        f"K-FAC: non-finite factors for layer {layer.name} at step "
-                        f"{self.steps}; this step's factors are dropped, the running "
-                        "averages are kept",
-                        KFACWarning,
-                        stacklevel=4,
-                    )
-                    continue
-                layer.update_factors(averaged[2 * index], averaged[2 * index + 1], decay)
-
-    def _wait_for_training_step(self) -> None:
-        """No layer has both factors: no training-mode forward and backward ran since the last
-        step. Which layers never run can only be told after one that did, so none is dropped."""
-        if self.rank == 0 and not self._warned_unregistered:
-            self._warned_unregistered = True
-            warnings.warn(
-                f"K-FAC step {self.steps} had no training-mode forward and backward behind it "
-                "(step() before the first backward, or the model in eval() mode or under "
-                "no_grad); nothing is preconditioned yet, and K-FAC takes its layers from the "
-                "first step that has one",
-                KFACWarning,
-                stacklevel=4,
-            )
-
-    def _drop_silent_layers(self, anywhere: dict[str, bool]) -> None:
-        """Unregister layers whose forward hook fired on no rank in the first training step."""
-        keep: list[KFACLayer] = []
-        for layer in self._layers:
-            if anywhere[layer.name]:
-                keep.append(layer)
-                continue
-            layer.remove_hooks()
-            reason = (
-                "its forward never ran in the first training step (its weight is used "
-                "functionally by its parent)"
-            )
-            self.skipped[layer.name] = reason
-            if self.rank == 0:
-                warnings.warn(
-                    f"K-FAC skips layer {layer.name}: {reason}; the optimizer updates it "
-                    "unpreconditioned",
-                    KFACWarning,
-                    stacklevel=4,
-                )
-        if len(keep) != len(self._layers):
-            self._layers = keep
+    def _curvature_scale(self) -> float:
+        """What turns the factors into the per-example Fisher of the mean loss (``G`` of the
+        mean loss is the per-example one over the squared global batch)."""
+        if self.g_normalization == "per-example":
+            return 1.0
+        return float(self._batch_rows * self.world_size) ** 2
 
     def _decompositions_due(self) -> bool:
         """A decomposition step, or the first step after a load that left a rank without one."""
         if self._loaded:
             self._loaded = False
-            self._agree_on_decomposition()
+            self._needs_decomposition = agree_on_decomposition(
+                self._needs_decomposition, self.world_size, self.group, self._device()
+            )
         return self.steps % self.inv_update_steps == 0 or self._needs_decomposition
 
     def _update_decompositions(self, phases: dict[str, float]) -> None:
@@ -664,73 +648,6 @@ class KFAC:
                 # caller of step.
                 stacklevel=5,
             )
-
-    def _precondition(
-        self, phases: dict[str, float]
-    ) -> list[tuple[KFACLayer, torch.Tensor, torch.Tensor]]:
-        """Every decomposed layer with its preconditioned (unscaled) and raw gradients.
-
-        Gradient workers precondition; when not every rank is one, each worker sends its
-        layers' results to its receiver group. Empty when a gradient is not finite.
-        """
-        damping = self.damping
-        # Both conditions are the same on every rank: decompositions are made in lockstep and
-        # gradients are averaged, so every rank takes part in the same broadcasts.
-        layers = [
-            layer
-            for layer in self._layers
-            if layer.decomposed and layer.helper.weight.grad is not None
-        ]
-        if not layers:
-            return []
-        grads = {layer: layer.grad_matrix() for layer in layers}
-        checked = [grad for grad in grads.values() if grad is not None]
-        bad = [layer.name for layer, ok in zip(grads, _all_finite(checked), strict=True) if not ok]
-        if bad:
-            warnings.warn(
-                f"K-FAC: non-finite gradient in {', '.join(bad)} at step {self.steps}; "
-                "preconditioning is skipped for this step (factors are untouched)",
-                KFACWarning,
-                stacklevel=3,
-            )
-            return []
-        work = self.assignment
-        results: dict[KFACLayer, torch.Tensor] = {}
-        with self._spans.timed(phases, "precondition", "precondition", "preconditioning"):
-            for layer in layers:
-                if work.is_grad_worker(layer.name):
-                    grad = grads[layer]
-                    assert grad is not None
-                    results[layer] = layer.precondition(grad, damping)
-        if self.worker_groups.broadcasts_gradients:
-            with self._spans.timed(phases, "precondition_comm", "comm", "gradient broadcast"):
-                work.share_gradients(layers, results, grads)
-        return [(layer, results[layer], grads[layer]) for layer in layers]  # type: ignore[misc]
-
-    def _scale(
-        self, phases: dict[str, float], results: list[tuple[KFACLayer, torch.Tensor, torch.Tensor]]
-    ) -> None:
-        """kfac-pytorch's KL-clip: scale every preconditioned gradient by one factor, write back."""
-        with self._spans.timed(phases, "precondition", "precondition", "KL-clip and write-back"):
-            # One sum on the device and one read back, not a device sync per layer.
-            # Products formed in float64: float32's would overflow on large finite gradients
-            # and turn the clip off exactly when it matters.
-            per_layer = [
-                torch.sum(result.to(torch.float64) * grad.to(torch.float64))
-                for _, result, grad in results
-            ]
-            products = float(torch.stack(per_layer).sum())
-            scale = kl_clip_scale(products, self.kl_clip, self.lr)
-            if scale == 0.0:
-                warnings.warn(
-                    f"K-FAC: the preconditioned gradients overflow at step {self.steps} (their "
-                    "KL-clip sum is not finite); the KL-clip sets them to zero for this step",
-                    KFACWarning,
-                    stacklevel=4,
-                )
-            for layer, result, _ in results:
-                # Zeros, not result * 0: an infinite entry times 0 is NaN.
-                layer.set_grad(torch.zeros_like(result) if scale == 0.0 else result * scale)
 
     def _end_step(self, phases: dict[str, float]) -> None:
         for layer in self._layers:
@@ -769,13 +686,10 @@ class KFAC:
                 option). Without them the checkpoint is small, but a resumed run
                 preconditions nothing until its next factor and decomposition steps.
         """
-        state: dict[str, Any] = {"steps": self.steps}
-        for key in _PLAIN_HYPERPARAMETERS:
-            value = getattr(self, f"_{key}")
-            if not callable(value):
-                state[key] = value
-        if include_factors:
-            state["layers"] = {layer.name: layer.state_dict() for layer in self._layers}
+        given = {key: getattr(self, f"_{key}") for key in PLAIN_HYPERPARAMETERS}
+        state = save_state(self.steps, given, self._layers, include_factors)
+        if self.adaptive_damping is not None:
+            state["adaptive_damping"] = self.adaptive_damping.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any], compute_inverses: bool = True) -> None:
@@ -788,42 +702,15 @@ class KFAC:
                 waits for the next scheduled decomposition step instead.
         """
         self.steps = int(state["steps"])
-        for key in _PLAIN_HYPERPARAMETERS:
+        for key in PLAIN_HYPERPARAMETERS:
             if key in state:
                 setattr(self, f"_{key}", state[key])
-        if "layers" not in state and compute_inverses:
-            warnings.warn(
-                "K-FAC state has no factors (saved with include_factors=False), so nothing can "
-                "be decomposed until the next factor and decomposition steps",
-                KFACWarning,
-                stacklevel=2,
-            )
-        saved = state.get("layers", {})
-        names = {layer.name for layer in self._layers}
-        unknown = sorted(set(saved) - names)
-        if unknown:
-            raise ValueError(
-                f"K-FAC state has layers this model does not precondition: {', '.join(unknown)}"
-            )
         device = self._device()
-        for layer in self._layers:
-            entry = saved.get(layer.name)
-            if entry is None:
-                continue
-            layer.load_state_dict(entry, device)
-            holds = layer.a_decomp is not None and layer.g_decomp is not None
-            worker = self.assignment.is_grad_worker(layer.name)
-            if compute_inverses and layer.decomposed and worker and not holds:
-                self._needs_decomposition = True
+        if self.adaptive_damping is not None and "adaptive_damping" in state:
+            self.adaptive_damping.load_state_dict(state["adaptive_damping"], device)
+        if load_state(state, self._layers, self.assignment, device, compute_inverses):
+            self._needs_decomposition = True
         self._loaded = True
-
-    def _agree_on_decomposition(self) -> None:
-        """After a load, decompose again on every rank if any rank lacks a decomposition."""
-        if self.world_size == 1:
-            return
-        flag = torch.tensor([int(self._needs_decomposition)], device=self._device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        self._needs_decomposition = bool(flag.item())
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes this rank holds for K-FAC, by kind, as kfac-pytorch reports them.
@@ -832,14 +719,7 @@ class KFAC:
             ``a_factors``, ``g_factors`` (running averages), ``a_batch``, ``g_batch`` (this
             step's sums), ``a_inverses``, ``g_inverses`` (decompositions) and ``total``.
         """
-        sizes = dict.fromkeys(
-            ("a_factors", "g_factors", "a_batch", "g_batch", "a_inverses", "g_inverses"), 0
-        )
-        for layer in self._layers:
-            for key, tensors in layer.held_tensors().items():
-                sizes[key] += sum(t.numel() * t.element_size() for t in tensors)
-        sizes["total"] = sum(sizes.values())
-        return sizes
+        return memory_usage(self._layers)
 
     def reset_batch(self) -> None:
         """Forget the factors summed since the last step (kfac-pytorch's ``reset_batch``)."""
@@ -850,7 +730,7 @@ class KFAC:
         settings = {
             "layers": len(self._layers),
             "steps": self.steps,
-            **{key: getattr(self, f"_{key}") for key in _PLAIN_HYPERPARAMETERS},
+            **{key: getattr(self, f"_{key}") for key in PLAIN_HYPERPARAMETERS},
             "accumulation_steps": self.accumulation_steps,
             "compute_method": self.compute_method,
             "grad_worker_fraction": self.grad_worker_fraction,
@@ -863,6 +743,9 @@ class KFAC:
             "grad_scaler": self._grad_scale is not None,
             "factor_dtype": self.factor_dtype,
             "inv_dtype": self.inv_dtype,
+            "damping_adaptation": "fixed"
+            if self.adaptive_damping is None
+            else self.adaptive_damping.settings,
         }
         lines = "".join(f"  {key}={value!r},\n" for key, value in sorted(settings.items()))
         return f"{type(self).__name__}(\n{lines})"
@@ -876,13 +759,21 @@ class KFAC:
         return iter(layer.name for layer in self._layers)
 
 
-#: :class:`KFAC` under kfac-pytorch's name (``kfac.preconditioner.KFACPreconditioner``).
-KFACPreconditioner = KFAC
+class KFACPreconditioner(KFAC):
+    """:class:`KFAC` under kfac-pytorch's name (``kfac.preconditioner.KFACPreconditioner``), with
+    kfac-pytorch's fixed damping by default, so a script switched by its import behaves as before.
 
+    Args:
+        model: The model, or a DataParallel / DDP wrapper around it.
+        damping_adaptation: As :class:`KFAC`'s, ``"fixed"`` unless given.
+        **options: :class:`KFAC`'s other keyword arguments.
+    """
 
-def _all_finite(tensors: list[torch.Tensor]) -> list[bool]:
-    """Whether each tensor is all finite, read back from the device once for all of them."""
-    if not tensors:
-        return []
-    flags: list[bool] = torch.stack([torch.isfinite(t).all() for t in tensors]).tolist()
-    return flags
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        damping_adaptation: DampingAdaptation | str | LevenbergMarquardt = DampingAdaptation.FIXED,
+        **options: Any,
+    ) -> None:
+        super().__init__(model, damping_adaptation=damping_adaptation, **options)
