@@ -322,3 +322,10 @@ def test_the_models_scale_turns_g_into_the_per_example_fisher_factor() -> None:
     g_factor = precond.kfac_layers["0"].g_factor
     assert g_factor is not None
     torch.testing.assert_close(len(inputs) ** 2 * g_factor, rows.t() @ rows / len(inputs))
+
+
+def test_a_fixed_damping_checkpoint_sets_where_adaptation_goes_on() -> None:
+    fixed = KFAC(_model(), damping=0.02, damping_adaptation="fixed")
+    adaptive = KFAC(_model(), damping=0.01)
+    adaptive.load_state_dict(fixed.state_dict())
+    assert adaptive.damping == 0.02

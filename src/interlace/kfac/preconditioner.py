@@ -708,6 +708,8 @@ class KFAC:
         device = self._device()
         if self.adaptive_damping is not None and "adaptive_damping" in state:
             self.adaptive_damping.load_state_dict(state["adaptive_damping"], device)
+        elif self.adaptive_damping is not None and "damping" in state:
+            self.adaptive_damping.damping = float(state["damping"])  # a fixed-damping run's
         if load_state(state, self._layers, self.assignment, device, compute_inverses):
             self._needs_decomposition = True
         self._loaded = True
