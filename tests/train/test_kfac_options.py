@@ -110,7 +110,7 @@ def test_the_flags_reach_kfac_as_its_keywords(launched: list[TrainConfig]) -> No
         *("--kfac-colocate-factors", "true", "--kfac-compute-eigenvalue-outer-product", "no"),
         *("--kfac-symmetry-aware", "--kfac-loglevel", "INFO", "--kfac-kl-clip", "0"),
         *("--kfac-grad-worker-fraction", "MEM_OPT", "--kfac-compute-method", "Inverse"),
-        *("-n", "2"),
+        *("--kfac-damping-adaptation", "FIXED", "-n", "2"),
     ]
     assert cli.main(_train(*flags)) == 0
     (config,) = launched
@@ -119,6 +119,7 @@ def test_the_flags_reach_kfac_as_its_keywords(launched: list[TrainConfig]) -> No
         "factor_update_steps": 1,
         "inv_update_steps": 1,
         "kl_clip": None,  # 0 turns the clip off
+        "damping_adaptation": "fixed",
         "lr": 0.05,
         "compute_method": "inverse",
         "grad_worker_fraction": "mem-opt",

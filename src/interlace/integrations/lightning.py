@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
@@ -161,7 +162,8 @@ class InterlaceStrategy(DDPStrategy):
         def preconditioned() -> Any:
             result = closure()
             if result is not None:  # None: training_step skipped this batch, no gradients
-                kfac.step()
+                # The closure returns the loss, which drives K-FAC's adaptive damping.
+                kfac.step(loss=result.detach() if isinstance(result, torch.Tensor) else None)
             return result
 
         return super().optimizer_step(optimizer, preconditioned, model, **kwargs)

@@ -15,7 +15,7 @@ import torch
 from interlace.comm.engine import COMPRESSIONS
 from interlace.comm.strategies import RUNTIME_STRATEGIES
 from interlace.errors import UsageError
-from interlace.kfac import AssignmentStrategy, ComputeMethod
+from interlace.kfac import AssignmentStrategy, ComputeMethod, DampingAdaptation
 from interlace.kfac.assignment import PLACEMENTS
 from interlace.kfac.decomp import COMPUTE_METHODS
 from interlace.kfac.factor_comm import FACTOR_COMMS
@@ -122,7 +122,15 @@ class TrainConfig:
     kfac_inv_update_steps: int = kfac_option(
         "inv_update_steps", Count(), "decompose (or invert) the factors every N steps"
     )
-    kfac_damping: float = kfac_option("damping", Real(), "Tikhonov damping")
+    kfac_damping: float = kfac_option(
+        "damping", Real(), "Tikhonov damping (the starting value under levenberg-marquardt)"
+    )
+    kfac_damping_adaptation: str = kfac_option(
+        "damping_adaptation",
+        Choice(tuple(member.value for member in DampingAdaptation), DampingAdaptation),
+        "fixed (kfac-pytorch's) or levenberg-marquardt (adapted every 5 steps from the loss, "
+        "so that small damping cannot make K-FAC diverge)",
+    )
     kfac_factor_decay: float = kfac_option(
         "factor_decay", Real(0.0, 1.0), "running-average decay of the factors"
     )

@@ -176,7 +176,7 @@ def train_data_parallel(
                 loss = functional.cross_entropy(parallel_model(inputs), targets)
                 loss.backward()
                 if precond is not None:
-                    precond.step()
+                    precond.step(loss=loss.detach())
                 optimizer.step()
                 schedule.step()
                 loss_sum[0] += loss.detach().double() * targets.numel()
