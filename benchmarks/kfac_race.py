@@ -50,6 +50,9 @@ DEFAULT_EPOCHS = {"mlp1d": 30, "cnn1d": 25, "resnet1d": 15}
 DEFAULT_TARGETS = {"mlp1d": 0.60, "cnn1d": 0.90}
 TARGET_SHARE = 0.96
 NAMES = {"sgd": "SGD", "kfac": "K-FAC"}
+#: Side-by-side timing runs: epochs each (the first left out), and their seeds' start.
+TIMING_EPOCHS = 3
+TIMING_SEED = 100
 #: The marker file of a run whose launch failed; it is not tried again.
 FAILED = "FAILED"
 
@@ -275,26 +278,70 @@ def _span(values: Sequence[float | int | None], fmt: str) -> str:
 def table(models: Sequence[dict[str, Any]]) -> str:
     """The markdown table of the race, a row per model and optimiser.
 
+    "s to target" sums the race runs' own epoch times (measured at different moments);
+    "SGD/K-FAC time to target" is the epoch ratio divided by the side-by-side cost ratio.
+
     Args:
         models: per model: ``model``, ``target``, ``sgd`` and ``kfac`` summaries.
     """
     lines = [
         "| model | target | optimiser | picked config | epochs to target, median [min-max] "
-        "| s to target, median [min-max] | best acc. % (median) | SGD/K-FAC epochs |",
-        "|---|---:|---|---|---:|---:|---:|---:|",
+        "| s to target, median [min-max] | best acc. % (median) | s per epoch, side by side "
+        "| SGD/K-FAC epochs to target | SGD/K-FAC time to target |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for entry in models:
         speedup = ratio(entry["sgd"]["median_epochs"], entry["kfac"]["median_epochs"])
+        cost = entry.get("epoch_s_side_by_side", {})
+        clock = None
+        if speedup is not None and cost:
+            clock = speedup / cost["kfac_over_sgd"]
         for optimizer in ("sgd", "kfac"):
             row = entry[optimizer]
             best = 100 * statistics.median(row["best_accuracy"])
-            shown = "" if optimizer == "sgd" else ("-" if speedup is None else f"{speedup:.2f}x")
+            epochs = "" if optimizer == "sgd" else ("-" if speedup is None else f"{speedup:.2f}x")
+            time_ratio = "" if optimizer == "sgd" else ("-" if clock is None else f"{clock:.2f}x")
+            per_epoch = f"{cost[optimizer]:.2f}" if cost else "-"
             lines.append(
                 f"| {entry['model']} | {100 * entry['target']:g}% | {NAMES[optimizer]} | "
                 f"{row['config']} | {_span(row['epochs_to_target'], 'g')} | "
-                f"{_span(row['seconds_to_target'], '.1f')} | {best:.1f} | {shown} |"
+                f"{_span(row['seconds_to_target'], '.1f')} | {best:.1f} | {per_epoch} | "
+                f"{epochs} | {time_ratio} |"
             )
     return "\n".join(lines)
+
+
+def timing_runs(bases: dict[str, RaceRun], rounds: int) -> list[RaceRun]:
+    """Short runs of both picked configurations, alternated in one launch, to time an epoch.
+
+    The race's own runs are timed at different moments, under whatever else the machine runs;
+    alternating SGD and K-FAC epochs in one job gives a cost ratio measured side by side.
+
+    Args:
+        bases: the picked run of each optimiser.
+        rounds: how many SGD-then-K-FAC pairs.
+    """
+    return [
+        replace(bases[o], seed=TIMING_SEED + k, epochs=TIMING_EPOCHS)
+        for k in range(rounds)
+        for o in ("sgd", "kfac")
+    ]
+
+
+def epoch_cost(records: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Median seconds per epoch of each optimiser, the first epoch of a run (warm-up) left out.
+
+    Args:
+        records: the records of :func:`timing_runs`.
+    """
+    cost = {
+        o: statistics.median(
+            [s for rec in records if rec["optimizer"] == o for s in rec["epoch_s"][1:]]
+            or [math.nan]
+        )
+        for o in ("sgd", "kfac")
+    }
+    return {**cost, "kfac_over_sgd": cost["kfac"] / cost["sgd"]}
 
 
 def _rank_worker(jobs: list[tuple[TrainConfig, str]]) -> None:
@@ -421,6 +468,13 @@ def main() -> int:
         "--configs", type=int, default=8, help="configurations per optimiser, 1-8 (default 8)"
     )
     parser.add_argument("--seeds", default="0,1,2", help="the first picks (default 0,1,2)")
+    parser.add_argument(
+        "--timing-rounds",
+        type=int,
+        default=3,
+        help=f"SGD-then-K-FAC pairs of {TIMING_EPOCHS}-epoch runs timing an epoch side by side "
+        "(default 3)",
+    )
     parser.add_argument("-n", "--nprocs", type=int, default=4, help="ranks (default 4)")
     parser.add_argument(
         "--batch-size", type=int, default=25, help="per-rank batch (default 25: 100 in all)"
@@ -482,7 +536,12 @@ def main() -> int:
                     o: [picked[o], *(rec for rec in others if rec["optimizer"] == o)]
                     for o in ("sgd", "kfac")
                 }
-                everything += [rec for rec in [*records, *others] if rec not in everything]
+                bar.set_postfix(model=model, phase="side-by-side timing")
+                clocked = timing_runs(bases, args.timing_rounds)
+                bar.total += sum(r.epochs for r in clocked)
+                bar.refresh()
+                timed = execute(clocked, out, **launching)
+                everything += [rec for rec in [*records, *others, *timed] if rec not in everything]
                 summaries.append(
                     {
                         "model": model,
@@ -491,6 +550,7 @@ def main() -> int:
                         "sgd_best_first_seed": sgd_best,
                         "epochs": cap(model),
                         **{o: summarise(finals[o], target) for o in ("sgd", "kfac")},
+                        "epoch_s_side_by_side": epoch_cost(timed),
                     }
                 )
     print(
