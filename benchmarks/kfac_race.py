@@ -1,0 +1,587 @@
+"""The race, MLPerf style: epochs and wall-clock to a fixed accuracy, K-FAC against SGD, MNIST-1D.
+
+Each optimiser gets the same number of configurations, picked by epochs to the target on the
+first seed, then rerun on the other seeds. Resumable: finished runs in ``--out`` are kept.
+See docs/kfac/race.md for the method, the command and the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import itertools
+import json
+import math
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from interlace import launch
+from interlace.distenv import finish_distributed, init_distributed
+from interlace.runlog import read_metrics
+from interlace.train import TrainConfig, train_data_parallel
+
+#: The grids, most promising first so that ``--configs N`` keeps the likeliest winners. SGD:
+#: learning rate x momentum; K-FAC: learning rate x damping x KL-clip (momentum 0.9).
+SGD_LRS = (0.1, 0.2, 0.05, 0.4)
+SGD_MOMENTA = (0.9, 0.8)
+KFAC_LRS = (0.1, 0.03)
+KFAC_DAMPINGS = (0.03, 0.01)
+KFAC_KL_CLIPS = (0.001, 0.01)
+#: K-FAC settings held fixed: factors every step, decompositions every 10 (4 per epoch here).
+KFAC_INV_UPDATE_STEPS = 10
+KFAC_FACTOR_UPDATE_STEPS = 1
+KFAC_FACTOR_DECAY = 0.95
+KFAC_FIXED = {
+    "inv_update_steps": KFAC_INV_UPDATE_STEPS,
+    "factor_update_steps": KFAC_FACTOR_UPDATE_STEPS,
+    "factor_decay": KFAC_FACTOR_DECAY,
+}
+#: Epoch caps: the cosine schedule spans the cap, the same for both optimisers.
+DEFAULT_EPOCHS = {"mlp1d": 30, "cnn1d": 25, "resnet1d": 15}
+#: The target is 96% of SGD's best on the first seed's sweep (:func:`derived_target`); these
+#: fixed ones (96% of single-process SGD at lr 0.1, momentum 0.9) are raced too.
+DEFAULT_TARGETS = {"mlp1d": 0.60, "cnn1d": 0.90}
+TARGET_SHARE = 0.96
+NAMES = {"sgd": "SGD", "kfac": "K-FAC"}
+#: Side-by-side timing runs: epochs each (the first left out), and their seeds' start.
+TIMING_EPOCHS = 3
+TIMING_SEED = 100
+#: The marker file of a run whose launch failed; it is not tried again.
+FAILED = "FAILED"
+
+
+@dataclass(frozen=True)
+class RaceRun:
+    """One training run of the race.
+
+    Args:
+        model: a 1-D zoo model (mlp1d, cnn1d, resnet1d).
+        optimizer: ``"sgd"`` or ``"kfac"``.
+        lr: peak learning rate.
+        momentum: SGD momentum (K-FAC keeps 0.9).
+        damping: K-FAC damping (None for SGD).
+        kl_clip: K-FAC KL-clip (None for SGD).
+        seed: seeds the model and the shuffle.
+        epochs: the epoch cap, which the schedule spans.
+    """
+
+    model: str
+    optimizer: str
+    lr: float
+    momentum: float
+    damping: float | None
+    kl_clip: float | None
+    seed: int
+    epochs: int
+
+    @property
+    def label(self) -> str:
+        """The configuration in words, without the seed: ``lr 0.1, momentum 0.9``."""
+        if self.optimizer == "sgd":
+            return f"lr {self.lr:g}, momentum {self.momentum:g}"
+        return f"lr {self.lr:g}, damping {self.damping:g}, kl_clip {self.kl_clip:g}"
+
+    @property
+    def name(self) -> str:
+        """The run's folder name, unique within a model: optimiser, configuration, seed."""
+        if self.optimizer == "sgd":
+            return f"sgd-lr{self.lr:g}-m{self.momentum:g}-e{self.epochs}-seed{self.seed}"
+        return (
+            f"kfac-lr{self.lr:g}-d{self.damping:g}-kl{self.kl_clip:g}-e{self.epochs}"
+            f"-seed{self.seed}"
+        )
+
+    def config(self, batch_size: int) -> TrainConfig:
+        """The training job's config of this run.
+
+        Args:
+            batch_size: the per-rank batch.
+        """
+        kfac = self.optimizer == "kfac"
+        return TrainConfig(
+            model=self.model,
+            data="mnist1d",
+            epochs=self.epochs,
+            batch_size=batch_size,
+            lr=self.lr,
+            momentum=self.momentum,
+            seed=self.seed,
+            optimizer=self.optimizer,
+            deterministic=True,  # fixed buckets: a rerun of a seed gives the same curve
+            progress=False,
+            kfac_damping=self.damping if kfac and self.damping is not None else 0.001,
+            kfac_kl_clip=self.kl_clip if kfac and self.kl_clip is not None else 0.001,
+            kfac_inv_update_steps=KFAC_INV_UPDATE_STEPS,
+            kfac_factor_update_steps=KFAC_FACTOR_UPDATE_STEPS,
+            kfac_factor_decay=KFAC_FACTOR_DECAY,
+        )
+
+
+def grid(model: str, optimizer: str, epochs: int, configs: int) -> list[RaceRun]:
+    """The first ``configs`` configurations of an optimiser's grid, on seed 0.
+
+    Args:
+        model: the model.
+        optimizer: ``"sgd"`` or ``"kfac"``.
+        epochs: the epoch cap.
+        configs: how many configurations to keep (at most the grid's 8).
+    """
+    runs: list[RaceRun]
+    if optimizer == "sgd":
+        runs = [
+            RaceRun(model, "sgd", lr, momentum, None, None, 0, epochs)
+            for momentum, lr in itertools.product(SGD_MOMENTA, SGD_LRS)
+        ]
+    else:
+        runs = [
+            RaceRun(model, "kfac", lr, 0.9, damping, clip, 0, epochs)
+            for damping, clip, lr in itertools.product(KFAC_DAMPINGS, KFAC_KL_CLIPS, KFAC_LRS)
+        ]
+    return runs[:configs]
+
+
+def epochs_to(accuracies: Sequence[float], target: float) -> int | None:
+    """The first epoch (1-based) whose test accuracy is at least ``target``; None if none is.
+
+    Args:
+        accuracies: test accuracy after each epoch.
+        target: the accuracy to reach.
+    """
+    return next((epoch for epoch, acc in enumerate(accuracies, 1) if acc >= target), None)
+
+
+def derived_target(best: float, share: float = TARGET_SHARE) -> float:
+    """``share`` of SGD's best accuracy, rounded down to a whole percent.
+
+    Args:
+        best: SGD's best test accuracy, as a fraction.
+        share: the share of it to reach.
+    """
+    return math.floor(round(100 * share * best, 6)) / 100
+
+
+def _best(rec: dict[str, Any]) -> float:
+    """A run's best test accuracy; 0 for a run that failed before its first epoch."""
+    return max(rec["test_accuracy"], default=0.0)
+
+
+def pick(records: Sequence[dict[str, Any]], target: float) -> dict[str, Any]:
+    """The configuration that reaches ``target`` in the fewest epochs.
+
+    Ties go to the shorter wall-clock to the target, then to the higher best accuracy; when
+    none reaches it, the highest best accuracy wins.
+
+    Args:
+        records: one optimiser's runs on the selection seed (see :func:`record`).
+        target: the accuracy to reach.
+    """
+
+    def key(rec: dict[str, Any]) -> tuple[float, float, float]:
+        reached = epochs_to(rec["test_accuracy"], target)
+        if reached is None:
+            return (math.inf, math.inf, -_best(rec))
+        return (reached, sum(rec["epoch_s"][:reached]), -_best(rec))
+
+    return min(records, key=key)
+
+
+def record(run: RaceRun, run_dir: Path, nprocs: int, batch: int) -> dict[str, Any]:
+    """One run's entry of race.json: its settings and its per-epoch curve.
+
+    Args:
+        run: the run.
+        run_dir: its folder (metrics.csv, and FAILED when it failed).
+        nprocs: ranks.
+        batch: per-rank batch.
+    """
+    path = run_dir / "metrics.csv"
+    metrics = read_metrics(path) if path.exists() else []
+    failed = run_dir / FAILED
+    return {
+        "failed": failed.read_text().strip() if failed.exists() else None,
+        **asdict(run),
+        "config": run.label,
+        "nprocs": nprocs,
+        "batch_size": batch,
+        "global_batch": nprocs * batch,
+        "test_accuracy": [row["test_accuracy"] for row in metrics],
+        "train_loss": [row["train_loss"] for row in metrics],
+        "epoch_s": [row["epoch_s"] for row in metrics],
+    }
+
+
+def summarise(finals: Sequence[dict[str, Any]], target: float) -> dict[str, Any]:
+    """One optimiser's row of the table from its picked configuration's seeds.
+
+    A seed that never reaches the target counts as infinitely many epochs (and seconds) in the
+    median, so a median over a majority of such seeds is None ("not reached").
+
+    Args:
+        finals: the picked configuration's runs, one per seed.
+        target: the accuracy to reach.
+    """
+    reached = [epochs_to(rec["test_accuracy"], target) for rec in finals]
+    epochs = [math.inf if e is None else float(e) for e in reached]
+    seconds = [
+        math.inf if e is None else sum(rec["epoch_s"][:e])
+        for rec, e in zip(finals, reached, strict=True)
+    ]
+    median_epochs = statistics.median(epochs)
+    median_s = statistics.median(seconds)
+    return {
+        "config": finals[0]["config"],
+        "seeds": [rec["seed"] for rec in finals],
+        "epochs_to_target": reached,
+        "median_epochs": None if math.isinf(median_epochs) else median_epochs,
+        "seconds_to_target": [None if math.isinf(s) else s for s in seconds],
+        "median_seconds": None if math.isinf(median_s) else median_s,
+        "best_accuracy": [_best(rec) for rec in finals],
+        # The first epoch also warms up (first calls, buffers): the median of the others.
+        "epoch_s_median": statistics.median(
+            [s for rec in finals for s in rec["epoch_s"][1:]] or [math.nan]
+        ),
+    }
+
+
+def ratio(sgd: float | None, kfac: float | None) -> float | None:
+    """SGD's epochs over K-FAC's (above 1: K-FAC is faster); None when either never reached.
+
+    Args:
+        sgd: SGD's median epochs to the target.
+        kfac: K-FAC's median epochs to the target.
+    """
+    if sgd is None or kfac is None:
+        return None
+    return sgd / kfac
+
+
+def _span(values: Sequence[float | int | None], fmt: str) -> str:
+    """``median [min-max]`` of values, None meaning never (shown as a dash)."""
+    known = [v for v in values if v is not None]
+    finite = [math.inf if v is None else float(v) for v in values]
+    median = statistics.median(finite)
+    if not known:
+        return "not reached"
+    middle = "not reached" if math.isinf(median) else format(median, fmt)
+    low = format(min(known), fmt)
+    high = "never" if len(known) < len(values) else format(max(known), fmt)
+    return f"{middle} [{low}-{high}]"
+
+
+def table(models: Sequence[dict[str, Any]]) -> str:
+    """The markdown table of the race, a row per model and optimiser.
+
+    "s to target" sums the race runs' own epoch times (measured at different moments);
+    "SGD/K-FAC time to target" is the epoch ratio divided by the side-by-side cost ratio.
+
+    Args:
+        models: per model: ``model``, ``target``, ``sgd`` and ``kfac`` summaries.
+    """
+    lines = [
+        "| model | target | optimiser | picked config | epochs to target, median [min-max] "
+        "| s to target, median [min-max] | best acc. % (median) | s per epoch, side by side "
+        "| SGD/K-FAC epochs to target | SGD/K-FAC time to target |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for entry in models:
+        speedup = ratio(entry["sgd"]["median_epochs"], entry["kfac"]["median_epochs"])
+        cost = entry.get("epoch_s_side_by_side", {})
+        clock = None
+        if speedup is not None and cost:
+            clock = speedup / cost["kfac_over_sgd"]
+        for optimizer in ("sgd", "kfac"):
+            row = entry[optimizer]
+            best = 100 * statistics.median(row["best_accuracy"])
+            epochs = "" if optimizer == "sgd" else ("-" if speedup is None else f"{speedup:.2f}x")
+            time_ratio = "" if optimizer == "sgd" else ("-" if clock is None else f"{clock:.2f}x")
+            per_epoch = f"{cost[optimizer]:.2f}" if cost else "-"
+            lines.append(
+                f"| {entry['model']} | {100 * entry['target']:g}% | {NAMES[optimizer]} | "
+                f"{row['config']} | {_span(row['epochs_to_target'], 'g')} | "
+                f"{_span(row['seconds_to_target'], '.1f')} | {best:.1f} | {per_epoch} | "
+                f"{epochs} | {time_ratio} |"
+            )
+    return "\n".join(lines)
+
+
+def timing_runs(bases: dict[str, RaceRun], rounds: int) -> list[RaceRun]:
+    """Short runs of both picked configurations, alternated in one launch, to time an epoch.
+
+    The race's own runs are timed at different moments, under whatever else the machine runs;
+    alternating SGD and K-FAC epochs in one job gives a cost ratio measured side by side.
+
+    Args:
+        bases: the picked run of each optimiser.
+        rounds: how many SGD-then-K-FAC pairs.
+    """
+    return [
+        replace(bases[o], seed=TIMING_SEED + k, epochs=TIMING_EPOCHS)
+        for k in range(rounds)
+        for o in ("sgd", "kfac")
+    ]
+
+
+def epoch_cost(records: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Median seconds per epoch of each optimiser, the first epoch of a run (warm-up) left out.
+
+    Args:
+        records: the records of :func:`timing_runs`.
+    """
+    cost = {
+        o: statistics.median(
+            [s for rec in records if rec["optimizer"] == o for s in rec["epoch_s"][1:]]
+            or [math.nan]
+        )
+        for o in ("sgd", "kfac")
+    }
+    return {**cost, "kfac_over_sgd": cost["kfac"] / cost["sgd"]}
+
+
+def _rank_worker(jobs: list[tuple[TrainConfig, str]]) -> None:
+    """Train ``jobs`` one after the other in one process group (one start-up for all)."""
+    context = init_distributed()
+    try:
+        for config, run_dir in jobs:
+            config.validate()
+            train_data_parallel(config, context, run_dir)
+    finally:
+        finish_distributed()
+
+
+def _done_epochs(run_dir: Path) -> int:
+    path = run_dir / "metrics.csv"
+    return len(read_metrics(path)) if path.exists() else 0
+
+
+def _finished(run: RaceRun, run_dir: Path) -> bool:
+    """All epochs recorded, or the run failed (FAILED holds why) and is not tried again."""
+    return (run_dir / FAILED).exists() or _done_epochs(run_dir) >= run.epochs
+
+
+def _launch(
+    jobs: list[tuple[TrainConfig, str]], nprocs: int, link: str | None, bar: tqdm, counted: int
+) -> tuple[Any, int]:
+    """One launch training ``jobs`` in turn; the bar follows their metrics.csv files."""
+    outcome: list[Any] = []
+    thread = threading.Thread(
+        target=lambda: outcome.append(
+            launch.run(_rank_worker, nprocs, link=link, args=(jobs,), output=io.StringIO())
+        )
+    )
+    thread.start()
+    while thread.is_alive():
+        thread.join(2.0)
+        done = sum(_done_epochs(Path(run_dir)) for _, run_dir in jobs)
+        bar.update(max(0, done - counted))
+        counted = max(counted, done)
+    return outcome[0], counted
+
+
+def _failure(result: Any) -> str:
+    """A failed launch in one line: its status and the last line of the failing traceback."""
+    detail = result.tracebacks.get(result.failed_rank) or "\n".join(result.tracebacks.values())
+    last = detail.strip().splitlines()[-1] if detail.strip() else result.reason or "no traceback"
+    return f"rank {result.failed_rank} ended with status {result.returncode}: {last}"
+
+
+def execute(
+    runs: Sequence[RaceRun], out: Path, *, nprocs: int, batch: int, link: str | None, bar: tqdm
+) -> list[dict[str, Any]]:
+    """Train the runs not yet finished in ``out`` (one launch for all), return every record.
+
+    A run counts as finished when its metrics.csv has all its epochs; a partial one is
+    trained again from the start. A launch that fails marks the run it stopped in as failed
+    (its partial curve is kept) and the rest go on in a new launch.
+
+    Args:
+        runs: the runs, all of one model.
+        out: the output folder (runs go in ``out/<model>/<name>``).
+        nprocs: ranks.
+        batch: per-rank batch.
+        link: the emulated link (None: plain loopback).
+        bar: the progress bar, in epochs.
+    """
+    dirs = {run: out / run.model / run.name for run in runs}
+    pending = [run for run in runs if not _finished(run, dirs[run])]
+    bar.update(sum(run.epochs for run in runs if run not in pending))
+    for run in pending:
+        for stale in dirs[run].glob("*"):
+            stale.unlink()
+    while pending:
+        jobs = [(run.config(batch), str(dirs[run])) for run in pending]
+        result, _ = _launch(jobs, nprocs, link, bar, 0)
+        if result.ok:
+            break
+        stopped = next((r for r in pending if not _finished(r, dirs[r])), None)
+        if stopped is None:
+            break
+        dirs[stopped].mkdir(parents=True, exist_ok=True)
+        (dirs[stopped] / FAILED).write_text(_failure(result) + "\n")
+        pending = [r for r in pending if not _finished(r, dirs[r])]
+        for run in pending:
+            for stale in dirs[run].glob("*"):
+                stale.unlink()
+    return [record(run, dirs[run], nprocs, batch) for run in runs]
+
+
+def _parse_map(text: str, kind: type, what: str) -> dict[str, Any]:
+    """``mlp1d=30,cnn1d=25`` as a dict; a bare value applies to every model (key ``*``)."""
+    result: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, _, value = part.rpartition("=")
+        try:
+            result[key or "*"] = kind(value)
+        except ValueError:
+            raise SystemExit(f"{what}: {value!r} is not a number; write e.g. mlp1d=30") from None
+    return result
+
+
+def main() -> int:
+    """Parse the flags, run the race model by model, print the table, write the files."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="mlp1d,cnn1d,resnet1d")
+    parser.add_argument(
+        "--epochs",
+        default=",".join(f"{m}={e}" for m, e in DEFAULT_EPOCHS.items()),
+        help="epoch cap per model, model=N,... or one N for all (default %(default)s)",
+    )
+    parser.add_argument(
+        "--share",
+        type=float,
+        default=TARGET_SHARE,
+        help="the target: this share of SGD's best accuracy over the first seed's sweep, "
+        "rounded down to a whole percent (default %(default)s)",
+    )
+    parser.add_argument(
+        "--targets",
+        default=",".join(f"{m}={t:g}" for m, t in DEFAULT_TARGETS.items()),
+        help="a second, fixed target per model, model=F,... (default %(default)s); '' for none",
+    )
+    parser.add_argument(
+        "--configs", type=int, default=8, help="configurations per optimiser, 1-8 (default 8)"
+    )
+    parser.add_argument("--seeds", default="0,1,2", help="the first picks (default 0,1,2)")
+    parser.add_argument(
+        "--timing-rounds",
+        type=int,
+        default=3,
+        help=f"SGD-then-K-FAC pairs of {TIMING_EPOCHS}-epoch runs timing an epoch side by side "
+        "(default 3)",
+    )
+    parser.add_argument("-n", "--nprocs", type=int, default=4, help="ranks (default 4)")
+    parser.add_argument(
+        "--batch-size", type=int, default=25, help="per-rank batch (default 25: 100 in all)"
+    )
+    parser.add_argument("--link", default=None, help="emulated link (default: plain loopback)")
+    parser.add_argument("--out", default="runs/kfac-race", help="run folders (resumable)")
+    parser.add_argument("--json", metavar="PATH", help="write every run and the table as JSON")
+    parser.add_argument("--png-dir", metavar="DIR", help="write race-<model>.png there")
+    args = parser.parse_args()
+    if not 1 <= args.configs <= 8:
+        parser.error(f"--configs must be 1-8, got {args.configs}")
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    caps = _parse_map(args.epochs, int, "--epochs")
+    fixed = {m: [t] for m, t in _parse_map(args.targets, float, "--targets").items()}
+    seeds = [int(s) for s in args.seeds.split(",")]
+    out = Path(args.out)
+    started = time.perf_counter()
+
+    def cap(model: str) -> int:
+        return int(caps.get(model, caps.get("*", DEFAULT_EPOCHS.get(model, 15))))
+
+    sweeps = {m: {o: grid(m, o, cap(m), args.configs) for o in ("sgd", "kfac")} for m in models}
+    total = sum(
+        r.epochs * (1 + (len(seeds) - 1) / len(rs))
+        for per in sweeps.values()
+        for rs in per.values()
+        for r in rs
+    )
+    everything: list[dict[str, Any]] = []
+    summaries: list[dict[str, Any]] = []
+    with tqdm(total=round(total), unit="epoch", desc="kfac race") as bar:
+        launching: dict[str, Any] = {
+            "nprocs": args.nprocs,
+            "batch": args.batch_size,
+            "link": args.link,
+            "bar": bar,
+        }
+        for model in models:
+            bar.set_postfix(model=model, phase="sweep")
+            first = [replace(r, seed=seeds[0]) for o in ("sgd", "kfac") for r in sweeps[model][o]]
+            records = execute(first, out, **launching)
+            sweep = {o: [rec for rec in records if rec["optimizer"] == o] for o in ("sgd", "kfac")}
+            sgd_best = max(_best(rec) for rec in sweep["sgd"])
+            rule = derived_target(sgd_best, args.share)
+            extra = [t for t in fixed.get(model, [])[:1] if t != rule]
+            for number, target in enumerate([rule, *extra]):
+                picked = {o: pick(sweep[o], target) for o in ("sgd", "kfac")}
+                bar.set_postfix(model=model, phase=f"seeds, target {100 * target:g}%")
+                bases = {
+                    o: next(r for r in sweeps[model][o] if r.label == picked[o]["config"])
+                    for o in ("sgd", "kfac")
+                }
+                again = [replace(bases[o], seed=s) for o in ("sgd", "kfac") for s in seeds[1:]]
+                if number:  # the first target's seeds are in the bar's total already
+                    bar.total += sum(r.epochs for r in again)
+                    bar.refresh()
+                others = execute(again, out, **launching)
+                finals = {
+                    o: [picked[o], *(rec for rec in others if rec["optimizer"] == o)]
+                    for o in ("sgd", "kfac")
+                }
+                bar.set_postfix(model=model, phase="side-by-side timing")
+                clocked = timing_runs(bases, args.timing_rounds)
+                bar.total += sum(r.epochs for r in clocked)
+                bar.refresh()
+                timed = execute(clocked, out, **launching)
+                everything += [rec for rec in [*records, *others, *timed] if rec not in everything]
+                summaries.append(
+                    {
+                        "model": model,
+                        "target": target,
+                        "target_rule": f"{args.share:g} x SGD's best" if number == 0 else "fixed",
+                        "sgd_best_first_seed": sgd_best,
+                        "epochs": cap(model),
+                        **{o: summarise(finals[o], target) for o in ("sgd", "kfac")},
+                        "epoch_s_side_by_side": epoch_cost(timed),
+                    }
+                )
+    print(
+        f"\nMNIST-1D, {args.nprocs} ranks x batch {args.batch_size} "
+        f"(global {args.nprocs * args.batch_size}), link {args.link or 'loopback'}, "
+        f"{args.configs} configs per optimiser on seed {seeds[0]}, seeds {args.seeds}\n"
+    )
+    print(table(summaries))
+    print(f"\n{len(everything)} runs, {time.perf_counter() - started:.0f} s this time")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        document = {
+            "data": "mnist1d",
+            "nprocs": args.nprocs,
+            "batch_size": args.batch_size,
+            "link": args.link or "loopback",
+            "kfac_fixed": KFAC_FIXED,
+            "seeds": seeds,
+            "configs_per_optimizer": args.configs,
+            "summary": summaries,
+            "runs": everything,
+        }
+        Path(args.json).write_text(json.dumps(document, indent=1) + "\n")
+    if args.png_dir:
+        from kfac_race_plot import plot_race  # noqa: PLC0415 - matplotlib only when asked
+
+        for entry in summaries:
+            suffix = "" if entry["target_rule"] != "fixed" else f"-{100 * entry['target']:g}"
+            plot_race(entry, everything, Path(args.png_dir) / f"race-{entry['model']}{suffix}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

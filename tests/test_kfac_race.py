@@ -1,0 +1,132 @@
+"""benchmarks/kfac_race.py: its grids, target, pick, summary and resumption, on fake runs."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import io
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from tqdm import tqdm
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "kfac_race.py"
+
+
+@pytest.fixture(scope="module")
+def race() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("kfac_race", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kfac_race"] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fake(optimizer: str, config: str, seed: int, accuracy: list[float]) -> dict[str, Any]:
+    return {
+        "model": "mlp1d",
+        "optimizer": optimizer,
+        "config": config,
+        "seed": seed,
+        "test_accuracy": accuracy,
+        "epoch_s": [1.0 if optimizer == "sgd" else 2.0] * len(accuracy),
+    }
+
+
+def test_each_optimiser_gets_the_same_number_of_distinct_configurations(race: ModuleType) -> None:
+    sgd = race.grid("cnn1d", "sgd", 25, 8)
+    kfac = race.grid("cnn1d", "kfac", 25, 8)
+    assert len(sgd) == len(kfac) == 8
+    assert len({r.label for r in sgd}) == len({r.label for r in kfac}) == 8
+    assert len({r.name for r in sgd + kfac}) == 16
+    assert {r.momentum for r in kfac} == {0.9}
+    assert race.grid("cnn1d", "kfac", 25, 3) == kfac[:3]
+    config = kfac[0].config(25)
+    assert (config.optimizer, config.data, config.batch_size, config.epochs) == (
+        "kfac",
+        "mnist1d",
+        25,
+        25,
+    )
+    assert config.kfac_damping == kfac[0].damping and config.kfac_kl_clip == kfac[0].kl_clip
+
+
+def test_epochs_to_and_the_derived_target(race: ModuleType) -> None:
+    assert race.epochs_to([0.1, 0.59, 0.6, 0.7], 0.6) == 3
+    assert race.epochs_to([0.1, 0.59], 0.6) is None
+    assert race.derived_target(0.769) == pytest.approx(0.73)  # 96% of it is 73.8%
+    assert race.derived_target(0.9375) == pytest.approx(0.90)  # exactly 90.0%, kept
+    assert race.derived_target(0.5, share=1.0) == pytest.approx(0.5)
+
+
+def test_pick_prefers_fewest_epochs_then_shorter_time_then_best(race: ModuleType) -> None:
+    late = _fake("sgd", "late", 0, [0.5, 0.55, 0.61, 0.9])
+    early = _fake("sgd", "early", 0, [0.5, 0.61, 0.62, 0.63])
+    assert race.pick([late, early], 0.6)["config"] == "early"
+    slow = _fake("kfac", "slow", 0, [0.61, 0.7])
+    fast = _fake("sgd", "fast", 0, [0.61, 0.65])  # same epochs, half the seconds per epoch
+    assert race.pick([slow, fast], 0.6)["config"] == "fast"
+    never_low = _fake("sgd", "low", 0, [0.3, 0.4])
+    never_high = _fake("sgd", "high", 0, [0.3, 0.5])
+    assert race.pick([never_low, never_high], 0.6)["config"] == "high"
+
+
+def test_summary_medians_count_a_miss_as_never(race: ModuleType) -> None:
+    runs = [
+        _fake("kfac", "c", 0, [0.5, 0.6, 0.7]),
+        _fake("kfac", "c", 1, [0.6, 0.7, 0.7]),
+        _fake("kfac", "c", 2, [0.4, 0.5, 0.55]),
+    ]
+    row = race.summarise(runs, 0.6)
+    assert row["epochs_to_target"] == [2, 1, None]
+    assert row["median_epochs"] == 2  # sorted: 1, 2, never
+    assert row["seconds_to_target"] == [4.0, 2.0, None]
+    assert row["median_seconds"] == 4.0
+    assert row["best_accuracy"] == [0.7, 0.7, 0.55]
+    missed = race.summarise(runs[2:] * 2 + runs[:1], 0.6)
+    assert missed["median_epochs"] is None
+    assert race.ratio(6.0, 4.0) == 1.5
+    assert race.ratio(None, 4.0) is None
+
+
+def test_table_shows_the_epoch_ratio_and_the_spread(race: ModuleType) -> None:
+    sgd = race.summarise([_fake("sgd", "s", k, [0.5] * k + [0.6]) for k in (5, 6, 8)], 0.6)
+    kfac = race.summarise([_fake("kfac", "k", k, [0.5] * k + [0.6]) for k in (2, 3, 3)], 0.6)
+    text = race.table([{"model": "mlp1d", "target": 0.6, "sgd": sgd, "kfac": kfac}])
+    assert "| 7 [6-9] |" in text  # SGD reaches at epochs 6, 7, 9
+    assert "| 4 [3-4] |" in text
+    assert "1.75x" in text  # 7 / 4
+
+
+def _write_metrics(run_dir: Path, accuracy: list[float]) -> None:
+    run_dir.mkdir(parents=True)
+    with (run_dir / "metrics.csv").open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["epoch", "train_loss", "test_loss", "test_accuracy", "epoch_s"])
+        for epoch, acc in enumerate(accuracy, 1):
+            writer.writerow([epoch, 1.0, 1.0, acc, 0.5])
+
+
+def test_finished_runs_are_read_back_not_trained_again(
+    race: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs = race.grid("mlp1d", "sgd", 3, 2)
+    _write_metrics(tmp_path / "mlp1d" / runs[0].name, [0.2, 0.4, 0.6])
+    (tmp_path / "mlp1d" / runs[1].name).mkdir(parents=True)
+    (tmp_path / "mlp1d" / runs[1].name / race.FAILED).write_text("rank 0 ended\n")
+
+    def no_launch(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a finished run was launched again")
+
+    monkeypatch.setattr(race.launch, "run", no_launch)
+    with tqdm(total=6, file=io.StringIO()) as bar:
+        records = race.execute(runs, tmp_path, nprocs=4, batch=25, link=None, bar=bar)
+        assert bar.n == 6
+    assert records[0]["test_accuracy"] == [0.2, 0.4, 0.6]
+    assert records[0]["epoch_s"] == [0.5] * 3 and records[0]["failed"] is None
+    assert records[1]["test_accuracy"] == [] and records[1]["failed"] == "rank 0 ended"
+    assert race.pick(records, 0.6) is records[0]
