@@ -575,7 +575,7 @@ def gradients_unchanged(marks: list[GradientMark | None], layers: Iterable[KFACL
         return False
     for mark, grad in zip(marks, current, strict=True):
         if mark is None or grad is None:
-            if mark is not grad:
+            if (mark is None) != (grad is None):
                 return False
             continue
         ref, version = mark

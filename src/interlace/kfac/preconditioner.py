@@ -1,8 +1,9 @@
 """``interlace.KFAC``: the distributed K-FAC preconditioner (SC20 / KAISA), like kfac-pytorch's.
 
-The per-layer work is done by :class:`~interlace.kfac.layer.KFACLayer`, placement by
-:class:`~interlace.kfac.assignment.WorkAssignment` and factor averaging by
-:class:`~interlace.kfac.factor_comm.FactorComm`; this module holds the hyperparameters and the step.
+Per-layer work is in :mod:`~interlace.kfac.layer`, placement in :mod:`~interlace.kfac.assignment`,
+the factor step in :mod:`~interlace.kfac.factor_update`, the gradient step in
+:mod:`~interlace.kfac.gradients` and checkpoints in :mod:`~interlace.kfac.state`; this module
+holds the options, the hooks and the order of a step.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from interlace.kfac.compat import (
     resolve_grad_worker_fraction,
 )
 from interlace.kfac.costs import DecompositionCostModel
-from interlace.kfac.decomp import kl_clip_scale
 from interlace.kfac.enums import (
     AssignmentStrategy,
     ComputeMethod,
@@ -40,7 +40,9 @@ from interlace.kfac.enums import (
     coerce_choice,
 )
 from interlace.kfac.factor_comm import FACTOR_COMMS, FactorComm
+from interlace.kfac.factor_update import FactorUpdate
 from interlace.kfac.fusion import FUSIONS
+from interlace.kfac.gradients import GradientPreconditioning
 from interlace.kfac.layer import (
     GradientMark,
     KFACLayer,
@@ -58,7 +60,15 @@ from interlace.kfac.options import (
     check_options,
 )
 from interlace.kfac.placement import WorkerGroups
+from interlace.kfac.state import (
+    PLAIN_HYPERPARAMETERS,
+    agree_on_decomposition,
+    load_state,
+    memory_usage,
+    save_state,
+)
 from interlace.kfac.timing import SpanLog
+from interlace.kfac.warning import KFACWarning
 from interlace.timeline import Event
 
 __all__ = [
@@ -82,26 +92,12 @@ PHASES = (
     "precondition_comm",
 )
 
-#: The hyperparameters :meth:`KFAC.state_dict` keeps when they are numbers, in its order.
-_PLAIN_HYPERPARAMETERS = (
-    "factor_update_steps",
-    "inv_update_steps",
-    "damping",
-    "factor_decay",
-    "kl_clip",
-    "lr",
-)
-
 #: A hyperparameter: a number, or a callable giving the number for a step count.
 IntHyper = int | Callable[[int], int]
 FloatHyper = float | Callable[[int], float]
 
 
 _LOG = logging.getLogger("interlace.kfac")
-
-
-class KFACWarning(UserWarning):
-    """Something K-FAC skipped or worked around; training goes on."""
 
 
 class KFAC:
@@ -272,8 +268,6 @@ class KFAC:
         self.last_phase_s: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self._hook_s = 0.0
         self._spans = SpanLog()
-        self._hooks_checked = False
-        self._warned_unregistered = False
         # Whether a forward hook has checked the sums since the last backward (a new batch).
         self._batch_checked = False
         # The preconditioned gradients' (id, version) after the last step: equal at the next
@@ -292,7 +286,7 @@ class KFAC:
             # Before the first collective: ranks that disagree here would hang, abort in gloo
             # or drift apart silently later.
             settings = agreement_settings(
-                {key: getattr(self, f"_{key}") for key in _PLAIN_HYPERPARAMETERS},
+                {key: getattr(self, f"_{key}") for key in PLAIN_HYPERPARAMETERS},
                 self._hyperparameters(),
                 skip_layers=sorted({name.lower() for name in skip_layers}),
                 accumulation_steps=accumulation_steps,
@@ -342,6 +336,8 @@ class KFAC:
             symmetry_aware=symmetry_aware,
         )
         self.assignment.make_owner_groups()
+        self._factor_update = FactorUpdate(self._comm, self._spans, self.rank)
+        self._gradients = GradientPreconditioning(self.assignment, self.worker_groups, self._spans)
         for layer in self._layers:
             _LOG.log(
                 loglevel,
@@ -398,7 +394,7 @@ class KFAC:
 
     def _hyperparameters(self) -> dict[str, Any]:
         """The plain hyperparameters' values at the current step."""
-        return {key: self._value(getattr(self, f"_{key}")) for key in _PLAIN_HYPERPARAMETERS}
+        return {key: self._value(getattr(self, f"_{key}")) for key in PLAIN_HYPERPARAMETERS}
 
     def _check_hyperparameters(self) -> None:
         check_hyperparameters(self._hyperparameters(), self.steps)
@@ -543,100 +539,33 @@ class KFAC:
         phases["factor_compute"] = self._hook_s
         self._hook_s = 0.0
         if self.steps % self.factor_update_steps == 0:
-            self._update_factors(phases)
+            self._layers = self._factor_update.run(
+                self._layers,
+                skipped=self.skipped,
+                decay=self.factor_decay,
+                step=self.steps,
+                device=self._device(),
+                phases=phases,
+            )
         if self._decompositions_due():
             self._update_decompositions(phases)
-        preconditioned = self._precondition(phases)
+        preconditioned = self._gradients.precondition(
+            self._layers, self.damping, self.steps, phases
+        )
         if preconditioned:
-            self._scale(phases, preconditioned)
+            self._gradients.clip_and_write(
+                preconditioned, self.kl_clip, self.lr, self.steps, phases
+            )
         self._written = gradient_marks(self._layers) if preconditioned else None
         self._end_step(phases)
-
-    def _update_factors(self, phases: dict[str, float]) -> None:
-        """Average this step's factors across ranks and fold them into the running averages."""
-        started = time.perf_counter()
-        if self._comm.pipelining:
-            ready, averaged = self._comm.finish_pipelined(
-                self._layers, phases, self._device(), started
-            )
-        else:
-            everywhere, anywhere = self._comm.agree_presence(self._layers, self._device())
-            if not self._hooks_checked:
-                if not any(everywhere.values()):
-                    self._wait_for_training_step()
-                    return
-                self._hooks_checked = True
-                self._drop_silent_layers(anywhere)
-            ready = [layer for layer in self._layers if everywhere[layer.name]]
-            phases["factor_compute"] += time.perf_counter() - started
-            tensors = [tensor for layer in ready for tensor in layer.batch_factors()]
-            with self._spans.timed(phases, "factor_comm", "comm", "factor all-reduce"):
-                averaged = self._comm.all_reduce_mean(tensors)
-        self._fold(phases, ready, averaged)
-        self._comm.end_factor_step(self._layers, self._device())
-
-    def _fold(
-        self, phases: dict[str, float], ready: list[KFACLayer], averaged: list[torch.Tensor]
-    ) -> None:
-        """Fold each ready layer's averaged ``A`` and ``G`` (alternating in ``averaged``) into its
-        running averages, dropping a layer's non-finite factors for this step."""
-        with self._spans.timed(phases, "factor_compute", "factor", "running averages"):
-            decay = self.factor_decay
-            finite = _all_finite(averaged)
-            for index, layer in enumerate(ready):
-                if not (finite[2 * index] and finite[2 * index + 1]):
-                    warnings.warn(
-                        f"K-FAC: non-finite factors for layer {layer.name} at step "
-                        f"{self.steps}; this step's factors are dropped, the running "
-                        "averages are kept",
-                        KFACWarning,
-                        stacklevel=4,
-                    )
-                    continue
-                layer.update_factors(averaged[2 * index], averaged[2 * index + 1], decay)
-
-    def _wait_for_training_step(self) -> None:
-        """No layer has both factors: no training-mode forward and backward ran since the last
-        step. Which layers never run can only be told after one that did, so none is dropped."""
-        if self.rank == 0 and not self._warned_unregistered:
-            self._warned_unregistered = True
-            warnings.warn(
-                f"K-FAC step {self.steps} had no training-mode forward and backward behind it "
-                "(step() before the first backward, or the model in eval() mode or under "
-                "no_grad); nothing is preconditioned yet, and K-FAC takes its layers from the "
-                "first step that has one",
-                KFACWarning,
-                stacklevel=4,
-            )
-
-    def _drop_silent_layers(self, anywhere: dict[str, bool]) -> None:
-        """Unregister layers whose forward hook fired on no rank in the first training step."""
-        keep: list[KFACLayer] = []
-        for layer in self._layers:
-            if anywhere[layer.name]:
-                keep.append(layer)
-                continue
-            layer.remove_hooks()
-            reason = (
-                "its forward never ran in the first training step (its weight is used "
-                "functionally by its parent)"
-            )
-            self.skipped[layer.name] = reason
-            if self.rank == 0:
-                warnings.warn(
-                    f"K-FAC skips layer {layer.name}: {reason}; the optimizer updates it "
-                    "unpreconditioned",
-                    KFACWarning,
-                    stacklevel=4,
-                )
-        if len(keep) != len(self._layers):
-            self._layers = keep
 
     def _decompositions_due(self) -> bool:
         """A decomposition step, or the first step after a load that left a rank without one."""
         if self._loaded:
             self._loaded = False
-            self._agree_on_decomposition()
+            self._needs_decomposition = agree_on_decomposition(
+                self._needs_decomposition, self.world_size, self.group, self._device()
+            )
         return self.steps % self.inv_update_steps == 0 or self._needs_decomposition
 
     def _update_decompositions(self, phases: dict[str, float]) -> None:
@@ -664,73 +593,6 @@ class KFAC:
                 # caller of step.
                 stacklevel=5,
             )
-
-    def _precondition(
-        self, phases: dict[str, float]
-    ) -> list[tuple[KFACLayer, torch.Tensor, torch.Tensor]]:
-        """Every decomposed layer with its preconditioned (unscaled) and raw gradients.
-
-        Gradient workers precondition; when not every rank is one, each worker sends its
-        layers' results to its receiver group. Empty when a gradient is not finite.
-        """
-        damping = self.damping
-        # Both conditions are the same on every rank: decompositions are made in lockstep and
-        # gradients are averaged, so every rank takes part in the same broadcasts.
-        layers = [
-            layer
-            for layer in self._layers
-            if layer.decomposed and layer.helper.weight.grad is not None
-        ]
-        if not layers:
-            return []
-        grads = {layer: layer.grad_matrix() for layer in layers}
-        checked = [grad for grad in grads.values() if grad is not None]
-        bad = [layer.name for layer, ok in zip(grads, _all_finite(checked), strict=True) if not ok]
-        if bad:
-            warnings.warn(
-                f"K-FAC: non-finite gradient in {', '.join(bad)} at step {self.steps}; "
-                "preconditioning is skipped for this step (factors are untouched)",
-                KFACWarning,
-                stacklevel=3,
-            )
-            return []
-        work = self.assignment
-        results: dict[KFACLayer, torch.Tensor] = {}
-        with self._spans.timed(phases, "precondition", "precondition", "preconditioning"):
-            for layer in layers:
-                if work.is_grad_worker(layer.name):
-                    grad = grads[layer]
-                    assert grad is not None
-                    results[layer] = layer.precondition(grad, damping)
-        if self.worker_groups.broadcasts_gradients:
-            with self._spans.timed(phases, "precondition_comm", "comm", "gradient broadcast"):
-                work.share_gradients(layers, results, grads)
-        return [(layer, results[layer], grads[layer]) for layer in layers]  # type: ignore[misc]
-
-    def _scale(
-        self, phases: dict[str, float], results: list[tuple[KFACLayer, torch.Tensor, torch.Tensor]]
-    ) -> None:
-        """kfac-pytorch's KL-clip: scale every preconditioned gradient by one factor, write back."""
-        with self._spans.timed(phases, "precondition", "precondition", "KL-clip and write-back"):
-            # One sum on the device and one read back, not a device sync per layer.
-            # Products formed in float64: float32's would overflow on large finite gradients
-            # and turn the clip off exactly when it matters.
-            per_layer = [
-                torch.sum(result.to(torch.float64) * grad.to(torch.float64))
-                for _, result, grad in results
-            ]
-            products = float(torch.stack(per_layer).sum())
-            scale = kl_clip_scale(products, self.kl_clip, self.lr)
-            if scale == 0.0:
-                warnings.warn(
-                    f"K-FAC: the preconditioned gradients overflow at step {self.steps} (their "
-                    "KL-clip sum is not finite); the KL-clip sets them to zero for this step",
-                    KFACWarning,
-                    stacklevel=4,
-                )
-            for layer, result, _ in results:
-                # Zeros, not result * 0: an infinite entry times 0 is NaN.
-                layer.set_grad(torch.zeros_like(result) if scale == 0.0 else result * scale)
 
     def _end_step(self, phases: dict[str, float]) -> None:
         for layer in self._layers:
@@ -769,14 +631,8 @@ class KFAC:
                 option). Without them the checkpoint is small, but a resumed run
                 preconditions nothing until its next factor and decomposition steps.
         """
-        state: dict[str, Any] = {"steps": self.steps}
-        for key in _PLAIN_HYPERPARAMETERS:
-            value = getattr(self, f"_{key}")
-            if not callable(value):
-                state[key] = value
-        if include_factors:
-            state["layers"] = {layer.name: layer.state_dict() for layer in self._layers}
-        return state
+        given = {key: getattr(self, f"_{key}") for key in PLAIN_HYPERPARAMETERS}
+        return save_state(self.steps, given, self._layers, include_factors)
 
     def load_state_dict(self, state: dict[str, Any], compute_inverses: bool = True) -> None:
         """Restore :meth:`state_dict`.
@@ -788,42 +644,13 @@ class KFAC:
                 waits for the next scheduled decomposition step instead.
         """
         self.steps = int(state["steps"])
-        for key in _PLAIN_HYPERPARAMETERS:
+        for key in PLAIN_HYPERPARAMETERS:
             if key in state:
                 setattr(self, f"_{key}", state[key])
-        if "layers" not in state and compute_inverses:
-            warnings.warn(
-                "K-FAC state has no factors (saved with include_factors=False), so nothing can "
-                "be decomposed until the next factor and decomposition steps",
-                KFACWarning,
-                stacklevel=2,
-            )
-        saved = state.get("layers", {})
-        names = {layer.name for layer in self._layers}
-        unknown = sorted(set(saved) - names)
-        if unknown:
-            raise ValueError(
-                f"K-FAC state has layers this model does not precondition: {', '.join(unknown)}"
-            )
         device = self._device()
-        for layer in self._layers:
-            entry = saved.get(layer.name)
-            if entry is None:
-                continue
-            layer.load_state_dict(entry, device)
-            holds = layer.a_decomp is not None and layer.g_decomp is not None
-            worker = self.assignment.is_grad_worker(layer.name)
-            if compute_inverses and layer.decomposed and worker and not holds:
-                self._needs_decomposition = True
+        if load_state(state, self._layers, self.assignment, device, compute_inverses):
+            self._needs_decomposition = True
         self._loaded = True
-
-    def _agree_on_decomposition(self) -> None:
-        """After a load, decompose again on every rank if any rank lacks a decomposition."""
-        if self.world_size == 1:
-            return
-        flag = torch.tensor([int(self._needs_decomposition)], device=self._device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        self._needs_decomposition = bool(flag.item())
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes this rank holds for K-FAC, by kind, as kfac-pytorch reports them.
@@ -832,14 +659,7 @@ class KFAC:
             ``a_factors``, ``g_factors`` (running averages), ``a_batch``, ``g_batch`` (this
             step's sums), ``a_inverses``, ``g_inverses`` (decompositions) and ``total``.
         """
-        sizes = dict.fromkeys(
-            ("a_factors", "g_factors", "a_batch", "g_batch", "a_inverses", "g_inverses"), 0
-        )
-        for layer in self._layers:
-            for key, tensors in layer.held_tensors().items():
-                sizes[key] += sum(t.numel() * t.element_size() for t in tensors)
-        sizes["total"] = sum(sizes.values())
-        return sizes
+        return memory_usage(self._layers)
 
     def reset_batch(self) -> None:
         """Forget the factors summed since the last step (kfac-pytorch's ``reset_batch``)."""
@@ -850,7 +670,7 @@ class KFAC:
         settings = {
             "layers": len(self._layers),
             "steps": self.steps,
-            **{key: getattr(self, f"_{key}") for key in _PLAIN_HYPERPARAMETERS},
+            **{key: getattr(self, f"_{key}") for key in PLAIN_HYPERPARAMETERS},
             "accumulation_steps": self.accumulation_steps,
             "compute_method": self.compute_method,
             "grad_worker_fraction": self.grad_worker_fraction,
@@ -878,11 +698,3 @@ class KFAC:
 
 #: :class:`KFAC` under kfac-pytorch's name (``kfac.preconditioner.KFACPreconditioner``).
 KFACPreconditioner = KFAC
-
-
-def _all_finite(tensors: list[torch.Tensor]) -> list[bool]:
-    """Whether each tensor is all finite, read back from the device once for all of them."""
-    if not tensors:
-        return []
-    flags: list[bool] = torch.stack([torch.isfinite(t).all() for t in tensors]).tolist()
-    return flags
