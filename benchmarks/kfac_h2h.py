@@ -114,7 +114,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per run")
     parser.add_argument(
         "--memory",
-        default="dkfac,spd,kfac-pytorch",
+        default="dkfac,kfac-pytorch",
         help="modes whose peak RSS is measured (empty: none)",
     )
     parser.add_argument("--model", help="run only this model")

@@ -58,6 +58,17 @@ def test_wrapped_methods_resolve_their_futures_first_and_add_to_their_phase() ->
     assert all(value == 0 for value in clock.phases.values())
 
 
+def test_a_chained_future_is_waited_for_too() -> None:
+    # kfac-pytorch's collectives hand back ``future.then(...)``: the C++ future type.
+    clock = PhaseClock()
+    chained = _done(1.0).then(lambda done: done.value() * 2)
+    assert not isinstance(chained, torch.futures.Future)
+    layer = _Layer(chained)
+    clock.wrap(layer, "update_a_factor", "factor_compute")
+    layer.update_a_factor()
+    assert torch.equal(layer._a_factor, torch.full((2, 2), 2.0))
+
+
 def test_a_flush_counts_as_the_communication_after_the_last_phase() -> None:
     clock = PhaseClock()
     layer, tdc = _Layer(_done(1.0)), _Communicator()

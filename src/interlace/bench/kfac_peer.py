@@ -7,11 +7,15 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
-from torch.futures import Future
+import torch
 
 from interlace.kfac import PHASES
+
+#: What a pending collective's result is: ``Work.get_future()`` and ``then()`` give the C++
+#: future, which is not an instance of its Python subclass.
+FUTURE_TYPES: tuple[type, ...] = (torch._C.Future, torch.futures.Future)
 
 #: Where each wrapped kfac-pytorch layer method's time goes. ``save_layer_*`` cut the factors'
 #: batch products in the module hooks; ``update_*_factor`` fold them into the running averages.
@@ -85,9 +89,9 @@ class PhaseClock:
         """
         for name in names:
             value = owner.__dict__.get(name)
-            if isinstance(value, Future):
+            if isinstance(value, FUTURE_TYPES):
                 started = time.perf_counter()
-                setattr(owner, name, value.wait())
+                setattr(owner, name, cast(Any, value).wait())
                 self.phases[FUTURE_PHASES[name]] += time.perf_counter() - started
 
     def wrap(self, owner: Any, method: str, phase: str) -> None:
