@@ -198,6 +198,23 @@ def test_compare_without_kfac_pytorch_says_how_to_install_it(
     assert "not on PyPI" in err and "gpauloski/kfac-pytorch" in err
 
 
+def test_compare_and_memory_refuse_what_they_cannot_measure(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for argv, message in (
+        (["--compare", "kfac-pytorch", "--compute", "emulated:resnet20-cpu"], "real compute"),
+        (["--memory", "dkfac"], "add --ablation"),
+        (["--ablation", "--memory", "dkfac,nonsense"], "unknown mode 'nonsense'"),
+    ):
+        args = ["bench", "kfac", "--no-netem", *argv]
+        if "--compare" in argv:
+            args.insert(2, "--ablation")
+        with pytest.raises(SystemExit) as stopped:
+            cli.main(args)
+        assert stopped.value.code == 2
+        assert message in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_compare_runs_kfac_pytorch_beside_the_modes_with_its_phases_and_memory(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
