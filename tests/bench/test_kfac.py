@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -199,45 +198,38 @@ def test_compare_without_kfac_pytorch_says_how_to_install_it(
     assert "not on PyPI" in err and "gpauloski/kfac-pytorch" in err
 
 
-#: A stand-in with kfac-pytorch's import path and constructor, so the wiring of --compare runs
-#: here (kfac-pytorch itself is not installable from PyPI). It preconditions with interlace's
-#: K-FAC; the test checks the plumbing, not kfac-pytorch's speed.
-_STAND_IN = """
-from interlace.kfac import KFAC
-
-
-class KFACPreconditioner:
-    def __init__(self, model, *, factor_update_steps, inv_update_steps, lr, compute_method):
-        self._layers = {"stand-in": None}
-        self.precond = KFAC(
-            model,
-            factor_update_steps=factor_update_steps,
-            inv_update_steps=inv_update_steps,
-            lr=lr,
-            compute_method=compute_method,
-        )
-
-    def step(self):
-        self.precond.step()
-"""
+def test_compare_and_memory_refuse_what_they_cannot_measure(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for argv, message in (
+        (["--compare", "kfac-pytorch", "--compute", "emulated:resnet20-cpu"], "real compute"),
+        (["--memory", "dkfac"], "add --ablation"),
+        (["--ablation", "--memory", "dkfac,nonsense"], "unknown mode 'nonsense'"),
+    ):
+        args = ["bench", "kfac", "--no-netem", *argv]
+        if "--compare" in argv:
+            args.insert(2, "--ablation")
+        with pytest.raises(SystemExit) as stopped:
+            cli.main(args)
+        assert stopped.value.code == 2
+        assert message in capsys.readouterr().err
 
 
 @pytest.mark.slow
-def test_compare_runs_the_peer_beside_the_modes(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+def test_compare_runs_kfac_pytorch_beside_the_modes_with_its_phases_and_memory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    package = tmp_path / "peer" / "kfac"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    (package / "preconditioner.py").write_text(_STAND_IN)
-    monkeypatch.syspath_prepend(str(tmp_path / "peer"))
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'peer'}:{os.environ.get('PYTHONPATH', '')}")
+    # kfac-pytorch is optional (not on PyPI): without it there is nothing to compare with. Its
+    # backward hooks reject the mlp's in-place ReLU, so a small ResNet runs here.
+    pytest.importorskip("kfac.preconditioner")
     rows_path = tmp_path / "rows.json"
     status = cli.main(
         [
             "bench", "kfac", "--ablation", "--compare", "kfac-pytorch", "--no-netem",
-            "-n", "2", "--model", "mlp", "--input-shape", "1,8,8", "--batch-size", "8",
-            "--iters", "2", "--warmup", "1", "--json", str(rows_path),
+            "-n", "2", "--model", "resnet20", "--input-shape", "3,8,8", "--batch-size", "4",
+            "--iters", "4", "--warmup", "1", "--inv-update-steps", "2",
+            "--memory", "dkfac,kfac-pytorch",
+            "--json", str(rows_path),
         ]
     )  # fmt: skip
     assert status == 0
@@ -245,9 +237,15 @@ def test_compare_runs_the_peer_beside_the_modes(
     assert set(rows) == {*MODES, "kfac-pytorch"}
     peer = rows["kfac-pytorch"]
     assert peer["iteration_s"] > 0 and peer["speedup_vs_dkfac"] > 0
-    # It keeps no phase timings: only the passes every mode shares are filled in.
-    assert set(peer["phases_s"]) == {"forward_backward", "gradient_comm"}
-    assert "| mlp | kfac-pytorch |" in capsys.readouterr().out
+    assert peer["cycle_speedup_vs_peer"] == pytest.approx(1.0)
+    # Its phases are timed from outside: factors in its hooks, their all-reduce, decompositions.
+    for phase in ("factor_compute", "factor_comm", "decomposition", "precondition"):
+        assert peer["cycle_phases_s"][phase] > 0, phase
+    for mode in ("dkfac", "kfac-pytorch"):
+        assert rows[mode]["peak_rss_mb"] > rows[mode]["added_rss_mb"] >= 0
+    assert rows["spd"]["peak_rss_mb"] is None
+    out = capsys.readouterr().out
+    assert "| resnet20 | kfac-pytorch |" in out and "whole-cycle ms" in out
 
 
 # ================================================================================ emulated

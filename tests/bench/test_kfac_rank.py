@@ -31,3 +31,9 @@ def test_warm_up_waits_for_every_plan() -> None:
     # Pipelined: one bulk factor step, then 3 profiled ones before the merged buckets exist.
     assert not _contender(True, "pipelined", 3).settled()
     assert _contender(True, "pipelined", 4).settled()
+
+
+def test_a_wrapper_without_a_plan_is_settled_at_once() -> None:
+    # torch's DDP (kfac-pytorch's contender) plans nothing the warm-up must wait for.
+    precond = SimpleNamespace(factor_comm="kfac-pytorch")
+    assert KfacContender("peer", SimpleNamespace(), None, precond=precond).settled()

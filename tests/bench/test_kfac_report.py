@@ -18,7 +18,9 @@ from interlace.bench.kfac_report import (
     factor_comm_share,
     format_ablation_header,
     format_ablation_table,
+    format_h2h_table,
     format_table,
+    h2h_verdicts,
     plot_ablation,
 )
 
@@ -140,3 +142,72 @@ def test_the_ablation_chart_is_a_png(tmp_path: Path) -> None:
     assert png.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="no rows"):
         plot_ablation([], tmp_path / "empty.png")
+
+
+def _h2h_rows(link: str = "200mbit", inv: int = 10) -> list[AblationRow]:
+    """A launch against kfac-pytorch: per mode a median step and a whole-cycle mean whose
+    decomposition share is known, and each mode's peak RSS."""
+    medians: dict[str, dict[str, float]] = {}
+    steps = {"dkfac": 0.5, "pipelined": 0.4, "lbp": 0.45, "spd": 0.35, "kfac-pytorch": 0.5}
+    for mode, step in steps.items():
+        phases = {key: 0.0 for key, _ in COLUMNS}
+        phases[KFAC_PASSES[0]] = 0.1
+        phases["iteration"] = step
+        # One decomposition step in ten costs 1 s more: 0.1 s on the cycle's mean.
+        phases["cycle_iteration"] = step + 0.1 * (2.0 if mode == "kfac-pytorch" else 1.0)
+        phases["cycle_decomposition"] = phases["cycle_iteration"] - step
+        medians[mode] = phases
+    value = {
+        "medians": medians,
+        "layers": 4,
+        "memory": {
+            mode: {"peak_rss_mb": 500.0 + 10 * index, "added_rss_mb": 10.0 * index}
+            for index, mode in enumerate(steps)
+        },
+    }
+    return ablation_rows(
+        "resnet20",
+        value,
+        ranks=4,
+        link=link,
+        batch=8,
+        factor_update_steps=1,
+        inv_update_steps=inv,
+        iters=20,
+    )
+
+
+def test_rows_against_kfac_pytorch_carry_both_speedups_cycle_phases_and_memory() -> None:
+    by_mode = {row.mode: row for row in _h2h_rows()}
+    peer, spd = by_mode["kfac-pytorch"], by_mode["spd"]
+    assert peer.cycle_speedup_vs_peer == pytest.approx(1.0)
+    assert spd.cycle_speedup_vs_peer == pytest.approx(0.7 / 0.45)
+    assert spd.speedup_vs_peer == pytest.approx(0.5 / 0.35)
+    assert spd.cycle_phases_s["decomposition"] == pytest.approx(0.1)
+    # The median of a step without a decomposition shows none of it.
+    assert spd.phases_s["decomposition"] == 0.0
+    assert peer.peak_rss_mb == pytest.approx(540.0) and peer.added_rss_mb == pytest.approx(40.0)
+    assert by_mode["dkfac"].peak_rss_mb == pytest.approx(500.0)
+
+
+def test_the_h2h_table_puts_cycles_beside_medians() -> None:
+    header, rule, *lines = format_h2h_table(_h2h_rows()).splitlines()
+    assert header.count("|") == rule.count("|") == lines[0].count("|")
+    assert "whole-cycle ms" in header and "median ms" in header and "peak RSS MiB" in header
+    spd = next(line for line in lines if "| spd |" in line)
+    assert spd.startswith("| resnet20 | 200mbit | 10 | spd | 450.0 | 350.0 | 1.56x | 1.43x |")
+    assert spd.endswith("| 530 |")
+
+
+def test_verdicts_name_the_fastest_mode_and_the_default_against_kfac_pytorch() -> None:
+    rows = _h2h_rows() + _h2h_rows(link="1gbit", inv=1)
+    verdicts = h2h_verdicts(rows)
+    assert [(v["link"], v["inv_update_steps"]) for v in verdicts] == [("200mbit", 10), ("1gbit", 1)]
+    first = verdicts[0]
+    assert first["fastest_mode"] == "spd"
+    assert first["fastest_cycle_speedup"] == pytest.approx(0.7 / 0.45)
+    assert first["fastest_median_speedup"] == pytest.approx(0.5 / 0.35)
+    assert first["default_cycle_speedup"] == pytest.approx(0.7 / 0.6)
+    assert first["default_rss_ratio"] == pytest.approx(500.0 / 540.0)
+    # A launch without kfac-pytorch has no verdict.
+    assert h2h_verdicts(_rows()) == []

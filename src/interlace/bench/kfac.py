@@ -11,6 +11,7 @@ import argparse
 import importlib.util
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from interlace.bench.kfac_rank import (
     AblationJob,
     KfacJob,
     measure_ablation_rank,
+    measure_memory_rank,
     measure_rank,
 )
 from interlace.bench.kfac_report import (
@@ -40,6 +42,7 @@ from interlace.bench.kfac_report import (
     ablation_rows,
     format_ablation_header,
     format_ablation_table,
+    format_h2h_table,
     format_table,
     plot_ablation,
 )
@@ -143,6 +146,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --ablation, also run kfac-pytorch's KFACPreconditioner (its defaults, the "
         f"same update intervals) side by side; needs it installed: {KFAC_PYTORCH_INSTALL}",
     )
+    parser.add_argument(
+        "--memory",
+        nargs="?",
+        const="all",
+        metavar="MODES",
+        help="with --ablation, also measure peak RSS per rank of every mode (or of the "
+        "comma-separated MODES): one more launch per mode, the mode alone in fresh processes",
+    )
     parser.add_argument("--seed", type=int, default=0, help="model and data seed")
     parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     parser.add_argument(
@@ -200,9 +211,19 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--ablation runs COMM-OPT (lbp needs it): --grad-worker-fraction 1")
         if args.nprocs < 2:
             raise UsageError(f"--ablation needs -n >= 2 (nothing is sent on {args.nprocs})")
+    if args.memory and not args.ablation:
+        raise UsageError("--memory measures the modes of --ablation; add --ablation")
+    if args.memory and args.memory != "all":
+        parse_names(args.memory, (*ABLATION_MODES, *COMPARE_CHOICES), "memory", "mode")
     if args.compare is not None:
         if not args.ablation:
             raise UsageError("--compare runs beside the modes of --ablation; add --ablation")
+        if compute.emulated:
+            # Its layers carry their own K-FAC helper, which kfac-pytorch cannot register.
+            raise UsageError(
+                f"--compare {args.compare} needs real compute: it cannot precondition an emulated "
+                "trace's layers; leave out --compute"
+            )
         check_kfac_pytorch()
     if args.placement == "lbp" and args.grad_worker_fraction < 1:
         raise UsageError("--placement lbp needs --grad-worker-fraction 1 (COMM-OPT)")
@@ -304,6 +325,8 @@ def _run_ablation(
                 bar.write(failures[-1])
                 continue
             value["medians"] = undilated(value["medians"], compute.dilation)
+            if args.memory:
+                value["memory"] = _measure_memory(job, args, link, bar.write, failures)
             new_rows = ablation_rows(
                 model,
                 value,
@@ -328,6 +351,14 @@ def _run_ablation(
     )
     print(f"\n{header}\n")
     print(format_ablation_table(rows))
+    if args.compare is not None:
+        print(
+            f"\nAgainst {args.compare}: whole cycles of {args.inv_update_steps} iteration(s) "
+            "(mean of each iteration's slowest rank; phases likewise) beside the per-step median"
+            + ("; peak RSS of each mode alone in fresh processes" if args.memory else "")
+            + ":\n"
+        )
+        print(format_h2h_table(rows))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps([row.to_dict() for row in rows], indent=1) + "\n")
@@ -343,6 +374,27 @@ def _run_ablation(
     for failure in failures:
         print(f"{PROG}: {failure}")
     return 1 if failures else 0
+
+
+def _measure_memory(
+    job: AblationJob,
+    args: argparse.Namespace,
+    link: str | None,
+    note: Callable[[str], None],
+    failures: list[str],
+) -> dict[str, dict[str, float]]:
+    """Each mode's peak RSS, one launch per mode (:func:`measure_memory_rank`); a failed
+    launch is added to ``failures`` and leaves its mode out."""
+    memory: dict[str, dict[str, float]] = {}
+    wanted = job.modes if args.memory == "all" else parse_names(args.memory, None, "memory", "mode")
+    for mode in (mode for mode in job.modes if mode in wanted):
+        value = _launch(measure_memory_rank, replace(job, modes=(mode,)), args, link, note)
+        if isinstance(value, str):
+            failures.append(f"{job.model} {mode} memory: {value}")
+            note(failures[-1])
+            continue
+        memory[mode] = value
+    return memory
 
 
 def _run_breakdown(

@@ -4,6 +4,7 @@ K-FAC iteration phase by phase (the breakdown) or the ablation's modes side by s
 from __future__ import annotations
 
 import copy
+import resource
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from interlace.bench.harness import (
     max_over_ranks,
     synthetic_batches,
 )
+from interlace.bench.kfac_peer import KfacPytorchPeer
 from interlace.dp import DataParallel
 from interlace.emulate.compute import Compute, ComputeKind
 from interlace.emulate.kfac import EmulatedKFACModel
@@ -170,10 +172,15 @@ def _kfac_iteration(
     contender.precond.step()
     precond_end = time.perf_counter()
     contender.optimizer.step()
+    optimizer_end = time.perf_counter()
+    # A peer that leaves collectives pending past its step waits for them here, in its time.
+    finish = getattr(contender.precond, "finish", None)
+    if finish is not None:
+        finish()
     end = time.perf_counter()
     sample = dict(contender.precond.last_phase_s)
     sample[passes_key] = backward_end - start
-    sample["optimizer"] = end - precond_end
+    sample["optimizer"] = optimizer_end - precond_end
     sample["iteration"] = end - start
     return sample
 
@@ -279,7 +286,7 @@ class KfacContender(Contender):
     def settled(self) -> bool:
         """Whether every plan is final: DataParallel's buckets, and for pipelined factors the
         merged buckets (one bulk factor step, then ``profile_steps`` profiled ones)."""
-        if not self.wrapper.planning_done:
+        if not getattr(self.wrapper, "planning_done", True):
             return False
         precond = self.precond
         if precond.factor_comm != "pipelined":
@@ -287,37 +294,91 @@ class KfacContender(Contender):
         return bool(precond.steps > precond.profile_steps * precond.factor_update_steps)
 
 
-class _KfacPytorch:
-    """kfac-pytorch's ``KFACPreconditioner`` (its defaults) seen through what a contender needs.
+def _contender(
+    mode: str, plain: torch.nn.Module, job: AblationJob, lbp_costs: dict[str, Any]
+) -> KfacContender:
+    """One mode's contender on its own copy of ``plain``: interlace's ``DataParallel`` and
+    ``KFAC`` in that mode, or kfac-pytorch at its defaults under torch's DDP (its users' set-up).
 
-    It keeps no phase timings, so :attr:`last_phase_s` stays zero and the row shows only the
-    iteration; its factors go out from its own hooks (``update_factors_in_hook=True``).
+    Args:
+        mode: A key of :data:`ABLATION_MODES`, or :data:`KFAC_PYTORCH_MODE`.
+        plain: The model every contender copies.
+        job: The launch's settings.
+        lbp_costs: LBP's cost models, shared by the LBP modes (empty: measured anew).
     """
-
-    factor_comm = "kfac-pytorch"
-    placement = "kaisa"
-    factor_plan = None
-
-    def __init__(self, model: Any, job: AblationJob) -> None:
-        self.factor_owners: dict[str, Any] = {}
-        # An optional peer, not a dependency: checked by check_kfac_pytorch before launching.
-        from kfac.preconditioner import (  # type: ignore[import-not-found]  # noqa: PLC0415 - optional dependency
-            KFACPreconditioner,
-        )
-
-        self.inner = KFACPreconditioner(
-            model,
+    model = copy.deepcopy(plain)
+    if mode == KFAC_PYTORCH_MODE:
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        peer = KfacPytorchPeer(
+            ddp,
             factor_update_steps=job.factor_update_steps,
             inv_update_steps=job.inv_update_steps,
-            lr=0.01,
             compute_method=job.compute_method,
+            lr=0.01,
         )
-        self.last_phase_s = dict.fromkeys(PHASES, 0.0)
-        layers = getattr(self.inner, "_layers", None)
-        self.layers = list(layers) if layers is not None else []
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        return KfacContender(mode, ddp, optimizer, precond=peer)
+    wrapped = DataParallel(model)
+    factor_comm, fusion, placement = ABLATION_MODES[mode]
+    precond = KFAC(
+        wrapped,
+        lr=0.01,
+        compute_method=job.compute_method,
+        grad_worker_fraction=1.0,
+        factor_update_steps=job.factor_update_steps,
+        inv_update_steps=job.inv_update_steps,
+        placement=placement,
+        factor_comm=factor_comm,
+        fusion=fusion,
+        **(lbp_costs if placement == "lbp" else {}),
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    return KfacContender(mode, wrapped, optimizer, precond=precond)
 
-    def step(self) -> None:
-        self.inner.step()
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set so far, in MiB (``getrusage``'s ``ru_maxrss``)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def measure_memory_rank(job: AblationJob) -> dict[str, Any]:
+    """One rank of a memory launch: ``job.modes``' single contender alone in fresh processes,
+    trained until its plans are final and then ``job.warmup`` more steps (step 0 decomposes).
+
+    Peak RSS is a process's high-water mark, so each contender gets processes of its own:
+    measured in the ablation's shared ones, a mode's peak would hold the others' memory.
+
+    Args:
+        job: The model and the one mode to measure.
+
+    Returns:
+        ``peak_rss_mb``: the largest peak RSS over ranks; ``base_rss_mb``: the largest peak
+        over ranks before the contender was built (interpreter, torch, model, batches);
+        ``added_rss_mb``: the largest per-rank difference of the two.
+    """
+    if len(job.modes) != 1:
+        raise ValueError(f"a memory launch measures one mode, got {list(job.modes)}")
+    rank = dist.get_rank()
+    torch.manual_seed(job.seed)
+    plain = build_job_model(job.model, job.input_shape, job.compute, job.num_classes)
+    batches = job_batches(
+        job.batch, job.input_shape, job.seed, rank, job.compute, num_classes=job.num_classes
+    )
+    dist.barrier()
+    base = peak_rss_mb()
+    contender = _contender(job.modes[0], plain, job, lbp_costs_for(plain, job.compute_method))
+    step = 0
+    settled_at: int | None = None
+    while settled_at is None or step < settled_at + max(job.warmup, 1):
+        _kfac_iteration(contender, batches[step % len(batches)], KFAC_PASSES[0])
+        step += 1
+        if settled_at is None and contender.settled():
+            settled_at = step
+        if step > MAX_WARMUP_STEPS:
+            raise RuntimeError(f"{job.model}: the plans were not final after the warm-up")
+    peak = peak_rss_mb()
+    base_max, peak_max, added_max = max_over_ranks([base, peak, peak - base])
+    return {"peak_rss_mb": peak_max, "base_rss_mb": base_max, "added_rss_mb": added_max}
 
 
 def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
@@ -338,34 +399,13 @@ def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
     # The same order on every rank: KFAC creates process groups and measures LBP's costs with
     # collectives. The LBP modes share one measurement, so they share one placement.
     for mode in job.modes:
-        model = copy.deepcopy(plain)
-        wrapped = DataParallel(model)
-        if mode == KFAC_PYTORCH_MODE:
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-            contenders.append(
-                KfacContender(mode, wrapped, optimizer, precond=_KfacPytorch(wrapped, job))
-            )
-            continue
-        factor_comm, fusion, placement = ABLATION_MODES[mode]
-        precond = KFAC(
-            wrapped,
-            lr=0.01,
-            compute_method=job.compute_method,
-            grad_worker_fraction=1.0,
-            factor_update_steps=job.factor_update_steps,
-            inv_update_steps=job.inv_update_steps,
-            placement=placement,
-            factor_comm=factor_comm,
-            fusion=fusion,
-            **(lbp_costs if placement == "lbp" else {}),
-        )
-        if placement == "lbp" and "broadcast_cost" not in lbp_costs:
+        contenders.append(_contender(mode, plain, job, lbp_costs))
+        precond = contenders[-1].precond
+        if ABLATION_MODES.get(mode, ("", "", ""))[2] == "lbp" and "broadcast_cost" not in lbp_costs:
             lbp_costs = {
                 "decomposition_cost": precond.decomposition_cost,
                 "broadcast_cost": precond.broadcast_cost,
             }
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        contenders.append(KfacContender(mode, wrapped, optimizer, precond=precond))
     batches = job_batches(
         job.batch, job.input_shape, job.seed, rank, job.compute, num_classes=job.num_classes
     )
@@ -436,6 +476,12 @@ def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
         medians[mode]["cycle_iteration"] = (
             statistics.fmean(iterations[:whole]) if whole else medians[mode]["iteration"]
         )
+        # Each phase's mean over the same whole cycles (its slowest rank in each iteration).
+        for k, key in enumerate(keys[:-1]):
+            values = maxima[m * len(keys) + k]
+            medians[mode][f"cycle_{key}"] = (
+                statistics.fmean(values[:whole]) if whole else medians[mode][key]
+            )
         medians[mode]["forward_backward"] = forward_backward
         medians[mode]["gradient_comm"] = gradient_comm
     return {

@@ -85,6 +85,18 @@ class AblationRow:
     cycle_iteration_s: float | None = None
     #: The speed-up over dkfac in whole-cycle throughput.
     cycle_speedup_vs_dkfac: float | None = None
+    #: Each phase's mean over the same whole cycles (seconds; the :data:`COLUMNS` phases and
+    #: :data:`KFAC_PASSES`), so that they add up like the whole-cycle iteration does.
+    cycle_phases_s: dict[str, float] = field(default_factory=dict)
+    #: kfac-pytorch's whole-cycle iteration over this mode's (None without ``--compare``).
+    cycle_speedup_vs_peer: float | None = None
+    #: kfac-pytorch's median iteration over this mode's (None without ``--compare``).
+    speedup_vs_peer: float | None = None
+    #: Peak RSS of the contender alone in fresh processes, largest over ranks (MiB; None
+    #: without ``--memory``), and how much of it the contender added to the processes' peak
+    #: before it was built.
+    peak_rss_mb: float | None = None
+    added_rss_mb: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -139,13 +151,16 @@ def ablation_rows(
         compute: What the launch computed on (:meth:`interlace.emulate.Compute.label`).
     """
     medians: dict[str, dict[str, float]] = value["medians"]
+    memory: dict[str, dict[str, float]] = value.get("memory", {})
     baseline = medians.get(BASELINE_MODE, {}).get("iteration")
     baseline_cycle = medians.get(BASELINE_MODE, {}).get("cycle_iteration")
+    peer = medians.get(KFAC_PYTORCH_MODE, {}).get("iteration")
+    peer_cycle = medians.get(KFAC_PYTORCH_MODE, {}).get("cycle_iteration")
     rows: list[AblationRow] = []
     for mode, phases in medians.items():
         factor_comm, fusion, placement = mode_settings(mode)
         iteration = phases["iteration"]
-        measured_phases = mode != KFAC_PYTORCH_MODE
+        cycle = phases.get("cycle_iteration")
         rows.append(
             AblationRow(
                 model=model,
@@ -162,20 +177,22 @@ def ablation_rows(
                 iters=iters,
                 iteration_s=iteration,
                 speedup_vs_dkfac=baseline / iteration if baseline and iteration > 0 else None,
-                # kfac-pytorch does not time its phases: only its iteration is known (and the
-                # passes every mode shares).
-                phases_s={
-                    key: phases[key]
-                    for key, _ in (*COLUMNS, KFAC_PASSES)
-                    if measured_phases or key in ("forward_backward", "gradient_comm")
-                },
+                phases_s={key: phases[key] for key, _ in (*COLUMNS, KFAC_PASSES)},
                 factor_buckets=value.get("factor_buckets", {}).get(mode),
                 local_factors=value.get("local_factors", {}).get(mode),
                 compute=compute,
-                cycle_iteration_s=(cycle := phases.get("cycle_iteration")),
+                cycle_iteration_s=cycle,
                 cycle_speedup_vs_dkfac=(
                     baseline_cycle / cycle if baseline_cycle and cycle else None
                 ),
+                cycle_phases_s={
+                    key: phases.get(f"cycle_{key}", phases[key])
+                    for key, _ in (*COLUMNS, KFAC_PASSES)
+                },
+                cycle_speedup_vs_peer=peer_cycle / cycle if peer_cycle and cycle else None,
+                speedup_vs_peer=peer / iteration if peer and iteration > 0 else None,
+                peak_rss_mb=memory.get(mode, {}).get("peak_rss_mb"),
+                added_rss_mb=memory.get(mode, {}).get("added_rss_mb"),
             )
         )
     return rows
@@ -363,3 +380,99 @@ def plot_ablation(rows: Sequence[AblationRow], path: str | Path, title: str = ""
     figure.tight_layout(rect=(0.0, 0.1, 1.0, 1.0))
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+#: The head-to-head table's phases (whole-cycle means): (key, heading).
+H2H_PHASES: tuple[tuple[str, str], ...] = (
+    ("factor_compute", "factor compute"),
+    ("factor_comm", "factor comm"),
+    ("decomposition", "decomposition"),
+    ("decomposition_comm", "broadcast"),
+    ("precondition", "precondition"),
+    KFAC_PASSES,
+)
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def format_h2h_table(rows: Sequence[AblationRow]) -> str:
+    """The head-to-head table: per (model, link, decomposition interval, mode), the whole-cycle
+    mean iteration, the per-step median, both speed-ups over kfac-pytorch, the phases' means
+    over the same cycles, and the peak RSS (ms and MiB).
+
+    Args:
+        rows: Ablation rows of runs with ``--compare kfac-pytorch``.
+    """
+    head = [
+        "model",
+        "link",
+        "inv every",
+        "mode",
+        "whole-cycle ms",
+        "median ms",
+        "vs kfac-pytorch (cycle)",
+        "vs kfac-pytorch (median)",
+        *(title + " ms" for _, title in H2H_PHASES),
+        "peak RSS MiB",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|---:|---|" + "---:|" * (len(head) - 4)]
+    for row in rows:
+        cycle = row.cycle_iteration_s if row.cycle_iteration_s is not None else row.iteration_s
+        phases = row.cycle_phases_s or row.phases_s
+        cells = [
+            row.model,
+            row.link,
+            str(row.inv_update_steps),
+            row.mode,
+            _ms(cycle),
+            _ms(row.iteration_s),
+            _ratio(row.cycle_speedup_vs_peer),
+            _ratio(row.speedup_vs_peer),
+            *(_ms(phases[key]) if key in phases else "-" for key, _ in H2H_PHASES),
+            "-" if row.peak_rss_mb is None else f"{row.peak_rss_mb:.0f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def h2h_verdicts(
+    rows: Sequence[AblationRow], default_mode: str = BASELINE_MODE
+) -> list[dict[str, Any]]:
+    """Per (model, link, decomposition interval) against kfac-pytorch: interlace's fastest mode
+    and its default mode in whole-cycle throughput, the fastest mode's per-step median, and the
+    default mode's peak RSS over kfac-pytorch's (None where not measured).
+
+    Args:
+        rows: Ablation rows of runs with ``--compare kfac-pytorch``.
+        default_mode: The mode :class:`interlace.KFAC`'s defaults select.
+    """
+    groups: dict[tuple[str, str, int], list[AblationRow]] = {}
+    for row in rows:
+        groups.setdefault((row.model, row.link, row.inv_update_steps), []).append(row)
+    verdicts: list[dict[str, Any]] = []
+    for (model, link, inv), group in groups.items():
+        peer = next((r for r in group if r.mode == KFAC_PYTORCH_MODE), None)
+        ours = [r for r in group if r.mode != KFAC_PYTORCH_MODE]
+        if peer is None or not ours:
+            continue
+        fastest = max(ours, key=lambda r: r.cycle_speedup_vs_peer or 0.0)
+        default = next((r for r in ours if r.mode == default_mode), None)
+        verdicts.append(
+            {
+                "model": model,
+                "link": link,
+                "inv_update_steps": inv,
+                "fastest_mode": fastest.mode,
+                "fastest_cycle_speedup": fastest.cycle_speedup_vs_peer,
+                "fastest_median_speedup": fastest.speedup_vs_peer,
+                "default_cycle_speedup": default.cycle_speedup_vs_peer if default else None,
+                "default_rss_ratio": (
+                    default.peak_rss_mb / peer.peak_rss_mb
+                    if default and default.peak_rss_mb and peer.peak_rss_mb
+                    else None
+                ),
+            }
+        )
+    return verdicts

@@ -66,7 +66,9 @@ def all_reduce_mean(
     for bucket, flat, work in zip(buckets, flats, works, strict=True):
         assert work is not None
         work.wait()
-        mean = flat / world_size
+        # In place: the bucket is this call's own copy, and a second one would add a whole
+        # copy of every factor to the step's peak memory.
+        mean = flat.div_(world_size)
         offset = 0
         for index in bucket:
             numel = tensors[index].numel()

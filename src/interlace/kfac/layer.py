@@ -146,7 +146,11 @@ class KFACLayer:
     def batch_factors(self) -> list[torch.Tensor]:
         """This step's mean ``A`` and ``G`` (both hooks must have run)."""
         assert self.a_sum is not None and self.g_sum is not None
-        return [self.a_sum / self.a_count, self.g_sum / self.g_count]
+        # A single batch's sum is its mean: no copy (callers do not write to it).
+        return [
+            total if count == 1 else total / count
+            for total, count in ((self.a_sum, self.a_count), (self.g_sum, self.g_count))
+        ]
 
     def reset_batch(self) -> None:
         """Forget this step's factor sums."""
