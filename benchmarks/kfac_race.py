@@ -34,6 +34,8 @@ SGD_MOMENTA = (0.9, 0.8)
 KFAC_LRS = (0.1, 0.03)
 KFAC_DAMPINGS = (0.03, 0.01)
 KFAC_KL_CLIPS = (0.001, 0.01)
+#: Starting dampings under Levenberg-Marquardt adaptation (it moves them within x100 each way).
+KFAC_LM_DAMPINGS = (0.01, 0.001)
 #: K-FAC settings held fixed: factors every step, decompositions every 10 (4 per epoch here).
 KFAC_INV_UPDATE_STEPS = 10
 KFAC_FACTOR_UPDATE_STEPS = 1
@@ -70,6 +72,8 @@ class RaceRun:
         kl_clip: K-FAC KL-clip (None for SGD).
         seed: seeds the model and the shuffle.
         epochs: the epoch cap, which the schedule spans.
+        adaptation: K-FAC's damping adaptation, ``"fixed"`` or ``"levenberg-marquardt"``
+            (then ``damping`` is where it starts).
     """
 
     model: str
@@ -80,13 +84,15 @@ class RaceRun:
     kl_clip: float | None
     seed: int
     epochs: int
+    adaptation: str = "fixed"
 
     @property
     def label(self) -> str:
         """The configuration in words, without the seed: ``lr 0.1, momentum 0.9``."""
         if self.optimizer == "sgd":
             return f"lr {self.lr:g}, momentum {self.momentum:g}"
-        return f"lr {self.lr:g}, damping {self.damping:g}, kl_clip {self.kl_clip:g}"
+        adaptive = "" if self.adaptation == "fixed" else " adaptive from"
+        return f"lr {self.lr:g}, damping{adaptive} {self.damping:g}, kl_clip {self.kl_clip:g}"
 
     @property
     def name(self) -> str:
@@ -94,7 +100,8 @@ class RaceRun:
         if self.optimizer == "sgd":
             return f"sgd-lr{self.lr:g}-m{self.momentum:g}-e{self.epochs}-seed{self.seed}"
         return (
-            f"kfac-lr{self.lr:g}-d{self.damping:g}-kl{self.kl_clip:g}-e{self.epochs}"
+            f"kfac-lr{self.lr:g}-d{self.damping:g}-kl{self.kl_clip:g}"
+            f"{'' if self.adaptation == 'fixed' else '-lm'}-e{self.epochs}"
             f"-seed{self.seed}"
         )
 
@@ -121,10 +128,13 @@ class RaceRun:
             kfac_inv_update_steps=KFAC_INV_UPDATE_STEPS,
             kfac_factor_update_steps=KFAC_FACTOR_UPDATE_STEPS,
             kfac_factor_decay=KFAC_FACTOR_DECAY,
+            kfac_damping_adaptation=self.adaptation if kfac else "fixed",
         )
 
 
-def grid(model: str, optimizer: str, epochs: int, configs: int) -> list[RaceRun]:
+def grid(
+    model: str, optimizer: str, epochs: int, configs: int, adaptation: str = "fixed"
+) -> list[RaceRun]:
     """The first ``configs`` configurations of an optimiser's grid, on seed 0.
 
     Args:
@@ -132,6 +142,7 @@ def grid(model: str, optimizer: str, epochs: int, configs: int) -> list[RaceRun]
         optimizer: ``"sgd"`` or ``"kfac"``.
         epochs: the epoch cap.
         configs: how many configurations to keep (at most the grid's 8).
+        adaptation: K-FAC's damping adaptation (its grid then starts from smaller dampings).
     """
     runs: list[RaceRun]
     if optimizer == "sgd":
@@ -141,8 +152,12 @@ def grid(model: str, optimizer: str, epochs: int, configs: int) -> list[RaceRun]
         ]
     else:
         runs = [
-            RaceRun(model, "kfac", lr, 0.9, damping, clip, 0, epochs)
-            for damping, clip, lr in itertools.product(KFAC_DAMPINGS, KFAC_KL_CLIPS, KFAC_LRS)
+            RaceRun(model, "kfac", lr, 0.9, damping, clip, 0, epochs, adaptation)
+            for damping, clip, lr in itertools.product(
+                KFAC_DAMPINGS if adaptation == "fixed" else KFAC_LM_DAMPINGS,
+                KFAC_KL_CLIPS,
+                KFAC_LRS,
+            )
         ]
     return runs[:configs]
 
@@ -475,6 +490,12 @@ def main() -> int:
         help=f"SGD-then-K-FAC pairs of {TIMING_EPOCHS}-epoch runs timing an epoch side by side "
         "(default 3)",
     )
+    parser.add_argument(
+        "--kfac-damping-adaptation",
+        choices=("fixed", "levenberg-marquardt"),
+        default="fixed",
+        help="K-FAC's damping: fixed, or adapted from a smaller start (default %(default)s)",
+    )
     parser.add_argument("-n", "--nprocs", type=int, default=4, help="ranks (default 4)")
     parser.add_argument(
         "--batch-size", type=int, default=25, help="per-rank batch (default 25: 100 in all)"
@@ -496,7 +517,11 @@ def main() -> int:
     def cap(model: str) -> int:
         return int(caps.get(model, caps.get("*", DEFAULT_EPOCHS.get(model, 15))))
 
-    sweeps = {m: {o: grid(m, o, cap(m), args.configs) for o in ("sgd", "kfac")} for m in models}
+    adaptation = args.kfac_damping_adaptation
+    sweeps = {
+        m: {o: grid(m, o, cap(m), args.configs, adaptation) for o in ("sgd", "kfac")}
+        for m in models
+    }
     total = sum(
         r.epochs * (1 + (len(seeds) - 1) / len(rs))
         for per in sweeps.values()
@@ -568,6 +593,7 @@ def main() -> int:
             "batch_size": args.batch_size,
             "link": args.link or "loopback",
             "kfac_fixed": KFAC_FIXED,
+            "kfac_damping_adaptation": adaptation,
             "seeds": seeds,
             "configs_per_optimizer": args.configs,
             "summary": summaries,
@@ -579,6 +605,7 @@ def main() -> int:
 
         for entry in summaries:
             suffix = "" if entry["target_rule"] != "fixed" else f"-{100 * entry['target']:g}"
+            suffix += "" if adaptation == "fixed" else "-lm"
             plot_race(entry, everything, Path(args.png_dir) / f"race-{entry['model']}{suffix}.png")
     return 0
 
