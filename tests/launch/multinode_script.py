@@ -6,6 +6,7 @@ weights (``torch.save``), so runs with other node layouts can be compared exactl
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 
 import interlace
 from interlace.comm.cost import CostModel
+from interlace.distenv import finish_distributed
 
 STEPS = 5
 
@@ -48,7 +50,12 @@ def main(out: str) -> None:
     dist.all_gather_object(everyone, losses)
     if rank == 0:
         torch.save({"losses": everyone, "weights": net.state_dict()}, out)
-    dist.destroy_process_group()
+    # Release the wrapper's communication state while the process group still exists: left to
+    # the interpreter's exit, its finalisation after the group's teardown can abort the rank
+    # (SIGABRT, "terminate called without an active exception") after a successful run.
+    del model, optimizer
+    gc.collect()
+    finish_distributed()  # a barrier, then the teardown
 
 
 if __name__ == "__main__":
