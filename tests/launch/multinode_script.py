@@ -50,9 +50,9 @@ def main(out: str) -> None:
     dist.all_gather_object(everyone, losses)
     if rank == 0:
         torch.save({"losses": everyone, "weights": net.state_dict()}, out)
-    # Release the wrapper's communication state while the process group still exists: left to
-    # the interpreter's exit, its finalisation after the group's teardown can abort the rank
-    # (SIGABRT, "terminate called without an active exception") after a successful run.
+    # Release the wrapper while the process group still exists: left to the interpreter's exit,
+    # its finalisation after the group's teardown can abort the rank (SIGABRT, "terminate called
+    # without an active exception") after a successful run; torch DDP's does the same.
     del model, optimizer
     gc.collect()
     finish_distributed()  # a barrier, then the teardown
