@@ -243,6 +243,8 @@ def _plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415 - after choosing the Agg backend
 
+    from kfac_race_plot import plot_spread  # noqa: PLC0415 - this script's folder, with matplotlib
+
     colors = {"sgd": "tab:blue", "kfac": "tab:orange"}
     names = {"sgd": "SGD + momentum", "kfac": "K-FAC + SGD + momentum"}
     figure, axes = plt.subplots(
@@ -266,17 +268,11 @@ def _plot(
                     continue
                 epochs = list(range(1, min(len(c) for c in curves) + 1))
                 per_epoch = [[100 * c[e - 1] for c in curves] for e in epochs]
-                axis.fill_between(
+                plot_spread(
+                    axis,
                     epochs,
-                    [min(v) for v in per_epoch],
-                    [max(v) for v in per_epoch],
-                    color=colors[optimizer],
+                    per_epoch,
                     alpha=0.2,
-                    linewidth=0,
-                )
-                axis.plot(
-                    epochs,
-                    [statistics.median(v) for v in per_epoch],
                     color=colors[optimizer],
                     marker="o",
                     markersize=3,

@@ -10,6 +10,23 @@ from typing import Any
 NAMES = {"sgd": "SGD", "kfac": "K-FAC"}
 
 
+def plot_spread(
+    axis: Any, x: Sequence[float], per_x: Sequence[Sequence[float]], *, alpha: float, **line: Any
+) -> None:
+    """The median of several seeds' values at each x as a line, their min-max as a band.
+
+    Args:
+        axis: the matplotlib axes to draw on.
+        x: the x positions.
+        per_x: the seeds' values at each x.
+        alpha: the band's opacity.
+        **line: ``Axes.plot`` keywords for the median line (``color`` colours the band too).
+    """
+    lows, highs = [min(v) for v in per_x], [max(v) for v in per_x]
+    axis.fill_between(x, lows, highs, color=line.get("color"), alpha=alpha, linewidth=0)
+    axis.plot(x, [statistics.median(v) for v in per_x], **line)
+
+
 def plot_race(entry: dict[str, Any], runs: Sequence[dict[str, Any]], path: Path) -> None:
     """Test accuracy of both picked configurations against epochs and against wall-clock.
 
@@ -47,17 +64,11 @@ def plot_race(entry: dict[str, Any], runs: Sequence[dict[str, Any]], path: Path)
         ]
         label = f"{NAMES[optimizer]} ({row['config']})"
         for axis, x in ((by_epoch, list(range(1, length + 1))), (by_time, seconds)):
-            axis.fill_between(
+            plot_spread(
+                axis,
                 x,
-                [min(v) for v in accuracy],
-                [max(v) for v in accuracy],
-                color=colors[optimizer],
+                accuracy,
                 alpha=0.25,
-                linewidth=0,
-            )
-            axis.plot(
-                x,
-                [statistics.median(v) for v in accuracy],
                 color=colors[optimizer],
                 marker="o",
                 markersize=2.5,
