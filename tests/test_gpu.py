@@ -27,6 +27,7 @@ from interlace.comm.cost import CostModel
 from interlace.distenv import DistContext, default_backend
 from interlace.dp import DataParallel
 from interlace.kfac.costs import DecompositionCostModel
+from interlace.record import record_trace
 from interlace.runlog import read_metrics
 from interlace.testing import run_ranks
 from interlace.train import TrainConfig, TrainResult, train_rank
@@ -262,3 +263,76 @@ def test_more_ranks_than_gpus_fall_back_to_gloo() -> None:
     count = torch.cuda.device_count()
     backends = run_ranks(_rank_devices, count + 1, timeout=120)
     assert {chosen for chosen, _ in backends} == {"gloo"}
+
+
+# -- device time, not host time ----------------------------------------------------------------
+
+
+class _HeavyForward(nn.Module):
+    """Linear layers around parameter-free matrix products that cost device time in forward
+    only: the host queues them in microseconds, the GPU takes milliseconds."""
+
+    def __init__(self, width: int = 2048, products: int = 40) -> None:
+        super().__init__()
+        self.first = nn.Linear(width, width)
+        self.last = nn.Linear(width, 10)
+        self.register_buffer("mixer", torch.randn(width, width) / width**0.5)
+        self.products = products
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        side = x.detach()
+        for _ in range(self.products):
+            side = side @ self.mixer
+        return self.last(x + 0.0 * side)
+
+
+def _device_forward_s(model: nn.Module, inputs: torch.Tensor) -> float:
+    """The forward's device time, read with CUDA events around it (median of 5)."""
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        model(inputs)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[2]
+
+
+def _profiled_forward_on_cuda() -> dict[str, float]:
+    _exact_float32()
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    model = _HeavyForward().to(device)
+    inputs = torch.randn(2048, 2048, device=device)
+    targets = torch.randint(0, 10, (2048,), device=device)
+    ours = DataParallel(model, profile_steps=3, cost_model=COST)
+    for _ in range(6):
+        functional.cross_entropy(ours(inputs), targets).backward()
+    assert ours.plan is not None
+    reference = _device_forward_s(model, inputs)
+    return {"planned": ours.plan.forward_s, "reference": reference}
+
+
+def test_data_parallel_profiles_device_time_on_cuda() -> None:
+    # Host timestamps would give the forward as the few microseconds it takes to queue the
+    # products; the plan must hold the device's time for them.
+    times = run_ranks(_profiled_forward_on_cuda, 1, backend="nccl", timeout=300)[0]
+    assert times["reference"] > 5e-3, times
+    assert 0.5 < times["planned"] / times["reference"] < 2.0, times
+
+
+def test_a_trace_recorded_on_cuda_holds_device_time() -> None:
+    _exact_float32()
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    model = _HeavyForward().to(device)
+    inputs = torch.randn(2048, 2048, device=device)
+    targets = torch.randint(0, 10, (2048,), device=device)
+    trace = record_trace(model, inputs, targets, name="heavy", iters=5, warmup=2)
+    reference = _device_forward_s(model, inputs)
+    assert reference > 5e-3
+    assert 0.5 < trace.forward_s / reference < 2.0, (trace.forward_s, reference)
+    assert trace.layer_backward_total_s <= trace.backward_s * 1.01
+    assert "CUDA events" in trace.notes

@@ -107,6 +107,14 @@ def build_parser() -> OneLineArgumentParser:
         populate=_profile_arguments,
     )
 
+    _add_command(
+        commands,
+        "trace",
+        help="record a model's per-layer trace on one device (CUDA events on a GPU) for "
+        "simulate and the emulated model",
+        populate=_trace_arguments,
+    )
+
     bench = _add_command(commands, "bench", help="benchmarks that back the README's claims")
     benchmarks = bench.add_subparsers(
         dest="benchmark", metavar="BENCHMARK", parser_class=OneLineArgumentParser, required=True
@@ -212,6 +220,13 @@ def _profile_arguments(parser: argparse.ArgumentParser) -> None:
 
     profile.add_arguments(parser)
     parser.set_defaults(handler=profile.run)
+
+
+def _trace_arguments(parser: argparse.ArgumentParser) -> None:
+    from interlace import record  # noqa: PLC0415 - heavy (torch), only for this subcommand
+
+    record.add_arguments(parser)
+    parser.set_defaults(handler=record.run)
 
 
 def _bench_dp_arguments(parser: argparse.ArgumentParser) -> None:

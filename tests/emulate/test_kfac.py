@@ -12,6 +12,7 @@ import torch
 from interlace.emulate.kfac import (
     H100_EIGH_S,
     H100_INVERSE_S,
+    H200_EIGH_S,
     EmulatedFactorLayer,
     EmulatedKFACModel,
     KFACDeviceCosts,
@@ -142,8 +143,8 @@ def test_a_step_moves_factors_of_the_traced_sizes_and_spends_the_modelled_device
         assert torch.allclose(param.grad, expected)  # type: ignore[arg-type]
 
 
-def test_the_shipped_cpu_traces_have_factor_layers() -> None:
-    for name in ("resnet20-cpu", "resnet32-cpu"):
+def test_the_shipped_cpu_and_gpu_traces_have_factor_layers() -> None:
+    for name in ("resnet20-cpu", "resnet32-cpu", "resnet20-h200", "transformer-h200"):
         trace = load_trace(name)
         model = EmulatedKFACModel(trace, dilation=1.0)
         # Every convolution and the classifier: the traced factors, all matching their tensors.
@@ -155,3 +156,11 @@ def test_a_trace_without_matching_factors_is_refused() -> None:
     bare = Trace("bare", trace.tensors, forward_s=trace.forward_s, backward_s=trace.backward_s)
     with pytest.raises(ValueError, match="no layer with K-FAC factor sizes"):
         EmulatedKFACModel(bare)
+
+
+def test_h200_traces_are_priced_with_the_h200_measurements() -> None:
+    model = EmulatedKFACModel("resnet20-h200", dilation=1.0)
+    assert model.costs.device == "H200"
+    for n, seconds in H200_EIGH_S:
+        assert model.costs.decomposition_s("eigen", n) == pytest.approx(seconds)
+    assert EmulatedKFACModel("resnet20-cpu", dilation=1.0).costs.device == "H100"

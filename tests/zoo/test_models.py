@@ -337,6 +337,10 @@ USER_MODULE = """
         SEEN.update(kwargs)
         return nn.Identity()
 
+    def forwards_kwargs(**kwargs):
+        # As torchvision's resnet50: **kwargs handed on to a class without input_shape.
+        return Net(**kwargs)
+
     class Net(nn.Module):
         def __init__(self, num_classes, hidden=6):
             super().__init__()
@@ -392,6 +396,9 @@ def test_callable_gets_only_the_keywords_it_accepts(user_module: Callable[[str],
     build_model(f"{mod}:with_kwargs", (2, 3), 9)
     assert sys.modules[mod].SEEN == {"input_shape": (2, 3), "num_classes": 9}
     cls_model = build_model(f"{mod}:Net", (1, 8, 8), 3)
+    assert cls_model.get_submodule("fc").out_features == 3
+    forwarded = build_model(f"{mod}:forwards_kwargs", (1, 8, 8), 5)
+    assert forwarded.get_submodule("fc").out_features == 5
     assert cls_model.get_submodule("fc").out_features == 3
     dotted = build_model(f"{mod}:Factories.make", (4, 11), 10)
     assert isinstance(dotted, nn.Linear) and dotted.in_features == 11

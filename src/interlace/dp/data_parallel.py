@@ -19,6 +19,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_leaves
 
+from interlace.clock import StreamClock
 from interlace.comm.agree import check_agreement, describe_tensors
 from interlace.comm.calibrate import fit_concurrency, fit_cost_model
 from interlace.comm.channels import (
@@ -35,7 +36,7 @@ from interlace.comm.plan import Bucketing, Plan
 from interlace.comm.strategies import bucketing_named
 from interlace.comm.tuning import PlanTrials
 from interlace.distenv import collective_device
-from interlace.dp.iteration import CommEvent, ProfiledPasses, iteration_timeline
+from interlace.dp.iteration import CommEvent, DevicePass, ProfiledPasses, iteration_timeline
 from interlace.dp.plan_state import plan_from_dict, plan_state_of
 from interlace.dp.replicas import BufferBroadcast, broadcast_from_first
 from interlace.errors import UsageError
@@ -198,6 +199,9 @@ class DataParallel(nn.Module):
         self._forward_s = 0.0
         self._backward_start: float | None = None
         self._ready_times: list[float] = [0.0] * len(self._params)
+        # On a GPU, profiled passes read ready times from the stream, not the host clock.
+        self._clock = StreamClock(self._params[0].device if self._params else "cpu")
+        self._device_pass: DevicePass | None = None
         self._record = False
         self._comm_events: list[CommEvent] = []
 
@@ -218,9 +222,17 @@ class DataParallel(nn.Module):
             # A training-mode pass without gradients may update the buffers too: the snapshot
             # in flight would be stale, so the next training forward broadcasts afresh.
             self._buffer_sync.discard()
+        profiling = self.plan is None and torch.is_grad_enabled() and self._sync
+        self._device_pass = (
+            DevicePass(self._clock, len(self._params))
+            if profiling and self._clock.uses_events
+            else None
+        )
         self._forward_start = time.perf_counter()
         output = self.module(*inputs, **kwargs)
         self._forward_s = time.perf_counter() - self._forward_start
+        if self._device_pass is not None:
+            self._device_pass.forward_ended()
         if syncs_buffers:
             self._buffer_sync.send()
         self._backward_start = None
@@ -386,6 +398,8 @@ class DataParallel(nn.Module):
                     self._backward_start = now
                 Variable._execution_engine.queue_callback(self._finish_backward)
             self._ready_times[index] = now
+            if self._device_pass is not None:
+                self._device_pass.tensor_ready(index)
             self._engine.add(index, param.grad)
 
         return hook
@@ -394,9 +408,13 @@ class DataParallel(nn.Module):
         now = time.perf_counter()
         if self._backward_start is None or now < self._backward_start:
             self._backward_start = now
+        if self._device_pass is not None:
+            self._device_pass.backward_started()
 
     def _finish_backward(self) -> None:
         backward_end = time.perf_counter()
+        if self._device_pass is not None:
+            self._device_pass.backward_ended()
         self._in_backward = False
         averaged = self._engine.finish()
         targets: list[torch.Tensor] = []
@@ -421,9 +439,13 @@ class DataParallel(nn.Module):
         self._backward_passes += 1
         if self.plan is None and self._backward_passes > 1:
             # Pass 1 is a warm-up (allocator, lazy init); later ones are measured.
-            self._profiled.add(
-                self._forward_s, backward_end - start, [t - start for t in self._ready_times]
-            )
+            if self._device_pass is not None:
+                self._profiled.add(*self._device_pass.seconds())
+            else:
+                self._profiled.add(
+                    self._forward_s, backward_end - start, [t - start for t in self._ready_times]
+                )
+        self._device_pass = None
         if self._trials is not None:
             # The iteration that began at this forward synchronised: the next forward ends it.
             self._timed_from = self._entered

@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
+from interlace.clock import Mark, StreamClock
 from interlace.timeline import Timeline
 
 #: One finished all-reduce: (bucket index, channel, bytes, launch time, completion time).
@@ -48,6 +49,61 @@ class ProfiledPasses:
         self.forward_s.clear()
         self.backward_s.clear()
         self.ready_s.clear()
+
+
+class DevicePass:
+    """One profiled pass timed on a GPU's stream: marks where the host would read its clock.
+
+    The host runs ahead of the kernels it queues, so on a GPU a gradient hook's host time says
+    when the gradient was queued; the mark recorded there says when the device produced it.
+
+    Args:
+        clock: The device's clock.
+        count: The tensors whose ready times are marked.
+    """
+
+    def __init__(self, clock: StreamClock, count: int) -> None:
+        self.clock = clock
+        self.forward_start = clock.mark()
+        self.forward_end: Mark | None = None
+        self.backward_start: Mark | None = None
+        self.backward_end: Mark | None = None
+        self.ready: list[Mark | None] = [None] * count
+
+    def forward_ended(self) -> None:
+        """Mark the end of the forward."""
+        self.forward_end = self.clock.mark()
+
+    def backward_started(self) -> None:
+        """Mark the start of backward (the first call counts)."""
+        if self.backward_start is None:
+            self.backward_start = self.clock.mark()
+
+    def tensor_ready(self, index: int) -> None:
+        """Mark tensor ``index``'s gradient as ready.
+
+        Args:
+            index: The tensor's index.
+        """
+        self.ready[index] = self.clock.mark()
+        self.backward_started()
+
+    def backward_ended(self) -> None:
+        """Mark the end of backward."""
+        self.backward_end = self.clock.mark()
+
+    def seconds(self) -> tuple[float, float, list[float]]:
+        """The forward, the backward and each tensor's ready time from the start of backward,
+        in device seconds (a tensor whose gradient never came counts as ready at the start)."""
+        forward_end = self.forward_end or self.forward_start
+        start = self.backward_start or forward_end
+        end = self.backward_end or start
+        ready = [0.0 if mark is None else self.clock.seconds(start, mark) for mark in self.ready]
+        return (
+            self.clock.seconds(self.forward_start, forward_end),
+            self.clock.seconds(start, end),
+            ready,
+        )
 
 
 def iteration_timeline(

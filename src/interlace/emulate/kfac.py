@@ -49,6 +49,29 @@ H100_GEMM_FLOPS = 25e12
 #: Seconds per kernel launched (a factor: one product and a symmetrisation).
 H100_KERNEL_S = 10e-6
 
+#: ``torch.linalg.eigh`` of a float32 SPD matrix on one NVIDIA H200 (torch 2.11, cuSOLVER),
+#: device seconds from CUDA events, measured 2026-11-26 (benchmarks/gpu_kfac_costs.py, docs/gpu.md).
+H200_EIGH_S: tuple[tuple[int, float], ...] = (
+    (64, 0.000819),
+    (256, 0.005440),
+    (1024, 0.010242),
+    (2048, 0.024403),
+    (4096, 0.089822),
+)
+#: The damped inverse (Cholesky) of the same matrices on the same H200, seconds.
+H200_INVERSE_S: tuple[tuple[int, float], ...] = (
+    (64, 0.000141),
+    (256, 0.000297),
+    (1024, 0.001192),
+    (2048, 0.002606),
+    (4096, 0.008190),
+)
+#: Float32 products (TF32 off) on the same H200: 50-52 TFLOP/s measured for factors of side
+#: 1024 and more; smaller ones are bounded by the launches below.
+H200_GEMM_FLOPS = 50e12
+#: Seconds per kernel launched back to back, measured on the same H200.
+H200_KERNEL_S = 6.7e-6
+
 
 @dataclass(frozen=True)
 class KFACDeviceCosts:
@@ -81,6 +104,18 @@ class KFACDeviceCosts:
                 raise ValueError(f"{name} needs finite times > 0")
         if not (self.gemm_flops > 0 and self.kernel_s >= 0):
             raise ValueError("gemm_flops must be > 0 and kernel_s >= 0")
+
+    @classmethod
+    def for_trace(cls, trace: Trace) -> KFACDeviceCosts:
+        """The measured costs of the GPU ``trace`` was recorded on: an H200's for H200 traces,
+        else the H100's.
+
+        Args:
+            trace: The trace the emulated model is built from.
+        """
+        if "H200" in trace.source:
+            return cls(H200_EIGH_S, H200_INVERSE_S, H200_GEMM_FLOPS, H200_KERNEL_S, "H200")
+        return cls()
 
     def decomposition_s(self, method: str, n: int) -> float:
         """Seconds to decompose one ``n x n`` factor.
@@ -305,7 +340,8 @@ class EmulatedKFACModel(EmulatedModel):
     Args:
         trace: A :class:`~interlace.sim.trace.Trace`, a shipped trace's name or a file.
         dilation: Multiplies every device time.
-        costs: K-FAC's device costs (default: the shipped H100 measurements).
+        costs: K-FAC's device costs (default: :meth:`KFACDeviceCosts.for_trace`, the shipped
+            measurements of the H200 for H200 traces, of the H100 otherwise).
         batch_size: The per-rank batch factors are priced for (default: the trace's, else 32).
 
     Raises:
@@ -322,7 +358,7 @@ class EmulatedKFACModel(EmulatedModel):
         batch_size: int | None = None,
     ) -> None:
         super().__init__(trace, dilation)
-        self.costs = costs or KFACDeviceCosts()
+        self.costs = costs or KFACDeviceCosts.for_trace(self.trace)
         #: Where K-FAC's factor, decomposition and preconditioning time is spent.
         self.clock = DeviceClock(self.dilation)
         batch = batch_size or self.trace.batch_size or 32

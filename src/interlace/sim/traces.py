@@ -18,6 +18,18 @@ TRACES: dict[str, str] = {
     "resnet20-cpu": "resnet20_cpu.json",
     "resnet32-cpu": "resnet32_cpu.json",
     "vgg11-cpu": "vgg11_cpu.json",
+    # Recorded with CUDA events on one NVIDIA H200 by `interlace trace` (benchmarks/gpu_traces.sh):
+    # torchvision's ResNet-50 and VGG-16 at 3x224x224, a BERT-base-sized encoder at 128 tokens,
+    # and the zoo's CIFAR-sized models, each at the batch its name gives.
+    "resnet50-h200": "resnet50_b32_h200.json",
+    "resnet50-b64-h200": "resnet50_b64_h200.json",
+    "vgg16-h200": "vgg16_b32_h200.json",
+    "vgg16-b64-h200": "vgg16_b64_h200.json",
+    "bert-base-h200": "bert-base_b32_h200.json",
+    "resnet20-h200": "resnet20_b32_h200.json",
+    "resnet32-h200": "resnet32_b32_h200.json",
+    "vgg11-h200": "vgg11_b32_h200.json",
+    "transformer-h200": "transformer_b32_h200.json",
 }
 
 #: Shipped OSU all-reduce log sets: name -> files in ``interlace/sim/data``.

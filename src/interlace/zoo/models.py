@@ -484,7 +484,15 @@ def build_model(spec: str, input_shape: tuple[int, ...], num_classes: int) -> nn
     factory = _import_factory(spec)
     kwargs = _factory_kwargs(factory, input_shape, num_classes)
     try:
-        model = factory(**kwargs)
+        try:
+            model = factory(**kwargs)
+        except TypeError as exc:
+            # A **kwargs factory that hands them to a class without input_shape (torchvision's
+            # resnet50, vgg16, ...): call it again with num_classes alone.
+            if "input_shape" not in kwargs or "input_shape" not in str(exc):
+                raise
+            del kwargs["input_shape"]
+            model = factory(**kwargs)
     except Exception as exc:
         passed = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
         raise UsageError(

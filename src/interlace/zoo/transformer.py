@@ -221,3 +221,20 @@ class PatchTransformer(nn.Module):
         blocks += list(self.blocks)
         blocks.append(_TokenHead(self.norm, self.head))
         return blocks
+
+
+def bert_base(input_shape: tuple[int, ...] = (128,), num_classes: int = 2) -> PatchTransformer:
+    """A transformer encoder of BERT-base's size: 12 blocks of width 768, 12 heads, MLP 3072,
+    a 30,522-token vocabulary (110 M parameters at sequence length 128).
+
+    The shapes are BERT-base's; the block is the zoo's pre-LayerNorm one, and the head
+    classifies the mean-pooled tokens. Build it with ``--model
+    interlace.zoo.transformer:bert_base --input-shape 128``.
+
+    Args:
+        input_shape: ``(seq_len,)`` for token ids (or an image's shape, cut into patches).
+        num_classes: outputs of the head.
+    """
+    return PatchTransformer(
+        input_shape, num_classes, dim=768, depth=12, heads=12, mlp_dim=3072, vocab_size=30522
+    )
