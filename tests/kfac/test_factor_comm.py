@@ -129,7 +129,7 @@ def _train(rank: int, world: int, options: dict[str, Any], wrap: bool = False) -
 
 
 CONFIGS: dict[str, dict[str, Any]] = {
-    "bulk": {},
+    "bulk": {"factor_comm": "bulk"},
     "none": {"factor_comm": "pipelined", "fusion": "none"},
     # 1 KB: the four layers' packed factors (28 to 1088 bytes) fill several buckets.
     "fixed": {"factor_comm": "pipelined", "fusion": "fixed", "bucket_cap_mb": 1 / 1024},

@@ -60,7 +60,7 @@ EXPECTED = {
     "lr": "lr is 0.1 on rank 0 but '0.2 at step 0 (a callable)' on rank 1",
     "compute_method": "compute_method is 'eigen' on rank 0 but 'inverse' on rank 1",
     "placement": "placement is 'greedy' on rank 0 but 'round-robin' on rank 1",
-    "fusion": "fusion is 'none' on rank 0 but 'fixed' on rank 1",
+    "fusion": "fusion is 'merged' on rank 0 but 'fixed' on rank 1",
     "factor_dtype": "factor_dtype is None on rank 0 but torch.float64 on rank 1",
     "g_normalization": "g_normalization is 'kfac-pytorch' on rank 0 but 'per-example' on rank 1",
     "skip_layers": "skip_layers is [] on rank 0 but ['0'] on rank 1",

@@ -216,6 +216,8 @@ def measure_rank(job: KfacJob) -> dict[str, Any]:
         factor_update_steps=job.factor_update_steps,
         inv_update_steps=job.inv_update_steps,
         placement=job.placement,
+        # D-KFAC's phases, each after backward: the breakdown SPD-KFAC's pipelining attacks.
+        factor_comm="bulk",
         **(lbp_costs_for(model, job.compute_method) if job.placement == "lbp" else {}),
     )
     batches = job_batches(

@@ -134,7 +134,7 @@ def factor_comm_from(factor_comm: str | None, update_factors_in_hook: bool | Non
 
     kfac-pytorch's ``update_factors_in_hook=True`` folds and all-reduces each factor from its
     module's hook, as ``factor_comm="pipelined"`` does; ``False`` does it all in ``step()``, as
-    ``"bulk"`` does.
+    ``"bulk"`` does. Neither given: ``"pipelined"``, as kfac-pytorch's default.
 
     Args:
         factor_comm: ``"bulk"``, ``"pipelined"`` or None (not given).
@@ -144,7 +144,7 @@ def factor_comm_from(factor_comm: str | None, update_factors_in_hook: bool | Non
         UsageError: The two given and contradicting each other.
     """
     if update_factors_in_hook is None:
-        return "bulk" if factor_comm is None else factor_comm
+        return "pipelined" if factor_comm is None else factor_comm
     if not isinstance(update_factors_in_hook, bool):
         raise UsageError(
             f"update_factors_in_hook must be True or False, got {update_factors_in_hook!r}"

@@ -50,6 +50,7 @@ from interlace.kfac.factor_comm import FACTOR_COMMS, FactorComm
 from interlace.kfac.factor_update import FactorUpdate
 from interlace.kfac.fusion import FUSIONS
 from interlace.kfac.gradients import GradientPreconditioning
+from interlace.kfac.hooks import LayerForwardHook
 from interlace.kfac.layer import (
     GradientMark,
     KFACLayer,
@@ -152,11 +153,14 @@ class KFAC:
             measured at start-up).
         broadcast_cost: LBP's broadcast cost model, the same on every rank (None: measured at
             start-up).
-        factor_comm: ``"bulk"`` (``step()`` all-reduces every factor in buckets) or
-            ``"pipelined"`` (SPD-KFAC: each factor is all-reduced as soon as its hook computes
-            it; ``step()`` waits for them); see :class:`~interlace.kfac.factor_comm.FactorComm`.
-        fusion: Pipelined buckets: ``"none"`` (one per factor), ``"fixed"`` (up to
-            ``bucket_cap_mb`` in ready order) or ``"merged"`` (MG-WFBP's rule).
+        factor_comm: ``"pipelined"`` (the default; SPD-KFAC, and kfac-pytorch's
+            ``update_factors_in_hook=True``: each factor is all-reduced as soon as its hook
+            computes it, and ``step()`` waits for them) or ``"bulk"`` (D-KFAC: ``step()``
+            all-reduces every factor in buckets); see
+            :class:`~interlace.kfac.factor_comm.FactorComm`.
+        fusion: Pipelined buckets: ``"merged"`` (the default; MG-WFBP's rule over measured
+            factor times), ``"none"`` (one per factor) or ``"fixed"`` (up to ``bucket_cap_mb``
+            in ready order).
         profile_steps: Factor steps profiled before ``"merged"`` plans its buckets.
         factor_cost: All-reduce cost model behind ``"merged"``, the same on every rank (None:
             fitted on the factor group).
@@ -197,7 +201,7 @@ class KFAC:
         decomposition_cost: DecompositionCostModel | None = None,
         broadcast_cost: CostModel | None = None,
         factor_comm: str | None = None,
-        fusion: str = "none",
+        fusion: str = "merged",
         profile_steps: int = 3,
         factor_cost: CostModel | None = None,
         g_normalization: str = "kfac-pytorch",
@@ -329,7 +333,7 @@ class KFAC:
             )
             check_agreement("K-FAC", settings, describe_layers(self._layers), self.group)
         for layer in self._layers:
-            hook = partial(self._forward_hook, layer)
+            hook = LayerForwardHook(layer, self._forward_hook)
             layer.handles.append(layer.helper.module.register_forward_hook(hook))
         # The order below is the order of the collectives each part issues at start-up.
         self.assignment = WorkAssignment(
