@@ -43,8 +43,14 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 # The long description of the package (pyproject's readme).
 PACKAGE_DESCRIPTION = ROOT / "docs" / "package-description.md"
-MAX_README_LINES = 330
+MAX_README_LINES = 300
 PLACEHOLDERS = ("LINK_TABLE", "TODO", "TBD", "XXX")
+# Files the repository does not have, which nothing may cite; the names are built so that this
+# file does not contain them.
+ABSENT_FILES = tuple(stem + ".md" for stem in ("PAPERS", "DESIGN"))
+# Where such a citation could be read: the guide, the docs, the code, its tests and benchmarks.
+CITING_PLACES = ("docs", "src", "tests", "benchmarks")
+TEXT_SUFFIXES = (".md", ".py", ".json", ".log", ".sh", ".txt", ".toml")
 TIMEOUT_S = 240  # one block; the 2-core CI machine is shared, so this is generous on purpose
 
 # [text](target) and ![alt](target); the target ends at whitespace or the closing parenthesis.
@@ -411,6 +417,33 @@ def test_no_placeholder_words(path: Path) -> None:
     text = path.read_text(encoding="utf-8")
     found = [word for word in PLACEHOLDERS if re.search(rf"\b{word}\b", text)]
     assert not found, f"{relative_name(path)} contains placeholder words: {found}"
+
+
+def citations_of_absent_files(paths: list[Path]) -> list[str]:
+    """``"path: name"`` for every file of ``paths`` that names one of ``ABSENT_FILES``."""
+    found: list[str] = []
+    for path in paths:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        found += [f"{path.name}: {name}" for name in ABSENT_FILES if name in text]
+    return found
+
+
+def test_nothing_cites_files_the_repository_lacks() -> None:
+    paths = [README] + [
+        path
+        for place in CITING_PLACES
+        for path in sorted((ROOT / place).rglob("*"))
+        if path.is_file() and path.suffix in TEXT_SUFFIXES
+    ]
+    assert len(paths) > 100, "the walk found too few files to be checking the repository"
+    found = citations_of_absent_files(paths)
+    assert not found, f"citations of files the repository does not have: {found}"
+
+
+def test_citation_check_finds_a_citation(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(f"See {ABSENT_FILES[0]} and docs/papers.md.\n", encoding="utf-8")
+    assert citations_of_absent_files([page]) == [f"page.md: {ABSENT_FILES[0]}"]
 
 
 def test_readme_is_short() -> None:
