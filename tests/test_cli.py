@@ -355,3 +355,75 @@ def test_top_level_help_describes_train_and_what_demo_runs() -> None:
         f"{demo.epochs} epochs"
     )
     assert expected in text
+
+
+class _LaunchedError(Exception):
+    """Raised by the stand-in launcher: the job a command would start, not started."""
+
+
+#: Every command that launches ranks with a bounded job, as typed before its timeouts.
+LAUNCHING_COMMANDS = [
+    ["train", "--model", "mlp", "-n", "2"],
+    ["profile", "--model", "mlp", "--data", "digits", "-n", "2"],
+    ["bench", "dp", "--no-netem", "--models", "mlp", "-n", "2", "--input-shape", "1,8,8"],
+    ["bench", "kfac", "--no-netem", "--models", "mlp", "-n", "2", "--input-shape", "1,8,8"],
+    ["bench", "pipeline", "--no-netem", "--models", "mlp", "-n", "2", "--input-shape", "1,8,8"],
+    ["simulate", "--validate", "--model", "mlp", "-n", "2", "--link", "1gbit"],
+]
+
+
+def _first_launch(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+    """The keyword arguments of the first ``launch.run`` that ``interlace ARGV`` makes."""
+    from interlace import launch  # noqa: PLC0415 - the module the commands call through
+    from interlace.launch import netem  # noqa: PLC0415
+
+    def fake_run(*args: object, **kwargs: object) -> None:
+        raise _LaunchedError(kwargs)
+
+    monkeypatch.setattr(launch, "run", fake_run)
+    monkeypatch.setattr(netem, "check_available", lambda: None)  # simulate --validate needs it
+    with pytest.raises(_LaunchedError) as launched:
+        cli.main(argv)
+    kwargs: dict[str, object] = launched.value.args[0]
+    return kwargs
+
+
+@pytest.mark.parametrize("command", LAUNCHING_COMMANDS, ids=lambda c: " ".join(c[:2]))
+def test_every_launching_command_passes_its_collective_timeout_to_the_launcher(
+    command: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("INTERLACE_COLLECTIVE_TIMEOUT", raising=False)
+    asked = _first_launch([*command, "--timeout", "77", "--collective-timeout", "42"], monkeypatch)
+    # --timeout stays the bound on the whole job; --collective-timeout bounds one collective.
+    assert (asked["timeout"], asked["collective_timeout"]) == (77.0, 42.0)
+    monkeypatch.delenv("INTERLACE_COLLECTIVE_TIMEOUT", raising=False)
+    default = _first_launch([*command, "--timeout", "77"], monkeypatch)
+    assert (default["timeout"], default["collective_timeout"]) == (77.0, 300.0)
+
+
+@pytest.mark.parametrize("command", LAUNCHING_COMMANDS, ids=lambda c: " ".join(c[:2]))
+def test_a_bad_collective_timeout_is_one_line(
+    command: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        _first_launch([*command, "--collective-timeout", "0"], monkeypatch)
+    assert stopped.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--collective-timeout must be > 0 seconds, got 0" in lines[0]
+
+
+@pytest.mark.parametrize(
+    "command",
+    ["launch", "train", "profile", "bench dp", "bench kfac", "bench pipeline", "simulate"],
+)
+def test_every_command_that_starts_ranks_documents_the_collective_timeouts_default(
+    command: str,
+) -> None:
+    parser = cli.subcommand_parsers()[command]
+    action = _action(parser, "--collective-timeout")
+    assert action.help is not None and "$INTERLACE_COLLECTIVE_TIMEOUT or 300" in action.help

@@ -2,8 +2,8 @@
 
 Errors are one line (``interlace train: error: ...``) with exit status 2, so a mistyped flag is
 answered with what was wrong rather than a screen of usage text. Options that several commands
-take (``--input-shape``/``--classes``, ``-n``) are defined here once, so they read the same
-everywhere.
+take (``--input-shape``/``--classes``, ``-n``, ``--collective-timeout``) are defined here once, so
+they read the same everywhere.
 """
 
 from __future__ import annotations
@@ -383,6 +383,52 @@ def add_nprocs_argument(
         metavar="N",
         help=help_text,
     )
+
+
+def add_collective_timeout_argument(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+) -> None:
+    """``--collective-timeout S``: how long any one collective may wait for its peers.
+
+    Every command that starts ranks takes it, defined here once; ``--timeout`` stays the bound
+    on the whole job. Read the value with :func:`collective_timeout_of`.
+
+    Args:
+        parser: the subcommand's parser (or argument group).
+    """
+    # Imported here: interlace.launch imports this module.
+    from interlace.launch.rank import (  # noqa: PLC0415
+        COLLECTIVE_TIMEOUT_VARIABLE,
+        DEFAULT_COLLECTIVE_TIMEOUT_S,
+    )
+
+    parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        metavar="S",
+        help="end the job, naming the rank that stopped making progress, when any one "
+        f"collective waits S seconds for it (default: ${COLLECTIVE_TIMEOUT_VARIABLE} or "
+        f"{DEFAULT_COLLECTIVE_TIMEOUT_S:g})",
+    )
+
+
+def collective_timeout_of(seconds: float | None) -> float:
+    """The collective timeout a job runs with: ``seconds`` (``--collective-timeout``) when
+    given, else ``$INTERLACE_COLLECTIVE_TIMEOUT``, else the launcher's default (300 s).
+
+    Args:
+        seconds: the flag's value, or None when it was not given.
+
+    Raises:
+        UsageError: when the value is not a positive, finite number of seconds.
+    """
+    from interlace.launch.rank import collective_timeout_s  # noqa: PLC0415 - see above
+
+    if seconds is None:
+        return collective_timeout_s()
+    if not 0 < seconds < float("inf"):
+        raise UsageError(f"--collective-timeout must be > 0 seconds, got {seconds:g}")
+    return float(seconds)
 
 
 def parse_shape(text: str) -> tuple[int, ...]:

@@ -20,9 +20,11 @@ from torch.nn import functional
 from interlace import launch
 from interlace.cliutil import (
     add_channel_arguments,
+    add_collective_timeout_argument,
     add_deprecated_alias,
     add_model_shape_arguments,
     add_nprocs_argument,
+    collective_timeout_of,
     report_failure,
 )
 from interlace.comm.links import parse_link
@@ -264,7 +266,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="kfac: K-FAC (kfac-pytorch's defaults) before each SGD step, drawn on its own lanes",
     )
     parser.add_argument("--out", default="profile", help="folder for timeline.json/.png")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for the job")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds allowed for the whole job (default 600)",
+    )
+    add_collective_timeout_argument(parser)
     parser.add_argument(
         "--trace-out",
         metavar="T",
@@ -292,6 +300,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.link is not None:
         parse_link(args.link)
+    collective_timeout = collective_timeout_of(args.collective_timeout)
     if args.input_shape is not None and args.classes is not None:
         input_shape, num_classes = args.input_shape, args.classes
     else:
@@ -321,7 +330,12 @@ def run(args: argparse.Namespace) -> int:
         )
     build_model(config.model, config.input_shape, config.num_classes)
     result = launch.run(
-        profile_rank, args.nprocs, link=args.link, args=(config,), timeout=args.timeout
+        profile_rank,
+        args.nprocs,
+        link=args.link,
+        args=(config,),
+        timeout=args.timeout,
+        collective_timeout=collective_timeout,
     )
     if result.returncode != 0:
         return report_failure("interlace profile", result, args.timeout)

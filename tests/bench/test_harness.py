@@ -174,18 +174,27 @@ def test_names_shapes_and_ratios_are_parsed() -> None:
         (("resnet1000",), {}, "--models: unknown model 'resnet1000'"),
         (("mlp",), {"nprocs": 1}, "-n must be >= 2 (why), got 1"),
         (("mlp",), {"timeout": 0.0}, "--timeout must be > 0 seconds"),
+        (("mlp",), {"collective_timeout": -1.0}, "--collective-timeout must be > 0 seconds"),
         (("mlp",), {"link": "1gbit", "no_netem": True}, "contradict"),
     ],
 )
 def test_launch_arguments_are_checked(
     models: tuple[str, ...], changes: dict[str, object], needle: str
 ) -> None:
-    values: dict[str, object] = {"nprocs": 2, "timeout": 10.0, "link": None, "no_netem": False}
+    values: dict[str, object] = {
+        "nprocs": 2,
+        "timeout": 10.0,
+        "collective_timeout": None,
+        "link": None,
+        "no_netem": False,
+    }
     args = argparse.Namespace(**{**values, **changes})
     with pytest.raises(UsageError, match=re.escape(needle)):
         check_launch_args(args, models, prefix="--models: ", ranks_reason="why")
 
 
 def test_good_launch_arguments_pass() -> None:
-    args = argparse.Namespace(nprocs=2, timeout=10.0, link=None, no_netem=True)
+    args = argparse.Namespace(
+        nprocs=2, timeout=10.0, collective_timeout=30.0, link=None, no_netem=True
+    )
     check_launch_args(args, ("mlp", "pkg.mod:build"), prefix="", ranks_reason="why")

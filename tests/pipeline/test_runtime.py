@@ -353,3 +353,79 @@ def test_a_stage_refuses_another_stages_state() -> None:
     saved["num_stages"] = 2
     with pytest.raises(UsageError, match="stage 1 of 2"):
         _one_stage(0).load_state_dict(saved)
+
+
+#: case -> (rank 0's keyword arguments, rank 1's) for a 2-stage pipeline.
+MISMATCHES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "microbatches": (
+        {"schedule": "gpipe", "microbatches": 2},
+        {"schedule": "gpipe", "microbatches": 4},
+    ),
+    "schedule": ({"schedule": "gpipe"}, {"schedule": "1f1b"}),
+    "chunks": ({"schedule": "naive", "chunks": 1}, {"schedule": "naive", "chunks": 2}),
+}
+
+#: case -> what the error must say on both ranks.
+MISMATCH_ERRORS = {
+    "microbatches": "PipelineStage settings differ between ranks: microbatches is 2 on rank 0 "
+    "but 4 on rank 1; pass the same value on every rank",
+    "schedule": "schedule is 'gpipe' on rank 0 but '1f1b' on rank 1",
+    "chunks": "chunks is 1 on rank 0 but 2 on rank 1",
+}
+
+
+def _mismatch_rank(num_stages: int) -> dict[str, Any]:
+    """Build each mismatched pipeline; the errors, then a matching one's training step."""
+    stage = dist.get_rank()
+    errors: dict[str, str] = {}
+    for case, settings in MISMATCHES.items():
+        module = _stages(num_stages)[stage]
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+        try:
+            _runner(module, optimizer, num_stages, **settings[stage])
+        except UsageError as error:
+            errors[case] = str(error)
+    # The refused stages left no message behind: a matching pipeline trains.
+    module = _stages(num_stages)[stage]
+    runner = _runner(module, torch.optim.SGD(module.parameters(), lr=0.1), num_stages, "1f1b")
+    result = runner.run(_data(1) if stage in (0, num_stages - 1) else None, 1)
+    return {"errors": errors, "updates": result.updates}
+
+
+def test_stages_that_disagree_get_one_clear_error_naming_the_setting() -> None:
+    outcome = run_ranks(_mismatch_rank, 2, 2, timeout=60)
+    for rank in (0, 1):
+        errors = outcome[rank]["errors"]
+        assert set(errors) == set(MISMATCHES), errors
+        for case, needle in MISMATCH_ERRORS.items():
+            assert needle in errors[case]
+        assert outcome[rank]["updates"] == 1
+
+
+def _misplaced_rank(_: None) -> str:
+    module = _stages(2)[0]
+    try:
+        PipelineStage(
+            module,
+            torch.optim.SGD(module.parameters(), lr=0.1),
+            stage=0,  # on both ranks
+            num_stages=2,
+            schedule="gpipe",
+            loss_fn=nn.functional.cross_entropy,
+        )
+    except UsageError as error:
+        return str(error)
+    return ""
+
+
+def test_a_stage_given_to_the_wrong_rank_is_named() -> None:
+    outcome = run_ranks(_misplaced_rank, 2, None, timeout=60)
+    assert outcome[0] == ""
+    assert "rank 1 was given stage 0, which ranks=[0, 1] puts on rank 0" in outcome[1]
+
+
+def test_a_pipeline_of_several_stages_needs_a_process_group() -> None:
+    module = nn.Linear(2, 2)
+    sgd = torch.optim.SGD(module.parameters(), lr=0.1)
+    with pytest.raises(UsageError, match="needs a process group"):
+        PipelineStage(module, sgd, stage=0, num_stages=2, schedule="gpipe")

@@ -13,6 +13,8 @@ import os
 import random
 import shutil
 import signal
+from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,8 @@ import torch.distributed as dist
 
 from interlace import launch
 from interlace.distenv import DistContext, init_distributed
+from interlace.dp import DataParallel
+from interlace.dp.iteration import ProfiledPasses
 from interlace.errors import UsageError
 from interlace.runlog import read_metrics
 from interlace.train import (
@@ -171,6 +175,64 @@ def test_resumed_pipelines_equal_the_uninterrupted_ones(tmp_path: Path) -> None:
     # Each stage saved its own weights.
     stages = [rank["stage"]["stage"] for rank in header["ranks"]]
     assert stages == [0, 1]
+
+
+#: The DataParallel steps a rank took that plan: planning, profiled passes, trial iterations.
+_PLANNING: Counter[str] = Counter()
+#: Where the measured-plan run saves (the end of epoch 2): its plan is final well before.
+_SAVED_AT = 60
+
+
+def _counted(what: str, method: Any) -> Any:
+    def counting(self: object, *args: Any, **kwargs: Any) -> Any:
+        _PLANNING[what] += 1
+        return method(self, *args, **kwargs)
+
+    return counting
+
+
+def _resume_a_measured_plan(config: TrainConfig, root: str) -> tuple[Any, ...]:
+    """One rank: train with a measured plan, then resume the run's epoch-2 checkpoint twice,
+    keeping the saved plan and with ``replan``; what each run did to plan."""
+    DataParallel._replan = _counted("plans", DataParallel._replan)  # type: ignore[method-assign]
+    DataParallel._tune = _counted("trial iterations", DataParallel._tune)  # type: ignore[method-assign]
+    ProfiledPasses.add = _counted("profiled passes", ProfiledPasses.add)  # type: ignore[method-assign]
+    context = init_distributed()
+    full = Path(root, "full")
+    whole = train_data_parallel(config, context, str(full))
+    first = dict(_PLANNING)
+    resumed = {}
+    for name, replan in (("kept", False), ("replanned", True)):
+        if context.is_main:
+            _cut_back(full, Path(root, name), _SAVED_AT)
+        dist.barrier()
+        _PLANNING.clear()
+        run = train_data_parallel(
+            replace(config, replan=replan), context, str(Path(root, name)), True
+        )
+        resumed[name] = (run.final_train_loss, dict(_PLANNING))
+    dist.destroy_process_group()
+    return whole.final_train_loss, first, resumed
+
+
+@pytest.mark.slow
+def test_a_resumed_run_keeps_its_measured_plan_unless_asked_to_replan(tmp_path: Path) -> None:
+    # Measured, not --deterministic: the plan is profiled and tried during epoch 1.
+    config = _tiny(epochs=3, max_steps_per_epoch=30, save_every="2ep")
+    result = launch.run(_resume_a_measured_plan, 2, args=(config, str(tmp_path)), timeout=240)
+    saved = read_header(tmp_path / "full" / "checkpoints" / f"step-{_SAVED_AT:08d}.pt")
+    # The plan was final when the checkpoint was saved, on both ranks.
+    plans = [rank["plan"] for rank in saved["ranks"]]
+    assert plans[0] is not None and plans[0] == plans[1]
+    for whole_loss, first, resumed in result.check().values:
+        assert first["plans"] == 1 and first["profiled passes"] > 0
+        assert first["trial iterations"] > 0
+        kept_loss, kept = resumed["kept"]
+        assert kept == {}, "the resumed run profiled or tried plans"
+        assert kept_loss == whole_loss
+        _, replanned = resumed["replanned"]
+        assert replanned["plans"] == 1 and replanned["profiled passes"] > 0
+        assert replanned["trial iterations"] > 0
 
 
 _SAVES: list[int] = []

@@ -108,3 +108,37 @@ def test_resume_refuses_a_run_with_nothing_to_continue(
     with pytest.raises(SystemExit):
         cli.main(["train", "--resume", str(run)])
     assert needle in capsys.readouterr().err
+
+
+def test_replan_is_allowed_on_resume_and_reaches_the_ranks(
+    launched: list[tuple[int, tuple[Any, ...]]], tmp_path: Path
+) -> None:
+    run = _saved_run(tmp_path)
+    assert cli.main(["train", "--resume", str(run), "--replan"]) == 0
+    assert cli.main(["train", "--resume", str(run)]) == 0
+    (_, (replanned, _, _)), (_, (kept, _, _)) = launched
+    assert replanned.replan is True and kept.replan is False
+
+
+@pytest.mark.parametrize(
+    ("saved", "flags", "needle"),
+    [
+        (None, ["--model", "mlp", "--replan"], "--replan applies with --resume"),
+        ({"parallel": "pipeline"}, [], "this run has none to plan (--parallel pipeline"),
+        ({"strategy": "ddp"}, [], "--strategy ddp"),
+        ({"deterministic": True}, [], "this run is --deterministic"),
+    ],
+)
+def test_replan_is_refused_where_there_is_no_measured_plan(
+    saved: dict[str, Any] | None,
+    flags: list[str],
+    needle: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    resume = [] if saved is None else ["--resume", str(_saved_run(tmp_path, **saved)), "--replan"]
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["train", *resume, *flags])
+    assert stopped.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0]

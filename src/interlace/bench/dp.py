@@ -49,6 +49,7 @@ from interlace.bench.harness import (
     DEFAULT_INPUT_SHAPE,
     NUM_CLASSES,
     LaunchFailedError,
+    add_timeout_arguments,
     check_launch_args,
     check_netem,
     default_batch,
@@ -58,12 +59,18 @@ from interlace.bench.harness import (
     parse_ratios,
     split_blocks,
 )
-from interlace.cliutil import add_model_shape_arguments, add_nprocs_argument, standalone_main
+from interlace.cliutil import (
+    add_model_shape_arguments,
+    add_nprocs_argument,
+    collective_timeout_of,
+    standalone_main,
+)
 from interlace.comm.cost import CostModel
 from interlace.comm.links import parse_link
 from interlace.comm.strategies import RUNTIME_STRATEGIES
 from interlace.emulate import Compute, add_compute_arguments, compute_from_args, dilate_rate
 from interlace.errors import UsageError
+from interlace.launch.rank import DEFAULT_COLLECTIVE_TIMEOUT_S
 from interlace.sim.network import NETWORK_HELP, parse_network
 from interlace.strategies import parse_channels
 from interlace.zoo import build_model
@@ -125,6 +132,8 @@ class BenchConfig:
     compute: Compute = REAL_COMPUTE
     #: The target cluster (``--network``) whose all-reduce ``a`` and ``b`` the rows show.
     network: str | None = None
+    #: Seconds any one collective may wait for its peers (``--collective-timeout``).
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
 
     def batch_for(self, model: str) -> int:
         """The per-rank batch of ``model``: ``--batch-size``, else the model's default.
@@ -221,12 +230,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a ~2-minute run: fewer models, one ratio, fewer iterations",
     )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=DEFAULT_TIMEOUT_S,
-        help=f"seconds allowed per launch (default {DEFAULT_TIMEOUT_S:g})",
-    )
+    add_timeout_arguments(parser, DEFAULT_TIMEOUT_S)
     parser.add_argument(
         "--ref-link",
         default=REF_LINK,
@@ -331,6 +335,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         link=args.link,
         netem=not args.no_netem,
         timeout_s=float(args.timeout),
+        collective_timeout_s=collective_timeout_of(args.collective_timeout),
         ref_link=args.ref_link,
         min_link=args.min_link,
         max_link=args.max_link,
@@ -515,6 +520,7 @@ def run(args: argparse.Namespace) -> int:
                         nprocs=config.nprocs,
                         link=config.ref_link,
                         timeout_s=config.timeout_s,
+                        collective_timeout_s=config.collective_timeout_s,
                         cache_dir=cache_dir,
                         note=bar.write,
                         prog=PROG,
@@ -553,6 +559,7 @@ def run(args: argparse.Namespace) -> int:
                         nprocs=config.nprocs,
                         link=link,
                         timeout_s=config.timeout_s,
+                        collective_timeout_s=config.collective_timeout_s,
                         cache_dir=cache_dir,
                         note=bar.write,
                         prog=PROG,

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.nn import functional
 
 from interlace import launch
+from interlace.cliutil import add_collective_timeout_argument, collective_timeout_of
 from interlace.errors import UsageError
 from interlace.launch import netem
 from interlace.zoo import MODEL_NAMES
@@ -92,6 +93,7 @@ def launch_on_ranks(
     nprocs: int,
     link: str | None,
     timeout_s: float,
+    collective_timeout_s: float | None = None,
     env: dict[str, str] | None = None,
     cache_dir: str | None = None,
     note: Callable[[str], None] = print,
@@ -107,7 +109,9 @@ def launch_on_ranks(
         job: Its argument.
         nprocs: Ranks to start.
         link: The emulated link (``"1gbit"``), or None for loopback.
-        timeout_s: Seconds allowed for the launch and for any one collective.
+        timeout_s: Seconds allowed for the whole launch (``--timeout``).
+        collective_timeout_s: Seconds any one collective may wait for its peers
+            (``--collective-timeout``); None: ``$INTERLACE_COLLECTIVE_TIMEOUT``, else 300.
         env: Extra environment variables for the ranks.
         cache_dir: When given, the ranks' cost-model cache folder (``INTERLACE_CACHE_DIR``).
         note: Where the retry notice goes.
@@ -121,6 +125,7 @@ def launch_on_ranks(
     """
     if cache_dir is not None:
         env = {**(env or {}), "INTERLACE_CACHE_DIR": cache_dir}
+    collective = collective_timeout_of(collective_timeout_s)
     detail = ""
     for attempt in range(SIGNAL_RETRIES + 1):
         sink = io.StringIO()
@@ -128,11 +133,11 @@ def launch_on_ranks(
             rank_entry,
             nprocs,
             link,
-            args=(fn, job, timeout_s),
+            args=(fn, job, collective),
             timeout=timeout_s,
             env=env,
             output=sink,
-            collective_timeout=timeout_s,
+            collective_timeout=collective,
         )
         if result.ok:
             return result.values[0]
@@ -398,11 +403,12 @@ def check_launch_args(
     args: argparse.Namespace, models: Sequence[str], *, prefix: str, ranks_reason: str
 ) -> None:
     """The checks every benchmark that trains on several ranks makes of its arguments: known
-    models, at least two ranks, a positive ``--timeout``, and not both ``--link`` and
-    ``--no-netem``.
+    models, at least two ranks, a positive ``--timeout`` and ``--collective-timeout``, and not
+    both ``--link`` and ``--no-netem``.
 
     Args:
-        args: The parsed arguments (``nprocs``, ``timeout``, ``link``, ``no_netem``).
+        args: The parsed arguments (``nprocs``, ``timeout``, ``collective_timeout``, ``link``,
+            ``no_netem``).
         models: The models asked for.
         prefix: What an unknown model's message starts with (``"--models: "`` or ``""``).
         ranks_reason: Why at least two ranks are needed, for the message.
@@ -420,5 +426,25 @@ def check_launch_args(
         raise UsageError(f"-n must be >= 2 ({ranks_reason}), got {args.nprocs}")
     if not args.timeout > 0:
         raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    collective_timeout_of(args.collective_timeout)
     if args.no_netem and args.link is not None:
         raise UsageError("--link and --no-netem contradict each other; give one of them")
+
+
+def add_timeout_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, default: float
+) -> None:
+    """``--timeout`` (the bound on each launch) and ``--collective-timeout`` (the bound on any
+    one collective in it), as every benchmark that launches ranks takes them.
+
+    Args:
+        parser: The benchmark's parser (or argument group).
+        default: Seconds allowed per launch when ``--timeout`` is not given.
+    """
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=default,
+        help=f"seconds allowed per launch (default {default:g})",
+    )
+    add_collective_timeout_argument(parser)

@@ -21,6 +21,7 @@ from interlace.bench.harness import (
     DEFAULT_INPUT_SHAPE,
     NUM_CLASSES,
     LaunchFailedError,
+    add_timeout_arguments,
     check_netem,
     default_batch,
     launch_on_ranks,
@@ -46,7 +47,12 @@ from interlace.bench.kfac_report import (
     format_table,
     plot_ablation,
 )
-from interlace.cliutil import add_deprecated_alias, add_model_shape_arguments, add_nprocs_argument
+from interlace.cliutil import (
+    add_deprecated_alias,
+    add_model_shape_arguments,
+    add_nprocs_argument,
+    collective_timeout_of,
+)
 from interlace.comm.links import parse_link
 from interlace.emulate.compute import Compute, add_compute_arguments, compute_from_args
 from interlace.emulate.device import dilate_link
@@ -162,9 +168,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="timeline of the first model's last iteration (PNG); with --ablation, bars of "
         "every mode's iteration time stacked by phase",
     )
-    parser.add_argument(
-        "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds allowed per launch"
-    )
+    add_timeout_arguments(parser, DEFAULT_TIMEOUT_S)
     add_compute_arguments(parser)
 
 
@@ -200,6 +204,9 @@ def run(args: argparse.Namespace) -> int:
     models = (str(compute.trace),) if compute.emulated else models_from_args(args)
     if args.nprocs < 1:
         raise UsageError(f"-n must be >= 1, got {args.nprocs}")
+    if not args.timeout > 0:
+        raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    collective_timeout_of(args.collective_timeout)
     if args.iters < 1 or args.warmup < 0:
         raise UsageError("--iters must be >= 1 and --warmup >= 0")
     if args.batch_size is not None and args.batch_size < 1:
@@ -288,6 +295,7 @@ def _launch(
             nprocs=args.nprocs,
             link=link,
             timeout_s=args.timeout,
+            collective_timeout_s=collective_timeout_of(args.collective_timeout),
             note=note,
             prog=PROG,
         )

@@ -26,6 +26,7 @@ from interlace.bench.harness import (
     DEFAULT_INPUT_SHAPE,
     NUM_CLASSES,
     LaunchFailedError,
+    add_timeout_arguments,
     check_launch_args,
     check_netem,
     launch_on_ranks,
@@ -56,6 +57,7 @@ from interlace.cliutil import (
     add_deprecated_alias,
     add_model_shape_arguments,
     add_nprocs_argument,
+    collective_timeout_of,
     standalone_main,
 )
 from interlace.comm.links import parse_link
@@ -67,6 +69,7 @@ from interlace.emulate.compute import (
 )
 from interlace.emulate.device import dilate_link
 from interlace.errors import UsageError
+from interlace.launch.rank import DEFAULT_COLLECTIVE_TIMEOUT_S
 from interlace.pipeline.partition import pipeline_blocks
 
 #: vgg11: 9.8M parameters in a few large tensors against a few MB of activations per mini-batch,
@@ -110,6 +113,8 @@ class BenchConfig:
     #: Real kernels, or a trace's device time: then ``models`` is the trace, the launches run
     #: on ``link`` divided by the dilation, and every time is divided by it.
     compute: Compute = field(default_factory=lambda: Compute(ComputeKind.REAL))
+    #: Seconds any one collective may wait for its peers (``--collective-timeout``).
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
 
     @property
     def link_text(self) -> str:
@@ -197,12 +202,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="balance the stages by measured time or by parameter count (default time)",
     )
     parser.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=DEFAULT_TIMEOUT_S,
-        help=f"seconds allowed per launch (default {DEFAULT_TIMEOUT_S:g})",
-    )
+    add_timeout_arguments(parser, DEFAULT_TIMEOUT_S)
     parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     parser.add_argument(
         "--png",
@@ -292,6 +292,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         partition_by=args.partition_by,
         seed=args.seed,
         timeout_s=float(args.timeout),
+        collective_timeout_s=collective_timeout_of(args.collective_timeout),
         json_path=args.json,
         png_path=args.png,
         compute=compute,
@@ -416,6 +417,7 @@ def run(args: argparse.Namespace) -> int:
                         nprocs=config.nprocs,
                         link=config.launch_link,
                         timeout_s=config.timeout_s,
+                        collective_timeout_s=config.collective_timeout_s,
                         cache_dir=cache_dir,
                         note=bar.write,
                         prog=PROG,

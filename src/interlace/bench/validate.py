@@ -38,6 +38,7 @@ from interlace.bench.harness import (
     synthetic_batches,
     train_step,
 )
+from interlace.cliutil import collective_timeout_of
 from interlace.comm.calibrate import fit_cost_model, fit_stream_cost_model
 from interlace.comm.cost import CostModel
 from interlace.comm.links import parse_link
@@ -52,6 +53,7 @@ from interlace.emulate import (
 )
 from interlace.errors import UsageError
 from interlace.launch import netem
+from interlace.launch.rank import DEFAULT_COLLECTIVE_TIMEOUT_S
 from interlace.profile import layer_forward_times
 from interlace.sim.profiled import trace_from_plan
 from interlace.sim.validate import (
@@ -172,6 +174,7 @@ class ValidateConfig:
         rounds: Round-robin blocks.
         batch_size: Per-rank batch (None: per model).
         timeout_s: Seconds allowed per launch.
+        collective_timeout_s: Seconds any one collective may wait for its peers.
         json_path: Where the rows go as JSON (None: nowhere).
         trace_dir: Where each launch's profiled trace goes (None: nowhere).
         png_path: Where the predicted-against-measured plot goes (None: no plot).
@@ -196,6 +199,7 @@ class ValidateConfig:
     input_shape: tuple[int, ...] = DEFAULT_INPUT_SHAPE
     num_classes: int = NUM_CLASSES
     compute: Compute = REAL_COMPUTE
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
 
 
 def run_validation(config: ValidateConfig) -> int:
@@ -253,6 +257,7 @@ def run_validation(config: ValidateConfig) -> int:
                         nprocs=bench.nprocs,
                         link=run_link,
                         timeout_s=bench.timeout_s,
+                        collective_timeout_s=bench.collective_timeout_s,
                         cache_dir=cache_dir,
                         note=bar.write,
                         prog="interlace bench dp",
@@ -321,6 +326,7 @@ def _bench_config(config: ValidateConfig, nprocs: int) -> Any:
         link=None,
         netem=True,
         timeout_s=config.timeout_s,
+        collective_timeout_s=config.collective_timeout_s,
         ref_link="1gbit",
         min_link="20mbit",
         max_link="2.5gbit",
@@ -391,6 +397,7 @@ def config_from_args(args: argparse.Namespace, png_path: Path | None) -> Validat
         rounds=args.rounds,
         batch_size=args.batch_size,
         timeout_s=float(args.timeout),
+        collective_timeout_s=collective_timeout_of(args.collective_timeout),
         json_path=args.json,
         trace_dir=args.trace_dir,
         png_path=None if png_path is None else str(png_path),

@@ -8,15 +8,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from interlace.cliutil import OneLineArgumentParser
+from interlace.cliutil import OneLineArgumentParser, add_collective_timeout_argument
 from interlace.comm.links import LINK_RATES, parse_link
 from interlace.errors import UsageError
-from interlace.launch.rank import (
-    COLLECTIVE_TIMEOUT_VARIABLE,
-    DEFAULT_COLLECTIVE_TIMEOUT_S,
-    SCRIPT_FLAG,
-    run_script,
-)
+from interlace.launch.rank import SCRIPT_FLAG, run_script
 from interlace.launch.supervise import run
 from interlace.launch.worker import WORKER_FLAG, worker_main
 
@@ -98,14 +93,7 @@ def build_parser() -> OneLineArgumentParser:
         metavar="S",
         help="stop every rank after S seconds of the whole job (default: no limit)",
     )
-    parser.add_argument(
-        "--collective-timeout",
-        type=float,
-        metavar="S",
-        help=f"end the job, naming the rank that stopped making progress, when any one "
-        f"collective waits S seconds for it (default: ${COLLECTIVE_TIMEOUT_VARIABLE} or "
-        f"{DEFAULT_COLLECTIVE_TIMEOUT_S:g})",
-    )
+    add_collective_timeout_argument(parser)
     parser.add_argument(
         "command", nargs=argparse.REMAINDER, help="the command each rank runs, after --"
     )

@@ -30,6 +30,7 @@ from interlace.pipeline.schedule import (
     Weights,
     build_schedule,
 )
+from interlace.pipeline.stages import check_stages_agree
 from interlace.timeline import Event
 
 #: Values of ``PipelineStage(spectrain_backward=...)``: which weights SpecTrain's backward uses.
@@ -102,6 +103,12 @@ class _InFlight:
 class PipelineStage:
     """One rank's stage of a pipeline: its module, its optimizer, and the schedule it runs.
 
+    Construction is collective over ``group`` when there are several stages: every rank of the
+    group holds one stage and builds it at the same point, where the stages compare the
+    settings that decide which messages flow (``check_stages_agree`` in
+    :mod:`interlace.pipeline.stages`): ranks built differently raise one error naming the
+    setting and the ranks, rather than hang or train apart.
+
     Args:
         module: this stage's blocks.
         optimizer: updates ``module``'s parameters; ``spectrain`` needs
@@ -115,7 +122,8 @@ class PipelineStage:
             default.
         microbatches: micro-batches per mini-batch of ``gpipe`` and ``1f1b``.
         ranks: ``ranks[k]`` is the global rank that holds stage ``k`` (default: rank ``k``).
-        group: the process group the stages talk over (the default group when None).
+        group: the process group the stages talk over (the default group when None); its
+            ranks are the pipeline's stages, one each.
         device: where the stage computes.
         on_update: called after every optimizer step (a learning-rate scheduler's ``step``, a
             progress bar); the asynchronous schedules take those steps inside :meth:`run`.
@@ -191,6 +199,17 @@ class PipelineStage:
         self._events: list[Event] = []
         self._sends: list[tuple[list[dist.Work], tuple[Tensor, ...]]] = []
         self._process = f"stage {stage}"
+        if num_stages > 1:
+            check_stages_agree(
+                stage=stage,
+                num_stages=num_stages,
+                ranks=self.ranks,
+                group=group,
+                schedule=schedule,
+                microbatches=microbatches,
+                chunks=chunks,
+                spectrain_backward=spectrain_backward,
+            )
 
     # ---------------------------------------------------------------------------------------
     # public API

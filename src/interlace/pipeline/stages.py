@@ -1,12 +1,16 @@
-"""This rank's stage of a model, cut by one plan that every rank agrees on (rank 0's)."""
+"""This rank's stage of a model, cut by one plan that every rank agrees on (rank 0's), and the
+check that the stages agree on how they run."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from interlace.comm.agree import check_agreement
 from interlace.errors import UsageError
 from interlace.pipeline.partition import (
     StagePlan,
@@ -14,6 +18,7 @@ from interlace.pipeline.partition import (
     plan_stages,
     stage_module,
 )
+from interlace.pipeline.schedule import ASYNCHRONOUS
 
 
 @dataclass(frozen=True)
@@ -81,3 +86,69 @@ def local_stage(
             )
     assert isinstance(plan, StagePlan)
     return LocalStage(stage_module(blocks, plan, stage), plan, stage, num_stages)
+
+
+def check_stages_agree(
+    *,
+    stage: int,
+    num_stages: int,
+    ranks: Sequence[int],
+    group: dist.ProcessGroup | None,
+    schedule: str,
+    microbatches: int,
+    chunks: int,
+    spectrain_backward: str,
+) -> None:
+    """Compare, across the stages, what decides the messages they exchange; collective.
+
+    :class:`~interlace.pipeline.runtime.PipelineStage` calls it at the end of construction, on
+    every rank of ``group``: no message is in flight yet and each rank gets there before its
+    first send or receive, so the comparison cannot cross the pipeline's own traffic.
+
+    Args:
+        stage: this rank's stage.
+        num_stages: stages in the pipeline.
+        ranks: the global rank of each stage.
+        group: the process group the stages talk over (None: the default group).
+        schedule: the schedule's name.
+        microbatches: micro-batches per mini-batch (synchronous schedules).
+        chunks: pieces per mini-batch (asynchronous schedules).
+        spectrain_backward: SpecTrain's backward rule.
+
+    Raises:
+        UsageError: naming the setting and the ranks that disagree, or the stage or group
+            that does not fit the pipeline.
+    """
+    if not dist.is_initialized():
+        raise UsageError(
+            f"a pipeline of {num_stages} stages needs a process group; call "
+            "torch.distributed.init_process_group (or interlace.distenv.init_distributed) on "
+            "every stage first"
+        )
+    size = dist.get_world_size(group)
+    if size != num_stages:
+        # Checked before the collective: ranks outside the pipeline would never join it.
+        raise UsageError(
+            f"PipelineStage: the process group has {size} ranks but num_stages is {num_stages}; "
+            "every rank of the group holds one stage (pass group= a group of the stages' ranks)"
+        )
+    settings: dict[str, Any] = {
+        "schedule": schedule,
+        "num_stages": num_stages,
+        "ranks": list(ranks),
+    }
+    # Compared only where they count: a synchronous schedule takes no chunks, an asynchronous
+    # one no micro-batches.
+    if schedule in ASYNCHRONOUS:
+        settings["chunks"] = chunks
+    else:
+        settings["microbatches"] = microbatches
+    if schedule == "spectrain":
+        settings["spectrain_backward"] = spectrain_backward
+    check_agreement("PipelineStage", settings, process_group=group)
+    rank = dist.get_rank()
+    if ranks[stage] != rank:
+        raise UsageError(
+            f"PipelineStage: rank {rank} was given stage {stage}, which ranks={list(ranks)} puts "
+            f"on rank {ranks[stage]}; give each rank its own position in ranks as stage="
+        )

@@ -12,7 +12,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from interlace.cliutil import add_model_shape_arguments, add_nprocs_argument
+from interlace.cliutil import (
+    add_collective_timeout_argument,
+    add_model_shape_arguments,
+    add_nprocs_argument,
+)
 from interlace.comm.strategies import PLANNED_STRATEGIES
 from interlace.errors import UsageError
 from interlace.sim import validate
@@ -146,6 +150,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--timeout", type=float, default=600.0, help="seconds allowed per launch (default 600)"
     )
+    add_collective_timeout_argument(group)
     group.add_argument("--trace-dir", help="also save each launch's profiled trace here")
 
 

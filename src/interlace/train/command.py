@@ -7,7 +7,13 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 from interlace import launch
-from interlace.cliutil import add_channel_arguments, add_model_shape_arguments, report_failure
+from interlace.cliutil import (
+    add_channel_arguments,
+    add_collective_timeout_argument,
+    add_model_shape_arguments,
+    collective_timeout_of,
+    report_failure,
+)
 from interlace.comm.links import parse_link
 from interlace.distenv import in_launched_job, set_collective_timeout
 from interlace.errors import UsageError
@@ -154,13 +160,13 @@ def add_arguments(
         help="continue the run in RUN_DIR from its latest checkpoint, with its own settings: "
         "the losses are those of the run never stopped",
     )
-    parser.add_argument(
-        "--collective-timeout",
-        type=float,
-        metavar="S",
-        help="end the job, naming the rank that stopped, when a collective waits S seconds "
-        "(default 300; see interlace launch --help)",
+    checkpoints.add_argument(
+        "--replan",
+        action="store_true",
+        help="with --resume: drop the checkpoint's DataParallel plan and profile, plan and try "
+        "plans again (a run moved to another machine or network); default: keep the plan",
     )
+    add_collective_timeout_argument(parser)
     parser.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
@@ -267,7 +273,10 @@ def run(args: argparse.Namespace) -> int:
         chunks=args.chunks,
         save_every=args.save_every,
         deterministic=args.deterministic,
+        replan=args.replan,
     )
+    if args.replan and args.resume is None:
+        raise UsageError("--replan applies with --resume (a new run plans anyway)")
     config.validate()
     if args.resume is None and config.optimizer != "kfac":
         _refuse_kfac_flags(config)
@@ -315,6 +324,7 @@ def run(args: argparse.Namespace) -> int:
         link=args.link,
         args=(config, run_dir, args.resume is not None),
         timeout=args.timeout,
+        collective_timeout=collective_timeout_of(args.collective_timeout),
     )
     return report_failure(f"interlace {args.command}", result, args.timeout)
 
@@ -329,7 +339,7 @@ def _refuse_kfac_flags(config: TrainConfig) -> None:
 
 
 #: Settings a resumed run may change: they do not change what it computes.
-_FREE_ON_RESUME = ("progress", "runs_dir", "save_every", "extra")
+_FREE_ON_RESUME = ("progress", "runs_dir", "save_every", "replan", "extra")
 #: Flags whose name is not the field's.
 _FLAGS = {"num_classes": "--classes", "input_shape": "--input-shape"}
 
@@ -341,7 +351,7 @@ def resumed_config(
 
     Flags given with ``--resume`` that differ from their default and from the saved value are
     refused: a resumed run keeps its settings, or it would not continue the same run. Only
-    :data:`_FREE_ON_RESUME` (progress bar, ``--save-every``) may change.
+    :data:`_FREE_ON_RESUME` (progress bar, ``--save-every``, ``--replan``) may change.
 
     Args:
         run_dir: the run folder to resume.
@@ -372,6 +382,7 @@ def resumed_config(
             "settings (start a new run to change them)"
         )
     saved.progress = asked.progress
+    saved.replan = asked.replan
     if asked.save_every is not None:
         saved.save_every = asked.save_every
     saved.validate()

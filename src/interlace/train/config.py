@@ -89,6 +89,8 @@ class TrainConfig:
             (``"2ep"``), and at the end; None saves none.
         deterministic: fix DataParallel's buckets before training instead of planning them
             from measured times, so the same seed gives the same numbers at any rank count.
+        replan: on resume, drop the checkpoint's DataParallel plan and profile and plan again
+            (a run resumed on another machine or network).
         extra: free-form notes recorded with the run.
     """
 
@@ -254,6 +256,7 @@ class TrainConfig:
     chunks: int = 1
     save_every: str | None = None
     deterministic: bool = False
+    replan: bool = False
     extra: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -358,6 +361,16 @@ class TrainConfig:
                 not self.deterministic or self.channels != "auto",
                 "--deterministic fixes the plan before training, and --channels auto chooses "
                 "the channels by measuring: give --channels a number",
+            ),
+            (
+                not self.replan or (self.parallel == "data" and self.strategy != "ddp"),
+                "--replan plans DataParallel's buckets again; this run has none to plan "
+                f"(--parallel {self.parallel}, --strategy {self.strategy})",
+            ),
+            (
+                not (self.replan and self.deterministic),
+                "--replan measures a new plan, and this run is --deterministic (its plan is "
+                "fixed, not measured): drop --replan",
             ),
         ]
         for ok, message in checks:

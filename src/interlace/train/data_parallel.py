@@ -99,8 +99,10 @@ def train_data_parallel(
         schedule.load_state_dict(saved["schedule"])
         if precond is not None:
             precond.load_state_dict(saved["kfac"])
-        if saved["plan"] is not None and isinstance(parallel_model, DataParallel):
-            parallel_model.load_plan_state(saved["plan"])
+        # --replan leaves the wrapper unplanned: it profiles, plans and tries plans afresh.
+        plan = saved["plan"]
+        if plan is not None and isinstance(parallel_model, DataParallel) and not config.replan:
+            parallel_model.load_plan_state(plan)
     elif config.deterministic and isinstance(parallel_model, DataParallel):
         parallel_model.load_plan_state(fixed_plan_state(parallel_model, config))
 
@@ -125,6 +127,10 @@ def train_data_parallel(
             )
         if precond is not None:
             print(precond.describe().splitlines()[0], flush=True)
+        if resumed is not None and config.replan:
+            print(
+                "replan: the checkpoint's plan is dropped; profiling and planning again", flush=True
+            )
 
     saves = records.saves
 
