@@ -88,7 +88,7 @@ def report() -> int:
     print(format_h2h_table(rows))
     print()
     print("| model | link | inv every | fastest mode | its cycle speed-up | its median speed-up "
-          "| default (dkfac) cycle speed-up | default RSS / kfac-pytorch's |")  # fmt: skip
+          "| default (pipelined) cycle speed-up | default RSS / kfac-pytorch's |")  # fmt: skip
     print("|---|---|---:|---|---:|---:|---:|---:|")
     for v in verdicts:
         rss = v["default_rss_ratio"]
@@ -114,7 +114,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per run")
     parser.add_argument(
         "--memory",
-        default="dkfac,kfac-pytorch",
+        default="pipelined,kfac-pytorch",
         help="modes whose peak RSS is measured (empty: none)",
     )
     parser.add_argument("--model", help="run only this model")

@@ -3,9 +3,12 @@ are final."""
 
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
 
-from interlace.bench.kfac_rank import ABLATION_MODES, KfacContender
+from interlace import KFAC
+from interlace.bench.kfac_rank import ABLATION_MODES, DEFAULT_MODE, KfacContender
+from interlace.kfac.compat import factor_comm_from
 
 MODES = ("dkfac", "pipelined", "lbp", "spd")
 
@@ -16,6 +19,16 @@ def test_the_ablation_modes_are_spd_kfacs() -> None:
     assert ABLATION_MODES["pipelined"] == ("pipelined", "merged", "greedy")
     assert ABLATION_MODES["lbp"] == ("bulk", "none", "lbp")
     assert ABLATION_MODES["spd"] == ("pipelined", "merged", "lbp")
+
+
+def test_the_default_mode_is_what_kfacs_defaults_select() -> None:
+    defaults = inspect.signature(KFAC).parameters
+    factor_comm, fusion, placement = ABLATION_MODES[DEFAULT_MODE]
+    assert factor_comm == factor_comm_from(
+        defaults["factor_comm"].default, defaults["update_factors_in_hook"].default
+    )
+    assert fusion == defaults["fusion"].default
+    assert placement == "greedy" and defaults["placement"].default is None
 
 
 def _contender(planning_done: bool, factor_comm: str, steps: int) -> KfacContender:

@@ -39,6 +39,8 @@ ABLATION_MODES: dict[str, tuple[str, str, str]] = {
     "spd": ("pipelined", "merged", "lbp"),
 }
 BASELINE_MODE = "dkfac"
+#: The mode :class:`interlace.KFAC`'s defaults select (factors pipelined in merged buckets).
+DEFAULT_MODE = "pipelined"
 #: ``--compare kfac-pytorch`` adds this contender: kfac-pytorch's ``KFACPreconditioner`` with its
 #: defaults (COMM-OPT, factors all-reduced from its hooks) and the run's update intervals.
 KFAC_PYTORCH_MODE = "kfac-pytorch"

@@ -11,6 +11,7 @@ from typing import Any
 from interlace.bench.kfac_rank import (
     ABLATION_MODES,
     BASELINE_MODE,
+    DEFAULT_MODE,
     KFAC_PASSES,
     KFAC_PYTORCH_MODE,
     mode_settings,
@@ -438,7 +439,7 @@ def format_h2h_table(rows: Sequence[AblationRow]) -> str:
 
 
 def h2h_verdicts(
-    rows: Sequence[AblationRow], default_mode: str = BASELINE_MODE
+    rows: Sequence[AblationRow], default_mode: str = DEFAULT_MODE
 ) -> list[dict[str, Any]]:
     """Per (model, link, decomposition interval) against kfac-pytorch: interlace's fastest mode
     and its default mode in whole-cycle throughput, the fastest mode's per-step median, and the
