@@ -90,7 +90,9 @@ def test_profile_with_kfac_draws_its_phases_after_backward(tmp_path: Path) -> No
         lanes = {e.lane for e in events}
         assert {"kfac", "kfac comm"} <= lanes
         names = {e.name for e in events}
-        assert {"factor all-reduce", "decompositions", "decomposition broadcast"} <= names
+        assert {"decompositions", "decomposition broadcast"} <= names
+        # K-FAC's default pipelines the factor all-reduces: step() waits for what is in flight.
+        assert any(name.startswith("factor all-reduce") for name in names)
         backward_end = max(e.end_s for e in events if e.category == "backward")
         (decompositions,) = [e for e in events if e.name == "decompositions"]
         (step,) = [e for e in events if e.category == "optimizer"]
