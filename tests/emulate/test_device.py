@@ -52,3 +52,6 @@ def test_a_clock_copies_and_pickles_with_its_totals() -> None:
 def test_dilate_link_divides_the_rate() -> None:
     assert parse_link(dilate_link("1gbit", 4)) == 250e6
     assert abs(parse_link(dilate_link("100mbit", 3)) - 100e6 / 3) < 1e3
+    # Rates of a million kbit and more: written out, never in exponent form.
+    assert parse_link(dilate_link("25gbit", 16)) == 25e9 / 16
+    assert parse_link(dilate_link("100gbit", 2)) == 50e9

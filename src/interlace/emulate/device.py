@@ -77,4 +77,5 @@ def dilate_link(link: str, dilation: float) -> str:
     Raises:
         UsageError: For a bad link or dilation.
     """
-    return f"{dilate_rate(link, dilation) / 1e3:.6g}kbit"
+    # Fixed-point: the link parser takes digits and a unit, not an exponent (1.5625e+06).
+    return f"{dilate_rate(link, dilation) / 1e3:.3f}kbit"
