@@ -1,7 +1,8 @@
 """K-FAC's device costs on one GPU: decompositions, factor products, preconditioning, launches.
 
-``python benchmarks/gpu_kfac_costs.py --json costs.json`` (needs CUDA) times each with CUDA
-events and prints a markdown table; the emulated K-FAC prices its device time with these.
+``python benchmarks/gpu_kfac_costs.py --json costs.json`` (needs CUDA) times the library's own
+functions (``decompose``, ``precondition``, ``second_moment``) with CUDA events and prints a
+markdown table; the emulated K-FAC prices its device time with these.
 """
 
 from __future__ import annotations
@@ -17,44 +18,27 @@ from typing import Any
 
 import torch
 
+from interlace.clock import StreamClock
+from interlace.kfac.costs import random_spd
+from interlace.kfac.decomp import decompose, precondition
+from interlace.kfac.layers import second_moment
+
 
 def _device_s(work: Callable[[], object], repeats: int) -> float:
     """Median device seconds of ``work`` over ``repeats`` runs, after two warm-ups."""
+    clock = StreamClock("cuda")
     for _ in range(2):
         work()
     times = []
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start = clock.mark()
         work()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(clock.seconds(start, clock.mark()))
     return statistics.median(times)
 
 
-def _spd(n: int, generator: torch.Generator) -> torch.Tensor:
-    x = torch.randn(n, n, generator=generator, dtype=torch.float64)
-    return (x @ x.T / n + 0.01 * torch.eye(n, dtype=torch.float64)).to("cuda", torch.float32)
-
-
-def _inverse(spd: torch.Tensor, eye: torch.Tensor) -> torch.Tensor:
-    """The damped inverse through Cholesky, as K-FAC's inverse method computes it."""
-    return torch.cholesky_inverse(torch.linalg.cholesky(spd + eye))
-
-
-def _precondition(q: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """Eigen preconditioning's products: into both eigenbases and back (four n x n products)."""
-    return q.T @ (q.T @ grad @ q) @ q
-
-
-def _factor(x: torch.Tensor) -> torch.Tensor:
-    """One factor from ``x``'s rows: ``x^T x / rows``."""
-    return x.T @ (x / x.shape[0])
-
-
 def measure(dims: list[int], rows: list[int], repeats: int) -> dict[str, Any]:
-    """Every cost, by size.
+    """Every cost, by size, of the library's own K-FAC functions.
 
     Args:
         dims: Factor dimensions n.
@@ -62,6 +46,7 @@ def measure(dims: list[int], rows: list[int], repeats: int) -> dict[str, Any]:
         repeats: Timed runs per size.
     """
     generator = torch.Generator().manual_seed(0)
+    device = torch.device("cuda")
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -71,17 +56,21 @@ def measure(dims: list[int], rows: list[int], repeats: int) -> dict[str, Any]:
         "factor_s": [],
         "precondition_s": [],
     }
+    damping = 1e-3
     for n in dims:
-        spd = _spd(n, generator)
-        eye = torch.eye(n, device="cuda")
-        grad = torch.randn(n, n, device="cuda")
-        result["eigh_s"].append((n, _device_s(partial(torch.linalg.eigh, spd), repeats)))
-        result["inverse_s"].append((n, _device_s(partial(_inverse, spd, eye), repeats)))
-        result["precondition_s"].append((n, _device_s(partial(_precondition, spd, grad), repeats)))
+        factor = random_spd(n, torch.float32, device, generator)
+        for method, key in (("eigen", "eigh_s"), ("inverse", "inverse_s")):
+            work = partial(decompose, factor, method, damping, torch.float32)
+            result[key].append((n, _device_s(work, repeats)))
+        # Eigen preconditioning of an n x n gradient with both factors' decompositions.
+        eigen = decompose(factor, "eigen", damping, torch.float32)
+        grad = torch.randn(n, n, device=device)
+        work = partial(precondition, grad, eigen, eigen, damping)
+        result["precondition_s"].append((n, _device_s(work, repeats)))
         for count in rows:
-            x = torch.randn(count, n, device="cuda")
-            result["factor_s"].append((count, n, _device_s(partial(_factor, x), repeats)))
-    tiny = torch.zeros(1, device="cuda")
+            x = torch.randn(count, n, device=device)
+            result["factor_s"].append((count, n, _device_s(partial(second_moment, x), repeats)))
+    tiny = torch.zeros(1, device=device)
     launches = 200
     per_launch = _device_s(lambda: [tiny.add_(1.0) for _ in range(launches)], repeats) / launches
     result["kernel_s"] = per_launch
@@ -94,7 +83,7 @@ def table(result: dict[str, Any]) -> str:
         f"{result['device']}, torch {result['torch']}, float32 (TF32 matmul "
         f"{'on' if result['tf32'] else 'off'}); device ms, median",
         "",
-        "| n | eigh | Cholesky inverse | preconditioning (4 products n x n) | TFLOP/s |",
+        "| n | eigen decompose | inverse decompose | eigen precondition (n x n) | TFLOP/s |",
         "|---:|---:|---:|---:|---:|",
     ]
     for (n, eigh), (_, inverse), (_, pre) in zip(
@@ -104,7 +93,7 @@ def table(result: dict[str, Any]) -> str:
             f"| {n} | {eigh * 1e3:.3f} | {inverse * 1e3:.3f} | {pre * 1e3:.3f} | "
             f"{4 * 2 * n**3 / pre / 1e12:.1f} |"
         )
-    lines += ["", "| rows x n | factor x^T x ms | TFLOP/s |", "|---|---:|---:|"]
+    lines += ["", "| rows x n | factor (second_moment) ms | TFLOP/s |", "|---|---:|---:|"]
     for count, n, seconds in result["factor_s"]:
         lines.append(
             f"| {count} x {n} | {seconds * 1e3:.3f} | {2 * count * n * n / seconds / 1e12:.1f} |"

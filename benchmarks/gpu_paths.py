@@ -20,33 +20,24 @@ from torch.nn import functional
 from torch.nn.parallel import DistributedDataParallel
 
 from interlace import KFAC, DataParallel
-from interlace.kfac.decomp import COMPUTE_METHODS
+from interlace.kfac.costs import random_spd
+from interlace.kfac.decomp import COMPUTE_METHODS, decompose
 from interlace.testing import run_ranks
 from interlace.zoo import build_model
 
 
-def _spd(n: int, device: torch.device, generator: torch.Generator) -> torch.Tensor:
-    x = torch.randn(n, n, generator=generator, dtype=torch.float64)
-    return (x @ x.T / n + 0.01 * torch.eye(n, dtype=torch.float64)).to(device, torch.float32)
-
-
-def _decompose(method: str, matrix: torch.Tensor) -> None:
-    if method == "eigen":
-        torch.linalg.eigh(matrix)
-    else:
-        torch.cholesky_inverse(torch.linalg.cholesky(matrix))
-
-
 def time_decomposition(method: str, n: int, device: torch.device, repeats: int) -> float:
-    """Median seconds of one decomposition of a damped ``n x n`` SPD matrix on ``device``."""
+    """Median seconds of the library's decomposition of a damped ``n x n`` SPD matrix."""
     generator = torch.Generator().manual_seed(n)
-    matrices = [_spd(n, device, generator) for _ in range(repeats + 1)]
+    matrices = [random_spd(n, torch.float32, device, generator) for _ in range(repeats + 1)]
     times = []
     for matrix in matrices:
-        torch.cuda.synchronize()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         start = time.perf_counter()
-        _decompose(method, matrix)
-        torch.cuda.synchronize()
+        decompose(matrix, method, 1e-3, torch.float32)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])  # the first call loads the solver
 

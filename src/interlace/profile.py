@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,6 +28,7 @@ from interlace.cliutil import (
     collective_timeout_of,
     report_failure,
 )
+from interlace.clock import Mark, StreamClock
 from interlace.comm.links import parse_link
 from interlace.comm.strategies import RUNTIME_STRATEGIES
 from interlace.distenv import finish_distributed, init_distributed
@@ -37,7 +39,7 @@ from interlace.sim.profiled import trace_from_plan
 from interlace.sim.trace import ActivationTrace, Trace
 from interlace.strategies import parse_channels, wrap_model
 from interlace.timeline import Event, Timeline
-from interlace.zoo import build_model, load_data
+from interlace.zoo import build_model, model_shape
 
 if TYPE_CHECKING:
     from torch import nn
@@ -301,14 +303,7 @@ def run(args: argparse.Namespace) -> int:
     if args.link is not None:
         parse_link(args.link)
     collective_timeout = collective_timeout_of(args.collective_timeout)
-    if args.input_shape is not None and args.classes is not None:
-        input_shape, num_classes = args.input_shape, args.classes
-    else:
-        bundle = load_data(
-            args.data, synthetic_size=64 if args.data.startswith("synthetic") else None
-        )
-        input_shape = args.input_shape or bundle.input_shape
-        num_classes = args.classes or bundle.num_classes
+    input_shape, num_classes = model_shape(args.data, args.input_shape, args.classes)
     config = ProfileConfig(
         model=args.model,
         strategy=args.strategy,
@@ -395,38 +390,71 @@ def write_profile(timeline: Timeline, out_dir: str | Path) -> tuple[Path, Path]:
 def layer_forward_times(
     module: nn.Module, inputs: torch.Tensor, repeats: int = 3
 ) -> dict[str, float]:
-    """Median forward seconds of every module that owns parameters, timed with hooks.
+    """Median forward seconds of every layer, timed between hooks around it on the inputs'
+    device (CUDA events on a GPU, the host clock elsewhere).
 
-    Run apart from the measured iterations (the hooks cost a little each), without gradients.
+    A layer is a module owning parameters with no parameter-owning module inside (a parent's
+    time would count its children's); a layer called twice in a pass counts both calls. Run
+    apart from the measured iterations (the hooks cost a little each), without gradients.
+
+    Args:
+        module: The model.
+        inputs: A batch.
+        repeats: Passes timed.
     """
-    starts: dict[str, float] = {}
-    samples: dict[str, list[float]] = {}
+    clock = StreamClock(inputs.device)
+    spans: list[dict[str, list[tuple[Mark, Mark]]]] = []
+    starts: dict[str, Mark] = {}
     handles = []
 
-    def before(name: str) -> object:
+    def before(name: str) -> Callable[..., None]:
         def hook(_module: nn.Module, _inputs: object) -> None:
-            starts[name] = time.perf_counter()
+            starts[name] = clock.mark()
 
         return hook
 
-    def after(name: str) -> object:
+    def after(name: str) -> Callable[..., None]:
         def hook(_module: nn.Module, _inputs: object, _output: object) -> None:
-            samples.setdefault(name, []).append(time.perf_counter() - starts[name])
+            spans[-1].setdefault(name, []).append((starts[name], clock.mark()))
 
         return hook
 
-    for name, layer in module.named_modules():
-        if any(True for _ in layer.parameters(recurse=False)):
-            handles.append(layer.register_forward_pre_hook(before(name)))
-            handles.append(layer.register_forward_hook(after(name)))
+    for name, layer in timed_layers(module).items():
+        handles.append(layer.register_forward_pre_hook(before(name)))
+        handles.append(layer.register_forward_hook(after(name)))
     try:
         with torch.no_grad():
             for _ in range(repeats):
+                spans.append({})
                 module(inputs)
     finally:
         for handle in handles:
             handle.remove()
-    return {name: statistics.median(values) for name, values in samples.items()}
+    # Read after every pass is queued: reading a CUDA event waits for it.
+    totals = [
+        {name: sum(clock.seconds(a, b) for a, b in pairs) for name, pairs in one.items()}
+        for one in spans
+    ]
+    return {name: statistics.median(t[name] for t in totals) for name in totals[0]}
+
+
+def timed_layers(module: nn.Module) -> dict[str, nn.Module]:
+    """The modules owning parameters with no parameter-owning module inside, by name.
+
+    Args:
+        module: The model.
+    """
+    timed = {}
+    for name, layer in module.named_modules():
+        owns = any(True for _ in layer.parameters(recurse=False))
+        inner = any(
+            any(True for _ in child.parameters(recurse=False))
+            for child in layer.modules()
+            if child is not layer
+        )
+        if owns and not inner:
+            timed[name] = layer
+    return timed
 
 
 def layer_activations(module: nn.Module, inputs: torch.Tensor) -> tuple[ActivationTrace, ...]:

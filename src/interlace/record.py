@@ -19,10 +19,10 @@ from torch import nn
 from interlace.cliutil import add_model_shape_arguments
 from interlace.clock import Mark, StreamClock
 from interlace.errors import UsageError
-from interlace.profile import layer_activations
+from interlace.profile import layer_activations, layer_forward_times
 from interlace.sim.profiled import buffer_broadcast_bytes, factor_sizes, from_ready
 from interlace.sim.trace import Trace
-from interlace.zoo import build_model, load_data
+from interlace.zoo import build_model, model_shape
 
 Progress = Callable[[int], None]
 
@@ -61,12 +61,10 @@ def example_batch(
 
 
 class _Marks:
-    """Every mark of one iteration: forward, per-layer forward, per-tensor ready, step."""
+    """Every mark of one iteration: forward, per-tensor ready, backward, step."""
 
     def __init__(self, clock: StreamClock) -> None:
         self.clock = clock
-        self.layer_start: dict[str, Mark] = {}
-        self.layer_spans: dict[str, list[tuple[Mark, Mark]]] = {}
         self.ready: dict[str, Mark] = {}
         self.points: dict[str, Mark] = {}
 
@@ -91,9 +89,10 @@ def record_trace(
 ) -> Trace:
     """Time ``iters`` training iterations of ``model`` (SGD with momentum) and return its trace.
 
-    Each layer's forward is timed between hooks around it; each gradient's ready time from the
-    start of backward to the moment it is accumulated, so a layer's backward is the gap between
-    its gradients and the previous layer's. Times are medians over the iterations. The trace also
+    Each gradient's ready time is taken from the start of backward to the moment it is
+    accumulated, so a layer's backward is the gap between its gradients and the previous
+    layer's; times are medians over the iterations. Each layer's forward is timed afterwards by
+    :func:`~interlace.profile.layer_forward_times`, on the same clock. The trace also
     holds each layer's output shape (what crosses a pipeline stage boundary) and its K-FAC factor
     sizes. The model is trained by the iterations: pass a copy to keep it.
 
@@ -118,9 +117,8 @@ def record_trace(
         raise UsageError("the model has no trainable parameters to trace")
     clock = StreamClock(inputs.device)
     optimizer = torch.optim.SGD(params.values(), lr=1e-3, momentum=0.9)
-    layers = _timed_layers(model)
     marks = _Marks(clock)
-    handles = _install_hooks(model, layers, params, lambda: marks)
+    handles = _install_hooks(params, lambda: marks)
     samples: list[dict[str, Any]] = []
     model.train()
     try:
@@ -143,10 +141,7 @@ def record_trace(
             handle.remove()
     ready = {p: statistics.median(s["ready"][p] for s in samples) for p in samples[0]["ready"]}
     order = sorted(ready, key=lambda p: ready[p])
-    layer_forward = {
-        layer: statistics.median(s["layers"][layer] for s in samples)
-        for layer in samples[0]["layers"]
-    }
+    layer_forward = layer_forward_times(model, inputs)
     trace = from_ready(
         name,
         names=order,
@@ -180,46 +175,9 @@ def _layer_of(param_name: str) -> str:
     return param_name.rpartition(".")[0] or param_name
 
 
-def _timed_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """Modules whose forward is timed: those owning parameters with no parameter-owning module
-    inside (a parent's forward would also count its children's)."""
-    timed = {}
-    for mname, module in model.named_modules():
-        owns = any(True for _ in module.parameters(recurse=False))
-        inner = any(
-            any(True for _ in child.parameters(recurse=False))
-            for child in module.modules()
-            if child is not module
-        )
-        if owns and not inner:
-            timed[mname] = module
-    return timed
-
-
-def _install_hooks(
-    model: nn.Module,
-    layers: dict[str, nn.Module],
-    params: dict[str, nn.Parameter],
-    current: Callable[[], _Marks],
-) -> list[Any]:
-    """Forward hooks around every timed layer, and a gradient hook on every parameter, that
-    record marks into the iteration's :class:`_Marks`."""
-    handles: list[Any] = []
-
-    def before(lname: str) -> Callable[..., None]:
-        def hook(_module: nn.Module, _inputs: object) -> None:
-            marks = current()
-            marks.layer_start[lname] = marks.clock.mark()
-
-        return hook
-
-    def after(lname: str) -> Callable[..., None]:
-        def hook(_module: nn.Module, _inputs: object, _output: object) -> None:
-            marks = current()
-            span = (marks.layer_start[lname], marks.clock.mark())
-            marks.layer_spans.setdefault(lname, []).append(span)
-
-        return hook
+def _install_hooks(params: dict[str, nn.Parameter], current: Callable[[], _Marks]) -> list[Any]:
+    """A gradient hook on every parameter that marks its ready time in the iteration's
+    :class:`_Marks`."""
 
     def ready(pname: str) -> Callable[[torch.Tensor], None]:
         def hook(_param: torch.Tensor) -> None:
@@ -228,12 +186,7 @@ def _install_hooks(
 
         return hook
 
-    for lname, module in layers.items():
-        handles.append(module.register_forward_pre_hook(before(lname)))
-        handles.append(module.register_forward_hook(after(lname)))
-    for pname, param in params.items():
-        handles.append(param.register_post_accumulate_grad_hook(ready(pname)))
-    return handles
+    return [param.register_post_accumulate_grad_hook(ready(p)) for p, param in params.items()]
 
 
 def _read(marks: _Marks) -> dict[str, Any]:
@@ -244,10 +197,6 @@ def _read(marks: _Marks) -> dict[str, Any]:
         "backward": marks.seconds("forward", "backward"),
         "step": marks.seconds("backward", "step"),
         "ready": {p: marks.clock.seconds(start, m) for p, m in marks.ready.items()},
-        "layers": {
-            lname: sum(marks.clock.seconds(a, b) for a, b in spans)
-            for lname, spans in marks.layer_spans.items()
-        },
     }
 
 
@@ -308,14 +257,7 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     device = _parse_device(args.device)
-    if args.input_shape is not None and args.classes is not None:
-        input_shape, num_classes = args.input_shape, args.classes
-    else:
-        bundle = load_data(
-            args.data, synthetic_size=64 if args.data.startswith("synthetic") else None
-        )
-        input_shape = args.input_shape or bundle.input_shape
-        num_classes = args.classes or bundle.num_classes
+    input_shape, num_classes = model_shape(args.data, args.input_shape, args.classes)
     torch.manual_seed(args.seed)
     if device.type == "cuda":
         # What a GPU user trains with: cuDNN picks the fastest kernels for these shapes.

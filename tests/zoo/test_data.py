@@ -18,7 +18,7 @@ from torch.utils.data import Dataset, DistributedSampler
 
 import interlace.zoo
 from interlace.errors import UsageError
-from interlace.zoo import DATA_NAMES, DataBundle, load_data, make_loader
+from interlace.zoo import DATA_NAMES, DataBundle, load_data, make_loader, model_shape
 from interlace.zoo.data import CIFAR10_MEAN, CIFAR10_STD, SampleDataset, digits_split_indices
 
 DIGITS_NPZ = Path(interlace.zoo.__file__).parent / "data" / "digits.npz"
@@ -396,3 +396,11 @@ def test_synthetic_size_validation() -> None:
         load_data("synthetic-cifar10", synthetic_size=0)
     with pytest.raises(UsageError, match="seed"):
         load_data("synthetic-cifar10", seed=-1)
+
+
+def test_model_shape_takes_what_is_given_and_the_rest_from_the_data() -> None:
+    assert model_shape("digits", (3, 5), 7) == ((3, 5), 7)
+    digits = load_data("digits")
+    assert model_shape("digits", None, None) == (tuple(digits.input_shape), digits.num_classes)
+    assert model_shape("digits", None, 4) == (tuple(digits.input_shape), 4)
+    assert model_shape("synthetic-cifar10", None, None) == ((3, 32, 32), 10)

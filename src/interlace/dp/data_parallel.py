@@ -440,6 +440,7 @@ class DataParallel(nn.Module):
         if self.plan is None and self._backward_passes > 1:
             # Pass 1 is a warm-up (allocator, lazy init); later ones are measured.
             if self._device_pass is not None:
+                # Waits for this pass's last event: profiling passes only, a few per run.
                 self._profiled.add(*self._device_pass.seconds())
             else:
                 self._profiled.add(

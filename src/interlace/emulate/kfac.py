@@ -49,28 +49,30 @@ H100_GEMM_FLOPS = 25e12
 #: Seconds per kernel launched (a factor: one product and a symmetrisation).
 H100_KERNEL_S = 10e-6
 
-#: ``torch.linalg.eigh`` of a float32 SPD matrix on one NVIDIA H200 (torch 2.11, cuSOLVER),
-#: device seconds from CUDA events, measured 2026-11-26 (benchmarks/gpu_kfac_costs.py, docs/gpu.md).
+#: The library's eigen decomposition (:func:`interlace.kfac.decomp.decompose`, ``eigh`` and its
+#: checks) of a float32 SPD matrix on one NVIDIA H200 (torch 2.11), device seconds from CUDA
+#: events, measured 2026-11-26 (benchmarks/gpu_kfac_costs.py, docs/gpu.md).
 H200_EIGH_S: tuple[tuple[int, float], ...] = (
-    (64, 0.000819),
-    (256, 0.005440),
-    (1024, 0.010242),
-    (2048, 0.024403),
-    (4096, 0.089822),
+    (64, 0.001104),
+    (256, 0.005540),
+    (1024, 0.010945),
+    (2048, 0.025419),
+    (4096, 0.091241),
 )
-#: The damped inverse (Cholesky) of the same matrices on the same H200, seconds.
+#: The library's damped inverse (``decompose(..., "inverse")``: ``torch.linalg.inv``) of the
+#: same matrices on the same H200, seconds.
 H200_INVERSE_S: tuple[tuple[int, float], ...] = (
-    (64, 0.000141),
-    (256, 0.000297),
-    (1024, 0.001192),
-    (2048, 0.002606),
-    (4096, 0.008190),
+    (64, 0.000374),
+    (256, 0.000763),
+    (1024, 0.002814),
+    (2048, 0.006526),
+    (4096, 0.017748),
 )
 #: Float32 products (TF32 off) on the same H200: 50-52 TFLOP/s measured for factors of side
 #: 1024 and more; smaller ones are bounded by the launches below.
 H200_GEMM_FLOPS = 50e12
 #: Seconds per kernel launched back to back, measured on the same H200.
-H200_KERNEL_S = 6.7e-6
+H200_KERNEL_S = 6.8e-6
 
 
 @dataclass(frozen=True)

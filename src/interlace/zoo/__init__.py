@@ -7,7 +7,7 @@ CIFAR-10 folder; :func:`make_loader` shards a data set across ranks.
 
 from __future__ import annotations
 
-from interlace.zoo.data import DATA_NAMES, DataBundle, load_data, make_loader
+from interlace.zoo.data import DATA_NAMES, DataBundle, load_data, make_loader, model_shape
 from interlace.zoo.models import MODEL_NAMES, ModelSummary, build_model, summarize_model
 
 __all__ = [
@@ -18,5 +18,6 @@ __all__ = [
     "build_model",
     "load_data",
     "make_loader",
+    "model_shape",
     "summarize_model",
 ]

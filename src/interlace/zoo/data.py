@@ -386,6 +386,23 @@ def _load_cifar_folder(spec: str) -> DataBundle:
 # --------------------------------------------------------------------------------------------
 
 
+def model_shape(
+    data: str, input_shape: tuple[int, ...] | None, classes: int | None
+) -> tuple[tuple[int, ...], int]:
+    """The sample shape and class count a model is built for: those given, the rest from
+    ``data`` (a synthetic set is made small, since only its sizes are read).
+
+    Args:
+        data: A data set name, as ``--data`` takes it.
+        input_shape: ``--input-shape``, or None.
+        classes: ``--classes``, or None.
+    """
+    if input_shape is not None and classes is not None:
+        return tuple(input_shape), classes
+    bundle = load_data(data, synthetic_size=64 if data.startswith("synthetic") else None)
+    return tuple(input_shape or bundle.input_shape), classes or bundle.num_classes
+
+
 def load_data(
     spec: str,
     *,
