@@ -88,6 +88,8 @@ class ValidationRow:
             (0 to 1).
         probes: Medians of the contention probes
             (:meth:`~interlace.sim.contention.ContentionSamples.medians`).
+        family: What was predicted: ``"dp"`` (a data-parallel strategy), ``"kfac"`` (a K-FAC
+            mode) or ``"pipeline"`` (a pipeline schedule).
     """
 
     model: str
@@ -117,6 +119,51 @@ class ValidationRow:
     startup_compute_slowdown: float = 1.0
     startup_overlap: float = 0.0
     probes: dict[str, float] = field(default_factory=dict)
+    family: str = "dp"
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        family: str,
+        model: str,
+        strategy: str,
+        ranks: int,
+        link: str,
+        predicted_s: float,
+        measured_s: float,
+    ) -> ValidationRow:
+        """A row with no data-parallel calibration: a prediction and its measurement.
+
+        Args:
+            family: ``"dp"``, ``"kfac"`` or ``"pipeline"``.
+            model: The model or trace.
+            strategy: The strategy, mode or schedule.
+            ranks: The ranks it ran on.
+            link: The link, as shown.
+            predicted_s: The simulator's iteration.
+            measured_s: The measured iteration (> 0).
+        """
+        return cls(
+            model=model,
+            strategy=strategy,
+            ranks=ranks,
+            link=link,
+            predicted_s=predicted_s,
+            measured_s=measured_s,
+            error=(predicted_s - measured_s) / measured_s,
+            predicted_uncontended_s=predicted_s,
+            compute_slowdown=1.0,
+            compute_drift=1.0,
+            stream_a=0.0,
+            stream_b=0.0,
+            predicted_buckets=0,
+            measured_buckets="-",
+            comm_compute=0.0,
+            cost_a=0.0,
+            cost_b=0.0,
+            family=family,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The row as a JSON object."""
@@ -260,6 +307,24 @@ def format_table(rows: Sequence[ValidationRow]) -> str:
             f"{row.startup_compute_slowdown:.2f}/{row.compute_slowdown:.2f} | "
             f"{row.compute_drift:.2f} | "
             f"{row.predicted_buckets}/{row.measured_buckets} |"
+        )
+    return "\n".join(lines)
+
+
+def format_prediction_table(rows: Sequence[ValidationRow]) -> str:
+    """The markdown table of emulated-compute validation: family, setting, prediction, error.
+
+    Args:
+        rows: The rows to show, in order.
+    """
+    lines = [
+        "| family | model | ranks | link | strategy | predicted ms | measured ms | error |",
+        "|---|---|---:|---|---|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row.family} | {row.model} | {row.ranks} | {row.link} | {row.strategy} | "
+            f"{row.predicted_s * 1e3:.1f} | {row.measured_s * 1e3:.1f} | {row.error * 100:+.1f}% |"
         )
     return "\n".join(lines)
 
