@@ -100,6 +100,29 @@ def test_a_layer_of_t_seconds_takes_t_times_the_dilation(dilation: float) -> Non
         assert backward_took < backward_ms * MS * dilation + 0.5
 
 
+def test_parameter_free_time_comes_after_the_layers_in_each_pass() -> None:
+    # Layers own 5 ms of forward and 10 ms of backward; the trace's passes take 30 and 40 ms.
+    only = TensorTrace("only.weight", "only", 10, 40, 5 * MS, 10 * MS)
+    trace = Trace("rest", (only,), forward_s=30 * MS, backward_s=40 * MS)
+    model = EmulatedModel(trace, dilation=2.0)
+    assert model.device_s == pytest.approx(2 * 70 * MS)
+    x = torch.ones(2, 1)
+    start = time.perf_counter()
+    out = model(x)
+    assert time.perf_counter() - start >= 60 * MS
+    ready: list[float] = []
+    (param,) = model.parameters()
+    param.register_post_accumulate_grad_hook(lambda _: ready.append(time.perf_counter()))
+    start = time.perf_counter()
+    out.sum().backward()
+    took = time.perf_counter() - start
+    # The gradient is ready after the layer's 20 ms, the pass ends after the trace's 80 ms.
+    assert 20 * MS <= ready[0] - start < 60 * MS
+    assert took >= 80 * MS
+    assert model.emulation_cost().device_s == pytest.approx(model.device_s)
+    assert not x.requires_grad
+
+
 def test_the_model_counts_its_device_time_and_its_own_cpu_time() -> None:
     model = EmulatedModel(small_trace(), dilation=0.5)
     model(torch.ones(4, 1)).sum().backward()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -391,8 +392,11 @@ class EmulatedKFACModel(EmulatedModel):
         return [layer for layer in self.layers if isinstance(layer, EmulatedFactorLayer)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.with_backward_rest(x)
         for layer in self.emulated_layers():
             x = layer(x)
+        if self.forward_rest_s > 0:
+            time.sleep(self.forward_rest_s)
         return x
 
 

@@ -117,6 +117,31 @@ class _DeviceTime(torch.autograd.Function):
         return (grad_out, None, None, *grads)
 
 
+class _BackwardRest(torch.autograd.Function):
+    """The part of backward no traced layer owns (parameter-free kernels), after the last layer.
+
+    Arguments of ``apply``: the input, the model, and a fresh leaf that makes autograd reach
+    this node after the first layer's backward.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, model: EmulatedModel, anchor: torch.Tensor) -> Any:
+        ctx.model = model
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
+        model: EmulatedModel = ctx.model
+        meter = model._meter
+        cpu, start = time.thread_time(), time.perf_counter()
+        # Ends one rest after the device finished the first layer's backward, as the replay has it.
+        deadline = (meter.device_free or start) + model.backward_rest_s
+        time.sleep(max(deadline - time.perf_counter(), 0.0))
+        meter.cpu_s += time.thread_time() - cpu
+        meter.device_s += model.backward_rest_s
+        return grad_out, None, torch.zeros(())
+
+
 class EmulatedLayer(nn.Module):
     """One traced layer: one flat parameter per traced tensor, and its dilated device times.
 
@@ -215,6 +240,13 @@ class EmulatedModel(nn.Module):
             )
             first += len(params)
         self.layers = nn.ModuleList(layers)
+        # Parameter-free kernels (activations, pooling) take the trace's totals beyond its
+        # layers' own times: forward's at its end, backward's after its last layer.
+        trace = self.trace
+        self.forward_rest_s = max(trace.forward_s - trace.layer_forward_total_s, 0) * self.dilation
+        self.backward_rest_s = (
+            max(trace.backward_s - trace.layer_backward_total_s, 0) * self.dilation
+        )
 
     @property
     def step_s(self) -> float:
@@ -223,8 +255,9 @@ class EmulatedModel(nn.Module):
 
     @property
     def device_s(self) -> float:
-        """Dilated device time of one forward and backward pass, seconds."""
-        return sum(layer.forward_s + layer.backward_s for layer in self.emulated_layers())
+        """Dilated device time of one forward and backward pass, seconds (the trace's totals)."""
+        layers = sum(layer.forward_s + layer.backward_s for layer in self.emulated_layers())
+        return layers + self.forward_rest_s + self.backward_rest_s
 
     def named_trace(self) -> Trace:
         """The (undilated) trace with each tensor named as the model's parameter that stands
@@ -244,12 +277,26 @@ class EmulatedModel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # No hook fires inside the forward pass, so its layers' device times are slept at once:
         # every wake-up costs the CPU a little, and backward needs one per layer already.
-        forward_s = 0.0
+        forward_s = self.forward_rest_s
+        x = self.with_backward_rest(x)
         for layer in self.emulated_layers():
             x = layer(x, defer=True)
             forward_s += layer.forward_s
         time.sleep(forward_s)
+        self._meter.device_s += self.forward_rest_s
         return x
+
+    def with_backward_rest(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` through the node whose backward sleeps the rest of backward (none: ``x``).
+
+        Args:
+            x: The model's input.
+        """
+        if self.backward_rest_s <= 0 or not torch.is_grad_enabled():
+            return x
+        anchor = torch.zeros((), requires_grad=True)
+        out: torch.Tensor = _BackwardRest.apply(x, self, anchor)  # type: ignore[no-untyped-call]
+        return out
 
     def emulation_cost(self) -> EmulationCost:
         """The emulation's own CPU time and the device time emulated since the last reset."""

@@ -186,6 +186,10 @@ class Trace:
         return sum(self.tensors[indices[0]].layer_backward_s for _, indices in self.layers)
 
     @property
+    def layer_forward_total_s(self) -> float:
+        return sum(self.tensors[indices[0]].layer_forward_s for _, indices in self.layers)
+
+    @property
     def total_bytes(self) -> int:
         return sum(tensor.nbytes for tensor in self.tensors)
 
