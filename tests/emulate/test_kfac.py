@@ -164,3 +164,78 @@ def test_h200_traces_are_priced_with_the_h200_measurements() -> None:
     for n, seconds in H200_EIGH_S:
         assert model.costs.decomposition_s("eigen", n) == pytest.approx(seconds)
     assert EmulatedKFACModel("resnet20-cpu", dilation=1.0).costs.device == "H100"
+
+
+# ---------------------------------------------------------------------- the simulator's view
+
+
+def test_the_simulator_prices_the_same_device_work() -> None:
+    device = KFACDeviceCosts(gemm_flops=1e12, kernel_s=1e-5)
+    for method in ("eigen", "inverse"):
+        costs = device.kfac_costs(method)
+        assert costs.compute_method == method
+        for a_dim, g_dim in ((9, 4), (577, 64), (1, 1)):
+            assert costs.precondition_s(a_dim, g_dim) == pytest.approx(
+                device.precondition_s(method, a_dim, g_dim)
+            )
+        for n in (1, 64, 100, 300, 1024, 5000):
+            assert costs.decomposition_s(n) == pytest.approx(device.decomposition_s(method, n))
+        # LBP places with the fit of the same measurements, as the runtime's LBP does.
+        assert costs.decomposition_model() == device.decomposition_model(method)
+    with pytest.raises(ValueError, match="method"):
+        device.kfac_costs("qr")
+
+
+def test_the_kfac_trace_is_the_iteration_the_model_runs() -> None:
+    base = factor_trace()
+    # 2 ms of forward and 1 ms of backward belong to no layer, and a buffer is broadcast; the
+    # norm's factors do not fit its tensors.
+    trace = Trace(
+        "toy",
+        base.tensors,
+        forward_s=6 * MS,
+        backward_s=9 * MS,
+        step_s=0.5 * MS,
+        factors=(*base.factors, FactorTrace("norm", 7, 7)),
+        activations=base.activations,
+        batch_size=16,
+        broadcast_bytes=(12,),
+    )
+    model = EmulatedKFACModel(trace, dilation=3.0)
+    sim = model.kfac_trace()
+    # The model sleeps the trace's whole passes, layers and the rest.
+    assert (sim.forward_s, sim.backward_s) == (trace.forward_s, trace.backward_s)
+    assert sim.step_s == trace.step_s and sim.broadcast_bytes == ()
+    assert [f.layer for f in sim.factors] == ["conv", "fc"]
+    # Named as the model's parameters (backward order), so a run's buckets name its tensors.
+    assert [t.name for t in sim.tensors] == [name for name, _ in model.named_parameters()][::-1]
+
+
+def test_the_kfac_costs_carry_each_layers_factor_time() -> None:
+    device = KFACDeviceCosts(gemm_flops=1e9, kernel_s=1e-4)
+    model = EmulatedKFACModel(factor_trace(), dilation=2.0, costs=device)
+    costs = model.kfac_costs("inverse")
+    # conv: 16 samples x 25 positions; fc: 16 samples x 1 (undilated seconds).
+    assert costs.layer_factor_s == (
+        ("conv", device.factor_s(400, 18), device.factor_s(400, 3)),
+        ("fc", device.factor_s(16, 9), device.factor_s(16, 4)),
+    )
+    assert costs.decomposition_s(18) == pytest.approx(device.decomposition_s("inverse", 18))
+
+
+def test_g_runs_before_its_layers_backward_on_the_one_device_stream() -> None:
+    # G costs more than the conv's own backward: a device runs the two one after the other,
+    # so backward takes every layer's backward plus every G.
+    dilation = 2.0
+    device = KFACDeviceCosts(gemm_flops=1e12, kernel_s=2e-3)
+    model = EmulatedKFACModel(factor_trace(), dilation=dilation, costs=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        KFAC(model, lr=0.1)
+    loss = model(torch.randn(16, 10)).sum()
+    started = time.perf_counter()
+    loss.backward()
+    elapsed = time.perf_counter() - started
+    g_s = device.factor_s(400, 3) + device.factor_s(16, 4)
+    backward = (2 + 1 + 3) * MS
+    assert elapsed >= dilation * (backward + g_s) - 0.002

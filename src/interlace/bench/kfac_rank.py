@@ -21,9 +21,11 @@ from interlace.bench.harness import (
     synthetic_batches,
 )
 from interlace.bench.kfac_peer import KfacPytorchPeer
+from interlace.comm.cost import CostModel
 from interlace.dp import DataParallel
 from interlace.emulate.compute import Compute, ComputeKind
 from interlace.emulate.kfac import EmulatedKFACModel
+from interlace.emulate.model import EmulatedStep
 from interlace.kfac import KFAC, PHASES
 from interlace.zoo import build_model
 
@@ -100,6 +102,8 @@ class AblationJob:
     num_classes: int = NUM_CLASSES
     #: Real kernels, or a trace's device time (``model`` is then the trace).
     compute: Compute = field(default_factory=lambda: Compute(ComputeKind.REAL))
+    #: LBP's broadcast cost model for every LBP mode (None: the first LBP mode measures one).
+    broadcast_cost: CostModel | None = None
 
 
 def build_job_model(
@@ -159,6 +163,19 @@ def lbp_costs_for(model: torch.nn.Module, compute_method: str) -> dict[str, Any]
     return {}
 
 
+def job_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The optimizer a contender steps: SGD with momentum, or for an emulated model the traced
+    step's device time (:class:`EmulatedStep`; a real step would hold a core as a GPU's does
+    not, and would not take the traced time).
+
+    Args:
+        model: The contender's own model.
+    """
+    if isinstance(model, EmulatedKFACModel):
+        return EmulatedStep(model)
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
 def _kfac_iteration(
     contender: KfacContender, batch: tuple[torch.Tensor, torch.Tensor], passes_key: str
 ) -> dict[str, float]:
@@ -209,7 +226,7 @@ def measure_rank(job: KfacJob) -> dict[str, Any]:
     model = copy.deepcopy(plain)
     wrapped = DataParallel(model)
     data_parallel_only = DataParallel(copy.deepcopy(plain))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    optimizer = job_optimizer(model)
     precond = KFAC(
         wrapped,
         lr=0.01,
@@ -336,8 +353,7 @@ def _contender(
         fusion=fusion,
         **(lbp_costs if placement == "lbp" else {}),
     )
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    return KfacContender(mode, wrapped, optimizer, precond=precond)
+    return KfacContender(mode, wrapped, job_optimizer(model), precond=precond)
 
 
 def peak_rss_mb() -> float:
@@ -400,6 +416,8 @@ def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
     data_parallel_only = DataParallel(copy.deepcopy(plain))
     contenders: list[KfacContender] = []
     lbp_costs: dict[str, Any] = lbp_costs_for(plain, job.compute_method)
+    if job.broadcast_cost is not None:
+        lbp_costs["broadcast_cost"] = job.broadcast_cost
     # The same order on every rank: KFAC creates process groups and measures LBP's costs with
     # collectives. The LBP modes share one measurement, so they share one placement.
     for mode in job.modes:
@@ -502,6 +520,17 @@ def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
             if c.precond.placement == "lbp"
             else None
             for c in contenders
+        },
+        "factor_owners": {
+            c.name: [list(pair) for pair in c.precond.factor_owners.values()]
+            for c in contenders
+            if c.name != KFAC_PYTORCH_MODE
+        },
+        # DataParallel's final buckets as parameter names, in launch order.
+        "gradient_buckets": {
+            c.name: [[plan.tensors[i].name for i in bucket.indices] for bucket in plan.buckets]
+            for c in contenders
+            if (plan := getattr(c.wrapper, "plan", None)) is not None
         },
     }
 

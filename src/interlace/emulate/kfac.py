@@ -8,10 +8,9 @@ measurements shipped here), while every collective K-FAC makes stays real. See d
 
 from __future__ import annotations
 
-import bisect
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import cast
 
@@ -24,6 +23,7 @@ from interlace.emulate.model import EmulatedLayer, EmulatedModel
 from interlace.kfac.costs import DecompositionCostModel
 from interlace.kfac.decomp import COMPUTE_METHODS, FactorDecomposition
 from interlace.kfac.layers import LayerHelper
+from interlace.sim.kfac_costs import KfacCosts, log_log_interpolate
 from interlace.sim.trace import FactorTrace, Trace
 
 #: ``torch.linalg.eigh`` of a float32 ``n x n`` SPD matrix on one NVIDIA H100 80GB (torch
@@ -74,6 +74,9 @@ H200_INVERSE_S: tuple[tuple[int, float], ...] = (
 H200_GEMM_FLOPS = 50e12
 #: Seconds per kernel launched back to back, measured on the same H200.
 H200_KERNEL_S = 6.8e-6
+#: Kernels launched to precondition one layer: four products and a division (eigen), or two
+#: products (inverse).
+PRECONDITION_KERNELS = {"eigen": 5, "inverse": 2}
 
 
 @dataclass(frozen=True)
@@ -131,7 +134,7 @@ class KFACDeviceCosts:
             raise ValueError(f"method must be one of {COMPUTE_METHODS}, got {method!r}")
         if n < 1:
             return 0.0
-        return _log_log(self.eigen_s if method == "eigen" else self.inverse_s, n)
+        return log_log_interpolate(self.eigen_s if method == "eigen" else self.inverse_s, n)
 
     def decomposition_model(self, method: str, dilation: float = 1.0) -> DecompositionCostModel:
         """LBP's ``c0 + c2 n^2 + c3 n^3`` fitted to the measurements, times ``dilation``.
@@ -176,17 +179,33 @@ class KFACDeviceCosts:
         """
         both = 2.0 * (g_dim * g_dim * a_dim + g_dim * a_dim * a_dim)
         if method == "eigen":
-            return self.gemm_s(2.0 * both, kernels=5)
-        return self.gemm_s(both, kernels=2)
+            return self.gemm_s(2.0 * both, kernels=PRECONDITION_KERNELS["eigen"])
+        return self.gemm_s(both, kernels=PRECONDITION_KERNELS["inverse"])
 
+    def kfac_costs(
+        self, method: str, layer_factor_s: tuple[tuple[str, float, float], ...] = ()
+    ) -> KfacCosts:
+        """The simulator's costs of the same device work, undilated: decompositions through the
+        same measurements (placed by :meth:`decomposition_model`'s fit, as LBP places them),
+        preconditioning at the same rate and launches, and the factors of ``layer_factor_s``.
 
-def _log_log(points: tuple[tuple[int, float], ...], n: int) -> float:
-    """Piecewise-linear interpolation of ``points`` in log(n), log(seconds)."""
-    sizes = [p[0] for p in points]
-    index = min(max(bisect.bisect_left(sizes, n), 1), len(points) - 1)
-    (n0, t0), (n1, t1) = points[index - 1], points[index]
-    slope = math.log(t1 / t0) / math.log(n1 / n0)
-    return t0 * math.exp(slope * math.log(n / n0))
+        Args:
+            method: ``"eigen"`` or ``"inverse"``.
+            layer_factor_s: ``(layer, A seconds, G seconds)`` (see
+                :meth:`EmulatedKFACModel.kfac_costs`).
+        """
+        if method not in COMPUTE_METHODS:
+            raise ValueError(f"method must be one of {COMPUTE_METHODS}, got {method!r}")
+        return KfacCosts(
+            decomposition=self.decomposition_model(method),
+            decomposition_points=self.eigen_s if method == "eigen" else self.inverse_s,
+            gemm_flops=self.gemm_flops,
+            # The simulator prices 4 g a (g + a) flops for eigen and half for inverse, as here.
+            precondition_overhead_s=PRECONDITION_KERNELS[method] * self.kernel_s,
+            compute_method=method,
+            layer_factor_s=layer_factor_s,
+            source=f"the emulated {self.device}'s device costs",
+        )
 
 
 class EmulatedFactorHelper(LayerHelper):
@@ -244,7 +263,14 @@ class EmulatedFactorHelper(LayerHelper):
         return torch.eye(self.a_dim)
 
     def g_factor(self, grad_output: torch.Tensor) -> torch.Tensor:
-        self.clock.spend(self.costs.factor_s(self.rows, self.g_dim))
+        started = time.perf_counter()
+        seconds = self.costs.factor_s(self.rows, self.g_dim)
+        self.clock.spend(seconds)
+        meter = getattr(self.module, "meter", None)
+        if meter is not None:
+            # One device stream: the layer's backward runs after G's products, so its deadline
+            # counts from their end (else it would absorb them as host time).
+            meter.device_free = max(meter.device_free, started) + seconds * self.clock.dilation
         return torch.eye(self.g_dim)
 
     def decompose(
@@ -321,14 +347,16 @@ class EmulatedFactorLayer(EmulatedLayer):
             first=first,
             meter=layer.meter,
         )
-        self._factor = factor
-        self._rows = rows
+        #: Its traced factor sizes.
+        self.factor = factor
+        #: Rows each factor is computed from.
+        self.rows = rows
         self._costs = costs
         self._clock = clock
 
     def kfac_helper(self) -> EmulatedFactorHelper:
         """K-FAC's helper for this layer (see :func:`interlace.kfac.layers.make_helper`)."""
-        return EmulatedFactorHelper(self, self._factor, self._rows, self._costs, self._clock)
+        return EmulatedFactorHelper(self, self.factor, self.rows, self._costs, self._clock)
 
 
 class EmulatedKFACModel(EmulatedModel):
@@ -390,6 +418,38 @@ class EmulatedKFACModel(EmulatedModel):
     def factor_layers(self) -> list[EmulatedFactorLayer]:
         """The layers K-FAC can precondition, in forward order."""
         return [layer for layer in self.layers if isinstance(layer, EmulatedFactorLayer)]
+
+    def kfac_trace(self) -> Trace:
+        """The (undilated) trace of the iteration this model runs, for the simulator, its tensors
+        named as the model's parameters (:meth:`named_trace`).
+
+        There are no buffers to broadcast, and the factors are those of
+        :meth:`factor_layers` (K-FAC leaves the others alone).
+        """
+        trace = self.named_trace()
+        fitting = {layer.name for layer in self.factor_layers()}
+        return replace(
+            trace,
+            broadcast_bytes=(),
+            factors=tuple(f for f in trace.factors if f.layer in fitting),
+        )
+
+    def kfac_costs(self, method: str) -> KfacCosts:
+        """The simulator's costs of the K-FAC work this model's device does, undilated
+        (:meth:`KFACDeviceCosts.kfac_costs`, with each factor layer's ``A`` and ``G``).
+
+        Args:
+            method: ``"eigen"`` or ``"inverse"``.
+        """
+        per_layer = tuple(
+            (
+                layer.name,
+                self.costs.factor_s(layer.rows, layer.factor.a_dim),
+                self.costs.factor_s(layer.rows, layer.factor.g_dim),
+            )
+            for layer in self.factor_layers()
+        )
+        return self.costs.kfac_costs(method, per_layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.with_backward_rest(x)

@@ -28,7 +28,13 @@ from interlace.kfac.placement import (
     schedule_order,
 )
 
-__all__ = ["BROADCAST_SIZES", "PLACEMENTS", "GroupRanks", "WorkAssignment"]
+__all__ = [
+    "BROADCAST_SIZES",
+    "PLACEMENTS",
+    "GroupRanks",
+    "WorkAssignment",
+    "fit_broadcast_cost_model",
+]
 
 #: Values of ``KFAC(placement=...)``: where decompositions are computed.
 PLACEMENTS = ("round-robin", "greedy", "lbp")
@@ -78,6 +84,32 @@ class GroupRanks:
             global_ranks=global_ranks,
             distributed=distributed,
         )
+
+
+def fit_broadcast_cost_model(
+    group: dist.ProcessGroup | None, source: int, device: torch.device | None = None
+) -> CostModel:
+    """``a + b M`` for a broadcast on ``group``, fitted like all-reduces are calibrated: LBP's
+    broadcast model when it is not given (collective; the same model on every rank).
+
+    Mirrors :func:`interlace.comm.calibrate.fit_cost_model` (median per size, the slowest
+    rank's medians, a 4-byte message for the start-up, least squares for the per-byte cost on
+    top), with broadcasts from ``source`` in place of all-reduces.
+
+    Args:
+        group: The group (None: the world).
+        source: The global rank that sends.
+        device: Where the messages live (default: the CPU).
+    """
+    medians = torch.tensor(
+        [time_broadcast(size, source, group, device=device) for size in (4, *BROADCAST_SIZES)],
+        dtype=torch.float64,
+        device=device,
+    )
+    # A collective ends when its slowest rank does, and every rank must fit the same model.
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
+    tiny, *rest = medians.cpu().tolist()
+    return CostModel.fit_slope(tiny, [float(size) for size in BROADCAST_SIZES], rest)
 
 
 class _SharedGroups(list[dist.ProcessGroup]):
@@ -227,24 +259,7 @@ class WorkAssignment:
         return DecompositionCostModel(c3=c3, c2=c2, c0=c0)
 
     def _measure_broadcast_cost(self) -> CostModel:
-        """``a + b M`` for a broadcast on this group, fitted like all-reduces are calibrated.
-
-        Mirrors :func:`interlace.comm.calibrate.fit_cost_model` (median per size, the slowest
-        rank's medians, a 4-byte message for the start-up, least squares for the per-byte
-        cost on top), with broadcasts from rank 0 in place of all-reduces.
-        """
-        medians = torch.tensor(
-            [
-                time_broadcast(size, self.global_ranks[0], self.group, device=self.device)
-                for size in (4, *BROADCAST_SIZES)
-            ],
-            dtype=torch.float64,
-            device=self.device,
-        )
-        # A collective ends when its slowest rank does, and every rank must fit the same model.
-        dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=self.group)
-        tiny, *rest = medians.cpu().tolist()
-        return CostModel.fit_slope(tiny, [float(size) for size in BROADCAST_SIZES], rest)
+        return fit_broadcast_cost_model(self.group, self.global_ranks[0], self.device)
 
     # -- process groups ------------------------------------------------------------------
 

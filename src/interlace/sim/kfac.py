@@ -8,26 +8,19 @@ taken from is in docs/notes/sim.md.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from interlace.comm.cost import CostModel
 from interlace.comm.plan import ReadyTensor, schedule
 from interlace.comm.strategies import PLANNED_STRATEGIES
 from interlace.errors import UsageError
-from interlace.kfac.costs import decomposition_numel
 from interlace.kfac.fusion import make_groups
 from interlace.kfac.packing import packed_size
-from interlace.kfac.placement import (
-    FactorItem,
-    decomposition_cost,
-    greedy_placement,
-    lbp_placement,
-    predicted_makespan,
-    schedule_order,
-)
 from interlace.sim.engine import SimResult
 from interlace.sim.kfac_costs import KfacCosts
+from interlace.sim.kfac_link import bulk_messages, named_groups, play_link
+from interlace.sim.kfac_stage import decomposition_stage
 from interlace.sim.replay import replay
 from interlace.sim.trace import Trace
 from interlace.timeline import Event, Timeline
@@ -55,12 +48,37 @@ class KfacStrategy:
         placement: ``"greedy"``: a layer's two decompositions on one rank by n^3 (D-KFAC);
             ``"lbp"``: SPD-KFAC's load-balancing placement of single factors.
         description: One line for people.
+        factors_in_passes: Factors computed in the passes (``A`` after its layer's forward,
+            ``G`` before its layer's backward) even when sent in bulk, as interlace's hooks do
+            (None: only when ``pipelined``).
+        bulk_packed: Bulk factor all-reduces send packed upper triangles (kfac-pytorch's
+            ``symmetry_aware``); otherwise whole ``n x n`` factors (interlace's default).
+        bulk_cap_bytes: Bulk factors go in buckets of at most this many bytes, in layer order
+            (``A`` then ``G``; a factor that would overflow a bucket starts the next one);
+            0: one message.
+        broadcasts_after: Layer-level placement: every decomposition is made before the first
+            broadcast, then one broadcast per layer in layer order, one after another
+            (interlace's greedy placement); otherwise each owner sends a result as soon as it
+            is made.
+        factor_group: Pipelined factor all-reduces run on a process group of their own (a
+            second queue beside the gradients', sharing the wire), as interlace's do; otherwise
+            gradients and factors share one serial queue.
     """
 
     name: str
     pipelined: bool
     placement: str
     description: str
+    factors_in_passes: bool | None = None
+    bulk_packed: bool = True
+    bulk_cap_bytes: int = 0
+    broadcasts_after: bool = False
+    factor_group: bool = False
+
+    @property
+    def computes_in_passes(self) -> bool:
+        """Whether the factors are computed inside forward and backward."""
+        return self.pipelined if self.factors_in_passes is None else self.factors_in_passes
 
 
 #: Every K-FAC strategy by name (what ``--strategy`` takes besides the data-parallel ones).
@@ -256,6 +274,8 @@ def simulate_kfac(
     per_layer: bool = False,
     network: str = "",
     broadcast_cost: CostModel | None = None,
+    timing_cost: CostModel | None = None,
+    gradient_buckets: Sequence[Sequence[str]] | None = None,
 ) -> KfacResult:
     """One K-FAC iteration of ``trace`` on ``workers`` ranks whose all-reduces cost ``cost``.
 
@@ -265,15 +285,22 @@ def simulate_kfac(
     Args:
         trace: The model's iteration, with K-FAC factor sizes.
         strategy: A :class:`KfacStrategy` or a key of :data:`KFAC_STRATEGIES`.
-        cost: Prices every all-reduce.
+        cost: Plans the gradient and factor buckets, and prices every all-reduce unless
+            ``timing_cost`` is given.
         workers: The ranks the decompositions are placed on (>= 1).
         costs: Prices what the trace lacks (default :class:`~interlace.sim.kfac_costs.KfacCosts`).
         per_layer: Send a layer's gradients as one message.
         network: The network's description, recorded in the result.
         broadcast_cost: Prices a decomposition's broadcast (default ``cost``).
+        timing_cost: Prices the all-reduces on the link (default ``cost``): the runtime plans
+            with one model and its all-reduces may take another's time.
+        gradient_buckets: Names per gradient bucket (tensors, or layers with ``per_layer``), in
+            launch order: the bucketing a run used (DataParallel keeps whichever candidate plan
+            it measured fastest) instead of MG-WFBP's plan on ``cost``.
 
     Raises:
-        ValueError: If ``workers`` is below 1.
+        ValueError: If ``workers`` is below 1, or for gradient buckets naming what the trace
+            does not send.
         UsageError: For an unknown strategy or a trace without factor sizes.
     """
     chosen = strategy if isinstance(strategy, KfacStrategy) else kfac_strategy_named(strategy)
@@ -282,13 +309,15 @@ def simulate_kfac(
     costs = KfacCosts() if costs is None else costs
     layers = _layers(trace)
     by_name = {layer.name: layer for layer in layers}
-    a_s = {
-        layer.name: costs.a_compute_s(layer.a_dim, layer.g_dim, layer.forward_s) for layer in layers
-    }
-    g_s = {
-        layer.name: costs.g_compute_s(layer.a_dim, layer.g_dim, layer.backward_s)
+    timing = cost if timing_cost is None else timing_cost
+    both = {
+        layer.name: costs.layer_factors_s(
+            layer.name, layer.a_dim, layer.g_dim, layer.forward_s, layer.backward_s
+        )
         for layer in layers
     }
+    a_s = {name: pair[0] for name, pair in both.items()}
+    g_s = {name: pair[1] for name, pair in both.items()}
     factor_total = math.fsum(a_s.values()) + math.fsum(g_s.values())
     size = costs.element_bytes
 
@@ -297,7 +326,8 @@ def simulate_kfac(
     factors: list[ReadyTensor] = []
     runs = trace.layers
     forward_order = list(dict.fromkeys(layer for layer, _ in reversed(runs)))
-    if chosen.pipelined:
+    in_passes = chosen.computes_in_passes
+    if in_passes:
         own = {layer.name: layer.forward_s for layer in layers}
         for layer_name, indices in runs:
             own.setdefault(layer_name, trace.tensors[indices[0]].layer_forward_s)
@@ -318,7 +348,7 @@ def simulate_kfac(
     gradient_ready = [0.0] * len(trace.tensors)
     seen: set[str] = set()
     for layer, indices in runs:
-        if chosen.pipelined and layer in by_name and layer not in seen:
+        if in_passes and layer in by_name and layer not in seen:
             ready = compute.run(f"{layer} G", "factor", g_s[layer])
             factors.append(
                 ReadyTensor(f"{layer}.G", _packed_bytes(by_name[layer].g_dim, size), ready)
@@ -347,28 +377,50 @@ def simulate_kfac(
             ReadyTensor(tensor.name, tensor.nbytes, gradient_ready[index])
             for index, tensor in enumerate(trace.tensors)
         ]
-    gradient_plan = PLANNED_STRATEGIES["mgwfbp"].plan(
-        [replace(t, ready_s=t.ready_s - backward_start) for t in gradients],
-        cost,
-        backward_s=passes_end - backward_start,
-        forward_s=backward_start,
-    )
+    relative = [replace(t, ready_s=t.ready_s - backward_start) for t in gradients]
+    if gradient_buckets is None:
+        gradient_plan = PLANNED_STRATEGIES["mgwfbp"].plan(
+            relative, cost, backward_s=passes_end - backward_start, forward_s=backward_start
+        )
+    else:
+        gradient_plan = schedule(
+            named_groups(gradient_buckets, relative),
+            relative,
+            cost,
+            backward_s=passes_end - backward_start,
+            forward_s=backward_start,
+            strategy="measured",
+        )
     waited = 0.0
     if chosen.pipelined:
         factor_groups = make_groups(
             "merged", [t.nbytes for t in factors], ready_s=[t.ready_s for t in factors], cost=cost
         )
     else:
-        # Backward returns once the gradients are averaged; factors are computed after that,
-        # then sent in one message. Only gradients use the link until then.
-        waited = max(backward_start + gradient_plan.comm_end_s - passes_end, 0.0)
+        # Backward returns once the gradients are averaged; factors not computed in the passes
+        # are computed after that; then all are sent in bulk. Only gradients use the link until
+        # then.
+        gradients_end = replay(
+            schedule(
+                gradient_plan.groups,
+                relative,
+                timing,
+                backward_s=passes_end - backward_start,
+                forward_s=backward_start,
+            )
+        ).comm_end_s
+        waited = max(backward_start + gradients_end - passes_end, 0.0)
         compute.clock += waited
-        ready = compute.run("factor computation", "factor", factor_total)
-        packed = sum(
-            _packed_bytes(layer.a_dim, size) + _packed_bytes(layer.g_dim, size) for layer in layers
+        ready = compute.clock
+        if not in_passes:
+            ready = compute.run("factor computation", "factor", factor_total)
+        factors, factor_groups = bulk_messages(
+            [(layer.a_dim, layer.g_dim) for layer in layers],
+            size,
+            ready,
+            packed=chosen.bulk_packed,
+            cap_bytes=chosen.bulk_cap_bytes,
         )
-        factors.append(ReadyTensor("factors (all layers)", packed, ready))
-        factor_groups = [[0]]
     compute_end = compute.clock
     entries = sorted(
         [(t.ready_s, 0, i) for i, t in enumerate(gradients)]
@@ -380,10 +432,15 @@ def simulate_kfac(
     groups += [sorted(position[(1, i)] for i in group) for group in factor_groups]
     groups.sort(key=max)
     kinds = tuple("factor" if entries[group[0]][1] else "gradient" for group in groups)
-    link = schedule(
-        groups, messages, cost, backward_s=compute_end, forward_s=0.0, strategy=chosen.name
+    link, replayed = play_link(
+        groups,
+        messages,
+        kinds=kinds,
+        cost=timing,
+        compute_end=compute_end,
+        name=chosen.name,
+        factor_queue=chosen.pipelined and chosen.factor_group,
     )
-    replayed = replay(link)
     drained = max(replayed.comm_end_s, compute_end)
     after = math.fsum(
         max(comm.end_s - max(comm.start_s, compute_end), 0.0)
@@ -395,11 +452,18 @@ def simulate_kfac(
     factor_comm = exposed - min(after, exposed)
 
     # 3. Decompositions and their broadcasts.
-    stage = _decomposition_stage(chosen, layers, workers, costs, broadcast_cost or cost)
+    stage = decomposition_stage(
+        [(layer.name, layer.a_dim, layer.g_dim) for layer in layers],
+        placement=chosen.placement,
+        broadcasts_after=chosen.broadcasts_after and chosen.placement == "greedy",
+        workers=workers,
+        costs=costs,
+        broadcast=broadcast_cost or cost,
+    )
 
     # 4. Preconditioning and the step.
     precondition = math.fsum(costs.precondition_s(layer.a_dim, layer.g_dim) for layer in layers)
-    pre = math.fsum(cost.time(nbytes) for nbytes in trace.broadcast_bytes)
+    pre = math.fsum(timing.time(nbytes) for nbytes in trace.broadcast_bytes)
     phases = {
         "buffer_comm": pre,
         "forward_backward": trace.forward_s + trace.backward_s,
@@ -412,15 +476,14 @@ def simulate_kfac(
         "step": trace.step_s,
     }
     total = pre + drained + stage.makespan_s + precondition + trace.step_s
-    model = costs.decomposition_model()
     every_decomposition = math.fsum(
-        model.time(layer.a_dim) + model.time(layer.g_dim) for layer in layers
+        costs.decomposition_s(layer.a_dim) + costs.decomposition_s(layer.g_dim) for layer in layers
     )
-    gradient_buckets = kinds.count("gradient")
+    gradient_count = kinds.count("gradient")
     extra: dict[str, float] = {f"{phase}_s": seconds for phase, seconds in phases.items()}
     extra.update(
-        gradient_buckets=gradient_buckets,
-        factor_buckets=len(kinds) - gradient_buckets,
+        gradient_buckets=gradient_count,
+        factor_buckets=len(kinds) - gradient_count,
         broadcasts=sum(owner is not None for owner in stage.owners) if workers > 1 else 0,
         local_factors=stage.local_factors,
         single_worker_s=trace.forward_s
@@ -479,124 +542,4 @@ def simulate_kfac(
         kinds=kinds,
         owners=tuple(stage.owners),
         events=tuple(events),
-    )
-
-
-@dataclass(frozen=True)
-class _Stage:
-    """The decomposition stage: its length, its compute part, the owners and what to draw."""
-
-    makespan_s: float
-    decomposition_s: float
-    owners: list[int | None]
-    local_factors: int
-    events: list[tuple[str, str, float, float]]
-
-
-def _decomposition_stage(
-    strategy: KfacStrategy,
-    layers: Sequence[_Layer],
-    workers: int,
-    costs: KfacCosts,
-    broadcast: CostModel,
-) -> _Stage:
-    """Place the decompositions and price the stage with
-    :func:`~interlace.kfac.placement.predicted_makespan`.
-
-    Greedy places layers: each is one item (both decompositions, one broadcast of both), passed
-    to the placement model as an item whose ``dim`` is the layer's index and priced by lookup.
-    LBP places single factors, each layer's ``A`` then ``G`` (the runtime's order).
-    """
-    model = costs.decomposition_model()
-    method, size = costs.compute_method, costs.element_bytes
-    names: list[str]
-    items: list[FactorItem]
-    decompose: Callable[[int], float]
-    send: Callable[[int], float]
-    owners: list[int | None]
-    if strategy.placement == "greedy":
-        names = [layer.name for layer in layers]
-        seconds = [model.time(layer.a_dim) + model.time(layer.g_dim) for layer in layers]
-        sent = [
-            broadcast.time(
-                (
-                    decomposition_numel(method, layer.a_dim)
-                    + decomposition_numel(method, layer.g_dim)
-                )
-                * size
-            )
-            for layer in layers
-        ]
-        items = [FactorItem(index) for index in range(len(layers))]
-
-        def decompose(index: int) -> float:
-            return seconds[index]
-
-        def send(index: int) -> float:
-            return sent[index]
-
-        owners = list(
-            greedy_placement(
-                [decomposition_cost(layer.a_dim, layer.g_dim) for layer in layers], workers
-            )
-        )
-    else:
-        names = [f"{layer.name}.{which}" for layer in layers for which in ("A", "G")]
-        items = [FactorItem(dim) for layer in layers for dim in (layer.a_dim, layer.g_dim)]
-
-        def decompose(dim: int) -> float:
-            return model.time(dim)
-
-        def send(dim: int) -> float:
-            return broadcast.time(decomposition_numel(method, dim) * size)
-
-        owners = lbp_placement(items, workers, decompose, send)
-    makespan = predicted_makespan(items, owners, workers, decompose, send)
-    work = [decompose(item.dim) for item in items]
-    transfer = [send(item.dim) if workers > 1 else 0.0 for item in items]
-    local = math.fsum(w for w, owner in zip(work, owners, strict=True) if owner is None)
-    loads: dict[int, float] = {}
-    for w, owner in zip(work, owners, strict=True):
-        if owner is not None:
-            loads[owner] = loads.get(owner, 0.0) + w
-    decomposition = min(max(loads.values(), default=0.0) + local, makespan)
-    # Draw the rank that finishes last: its decompositions in the placement's order, each
-    # broadcast as soon as it is made and its previous one is done, then the local ones.
-    order = schedule_order(items, owners, workers, decompose, send)
-    finish: dict[int, float] = {}
-    for rank in loads:
-        clock = sending = 0.0
-        for index in order:
-            if owners[index] == rank:
-                clock += work[index]
-                sending = max(sending, clock) + transfer[index]
-        finish[rank] = max(clock + local, sending)
-    idle_rank = next((r for r in range(workers) if r not in loads), None)
-    last = max(finish, key=lambda r: (finish[r], -r), default=None)
-    if last is None or (idle_rank is not None and local > finish[last]):
-        last = idle_rank
-    events: list[tuple[str, str, float, float]] = []
-    clock = sending = 0.0
-    for index in order:
-        if owners[index] is not None and owners[index] == last:
-            events.append(
-                (f"decompose {names[index]}", "decomposition", clock, clock + work[index])
-            )
-            clock += work[index]
-            if transfer[index] > 0:
-                start = max(sending, clock)
-                sending = start + transfer[index]
-                events.append((f"broadcast {names[index]} (rank {last})", "comm", start, sending))
-    for index in order:
-        if owners[index] is None and work[index] > 0:
-            events.append(
-                (f"decompose {names[index]} (local)", "decomposition", clock, clock + work[index])
-            )
-            clock += work[index]
-    return _Stage(
-        makespan_s=makespan,
-        decomposition_s=decomposition,
-        owners=owners,
-        local_factors=sum(owner is None for owner in owners) if strategy.placement == "lbp" else 0,
-        events=events,
     )

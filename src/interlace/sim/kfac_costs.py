@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 import time
@@ -23,6 +24,22 @@ DEFAULT_DECOMPOSITION: tuple[float, float, float] = (5e-12, 5e-9, 5e-4)
 DEFAULT_GEMM_FLOPS = 10e12
 #: Default fixed cost of preconditioning one layer, seconds (its kernel launches).
 DEFAULT_PRECONDITION_OVERHEAD_S = 20e-6
+
+
+def log_log_interpolate(points: tuple[tuple[int, float], ...], n: int) -> float:
+    """Seconds at size ``n`` from measured ``(size, seconds)`` points: piecewise linear in
+    ``log(size), log(seconds)``, extended along the end segments.
+
+    Args:
+        points: At least two points of increasing size >= 1 and seconds > 0.
+        n: The size (>= 1).
+    """
+    sizes = [p[0] for p in points]
+    index = min(max(bisect.bisect_left(sizes, n), 1), len(points) - 1)
+    (n0, t0), (n1, t1) = points[index - 1], points[index]
+    slope = math.log(t1 / t0) / math.log(n1 / n0)
+    return t0 * math.exp(slope * math.log(n / n0))
+
 
 _METHODS = ("eigen", "inverse")
 
@@ -46,6 +63,11 @@ class KfacCosts:
             precondition) or ``"inverse"`` (the inverse sent, two products).
         element_bytes: Bytes per number of factors and decompositions on the wire (float32).
         source: Where the numbers come from, for the printed description.
+        decomposition_points: Measured ``(n, seconds)`` of one decomposition, increasing in
+            ``n``; when given, decompositions are priced by :func:`log_log_interpolate` through
+            them, while ``decomposition`` (a fit) still places them, as the runtime's LBP does.
+        layer_factor_s: ``(layer, A seconds, G seconds)`` for layers whose factor computation
+            is known; they take these instead of the relative model above.
 
     Raises:
         ValueError: For a negative or non-finite cost, or an unknown method.
@@ -58,6 +80,8 @@ class KfacCosts:
     compute_method: str = "eigen"
     element_bytes: int = 4
     source: str = "defaults for a GPU-class device"
+    decomposition_points: tuple[tuple[int, float], ...] = ()
+    layer_factor_s: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name, value in (
@@ -72,6 +96,16 @@ class KfacCosts:
             raise ValueError(f"compute_method must be one of {_METHODS}, got {self.compute_method}")
         if self.element_bytes < 1:
             raise ValueError(f"element_bytes must be >= 1, got {self.element_bytes}")
+        points = self.decomposition_points
+        if points:
+            sizes = [n for n, _ in points]
+            if len(points) < 2 or sizes != sorted(set(sizes)) or min(sizes) < 1:
+                raise ValueError("decomposition_points needs >= 2 points of increasing n >= 1")
+            if any(not (math.isfinite(t) and t > 0) for _, t in points):
+                raise ValueError("decomposition_points needs finite times > 0")
+        for layer, a_s, g_s in self.layer_factor_s:
+            if not all(math.isfinite(t) and t >= 0 for t in (a_s, g_s)):
+                raise ValueError(f"layer_factor_s of {layer!r} must be finite and >= 0")
 
     def decomposition_model(self) -> DecompositionCostModel:
         """The decomposition model: the one given, or :data:`DEFAULT_DECOMPOSITION`'s."""
@@ -79,6 +113,40 @@ class KfacCosts:
             return self.decomposition
         c3, c2, c0 = DEFAULT_DECOMPOSITION
         return DecompositionCostModel(c3=c3, c2=c2, c0=c0)
+
+    def decomposition_s(self, n: int) -> float:
+        """Seconds to decompose one ``n x n`` factor: through :attr:`decomposition_points` when
+        given, else by :meth:`decomposition_model`.
+
+        Args:
+            n: The factor's side.
+        """
+        if n < 1:
+            return 0.0
+        if self.decomposition_points:
+            return log_log_interpolate(self.decomposition_points, n)
+        return self.decomposition_model().time(n)
+
+    def layer_factors_s(
+        self, layer: str, a_dim: int, g_dim: int, forward_s: float, backward_s: float
+    ) -> tuple[float, float]:
+        """Seconds to compute one layer's ``A`` and ``G``: :attr:`layer_factor_s`'s when it
+        lists the layer, else :meth:`a_compute_s` and :meth:`g_compute_s`.
+
+        Args:
+            layer: The layer's name.
+            a_dim: ``A``'s order.
+            g_dim: ``G``'s order.
+            forward_s: The layer's own forward.
+            backward_s: The layer's own backward.
+        """
+        for name, a_s, g_s in self.layer_factor_s:
+            if name == layer:
+                return a_s, g_s
+        return (
+            self.a_compute_s(a_dim, g_dim, forward_s),
+            self.g_compute_s(a_dim, g_dim, backward_s),
+        )
 
     def a_compute_s(self, a_dim: int, g_dim: int, layer_forward_s: float) -> float:
         """Seconds to compute ``A``: ``a_dim / g_dim`` of the layer's forward, scaled.
@@ -114,10 +182,21 @@ class KfacCosts:
     def describe(self) -> str:
         """One line saying every cost and where it comes from."""
         model = self.decomposition_model()
+        factors = (
+            f"factors as measured for {len(self.layer_factor_s)} layers"
+            if self.layer_factor_s
+            else f"factors {self.factor_scale:g} x the layer's own products"
+        )
+        decomposition = (
+            f"{self.compute_method} decomposition through {len(self.decomposition_points)} "
+            f"measured sizes (placed by {model.c0 * 1e3:.3g} ms + {model.c2:.3g} n^2 + "
+            f"{model.c3:.3g} n^3 s)"
+            if self.decomposition_points
+            else f"{self.compute_method} decomposition {model.c0 * 1e3:.3g} ms + "
+            f"{model.c2:.3g} n^2 + {model.c3:.3g} n^3 s"
+        )
         return (
-            f"K-FAC costs ({self.source}): factors {self.factor_scale:g} x the layer's own "
-            f"products; {self.compute_method} decomposition {model.c0 * 1e3:.3g} ms + "
-            f"{model.c2:.3g} n^2 + {model.c3:.3g} n^3 s; preconditioning at "
+            f"K-FAC costs ({self.source}): {factors}; {decomposition}; preconditioning at "
             f"{self.gemm_flops / 1e12:.3g} TFLOP/s + {self.precondition_overhead_s * 1e6:.3g} us "
             "per layer; broadcasts priced by the all-reduce model"
         )

@@ -1,0 +1,470 @@
+"""K-FAC modes validated on emulated compute: interlace's modes measured on the emulated cluster
+(the K-FAC ablation's rank code) against the simulator's prediction of each, one launch per
+(trace, ranks, link). How a mode maps to the simulator: :func:`interlace.sim.kfac_runtime.
+runtime_strategy`; the prediction's inputs: :meth:`EmulatedKFACModel.kfac_trace` and
+:meth:`~EmulatedKFACModel.kfac_costs`, and the models fitted on the live group (undilated).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from interlace.bench.dp_report import format_rate
+from interlace.bench.harness import launch_on_ranks
+from interlace.bench.kfac import undilated
+from interlace.bench.kfac_rank import ABLATION_MODES, AblationJob, measure_ablation_rank
+from interlace.comm.calibrate import fit_cost_model, fit_stream_cost_model
+from interlace.comm.cost import CostModel
+from interlace.comm.links import parse_link
+from interlace.emulate import Compute, dilate_rate
+from interlace.emulate.kfac import EmulatedKFACModel
+from interlace.errors import UsageError
+from interlace.kfac.assignment import fit_broadcast_cost_model
+from interlace.launch import netem
+from interlace.sim.kfac import KfacResult, simulate_kfac
+from interlace.sim.kfac_costs import KfacCosts
+from interlace.sim.kfac_runtime import runtime_strategy
+from interlace.sim.trace import Trace
+from interlace.sim.validate import ValidationRow
+
+PROG = "interlace simulate --validate (K-FAC)"
+#: interlace's K-FAC modes validated by default: SPD-KFAC's ablation, all four of which the
+#: simulator models (round-robin placement and the kfac-pytorch peer it does not).
+DEFAULT_KFAC_MODES: tuple[str, ...] = tuple(ABLATION_MODES)
+#: The measured phases shown beside the predicted ones (ablation keys, undilated).
+MEASURED_PHASES = (
+    "kfac_passes",
+    "factor_comm",
+    "decomposition",
+    "decomposition_comm",
+    "precondition",
+    "optimizer",
+)
+
+
+@dataclass(frozen=True)
+class LiveCosts:
+    """The cost models fitted on the live group, undilated (seconds as the target cluster's).
+
+    Args:
+        plan: All-reduces as DataParallel's planner fits them (one after a barrier); plans
+            the gradient and factor buckets.
+        stream: All-reduces issued back to back, as the bucket engine issues them; prices the
+            link.
+        broadcast: Broadcasts, as LBP fits them; places (LBP) and prices the decompositions'
+            broadcasts.
+    """
+
+    plan: CostModel
+    stream: CostModel
+    broadcast: CostModel
+
+
+def undilated_cost(cost: CostModel, dilation: float) -> CostModel:
+    """``cost`` fitted on the dilated cluster, as the undilated cluster's: ``a`` and ``b``
+    divided by ``dilation`` (concurrency terms dropped: one channel).
+
+    Args:
+        cost: The fitted model.
+        dilation: The run's dilation.
+    """
+    return CostModel(cost.a / dilation, cost.b / dilation)
+
+
+def predict_modes(
+    trace: Trace,
+    costs: KfacCosts,
+    modes: Sequence[str],
+    live: LiveCosts,
+    workers: int,
+    *,
+    gradient_buckets: Mapping[str, Sequence[Sequence[str]]] | None = None,
+    network: str = "",
+) -> dict[str, KfacResult]:
+    """The simulator's iteration of each mode of :data:`ABLATION_MODES` (COMM-OPT, factors and
+    decompositions every step, interlace's default bucket cap and packing).
+
+    Args:
+        trace: The iteration the emulated model runs (:meth:`EmulatedKFACModel.kfac_trace`).
+        costs: The same device work (:meth:`EmulatedKFACModel.kfac_costs`).
+        modes: Keys of :data:`ABLATION_MODES`.
+        live: The undilated cost models fitted on the live group.
+        workers: The ranks.
+        gradient_buckets: Per mode, the gradient buckets its DataParallel ran with (tensor
+            names in launch order; a mode left out is planned by MG-WFBP on ``live.plan``).
+        network: Recorded in the results.
+
+    Raises:
+        UsageError: For a mode that is not an ablation mode.
+    """
+    results: dict[str, KfacResult] = {}
+    for mode in modes:
+        _check_mode(mode)
+        factor_comm, fusion, placement = ABLATION_MODES[mode]
+        results[mode] = simulate_kfac(
+            trace,
+            runtime_strategy(mode, factor_comm, fusion, placement),
+            live.plan,
+            workers,
+            costs=costs,
+            network=network,
+            broadcast_cost=live.broadcast,
+            timing_cost=live.stream,
+            gradient_buckets=(gradient_buckets or {}).get(mode),
+        )
+    return results
+
+
+def validate_kfac_rank(job: AblationJob) -> dict[str, Any]:
+    """One rank of a K-FAC validation launch (collective): the cost models fitted on the live
+    group, then ``job.modes`` measured side by side by the ablation's rank code, every LBP mode
+    placing with the broadcast model fitted here (the one the prediction uses).
+
+    Times come back dilated; the cost models as ``(a, b)``.
+
+    Args:
+        job: The emulated trace, the modes and the iterations.
+    """
+    plan = fit_cost_model(use_cache=False)
+    stream = fit_stream_cost_model()
+    broadcast = fit_broadcast_cost_model(None, 0)
+    value = measure_ablation_rank(replace(job, broadcast_cost=broadcast))
+    value["costs"] = {
+        "plan": (plan.a, plan.b),
+        "stream": (stream.a, stream.b),
+        "broadcast": (broadcast.a, broadcast.b),
+    }
+    return value
+
+
+def live_costs(value: Mapping[str, Any], dilation: float) -> LiveCosts:
+    """The undilated cost models of a launch's value (:func:`validate_kfac_rank`).
+
+    Args:
+        value: Rank 0's value.
+        dilation: The run's dilation.
+    """
+    fitted = {key: CostModel(*pair) for key, pair in value["costs"].items()}
+    return LiveCosts(
+        plan=undilated_cost(fitted["plan"], dilation),
+        stream=undilated_cost(fitted["stream"], dilation),
+        broadcast=undilated_cost(fitted["broadcast"], dilation),
+    )
+
+
+def trace_label(compute: Compute) -> str:
+    """How rows name an emulated trace: a shipped name, or a file's stem.
+
+    Args:
+        compute: Emulated compute.
+    """
+    assert compute.trace is not None
+    path = Path(compute.trace)
+    return path.stem if path.is_file() else compute.trace
+
+
+@dataclass(frozen=True)
+class KfacMeasurement:
+    """One launch's K-FAC modes measured on emulated compute, everything undilated.
+
+    Args:
+        compute: The emulated compute (trace and dilation).
+        ranks: The ranks.
+        link: The link as rows show it (target, and the rate it ran at).
+        compute_method: ``"eigen"`` or ``"inverse"``.
+        modes: The modes measured.
+        live: The cost models fitted on the live group.
+        medians: Per mode, the medians of the slowest rank's iteration and phases
+            (:func:`~interlace.bench.kfac_rank.measure_ablation_rank`'s keys).
+        placements: Per mode, each layer's ``[A owner, G owner]`` as the runtime placed them.
+        factor_buckets: Per mode, the pipelined factor buckets (None: bulk).
+        gradient_buckets: Per mode, the buckets its DataParallel kept (parameter names, in
+            launch order).
+    """
+
+    compute: Compute
+    ranks: int
+    link: str
+    compute_method: str
+    modes: tuple[str, ...]
+    live: LiveCosts
+    medians: dict[str, dict[str, float]]
+    placements: dict[str, list[list[int | None]]]
+    factor_buckets: dict[str, int | None]
+    gradient_buckets: dict[str, list[list[str]]]
+
+
+def measure_kfac_modes(
+    compute: Compute,
+    nprocs: int,
+    link: str,
+    modes: Sequence[str] = DEFAULT_KFAC_MODES,
+    *,
+    iters: int = 5,
+    warmup: int = 2,
+    rounds: int = 4,
+    timeout_s: float = 600.0,
+    collective_timeout_s: float | None = None,
+    compute_method: str = "eigen",
+    cache_dir: str | None = None,
+    note: Callable[[str], None] = print,
+) -> KfacMeasurement:
+    """Measure interlace's K-FAC ``modes`` on the emulated trace of ``compute``: one launch of
+    ``nprocs`` ranks on links of ``link`` / dilation.
+
+    The all-reduce and broadcast models are fitted on the live group, then the modes run side
+    by side (:func:`validate_kfac_rank`), factors and decompositions every step,
+    ``iters * rounds`` timed iterations each once every plan is final and ``warmup`` more; a
+    mode's time is the median over them of the slowest rank's iteration.
+
+    Args:
+        compute: Emulated compute: the trace (with K-FAC factor sizes) and the dilation.
+        nprocs: Ranks (>= 2).
+        link: The target link (``"25gbit"``); the ranks run at its rate / dilation.
+        modes: Keys of :data:`ABLATION_MODES`.
+        iters: Timed iterations per round.
+        warmup: Untimed iterations once every plan is final.
+        rounds: Rounds (the modes take turns in every iteration, the first rotating).
+        timeout_s: Seconds allowed for the launch.
+        collective_timeout_s: Seconds any one collective may wait (None: the default).
+        compute_method: ``"eigen"`` or ``"inverse"``.
+        cache_dir: The ranks' cost-model cache folder (None: a fresh one for this launch).
+        note: Where the launcher's retry notice goes.
+
+    Raises:
+        UsageError: For real compute, a trace without factor sizes, fewer than 2 ranks, an
+            unknown mode, link or method, bad counts, or without root for the emulated cluster.
+        LaunchFailedError: When the launch fails.
+    """
+    model = _check(
+        compute,
+        nprocs,
+        link,
+        modes,
+        iters=iters,
+        warmup=warmup,
+        rounds=rounds,
+        compute_method=compute_method,
+    )
+    try:
+        netem.check_available()
+    except netem.NetemUnavailableError as exc:
+        raise UsageError(
+            f"{exc}; validation measures on the emulated cluster and needs root"
+        ) from exc
+    run_link = format_rate(dilate_rate(link, compute.dilation))
+    job = AblationJob(
+        model=trace_label(compute),
+        batch=model.trace.batch_size or 32,
+        input_shape=(),
+        seed=0,
+        iters=iters * rounds,
+        warmup=warmup,
+        compute_method=compute_method,
+        factor_update_steps=1,
+        inv_update_steps=1,
+        modes=tuple(modes),
+        compute=compute,
+    )
+    own_cache = cache_dir is None
+    folder = tempfile.mkdtemp(prefix="interlace-validate-kfac-") if own_cache else cache_dir
+    try:
+        value = launch_on_ranks(
+            validate_kfac_rank,
+            job,
+            nprocs=nprocs,
+            link=run_link,
+            timeout_s=timeout_s,
+            collective_timeout_s=collective_timeout_s,
+            cache_dir=folder,
+            note=note,
+            prog=PROG,
+        )
+    finally:
+        if own_cache and folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+    return KfacMeasurement(
+        compute=compute,
+        ranks=nprocs,
+        link=f"{link} (emulated at {run_link})",
+        compute_method=compute_method,
+        modes=tuple(modes),
+        live=live_costs(value, compute.dilation),
+        medians=undilated(value["medians"], compute.dilation),
+        placements=value.get("factor_owners", {}),
+        factor_buckets=value.get("factor_buckets", {}),
+        gradient_buckets=value.get("gradient_buckets", {}),
+    )
+
+
+def rows_from_measurement(
+    measurement: KfacMeasurement, note: Callable[[str], None] | None = None
+) -> list[ValidationRow]:
+    """Each measured mode against the simulator's prediction of it (:func:`predict_modes`) on
+    the emulated model's own trace and device costs, the live cost models and the gradient
+    buckets the mode's DataParallel kept; nothing is calibrated. Each mode's predicted and
+    measured phases go to ``note``.
+
+    Args:
+        measurement: One launch's measurement.
+        note: Where each mode's phases go (None: nowhere).
+    """
+    compute = measurement.compute
+    assert compute.trace is not None
+    model = EmulatedKFACModel(compute.trace, compute.dilation)
+    predicted = predict_modes(
+        model.kfac_trace(),
+        model.kfac_costs(measurement.compute_method),
+        measurement.modes,
+        measurement.live,
+        measurement.ranks,
+        gradient_buckets=measurement.gradient_buckets,
+        network=measurement.link,
+    )
+    rows = []
+    for mode in measurement.modes:
+        result = predicted[mode]
+        rows.append(
+            ValidationRow.of(
+                family="kfac",
+                model=trace_label(compute),
+                strategy=mode,
+                ranks=measurement.ranks,
+                link=measurement.link,
+                predicted_s=result.iteration_s,
+                measured_s=measurement.medians[mode]["iteration"],
+            )
+        )
+        if note is not None:
+            note(describe_mode(mode, result, measurement))
+    return rows
+
+
+def kfac_validation_rows(
+    compute: Compute,
+    nprocs: int,
+    link: str,
+    modes: Sequence[str] = DEFAULT_KFAC_MODES,
+    *,
+    iters: int = 5,
+    warmup: int = 2,
+    rounds: int = 4,
+    timeout_s: float = 600.0,
+    collective_timeout_s: float | None = None,
+    compute_method: str = "eigen",
+    cache_dir: str | None = None,
+    note: Callable[[str], None] = print,
+) -> list[ValidationRow]:
+    """:func:`measure_kfac_modes`, then :func:`rows_from_measurement`: one row per mode,
+    predicted against measured (undilated seconds), ``family="kfac"``.
+
+    Args:
+        compute: Emulated compute: the trace (with K-FAC factor sizes) and the dilation.
+        nprocs: Ranks (>= 2).
+        link: The target link (``"25gbit"``); the ranks run at its rate / dilation.
+        modes: Keys of :data:`ABLATION_MODES`.
+        iters: Timed iterations per round.
+        warmup: Untimed iterations once every plan is final.
+        rounds: Rounds.
+        timeout_s: Seconds allowed for the launch.
+        collective_timeout_s: Seconds any one collective may wait (None: the default).
+        compute_method: ``"eigen"`` or ``"inverse"``.
+        cache_dir: The ranks' cost-model cache folder (None: a fresh one).
+        note: Where the retry notice and each mode's phases go.
+
+    Raises:
+        UsageError: As :func:`measure_kfac_modes`.
+        LaunchFailedError: When the launch fails.
+    """
+    measurement = measure_kfac_modes(
+        compute,
+        nprocs,
+        link,
+        modes,
+        iters=iters,
+        warmup=warmup,
+        rounds=rounds,
+        timeout_s=timeout_s,
+        collective_timeout_s=collective_timeout_s,
+        compute_method=compute_method,
+        cache_dir=cache_dir,
+        note=note,
+    )
+    return rows_from_measurement(measurement, note)
+
+
+def _check(
+    compute: Compute,
+    nprocs: int,
+    link: str,
+    modes: Sequence[str],
+    *,
+    iters: int,
+    warmup: int,
+    rounds: int,
+    compute_method: str,
+) -> EmulatedKFACModel:
+    """Refuse bad arguments with one line each; the emulated model otherwise."""
+    if not compute.emulated or compute.trace is None:
+        raise UsageError("K-FAC validation runs on emulated compute: give --compute emulated:TRACE")
+    if nprocs < 2:
+        raise UsageError(f"K-FAC validation needs -n >= 2 (nothing is sent on 1), got {nprocs}")
+    if iters < 1 or rounds < 1 or warmup < 0:
+        raise UsageError("--iters and --rounds must be >= 1, --warmup >= 0")
+    if compute_method not in ("eigen", "inverse"):
+        raise UsageError(f"compute method must be eigen or inverse, got {compute_method!r}")
+    for mode in modes:
+        _check_mode(mode)
+    parse_link(link)
+    try:
+        return EmulatedKFACModel(compute.trace, compute.dilation)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in ABLATION_MODES:
+        raise UsageError(f"unknown K-FAC mode {mode!r}; choose from {', '.join(ABLATION_MODES)}")
+
+
+def describe_mode(mode: str, result: KfacResult, measurement: KfacMeasurement) -> str:
+    """One line: a mode's predicted and measured iteration and phases (ms), its buckets
+    (predicted/measured), and how many of the runtime's owners the simulator predicted.
+
+    Measured phases are each the slowest rank's, so they need not add up to the iteration.
+
+    Args:
+        mode: The mode.
+        result: Its prediction.
+        measurement: The launch it was measured in.
+    """
+    measured = measurement.medians[mode]
+    phases = " ".join(f"{key} {ms:.2f}" for key, ms in _ms(result.phases).items())
+    seen = " ".join(f"{key} {measured[key] * 1e3:.2f}" for key in MEASURED_PHASES)
+    placed = ""
+    owners = measurement.placements.get(mode)
+    if owners is not None:
+        # Greedy places layers (both factors on one rank), LBP single factors.
+        if ABLATION_MODES[mode][2] == "greedy":
+            runtime = [pair[0] for pair in owners]
+        else:
+            runtime = [owner for pair in owners for owner in pair]
+        same = sum(a == b for a, b in zip(runtime, result.owners, strict=False))
+        placed = f"; owners {same}/{len(result.owners)} as predicted"
+    factor = measurement.factor_buckets.get(mode)
+    gradient = len(measurement.gradient_buckets.get(mode, []))
+    return (
+        f"{mode}: predicted {result.iteration_s * 1e3:.1f} ms ({phases}); measured "
+        f"{measured['iteration'] * 1e3:.1f} ms ({seen}); gradient buckets "
+        f"{int(result.extra['gradient_buckets'])}/{gradient}, factor buckets "
+        f"{int(result.extra['factor_buckets'])}/{'-' if factor is None else factor}{placed}"
+    )
+
+
+def _ms(phases: Mapping[str, float]) -> dict[str, float]:
+    return {key: seconds * 1e3 for key, seconds in phases.items()}

@@ -1,0 +1,119 @@
+"""The link of a simulated K-FAC iteration: the bulk factor messages, the gradient buckets a run
+used, and the gradient and factor all-reduces played on one queue or two."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from interlace.comm.cost import CostModel
+from interlace.comm.plan import Plan, ReadyTensor, schedule
+from interlace.kfac.packing import packed_size
+from interlace.sim.replay import Replay, replay
+
+__all__ = ["bulk_messages", "named_groups", "play_link"]
+
+
+def named_groups(
+    buckets: Sequence[Sequence[str]], tensors: Sequence[ReadyTensor]
+) -> list[list[int]]:
+    """``buckets`` of tensor names as indices into ``tensors``, each bucket in ready order.
+
+    Args:
+        buckets: Tensor names per bucket, in launch order.
+        tensors: The tensors, in ready order.
+
+    Raises:
+        ValueError: For a name ``tensors`` lacks.
+    """
+    position = {tensor.name: index for index, tensor in enumerate(tensors)}
+    missing = sorted({name for bucket in buckets for name in bucket} - set(position))
+    if missing:
+        raise ValueError(
+            f"the gradient buckets name tensors the trace does not have: {', '.join(missing[:5])}"
+        )
+    return [sorted(position[name] for name in bucket) for bucket in buckets]
+
+
+def play_link(
+    groups: list[list[int]],
+    messages: list[ReadyTensor],
+    *,
+    kinds: tuple[str, ...],
+    cost: CostModel,
+    compute_end: float,
+    name: str,
+    factor_queue: bool,
+) -> tuple[Plan, Replay]:
+    """The gradient and factor buckets played on the link: one serial queue, or with
+    ``factor_queue`` two (gradients on channel 0, factors on channel 1: a process group of
+    their own), whose start-ups overlap while their bytes share the wire (the cost model's
+    default concurrency, ``(a, j)``: the newcomer's bytes take ``j`` times as long).
+
+    Args:
+        groups: The buckets, as indices into ``messages``, in launch order.
+        messages: Gradients and factors, in ready order.
+        kinds: Each bucket's ``"gradient"`` or ``"factor"``.
+        cost: Prices each all-reduce.
+        compute_end: When the compute stream ends.
+        name: The plan's strategy name.
+        factor_queue: Factors on a queue of their own.
+    """
+    link = schedule(
+        groups,
+        messages,
+        cost,
+        backward_s=compute_end,
+        forward_s=0.0,
+        strategy=name,
+        channels=2 if factor_queue else 1,
+    )
+    if not factor_queue:
+        return link, replay(link)
+    queued = tuple(
+        replace(bucket, channels=(1 if kind == "factor" else 0,))
+        for bucket, kind in zip(link.buckets, kinds, strict=True)
+    )
+    replayed = replay(replace(link, buckets=queued))
+    # The plan's times as the two queues play them.
+    timed = tuple(
+        replace(bucket, start_s=comm.start_s, end_s=comm.end_s)
+        for bucket, comm in zip(queued, replayed.comms, strict=True)
+    )
+    return replace(link, buckets=timed), replayed
+
+
+def bulk_messages(
+    dims: Sequence[tuple[int, int]],
+    element_bytes: int,
+    ready_s: float,
+    *,
+    packed: bool,
+    cap_bytes: int,
+) -> tuple[list[ReadyTensor], list[list[int]]]:
+    """The bulk factor all-reduce(s), all ready at ``ready_s``, each its own bucket: one message,
+    or the runtime's buckets of at most ``cap_bytes`` in layer order (``A`` then ``G``; a factor
+    that would overflow a bucket starts the next one).
+
+    Args:
+        dims: Each layer's ``(a_dim, g_dim)``.
+        element_bytes: Bytes per number.
+        ready_s: When the factors are all ready.
+        packed: Packed upper triangles; otherwise whole ``n x n`` factors.
+        cap_bytes: The bucket cap (0: one message).
+    """
+    sizes = [
+        (packed_size(dim) if packed else dim * dim) * element_bytes for pair in dims for dim in pair
+    ]
+    if cap_bytes <= 0:
+        return [ReadyTensor("factors (all layers)", sum(sizes), ready_s)], [[0]]
+    buckets: list[int] = [0]
+    for nbytes in sizes:
+        if buckets[-1] and buckets[-1] + nbytes > cap_bytes:
+            buckets.append(0)
+        buckets[-1] += nbytes
+    messages = [
+        ReadyTensor(f"factors (bucket {number})", nbytes, ready_s)
+        for number, nbytes in enumerate(buckets)
+    ]
+    return messages, [[number] for number in range(len(messages))]
