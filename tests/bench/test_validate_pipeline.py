@@ -7,21 +7,13 @@ import math
 import statistics
 
 import pytest
-import torch
 
 from interlace.bench.pipeline_rank import INTERLACE_SCHEDULES, SCHEDULES
-from interlace.bench.validate_pipeline import (
-    PipelineSample,
-    fit_p2p_cost,
-    measure_host_cost,
-    pipeline_validation_rows,
-)
+from interlace.bench.validate_pipeline import PipelineSample, pipeline_validation_rows
 from interlace.comm.cost import CostModel
 from interlace.emulate import Compute
 from interlace.emulate.compute import ComputeKind, parse_compute
-from interlace.emulate.pipeline import EmulatedPipelineModel
 from interlace.errors import UsageError
-from interlace.pipeline.partition import pipeline_blocks
 from interlace.sim.pipeline import (
     INTERLACE_PIPELINE_SCHEDULES,
     PIPELINE_SCHEDULES,
@@ -30,7 +22,6 @@ from interlace.sim.pipeline import (
     stage_costs,
 )
 from interlace.sim.trace import load_trace
-from interlace.testing import run_ranks
 
 EMULATED = parse_compute("emulated:vgg11-h200", 32)
 
@@ -72,12 +63,19 @@ def test_bad_requests_are_refused_before_any_launch(
 def _launch_result() -> dict[str, object]:
     """A launch's value as :func:`validate_pipeline_rank` returns it, at dilation 10."""
     host = HostCost(
-        forward_s=1e-4, backward_s=2e-4, update_s=3e-4, predict_s=4e-4, copy_s=5e-4, scale_s=6e-5
+        forward_s=1e-4,
+        backward_s=2e-4,
+        update_s=3e-4,
+        predict_s=4e-4,
+        copy_s=5e-4,
+        scale_s=6e-5,
+        send_s=1e-5,
     )
     return {
         "value": {
             "bounds": [[0, 5], [5, 10], [10, 15], [15, 19]],
             "block_s": {"gpipe": [0.4, 0.8, 0.6], "spectrain": [0.2, 0.3, 0.25]},
+            "stage_stats": {"gpipe": {"compute_s": [0.2, 0.4, 0.4, 0.2], "comm_s": [0.1] * 4}},
         },
         "cost": CostModel(1e-3, 1e-8),
         "host": [host] * 4,
@@ -91,45 +89,39 @@ def test_a_launch_becomes_an_undilated_sample() -> None:
     assert (sample.cost.a, sample.cost.b) == pytest.approx((1e-4, 1e-9))
     assert sample.host[0].update_s == pytest.approx(3e-5)
     assert sample.host[0].scale_s == pytest.approx(6e-6)
+    assert sample.host[0].send_s == pytest.approx(1e-6)
     assert sample.measured_s["gpipe"] == pytest.approx([0.01, 0.02, 0.015])
     assert sample.microbatches == 4
+    assert sample.stage_compute_s == {"gpipe": pytest.approx([0.005, 0.01, 0.01, 0.005])}
+
+
+def test_the_comparison_names_every_schedule_and_the_stages_compute() -> None:
+    sample = PipelineSample.from_launch(_launch_result(), dilation=10, block=4)
+    lines = sample.compare(load_trace("vgg11-h200"), 32)
+    assert [line.split()[0] for line in lines] == ["gpipe", "spectrain"]
+    assert "stage compute per mini-batch measured/replayed 5.000/" in lines[0]
+    assert "stage compute" not in lines[1]
 
 
 def test_each_row_is_the_replayed_block_against_the_median_block() -> None:
-    sample = PipelineSample.from_launch(_launch_result(), dilation=10, block=4)
+    sample = PipelineSample.from_launch(
+        _launch_result(), dilation=10, block=4, link="10gbit (emulated at 312mbit)"
+    )
     trace = load_trace("vgg11-h200")
-    rows = sample.rows(trace, "vgg11-h200", "10gbit (emulated at 312mbit)", 32)
+    rows = sample.rows(trace, "vgg11-h200", 32)
     costs = stage_costs(trace, sample.bounds, 32, sample.host)
     assert [r.strategy for r in rows] == ["gpipe", "spectrain"]
     for row in rows:
         expected = simulate_pipeline(costs, row.strategy, sample.cost, microbatches=4, block=4)
         assert row.predicted_s == pytest.approx(expected.iteration_s)
         assert row.measured_s == pytest.approx(statistics.median(sample.measured_s[row.strategy]))
-        assert (row.family, row.ranks) == ("pipeline", 4)
-    bare = sample.rows(trace, "vgg11-h200", "10gbit", 32, host=False)
+        assert (row.family, row.ranks, row.link) == (
+            "pipeline",
+            4,
+            "10gbit (emulated at 312mbit)",
+        )
+    bare = sample.rows(trace, "vgg11-h200", 32, host=False)
     assert all(b.predicted_s < r.predicted_s for b, r in zip(bare, rows, strict=True))
-
-
-def test_host_costs_of_an_emulated_stage_are_timed() -> None:
-    model = EmulatedPipelineModel("vgg11-h200", dilation=1, classes=10)
-    for block in model.emulated_blocks():
-        block.forward_s = block.backward_s = 0.0
-    stage = pipeline_blocks(model)[15:19]
-    x = torch.full((8, *model.emulated_blocks()[14].output_shape), 0.5)
-    host = measure_host_cost(stage, x, torch.zeros(8, dtype=torch.long), 4, first=False)
-    values = [getattr(host, name) for name in HostCost.__dataclass_fields__]
-    assert all(math.isfinite(v) and v > 0 for v in values), host
-
-
-def _fit_on_rank() -> tuple[float, float]:
-    cost = fit_p2p_cost((4096, 65536), repeats=2)
-    return cost.a, cost.b
-
-
-def test_the_point_to_point_fit_is_the_same_on_every_rank() -> None:
-    values = run_ranks(_fit_on_rank, 3, timeout=120)
-    assert values[0] == values[1] == values[2]
-    assert all(math.isfinite(v) and v >= 0 for v in values[0])
 
 
 @pytest.mark.netns

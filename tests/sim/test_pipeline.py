@@ -17,6 +17,7 @@ from interlace.errors import UsageError
 from interlace.pipeline.partition import balance_stages
 from interlace.pipeline.schedule import Op
 from interlace.sim.pipeline import (
+    INTERLACE_PIPELINE_SCHEDULES,
     PIPELINE_SCHEDULES,
     HostCost,
     StageCost,
@@ -88,11 +89,13 @@ def test_torch_1f1b_program_golden() -> None:
         "wait ",
         "forward",
         "wait ",
+        "send",  # the host call
         "send act0",
         "wait ",
         "forward",
         "wait act0",
         # 1B1F: the held send goes out with the first gradient's receive
+        "send",
         "send act1",
         "post grad0",
         "wait act1,grad0",
@@ -113,12 +116,14 @@ def test_torch_1f1b_program_golden() -> None:
         "wait ",
         "wait ",
         "backward",
+        "send",
         "send grad0",
         "post act1",
         "wait grad0,act1",
         "forward",
         "wait ",
         "backward",
+        "send",
         "send grad1",
         "wait grad1",
         "scale",
@@ -126,22 +131,28 @@ def test_torch_1f1b_program_golden() -> None:
     ]
 
 
-def test_interlace_gpipe_program_posts_every_receive_first_and_waits_sends_last() -> None:
+def test_interlace_gpipe_program_posts_every_header_first_and_waits_sends_last() -> None:
     programs = stage_programs(equal_stages(2, 2), "gpipe", microbatches=2, block=1)
     assert [_text(op) for op in programs[1]] == [
-        "post act0",
-        "post act1",
+        "post act-header0",
+        "post act-header1",
         "wait act0",
         "forward",
         "wait act1",
         "forward",
         "backward",
+        "send",  # the host call, then the header and the payload
+        "send grad-header0",
         "send grad0",
         "backward",
+        "send",
+        "send grad-header1",
         "send grad1",
         "update",
-        "wait grad0,grad1",
+        "wait grad-header0,grad0,grad-header1,grad1",
     ]
+    payload = next(op.message for op in programs[1] if isinstance(op, Send) and op.message.after)
+    assert payload.after is not None and payload.after.key == ("grad-header", 0, 0, 0, 0)
 
 
 @pytest.mark.parametrize("schedule", SYNCHRONOUS)
@@ -180,14 +191,20 @@ def test_a_recomputation_hides_behind_the_gradients_wait() -> None:
 
 
 def test_messages_cost_a_plus_b_bytes_each_way() -> None:
-    # 2 stages, 1 micro-batch: F, activation, F, B, gradient, B.
-    cost = CostModel(0.1, 0.001)
+    """2 stages, 1 micro-batch: F, activation, F, B, gradient, B.
+
+    interlace's tensor is a header (80 bytes, then one crossing of a / 3), the ready notice for
+    its payload (a / 3) and the payload (b bytes + a / 3): a + b (bytes + 80) each way. torch's
+    receive is posted before the tensor is sent, so its notice is back already: b bytes + a / 3.
+    """
+    a, b = 0.3, 0.001
+    cost = CostModel(a, b)
     stages = [StageCost(1.0, 2.0, 1000.0), StageCost(1.0, 2.0, 0.0)]
-    for schedule in PIPELINE_SCHEDULES:
-        if schedule == "torch-1f1b":
-            continue  # needs as many micro-batches as stages
+    for schedule in INTERLACE_PIPELINE_SCHEDULES:
         result = simulate_pipeline(stages, schedule, cost, microbatches=1)
-        assert result.block_s == pytest.approx(2 * 1 + 2 * 2 + 2 * (0.1 + 1.0)), schedule
+        assert result.block_s == pytest.approx(6 + 2 * (a + b * 1080)), schedule
+    torch_gpipe = simulate_pipeline(stages, "torch-gpipe", cost, microbatches=1)
+    assert torch_gpipe.block_s == pytest.approx(6 + 2 * (b * 1000 + a / 3))
 
 
 def test_torch_posts_a_receive_late_so_its_transfer_waits() -> None:
@@ -202,11 +219,11 @@ def test_torch_posts_a_receive_late_so_its_transfer_waits() -> None:
     0's receive long before (its forward sends had arrived at 3): [6, 6.5], B0 [6.5, 8.5];
     gradient 1's receive is posted only then: [8.5, 9], B1 [9, 11]: 11.
     """
-    cost = CostModel(0.0, 0.5 / 50.0)  # 0.5 per piece of 50 bytes
-    stages = [StageCost(2.0, 4.0, 100.0), StageCost(2.0, 4.0, 0.0)]
+    cost = CostModel(0.0, 1e-7)  # 0.5 per piece of 5e6 bytes; interlace's header is 8e-6
+    stages = [StageCost(2.0, 4.0, 1e7), StageCost(2.0, 4.0, 0.0)]
     interlace = simulate_pipeline(stages, "gpipe", cost, microbatches=2)
     torch_gpipe = simulate_pipeline(stages, "torch-gpipe", cost, microbatches=2)
-    assert interlace.block_s == pytest.approx(10.0)
+    assert interlace.block_s == pytest.approx(10.0, abs=1e-4)
     assert torch_gpipe.block_s == pytest.approx(11.0)
 
 
@@ -224,6 +241,7 @@ def test_two_pairs_share_a_sending_link_fairly() -> None:
             [Post(two), Wait((two,))],
         ],
         CostModel(0.0, 0.001),
+        buffer_bytes=0,
     )
     assert replay.finish_s == pytest.approx((2.0, 2.0, 2.0))
 
@@ -237,13 +255,18 @@ def test_two_senders_share_a_receiving_link_fairly() -> None:
             [Send(two), Wait((two,))],
         ],
         CostModel(0.0, 0.001),
+        buffer_bytes=0,
     )
     assert replay.finish_s == pytest.approx((2.0, 2.0, 2.0))
 
 
 def test_messages_of_one_pair_go_one_after_the_other() -> None:
-    # One socket per pair: the second message starts when the first has arrived, start-up
-    # included.
+    """One stream per pair: the second message's bytes follow the first's last byte.
+
+    a = 0.25: every crossing takes 1/12. Both receives are posted at 0, their notices are back
+    at 1/12; the first payload moves [1/12, 13/12] and lands at 14/12, the second moves
+    [13/12, 25/12] and lands at 26/12. With no socket buffer the sender's handles complete as
+    the last byte goes on the wire, at 25/12."""
     one, two = _message("x", 0, 1), _message("y", 0, 1)
     replay = replay_programs(
         [
@@ -251,10 +274,54 @@ def test_messages_of_one_pair_go_one_after_the_other() -> None:
             [Post(one), Post(two), Wait((one,)), Compute(0.5, "f"), Wait((two,))],
         ],
         CostModel(0.25, 0.001),
+        buffer_bytes=0,
     )
     spans = [t for s in replay.transfers for t in (s.start_s, s.end_s)]
-    assert spans == pytest.approx([0.0, 1.25, 1.25, 2.5])
-    assert replay.finish_s == pytest.approx((2.5, 2.5))
+    assert spans == pytest.approx([1 / 12, 14 / 12, 13 / 12, 26 / 12])
+    assert replay.finish_s == pytest.approx((25 / 12, 26 / 12))
+
+
+def test_a_ready_notice_waits_behind_the_bytes_of_its_stream() -> None:
+    """Rank 0 streams 1000 bytes to rank 1 from 0 to 1 s; at 0.1 s it posts the receive of 10
+    bytes from rank 1, whose ready notice goes out on the same stream after them: rank 1 learns
+    of it at 1 s and its 10 bytes land at 1.01 s."""
+    big, small = _message("x", 0, 1), _message("y", 1, 0, 10.0)
+    replay = replay_programs(
+        [
+            [Send(big), Compute(0.1, "f"), Post(small), Wait((small, big))],
+            [Post(big), Send(small), Wait((big, small))],
+        ],
+        CostModel(0.0, 0.001),
+        buffer_bytes=0,
+    )
+    assert replay.finish_s == pytest.approx((1.01, 1.01))
+    assert [s.start_s for s in replay.transfers if s.label.startswith("y")] == pytest.approx([1.0])
+
+
+def test_a_payload_is_posted_when_its_header_lands() -> None:
+    header = _message("h", 0, 1, 0.0)
+    payload = Message(("p",), 0, 1, 1000.0, after=header)
+    replay = replay_programs(
+        [[Send(header), Send(payload), Wait((header, payload))], [Post(header), Wait((payload,))]],
+        CostModel(0.0, 0.001),
+        buffer_bytes=0,
+    )
+    assert replay.finish_s == pytest.approx((1.0, 1.0))
+
+
+@pytest.mark.parametrize(("buffer", "done"), [(0.0, 1.0), (400.0, 0.6), (4096.0, 0.0)])
+def test_a_send_is_complete_once_its_socket_buffer_holds_the_rest(
+    buffer: float, done: float
+) -> None:
+    # 1000 bytes at 1 ms a byte: the sender's handle completes when no more than the buffer is
+    # left to go, the receiver still waits for the last byte.
+    message = _message("x", 0, 1)
+    replay = replay_programs(
+        [[Send(message), Wait((message,))], [Post(message), Wait((message,))]],
+        CostModel(0.0, 0.001),
+        buffer_bytes=buffer,
+    )
+    assert replay.finish_s == pytest.approx((done, 1.0))
 
 
 def test_a_flow_gets_what_its_busier_link_leaves() -> None:
@@ -306,6 +373,8 @@ def test_host_work_lands_where_the_runtime_does_it() -> None:
         torch = schedule.startswith("torch")
         assert counts(schedule, "scale") == [block if torch else 0] * 4, schedule
         assert counts(schedule, "forward") == [4 * block] * 4, schedule
+        # One sending call per piece each way: activations on, gradients back.
+        assert counts(schedule, "send") == [4 * block, 8 * block, 8 * block, 4 * block], schedule
 
 
 def test_host_work_adds_to_a_stage_alone() -> None:

@@ -43,6 +43,8 @@ PIPELINE_SCHEDULES: tuple[str, ...] = (*INTERLACE_PIPELINE_SCHEDULES, *TORCH_PIP
 FALLBACK_TRACE_BATCH = 32
 #: Bytes of one activation element: emulated blocks output float32.
 ACTIVATION_BYTES = 4
+#: Bytes of the header the pipeline runtime sends ahead of each tensor (ten int64).
+HEADER_BYTES = 80
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class HostCost:
         predict_s: One SpecTrain prediction of the stage's weights (``W - s lr v``).
         copy_s: One copy of the stage's weights (PipeDream's stash).
         scale_s: torch's division of the accumulated gradients by the micro-batch count.
+        send_s: One call that sends a tensor (``send_tensor``, torch's ``batch_isend_irecv``).
     """
 
     forward_s: float = 0.0
@@ -64,6 +67,7 @@ class HostCost:
     predict_s: float = 0.0
     copy_s: float = 0.0
     scale_s: float = 0.0
+    send_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -237,6 +241,26 @@ class _Builder:
         nbytes = self.stages[into].output_bytes / self.pieces
         return Message(("grad", step, unit, piece, into), into + 1, into, nbytes)
 
+    @staticmethod
+    def headed(payload: Message) -> tuple[Message, Message]:
+        """The runtime's two messages for one tensor: a header, and the payload whose receive
+        the receiver's ``Inbox`` posts when the header lands."""
+        header = Message(
+            (f"{payload.key[0]}-header", *payload.key[1:]), payload.src, payload.dst, HEADER_BYTES
+        )
+        return header, Message(payload.key, payload.src, payload.dst, payload.nbytes, header)
+
+    def send_headed(self, payload: Message) -> tuple[Message, Message]:
+        """Send a tensor as the runtime does (``send_tensor``: header and payload together)."""
+        pair = self.headed(payload)
+        self.sending()
+        self.ops.extend(Send(m) for m in pair)
+        return pair
+
+    def sending(self) -> None:
+        """The host call that starts a send."""
+        self.ops.append(Compute(self.cost.host.send_s, "send", "comm"))
+
     def forward(self, label: str = "forward") -> None:
         seconds = self.cost.forward_s / self.pieces + self.cost.host.forward_s
         self.ops.append(Compute(seconds, label, "forward"))
@@ -256,7 +280,8 @@ def _interlace_program(
 
     Synchronous schedules run one step per mini-batch (micro-batches, an update, every send
     waited on); the asynchronous ones stream the block once, each mini-batch in
-    ``microbatches`` chunks. Every receive of a step is posted at its start (the ``Inbox``).
+    ``microbatches`` chunks. Each tensor is a header and a payload; every header's receive
+    of a step is posted at its start and each payload's as its header lands (the ``Inbox``).
     """
     policy = name.removesuffix("-reuse")
     reuse = name.endswith("-reuse")
@@ -272,13 +297,13 @@ def _interlace_program(
     keeps = reuse or not asynchronous or last or policy == "pipedream"
     pieces = microbatches if asynchronous else 1
     for step, schedule in enumerate(steps):
-        units = range(schedule.num_batches)
-        for unit in units:
+        # The Inboxes post every header's receive as the step starts.
+        for unit in range(schedule.num_batches):
             for piece in range(pieces):
                 if not b.first:
-                    b.ops.append(Post(b.act(step, unit, piece, stage)))
+                    b.ops.append(Post(b.headed(b.act(step, unit, piece, stage))[0]))
                 if not last:
-                    b.ops.append(Post(b.grad(step, unit, piece, stage)))
+                    b.ops.append(Post(b.headed(b.grad(step, unit, piece, stage))[0]))
         sends: list[Message] = []
         for action in schedule.for_stage(stage):
             predicted = action.weights is Weights.PREDICTED and action.ahead > 0
@@ -289,11 +314,11 @@ def _interlace_program(
                     b.host(b.cost.host.copy_s, "stash")
                 for piece in range(pieces):
                     if not b.first:
-                        b.ops.append(Wait((b.act(step, action.batch, piece, stage),)))
+                        incoming = b.headed(b.act(step, action.batch, piece, stage))[1]
+                        b.ops.append(Wait((incoming,)))
                     b.forward()
                     if not last:
-                        sends.append(b.act(step, action.batch, piece, stage + 1))
-                        b.ops.append(Send(sends[-1]))
+                        sends += b.send_headed(b.act(step, action.batch, piece, stage + 1))
             elif action.op is Op.BACKWARD:
                 if not keeps and predicted:
                     b.host(b.cost.host.predict_s, "predict")
@@ -301,11 +326,11 @@ def _interlace_program(
                     if not keeps:
                         b.forward("recompute")
                     if not last:
-                        b.ops.append(Wait((b.grad(step, action.batch, piece, stage),)))
+                        incoming = b.headed(b.grad(step, action.batch, piece, stage))[1]
+                        b.ops.append(Wait((incoming,)))
                     b.backward()
                     if not b.first:
-                        sends.append(b.grad(step, action.batch, piece, stage - 1))
-                        b.ops.append(Send(sends[-1]))
+                        sends += b.send_headed(b.grad(step, action.batch, piece, stage - 1))
             elif action.op is Op.UPDATE:
                 b.host(b.cost.host.update_s, "update")
         b.ops.append(Wait(tuple(sends)))
@@ -338,6 +363,7 @@ def _torch_gpipe_program(
                     outgoing = b.grad(step, i, 0, stage - 1) if not b.first else None
                 if outgoing is not None:
                     sends.append(outgoing)
+                    b.sending()
                     b.ops.append(Send(outgoing))
             b.ops.append(Wait(tuple(sends)))
         b.host(b.cost.host.scale_s, "scale")
@@ -366,9 +392,15 @@ def _torch_1f1b_program(
     def grad_out(step: int, i: int) -> list[Message]:
         return [] if b.first else [b.grad(step, i, 0, stage - 1)]
 
+    def fire(sends: list[Message]) -> None:
+        if sends:
+            b.sending()
+        b.ops.extend(Send(m) for m in sends)
+
     def batch(sends: list[Message], receives: list[Message]) -> None:
         """``_batch_p2p`` then ``_wait_batch_p2p``: fire, post, wait for all of them."""
-        b.ops += [Send(m) for m in sends] + [Post(m) for m in receives]
+        fire(sends)
+        b.ops += [Post(m) for m in receives]
         b.ops.append(Wait(tuple(sends + receives)))
 
     order = torch_1f1b_order(len(stages), microbatches)[stage]
@@ -382,7 +414,7 @@ def _torch_1f1b_program(
             in_flight = []
             if i != warmup - 1:
                 in_flight = act_out(step, i)
-                b.ops += [Send(m) for m in in_flight]
+                fire(in_flight)
         forward, backward = warmup, 0
         pending_sends = act_out(step, warmup - 1)
         while True:
@@ -396,14 +428,14 @@ def _torch_1f1b_program(
             b.forward()
             pending_sends = act_out(step, forward)
             forward += 1
-        b.ops += [Send(m) for m in pending_sends]
+        fire(pending_sends)
         in_flight = pending_sends
         while backward < microbatches:
             batch([], grad_in(step, backward))
             b.backward()
             b.ops.append(Wait(tuple(in_flight)))
             in_flight = grad_out(step, backward)
-            b.ops += [Send(m) for m in in_flight]
+            fire(in_flight)
             backward += 1
         b.ops.append(Wait(tuple(in_flight)))
         b.host(b.cost.host.scale_s, "scale")

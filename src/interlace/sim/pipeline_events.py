@@ -1,16 +1,19 @@
 """Stage programs replayed in time: computations and point-to-point messages on shared links.
 
 Each stage runs its program in order (:class:`Compute`, :class:`Send`, :class:`Post`,
-:class:`Wait`). A message moves once it is sent and its receive is posted (gloo writes a message
-only then), behind the earlier messages of the same pair of ranks (one socket each way); it
-takes the cost model's start-up ``a``, then its bytes at the rate the links leave it: every rank
-has one outgoing and one incoming link of ``1 / b`` bytes per second, shared max-min fairly by
-the pairs sending over it.
+:class:`Wait`). Messages move as gloo moves them: each ordered pair of ranks is one TCP stream,
+first in first out; a receive posted sends a ready notice back on the reverse stream, behind
+whatever that stream already carries, and a message's bytes enter its stream only once it is
+sent and its notice has come back. Every rank has one outgoing and one incoming link of
+``1 / b`` bytes per second, shared max-min fairly by the streams moving bytes over it; each
+crossing of the wire adds a latency (a third of the cost model's ``a``: a lone message of the
+pipeline runtime crosses three times, header, notice and payload).
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,6 +21,13 @@ from interlace.comm.cost import CostModel
 
 #: Seconds below which two event times count as equal.
 _TOLERANCE = 1e-12
+#: What a sending socket holds beyond the wire: a send is complete (gloo's handle done) once
+#: its bytes are in the kernel's buffer, no more than this behind the last byte on the wire.
+#: Linux grows a busy socket's buffer up to ``net.ipv4.tcp_wmem``'s maximum, 4 MiB by default.
+SEND_BUFFER_BYTES = 4 * 1024 * 1024
+#: Wire crossings of a lone message of the pipeline runtime: its header, the receiver's ready
+#: notice for the payload, the payload. The fitted ``a`` is their sum.
+CROSSINGS = 3
 
 
 @dataclass(frozen=True)
@@ -29,12 +39,16 @@ class Message:
         src: The sending stage.
         dst: The receiving stage.
         nbytes: Its size.
+        after: Its receive is posted when this other message arrives (the pipeline runtime's
+            ``Inbox`` posts a payload's receive as its header lands), instead of by a
+            :class:`Post`.
     """
 
     key: tuple[object, ...]
     src: int
     dst: int
     nbytes: float
+    after: Message | None = None
 
 
 @dataclass(frozen=True)
@@ -76,7 +90,8 @@ class Post:
 
 @dataclass(frozen=True)
 class Wait:
-    """Block until every one of ``messages`` has arrived (a send counts as done then too).
+    """Block until every one of ``messages`` has arrived, or for the sender, is complete (in
+    its socket's buffer).
 
     Args:
         messages: The messages waited on.
@@ -168,89 +183,142 @@ def fair_rates(flows: Sequence[Message], capacity: float) -> dict[tuple[int, int
 
 
 class _Network:
-    """Messages between being sent or posted and their arrival."""
+    """Every ordered pair's stream of items (payloads and ready notices) and their arrivals."""
 
-    def __init__(self, cost: CostModel) -> None:
-        self.cost = cost
+    def __init__(self, cost: CostModel, crossing_s: float, buffer_bytes: float) -> None:
         self.capacity = math.inf if cost.b <= 0 else 1.0 / cost.b
+        self.crossing_s = crossing_s
+        self.buffer_bytes = buffer_bytes
+        self.enqueued: dict[tuple[int, int], float] = {}  # payload bytes put in each stream
+        self.moved: dict[tuple[int, int], float] = {}  # of which on the wire
+        self.buffered: dict[tuple[int, int], list[tuple[float, Message]]] = {}  # (due, send)
+        self.done: set[Message] = set()  # sends complete
         self.sent: set[Message] = set()
         self.posted: set[Message] = set()
-        self.queues: dict[tuple[int, int], list[Message]] = {}
+        self.ready: set[Message] = set()  # its notice is back at the sender
+        self.waiting: dict[Message, list[Message]] = {}  # header -> payloads it posts
+        self.streams: dict[tuple[int, int], deque[tuple[bool, Message]]] = {}
+        self.remaining: dict[tuple[int, int], float] = {}  # bytes left of each stream's head
         self.started: dict[Message, float] = {}
-        self.bytes_from: dict[Message, float] = {}  # when its start-up ends
-        self.remaining: dict[Message, float] = {}
+        self.landing: list[tuple[float, bool, Message]] = []  # (time, payload?, message)
         self.arrived: dict[Message, float] = {}
 
-    def mark(self, message: Message, sent: bool, now: float) -> None:
-        marks = self.sent if sent else self.posted
-        if message in marks:
-            raise ValueError(f"{message} is {'sent' if sent else 'posted'} twice")
-        marks.add(message)
-        if message in self.sent and message in self.posted:
-            queue = self.queues.setdefault((message.src, message.dst), [])
-            queue.append(message)
-            if len(queue) == 1:
-                self._start(message, now)
+    def send(self, message: Message, now: float) -> None:
+        if message in self.sent:
+            raise ValueError(f"{message} is sent twice")
+        self.sent.add(message)
+        if message.after is not None:
+            if message.after in self.arrived:
+                self.post(message, now)
+            else:
+                self.waiting.setdefault(message.after, []).append(message)
+        if message in self.ready:
+            self._enqueue((message.src, message.dst), (True, message), now)
 
-    def _start(self, message: Message, now: float) -> None:
-        self.started[message] = now
-        if message.nbytes <= 0:
-            self._arrive(message, now)
+    def post(self, message: Message, now: float) -> None:
+        if message in self.posted:
+            raise ValueError(f"{message} is posted twice")
+        self.posted.add(message)
+        self._enqueue((message.dst, message.src), (False, message), now)
+
+    def _enqueue(self, stream: tuple[int, int], item: tuple[bool, Message], now: float) -> None:
+        payload, message = item
+        if payload:
+            end = self.enqueued.get(stream, 0.0) + message.nbytes
+            self.enqueued[stream] = end
+            # Complete once no more than the buffer lies between its last byte and the wire.
+            self.buffered.setdefault(stream, []).append((end - self.buffer_bytes, message))
+            self._complete(stream)
+        queue = self.streams.setdefault(stream, deque())
+        queue.append(item)
+        if len(queue) == 1:
+            self._start(stream, now)
+
+    def _start(self, stream: tuple[int, int], now: float) -> None:
+        payload, message = self.streams[stream][0]
+        self.remaining[stream] = message.nbytes if payload else 0.0
+        if payload:
+            self.started[message] = now
+        if self.remaining[stream] <= 0 or self.capacity == math.inf:
+            self.moved[stream] = self.moved.get(stream, 0.0) + self.remaining[stream]
+            self._complete(stream)
+            self._sent_out(stream, now)
+
+    def _sent_out(self, stream: tuple[int, int], now: float) -> None:
+        """The head's last byte is on the wire: it lands one crossing later; the next starts."""
+        payload, message = self.streams[stream].popleft()
+        del self.remaining[stream]
+        self.landing.append((now + self.crossing_s, payload, message))
+        if self.streams[stream]:
+            self._start(stream, now)
+
+    def _land(self, payload: bool, message: Message, now: float) -> None:
+        if not payload:
+            self.ready.add(message)
+            if message in self.sent:
+                self._enqueue((message.src, message.dst), (True, message), now)
             return
-        self.bytes_from[message] = now + self.cost.a
-        self.remaining[message] = float(message.nbytes)
-
-    def _arrive(self, message: Message, now: float) -> None:
         self.arrived[message] = now
-        self.bytes_from.pop(message, None)
-        self.remaining.pop(message, None)
-        queue = self.queues[(message.src, message.dst)]
-        queue.pop(0)
-        if queue:
-            self._start(queue[0], now)
+        for waiting in self.waiting.pop(message, []):
+            self.post(waiting, now)
 
-    def _moving(self, now: float) -> list[Message]:
-        return [m for m, t in self.bytes_from.items() if t <= now + _TOLERANCE]
+    def _complete(self, stream: tuple[int, int]) -> None:
+        pending = self.buffered.get(stream, [])
+        moved = self.moved.get(stream, 0.0)
+        while pending and pending[0][0] <= moved + 1e-9 * max(pending[0][1].nbytes, 1.0):
+            self.done.add(pending.pop(0)[1])
+
+    def _moving(self) -> dict[tuple[int, int], float]:
+        heads = [self.streams[s][0][1] for s, left in self.remaining.items() if left > 0]
+        return fair_rates(heads, self.capacity) if heads else {}
 
     def next_event(self, now: float) -> float:
-        """The next start-up's end or arrival (inf when nothing moves)."""
-        times = [t for t in self.bytes_from.values() if t > now + _TOLERANCE]
-        moving = self._moving(now)
-        if moving:
-            rates = fair_rates(moving, self.capacity)
-            for message in moving:
-                rate = rates[(message.src, message.dst)]
-                times.append(now + (self.remaining[message] / rate if rate < math.inf else 0.0))
+        """The next landing or end of a transfer (inf when nothing moves)."""
+        times = [t for t, _, _ in self.landing]
+        for stream, rate in self._moving().items():
+            times.append(now + self.remaining[stream] / rate)
+            if pending := self.buffered.get(stream):
+                times.append(now + (pending[0][0] - self.moved.get(stream, 0.0)) / rate)
         return min(times, default=math.inf)
 
     def advance(self, now: float, until: float) -> None:
-        """Move bytes from ``now`` to ``until`` and deliver what has fully arrived."""
-        moving = self._moving(now)
-        rates = fair_rates(moving, self.capacity) if moving else {}
-        for message in moving:
-            rate = rates[(message.src, message.dst)]
-            if rate == math.inf:
-                self.remaining[message] = 0.0
-            else:
-                self.remaining[message] -= (until - now) * rate
-        for message in sorted(moving, key=lambda m: self.started[m]):
-            if self.remaining[message] <= 1e-9 * max(message.nbytes, 1.0):
-                self._arrive(message, until)
+        """Move bytes from ``now`` to ``until``, then land what is due by ``until``."""
+        for stream, rate in self._moving().items():
+            moved = min((until - now) * rate, self.remaining[stream])
+            self.remaining[stream] -= moved
+            self.moved[stream] = self.moved.get(stream, 0.0) + moved
+            self._complete(stream)
+            message = self.streams[stream][0][1]
+            if self.remaining[stream] <= 1e-9 * max(message.nbytes, 1.0):
+                self._sent_out(stream, until)
+        while due := [x for x in self.landing if x[0] <= until + _TOLERANCE]:
+            first = min(due, key=lambda x: x[0])
+            self.landing.remove(first)
+            self._land(first[1], first[2], until)
 
 
-def replay_programs(programs: Sequence[Sequence[Op]], cost: CostModel) -> Replay:
+def replay_programs(
+    programs: Sequence[Sequence[Op]],
+    cost: CostModel,
+    crossing_s: float | None = None,
+    buffer_bytes: float = SEND_BUFFER_BYTES,
+) -> Replay:
     """Run every stage's program together from time 0; when each ends, and what ran when.
 
     Args:
         programs: Stage ``k``'s operations, in order.
-        cost: ``a + b * bytes`` of one message alone on a link, seconds.
+        cost: ``a + b * bytes`` of one runtime message alone on a link, seconds.
+        crossing_s: Latency of one crossing of the wire (default ``a / CROSSINGS``).
+        buffer_bytes: A sending socket's buffer: a send completes once its last byte is no
+            more than this behind the wire (0: once it is all on the wire).
 
     Raises:
         ValueError: When the programs deadlock (a stage waits on a message never sent or whose
             receive is never posted).
     """
     stages = len(programs)
-    network = _Network(cost)
+    crossing = cost.a / CROSSINGS if crossing_s is None else crossing_s
+    network = _Network(cost, crossing, buffer_bytes)
     position = [0] * stages
     busy_until: list[float | None] = [None] * stages
     busy_from = [0.0] * stages
@@ -278,8 +346,13 @@ def replay_programs(programs: Sequence[Sequence[Op]], cost: CostModel) -> Replay
                 sending = isinstance(op, Send)
                 if (op.message.src if sending else op.message.dst) != stage:
                     raise ValueError(f"stage {stage} cannot {type(op).__name__} {op.message}")
-                network.mark(op.message, sending, now)
-            elif not all(m in network.arrived for m in op.messages):
+                if sending:
+                    network.send(op.message, now)
+                else:
+                    network.post(op.message, now)
+            elif not all(
+                m in (network.done if m.src == stage else network.arrived) for m in op.messages
+            ):
                 return moved
             position[stage] += 1
             moved = True
