@@ -234,9 +234,10 @@ def measure_rank(job: PipelineJob) -> dict[str, Any]:
     """One rank of a launch: build every contender, warm up, time interleaved blocks.
 
     Returns (the same on every rank) each contender's block seconds (maximum over ranks), the
-    stage plan, the bytes at the stage boundaries and of the gradients, per-stage compute and
-    communication seconds of the interlace pipelines, the mean loss of the last timed block,
-    and with ``job.timeline`` the events of one timed block of :data:`TIMELINE_SCHEDULES`.
+    stage plan (and its block ranges, ``bounds``), the bytes at the stage boundaries and of the
+    gradients, per-stage compute and communication seconds of the interlace pipelines, the mean
+    loss of the last timed block, and with ``job.timeline`` the events of one timed block of
+    :data:`TIMELINE_SCHEDULES`.
 
     Args:
         job: The model, contenders and blocks to time.
@@ -347,6 +348,7 @@ def measure_rank(job: PipelineJob) -> dict[str, Any]:
         "block_s": block_s,
         "cpu_s": cpu_s,
         "plan": plan.describe(),
+        "bounds": [list(bounds) for bounds in plan.bounds],
         "boundary_bytes": boundary,
         "parameters": parameters,
         "gradient_bytes": gradient_bytes,

@@ -1,0 +1,379 @@
+"""Pipeline schedules on emulated compute: measured by ``interlace bench pipeline``'s rank code,
+predicted by :mod:`interlace.sim.pipeline` from the trace, the run's stage split, a
+point-to-point cost fitted on the live ranks and each stage's host work timed apart.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
+from typing import Any
+
+from interlace.bench.dp_report import format_rate
+from interlace.bench.harness import DEFAULT_INPUT_SHAPE, NUM_CLASSES, launch_on_ranks
+from interlace.bench.pipeline_rank import PipelineJob
+from interlace.bench.validate_pipeline_rank import PipelineValidationJob, validate_pipeline_rank
+from interlace.comm.cost import CostModel
+from interlace.emulate import Compute, dilate_rate
+from interlace.errors import UsageError
+from interlace.launch import netem
+from interlace.sim.pipeline import (
+    PIPELINE_SCHEDULES,
+    HostCost,
+    simulate_pipeline,
+    stage_costs,
+)
+from interlace.sim.trace import Trace, load_trace
+from interlace.sim.validate import ValidationRow
+
+PROG = "interlace simulate --validate (pipeline)"
+#: The docs' emulated pipeline runs: a mini-batch of 32 in 4 micro-batches (or chunks).
+DEFAULT_BATCH = 32
+DEFAULT_MICROBATCHES = 4
+
+
+def _undilated_host(host: HostCost, dilation: float) -> HostCost:
+    return HostCost(
+        **{
+            name: getattr(host, name) / dilation
+            for name in (f.name for f in dataclass_fields(HostCost))
+        }
+    )
+
+
+def _check_request(
+    compute: Compute,
+    stages: int,
+    schedules: Sequence[str],
+    *,
+    iters: int,
+    warmup: int,
+    rounds: int,
+    batch_size: int,
+    microbatches: int,
+) -> Trace:
+    """The emulated model's trace, once the request is known to be measurable; UsageError."""
+    if not compute.emulated or compute.trace is None:
+        raise UsageError("pipeline validation runs on emulated compute: --compute emulated:TRACE")
+    unknown = [s for s in schedules if s not in PIPELINE_SCHEDULES]
+    if unknown or not schedules:
+        raise UsageError(
+            f"unknown pipeline schedule(s) {', '.join(unknown) or '(none given)'}; choose from "
+            f"{', '.join(PIPELINE_SCHEDULES)}"
+        )
+    if stages < 2:
+        raise UsageError(f"a pipeline needs at least 2 stages (-n), got {stages}")
+    if rounds < 1 or iters < rounds or warmup < 0:
+        raise UsageError(f"--iters ({iters}) must be >= --rounds ({rounds}) >= 1 and --warmup >= 0")
+    if microbatches < 1 or batch_size % microbatches:
+        raise UsageError(
+            f"batch {batch_size} does not split into {microbatches} micro-batches; use a multiple"
+        )
+    trace = load_trace(compute.trace)
+    stage_costs(trace, [(0, len(trace.layers))], batch_size)  # refuses a trace without sizes
+    return trace
+
+
+def measure_pipeline_sample(
+    compute: Compute,
+    stages: int,
+    link: str,
+    schedules: Sequence[str],
+    *,
+    iters: int,
+    warmup: int,
+    rounds: int,
+    timeout_s: float,
+    collective_timeout_s: float,
+    cache_dir: str | None = None,
+    note: Callable[[str], None] = print,
+    batch_size: int = DEFAULT_BATCH,
+    microbatches: int = DEFAULT_MICROBATCHES,
+) -> PipelineSample:
+    """One launch of ``stages`` ranks on ``link`` run at its rate / dilation: the schedules
+    measured by ``interlace bench pipeline``'s rank code in ``rounds`` interleaved blocks of
+    ``iters // rounds`` mini-batches, the point-to-point cost and each stage's host work.
+
+    Args are :func:`pipeline_validation_rows`'s.
+
+    Raises:
+        UsageError: For real compute, an unknown schedule, bad sizes, a trace without
+            activation sizes, or no root for the emulated cluster.
+        LaunchFailedError: When the launch fails.
+    """
+    _check_request(
+        compute,
+        stages,
+        schedules,
+        iters=iters,
+        warmup=warmup,
+        rounds=rounds,
+        batch_size=batch_size,
+        microbatches=microbatches,
+    )
+    try:
+        netem.check_available()
+    except netem.NetemUnavailableError as exc:
+        raise UsageError(f"{exc}; validation measures on the emulated cluster") from exc
+    run_link = format_rate(dilate_rate(link, compute.dilation))
+    block = iters // rounds
+    job = PipelineValidationJob(
+        PipelineJob(
+            model=str(compute.trace),
+            batch=batch_size,
+            microbatches=microbatches,
+            input_shape=DEFAULT_INPUT_SHAPE,
+            schedules=tuple(schedules),
+            block=block,
+            iters=rounds,
+            warmup=warmup,
+            num_classes=NUM_CLASSES,
+            compute=compute,
+        )
+    )
+    result = launch_on_ranks(
+        validate_pipeline_rank,
+        job,
+        nprocs=stages,
+        link=run_link,
+        timeout_s=timeout_s,
+        collective_timeout_s=collective_timeout_s,
+        cache_dir=cache_dir,
+        note=note,
+        prog=PROG,
+    )
+    return PipelineSample.from_launch(
+        result, compute.dilation, block, link=f"{link} (emulated at {run_link})"
+    )
+
+
+def pipeline_validation_rows(
+    trace: str,
+    compute: Compute,
+    stages: int,
+    link: str,
+    schedules: Sequence[str],
+    *,
+    iters: int,
+    warmup: int,
+    rounds: int,
+    timeout_s: float,
+    collective_timeout_s: float,
+    cache_dir: str | None = None,
+    note: Callable[[str], None] = print,
+    batch_size: int = DEFAULT_BATCH,
+    microbatches: int = DEFAULT_MICROBATCHES,
+) -> list[ValidationRow]:
+    """Predicted against measured per-iteration time of each pipeline schedule on emulated
+    compute, one launch of ``stages`` ranks on ``link`` run at its rate / dilation.
+
+    The ranks time ``rounds`` interleaved blocks of ``iters // rounds`` mini-batches per
+    schedule (``interlace bench pipeline``'s rank code); the measured iteration is the median
+    over blocks of the block's slowest rank over its mini-batches. The prediction replays the
+    same block from the trace's device time, the run's stage split, the point-to-point cost
+    fitted on the live ranks and each stage's host work timed apart (both / dilation); nothing
+    is fitted to the measured schedules. ``note`` gets the split, the costs, the prediction
+    without host work and each stage's measured compute against the replay's.
+
+    Args:
+        trace: The model as the rows name it (the trace's name).
+        compute: Emulated compute: the trace and the dilation.
+        stages: Ranks, one stage each (>= 2).
+        link: The target link (``10gbit``); the ranks run at its rate / dilation.
+        schedules: Schedules of :data:`interlace.sim.pipeline.PIPELINE_SCHEDULES`.
+        iters: Timed mini-batches per schedule, at least ``rounds``.
+        warmup: Untimed mini-batches per schedule first.
+        rounds: Timed blocks per schedule.
+        timeout_s: Seconds allowed for the launch.
+        collective_timeout_s: Seconds any one collective may wait for its peers.
+        cache_dir: The ranks' cost-model cache folder (None: theirs).
+        note: Where progress lines go.
+        batch_size: Samples per mini-batch.
+        microbatches: Micro-batches (synchronous schedules) or chunks (asynchronous ones) per
+            mini-batch.
+
+    Raises:
+        UsageError: For real compute, an unknown schedule, bad sizes, a trace without
+            activation sizes, or no root for the emulated cluster.
+        LaunchFailedError: When the launch fails.
+    """
+    model_trace = _check_request(
+        compute,
+        stages,
+        schedules,
+        iters=iters,
+        warmup=warmup,
+        rounds=rounds,
+        batch_size=batch_size,
+        microbatches=microbatches,
+    )
+    sample = measure_pipeline_sample(
+        compute,
+        stages,
+        link,
+        schedules,
+        iters=iters,
+        warmup=warmup,
+        rounds=rounds,
+        timeout_s=timeout_s,
+        collective_timeout_s=collective_timeout_s,
+        cache_dir=cache_dir,
+        note=note,
+        batch_size=batch_size,
+        microbatches=microbatches,
+    )
+    note(sample.describe())
+    for line in sample.compare(model_trace, batch_size):
+        note(f"{trace}, {stages} stages, {link}: {line}")
+    return sample.rows(model_trace, trace, batch_size)
+
+
+@dataclass(frozen=True)
+class PipelineSample:
+    """One pipeline validation launch, undilated.
+
+    Args:
+        bounds: Each stage's block range, as the run cut the model.
+        cost: The fitted point-to-point cost.
+        host: Each stage's host cost.
+        measured_s: Each schedule's per-iteration time of every timed block (slowest rank).
+        block: Mini-batches per timed block.
+        microbatches: Pieces per mini-batch.
+        link: The link as rows show it.
+        stage_compute_s: interlace's schedules: each stage's median seconds per mini-batch in
+            its forward, backward and update (device time and host work, as it ran).
+    """
+
+    bounds: tuple[tuple[int, int], ...]
+    cost: CostModel
+    host: tuple[HostCost, ...]
+    measured_s: dict[str, list[float]]
+    block: int
+    microbatches: int
+    link: str = ""
+    stage_compute_s: dict[str, list[float]] = field(default_factory=dict)
+
+    @classmethod
+    def from_launch(
+        cls, result: dict[str, Any], dilation: float, block: int, *, link: str = ""
+    ) -> PipelineSample:
+        """The sample from :func:`validate_pipeline_rank`'s value, its times / ``dilation``.
+
+        Args:
+            result: Rank 0's value.
+            dilation: The run's dilation.
+            block: Mini-batches per timed block.
+            link: The link as rows show it.
+        """
+        value = result["value"]
+        cost: CostModel = result["cost"]
+        per_iteration = dilation * block
+        return cls(
+            bounds=tuple((int(s), int(e)) for s, e in value["bounds"]),
+            cost=CostModel(cost.a / dilation, cost.b / dilation),
+            host=tuple(_undilated_host(h, dilation) for h in result["host"]),
+            measured_s={
+                name: [t / per_iteration for t in times] for name, times in value["block_s"].items()
+            },
+            block=block,
+            microbatches=int(result["microbatches"]),
+            link=link,
+            stage_compute_s={
+                name: [t / per_iteration for t in stats["compute_s"]]
+                for name, stats in value.get("stage_stats", {}).items()
+            },
+        )
+
+    def predict(self, trace: Trace, schedule: str, batch: int, *, host: bool = True) -> Any:
+        """The replayed block of ``schedule`` (a :class:`~interlace.sim.pipeline.PipelineResult`).
+
+        Args:
+            trace: The emulated model's trace.
+            schedule: The schedule.
+            batch: Samples per mini-batch.
+            host: Include the stages' host work (False: device time and messages alone).
+        """
+        costs = stage_costs(trace, self.bounds, batch, self.host if host else None)
+        return simulate_pipeline(
+            costs, schedule, self.cost, microbatches=self.microbatches, block=self.block
+        )
+
+    def rows(
+        self, trace: Trace, model: str, batch: int, *, host: bool = True
+    ) -> list[ValidationRow]:
+        """One row per measured schedule: the replayed block against the median measured one.
+
+        Args:
+            trace: The emulated model's trace.
+            model: The model as the rows name it.
+            batch: Samples per mini-batch.
+            host: Include the stages' host work (False: device time and messages alone).
+        """
+        return [
+            ValidationRow.of(
+                family="pipeline",
+                model=model,
+                strategy=schedule,
+                ranks=len(self.bounds),
+                link=self.link,
+                predicted_s=self.predict(trace, schedule, batch, host=host).iteration_s,
+                measured_s=statistics.median(times),
+            )
+            for schedule, times in self.measured_s.items()
+        ]
+
+    def compare(self, trace: Trace, batch: int) -> list[str]:
+        """A line per schedule: predicted (and without host work) against measured, and for
+        interlace's schedules each stage's measured compute against the replay's.
+
+        Args:
+            trace: The emulated model's trace.
+            batch: Samples per mini-batch.
+        """
+        lines = []
+        for schedule, times in self.measured_s.items():
+            result = self.predict(trace, schedule, batch)
+            bare = self.predict(trace, schedule, batch, host=False)
+            measured = statistics.median(times)
+            line = (
+                f"{schedule} predicted {result.iteration_s * 1e3:.3f} ms "
+                f"({bare.iteration_s * 1e3:.3f} without host work), measured "
+                f"{measured * 1e3:.3f} ms ({(result.iteration_s / measured - 1) * 100:+.1f}%)"
+            )
+            if schedule in self.stage_compute_s:
+                # The replay's busy time counts the predictions and stashes, which the runtime
+                # does outside its timed forward and backward.
+                busy = [
+                    math.fsum(
+                        s.end_s - s.start_s
+                        for s in result.replay.computations
+                        if s.stage == k and s.label not in ("predict", "stash")
+                    )
+                    / self.block
+                    for k in range(len(self.bounds))
+                ]
+                line += "; stage compute per mini-batch measured/replayed " + ", ".join(
+                    f"{m * 1e3:.3f}/{b * 1e3:.3f}"
+                    for m, b in zip(self.stage_compute_s[schedule], busy, strict=True)
+                )
+            lines.append(line)
+        return lines
+
+    def describe(self) -> str:
+        """The stage split, the fitted cost and the host costs, in a few lines."""
+        lines = [
+            f"stages (blocks): {', '.join(f'{s}-{e - 1}' for s, e in self.bounds)}; "
+            f"point-to-point a = {self.cost.a * 1e6:.1f} us, "
+            f"{8 / self.cost.b / 1e9 if self.cost.b else float('inf'):.2f} Gbit/s (undilated)"
+        ]
+        for index, h in enumerate(self.host):
+            lines.append(
+                f"  stage {index} host (us): forward {h.forward_s * 1e6:.1f}, backward "
+                f"{h.backward_s * 1e6:.1f} per piece; update {h.update_s * 1e6:.1f}, predict "
+                f"{h.predict_s * 1e6:.1f}, copy {h.copy_s * 1e6:.1f}, scale {h.scale_s * 1e6:.1f}, "
+                f"send {h.send_s * 1e6:.1f}"
+            )
+        return "\n".join(lines)

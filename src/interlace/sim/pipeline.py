@@ -1,0 +1,506 @@
+"""Pipeline schedules predicted in time: interlace's GPipe, 1F1B and asynchronous 1F1B
+(naive, PipeDream, SpecTrain) and torch's ``ScheduleGPipe`` and ``Schedule1F1B``, each stage's
+actions replayed against the messages that cross the stage boundaries
+(:mod:`interlace.sim.pipeline_events`), as ``interlace bench pipeline`` runs and times them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from interlace.comm.cost import CostModel
+from interlace.errors import UsageError
+from interlace.pipeline.partition import balance_stages
+from interlace.pipeline.schedule import ASYNCHRONOUS, Op, Weights, build_schedule
+from interlace.sim.pipeline_events import (
+    Compute,
+    Message,
+    Post,
+    Replay,
+    Send,
+    Wait,
+    replay_programs,
+)
+from interlace.sim.pipeline_events import Op as ProgramOp
+from interlace.sim.trace import Trace
+
+#: interlace's schedules, then torch's, as ``interlace bench pipeline`` names its contenders.
+INTERLACE_PIPELINE_SCHEDULES: tuple[str, ...] = (
+    "gpipe",
+    "1f1b",
+    "naive",
+    "pipedream",
+    "spectrain",
+    "spectrain-reuse",
+)
+TORCH_PIPELINE_SCHEDULES: tuple[str, ...] = ("torch-gpipe", "torch-1f1b")
+PIPELINE_SCHEDULES: tuple[str, ...] = (*INTERLACE_PIPELINE_SCHEDULES, *TORCH_PIPELINE_SCHEDULES)
+#: The per-rank batch a trace's times stand for when it records none (as the emulated
+#: pipeline model assumes).
+FALLBACK_TRACE_BATCH = 32
+#: Bytes of one activation element: emulated blocks output float32.
+ACTIVATION_BYTES = 4
+#: Bytes of the header the pipeline runtime sends ahead of each tensor (ten int64).
+HEADER_BYTES = 80
+
+
+@dataclass(frozen=True)
+class HostCost:
+    """Host (CPU) seconds a stage spends around its device time, as the runtime does them.
+
+    Args:
+        forward_s: Per piece (micro-batch or chunk) forward: building the graph, the output.
+        backward_s: Per piece backward: making and accumulating the parameters' gradients.
+        update_s: One optimizer step with ``zero_grad``.
+        predict_s: One SpecTrain prediction of the stage's weights (``W - s lr v``).
+        copy_s: One copy of the stage's weights (PipeDream's stash).
+        scale_s: torch's division of the accumulated gradients by the micro-batch count.
+        send_s: One call that sends a tensor (``send_tensor``, torch's ``batch_isend_irecv``).
+    """
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    update_s: float = 0.0
+    predict_s: float = 0.0
+    copy_s: float = 0.0
+    scale_s: float = 0.0
+    send_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage's costs for one whole mini-batch.
+
+    Args:
+        forward_s: Device seconds of its forward over the mini-batch.
+        backward_s: Device seconds of its backward.
+        output_bytes: Bytes of its output over the mini-batch, sent to the next stage (as many
+            gradient bytes come back); 0 on the last stage.
+        host: Host work around the device time.
+    """
+
+    forward_s: float
+    backward_s: float
+    output_bytes: float
+    host: HostCost = field(default_factory=HostCost)
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    """One schedule's predicted block of mini-batches.
+
+    Args:
+        schedule: The schedule.
+        block: Mini-batches in the block.
+        block_s: From the block's start until the last stage ends it.
+        replay: Every computation and transfer in time.
+    """
+
+    schedule: str
+    block: int
+    block_s: float
+    replay: Replay
+
+    @property
+    def iteration_s(self) -> float:
+        """Seconds per mini-batch, as the benchmark reports it: the block over its size."""
+        return self.block_s / self.block
+
+
+def _forward_layers(trace: Trace) -> list[tuple[float, float, int]]:
+    """``(forward_s, backward_s, output numel per sample)`` of each traced layer, forward order."""
+    layers = []
+    for name, indices in reversed(trace.layers):
+        activation = trace.activation(name)
+        if activation is None:
+            raise UsageError(
+                f"trace {trace.model!r} records no activation size for layer {name}; a pipeline "
+                "needs them: profile the model with `interlace profile --trace-out`"
+            )
+        tensor = trace.tensors[indices[0]]
+        layers.append((tensor.layer_forward_s, tensor.layer_backward_s, activation.numel))
+    return layers
+
+
+def trace_bounds(trace: Trace, stages: int) -> list[tuple[int, int]]:
+    """The stages, as block ranges, that balancing the traced layers' times gives.
+
+    The emulated pipeline model has one block per traced layer and the library cuts it by the
+    blocks' measured forward and backward time (``plan_stages(by="time")``); with no host
+    overhead those are the traced times, whose exact balance this is. A run's plan, measured,
+    can differ: predict a run from its own bounds.
+
+    Args:
+        trace: A trace with activation sizes.
+        stages: Pipeline stages (1 to the number of layers).
+    """
+    costs = [f + b for f, b, _ in _forward_layers(trace)]
+    if not 1 <= stages <= len(costs):
+        raise UsageError(
+            f"trace {trace.model!r} has {len(costs)} layers, too few for {stages} stages; "
+            "use fewer stages"
+        )
+    return balance_stages(costs, stages)
+
+
+def stage_costs(
+    trace: Trace,
+    bounds: Sequence[tuple[int, int]],
+    batch: int,
+    host: Sequence[HostCost] | None = None,
+) -> list[StageCost]:
+    """Each stage's device time and boundary bytes for a mini-batch of ``batch`` samples.
+
+    A layer's traced time scales with the samples (``batch / trace.batch_size``), as the emulated
+    blocks spend it.
+
+    Args:
+        trace: A trace with activation sizes.
+        bounds: Each stage's ``[start, end)`` range of layers, in forward order, contiguous.
+        batch: Samples per mini-batch.
+        host: Each stage's host costs (default none).
+    """
+    layers = _forward_layers(trace)
+    if not bounds or bounds[0][0] != 0 or bounds[-1][1] != len(layers):
+        raise UsageError(
+            f"stage bounds {list(bounds)} must cover the {len(layers)} layers of "
+            f"{trace.model!r} from 0"
+        )
+    if any(end <= start for start, end in bounds) or any(
+        end != start for (_, end), (start, _) in itertools.pairwise(bounds)
+    ):
+        raise UsageError(f"stage bounds {list(bounds)} must be contiguous and non-empty")
+    if host is not None and len(host) != len(bounds):
+        raise UsageError(f"{len(host)} host costs for {len(bounds)} stages; give one per stage")
+    if batch < 1:
+        raise UsageError(f"batch must be >= 1, got {batch}")
+    scale = batch / (trace.batch_size or FALLBACK_TRACE_BATCH)
+    result = []
+    for index, (start, end) in enumerate(bounds):
+        last = index == len(bounds) - 1
+        result.append(
+            StageCost(
+                forward_s=math.fsum(f for f, _, _ in layers[start:end]) * scale,
+                backward_s=math.fsum(b for _, b, _ in layers[start:end]) * scale,
+                output_bytes=0 if last else layers[end - 1][2] * ACTIVATION_BYTES * batch,
+                host=host[index] if host is not None else HostCost(),
+            )
+        )
+    return result
+
+
+# ------------------------------------------------------------------------------ torch's orders
+
+
+def torch_gpipe_order(stages: int, microbatches: int) -> list[list[tuple[Op, int]]]:
+    """torch's ``ScheduleGPipe``: on every stage all forwards, then all backwards, in order."""
+    order = [(Op.FORWARD, i) for i in range(microbatches)]
+    return [order + [(Op.BACKWARD, i) for i in range(microbatches)] for _ in range(stages)]
+
+
+def torch_1f1b_order(stages: int, microbatches: int) -> list[list[tuple[Op, int]]]:
+    """torch's ``Schedule1F1B``: stage ``k`` runs ``min(M, N - k)`` forwards, then alternates
+    one backward and one forward, then the remaining backwards."""
+    orders = []
+    for stage in range(stages):
+        warmup = min(microbatches, stages - stage)
+        order = [(Op.FORWARD, i) for i in range(warmup)]
+        for i in range(microbatches):
+            order.append((Op.BACKWARD, i))
+            if warmup + i < microbatches:
+                order.append((Op.FORWARD, warmup + i))
+        orders.append(order)
+    return orders
+
+
+# ------------------------------------------------------------------------------ programs
+
+
+class _Builder:
+    """Messages and computations of one stage, named so that sender and receiver agree."""
+
+    def __init__(self, stages: Sequence[StageCost], stage: int, pieces: int) -> None:
+        self.stages = stages
+        self.stage = stage
+        self.cost = stages[stage]
+        self.pieces = pieces
+        self.first = stage == 0
+        self.last = stage == len(stages) - 1
+        self.ops: list[ProgramOp] = []
+
+    def act(self, step: int, unit: int, piece: int, into: int) -> Message:
+        """The activation of ``(step, unit, piece)`` that stage ``into`` receives."""
+        nbytes = self.stages[into - 1].output_bytes / self.pieces
+        return Message(("act", step, unit, piece, into), into - 1, into, nbytes)
+
+    def grad(self, step: int, unit: int, piece: int, into: int) -> Message:
+        """The gradient of ``(step, unit, piece)`` that stage ``into`` receives."""
+        nbytes = self.stages[into].output_bytes / self.pieces
+        return Message(("grad", step, unit, piece, into), into + 1, into, nbytes)
+
+    @staticmethod
+    def headed(payload: Message) -> tuple[Message, Message]:
+        """The runtime's two messages for one tensor: a header, and the payload whose receive
+        the receiver's ``Inbox`` posts when the header lands."""
+        header = Message(
+            (f"{payload.key[0]}-header", *payload.key[1:]), payload.src, payload.dst, HEADER_BYTES
+        )
+        return header, Message(payload.key, payload.src, payload.dst, payload.nbytes, header)
+
+    def send_headed(self, payload: Message) -> tuple[Message, Message]:
+        """Send a tensor as the runtime does (``send_tensor``: header and payload together)."""
+        pair = self.headed(payload)
+        self.sending()
+        self.ops.extend(Send(m) for m in pair)
+        return pair
+
+    def sending(self) -> None:
+        """The host call that starts a send."""
+        self.ops.append(Compute(self.cost.host.send_s, "send", "comm"))
+
+    def forward(self, label: str = "forward") -> None:
+        seconds = self.cost.forward_s / self.pieces + self.cost.host.forward_s
+        self.ops.append(Compute(seconds, label, "forward"))
+
+    def backward(self) -> None:
+        seconds = self.cost.backward_s / self.pieces + self.cost.host.backward_s
+        self.ops.append(Compute(seconds, "backward", "backward"))
+
+    def host(self, seconds: float, label: str) -> None:
+        self.ops.append(Compute(seconds, label, "optimizer"))
+
+
+def _interlace_program(
+    stages: Sequence[StageCost], stage: int, name: str, microbatches: int, block: int
+) -> list[ProgramOp]:
+    """What :class:`interlace.pipeline.runtime.PipelineStage` does on ``stage`` for one block.
+
+    Synchronous schedules run one step per mini-batch (micro-batches, an update, every send
+    waited on); the asynchronous ones stream the block once, each mini-batch in
+    ``microbatches`` chunks. Each tensor is a header and a payload; every header's receive
+    of a step is posted at its start and each payload's as its header lands (the ``Inbox``).
+    """
+    policy = name.removesuffix("-reuse")
+    reuse = name.endswith("-reuse")
+    asynchronous = policy in ASYNCHRONOUS
+    num_stages = len(stages)
+    if asynchronous:
+        steps = [build_schedule(policy, num_stages, block)]
+    else:
+        steps = [build_schedule(policy, num_stages, microbatches)] * block
+    b = _Builder(stages, stage, microbatches)
+    last = b.last
+    # PipelineStage._keeps_graph: otherwise the backward computes the stage again first.
+    keeps = reuse or not asynchronous or last or policy == "pipedream"
+    pieces = microbatches if asynchronous else 1
+    for step, schedule in enumerate(steps):
+        # The Inboxes post every header's receive as the step starts.
+        for unit in range(schedule.num_batches):
+            for piece in range(pieces):
+                if not b.first:
+                    b.ops.append(Post(b.headed(b.act(step, unit, piece, stage))[0]))
+                if not last:
+                    b.ops.append(Post(b.headed(b.grad(step, unit, piece, stage))[0]))
+        sends: list[Message] = []
+        for action in schedule.for_stage(stage):
+            predicted = action.weights is Weights.PREDICTED and action.ahead > 0
+            if action.op is Op.FORWARD:
+                if predicted:
+                    b.host(b.cost.host.predict_s, "predict")
+                elif policy == "pipedream" and asynchronous and not last:
+                    b.host(b.cost.host.copy_s, "stash")
+                for piece in range(pieces):
+                    if not b.first:
+                        incoming = b.headed(b.act(step, action.batch, piece, stage))[1]
+                        b.ops.append(Wait((incoming,)))
+                    b.forward()
+                    if not last:
+                        sends += b.send_headed(b.act(step, action.batch, piece, stage + 1))
+            elif action.op is Op.BACKWARD:
+                if not keeps and predicted:
+                    b.host(b.cost.host.predict_s, "predict")
+                for piece in range(pieces):
+                    if not keeps:
+                        b.forward("recompute")
+                    if not last:
+                        incoming = b.headed(b.grad(step, action.batch, piece, stage))[1]
+                        b.ops.append(Wait((incoming,)))
+                    b.backward()
+                    if not b.first:
+                        sends += b.send_headed(b.grad(step, action.batch, piece, stage - 1))
+            elif action.op is Op.UPDATE:
+                b.host(b.cost.host.update_s, "update")
+        b.ops.append(Wait(tuple(sends)))
+    return b.ops
+
+
+def _torch_gpipe_program(
+    stages: Sequence[StageCost], stage: int, microbatches: int, block: int
+) -> list[ProgramOp]:
+    """``ScheduleGPipe.step`` then ``optimizer.step()`` per mini-batch: each receive posted and
+    waited on just before its computation, the forward sends waited on before the backwards
+    and the backward sends at the end, then the gradients divided by the micro-batch count."""
+    b = _Builder(stages, stage, microbatches)
+    for step in range(block):
+        for op in (Op.FORWARD, Op.BACKWARD):
+            sends = []
+            for i in range(microbatches):
+                incoming = (
+                    (b.act(step, i, 0, stage) if not b.first else None)
+                    if op is Op.FORWARD
+                    else (b.grad(step, i, 0, stage) if not b.last else None)
+                )
+                if incoming is not None:
+                    b.ops += [Post(incoming), Wait((incoming,))]
+                if op is Op.FORWARD:
+                    b.forward()
+                    outgoing = b.act(step, i, 0, stage + 1) if not b.last else None
+                else:
+                    b.backward()
+                    outgoing = b.grad(step, i, 0, stage - 1) if not b.first else None
+                if outgoing is not None:
+                    sends.append(outgoing)
+                    b.sending()
+                    b.ops.append(Send(outgoing))
+            b.ops.append(Wait(tuple(sends)))
+        b.host(b.cost.host.scale_s, "scale")
+        b.host(b.cost.host.update_s, "update")
+    return b.ops
+
+
+def _torch_1f1b_program(
+    stages: Sequence[StageCost], stage: int, microbatches: int, block: int
+) -> list[ProgramOp]:
+    """``Schedule1F1B.step`` then ``optimizer.step()`` per mini-batch, as torch runs it: a
+    warm-up forward's send waits for the one before; the last warm-up send goes out with the
+    first backward's receive, and each backward's send with the next forward's receive, each
+    pair waited on together; the cool-down waits for each backward send before the next."""
+    b = _Builder(stages, stage, microbatches)
+
+    def act_in(step: int, i: int) -> list[Message]:
+        return [] if b.first else [b.act(step, i, 0, stage)]
+
+    def act_out(step: int, i: int) -> list[Message]:
+        return [] if b.last else [b.act(step, i, 0, stage + 1)]
+
+    def grad_in(step: int, i: int) -> list[Message]:
+        return [] if b.last else [b.grad(step, i, 0, stage)]
+
+    def grad_out(step: int, i: int) -> list[Message]:
+        return [] if b.first else [b.grad(step, i, 0, stage - 1)]
+
+    def fire(sends: list[Message]) -> None:
+        if sends:
+            b.sending()
+        b.ops.extend(Send(m) for m in sends)
+
+    def batch(sends: list[Message], receives: list[Message]) -> None:
+        """``_batch_p2p`` then ``_wait_batch_p2p``: fire, post, wait for all of them."""
+        fire(sends)
+        b.ops += [Post(m) for m in receives]
+        b.ops.append(Wait(tuple(sends + receives)))
+
+    order = torch_1f1b_order(len(stages), microbatches)[stage]
+    warmup = order.index((Op.BACKWARD, 0))  # forwards before the first backward
+    for step in range(block):
+        in_flight: list[Message] = []
+        for i in range(warmup):
+            batch([], act_in(step, i))
+            b.forward()
+            b.ops.append(Wait(tuple(in_flight)))
+            in_flight = []
+            if i != warmup - 1:
+                in_flight = act_out(step, i)
+                fire(in_flight)
+        forward, backward = warmup, 0
+        pending_sends = act_out(step, warmup - 1)
+        while True:
+            batch(pending_sends, grad_in(step, backward))
+            b.backward()
+            pending_sends = grad_out(step, backward)
+            backward += 1
+            if forward == microbatches:
+                break
+            batch(pending_sends, act_in(step, forward))
+            b.forward()
+            pending_sends = act_out(step, forward)
+            forward += 1
+        fire(pending_sends)
+        in_flight = pending_sends
+        while backward < microbatches:
+            batch([], grad_in(step, backward))
+            b.backward()
+            b.ops.append(Wait(tuple(in_flight)))
+            in_flight = grad_out(step, backward)
+            fire(in_flight)
+            backward += 1
+        b.ops.append(Wait(tuple(in_flight)))
+        b.host(b.cost.host.scale_s, "scale")
+        b.host(b.cost.host.update_s, "update")
+    return b.ops
+
+
+def stage_programs(
+    stages: Sequence[StageCost], schedule: str, *, microbatches: int, block: int
+) -> list[list[ProgramOp]]:
+    """Every stage's operations for one timed block of ``block`` mini-batches.
+
+    Args:
+        stages: Each stage's costs.
+        schedule: One of :data:`PIPELINE_SCHEDULES`.
+        microbatches: Pieces per mini-batch: micro-batches of the synchronous schedules, chunks
+            each mini-batch of an asynchronous one is streamed in.
+        block: Mini-batches in the block.
+    """
+    if schedule not in PIPELINE_SCHEDULES:
+        raise UsageError(
+            f"unknown pipeline schedule {schedule!r}; choose from {', '.join(PIPELINE_SCHEDULES)}"
+        )
+    if len(stages) < 2:
+        raise UsageError(f"a pipeline needs at least 2 stages, got {len(stages)}")
+    if microbatches < 1 or block < 1:
+        raise UsageError(f"microbatches and block must be >= 1, got {microbatches} and {block}")
+    if schedule == "torch-1f1b" and microbatches < len(stages):
+        raise UsageError(
+            f"torch's Schedule1F1B needs at least as many micro-batches as stages; "
+            f"got {microbatches} for {len(stages)}"
+        )
+    programs = []
+    for stage in range(len(stages)):
+        if schedule == "torch-gpipe":
+            programs.append(_torch_gpipe_program(stages, stage, microbatches, block))
+        elif schedule == "torch-1f1b":
+            programs.append(_torch_1f1b_program(stages, stage, microbatches, block))
+        else:
+            programs.append(_interlace_program(stages, stage, schedule, microbatches, block))
+    return programs
+
+
+def simulate_pipeline(
+    stages: Sequence[StageCost],
+    schedule: str,
+    cost: CostModel,
+    *,
+    microbatches: int,
+    block: int = 1,
+) -> PipelineResult:
+    """One timed block of ``schedule``, as ``interlace bench pipeline`` times it.
+
+    Every stage starts the block together (the benchmark's barrier) and the block ends when the
+    last stage has returned; :attr:`PipelineResult.iteration_s` is the block per mini-batch, the
+    benchmark's per-iteration time. An asynchronous schedule fills and drains once per block.
+
+    Args:
+        stages: Each stage's costs (:func:`stage_costs`).
+        schedule: One of :data:`PIPELINE_SCHEDULES`.
+        cost: ``a + b * bytes`` of one point-to-point message alone on a link.
+        microbatches: Pieces per mini-batch (micro-batches, or an asynchronous schedule's
+            chunks).
+        block: Mini-batches in the block.
+    """
+    programs = stage_programs(stages, schedule, microbatches=microbatches, block=block)
+    replay = replay_programs(programs, cost)
+    return PipelineResult(schedule, block, replay.makespan_s, replay)
