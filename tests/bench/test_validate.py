@@ -146,6 +146,10 @@ def test_an_emulated_validation_predicts_without_contention_calibration(tmp_path
         (("--compute", "emulated:no-such-trace"), "no shipped trace"),
         (("--compute", "emulated:googlenet-k80", "--dilation", "0"), "> 0"),
         (("--compute", "emulated:googlenet-k80", "--model", "mlp"), "contradict"),
+        (("--compute", "emulated:resnet20-h200,nope"), "emulated:nope: no shipped trace"),
+        (("--families", "kfac"), "need --compute emulated:TRACE"),
+        (("--compute", "emulated:resnet20-h200", "--families", "dp,lbfgs"), "unknown family"),
+        (("--compute", "emulated:resnet20-h200", "--repeat", "0"), "--repeat must be >= 1"),
     ],
 )
 def test_bad_emulated_validation_flags_are_one_line(

@@ -20,10 +20,9 @@ from interlace.bench.validate_kfac import (
     live_costs,
     predict_modes,
     rows_from_measurement,
-    undilated_cost,
 )
 from interlace.comm.cost import CostModel
-from interlace.emulate import Compute
+from interlace.emulate import Compute, undilate_cost
 from interlace.emulate.compute import ComputeKind
 from interlace.errors import UsageError
 from interlace.kfac.costs import DecompositionCostModel
@@ -83,7 +82,7 @@ def toy_trace(path: Path) -> Path:
 
 def test_fitted_models_are_undilated_by_dividing_both_terms() -> None:
     fitted = CostModel(2e-3, 4e-9, concurrency=((1e-3, 1.5),))
-    assert undilated_cost(fitted, 4.0) == CostModel(5e-4, 1e-9)
+    assert undilate_cost(fitted, 4.0) == CostModel(5e-4, 1e-9)
     value = {"costs": {"plan": (8e-3, 8e-9), "stream": (4e-3, 2e-9), "broadcast": (2e-3, 1e-9)}}
     assert live_costs(value, 2.0) == LiveCosts(
         plan=CostModel(4e-3, 4e-9),

@@ -15,6 +15,7 @@ from interlace.comm.calibrate import (
     fit_concurrency,
     fit_cost_model,
     fit_stream_cost_model,
+    stream_sizes_up_to,
 )
 from interlace.comm.cost import CostModel
 from interlace.testing import run_ranks
@@ -95,3 +96,11 @@ def test_unusable_cache_entries_are_measured_again_with_a_warning(
     cached = json.loads((tmp_path / "cost_models.json").read_text())
     assert cached[key] == [model.a, model.b]
     assert cached[f"{key}|concurrency"] == [list(model.concurrency[0])]
+
+
+def test_the_streamed_fit_spans_the_sizes_up_to_the_job_s_largest_message() -> None:
+    mib = 1024 * 1024
+    assert stream_sizes_up_to(mib) == (mib // 2, 2 * mib)
+    # Fourfold steps from 2 MiB, then the total itself when it is well past the last step.
+    assert stream_sizes_up_to(39 * mib) == (mib // 2, 2 * mib, 8 * mib, 32 * mib)
+    assert stream_sizes_up_to(100 * mib) == (mib // 2, 2 * mib, 8 * mib, 32 * mib, 100 * mib)

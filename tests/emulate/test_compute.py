@@ -40,6 +40,12 @@ def test_emulated_trace_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "t.json"
     path.write_text("{}")
     assert parse_compute(f"emulated:{path}").trace == str(path)
+    assert parse_compute(f"emulated:{path}").name == "t"
+
+
+def test_a_compute_is_named_by_its_trace() -> None:
+    assert parse_compute("emulated:googlenet-k80").name == "googlenet-k80"
+    assert parse_compute("real").name == "real"
 
 
 @pytest.mark.parametrize(

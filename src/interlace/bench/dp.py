@@ -275,7 +275,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             "the model"
         )
     if compute.emulated:
-        models: tuple[str, ...] = (_trace_label(compute),)
+        models: tuple[str, ...] = (compute.name,)
     elif args.model:
         models = (args.model,)
     elif args.models:
@@ -345,12 +345,6 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         compute=compute,
         network=network,
     )
-
-
-def _trace_label(compute: Compute) -> str:
-    """What the rows call an emulated model: the shipped trace's name or the file's stem."""
-    assert compute.trace is not None
-    return compute.trace if not Path(compute.trace).is_file() else Path(compute.trace).stem
 
 
 def expand_variants(

@@ -14,6 +14,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -38,9 +39,10 @@ from interlace.bench.harness import (
     synthetic_batches,
     train_step,
 )
+from interlace.bench.validate_kfac import kfac_validation_rows
+from interlace.bench.validate_pipeline import pipeline_validation_rows
 from interlace.cliutil import collective_timeout_of
-from interlace.comm.calibrate import fit_cost_model, fit_stream_cost_model
-from interlace.comm.cost import CostModel
+from interlace.comm.calibrate import fit_cost_model, fit_stream_cost_model, stream_sizes_up_to
 from interlace.comm.links import parse_link
 from interlace.comm.strategies import PLANNED_STRATEGIES, RUNTIME_STRATEGIES
 from interlace.dp import DataParallel
@@ -50,19 +52,26 @@ from interlace.emulate import (
     add_compute_arguments,
     compute_from_args,
     dilate_rate,
+    parse_compute,
+    undilate_cost,
 )
 from interlace.errors import UsageError
 from interlace.launch import netem
 from interlace.launch.rank import DEFAULT_COLLECTIVE_TIMEOUT_S
 from interlace.profile import layer_forward_times
+from interlace.sim.pipeline import PIPELINE_SCHEDULES
 from interlace.sim.profiled import trace_from_plan
+from interlace.sim.trace import load_trace
 from interlace.sim.validate import (
     DEFAULT_LINKS,
     DEFAULT_MODELS,
     DEFAULT_RANKS,
     DEFAULT_STRATEGIES,
+    FAMILIES,
     ValidateSample,
     ValidationRow,
+    format_prediction_table,
+    format_run_summaries,
     format_summary,
     format_table,
     plot_validation,
@@ -147,17 +156,14 @@ def validate_emulated_rank(job: MeasureJob) -> ValidateSample:
     compute = job.compute
     module = build_module(job.model, job.input_shape, compute)
     assert isinstance(module, EmulatedModel)
-    cost = _undilated_cost(fit_cost_model(use_cache=False), compute.dilation)
-    stream_cost = _undilated_cost(fit_stream_cost_model(), compute.dilation)
+    cost = undilate_cost(fit_cost_model(use_cache=False), compute.dilation)
+    total = sum(p.numel() * p.element_size() for p in module.parameters())
+    stream_cost = undilate_cost(
+        fit_stream_cost_model(sizes=stream_sizes_up_to(total)), compute.dilation
+    )
     measurement = undilated(measure_rank(replace(job, probe_contention=False)))
     trace = replace(module.named_trace(), workers=dist.get_world_size())
     return ValidateSample(trace, cost, stream_cost, measurement)
-
-
-def _undilated_cost(cost: CostModel, dilation: float) -> CostModel:
-    """``cost`` fitted on the dilated cluster, as the undilated cluster's (``a`` and ``b`` / D;
-    the concurrency terms are dropped: validation plans on one channel)."""
-    return CostModel(cost.a / dilation, cost.b / dilation)
 
 
 @dataclass(frozen=True)
@@ -165,7 +171,8 @@ class ValidateConfig:
     """Every launch of a validation run and what to write.
 
     Args:
-        models: Zoo names or ``package.module:callable``.
+        models: Zoo names or ``package.module:callable`` (real compute), or the labels of
+            ``computes`` (emulated compute).
         ranks: Rank counts.
         links: Emulated link rates.
         strategies: Data-parallel strategies to predict and measure.
@@ -182,6 +189,10 @@ class ValidateConfig:
         num_classes: The classes the models predict.
         compute: Real compute (profiled zoo models, contention calibrated) or an emulated
             trace (no calibration; ``links`` are the target's, run at rate / dilation).
+        computes: With emulated compute, one per trace (``compute`` is the first).
+        families: What to validate on emulated compute: ``dp`` strategies, ``kfac`` modes
+            (traces with factor sizes), ``pipeline`` schedules (traces with activation sizes).
+        repeat: How many times the whole set of launches runs.
     """
 
     models: tuple[str, ...]
@@ -200,10 +211,28 @@ class ValidateConfig:
     num_classes: int = NUM_CLASSES
     compute: Compute = REAL_COMPUTE
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+    computes: tuple[Compute, ...] = ()
+    families: tuple[str, ...] = ("dp",)
+    repeat: int = 1
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """One launch: a family's rows for one model, rank count and link, in one repetition."""
+
+    family: str
+    model: str
+    compute: Compute
+    nprocs: int
+    link: str
+    run: int
+
+    def describe(self) -> str:
+        return f"{self.family}, {self.model}, {self.nprocs} ranks, {self.link}"
 
 
 def run_validation(config: ValidateConfig) -> int:
-    """Every (model, ranks, link) launch, the table, the summary; the exit status.
+    """Every launch, the table, the summary; the exit status.
 
     Args:
         config: The launches and outputs.
@@ -222,62 +251,27 @@ def run_validation(config: ValidateConfig) -> int:
         ) from exc
     for link in config.links:
         parse_link(link)
-    emulated = config.compute.emulated
-    rank_code = validate_emulated_rank if emulated else validate_rank
-
     cache_dir = tempfile.mkdtemp(prefix="interlace-validate-")
     rows: list[ValidationRow] = []
     failures: list[str] = []
-    launches = [(m, n, link) for m in config.models for n in config.ranks for link in config.links]
+    launches = _launches(config)
     try:
         with tqdm(total=len(launches), unit="launch", desc=PROG, dynamic_ncols=True) as bar:
-            for model, nprocs, link in launches:
-                bar.set_postfix_str(f"{model}, {nprocs} ranks, {link}")
-                batch = config.batch_size or DEFAULT_BATCH.get(model, FALLBACK_BATCH)
-                job = MeasureJob(
-                    model,
-                    batch,
-                    config.input_shape,
-                    config.strategies,
-                    config.iters,
-                    config.warmup,
-                    config.rounds,
-                    probe_contention=not emulated,
-                    num_classes=config.num_classes,
-                    compute=config.compute,
-                )
-                bench = _bench_config(config, nprocs)
-                run_link = (
-                    format_rate(dilate_rate(link, config.compute.dilation)) if emulated else link
-                )
+            for launch in launches:
+                bar.set_postfix_str(launch.describe() + f", run {launch.run}")
                 try:
-                    sample = launch_on_ranks(
-                        rank_code,
-                        job,
-                        nprocs=bench.nprocs,
-                        link=run_link,
-                        timeout_s=bench.timeout_s,
-                        collective_timeout_s=bench.collective_timeout_s,
-                        cache_dir=cache_dir,
-                        note=bar.write,
-                        prog="interlace bench dp",
-                    )
+                    new_rows = _launch_rows(config, launch, cache_dir, bar.write)
                 except LaunchFailedError as exc:
-                    failures.append(f"{model}, {nprocs} ranks, {link}: {exc}")
+                    failures.append(f"{launch.describe()}: {exc}")
                     bar.write(f"{PROG}: launch failed: {failures[-1]}")
                     bar.update(1)
                     continue
-                if config.trace_dir:
-                    sample.trace.save(
-                        Path(config.trace_dir) / f"{_label(model)}-n{nprocs}-{link}.json"
-                    )
-                shown = f"{link} (emulated at {run_link})" if emulated else link
-                new_rows = rows_from_sample(sample, shown, config.strategies)
+                new_rows = [replace(row, run=launch.run) for row in new_rows]
                 rows.extend(new_rows)
                 bar.write(
-                    f"{model}, {nprocs} ranks, {link}: "
+                    f"{launch.describe()}: "
                     + ", ".join(
-                        f"{r.strategy} {r.predicted_s * 1e3:.0f}/{r.measured_s * 1e3:.0f} ms "
+                        f"{r.strategy} {r.predicted_s * 1e3:.1f}/{r.measured_s * 1e3:.1f} ms "
                         f"({r.error * 100:+.0f}%)"
                         for r in new_rows
                     )
@@ -286,17 +280,7 @@ def run_validation(config: ValidateConfig) -> int:
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
     if rows:
-        print(
-            f"\ncompute: {config.compute.label()}"
-            + (
-                " (times undilated; no contention calibration)"
-                if emulated
-                else " (contention calibrated by the probes)"
-            )
-        )
-        print(format_table(rows))
-        print()
-        print(format_summary(rows))
+        _print_rows(config, rows)
     if config.json_path:
         path = Path(config.json_path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -309,6 +293,119 @@ def run_validation(config: ValidateConfig) -> int:
             print(f"  {message.splitlines()[0]}", file=sys.stderr)
         return 1
     return 0 if rows else 1
+
+
+def _launches(config: ValidateConfig) -> list[_Launch]:
+    """The launches in run order: repetitions outermost, then models, ranks, links, families."""
+    if not config.compute.emulated:
+        computes = [(model, config.compute) for model in config.models]
+    else:
+        computes = list(zip(config.models, config.computes or (config.compute,), strict=True))
+    launches: list[_Launch] = []
+    for run in range(1, config.repeat + 1):
+        for model, compute in computes:
+            families = _families_of(config, compute)
+            for nprocs in config.ranks:
+                for link in config.links:
+                    launches.extend(
+                        _Launch(family, model, compute, nprocs, link, run) for family in families
+                    )
+    return launches
+
+
+def _families_of(config: ValidateConfig, compute: Compute) -> list[str]:
+    """The families a compute can be validated on: K-FAC needs factor sizes, the pipeline
+    activation sizes (real compute: data-parallel strategies only)."""
+    if not compute.emulated:
+        return ["dp"]
+    assert compute.trace is not None
+    trace = load_trace(compute.trace)
+    able = {"dp": True, "kfac": bool(trace.factors), "pipeline": bool(trace.activations)}
+    return [family for family in config.families if able[family]]
+
+
+def _launch_rows(
+    config: ValidateConfig, launch: _Launch, cache_dir: str, note: Callable[[str], None]
+) -> list[ValidationRow]:
+    """Run one launch and turn what it measured into rows.
+
+    Raises:
+        LaunchFailedError: When a rank fails or the launch times out.
+    """
+    compute = launch.compute
+    shown = launch.link
+    run_link = launch.link
+    if compute.emulated:
+        run_link = format_rate(dilate_rate(launch.link, compute.dilation))
+        shown = f"{launch.link} (emulated at {run_link})"
+    common: dict[str, Any] = {
+        "iters": config.iters,
+        "warmup": config.warmup,
+        "rounds": config.rounds,
+        "timeout_s": config.timeout_s,
+        "collective_timeout_s": config.collective_timeout_s,
+        "cache_dir": cache_dir,
+        "note": note,
+    }
+    if launch.family == "kfac":
+        rows = kfac_validation_rows(compute, launch.nprocs, launch.link, **common)
+        return [replace(row, model=launch.model, link=shown) for row in rows]
+    if launch.family == "pipeline":
+        # Blocks of --iters mini-batches, one per round: the benchmark times whole blocks.
+        common["iters"] = config.iters * config.rounds
+        rows = pipeline_validation_rows(
+            launch.model, compute, launch.nprocs, launch.link, PIPELINE_SCHEDULES, **common
+        )
+        return [replace(row, link=shown) for row in rows]
+    batch = config.batch_size or DEFAULT_BATCH.get(launch.model, FALLBACK_BATCH)
+    job = MeasureJob(
+        launch.model,
+        batch,
+        config.input_shape,
+        config.strategies,
+        config.iters,
+        config.warmup,
+        config.rounds,
+        probe_contention=not compute.emulated,
+        num_classes=config.num_classes,
+        compute=compute,
+    )
+    bench = _bench_config(config, launch.nprocs)
+    sample = launch_on_ranks(
+        validate_emulated_rank if compute.emulated else validate_rank,
+        job,
+        nprocs=bench.nprocs,
+        link=run_link,
+        timeout_s=bench.timeout_s,
+        collective_timeout_s=bench.collective_timeout_s,
+        cache_dir=cache_dir,
+        note=note,
+        prog="interlace bench dp",
+    )
+    if config.trace_dir:
+        label = _label(launch.model)
+        sample.trace.save(Path(config.trace_dir) / f"{label}-n{launch.nprocs}-{launch.link}.json")
+    return rows_from_sample(sample, shown, config.strategies)
+
+
+def _print_rows(config: ValidateConfig, rows: list[ValidationRow]) -> None:
+    """The table and the summary: every family's rows on emulated compute, the calibrated
+    data-parallel table on real compute."""
+    if config.compute.emulated:
+        computes = config.computes or (config.compute,)
+        print(
+            f"\ncompute: {', '.join(c.label() for c in computes)} "
+            "(times undilated; no contention calibration)"
+        )
+        print(format_prediction_table(rows))
+        print()
+        print(format_run_summaries(rows))
+        print(format_summary(rows))
+        return
+    print(f"\ncompute: {config.compute.label()} (contention calibrated by the probes)")
+    print(format_table(rows))
+    print()
+    print(format_summary(rows))
 
 
 def _bench_config(config: ValidateConfig, nprocs: int) -> Any:
@@ -351,16 +448,29 @@ def config_from_args(args: argparse.Namespace, png_path: Path | None) -> Validat
     Raises:
         UsageError: Naming what is wrong.
     """
-    compute = compute_from_args(args)
+    computes = _computes_from_args(args)
+    compute = computes[0]
     if compute.emulated and args.model:
         raise UsageError(
             "--model and --compute emulated:TRACE contradict each other: the trace is the model"
         )
     models = parse_names(args.model, None, "model", "model") if args.model else DEFAULT_MODELS
     if compute.emulated:
-        assert compute.trace is not None
-        path = Path(compute.trace)
-        models = (path.stem if path.is_file() else compute.trace,)
+        models = tuple(c.name for c in computes)
+    families = (
+        parse_names(args.families, FAMILIES, "families", "family")
+        if args.families
+        else FAMILIES
+        if compute.emulated
+        else ("dp",)
+    )
+    if not compute.emulated and families != ("dp",):
+        raise UsageError(
+            "--families kfac,pipeline need --compute emulated:TRACE (real compute validates "
+            "data-parallel strategies)"
+        )
+    if args.repeat < 1:
+        raise UsageError(f"--repeat must be >= 1, got {args.repeat}")
     for model in () if compute.emulated else models:
         if ":" not in model and model not in MODEL_NAMES:
             raise UsageError(
@@ -404,7 +514,19 @@ def config_from_args(args: argparse.Namespace, png_path: Path | None) -> Validat
         input_shape=DEFAULT_INPUT_SHAPE if args.input_shape is None else tuple(args.input_shape),
         num_classes=NUM_CLASSES if args.classes is None else args.classes,
         compute=compute,
+        computes=computes if compute.emulated else (),
+        families=families,
+        repeat=args.repeat,
     )
+
+
+def _computes_from_args(args: argparse.Namespace) -> tuple[Compute, ...]:
+    """``--compute``: ``real``, or ``emulated:`` with one or more comma-separated traces."""
+    kind, _, traces = str(args.compute).partition(":")
+    if kind.strip().lower() != "emulated" or "," not in traces:
+        return (compute_from_args(args),)
+    names = parse_names(traces, None, "compute", "trace")
+    return tuple(parse_compute(f"emulated:{name}", args.dilation) for name in names)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

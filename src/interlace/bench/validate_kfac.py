@@ -11,17 +11,16 @@ import shutil
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from interlace.bench.dp_report import format_rate
 from interlace.bench.harness import launch_on_ranks
 from interlace.bench.kfac import undilated
 from interlace.bench.kfac_rank import ABLATION_MODES, AblationJob, measure_ablation_rank
-from interlace.comm.calibrate import fit_cost_model, fit_stream_cost_model
+from interlace.comm.calibrate import fit_cost_model, fit_stream_cost_model, stream_sizes_up_to
 from interlace.comm.cost import CostModel
 from interlace.comm.links import parse_link
-from interlace.emulate import Compute, dilate_rate
+from interlace.emulate import Compute, dilate_rate, undilate_cost
 from interlace.emulate.kfac import EmulatedKFACModel
 from interlace.errors import UsageError
 from interlace.kfac.assignment import fit_broadcast_cost_model
@@ -29,7 +28,7 @@ from interlace.launch import netem
 from interlace.sim.kfac import KfacResult, simulate_kfac
 from interlace.sim.kfac_costs import KfacCosts
 from interlace.sim.kfac_runtime import runtime_strategy
-from interlace.sim.trace import Trace
+from interlace.sim.trace import Trace, load_trace
 from interlace.sim.validate import ValidationRow
 
 PROG = "interlace simulate --validate (K-FAC)"
@@ -63,17 +62,6 @@ class LiveCosts:
     plan: CostModel
     stream: CostModel
     broadcast: CostModel
-
-
-def undilated_cost(cost: CostModel, dilation: float) -> CostModel:
-    """``cost`` fitted on the dilated cluster, as the undilated cluster's: ``a`` and ``b``
-    divided by ``dilation`` (concurrency terms dropped: one channel).
-
-    Args:
-        cost: The fitted model.
-        dilation: The run's dilation.
-    """
-    return CostModel(cost.a / dilation, cost.b / dilation)
 
 
 def predict_modes(
@@ -131,7 +119,9 @@ def validate_kfac_rank(job: AblationJob) -> dict[str, Any]:
         job: The emulated trace, the modes and the iterations.
     """
     plan = fit_cost_model(use_cache=False)
-    stream = fit_stream_cost_model()
+    trace = load_trace(job.compute.trace or job.model)
+    factor_bytes = sum(4 * (f.a_dim**2 + f.g_dim**2) for f in trace.factors)
+    stream = fit_stream_cost_model(sizes=stream_sizes_up_to(max(trace.total_bytes, factor_bytes)))
     broadcast = fit_broadcast_cost_model(None, 0)
     value = measure_ablation_rank(replace(job, broadcast_cost=broadcast))
     value["costs"] = {
@@ -151,21 +141,10 @@ def live_costs(value: Mapping[str, Any], dilation: float) -> LiveCosts:
     """
     fitted = {key: CostModel(*pair) for key, pair in value["costs"].items()}
     return LiveCosts(
-        plan=undilated_cost(fitted["plan"], dilation),
-        stream=undilated_cost(fitted["stream"], dilation),
-        broadcast=undilated_cost(fitted["broadcast"], dilation),
+        plan=undilate_cost(fitted["plan"], dilation),
+        stream=undilate_cost(fitted["stream"], dilation),
+        broadcast=undilate_cost(fitted["broadcast"], dilation),
     )
-
-
-def trace_label(compute: Compute) -> str:
-    """How rows name an emulated trace: a shipped name, or a file's stem.
-
-    Args:
-        compute: Emulated compute.
-    """
-    assert compute.trace is not None
-    path = Path(compute.trace)
-    return path.stem if path.is_file() else compute.trace
 
 
 @dataclass(frozen=True)
@@ -259,7 +238,7 @@ def measure_kfac_modes(
         ) from exc
     run_link = format_rate(dilate_rate(link, compute.dilation))
     job = AblationJob(
-        model=trace_label(compute),
+        model=compute.name,
         batch=model.trace.batch_size or 32,
         input_shape=(),
         seed=0,
@@ -332,7 +311,7 @@ def rows_from_measurement(
         rows.append(
             ValidationRow.of(
                 family="kfac",
-                model=trace_label(compute),
+                model=compute.name,
                 strategy=mode,
                 ranks=measurement.ranks,
                 link=measurement.link,

@@ -123,6 +123,22 @@ def _time_collective(
     return statistics.median(samples)
 
 
+def stream_sizes_up_to(total_bytes: int) -> tuple[int, ...]:
+    """Message sizes for the streamed per-byte fit, from 512 KiB by fourfold steps up to
+    ``total_bytes``: a shaped link lets a short message through at the wire's speed, so the
+    slope is fitted over the sizes a job's buckets have.
+
+    Args:
+        total_bytes: The largest message the job sends (a model's gradients, say).
+    """
+    sizes = list(STREAM_SIZES)
+    while sizes[-1] * 4 <= total_bytes:
+        sizes.append(sizes[-1] * 4)
+    if total_bytes > sizes[-1] * 1.5:
+        sizes.append(total_bytes)
+    return tuple(sizes)
+
+
 def fit_stream_cost_model(
     group: dist.ProcessGroup | None = None,
     *,

@@ -11,7 +11,13 @@ from interlace.emulate.compute import (
     compute_from_args,
     parse_compute,
 )
-from interlace.emulate.dilation import DEFAULT_DILATION, check_dilation, dilate_rate, undilate
+from interlace.emulate.dilation import (
+    DEFAULT_DILATION,
+    check_dilation,
+    dilate_rate,
+    undilate,
+    undilate_cost,
+)
 from interlace.emulate.model import (
     EmulatedLayer,
     EmulatedModel,
@@ -37,4 +43,5 @@ __all__ = [
     "measure_cost",
     "parse_compute",
     "undilate",
+    "undilate_cost",
 ]

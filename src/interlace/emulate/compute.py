@@ -42,6 +42,14 @@ class Compute:
         """Whether the compute is emulated device time."""
         return self.kind is ComputeKind.EMULATED
 
+    @property
+    def name(self) -> str:
+        """How rows name what ran: ``real``, a shipped trace's name, or a trace file's stem."""
+        if self.trace is None:
+            return self.kind.value
+        path = Path(self.trace)
+        return path.stem if path.is_file() else self.trace
+
     def label(self) -> str:
         """How a result row names this compute, e.g. ``emulated:googlenet-k80 D=4``."""
         if not self.emulated:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from interlace.comm.cost import CostModel
 from interlace.comm.links import parse_link
 from interlace.errors import UsageError
 
@@ -59,3 +60,14 @@ def undilate(seconds: float, dilation: float) -> float:
         dilation: The dilation factor the run used (:func:`check_dilation`).
     """
     return seconds / check_dilation(dilation)
+
+
+def undilate_cost(cost: CostModel, dilation: float) -> CostModel:
+    """``cost`` fitted on the dilated cluster, as the undilated cluster's: ``a`` and ``b``
+    divided by ``dilation`` (concurrency terms dropped: one channel).
+
+    Args:
+        cost: The fitted model.
+        dilation: The run's dilation.
+    """
+    return CostModel(cost.a / dilation, cost.b / dilation)

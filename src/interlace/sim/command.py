@@ -152,6 +152,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_collective_timeout_argument(group)
     group.add_argument("--trace-dir", help="also save each launch's profiled trace here")
+    group.add_argument(
+        "--families",
+        help="with --compute emulated:TRACE[,TRACE...]: what to validate, comma-separated from "
+        f"{','.join(validate.FAMILIES)} (default all; K-FAC needs a trace with factor sizes, "
+        "the pipeline one with activation sizes)",
+    )
+    group.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run every launch this many times and summarise each run (default 1)",
+    )
 
 
 def plot_path(args: argparse.Namespace) -> Path | None:

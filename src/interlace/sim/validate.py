@@ -27,6 +27,9 @@ DEFAULT_LINKS: tuple[str, ...] = ("200mbit", "1gbit")
 DEFAULT_ITERS = 30
 DEFAULT_WARMUP = 2
 DEFAULT_ROUNDS = 5
+#: What an emulated validation predicts and measures: data-parallel strategies, K-FAC modes and
+#: pipeline schedules.
+FAMILIES: tuple[str, ...] = ("dp", "kfac", "pipeline")
 #: The error the validation is held to, drawn as a band on the plot.
 ERROR_BAND = 0.20
 
@@ -90,6 +93,7 @@ class ValidationRow:
             (:meth:`~interlace.sim.contention.ContentionSamples.medians`).
         family: What was predicted: ``"dp"`` (a data-parallel strategy), ``"kfac"`` (a K-FAC
             mode) or ``"pipeline"`` (a pipeline schedule).
+        run: Which repetition of the whole validation the row comes from (1-based).
     """
 
     model: str
@@ -120,6 +124,7 @@ class ValidationRow:
     startup_overlap: float = 0.0
     probes: dict[str, float] = field(default_factory=dict)
     family: str = "dp"
+    run: int = 1
 
     @classmethod
     def of(
@@ -347,6 +352,29 @@ def format_summary(rows: Sequence[ValidationRow]) -> str:
         f"{worst * 100:.1f}% (naive, with the planner's cost model and no contention: median "
         f"{statistics.median(plain) * 100:.1f}%, max {max(plain) * 100:.1f}%)"
     )
+
+
+def format_run_summaries(rows: Sequence[ValidationRow]) -> str:
+    """One line per repetition (and per family within it): rows, error median and maximum.
+
+    Args:
+        rows: At least one row.
+    """
+    lines = []
+    for run in sorted({row.run for row in rows}):
+        mine = [row for row in rows if row.run == run]
+        median, worst = error_summary(mine)
+        families = ", ".join(
+            f"{family} {len(part)} rows {error_summary(part)[0] * 100:.1f}%/"
+            f"{error_summary(part)[1] * 100:.1f}%"
+            for family in dict.fromkeys(row.family for row in mine)
+            for part in [[row for row in mine if row.family == family]]
+        )
+        lines.append(
+            f"run {run}: {len(mine)} rows, |predicted - measured| / measured median "
+            f"{median * 100:.1f}%, max {worst * 100:.1f}% ({families}; median/max)"
+        )
+    return "\n".join(lines)
 
 
 def plot_validation(rows: Sequence[ValidationRow], path: str | Path) -> Path:
