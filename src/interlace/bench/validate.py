@@ -400,7 +400,6 @@ def _print_rows(config: ValidateConfig, rows: list[ValidationRow]) -> None:
         print(format_prediction_table(rows))
         print()
         print(format_run_summaries(rows))
-        print(format_summary(rows))
         return
     print(f"\ncompute: {config.compute.label()} (contention calibrated by the probes)")
     print(format_table(rows))
