@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any, TypeGuard
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,20 +22,19 @@ from interlace.clock import StreamClock
 from interlace.comm.agree import check_agreement, describe_tensors
 from interlace.comm.calibrate import fit_concurrency, fit_cost_model
 from interlace.comm.channels import (
-    MAX_AUTO_CHANNELS,
     Channels,
     assignment_of,
     check_same_everywhere,
 )
-from interlace.comm.choose import Candidate, PlanRequest, Timings, candidate_plans, settle_trials
+from interlace.comm.choose import Candidate, Timings, candidate_plans, settle_trials
 from interlace.comm.cost import CostModel
-from interlace.comm.engine import COMPRESSIONS, BucketEngine
+from interlace.comm.engine import BucketEngine
 from interlace.comm.hooks import CommHook, HookSpec, layout_changed
 from interlace.comm.plan import Bucketing, Plan
-from interlace.comm.strategies import bucketing_named
 from interlace.comm.tuning import PlanTrials
 from interlace.distenv import collective_device
 from interlace.dp.iteration import CommEvent, DevicePass, ProfiledPasses, iteration_timeline
+from interlace.dp.options import cost_model_kind, plan_request, trainable_parameters
 from interlace.dp.plan_state import plan_from_dict, plan_state_of
 from interlace.dp.replicas import BufferBroadcast, broadcast_from_first
 from interlace.errors import UsageError
@@ -109,7 +107,7 @@ class DataParallel(nn.Module):
                 "cost_model must be an interlace CostModel or None, got "
                 f"{type(cost_model).__name__}"
             )
-        self._request = _plan_request(
+        self._request = plan_request(
             bucketing=bucketing,
             bucket_cap_mb=bucket_cap_mb,
             first_bucket_cap_mb=first_bucket_cap_mb,
@@ -119,7 +117,7 @@ class DataParallel(nn.Module):
             tune_steps=tune_steps,
             profile_steps=profile_steps,
         )
-        named = _trainable_parameters(module)
+        named = trainable_parameters(module)
         self.module = module
         self.bucketing = self._request.bucketing
         self.bucket_cap_bytes = self._request.cap_bytes
@@ -162,7 +160,7 @@ class DataParallel(nn.Module):
                 "channels": channels,
                 "partition_mb": partition_mb,
                 "compression": compression,
-                "cost_model": _cost_model_kind(cost_model),
+                "cost_model": cost_model_kind(cost_model),
             },
             {
                 **describe_tensors("parameter", named),
@@ -585,102 +583,6 @@ class DataParallel(nn.Module):
         self._candidates = []
         if self._rank == 0:
             logger.info("interlace.DataParallel: %s", self.tuning_summary)
-
-
-def _plan_request(
-    *,
-    bucketing: Bucketing | str,
-    bucket_cap_mb: float,
-    first_bucket_cap_mb: float,
-    channels: int | str,
-    partition_mb: float | str | None,
-    compression: str | None,
-    tune_steps: int,
-    profile_steps: int | None,
-) -> PlanRequest:
-    """DataParallel's settings, checked, as the plan choice takes them; raises UsageError."""
-    chosen = bucketing_named(bucketing)
-    caps = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb}
-    for name, cap in caps.items():
-        if not _is_real(cap) or not 0 < cap < math.inf:
-            raise UsageError(f"bucket caps must be > 0 MB and finite, got {name}={cap!r}")
-    if channels != "auto" and not (_is_int(channels) and channels >= 1):
-        raise UsageError(f"channels must be an integer >= 1 or 'auto', got {channels!r}")
-    if partition_mb not in ("auto", None) and not (
-        _is_real(partition_mb) and 0 < partition_mb < math.inf
-    ):
-        raise UsageError(
-            f"partition_mb must be > 0 and finite, None (never split) or 'auto', "
-            f"got {partition_mb!r}"
-        )
-    if compression is not None and compression not in COMPRESSIONS:
-        raise UsageError(
-            f"unknown compression {compression!r}; choose one of "
-            f"{', '.join(COMPRESSIONS)} (or None)"
-        )
-    if chosen is Bucketing.OPTIMAL and channels != 1:
-        raise UsageError(
-            "bucketing='optimal' is exact on one channel only; use bucketing='merged' with "
-            f"channels={channels!r}"
-        )
-    if not (_is_int(tune_steps) and tune_steps >= 0):
-        raise UsageError(
-            f"tune_steps must be an integer >= 0 (0: keep the cost model's plan), "
-            f"got {tune_steps!r}"
-        )
-    if profile_steps is not None and not (_is_int(profile_steps) and profile_steps >= 1):
-        raise UsageError(f"profile_steps must be an integer >= 1 or None, got {profile_steps!r}")
-    if not dist.is_available() or not dist.is_initialized():
-        raise UsageError(
-            "torch.distributed is not initialised: call "
-            "torch.distributed.init_process_group() before wrapping the model "
-            "(torchrun and `interlace launch` provide the environment it needs)"
-        )
-    return PlanRequest(
-        chosen,
-        cap_bytes=bucket_cap_mb * 1e6,
-        first_cap_bytes=first_bucket_cap_mb * 1e6,
-        channels=channels,
-        channel_groups=MAX_AUTO_CHANNELS if channels == "auto" else int(channels),
-        partition_mb=partition_mb,
-        compression=compression,
-        tune_steps=tune_steps,
-    )
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    """An integer, and not a bool (``True`` is an ``int`` to Python, never a count here)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> TypeGuard[int | float]:
-    """A real number (int or float), and not a bool."""
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _cost_model_kind(cost_model: CostModel | None) -> str:
-    """What decides the collectives a cost model leads to (rank 0's plans for everyone): whether
-    one is given (else it is fitted, collectively) and how many concurrency terms it has (else
-    they are measured, collectively)."""
-    if cost_model is None:
-        return "fitted on the group"
-    return f"given, with {len(cost_model.concurrency)} concurrency term(s)"
-
-
-def _trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """``module``'s parameters that need gradients, all on one device; raises UsageError."""
-    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-    if not named:
-        raise UsageError(
-            "the model has no trainable parameters (none with requires_grad=True); "
-            "there is nothing to average across ranks"
-        )
-    devices = {p.device for _, p in named}
-    if len(devices) > 1:
-        raise UsageError(
-            f"DataParallel needs every parameter on one device, found {sorted(map(str, devices))}"
-        )
-    return named
 
 
 def _tensors_in(value: Any) -> Iterator[torch.Tensor]:

@@ -7,11 +7,12 @@ import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from interlace.checks import is_real
 from interlace.errors import UsageError
 from interlace.kfac.enums import DampingAdaptation, coerce_choice
 from interlace.kfac.layer import KFACLayer
@@ -53,11 +54,11 @@ class LevenbergMarquardt:
             raise UsageError(
                 f"LevenbergMarquardt interval must be an integer >= 1, got {interval!r}"
             )
-        if self.omega is not None and not (_is_real(self.omega) and 1 < self.omega < math.inf):
+        if self.omega is not None and not (is_real(self.omega) and 1 < self.omega < math.inf):
             raise UsageError(f"LevenbergMarquardt omega must be a number > 1, got {self.omega!r}")
         low, high = self.min_damping, self.max_damping
         for name, bound in (("min_damping", low), ("max_damping", high)):
-            if bound is not None and not (_is_real(bound) and bound > 0):
+            if bound is not None and not (is_real(bound) and 0 < bound < math.inf):
                 raise UsageError(
                     f"LevenbergMarquardt {name} must be a finite number > 0 or None, got {bound!r}"
                 )
@@ -114,7 +115,7 @@ def check_adaptation(settings: LevenbergMarquardt | None, damping: object) -> No
             "damping_adaptation='levenberg-marquardt' adapts a number, got a callable damping; "
             "pass damping=<number>, or damping_adaptation='fixed' to schedule it yourself"
         )
-    if not (_is_real(damping) and damping > 0):
+    if not (is_real(damping) and 0 < damping < math.inf):
         raise UsageError(
             f"damping_adaptation='levenberg-marquardt' needs a damping > 0 to start from, got "
             f"{damping!r}; pass damping_adaptation='fixed' for a damping of 0"
@@ -341,7 +342,3 @@ class AdaptiveDamping:
 
 def _device(layers: Sequence[KFACLayer]) -> torch.device:
     return layers[0].helper.weight.device if layers else torch.device("cpu")
-
-
-def _is_real(value: object) -> TypeGuard[int | float]:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

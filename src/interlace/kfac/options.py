@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, TypeGuard
+from typing import Any
 
+from interlace.checks import is_real
 from interlace.errors import UsageError
 from interlace.kfac.assignment import PLACEMENTS
 from interlace.kfac.decomp import COMPUTE_METHODS
@@ -55,13 +56,13 @@ def check_options(
     _check_choice("compute_method", compute_method, COMPUTE_METHODS)
     _check_count("accumulation_steps", accumulation_steps)
     if grad_worker_fraction is not None and not (
-        _is_real(grad_worker_fraction) and 0 < grad_worker_fraction <= 1
+        is_real(grad_worker_fraction) and 0 < grad_worker_fraction <= 1
     ):
         raise UsageError(
             f"grad_worker_fraction must be a number in (0, 1] or None, got "
             f"{grad_worker_fraction!r}; use 1 for COMM-OPT, 1/world_size for MEM-OPT"
         )
-    if not (_is_real(bucket_cap_mb) and 0 < bucket_cap_mb < math.inf):
+    if not (is_real(bucket_cap_mb) and 0 < bucket_cap_mb < math.inf):
         raise UsageError(f"bucket_cap_mb must be > 0 and finite, got {bucket_cap_mb!r}")
     if placement == "lbp" and grad_worker_fraction is not None and grad_worker_fraction < 1:
         raise UsageError(
@@ -90,12 +91,12 @@ def check_hyperparameters(values: Mapping[str, Any], step: int) -> None:
     at = f" (at step {step})"
     for name in _STEP_COUNTS:
         value = values[name]
-        if not (_is_real(value) and math.isfinite(value) and value == int(value) and value >= 1):
+        if not (is_real(value) and math.isfinite(value) and value == int(value) and value >= 1):
             raise UsageError(f"{name} must be an integer >= 1, got {value!r}{at}")
     for name, value in values.items():
         if name in _STEP_COUNTS or (name == "kl_clip" and value is None):
             continue
-        if not (_is_real(value) and math.isfinite(value)):
+        if not (is_real(value) and math.isfinite(value)):
             hint = " (use kl_clip=None for no clip)" if name == "kl_clip" else ""
             raise UsageError(f"{name} must be a finite number, got {value!r}{hint}{at}")
     ranges = [
@@ -132,11 +133,6 @@ def agreement_settings(
             ("measured at start-up" if value is None else repr(value)) if is_cost else value
         )
     return settings
-
-
-def _is_real(value: object) -> TypeGuard[int | float]:
-    """An int or float, and not a bool (``True`` is an ``int`` to Python, never a setting here)."""
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _check_count(name: str, value: object) -> None:

@@ -1,0 +1,128 @@
+"""DataParallel's options checked: the plan request, the trainable parameters, the cost model."""
+
+from __future__ import annotations
+
+import math
+
+import torch.distributed as dist
+from torch import nn
+
+from interlace.checks import is_int, is_real
+from interlace.comm.channels import MAX_AUTO_CHANNELS
+from interlace.comm.choose import PlanRequest
+from interlace.comm.cost import CostModel
+from interlace.comm.engine import COMPRESSIONS
+from interlace.comm.plan import Bucketing
+from interlace.comm.strategies import bucketing_named
+from interlace.errors import UsageError
+
+
+def plan_request(
+    *,
+    bucketing: Bucketing | str,
+    bucket_cap_mb: float,
+    first_bucket_cap_mb: float,
+    channels: int | str,
+    partition_mb: float | str | None,
+    compression: str | None,
+    tune_steps: int,
+    profile_steps: int | None,
+) -> PlanRequest:
+    """DataParallel's settings, checked, as the plan choice takes them.
+
+    Args:
+        bucketing: The bucketing rule or its name.
+        bucket_cap_mb: The largest bucket, MB.
+        first_bucket_cap_mb: The first bucket's cap, MB.
+        channels: Concurrent channels, or ``"auto"``.
+        partition_mb: Split tensors above this size (MB), ``"auto"`` or None.
+        compression: A name of :data:`~interlace.comm.engine.COMPRESSIONS`, or None.
+        tune_steps: Iterations spent measuring candidate plans.
+        profile_steps: Profiling iterations, or None for the default.
+
+    Raises:
+        UsageError: Naming the setting that is wrong and what it accepts.
+    """
+    chosen = bucketing_named(bucketing)
+    caps = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb}
+    for name, cap in caps.items():
+        if not is_real(cap) or not 0 < cap < math.inf:
+            raise UsageError(f"bucket caps must be > 0 MB and finite, got {name}={cap!r}")
+    if channels != "auto" and not (is_int(channels) and channels >= 1):
+        raise UsageError(f"channels must be an integer >= 1 or 'auto', got {channels!r}")
+    if partition_mb not in ("auto", None) and not (
+        is_real(partition_mb) and 0 < partition_mb < math.inf
+    ):
+        raise UsageError(
+            f"partition_mb must be > 0 and finite, None (never split) or 'auto', "
+            f"got {partition_mb!r}"
+        )
+    if compression is not None and compression not in COMPRESSIONS:
+        raise UsageError(
+            f"unknown compression {compression!r}; choose one of "
+            f"{', '.join(COMPRESSIONS)} (or None)"
+        )
+    if chosen is Bucketing.OPTIMAL and channels != 1:
+        raise UsageError(
+            "bucketing='optimal' is exact on one channel only; use bucketing='merged' with "
+            f"channels={channels!r}"
+        )
+    if not (is_int(tune_steps) and tune_steps >= 0):
+        raise UsageError(
+            f"tune_steps must be an integer >= 0 (0: keep the cost model's plan), "
+            f"got {tune_steps!r}"
+        )
+    if profile_steps is not None and not (is_int(profile_steps) and profile_steps >= 1):
+        raise UsageError(f"profile_steps must be an integer >= 1 or None, got {profile_steps!r}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise UsageError(
+            "torch.distributed is not initialised: call "
+            "torch.distributed.init_process_group() before wrapping the model "
+            "(torchrun and `interlace launch` provide the environment it needs)"
+        )
+    return PlanRequest(
+        chosen,
+        cap_bytes=bucket_cap_mb * 1e6,
+        first_cap_bytes=first_bucket_cap_mb * 1e6,
+        channels=channels,
+        channel_groups=MAX_AUTO_CHANNELS if channels == "auto" else int(channels),
+        partition_mb=partition_mb,
+        compression=compression,
+        tune_steps=tune_steps,
+    )
+
+
+def cost_model_kind(cost_model: CostModel | None) -> str:
+    """What decides the collectives a cost model leads to (rank 0's plans for everyone): whether
+    one is given (else it is fitted, collectively) and how many concurrency terms it has (else
+    they are measured, collectively).
+
+    Args:
+        cost_model: The cost model given to DataParallel, if any.
+    """
+    if cost_model is None:
+        return "fitted on the group"
+    return f"given, with {len(cost_model.concurrency)} concurrency term(s)"
+
+
+def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``module``'s parameters that need gradients, all on one device.
+
+    Args:
+        module: The wrapped model.
+
+    Raises:
+        UsageError: Without trainable parameters, or with them on several devices.
+    """
+    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    if not named:
+        raise UsageError(
+            "the model has no trainable parameters (none with requires_grad=True); "
+            "there is nothing to average across ranks"
+        )
+    devices = {p.device for _, p in named}
+    if len(devices) > 1:
+        raise UsageError(
+            f"DataParallel needs every parameter on one device, found {sorted(map(str, devices))}"
+        )
+    return named
