@@ -89,6 +89,18 @@ def test_check_available_says_why_and_what_to_do() -> None:
         )
 
 
+def test_require_names_the_reason_then_the_command_s_purpose(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def unavailable() -> None:
+        raise netem.NetemUnavailableError("needs root (running as uid 1000)")
+
+    monkeypatch.setattr(netem, "check_available", unavailable)
+    with pytest.raises(UsageError) as info:
+        netem.require("validation needs it")
+    assert str(info.value) == "needs root (running as uid 1000); validation needs it"
+
+
 # -- with namespaces ------------------------------------------------------------------------------
 
 

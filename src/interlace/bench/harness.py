@@ -165,10 +165,7 @@ def check_netem() -> None:
     Raises:
         UsageError: It cannot (not root, or no iproute2); the message suggests ``--no-netem``.
     """
-    try:
-        netem.check_available()
-    except netem.NetemUnavailableError as exc:
-        raise UsageError(f"{exc}; run as root, or pass --no-netem to measure on loopback") from exc
+    netem.require("run as root, or pass --no-netem to measure on loopback")
 
 
 # ================================================================================ on the ranks

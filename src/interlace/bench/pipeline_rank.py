@@ -29,23 +29,18 @@ from interlace.emulate.pipeline import EmulatedPipelineModel
 from interlace.pipeline.partition import pipeline_blocks, stage_module
 from interlace.pipeline.runtime import PipelineStage
 from interlace.pipeline.stages import local_stage
+from interlace.sim.pipeline import INTERLACE_PIPELINE_SCHEDULES, TORCH_PIPELINE_SCHEDULES
 from interlace.timeline import Event
 from interlace.zoo import build_model
 
-#: The interlace pipeline schedules, then the baselines, in table order.
-INTERLACE_SCHEDULES: tuple[str, ...] = (
-    "gpipe",
-    "1f1b",
-    "naive",
-    "pipedream",
-    "spectrain",
-    "spectrain-reuse",
-)
+#: The interlace pipeline schedules, then the baselines, in table order (as the simulator names
+#: them).
+INTERLACE_SCHEDULES = INTERLACE_PIPELINE_SCHEDULES
 #: ``spectrain-reuse`` is SpecTrain whose backward reuses the forward's prediction (and graph)
 #: instead of computing the stage again: ``PipelineStage(spectrain_backward="reuse")``.
 REUSE_SUFFIX = "-reuse"
 SYNCHRONOUS: tuple[str, ...] = ("gpipe", "1f1b")
-TORCH_SCHEDULES: tuple[str, ...] = ("torch-gpipe", "torch-1f1b")
+TORCH_SCHEDULES = TORCH_PIPELINE_SCHEDULES
 SCHEDULES: tuple[str, ...] = (*INTERLACE_SCHEDULES, "dp", *TORCH_SCHEDULES)
 #: The contenders every ratio column is taken against.
 TORCH_BASELINE = "torch-gpipe"

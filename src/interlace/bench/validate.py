@@ -243,12 +243,7 @@ def run_validation(config: ValidateConfig) -> int:
     # A bad model or size is one line, wherever this runs (a trace names an emulated model).
     for model in () if config.compute.emulated else config.models:
         build_model(model, config.input_shape, config.num_classes)
-    try:
-        netem.check_available()
-    except netem.NetemUnavailableError as exc:
-        raise UsageError(
-            f"{exc}; validation measures on the emulated cluster and needs root"
-        ) from exc
+    netem.require("validation measures on the emulated cluster and needs root")
     for link in config.links:
         parse_link(link)
     cache_dir = tempfile.mkdtemp(prefix="interlace-validate-")

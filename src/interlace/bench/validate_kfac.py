@@ -230,12 +230,7 @@ def measure_kfac_modes(
         rounds=rounds,
         compute_method=compute_method,
     )
-    try:
-        netem.check_available()
-    except netem.NetemUnavailableError as exc:
-        raise UsageError(
-            f"{exc}; validation measures on the emulated cluster and needs root"
-        ) from exc
+    netem.require("validation measures on the emulated cluster and needs root")
     run_link = format_rate(dilate_rate(link, compute.dilation))
     job = AblationJob(
         model=compute.name,

@@ -114,10 +114,7 @@ def measure_pipeline_sample(
         batch_size=batch_size,
         microbatches=microbatches,
     )
-    try:
-        netem.check_available()
-    except netem.NetemUnavailableError as exc:
-        raise UsageError(f"{exc}; validation measures on the emulated cluster") from exc
+    netem.require("validation measures on the emulated cluster and needs root")
     run_link = format_rate(dilate_rate(link, compute.dilation))
     block = iters // rounds
     job = PipelineValidationJob(

@@ -230,6 +230,22 @@ def check_available(
             )
 
 
+def require(purpose: str) -> None:
+    """:func:`check_available`, as the one-line error a command shows.
+
+    Args:
+        purpose: What needs the emulated cluster and what to do instead, appended to the
+            reason (``"validation measures on the emulated cluster and needs root"``).
+
+    Raises:
+        UsageError: Naming why the cluster cannot be built, then ``purpose``.
+    """
+    try:
+        check_available()
+    except NetemUnavailableError as exc:
+        raise UsageError(f"{exc}; {purpose}") from exc
+
+
 class EmulatedCluster:
     """``nranks`` network namespaces joined by a bridge, each rank's NIC shaped to ``rate``.
 
