@@ -296,10 +296,11 @@ def _launches(config: ValidateConfig) -> list[_Launch]:
         computes = [(model, config.compute) for model in config.models]
     else:
         computes = list(zip(config.models, config.computes or (config.compute,), strict=True))
+    families_of = {model: _families_of(config, compute) for model, compute in computes}
     launches: list[_Launch] = []
     for run in range(1, config.repeat + 1):
         for model, compute in computes:
-            families = _families_of(config, compute)
+            families = families_of[model]
             for nprocs in config.ranks:
                 for link in config.links:
                     launches.extend(
