@@ -65,6 +65,18 @@ def test_a_block_of_t_seconds_takes_t_times_dilation_scaled_to_its_batch(dilatio
     assert model.device_s(4) == pytest.approx(0.5 * 22 * MS * dilation)
 
 
+def test_the_passes_outside_the_layers_are_spread_over_the_blocks() -> None:
+    trace = pipeline_trace()
+    rest = Trace(  # the layers own 8 of 12 ms forward and 14 of 21 ms backward
+        trace.model, trace.tensors, 12 * MS, 21 * MS, activations=trace.activations, batch_size=8
+    )
+    model = EmulatedPipelineModel(rest, dilation=2.0)
+    conv, fc = model.emulated_blocks()
+    assert (conv.forward_s, conv.backward_s) == pytest.approx((9 * MS, 15 * MS))
+    assert (fc.forward_s, fc.backward_s) == pytest.approx((3 * MS, 6 * MS))
+    assert model.device_s(8) == pytest.approx(2 * 33 * MS)  # the whole traced passes
+
+
 def test_gradients_reach_every_parameter_and_the_input() -> None:
     model = EmulatedPipelineModel(pipeline_trace(), dilation=1.0)
     x = torch.randn(2, 3, 6, 6, requires_grad=True)

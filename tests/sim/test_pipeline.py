@@ -419,6 +419,19 @@ def test_stage_costs_scale_the_traced_layers_to_the_batch() -> None:
     assert costs[1].output_bytes == 0
 
 
+def test_stage_costs_spread_the_passes_outside_the_layers_over_them() -> None:
+    ms = 1e-3
+    trace = three_layer_trace()
+    rest = Trace(  # the layers own 9 of 18 ms forward and 12 of 15 ms backward
+        trace.model, trace.tensors, 18 * ms, 15 * ms, activations=trace.activations, batch_size=8
+    )
+    costs = stage_costs(rest, [(0, 1), (1, 3)], 8)
+    assert costs[0].forward_s == pytest.approx(2 * ms)  # l0's 1 ms, doubled
+    assert costs[0].backward_s == pytest.approx(2.5 * ms)  # l0's 2 ms, times 15 / 12
+    assert sum(c.forward_s for c in costs) == pytest.approx(18 * ms)
+    assert sum(c.backward_s for c in costs) == pytest.approx(15 * ms)
+
+
 def test_trace_bounds_balance_the_traced_times() -> None:
     trace = three_layer_trace()
     assert trace_bounds(trace, 2) == balance_stages([3, 7, 11], 2) == [(0, 2), (2, 3)]

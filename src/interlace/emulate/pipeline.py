@@ -3,9 +3,9 @@
 :class:`EmulatedPipelineModel` holds one :class:`EmulatedBlock` per traced layer and lists them
 as its pipeline blocks, so interlace's pipeline stages, torch's ``PipelineStage`` and data
 parallelism cut and wrap it like a zoo model. A block's forward and backward take the layer's
-traced time (scaled to the micro-batch, times the dilation) as device time, and its output is a
-real tensor of the traced activation size, so what crosses a stage boundary is what the traced
-model sends.
+traced time, with its share of the pass outside the layers, scaled to the micro-batch and times
+the dilation, as device time. Its output is a real tensor of the traced activation size, so what
+crosses a stage boundary is what the traced model sends.
 """
 
 from __future__ import annotations
@@ -149,6 +149,9 @@ class EmulatedPipelineModel(nn.Module):
         batch = loaded.batch_size or FALLBACK_TRACE_BATCH
         blocks: list[EmulatedBlock] = []
         first = 0
+        # A pipeline cuts between layers, so the passes' time outside them is spread over the
+        # layers; the whole model then spends the traced passes, as EmulatedModel does.
+        forward_scale, backward_scale = loaded.pass_scales
         forward_layers = list(reversed(loaded.layers))
         for position, (name, indices) in enumerate(forward_layers):
             tensors = [loaded.tensors[i] for i in reversed(indices)]
@@ -163,8 +166,8 @@ class EmulatedPipelineModel(nn.Module):
                     position,
                     [t.numel for t in tensors],
                     shape,
-                    forward_s=tensors[0].layer_forward_s,
-                    backward_s=tensors[0].layer_backward_s,
+                    forward_s=tensors[0].layer_forward_s * forward_scale,
+                    backward_s=tensors[0].layer_backward_s * backward_scale,
                     traced_batch=batch,
                     first=first,
                     clock=clock,

@@ -111,7 +111,9 @@ class PipelineResult:
 
 
 def _forward_layers(trace: Trace) -> list[tuple[float, float, int]]:
-    """``(forward_s, backward_s, output numel per sample)`` of each traced layer, forward order."""
+    """``(forward_s, backward_s, output numel per sample)`` of each traced layer, forward order,
+    with the passes' time outside the layers spread over them (:attr:`Trace.pass_scales`)."""
+    forward_scale, backward_scale = trace.pass_scales
     layers = []
     for name, indices in reversed(trace.layers):
         activation = trace.activation(name)
@@ -121,7 +123,13 @@ def _forward_layers(trace: Trace) -> list[tuple[float, float, int]]:
                 "needs them: profile the model with `interlace profile --trace-out`"
             )
         tensor = trace.tensors[indices[0]]
-        layers.append((tensor.layer_forward_s, tensor.layer_backward_s, activation.numel))
+        layers.append(
+            (
+                tensor.layer_forward_s * forward_scale,
+                tensor.layer_backward_s * backward_scale,
+                activation.numel,
+            )
+        )
     return layers
 
 

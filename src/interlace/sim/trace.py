@@ -190,6 +190,18 @@ class Trace:
         return sum(self.tensors[indices[0]].layer_forward_s for _, indices in self.layers)
 
     @property
+    def pass_scales(self) -> tuple[float, float]:
+        """``(forward, backward)`` factors that spread each pass's time outside its layers (ops
+        between them, such as activations and additions) over the layers, in proportion to
+        their own times; 1 where the layers own the whole pass or record no time."""
+        forward = self.layer_forward_total_s
+        backward = self.layer_backward_total_s
+        return (
+            max(self.forward_s / forward, 1.0) if forward > 0 else 1.0,
+            max(self.backward_s / backward, 1.0) if backward > 0 else 1.0,
+        )
+
+    @property
     def total_bytes(self) -> int:
         return sum(tensor.nbytes for tensor in self.tensors)
 
