@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from interlace.bench import validate_kfac
+from interlace.bench.launch_options import LaunchOptions
 from interlace.bench.validate_kfac import (
     KfacMeasurement,
     LiveCosts,
@@ -181,12 +182,13 @@ def test_bad_arguments_are_refused_in_one_line_before_any_launch(
         "nprocs": 4,
         "link": "25gbit",
         "modes": ("dkfac",),
-        "iters": 5,
         "compute_method": "eigen",
     }
+    iters = change.pop("iters", 5)
     arguments.update(change)
+    options = LaunchOptions(iters=iters)  # type: ignore[arg-type]
     with pytest.raises(UsageError, match=message) as refused:
-        kfac_validation_rows(**arguments)  # type: ignore[arg-type]
+        kfac_validation_rows(**arguments, options=options)  # type: ignore[arg-type]
     assert "\n" not in str(refused.value)
 
 
@@ -217,11 +219,7 @@ def test_a_small_launch_gives_a_row_per_mode(tmp_path: Path) -> None:
         2,
         "10gbit",
         ("dkfac", "spd"),
-        iters=1,
-        warmup=0,
-        rounds=1,
-        timeout_s=240,
-        note=notes.append,
+        options=LaunchOptions(iters=1, warmup=0, rounds=1, timeout_s=240, note=notes.append),
     )
     assert [row.strategy for row in rows] == ["dkfac", "spd"]
     for row in rows:

@@ -8,6 +8,7 @@ import statistics
 
 import pytest
 
+from interlace.bench.launch_options import LaunchOptions
 from interlace.bench.pipeline_rank import INTERLACE_SCHEDULES, SCHEDULES
 from interlace.bench.validate_pipeline import PipelineSample, pipeline_validation_rows
 from interlace.comm.cost import CostModel
@@ -38,7 +39,7 @@ def test_the_simulator_names_the_benchmarks_pipeline_contenders() -> None:
         (EMULATED, ["dp"], 4, 20, "unknown pipeline schedule"),
         (EMULATED, [], 4, 20, "none given"),
         (EMULATED, ["gpipe"], 1, 20, "at least 2 stages"),
-        (EMULATED, ["gpipe"], 4, 5, "--iters"),
+        (EMULATED, ["gpipe"], 4, 0, "--iters"),
         (parse_compute("emulated:googlenet-k80", 4), ["gpipe"], 4, 20, "activation size"),
     ],
 )
@@ -52,11 +53,9 @@ def test_bad_requests_are_refused_before_any_launch(
             stages,
             "10gbit",
             schedules,
-            iters=iters,
-            warmup=1,
-            rounds=10,
-            timeout_s=60,
-            collective_timeout_s=60,
+            options=LaunchOptions(
+                iters=iters, warmup=1, rounds=10, timeout_s=60, collective_timeout_s=60
+            ),
         )
 
 
@@ -137,12 +136,9 @@ def test_a_tiny_validation_on_the_emulated_cluster_gives_finite_rows() -> None:
         2,
         "1gbit",
         ["gpipe", "spectrain", "torch-1f1b"],
-        iters=2,
-        warmup=1,
-        rounds=2,
-        timeout_s=240,
-        collective_timeout_s=120,
-        note=notes.append,
+        options=LaunchOptions(
+            iters=1, warmup=1, rounds=2, timeout_s=240, collective_timeout_s=120, note=notes.append
+        ),
     )
     assert [r.strategy for r in rows] == ["gpipe", "spectrain", "torch-1f1b"]
     for row in rows:

@@ -39,6 +39,7 @@ from interlace.bench.harness import (
     synthetic_batches,
     train_step,
 )
+from interlace.bench.launch_options import LaunchOptions
 from interlace.bench.validate_kfac import kfac_validation_rows
 from interlace.bench.validate_pipeline import pipeline_validation_rows
 from interlace.cliutil import collective_timeout_of
@@ -334,23 +335,21 @@ def _launch_rows(
     if compute.emulated:
         run_link = format_rate(dilate_rate(launch.link, compute.dilation))
         shown = f"{launch.link} (emulated at {run_link})"
-    common: dict[str, Any] = {
-        "iters": config.iters,
-        "warmup": config.warmup,
-        "rounds": config.rounds,
-        "timeout_s": config.timeout_s,
-        "collective_timeout_s": config.collective_timeout_s,
-        "cache_dir": cache_dir,
-        "note": note,
-    }
+    options = LaunchOptions(
+        iters=config.iters,
+        warmup=config.warmup,
+        rounds=config.rounds,
+        timeout_s=config.timeout_s,
+        collective_timeout_s=config.collective_timeout_s,
+        cache_dir=cache_dir,
+        note=note,
+    )
     if launch.family == "kfac":
-        rows = kfac_validation_rows(compute, launch.nprocs, launch.link, **common)
+        rows = kfac_validation_rows(compute, launch.nprocs, launch.link, options=options)
         return [replace(row, model=launch.model, link=shown) for row in rows]
     if launch.family == "pipeline":
-        # Blocks of --iters mini-batches, one per round: the benchmark times whole blocks.
-        common["iters"] = config.iters * config.rounds
         rows = pipeline_validation_rows(
-            launch.model, compute, launch.nprocs, launch.link, PIPELINE_SCHEDULES, **common
+            launch.model, compute, launch.nprocs, launch.link, PIPELINE_SCHEDULES, options=options
         )
         return [replace(row, link=shown) for row in rows]
     batch = config.batch_size or DEFAULT_BATCH.get(launch.model, FALLBACK_BATCH)

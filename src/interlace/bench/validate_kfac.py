@@ -17,6 +17,7 @@ from interlace.bench.dp_report import format_rate
 from interlace.bench.harness import launch_on_ranks
 from interlace.bench.kfac import undilated
 from interlace.bench.kfac_rank import ABLATION_MODES, AblationJob, measure_ablation_rank
+from interlace.bench.launch_options import LaunchOptions
 from interlace.comm.calibrate import fit_cost_model, fit_stream_cost_model, stream_sizes_up_to
 from interlace.comm.cost import CostModel
 from interlace.comm.links import parse_link
@@ -184,14 +185,8 @@ def measure_kfac_modes(
     link: str,
     modes: Sequence[str] = DEFAULT_KFAC_MODES,
     *,
-    iters: int = 5,
-    warmup: int = 2,
-    rounds: int = 4,
-    timeout_s: float = 600.0,
-    collective_timeout_s: float | None = None,
+    options: LaunchOptions | None = None,
     compute_method: str = "eigen",
-    cache_dir: str | None = None,
-    note: Callable[[str], None] = print,
 ) -> KfacMeasurement:
     """Measure interlace's K-FAC ``modes`` on the emulated trace of ``compute``: one launch of
     ``nprocs`` ranks on links of ``link`` / dilation.
@@ -206,30 +201,16 @@ def measure_kfac_modes(
         nprocs: Ranks (>= 2).
         link: The target link (``"25gbit"``); the ranks run at its rate / dilation.
         modes: Keys of :data:`ABLATION_MODES`.
-        iters: Timed iterations per round.
-        warmup: Untimed iterations once every plan is final.
-        rounds: Rounds (the modes take turns in every iteration, the first rotating).
-        timeout_s: Seconds allowed for the launch.
-        collective_timeout_s: Seconds any one collective may wait (None: the default).
+        options: The launch's counts, limits, cache folder and notes (None: the defaults).
         compute_method: ``"eigen"`` or ``"inverse"``.
-        cache_dir: The ranks' cost-model cache folder (None: a fresh one for this launch).
-        note: Where the launcher's retry notice goes.
 
     Raises:
         UsageError: For real compute, a trace without factor sizes, fewer than 2 ranks, an
             unknown mode, link or method, bad counts, or without root for the emulated cluster.
         LaunchFailedError: When the launch fails.
     """
-    model = _check(
-        compute,
-        nprocs,
-        link,
-        modes,
-        iters=iters,
-        warmup=warmup,
-        rounds=rounds,
-        compute_method=compute_method,
-    )
+    options = options or LaunchOptions()
+    model = _check(compute, nprocs, link, modes, options, compute_method=compute_method)
     netem.require("validation measures on the emulated cluster and needs root")
     run_link = format_rate(dilate_rate(link, compute.dilation))
     job = AblationJob(
@@ -237,26 +218,26 @@ def measure_kfac_modes(
         batch=model.trace.batch_size or 32,
         input_shape=(),
         seed=0,
-        iters=iters * rounds,
-        warmup=warmup,
+        iters=options.iters * options.rounds,
+        warmup=options.warmup,
         compute_method=compute_method,
         factor_update_steps=1,
         inv_update_steps=1,
         modes=tuple(modes),
         compute=compute,
     )
-    own_cache = cache_dir is None
-    folder = tempfile.mkdtemp(prefix="interlace-validate-kfac-") if own_cache else cache_dir
+    own_cache = options.cache_dir is None
+    folder = tempfile.mkdtemp(prefix="interlace-validate-kfac-") if own_cache else options.cache_dir
     try:
         value = launch_on_ranks(
             validate_kfac_rank,
             job,
             nprocs=nprocs,
             link=run_link,
-            timeout_s=timeout_s,
-            collective_timeout_s=collective_timeout_s,
+            timeout_s=options.timeout_s,
+            collective_timeout_s=options.collective_timeout_s,
             cache_dir=folder,
-            note=note,
+            note=options.note,
             prog=PROG,
         )
     finally:
@@ -325,51 +306,22 @@ def kfac_validation_rows(
     link: str,
     modes: Sequence[str] = DEFAULT_KFAC_MODES,
     *,
-    iters: int = 5,
-    warmup: int = 2,
-    rounds: int = 4,
-    timeout_s: float = 600.0,
-    collective_timeout_s: float | None = None,
+    options: LaunchOptions | None = None,
     compute_method: str = "eigen",
-    cache_dir: str | None = None,
-    note: Callable[[str], None] = print,
 ) -> list[ValidationRow]:
     """:func:`measure_kfac_modes`, then :func:`rows_from_measurement`: one row per mode,
-    predicted against measured (undilated seconds), ``family="kfac"``.
-
-    Args:
-        compute: Emulated compute: the trace (with K-FAC factor sizes) and the dilation.
-        nprocs: Ranks (>= 2).
-        link: The target link (``"25gbit"``); the ranks run at its rate / dilation.
-        modes: Keys of :data:`ABLATION_MODES`.
-        iters: Timed iterations per round.
-        warmup: Untimed iterations once every plan is final.
-        rounds: Rounds.
-        timeout_s: Seconds allowed for the launch.
-        collective_timeout_s: Seconds any one collective may wait (None: the default).
-        compute_method: ``"eigen"`` or ``"inverse"``.
-        cache_dir: The ranks' cost-model cache folder (None: a fresh one).
-        note: Where the retry notice and each mode's phases go.
+    predicted against measured (undilated seconds), ``family="kfac"``; each mode's phases go to
+    the options' ``note``. Args are :func:`measure_kfac_modes`'s.
 
     Raises:
         UsageError: As :func:`measure_kfac_modes`.
         LaunchFailedError: When the launch fails.
     """
+    options = options or LaunchOptions()
     measurement = measure_kfac_modes(
-        compute,
-        nprocs,
-        link,
-        modes,
-        iters=iters,
-        warmup=warmup,
-        rounds=rounds,
-        timeout_s=timeout_s,
-        collective_timeout_s=collective_timeout_s,
-        compute_method=compute_method,
-        cache_dir=cache_dir,
-        note=note,
+        compute, nprocs, link, modes, options=options, compute_method=compute_method
     )
-    return rows_from_measurement(measurement, note)
+    return rows_from_measurement(measurement, options.note)
 
 
 def _check(
@@ -377,10 +329,8 @@ def _check(
     nprocs: int,
     link: str,
     modes: Sequence[str],
+    options: LaunchOptions,
     *,
-    iters: int,
-    warmup: int,
-    rounds: int,
     compute_method: str,
 ) -> EmulatedKFACModel:
     """Refuse bad arguments with one line each; the emulated model otherwise."""
@@ -388,8 +338,7 @@ def _check(
         raise UsageError("K-FAC validation runs on emulated compute: give --compute emulated:TRACE")
     if nprocs < 2:
         raise UsageError(f"K-FAC validation needs -n >= 2 (nothing is sent on 1), got {nprocs}")
-    if iters < 1 or rounds < 1 or warmup < 0:
-        raise UsageError("--iters and --rounds must be >= 1, --warmup >= 0")
+    options.check()
     if compute_method not in ("eigen", "inverse"):
         raise UsageError(f"compute method must be eigen or inverse, got {compute_method!r}")
     for mode in modes:

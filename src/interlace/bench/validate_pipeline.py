@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
 from typing import Any
 
 from interlace.bench.dp_report import format_rate
 from interlace.bench.harness import DEFAULT_INPUT_SHAPE, NUM_CLASSES, launch_on_ranks
+from interlace.bench.launch_options import LaunchOptions
 from interlace.bench.pipeline_rank import PipelineJob
 from interlace.bench.validate_pipeline_rank import PipelineValidationJob, validate_pipeline_rank
 from interlace.comm.cost import CostModel
@@ -49,9 +50,7 @@ def _check_request(
     stages: int,
     schedules: Sequence[str],
     *,
-    iters: int,
-    warmup: int,
-    rounds: int,
+    options: LaunchOptions,
     batch_size: int,
     microbatches: int,
 ) -> Trace:
@@ -66,8 +65,7 @@ def _check_request(
         )
     if stages < 2:
         raise UsageError(f"a pipeline needs at least 2 stages (-n), got {stages}")
-    if rounds < 1 or iters < rounds or warmup < 0:
-        raise UsageError(f"--iters ({iters}) must be >= --rounds ({rounds}) >= 1 and --warmup >= 0")
+    options.check()
     if microbatches < 1 or batch_size % microbatches:
         raise UsageError(
             f"batch {batch_size} does not split into {microbatches} micro-batches; use a multiple"
@@ -83,19 +81,14 @@ def measure_pipeline_sample(
     link: str,
     schedules: Sequence[str],
     *,
-    iters: int,
-    warmup: int,
-    rounds: int,
-    timeout_s: float,
-    collective_timeout_s: float,
-    cache_dir: str | None = None,
-    note: Callable[[str], None] = print,
+    options: LaunchOptions,
     batch_size: int = DEFAULT_BATCH,
     microbatches: int = DEFAULT_MICROBATCHES,
 ) -> PipelineSample:
     """One launch of ``stages`` ranks on ``link`` run at its rate / dilation: the schedules
-    measured by ``interlace bench pipeline``'s rank code in ``rounds`` interleaved blocks of
-    ``iters // rounds`` mini-batches, the point-to-point cost and each stage's host work.
+    measured by ``interlace bench pipeline``'s rank code in ``options.rounds`` interleaved
+    blocks of ``options.iters`` mini-batches, the point-to-point cost and each stage's host
+    work.
 
     Args are :func:`pipeline_validation_rows`'s.
 
@@ -108,15 +101,13 @@ def measure_pipeline_sample(
         compute,
         stages,
         schedules,
-        iters=iters,
-        warmup=warmup,
-        rounds=rounds,
+        options=options,
         batch_size=batch_size,
         microbatches=microbatches,
     )
     netem.require("validation measures on the emulated cluster and needs root")
     run_link = format_rate(dilate_rate(link, compute.dilation))
-    block = iters // rounds
+    block = options.iters
     job = PipelineValidationJob(
         PipelineJob(
             model=str(compute.trace),
@@ -125,8 +116,8 @@ def measure_pipeline_sample(
             input_shape=DEFAULT_INPUT_SHAPE,
             schedules=tuple(schedules),
             block=block,
-            iters=rounds,
-            warmup=warmup,
+            iters=options.rounds,
+            warmup=options.warmup,
             num_classes=NUM_CLASSES,
             compute=compute,
         )
@@ -136,10 +127,10 @@ def measure_pipeline_sample(
         job,
         nprocs=stages,
         link=run_link,
-        timeout_s=timeout_s,
-        collective_timeout_s=collective_timeout_s,
-        cache_dir=cache_dir,
-        note=note,
+        timeout_s=options.timeout_s,
+        collective_timeout_s=options.collective_timeout_s,
+        cache_dir=options.cache_dir,
+        note=options.note,
         prog=PROG,
     )
     return PipelineSample.from_launch(
@@ -154,21 +145,15 @@ def pipeline_validation_rows(
     link: str,
     schedules: Sequence[str],
     *,
-    iters: int,
-    warmup: int,
-    rounds: int,
-    timeout_s: float,
-    collective_timeout_s: float,
-    cache_dir: str | None = None,
-    note: Callable[[str], None] = print,
+    options: LaunchOptions,
     batch_size: int = DEFAULT_BATCH,
     microbatches: int = DEFAULT_MICROBATCHES,
 ) -> list[ValidationRow]:
     """Predicted against measured per-iteration time of each pipeline schedule on emulated
     compute, one launch of ``stages`` ranks on ``link`` run at its rate / dilation.
 
-    The ranks time ``rounds`` interleaved blocks of ``iters // rounds`` mini-batches per
-    schedule (``interlace bench pipeline``'s rank code); the measured iteration is the median
+    The ranks time ``options.rounds`` interleaved blocks of ``options.iters`` mini-batches
+    per schedule (``interlace bench pipeline``'s rank code); the measured iteration is the median
     over blocks of the block's slowest rank over its mini-batches. The prediction replays the
     same block from the trace's device time, the run's stage split, the point-to-point cost
     fitted on the live ranks and each stage's host work timed apart (both / dilation); nothing
@@ -181,13 +166,9 @@ def pipeline_validation_rows(
         stages: Ranks, one stage each (>= 2).
         link: The target link (``10gbit``); the ranks run at its rate / dilation.
         schedules: Schedules of :data:`interlace.sim.pipeline.PIPELINE_SCHEDULES`.
-        iters: Timed mini-batches per schedule, at least ``rounds``.
-        warmup: Untimed mini-batches per schedule first.
-        rounds: Timed blocks per schedule.
-        timeout_s: Seconds allowed for the launch.
-        collective_timeout_s: Seconds any one collective may wait for its peers.
-        cache_dir: The ranks' cost-model cache folder (None: theirs).
-        note: Where progress lines go.
+        options: The launch: mini-batches per timed block (``iters``), untimed mini-batches
+            per schedule first (``warmup``), timed blocks per schedule (``rounds``), limits,
+            cache folder and where progress lines go.
         batch_size: Samples per mini-batch.
         microbatches: Micro-batches (synchronous schedules) or chunks (asynchronous ones) per
             mini-batch.
@@ -202,20 +183,14 @@ def pipeline_validation_rows(
         stages,
         link,
         schedules,
-        iters=iters,
-        warmup=warmup,
-        rounds=rounds,
-        timeout_s=timeout_s,
-        collective_timeout_s=collective_timeout_s,
-        cache_dir=cache_dir,
-        note=note,
+        options=options,
         batch_size=batch_size,
         microbatches=microbatches,
     )
     model_trace = load_trace(str(compute.trace))  # checked by the measurement
-    note(sample.describe())
+    options.note(sample.describe())
     for line in sample.compare(model_trace, batch_size):
-        note(f"{trace}, {stages} stages, {link}: {line}")
+        options.note(f"{trace}, {stages} stages, {link}: {line}")
     return sample.rows(model_trace, trace, batch_size)
 
 
