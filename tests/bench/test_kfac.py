@@ -17,7 +17,7 @@ from interlace.bench.kfac import (
     add_arguments,
     models_from_args,
 )
-from interlace.bench.kfac_rank import KFAC_PASSES
+from interlace.bench.kfac_rank import KFAC_PASSES, MEMORY_STEPS
 from interlace.bench.kfac_report import COLUMNS
 from interlace.sim.trace import ActivationTrace, FactorTrace, TensorTrace, Trace
 
@@ -243,6 +243,8 @@ def test_compare_runs_kfac_pytorch_beside_the_modes_with_its_phases_and_memory(
         assert peer["cycle_phases_s"][phase] > 0, phase
     for mode in ("dkfac", "kfac-pytorch"):
         assert rows[mode]["peak_rss_mb"] > rows[mode]["added_rss_mb"] >= 0
+        # Peak RSS climbs over the first steps: each contender is measured after as many.
+        assert rows[mode]["memory_steps"] >= MEMORY_STEPS
     assert rows["spd"]["peak_rss_mb"] is None
     out = capsys.readouterr().out
     assert "| resnet20 | kfac-pytorch |" in out and "whole-cycle ms" in out

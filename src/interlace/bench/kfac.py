@@ -30,6 +30,7 @@ from interlace.bench.harness import (
 from interlace.bench.kfac_rank import (
     ABLATION_MODES,
     KFAC_PYTORCH_MODE,
+    MEMORY_STEPS,
     AblationJob,
     KfacJob,
     measure_ablation_rank,
@@ -363,7 +364,12 @@ def _run_ablation(
         print(
             f"\nAgainst {args.compare}: whole cycles of {args.inv_update_steps} iteration(s) "
             "(mean of each iteration's slowest rank; phases likewise) beside the per-step median"
-            + ("; peak RSS of each mode alone in fresh processes" if args.memory else "")
+            + (
+                "; peak RSS of each mode alone in fresh processes, after its plans are final "
+                f"and at least {MEMORY_STEPS} steps"
+                if args.memory
+                else ""
+            )
             + ":\n"
         )
         print(format_h2h_table(rows))

@@ -31,6 +31,10 @@ from interlace.zoo import build_model
 
 #: Upper bound on warm-up steps spent waiting for the data-parallel plan (a bug otherwise).
 MAX_WARMUP_STEPS = 300
+#: Steps every contender of a memory launch takes at least. A process's peak RSS creeps up over
+#: its first steps (the allocator's pools grow), so contenders whose plans settle at once would
+#: otherwise be measured earlier in that climb than those that profile first.
+MEMORY_STEPS = 30
 
 #: SPD-KFAC's ablation (``--ablation``): each mode's ``(factor_comm, fusion, placement)``, all
 #: from the one :class:`interlace.KFAC`. ``dkfac`` is the baseline every speed-up is against.
@@ -363,7 +367,9 @@ def peak_rss_mb() -> float:
 
 def measure_memory_rank(job: AblationJob) -> dict[str, Any]:
     """One rank of a memory launch: ``job.modes``' single contender alone in fresh processes,
-    trained until its plans are final and then ``job.warmup`` more steps (step 0 decomposes).
+    trained until its plans are final and then ``job.warmup`` more steps (step 0 decomposes),
+    and for at least :data:`MEMORY_STEPS` steps in all, so that every contender is measured
+    after the same number of steps.
 
     Peak RSS is a process's high-water mark, so each contender gets processes of its own:
     measured in the ablation's shared ones, a mode's peak would hold the others' memory.
@@ -389,7 +395,7 @@ def measure_memory_rank(job: AblationJob) -> dict[str, Any]:
     contender = _contender(job.modes[0], plain, job, lbp_costs_for(plain, job.compute_method))
     step = 0
     settled_at: int | None = None
-    while settled_at is None or step < settled_at + max(job.warmup, 1):
+    while settled_at is None or step < max(settled_at + max(job.warmup, 1), MEMORY_STEPS):
         _kfac_iteration(contender, batches[step % len(batches)], KFAC_PASSES[0])
         step += 1
         if settled_at is None and contender.settled():
@@ -398,7 +404,12 @@ def measure_memory_rank(job: AblationJob) -> dict[str, Any]:
             raise RuntimeError(f"{job.model}: the plans were not final after the warm-up")
     peak = peak_rss_mb()
     base_max, peak_max, added_max = max_over_ranks([base, peak, peak - base])
-    return {"peak_rss_mb": peak_max, "base_rss_mb": base_max, "added_rss_mb": added_max}
+    return {
+        "peak_rss_mb": peak_max,
+        "base_rss_mb": base_max,
+        "added_rss_mb": added_max,
+        "steps": step,
+    }
 
 
 def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:

@@ -95,9 +95,11 @@ class AblationRow:
     speedup_vs_peer: float | None = None
     #: Peak RSS of the contender alone in fresh processes, largest over ranks (MiB; None
     #: without ``--memory``), and how much of it the contender added to the processes' peak
-    #: before it was built.
+    #: before it was built; ``memory_steps``: the steps it had taken (at least
+    #: :data:`~interlace.bench.kfac_rank.MEMORY_STEPS`).
     peak_rss_mb: float | None = None
     added_rss_mb: float | None = None
+    memory_steps: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -123,6 +125,10 @@ def format_table(rows: Sequence[KfacRow]) -> str:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
+
+
+def _whole(value: float | None) -> int | None:
+    return None if value is None else int(value)
 
 
 def ablation_rows(
@@ -194,6 +200,7 @@ def ablation_rows(
                 speedup_vs_peer=peer / iteration if peer and iteration > 0 else None,
                 peak_rss_mb=memory.get(mode, {}).get("peak_rss_mb"),
                 added_rss_mb=memory.get(mode, {}).get("added_rss_mb"),
+                memory_steps=_whole(memory.get(mode, {}).get("steps")),
             )
         )
     return rows
