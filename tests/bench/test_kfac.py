@@ -245,6 +245,7 @@ def test_compare_runs_kfac_pytorch_beside_the_modes_with_its_phases_and_memory(
         assert rows[mode]["peak_rss_mb"] > rows[mode]["added_rss_mb"] >= 0
         # Peak RSS climbs over the first steps: each contender is measured after as many.
         assert rows[mode]["memory_steps"] >= MEMORY_STEPS
+    assert rows["kfac-pytorch"]["memory_steps"] >= rows["dkfac"]["memory_steps"]
     assert rows["spd"]["peak_rss_mb"] is None
     out = capsys.readouterr().out
     assert "| resnet20 | kfac-pytorch |" in out and "whole-cycle ms" in out

@@ -366,7 +366,7 @@ def _run_ablation(
             "(mean of each iteration's slowest rank; phases likewise) beside the per-step median"
             + (
                 "; peak RSS of each mode alone in fresh processes, after its plans are final "
-                f"and at least {MEMORY_STEPS} steps"
+                f"and at least {MEMORY_STEPS} steps, and as many as any mode measured before it"
                 if args.memory
                 else ""
             )
@@ -398,16 +398,22 @@ def _measure_memory(
     failures: list[str],
 ) -> dict[str, dict[str, float]]:
     """Each mode's peak RSS, one launch per mode (:func:`measure_memory_rank`); a failed
-    launch is added to ``failures`` and leaves its mode out."""
+    launch is added to ``failures`` and leaves its mode out.
+
+    Peak RSS climbs with the steps taken, so each launch takes at least as many steps as any
+    launch before it; the modes run in ``job.modes`` order, the compared peer last."""
     memory: dict[str, dict[str, float]] = {}
     wanted = job.modes if args.memory == "all" else parse_names(args.memory, None, "memory", "mode")
+    steps = MEMORY_STEPS
     for mode in (mode for mode in job.modes if mode in wanted):
-        value = _launch(measure_memory_rank, replace(job, modes=(mode,)), args, link, note)
+        launch = replace(job, modes=(mode,), memory_steps=steps)
+        value = _launch(measure_memory_rank, launch, args, link, note)
         if isinstance(value, str):
             failures.append(f"{job.model} {mode} memory: {value}")
             note(failures[-1])
             continue
         memory[mode] = value
+        steps = max(steps, int(value["steps"]))
     return memory
 
 

@@ -108,6 +108,8 @@ class AblationJob:
     compute: Compute = field(default_factory=lambda: Compute(ComputeKind.REAL))
     #: LBP's broadcast cost model for every LBP mode (None: the first LBP mode measures one).
     broadcast_cost: CostModel | None = None
+    #: Steps a memory launch takes at least (:func:`measure_memory_rank`).
+    memory_steps: int = MEMORY_STEPS
 
 
 def build_job_model(
@@ -368,8 +370,8 @@ def peak_rss_mb() -> float:
 def measure_memory_rank(job: AblationJob) -> dict[str, Any]:
     """One rank of a memory launch: ``job.modes``' single contender alone in fresh processes,
     trained until its plans are final and then ``job.warmup`` more steps (step 0 decomposes),
-    and for at least :data:`MEMORY_STEPS` steps in all, so that every contender is measured
-    after the same number of steps.
+    and for at least ``job.memory_steps`` steps in all, so that contenders are measured after
+    as many steps.
 
     Peak RSS is a process's high-water mark, so each contender gets processes of its own:
     measured in the ablation's shared ones, a mode's peak would hold the others' memory.
@@ -395,7 +397,7 @@ def measure_memory_rank(job: AblationJob) -> dict[str, Any]:
     contender = _contender(job.modes[0], plain, job, lbp_costs_for(plain, job.compute_method))
     step = 0
     settled_at: int | None = None
-    while settled_at is None or step < max(settled_at + max(job.warmup, 1), MEMORY_STEPS):
+    while settled_at is None or step < max(settled_at + max(job.warmup, 1), job.memory_steps):
         _kfac_iteration(contender, batches[step % len(batches)], KFAC_PASSES[0])
         step += 1
         if settled_at is None and contender.settled():
