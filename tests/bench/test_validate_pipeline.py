@@ -9,14 +9,13 @@ import statistics
 import pytest
 
 from interlace.bench.launch_options import LaunchOptions
-from interlace.bench.pipeline_rank import INTERLACE_SCHEDULES, SCHEDULES
+from interlace.bench.pipeline_rank import SCHEDULES
 from interlace.bench.validate_pipeline import PipelineSample, pipeline_validation_rows
 from interlace.comm.cost import CostModel
 from interlace.emulate import Compute
 from interlace.emulate.compute import ComputeKind, parse_compute
 from interlace.errors import UsageError
 from interlace.sim.pipeline import (
-    INTERLACE_PIPELINE_SCHEDULES,
     PIPELINE_SCHEDULES,
     HostCost,
     simulate_pipeline,
@@ -28,7 +27,6 @@ EMULATED = parse_compute("emulated:vgg11-h200", 32)
 
 
 def test_the_simulator_names_the_benchmarks_pipeline_contenders() -> None:
-    assert INTERLACE_PIPELINE_SCHEDULES == INTERLACE_SCHEDULES
     assert set(PIPELINE_SCHEDULES) == set(SCHEDULES) - {"dp"}
 
 

@@ -33,15 +33,16 @@ from interlace.sim.pipeline import INTERLACE_PIPELINE_SCHEDULES, TORCH_PIPELINE_
 from interlace.timeline import Event
 from interlace.zoo import build_model
 
-#: The interlace pipeline schedules, then the baselines, in table order (as the simulator names
-#: them).
-INTERLACE_SCHEDULES = INTERLACE_PIPELINE_SCHEDULES
 #: ``spectrain-reuse`` is SpecTrain whose backward reuses the forward's prediction (and graph)
 #: instead of computing the stage again: ``PipelineStage(spectrain_backward="reuse")``.
 REUSE_SUFFIX = "-reuse"
 SYNCHRONOUS: tuple[str, ...] = ("gpipe", "1f1b")
-TORCH_SCHEDULES = TORCH_PIPELINE_SCHEDULES
-SCHEDULES: tuple[str, ...] = (*INTERLACE_SCHEDULES, "dp", *TORCH_SCHEDULES)
+#: interlace's schedules, data parallelism, then torch's, in table order (the simulator's names).
+SCHEDULES: tuple[str, ...] = (
+    *INTERLACE_PIPELINE_SCHEDULES,
+    "dp",
+    *TORCH_PIPELINE_SCHEDULES,
+)
 #: The contenders every ratio column is taken against.
 TORCH_BASELINE = "torch-gpipe"
 DP_BASELINE = "dp"
@@ -168,7 +169,7 @@ def _build_contender(
 
     module = stage_module(pipeline_blocks(model), plan, rank)
     optimizer = sgd(module.parameters())
-    if schedule in INTERLACE_SCHEDULES:
+    if schedule in INTERLACE_PIPELINE_SCHEDULES:
         reuse = schedule.endswith(REUSE_SUFFIX)
         stage = PipelineStage(
             module,

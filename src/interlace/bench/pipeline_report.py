@@ -9,12 +9,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from interlace.bench.harness import quartiles
-from interlace.bench.pipeline_rank import (
-    DP_BASELINE,
-    INTERLACE_SCHEDULES,
-    SYNCHRONOUS,
-    TORCH_BASELINE,
-)
+from interlace.bench.pipeline_rank import DP_BASELINE, SYNCHRONOUS, TORCH_BASELINE
+from interlace.sim.pipeline import INTERLACE_PIPELINE_SCHEDULES
 from interlace.timeline import Timeline
 
 PROG = "interlace bench pipeline"
@@ -30,7 +26,7 @@ def describe_schedule(schedule: str, microbatches: int, ranks: int) -> str:
     """
     if schedule in SYNCHRONOUS:
         return f"{microbatches} micro-batches, flush"
-    if schedule in INTERLACE_SCHEDULES:
+    if schedule in INTERLACE_PIPELINE_SCHEDULES:
         policy = {
             "naive": "latest weights",
             "pipedream": "stashed",
@@ -59,7 +55,7 @@ def fill_drain_fraction(schedule: str, num_stages: int, block: int, microbatches
     """
     if schedule == DP_BASELINE:
         return 0.0
-    streamed = schedule in INTERLACE_SCHEDULES and schedule not in SYNCHRONOUS
+    streamed = schedule in INTERLACE_PIPELINE_SCHEDULES and schedule not in SYNCHRONOUS
     units = block if streamed else microbatches
     return (num_stages - 1) / (units + num_stages - 1)
 
