@@ -202,7 +202,6 @@ def test_compare_and_memory_refuse_what_they_cannot_measure(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     for argv, message in (
-        (["--compare", "kfac-pytorch", "--compute", "emulated:resnet20-cpu"], "real compute"),
         (["--memory", "dkfac"], "add --ablation"),
         (["--ablation", "--memory", "dkfac,nonsense"], "unknown mode 'nonsense'"),
     ):

@@ -226,12 +226,6 @@ def run(args: argparse.Namespace) -> int:
     if args.compare is not None:
         if not args.ablation:
             raise UsageError("--compare runs beside the modes of --ablation; add --ablation")
-        if compute.emulated:
-            # Its layers carry their own K-FAC helper, which kfac-pytorch cannot register.
-            raise UsageError(
-                f"--compare {args.compare} needs real compute: it cannot precondition an emulated "
-                "trace's layers; leave out --compute"
-            )
         check_kfac_pytorch()
     if args.placement == "lbp" and args.grad_worker_fraction < 1:
         raise UsageError("--placement lbp needs --grad-worker-fraction 1 (COMM-OPT)")

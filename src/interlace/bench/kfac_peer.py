@@ -1,16 +1,20 @@
 """``interlace bench kfac --compare kfac-pytorch``: kfac-pytorch's ``KFACPreconditioner`` at its
 defaults, seen through what a contender needs, its phases timed from outside (kfac-pytorch keeps
-no timings; its methods are wrapped on the instances, its code is unchanged)."""
+no timings; its methods are wrapped on the instances, its code is unchanged). On an emulated model
+its factors, decompositions and preconditioning take the same device time as interlace's."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
+from torch import nn
 
+from interlace.emulate.kfac import EmulatedFactorHelper, EmulatedFactorLayer
 from interlace.kfac import PHASES
 
 #: What a pending collective's result is: ``Work.get_future()`` and ``then()`` give the C++
@@ -179,18 +183,21 @@ class KfacPytorchPeer:
             KFACPreconditioner,
         )
 
-        self.inner = KFACPreconditioner(
-            model,
-            factor_update_steps=factor_update_steps,
-            inv_update_steps=inv_update_steps,
-            lr=lr,
-            compute_method=compute_method,
-        )
+        with emulated_module_helpers():
+            self.inner = KFACPreconditioner(
+                model,
+                factor_update_steps=factor_update_steps,
+                inv_update_steps=inv_update_steps,
+                lr=lr,
+                compute_method=compute_method,
+            )
         self.clock = PhaseClock()
         #: ``(name, layer)`` of every registered module.
         self.kfac_layers: list[tuple[str, Any]] = list(self.inner._layers.values())
         self.layers = [name for name, _ in self.kfac_layers]
         for _, layer in self.kfac_layers:
+            if isinstance(layer.module, EmulatedModuleHelper):
+                emulate_device_work(layer, layer.module.helper, compute_method)
             for method, phase in LAYER_PHASES.items():
                 self.clock.wrap(layer, method, phase)
         self.clock.wrap(self.inner, "_compute_grad_scale", "precondition")
@@ -207,3 +214,144 @@ class KfacPytorchPeer:
         for _, layer in self.kfac_layers:
             self.clock.wait_futures(layer, ("_a_factor", "_g_factor"))
         self.last_phase_s = self.clock.take()
+
+
+class EmulatedModuleHelper:
+    """kfac-pytorch's module-helper interface (``kfac.layers.modules.ModuleHelper``) over an
+    emulated layer's K-FAC helper: the same traced factor sizes and the same device time for
+    factors as :class:`interlace.KFAC` gets from it.
+
+    Args:
+        helper: The emulated layer's helper (:meth:`EmulatedFactorLayer.kfac_helper`).
+    """
+
+    def __init__(self, helper: EmulatedFactorHelper) -> None:
+        self.helper = helper
+        self.module: nn.Module = helper.module
+
+    @property
+    def a_factor_shape(self) -> tuple[int, int]:
+        """The shape of ``A``."""
+        return (self.helper.a_dim, self.helper.a_dim)
+
+    @property
+    def g_factor_shape(self) -> tuple[int, int]:
+        """The shape of ``G``."""
+        return (self.helper.g_dim, self.helper.g_dim)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the layer's parameters are."""
+        return self.helper.weight.device
+
+    def get_a_factor(self, a: torch.Tensor) -> torch.Tensor:
+        """``A`` of this batch, after its device time.
+
+        Args:
+            a: The layer's input.
+        """
+        return self.helper.a_factor(a)
+
+    def get_g_factor(self, g: torch.Tensor) -> torch.Tensor:
+        """``G`` of this batch, after its device time.
+
+        Args:
+            g: The gradient of the layer's output.
+        """
+        return self.helper.g_factor(g)
+
+    def get_grad(self) -> torch.Tensor:
+        """The ``G x A`` gradient matrix (bias last)."""
+        matrix = self.helper.grad_matrix()
+        if matrix is None:
+            return torch.zeros(self.helper.g_dim, self.helper.a_dim)
+        return matrix
+
+    def get_weight_grad(self) -> torch.Tensor:
+        """The weight's gradient as ``G`` rows (kfac-pytorch views slices of the matrix as it)."""
+        return cast(torch.Tensor, self.helper.weight.grad).view(self.helper.g_dim, -1)
+
+    def get_bias_grad(self) -> torch.Tensor:
+        """The bias's gradient."""
+        return cast(torch.Tensor, cast(torch.Tensor, self.helper.bias).grad)
+
+    def has_bias(self) -> bool:
+        """Whether the layer has a bias."""
+        return self.helper.bias is not None
+
+    def has_symmetric_factors(self) -> bool:
+        """Factors are symmetric."""
+        return True
+
+    def set_grad(self, grad: torch.Tensor) -> None:
+        """Write the ``G x A`` matrix back into the parameters' gradients.
+
+        Args:
+            grad: The preconditioned matrix.
+        """
+        self.helper.set_grad(grad)
+
+
+@contextlib.contextmanager
+def emulated_module_helpers() -> Iterator[None]:
+    """While open, kfac-pytorch registers :class:`EmulatedFactorLayer` modules through
+    :class:`EmulatedModuleHelper` (it registers only ``nn.Linear`` and ``nn.Conv2d`` itself)."""
+    from kfac.layers import register  # type: ignore[import-not-found]  # noqa: PLC0415 - optional dependency
+
+    known = register.get_module_helper
+
+    def helper_for(module: nn.Module) -> Any:
+        if isinstance(module, EmulatedFactorLayer):
+            return EmulatedModuleHelper(module.kfac_helper())
+        return known(module)
+
+    register.get_module_helper = helper_for
+    try:
+        yield
+    finally:
+        register.get_module_helper = known
+
+
+def emulate_device_work(layer: Any, helper: EmulatedFactorHelper, compute_method: str) -> None:
+    """Replace a kfac-pytorch layer's decompositions and preconditioning, on the instance, by
+    the emulated device's: the same device time as :class:`interlace.KFAC` spends on the layer,
+    and identities of the real sizes, so its broadcasts move what they would.
+
+    Args:
+        layer: kfac-pytorch's ``KFACEigenLayer`` or ``KFACInverseLayer`` of an emulated layer.
+        helper: The emulated layer's helper.
+        compute_method: ``"eigen"`` or ``"inverse"``.
+    """
+
+    def decompose(factor: str) -> Any:
+        matrix = getattr(layer, f"{factor}_factor")
+        if not isinstance(matrix, torch.Tensor):
+            raise RuntimeError(f"cannot decompose {factor.upper()} before it has been computed")
+        return helper.decompose(matrix, compute_method, 0.0, layer.inv_dtype)
+
+    def compute_a_inv(damping: float = 0.001) -> None:
+        done = decompose("a")
+        if compute_method == "eigen":
+            layer.qa, layer.da = done.vectors, done.values
+        else:
+            layer.a_inv = done.inverse
+
+    def compute_g_inv(damping: float = 0.001) -> None:
+        done = decompose("g")
+        if compute_method != "eigen":
+            layer.g_inv = done.inverse
+            return
+        layer.qg, layer.dg = done.vectors, done.values
+        if layer.prediv_eigenvalues:
+            # 1 / (dg da^T + damping) of the identities' unit eigenvalues: outer, add, reciprocal.
+            helper.clock.spend(3 * helper.costs.kernel_s)
+            layer.dgda = torch.full((helper.g_dim, helper.a_dim), 1.0 / (1.0 + damping))
+            layer.dg = layer.da = None
+
+    def preconditioned_grad(damping: float = 0.001) -> None:
+        helper.clock.spend(helper.costs.precondition_s(compute_method, helper.a_dim, helper.g_dim))
+        layer.grad = layer.module.get_grad().clone()
+
+    layer.compute_a_inv = compute_a_inv
+    layer.compute_g_inv = compute_g_inv
+    layer.preconditioned_grad = preconditioned_grad

@@ -343,8 +343,7 @@ def _contender(
             compute_method=job.compute_method,
             lr=0.01,
         )
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        return KfacContender(mode, ddp, optimizer, precond=peer)
+        return KfacContender(mode, ddp, job_optimizer(model), precond=peer)
     wrapped = DataParallel(model)
     factor_comm, fusion, placement = ABLATION_MODES[mode]
     precond = KFAC(
