@@ -156,6 +156,11 @@ class KfacPytorchPeer:
     end of the iteration, inside its time: otherwise they would finish untimed in the next
     contender's barrier.
 
+    On an :class:`~interlace.emulate.kfac.EmulatedKFACModel` it registers the emulated factor
+    layers (:func:`emulated_module_helpers`) and spends the same device time as interlace's modes
+    for their factors, decompositions and preconditioning (:func:`emulate_device_work`); its
+    running averages, collectives and KL-clip stay its own.
+
     Args:
         model: The model, wrapped for data parallelism.
         factor_update_steps: Steps between factor updates.
