@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -89,8 +90,23 @@ def _wait_gone(pids: list[int], deadline_s: float) -> list[int]:
     return alive
 
 
-@pytest.mark.parametrize(("signo", "status"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_launcher_signal_stops_ranks(tmp_path: Path, signo: int, status: int) -> None:
+def _sigint_at(disposition: signal.Handlers) -> Callable[[], None]:
+    """A ``preexec_fn`` that starts the child with SIGINT at ``disposition`` (whatever the
+    test's own is: a shell starts background commands with SIGINT ignored)."""
+
+    def start() -> None:
+        signal.signal(signal.SIGINT, disposition)
+
+    return start
+
+
+@pytest.mark.parametrize(
+    ("signo", "status", "started_ignoring"),
+    [(signal.SIGTERM, 143, False), (signal.SIGINT, 130, False), (signal.SIGINT, 130, True)],
+)
+def test_launcher_signal_stops_ranks(
+    tmp_path: Path, signo: int, status: int, started_ignoring: bool
+) -> None:
     script = _write(
         tmp_path / "pidfile.py",
         "import os, sys, time\n"
@@ -113,6 +129,8 @@ def test_launcher_signal_stops_ranks(tmp_path: Path, signo: int, status: int) ->
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # The launcher must stop on SIGINT even when it starts with SIGINT ignored.
+        preexec_fn=_sigint_at(signal.SIG_IGN if started_ignoring else signal.SIG_DFL),  # noqa: PLW1509
     )
     try:
         deadline = time.monotonic() + 20

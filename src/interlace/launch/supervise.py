@@ -153,15 +153,18 @@ def _raise_terminated(signo: int, frame: FrameType | None) -> None:
 
 @contextlib.contextmanager
 def _termination_raises() -> Iterator[None]:
-    """Turn SIGTERM and SIGHUP into an exception while a job runs (main thread only).
+    """Turn SIGTERM and SIGHUP into an exception while a job runs (main thread only), and make
+    Ctrl-C raise KeyboardInterrupt even if the launcher started with SIGINT ignored.
 
     Their default action kills the launcher on the spot, leaving ranks running and namespaces
-    behind; as an exception they unwind through the cleanup like Ctrl-C does.
+    behind; as an exception they unwind through the cleanup like Ctrl-C does. A shell starts
+    background commands with SIGINT ignored, where ``kill -INT`` would otherwise do nothing.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = {s: signal.signal(s, _raise_terminated) for s in (signal.SIGTERM, signal.SIGHUP)}
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
