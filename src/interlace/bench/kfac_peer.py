@@ -16,6 +16,7 @@ from torch import nn
 
 from interlace.emulate.kfac import EmulatedFactorHelper, EmulatedFactorLayer
 from interlace.kfac import PHASES
+from interlace.kfac.decomp import FactorDecomposition
 
 #: What a pending collective's result is: ``Work.get_future()`` and ``then()`` give the C++
 #: future, which is not an instance of its Python subclass.
@@ -354,8 +355,10 @@ def emulate_device_work(layer: Any, helper: EmulatedFactorHelper, compute_method
             layer.dg = layer.da = None
 
     def preconditioned_grad(damping: float = 0.001) -> None:
-        helper.clock.spend(helper.costs.precondition_s(compute_method, helper.a_dim, helper.g_dim))
-        layer.grad = layer.module.get_grad().clone()
+        # The helper prices preconditioning by the method alone; a rank that received the
+        # decompositions holds kfac-pytorch's tensors, not interlace's, so describe them.
+        method = FactorDecomposition(compute_method)
+        layer.grad = helper.precondition(layer.module.get_grad(), method, method, damping)
 
     layer.compute_a_inv = compute_a_inv
     layer.compute_g_inv = compute_g_inv
