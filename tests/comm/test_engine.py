@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from interlace.comm.channels import Channels
 from interlace.comm.engine import BucketEngine
+from interlace.comm.plan import Launch
 from interlace.errors import RankFailedError
 from interlace.testing import run_ranks
 
@@ -132,7 +133,7 @@ def _on_channels(_: None) -> dict[str, Any]:
         [[0, 1], [3, 4], [2]],
         channels=channels.groups,
         # The first bucket cut in two slices, one per channel; the others on one channel each.
-        assignment=[[0, 1], [1], [0]],
+        launches=[_send(0, 0, 2, 0), _send(0, 1, 2, 1), _send(1, 0, 1, 1), _send(2, 0, 1, 0)],
         recorder=lambda *event: events.append(event),
     )
     grads: list[torch.Tensor | None] = list(_gradients(0))
@@ -163,21 +164,74 @@ def test_partitioned_buckets_on_two_channels_average_like_one_all_reduce_per_ten
         assert report["launch_order"] == sorted(report["launch_order"])
 
 
-def _bad_assignment(kind: str) -> None:
+def _send(bucket: int, part: int, parts: int, channel: int) -> Launch:
+    return Launch(bucket, part, parts, 0, channel, 0.0, 0.0)
+
+
+def _out_of_order(_: None) -> dict[str, Any]:
+    tensors = [torch.zeros(shape, dtype=dtype) for shape, dtype in SHAPES]
+    events: list[tuple[int, int, int, float, float]] = []
+    # Bucket [0, 1] (ready last) is sent before the rest of bucket [3, 4], whose first slice
+    # went out as soon as it was complete: the order the plan says, not the order of arrival.
+    engine = BucketEngine(
+        tensors,
+        [[3, 4], [2], [0, 1]],
+        launches=[_send(0, 0, 2, 0), _send(2, 0, 1, 0), _send(1, 0, 1, 0), _send(0, 1, 2, 0)],
+        recorder=lambda *event: events.append(event),
+    )
+    grads: list[torch.Tensor | None] = list(_gradients(0))
+    engine.begin()
+    sent_after: list[int] = []
+    for index in reversed(range(len(grads))):
+        grad = grads[index]
+        assert grad is not None
+        engine.add(index, grad)
+        sent_after.append(engine.launcher.launched)
+    engine.close()
+    engine.wait([2])
+    first = [None if value is None else value.clone() for value in engine.averaged([0, 1])]
+    got = [None if value is None else value.clone() for value in engine.finish()]
+    expected = _reference(grads)
+    deadline = time.monotonic() + 10.0
+    while len(events) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return {
+        "worst": _worst(got, expected)[0],
+        "first": _worst(first, expected[:2])[0],
+        "sent_after": sent_after,
+    }
+
+
+def test_slices_go_out_in_the_plans_launch_order_and_average_like_one_all_reduce() -> None:
+    for report in run_ranks(_out_of_order, 2, None, timeout=120):
+        # Tensors arrive 4, 3 (bucket 0 complete: its first slice goes), 2 (bucket 1 waits
+        # behind bucket 2), 1, 0 (bucket 2 complete: it, bucket 1 and the last slice go).
+        assert report["sent_after"] == [0, 1, 1, 1, 4]
+        assert report["worst"] == 0.0
+        assert report["first"] == 0.0
+
+
+def _bad_launches(kind: str) -> None:
     tensors = [torch.zeros(2), torch.zeros(3)]
-    if kind == "count":
-        BucketEngine(tensors, [[0], [1]], assignment=[[0]])
+    if kind == "missing":
+        BucketEngine(tensors, [[0], [1]], launches=[_send(0, 0, 1, 0)])
+    elif kind == "slice":
+        BucketEngine(tensors, [[0, 1]], launches=[_send(0, 0, 2, 0)])
     else:
-        BucketEngine(tensors, [[0, 1]], assignment=[[1]])
+        BucketEngine(tensors, [[0, 1]], launches=[_send(0, 0, 1, 1)])
 
 
 @pytest.mark.parametrize(
     ("kind", "needle"),
-    [("count", "1 channel assignments for 2 buckets"), ("range", "outside 0..0")],
+    [
+        ("missing", "bucket 1 is not launched"),
+        ("slice", "bucket 0 is not launched as a whole set of slices"),
+        ("range", "outside 0..0"),
+    ],
 )
-def test_bad_channel_assignments_are_refused(kind: str, needle: str) -> None:
+def test_bad_launches_are_refused(kind: str, needle: str) -> None:
     with pytest.raises(RankFailedError, match=needle):
-        run_ranks(_bad_assignment, 1, kind, timeout=60)
+        run_ranks(_bad_launches, 1, kind, timeout=60)
 
 
 def test_bad_engines_are_refused_before_any_collective() -> None:

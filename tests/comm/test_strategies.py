@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from interlace.comm.cost import CostModel
-from interlace.comm.plan import Bucketing, ReadyTensor, make_plan, plan_fixed
+from interlace.comm.overlap import Overlap, overlap_candidates
+from interlace.comm.plan import Bucketing, Gate, ReadyTensor, make_plan, plan_fixed
 from interlace.comm.strategies import (
+    BENCH_STRATEGIES,
     PLANNED_STRATEGIES,
     RUNTIME_STRATEGIES,
     STRATEGIES,
@@ -23,7 +25,17 @@ TENSORS = [ReadyTensor(f"t{i}", 400_000, i * MS) for i in range(12)]
 
 
 def test_the_command_line_and_the_simulator_keep_their_names() -> None:
-    assert set(RUNTIME_STRATEGIES) == {"ddp", "wfbp", "fixed", "single", "mgwfbp", "optimal"}
+    assert set(RUNTIME_STRATEGIES) == {
+        "ddp",
+        "ddp-100mb",
+        "wfbp",
+        "fixed",
+        "single",
+        "mgwfbp",
+        "optimal",
+        "overlap",
+    }
+    assert set(BENCH_STRATEGIES) == {*RUNTIME_STRATEGIES, "fsdp2"}
     assert list(PLANNED_STRATEGIES) == [
         "single",
         "wfbp",
@@ -31,10 +43,13 @@ def test_the_command_line_and_the_simulator_keep_their_names() -> None:
         "horovod",
         "mgwfbp",
         "optimal",
+        "overlap",
         "mgwfbp/k=2",
         "wfbp/k=4",
     ]
-    assert STRATEGIES["ddp"].bucketing is None and "ddp" not in PLANNED_STRATEGIES
+    for peer in ("ddp", "ddp-100mb", "fsdp2"):
+        assert STRATEGIES[peer].bucketing is None and peer not in PLANNED_STRATEGIES
+    assert STRATEGIES["ddp-100mb"].cap_bytes == 100e6
 
 
 @pytest.mark.parametrize(
@@ -65,6 +80,8 @@ def test_fixed_is_ddps_rule_and_horovod_its_fusion_buffer() -> None:
 
 def test_every_planned_strategy_plans_as_make_plan_does_with_its_arguments() -> None:
     for strategy in PLANNED_STRATEGIES.values():
+        if strategy.overlap is Overlap.FORWARD:
+            continue
         plan = strategy.plan(TENSORS, COST, backward_s=12 * MS, forward_s=2 * MS)
         assert strategy.bucketing is not None
         expected = make_plan(
@@ -79,6 +96,20 @@ def test_every_planned_strategy_plans_as_make_plan_does_with_its_arguments() -> 
             partition_bytes=strategy.partition_bytes,
         )
         assert plan == expected, strategy.name
+
+
+def test_the_overlap_strategy_plans_as_dataparallels_overlap_planner_does() -> None:
+    gates = [Gate(f"g{i}", (11 - i,), 0.5 * MS) for i in range(12)]
+    strategy = STRATEGIES["overlap"]
+    with pytest.raises(ValueError, match="needs its gates"):
+        strategy.plan(TENSORS, COST, backward_s=12 * MS, forward_s=6 * MS)
+    plan = strategy.plan(
+        TENSORS, COST, backward_s=12 * MS, forward_s=6 * MS, gates=gates, step_s=1 * MS
+    )
+    label, expected = overlap_candidates(
+        TENSORS, gates, COST, forward_s=6 * MS, backward_s=12 * MS, step_s=1 * MS
+    )[0]
+    assert plan == expected and plan.overlaps_forward, label
 
 
 def test_bucketings_are_named_by_member_string_or_alias() -> None:

@@ -81,17 +81,17 @@ def check_same_everywhere(
             )
 
 
-def assignment_of(groups: Sequence[Sequence[int]], channels: Sequence[Sequence[int]]) -> str:
-    """A compact description of which tensors go on which channels, for cross-rank checks.
+def layout_of(groups: Sequence[Sequence[int]], launches: Sequence[Any]) -> str:
+    """A compact description of the buckets and of which slice goes out when on which channel,
+    for cross-rank checks.
 
     Args:
         groups: the buckets, as tensor indices.
-        channels: each bucket's channels.
+        launches: the launches in order (``bucket``, ``part``, ``parts`` and ``channel``).
     """
-    return ";".join(
-        f"{','.join(map(str, group))}@{','.join(map(str, chans))}"
-        for group, chans in zip(groups, channels, strict=True)
-    )
+    buckets = ";".join(",".join(map(str, group)) for group in groups)
+    order = " ".join(f"{x.bucket}.{x.part}/{x.parts}@{x.channel}" for x in launches)
+    return f"{buckets} | {order}"
 
 
 def _shorten(text: str, limit: int = 120) -> str:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from interlace.comm.cost import CostModel
+from interlace.comm.overlap import GateTiming, Overlap, gates_from_timings, overlap_candidates
 from interlace.comm.plan import Bucketing, Plan, ReadyTensor, make_plan
 from interlace.comm.tuning import START_UP_SCALES, describe_trials, fastest, scale_start_up
 
@@ -20,6 +21,8 @@ EVEN_BUCKET_COUNTS = (4, 8)
 PARTITION_CANDIDATES_MB = (0.25, 1.0, 4.0)
 #: ``channels="auto"`` takes more channels only for a predicted gain above this fraction.
 AUTO_MARGIN = 0.10
+#: With ``overlap="forward"``, the overlap plans (of different bucketings) the trials weigh.
+OVERLAP_TRIALS = 2
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,8 @@ class PlanRequest:
             ``"auto"`` weighs :data:`PARTITION_CANDIDATES_MB`.
         compression: ``None``, ``"fp16"`` or ``"bf16"``: half the bytes on the wire.
         tune_steps: timed iterations per candidate and round; 0 weighs no candidates.
+        overlap: what the all-reduces may overlap; with ``"forward"`` the plans that run on into
+            the next forward are weighed, and backward-only ones beside them.
     """
 
     bucketing: Bucketing
@@ -46,6 +51,7 @@ class PlanRequest:
     partition_mb: float | str | None = "auto"
     compression: str | None = None
     tune_steps: int = 2
+    overlap: Overlap = Overlap.BACKWARD
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,9 @@ class Timings:
         forward_s: the forward pass, in seconds.
         backward_s: the backward pass, in seconds.
         ready_s: when each tensor's gradient was ready, seconds from the start of backward.
+        gates: where the forward waits for parameters, in forward order (tensors by
+            registration index); empty without ``overlap="forward"``.
+        step_s: the optimizer step over every tensor.
     """
 
     names: tuple[str, ...]
@@ -65,6 +74,8 @@ class Timings:
     forward_s: float
     backward_s: float
     ready_s: tuple[float, ...]
+    gates: tuple[GateTiming, ...] = ()
+    step_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -144,12 +155,7 @@ def best_plan(
         caps: ``(first, other)`` bucket caps in bytes (default: the request's).
         label: the candidate's name in the trials.
     """
-    order, clamped = ready_order(timings.ready_s, timings.backward_s)
-    wire_scale = 0.5 if request.compression is not None else 1.0
-    tensors = [
-        ReadyTensor(timings.names[i], int(timings.nbytes[i] * wire_scale), clamped[i])
-        for i in order
-    ]
+    order, tensors = _ready_tensors(request, timings)
     if channel_counts is not None:
         counts = list(channel_counts)
     elif request.channels == "auto":
@@ -175,8 +181,53 @@ def best_plan(
         for count in counts
         for partition in (partitions if count > 1 else [None])
     ]
+    candidates = [replace(plan, step_s=timings.step_s) for plan in candidates]
     plan = fewest_channels_within_margin(candidates)
     return Candidate(plan, tuple(order), explain_choice(plan, candidates, request.channels), label)
+
+
+def _ready_tensors(request: PlanRequest, timings: Timings) -> tuple[list[int], list[ReadyTensor]]:
+    """The registration indices in ready order, and the planners' tensors in that order (their
+    bytes as they travel)."""
+    order, clamped = ready_order(timings.ready_s, timings.backward_s)
+    wire_scale = 0.5 if request.compression is not None else 1.0
+    tensors = [
+        ReadyTensor(timings.names[i], max(int(timings.nbytes[i] * wire_scale), 1), clamped[i])
+        for i in order
+    ]
+    return order, tensors
+
+
+def overlap_plans(request: PlanRequest, timings: Timings, cost: CostModel) -> list[Candidate]:
+    """The plans that run on into the next forward, fastest predicted first, one per bucketing.
+
+    Args:
+        request: the wrapper's settings.
+        timings: the profiled times, with the gates.
+        cost: the price of an all-reduce.
+    """
+    order, tensors = _ready_tensors(request, timings)
+    position = [0] * len(order)
+    for place, index in enumerate(order):
+        position[index] = place
+    gates = gates_from_timings(timings.gates, position, timings.forward_s)
+    channels = request.channel_groups if request.channels != "auto" else 1
+    found: list[Candidate] = []
+    seen: set[str] = set()
+    for label, plan in overlap_candidates(
+        tensors,
+        gates,
+        cost,
+        forward_s=timings.forward_s,
+        backward_s=max(timings.backward_s, tensors[-1].ready_s),
+        step_s=timings.step_s,
+        channels=channels,
+    ):
+        family = label.split(",")[0]
+        if family not in seen:
+            seen.add(family)
+            found.append(Candidate(plan, tuple(order), "", label))
+    return found
 
 
 def candidate_plans(request: PlanRequest, timings: Timings, cost: CostModel) -> list[Candidate]:
@@ -193,6 +244,12 @@ def candidate_plans(request: PlanRequest, timings: Timings, cost: CostModel) -> 
         cost: the price of an all-reduce.
     """
     found = [best_plan(request, timings, cost, label="the cost model's plan")]
+    if request.overlap is Overlap.FORWARD:
+        ahead = overlap_plans(request, timings, cost)
+        if request.tune_steps == 0:
+            return [min([*ahead[:1], *found], key=lambda c: c.plan.iteration_s)]
+        # The best backward-only plans stay in the trials: where overlap cannot win, they do.
+        found = [*ahead[:OVERLAP_TRIALS], *found]
     if request.tune_steps > 0:
         if request.bucketing in (Bucketing.MERGED, Bucketing.OPTIMAL):
             for factor in START_UP_SCALES:
@@ -238,8 +295,9 @@ def candidate_plans(request: PlanRequest, timings: Timings, cost: CostModel) -> 
         plan = candidate.plan
         key = (
             tuple(tuple(group) for group in plan.groups),
-            tuple(bucket.channels for bucket in plan.buckets),
+            tuple((x.bucket, x.part, x.parts, x.channel) for x in plan.launches),
             plan.partition_bytes,
+            plan.overlaps_forward,
         )
         if key in distinct:
             first = distinct[key]

@@ -1,7 +1,7 @@
 """The runtime half of the communication core: flat bucket buffers and asynchronous all-reduces.
 
-Buckets are launched strictly in plan order, so every rank issues the same collectives in the
-same order (docs/notes/dp.md).
+Slices of buckets are launched strictly in the plan's launch order (:mod:`interlace.comm.launcher`),
+so every rank issues the same collectives in the same order (docs/notes/dp.md).
 """
 
 from __future__ import annotations
@@ -10,11 +10,13 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from interlace.comm.hooks import HookBucket, HookSpec
+from interlace.comm.launcher import LaunchOrder
 
 CommRecorder = Callable[[int, int, int, float, float], None]
 """Called with (bucket index, channel, bytes, launch time, completion time) for each finished
@@ -30,26 +32,41 @@ class _Slot:
     numel: int
 
 
+@dataclass(frozen=True)
+class _Send:
+    """One launch as the engine issues it: a slice of a (dtype-split) bucket on a channel."""
+
+    bucket: int
+    part: int
+    parts: int
+    channel: int
+
+
 class BucketEngine:
     """Flat buffers for ``groups`` of ``tensors`` and the all-reduces that average them.
 
     Args:
-        tensors: the tensors whose gradients are averaged (all on one device).
-        groups: the buckets, as indices into ``tensors``, in launch order; a bucket that mixes
+        tensors: the tensors whose gradients are averaged (their shapes and dtypes are what
+            counts: meta tensors will do, with ``device``).
+        groups: the buckets, as indices into ``tensors``, in plan order; a bucket that mixes
             dtypes is split into one bucket per dtype, keeping the order.
         process_group: the group to average over (default: the world).
         recorder: called for each finished all-reduce (see :data:`CommRecorder`).
         channels: the process groups buckets travel on (default: ``process_group`` alone).
-        assignment: for each bucket, the channel of each of its slices (default: channel 0).
+        launches: ``(bucket, part, parts, channel)`` of each all-reduce in launch order (a
+            :class:`~interlace.comm.plan.Launch` will do): slice ``part`` of ``parts`` equal
+            slices of bucket ``bucket``, sent on ``channel``. Default: each bucket whole, in
+            order, on channel 0.
         compression: ``None``, ``"fp16"`` or ``"bf16"``: float32 buckets travel in that type.
         hook: a DDP communication hook that averages each bucket instead of the engine's own
-            all-reduce (then channels, assignment and compression do not apply): it gets the
+            all-reduce (then channels, slices and compression do not apply): it gets the
             bucket's gradients undivided, and the used-tensor marks travel in one small
             all-reduce of their own after the hooks' futures are done.
+        device: where the buffers live (default: the first tensor's device).
 
     Raises:
         ValueError: for no tensors, an unknown compression, compression together with a hook,
-            or an assignment that does not fit.
+            or launches that do not fit.
     """
 
     def __init__(
@@ -60,9 +77,10 @@ class BucketEngine:
         recorder: CommRecorder | None = None,
         *,
         channels: Sequence[dist.ProcessGroup | None] | None = None,
-        assignment: Sequence[Sequence[int]] | None = None,
+        launches: Sequence[LaunchLike] | None = None,
         compression: str | None = None,
         hook: HookSpec | None = None,
+        device: torch.device | None = None,
     ) -> None:
         if not tensors:
             raise ValueError("a bucket engine needs at least one tensor")
@@ -79,32 +97,43 @@ class BucketEngine:
         self.world_size = dist.get_world_size(process_group)
         self.recorder = recorder
         self.compression = compression
-        if assignment is None:
-            assignment = [[0]] * len(groups)
-        if len(assignment) != len(groups):
-            raise ValueError(f"{len(assignment)} channel assignments for {len(groups)} buckets")
-        for chans in assignment:
-            if not chans or any(not 0 <= c < len(self.channels) for c in chans):
-                raise ValueError(
-                    f"channel assignment {list(chans)} is outside 0..{len(self.channels) - 1}"
-                )
+        given = (
+            [(number, 0, 1, 0) for number in range(len(groups))]
+            if launches is None
+            else [(x.bucket, x.part, x.parts, x.channel) for x in launches]
+        )
+        _check_launches(given, len(groups), len(self.channels))
         split = _split_by_dtype(groups, self.tensors)
         self.groups = [group for group, _ in split]
-        self.assignment: list[list[int]] = [list(assignment[origin]) for _, origin in split]
-        """The channel of each slice of each bucket (after splitting buckets by dtype)."""
+        pieces: dict[int, list[int]] = {}
+        for number, (_, origin) in enumerate(split):
+            pieces.setdefault(origin, []).append(number)
+        #: Each launch after splitting by dtype: a launch of a mixed bucket goes once per piece.
+        self.sends = [
+            _Send(piece, part, parts, channel)
+            for bucket, part, parts, channel in given
+            for piece in pieces[bucket]
+        ]
+        self.launcher = LaunchOrder(self.groups, [send.bucket for send in self.sends])
+        #: The channel of each slice of each bucket (after splitting buckets by dtype).
+        self.assignment: list[list[int]] = [[] for _ in self.groups]
+        for send in self.sends:
+            self.assignment[send.bucket].append(send.channel)
         self.slots: list[_Slot] = [_Slot(-1, 0, 0)] * len(self.tensors)
         self.buffers: list[torch.Tensor] = []
         self._data_numel: list[int] = []
         self._wires: list[torch.Tensor | None] = []
-        device = self.tensors[0].device
+        device = self.tensors[0].device if device is None else device
+        # The "was used" marks ride with the bucket sent last, in its last slice: by then every
+        # tensor is accounted for.
+        self._marks_bucket = self.sends[-1].bucket
         for bucket, group in enumerate(self.groups):
             offset = 0
             for index in group:
                 numel = self.tensors[index].numel()
                 self.slots[index] = _Slot(bucket, offset, numel)
                 offset += numel
-            # The last bucket also carries one "was used" mark per tensor.
-            extra = len(self.tensors) if bucket == len(self.groups) - 1 else 0
+            extra = len(self.tensors) if bucket == self._marks_bucket else 0
             dtype = self.tensors[group[0]].dtype
             buffer = torch.zeros(offset + extra, dtype=dtype, device=device)
             self.buffers.append(buffer)
@@ -113,7 +142,8 @@ class BucketEngine:
             if compression is not None and dtype == torch.float32:
                 wire = torch.zeros(buffer.numel(), dtype=COMPRESSIONS[compression], device=device)
             self._wires.append(wire)
-        self._usage = self.buffers[-1][self.buffers[-1].numel() - len(self.tensors) :]
+        marks = self.buffers[self._marks_bucket]
+        self._usage = marks[marks.numel() - len(self.tensors) :]
         # Each tensor's place in its bucket, shaped like the tensor: made once, so a gradient
         # costs one copy in the hook (backward runs one hook per tensor; slicing and reshaping
         # there each time cost more than the copy for the small ones).
@@ -121,49 +151,98 @@ class BucketEngine:
             self.buffers[slot.bucket][slot.offset : slot.offset + slot.numel].view_as(tensor)
             for slot, tensor in zip(self.slots, self.tensors, strict=True)
         ]
-        self._sizes = [len(group) for group in self.groups]
         element = [self.tensors[group[0]].element_size() for group in self.groups]
         self.bucket_bytes: list[int] = [
             sum(self.tensors[i].numel() for i in group) * size
             for group, size in zip(self.groups, element, strict=True)
         ]
         """Bytes of gradient data in each bucket (without the usage marks), before compression."""
-        self._pending: list[int] = []
-        self._ready: list[bool] = []
+        self._sends_of: list[list[int]] = [[] for _ in self.groups]
+        for position, send in enumerate(self.sends):
+            self._sends_of[send.bucket].append(position)
         self._used: list[bool] = []
-        self._handles: list[list[dist.Work]] = []
+        self._handles: list[dist.Work | None] = []
+        self._waited: list[bool] = []
         self._futures: list[torch.futures.Future[torch.Tensor] | None] = []
-        self._next_launch = 0
         self.begin()
 
     def begin(self) -> None:
         """Reset for a new iteration."""
-        self._pending = list(self._sizes)
-        self._ready = [False] * len(self.tensors)
+        self.launcher.reset()
         self._used = [False] * len(self.tensors)
-        self._handles = [[] for _ in self.groups]
+        self._handles = [None] * len(self.sends)
+        self._waited = [False] * len(self.groups)
         self._futures = [None] * len(self.groups)
-        self._next_launch = 0
+
+    @property
+    def all_used(self) -> bool:
+        """Whether this rank produced a gradient for every tensor this iteration."""
+        return all(self._used)
 
     def add(self, index: int, grad: torch.Tensor) -> None:
-        """Copy tensor ``index``'s gradient into its bucket; launch every bucket now complete.
+        """Copy tensor ``index``'s gradient into its bucket; launch every slice now due.
 
         Args:
             index: the tensor's index.
             grad: its gradient.
         """
-        if self._ready[index]:
-            # A second gradient for the same tensor within one backward cannot happen for a leaf
-            # (its hook fires after accumulation); treat it as the newer value.
-            self._write(index, grad)
-            return
-        self._ready[index] = True
+        # A second gradient for the same tensor within one backward cannot happen for a leaf
+        # (its hook fires after accumulation); it counts as the newer value.
         self._used[index] = True
-        self._write(index, grad)
-        slot = self.slots[index]
-        self._pending[slot.bucket] -= 1
-        if self._pending[slot.bucket] == 0:
-            self._launch_ready()
+        self._views[index].copy_(grad)
+        for position in self.launcher.add(index):
+            self._launch(position)
+
+    def close(self) -> None:
+        """Backward is over: zeros for the tensors this rank has no gradient for, and every
+        slice not yet sent goes out."""
+        for index in range(len(self.tensors)):
+            if not self.launcher.arrived(index):
+                self._views[index].zero_()
+        for position in self.launcher.rest():
+            self._launch(position)
+
+    def wait(self, buckets: Sequence[int]) -> None:
+        """Wait for every slice of ``buckets`` (launched already, see :meth:`close`); their
+        buffers then hold the averages.
+
+        Args:
+            buckets: bucket indices (after splitting by dtype, as :attr:`groups` has them).
+        """
+        for bucket in buckets:
+            if self._waited[bucket]:
+                continue
+            for position in self._sends_of[bucket]:
+                handle = self._handles[position]
+                if handle is not None:
+                    handle.wait()
+            wire = self._wires[bucket]
+            if wire is not None:
+                self.buffers[bucket].copy_(wire)
+            self._waited[bucket] = True
+
+    def bucket_of(self, index: int) -> int:
+        """The bucket tensor ``index`` is in.
+
+        Args:
+            index: the tensor's index.
+        """
+        return self.slots[index].bucket
+
+    def averaged(self, indices: Sequence[int]) -> list[torch.Tensor | None]:
+        """The averaged gradients of ``indices`` (their buckets waited for), or None for a
+        tensor no rank produced a gradient for; a view into the bucket.
+
+        Args:
+            indices: tensor indices.
+        """
+        if self.all_used:
+            # This rank used every tensor, so every sum of marks is positive: no need to read
+            # them back (on a GPU that read would wait for the whole backward to finish).
+            return [self._views[i] for i in indices]
+        self.wait([self._marks_bucket])
+        usage = self._usage.tolist()
+        return [self._views[i] if usage[i] > 0 else None for i in indices]
 
     def finish(self) -> list[torch.Tensor | None]:
         """Send what is left, wait for every all-reduce, and return the averaged gradients.
@@ -171,26 +250,12 @@ class BucketEngine:
         Entry ``i`` is a view of tensor ``i``'s averaged gradient, or None when no rank
         produced a gradient for it this iteration.
         """
-        for index, ready in enumerate(self._ready):
-            if not ready:
-                self._views[index].zero_()
-                self._ready[index] = True
-                self._pending[self.slots[index].bucket] -= 1
-        self._launch_ready()
-        for bucket, handles in enumerate(self._handles):
-            for handle in handles:
-                handle.wait()
-            wire = self._wires[bucket]
-            if wire is not None:
-                self.buffers[bucket].copy_(wire)
+        self.close()
         if self.hook is not None:
             self._finish_hooks()
-        if all(self._used):
-            # This rank used every tensor, so every sum of marks is positive: no need to read
-            # them back (on a GPU that read would wait for the whole backward to finish).
-            return list(self._views)
-        usage = self._usage.tolist()
-        return [view if used > 0 else None for view, used in zip(self._views, usage, strict=True)]
+        else:
+            self.wait(range(len(self.groups)))
+        return self.averaged(range(len(self.tensors)))
 
     def _finish_hooks(self) -> None:
         """Wait for each hook's future, write its value into the bucket, share the marks."""
@@ -203,6 +268,7 @@ class BucketEngine:
             # the buffer, a hook that allocates) return a new tensor: copy it, casting back.
             if result.data_ptr() != grads.data_ptr() or result.dtype != grads.dtype:
                 grads.copy_(result.reshape(grads.shape))
+            self._waited[bucket] = True
         # After every hook is done, so that this collective cannot interleave with those a
         # hook issues from its callbacks (PowerSGD does) in a different order on other ranks.
         dist.all_reduce(self._usage, group=self.process_group)
@@ -214,7 +280,7 @@ class BucketEngine:
             self.buffers[bucket][: self._data_numel[bucket]],
             [self._views[i] for i in group],
             [self.tensors[i] for i in group],
-            is_last=bucket == len(self.groups) - 1,
+            is_last=bucket == self._marks_bucket,
         )
         launched = time.perf_counter()
         future = hook.hook(hook.state, view)
@@ -226,50 +292,61 @@ class BucketEngine:
             )
         self._futures[bucket] = future
 
-    def _slice_bytes(self, bucket: int, numel: int, total: int) -> int:
-        return self.bucket_bytes[bucket] * numel // max(total, 1)
+    def _launch(self, position: int) -> None:
+        send = self.sends[position]
+        bucket = send.bucket
+        buffer = self.buffers[bucket]
+        if position == len(self.sends) - 1:
+            # Every tensor is accounted for once the last launch is due: write all the usage
+            # marks in one copy rather than one tensor write per gradient.
+            if self.all_used:
+                self._usage.fill_(1)
+            else:
+                self._usage.copy_(torch.tensor(self._used, dtype=self._usage.dtype))
+        if self.hook is not None:
+            self._call_hook(bucket, self.hook)
+            return
+        piece = buffer if send.parts == 1 else torch.tensor_split(buffer, send.parts)[send.part]
+        # Divide before summing, as DDP does: the average without risking overflow.
+        piece.div_(self.world_size)
+        wire = self._wires[bucket]
+        if wire is not None:
+            wired = wire if send.parts == 1 else torch.tensor_split(wire, send.parts)[send.part]
+            wired.copy_(piece)
+            piece = wired
+        launched = time.perf_counter()
+        handle = dist.all_reduce(piece, group=self.channels[send.channel], async_op=True)
+        if handle is not None and self.recorder is not None:
+            nbytes = self.bucket_bytes[bucket] * piece.numel() // max(buffer.numel(), 1)
+            done = functools.partial(
+                _report_done, self.recorder, bucket, send.channel, nbytes, launched
+            )
+            handle.get_future().then(done)
+        self._handles[position] = handle
 
-    def _write(self, index: int, grad: torch.Tensor) -> None:
-        self._views[index].copy_(grad)
 
-    def _launch_ready(self) -> None:
-        # Strictly in plan order: a complete bucket waits for earlier incomplete ones, so all
-        # ranks issue identical collective sequences even if hooks fire in different orders.
-        while self._next_launch < len(self.groups) and self._pending[self._next_launch] == 0:
-            bucket = self._next_launch
-            buffer = self.buffers[bucket]
-            if bucket == len(self.groups) - 1:
-                # Every tensor is accounted for once the last bucket is complete: write all the
-                # usage marks in one copy rather than one tensor write per gradient.
-                if all(self._used):
-                    self._usage.fill_(1)
-                else:
-                    self._usage.copy_(torch.tensor(self._used, dtype=self._usage.dtype))
-            if self.hook is not None:
-                self._call_hook(bucket, self.hook)
-                self._next_launch += 1
-                continue
-            # Divide before summing, as DDP does: the average without risking overflow.
-            buffer.div_(self.world_size)
-            wire = self._wires[bucket]
-            if wire is not None:
-                wire.copy_(buffer)
-                buffer = wire
-            chans = self.assignment[bucket]
-            slices = torch.tensor_split(buffer, len(chans)) if len(chans) > 1 else (buffer,)
-            for channel, piece in zip(chans, slices, strict=True):
-                launched = time.perf_counter()
-                handle = dist.all_reduce(piece, group=self.channels[channel], async_op=True)
-                if handle is None:
-                    continue
-                if self.recorder is not None:
-                    nbytes = self._slice_bytes(bucket, piece.numel(), buffer.numel())
-                    done = functools.partial(
-                        _report_done, self.recorder, bucket, channel, nbytes, launched
-                    )
-                    handle.get_future().then(done)
-                self._handles[bucket].append(handle)
-            self._next_launch += 1
+LaunchLike = Any
+"""Anything with ``bucket``, ``part``, ``parts`` and ``channel`` attributes (a plan's
+:class:`~interlace.comm.plan.Launch`)."""
+
+
+def _check_launches(
+    launches: Sequence[tuple[int, int, int, int]], buckets: int, channels: int
+) -> None:
+    parts_seen: dict[int, set[int]] = {}
+    for bucket, part, parts, channel in launches:
+        if not 0 <= bucket < buckets:
+            raise ValueError(f"a launch names bucket {bucket}; there are {buckets}")
+        if not 0 <= channel < channels:
+            raise ValueError(f"a launch is on channel {channel}, outside 0..{channels - 1}")
+        if not 0 <= part < parts:
+            raise ValueError(f"a launch is slice {part} of {parts}")
+        parts_seen.setdefault(bucket, set()).add(part)
+    for bucket in range(buckets):
+        seen = parts_seen.get(bucket, set())
+        total = {parts for b, _, parts, _ in launches if b == bucket}
+        if len(total) != 1 or seen != set(range(total.pop())):
+            raise ValueError(f"bucket {bucket} is not launched as a whole set of slices")
 
 
 def _report_done(

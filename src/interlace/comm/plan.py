@@ -55,11 +55,53 @@ class Bucket:
 
 
 @dataclass(frozen=True)
+class Launch:
+    """One all-reduce the runtime issues: part ``part`` of ``parts`` equal slices of a bucket.
+
+    Args:
+        bucket: The bucket's index in :attr:`Plan.buckets`.
+        part: Which slice (from 0).
+        parts: How many slices the bucket is cut into.
+        nbytes: The slice's bytes.
+        channel: The channel it travels on.
+        start_s: When it is predicted to start.
+        end_s: When it is predicted to end.
+    """
+
+    bucket: int
+    part: int
+    parts: int
+    nbytes: int
+    channel: int
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class Gate:
+    """A point of the next forward that waits for parameters: a layer about to run.
+
+    Args:
+        name: What the gate stands for (a module's name).
+        tensors: The tensors it waits for, as indices into the plan's ready order.
+        forward_s: Compute from this gate to the next one (the last: to the end of forward).
+    """
+
+    name: str
+    tensors: tuple[int, ...]
+    forward_s: float
+
+
+@dataclass(frozen=True)
 class Plan:
     """A bucketing with its predicted timeline on ``channels`` channels.
 
-    Times are seconds from the start of backward; ``predicted_s`` adds the forward pass, so it
-    is the predicted iteration time (excluding the optimizer step).
+    Times are seconds from the start of backward. A plan without gates finishes its
+    all-reduces inside the iteration: ``predicted_s`` is forward + backward and the last
+    all-reduce (excluding the optimizer step). A plan with ``gates`` lets them run on into the
+    next forward, which waits at each gate for its tensors' buckets and applies their update
+    there (``step_s`` spread by bytes): ``predicted_s`` is then the whole period from one
+    backward's start to the next, updates included.
     """
 
     strategy: str
@@ -70,6 +112,19 @@ class Plan:
     tensors: tuple[ReadyTensor, ...] = ()
     channels: int = 1
     partition_bytes: float | None = None
+    launches: tuple[Launch, ...] = ()
+    """Every all-reduce in the order the runtime issues them."""
+    gates: tuple[Gate, ...] = ()
+    """The next forward's gates, in forward order (none: the all-reduces end in backward)."""
+    step_s: float = 0.0
+    """The optimizer step (the updates applied at the gates, in a plan that has them)."""
+    forward_end_s: float = 0.0
+    """With gates: when the next forward is predicted to end, seconds from backward's start."""
+
+    @property
+    def overlaps_forward(self) -> bool:
+        """Whether the all-reduces run on into the next forward (the plan has gates)."""
+        return bool(self.gates)
 
     @property
     def comm_end_s(self) -> float:
@@ -78,8 +133,16 @@ class Plan:
 
     @property
     def predicted_s(self) -> float:
-        """Forward + the later of the end of backward and the end of the last all-reduce."""
+        """Without gates: forward + the later of the end of backward and the end of the last
+        all-reduce. With gates: the period from one backward's start to the next."""
+        if self.overlaps_forward:
+            return self.forward_end_s
         return self.forward_s + max(self.backward_s, self.comm_end_s)
+
+    @property
+    def iteration_s(self) -> float:
+        """The predicted iteration with its optimizer step, comparable across both kinds."""
+        return self.predicted_s if self.overlaps_forward else self.predicted_s + self.step_s
 
     @property
     def groups(self) -> list[list[int]]:
@@ -87,18 +150,29 @@ class Plan:
 
     def describe(self) -> str:
         """A readable table of the buckets and the predicted time."""
+        cost = f"cost a={self.cost.a * 1e6:.1f} us, b={self.cost.b * 1e9:.3f} ns/byte"
+        if self.overlaps_forward:
+            head = (
+                f"{self.strategy} plan: {len(self.buckets)} bucket(s) in {len(self.launches)} "
+                f"all-reduce(s) that run on into the next forward ({len(self.gates)} gates), "
+                f"predicted iteration {self.predicted_s * 1e3:.2f} ms (backward "
+                f"{self.backward_s * 1e3:.2f} ms, next forward ends "
+                f"{self.forward_end_s * 1e3:.2f} ms after backward's start, updates included; "
+                f"{cost})"
+            )
+        else:
+            head = (
+                f"{self.strategy} plan: {len(self.buckets)} bucket(s), predicted iteration "
+                f"{self.predicted_s * 1e3:.2f} ms (forward {self.forward_s * 1e3:.2f} ms, backward "
+                f"{self.backward_s * 1e3:.2f} ms, last all-reduce ends "
+                f"{self.comm_end_s * 1e3:.2f} ms into backward; {cost})"
+            )
+        split = (
+            "off" if self.partition_bytes is None else f"above {self.partition_bytes / 1e6:g} MB"
+        )
         lines = [
-            f"{self.strategy} plan: {len(self.buckets)} bucket(s), predicted iteration "
-            f"{self.predicted_s * 1e3:.2f} ms (forward {self.forward_s * 1e3:.2f} ms, backward "
-            f"{self.backward_s * 1e3:.2f} ms, last all-reduce ends {self.comm_end_s * 1e3:.2f} ms "
-            f"into backward; cost a={self.cost.a * 1e6:.1f} us, "
-            f"b={self.cost.b * 1e9:.3f} ns/byte)",
-            f"{self.channels} channel(s), partition "
-            + (
-                "off"
-                if self.partition_bytes is None
-                else f"above {self.partition_bytes / 1e6:g} MB"
-            ),
+            head,
+            f"{self.channels} channel(s), partition {split}",
             f"{'bucket':>6}  {'tensors':>7}  {'MB':>9}  {'ready ms':>9}  {'start ms':>9}  "
             f"{'end ms':>9}  {'channels':>8}  first..last",
         ]
@@ -114,6 +188,12 @@ class Plan:
                 f"{bucket.ready_s * 1e3:>9.2f}  {bucket.start_s * 1e3:>9.2f}  "
                 f"{bucket.end_s * 1e3:>9.2f}  {','.join(map(str, bucket.channels)):>8}  {span}"
             )
+        if self.overlaps_forward:
+            order = " ".join(
+                f"{launch.bucket}" + (f".{launch.part}" if launch.parts > 1 else "")
+                for launch in self.launches
+            )
+            lines.append(f"launch order (bucket.slice): {order}")
         return "\n".join(lines)
 
 
@@ -156,14 +236,20 @@ def schedule(
             f"backward_s={backward_s} is before the last tensor is ready ({end_of_backward})"
         )
     clock = ChannelClock(cost, channels, partition_bytes)
-    buckets = [
-        clock.place(
-            tuple(group),
-            sum(tensors[i].nbytes for i in group),
-            max(tensors[i].ready_s for i in group),
+    buckets: list[Bucket] = []
+    launches: list[Launch] = []
+    for number, group in enumerate(groups):
+        nbytes = sum(tensors[i].nbytes for i in group)
+        pieces = clock.place_slices(nbytes, max(tensors[i].ready_s for i in group))
+        launches += [
+            Launch(
+                number, part, len(pieces), piece.nbytes, piece.channel, piece.start_s, piece.end_s
+            )
+            for part, piece in enumerate(pieces)
+        ]
+        buckets.append(
+            bucket_of(tuple(group), nbytes, max(tensors[i].ready_s for i in group), pieces)
         )
-        for group in groups
-    ]
     return Plan(
         strategy,
         tuple(buckets),
@@ -173,6 +259,7 @@ def schedule(
         tuple(tensors),
         channels,
         partition_bytes,
+        launches=tuple(launches),
     )
 
 
@@ -252,8 +339,21 @@ class ChannelClock:
             nbytes: its size.
             ready_s: when its last tensor is ready.
         """
+        return bucket_of(indices, nbytes, ready_s, self.place_slices(nbytes, ready_s))
+
+    def place_slices(
+        self, nbytes: int, ready_s: float, count: int | None = None
+    ) -> list[PlacedSlice]:
+        """Send the next bucket's slices at once; returns each with its channel and times.
+
+        Args:
+            nbytes: the bucket's size.
+            ready_s: when its last tensor is ready.
+            count: how many slices (default: :func:`slice_count` of the partition threshold).
+        """
         self.launched = max(self.launched, ready_s)
-        count = slice_count(nbytes, self.channels, self.partition_bytes)
+        if count is None:
+            count = slice_count(nbytes, self.channels, self.partition_bytes)
         chosen = sorted(range(self.channels), key=lambda c: (self.free[c], c))[:count]
         sizes = slice_sizes(nbytes, count)
         starts = [max(self.launched, self.free[c]) for c in chosen]
@@ -284,7 +384,41 @@ class ChannelClock:
             self.free[channel] = end
         # Later slices start at or after this launch: what ended before it can no longer overlap.
         self._flights = [flight for flight in self._flights if flight[1] > self.launched]
-        return Bucket(indices, nbytes, ready_s, min(starts), max(ends), tuple(chosen))
+        return [
+            PlacedSlice(channel, size, start, end)
+            for channel, size, start, end in zip(chosen, sizes, starts, ends, strict=True)
+        ]
+
+
+@dataclass(frozen=True)
+class PlacedSlice:
+    """A slice :class:`ChannelClock` placed: its channel, bytes, start and end."""
+
+    channel: int
+    nbytes: int
+    start_s: float
+    end_s: float
+
+
+def bucket_of(
+    indices: tuple[int, ...], nbytes: int, ready_s: float, pieces: Sequence[PlacedSlice]
+) -> Bucket:
+    """The bucket whose slices were placed as ``pieces``: from the first start to the last end.
+
+    Args:
+        indices: its tensors, as indices into the ready order.
+        nbytes: its size.
+        ready_s: when its last tensor is ready.
+        pieces: its slices.
+    """
+    return Bucket(
+        indices,
+        nbytes,
+        ready_s,
+        min(piece.start_s for piece in pieces),
+        max(piece.end_s for piece in pieces),
+        tuple(piece.channel for piece in pieces),
+    )
 
 
 def plan_per_tensor(
@@ -351,6 +485,42 @@ def plan_single(
     )
 
 
+def pack_by_cap(
+    sizes: Sequence[int], cap_bytes: float, first_cap_bytes: float | None = None
+) -> list[list[int]]:
+    """Consecutive items packed into buckets: a bucket is closed once it holds ``cap_bytes``.
+
+    DDP's rule (and Horovod's): the item that reaches the cap still joins the bucket, so one
+    item larger than the cap travels alone or with the small ones before it. Every bucket
+    packer of interlace (DataParallel's ``fixed`` buckets, K-FAC's factor buckets) uses it.
+
+    Args:
+        sizes: each item's bytes, in order.
+        cap_bytes: a bucket is closed once it holds this many bytes.
+        first_cap_bytes: the first bucket's cap (None: ``cap_bytes``); DDP starts with 1 MB so
+            communication begins early.
+
+    Raises:
+        ValueError: for a cap that is not positive.
+    """
+    for cap in (cap_bytes, first_cap_bytes):
+        if cap is not None and not cap > 0:
+            raise ValueError(f"bucket cap must be > 0 bytes, got {cap}")
+    groups: list[list[int]] = []
+    current: list[int] = []
+    filled = 0.0
+    for index, size in enumerate(sizes):
+        current.append(index)
+        filled += size
+        limit = first_cap_bytes if (first_cap_bytes is not None and not groups) else cap_bytes
+        if filled >= limit:
+            groups.append(current)
+            current, filled = [], 0.0
+    if current:
+        groups.append(current)
+    return groups
+
+
 def plan_fixed(
     tensors: Sequence[ReadyTensor],
     cost: CostModel,
@@ -380,22 +550,8 @@ def plan_fixed(
     Raises:
         ValueError: for a cap that is not positive.
     """
-    if cap_bytes <= 0:
-        raise ValueError(f"bucket cap must be > 0 bytes, got {cap_bytes}")
-    groups: list[list[int]] = []
-    current: list[int] = []
-    filled = 0
-    for index, tensor in enumerate(tensors):
-        current.append(index)
-        filled += tensor.nbytes
-        limit = first_cap_bytes if (first_cap_bytes is not None and not groups) else cap_bytes
-        if filled >= limit:
-            groups.append(current)
-            current, filled = [], 0
-    if current:
-        groups.append(current)
     return schedule(
-        groups,
+        pack_by_cap([tensor.nbytes for tensor in tensors], cap_bytes, first_cap_bytes),
         tensors,
         cost,
         backward_s=backward_s,

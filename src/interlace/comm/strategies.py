@@ -1,7 +1,8 @@
 """The data-parallel strategies by name: one table for DataParallel, training and the simulator.
 
-A name (``mgwfbp``, ``fixed``, ``horovod``, ...) stands for a bucket planner and its arguments;
-``ddp`` is PyTorch's own DistributedDataParallel, which the runtime runs but does not plan.
+A name (``mgwfbp``, ``fixed``, ``overlap``, ...) stands for a bucket planner and its arguments;
+``ddp``, ``ddp-100mb`` and ``fsdp2`` are torch's own wrappers, which the runtime runs but does not
+plan.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from interlace.comm.cost import CostModel
-from interlace.comm.plan import Bucketing, Plan, ReadyTensor, make_plan
+from interlace.comm.overlap import Overlap, overlap_candidates
+from interlace.comm.plan import Bucketing, Gate, Plan, ReadyTensor, make_plan
 from interlace.errors import UsageError
 
 #: Other names DataParallel accepts for a bucketing: the strategies' names and the papers'.
@@ -51,14 +53,16 @@ class Strategy:
 
     Args:
         name: the name ``--strategy``, ``--strategies`` and the JSON rows use.
-        bucketing: the planner (a :class:`Bucketing` or its string); None for ``ddp``
-            (torch's DistributedDataParallel, which buckets by itself).
+        bucketing: the planner (a :class:`Bucketing` or its string); None for torch's own
+            wrappers (``torch_wrapper``), which bucket by themselves.
         description: one line saying what the strategy is.
-        cap_bytes: the cap of ``fixed`` buckets.
+        cap_bytes: the cap of ``fixed`` buckets (and of torch DDP's, for ``ddp-100mb``).
         first_cap_bytes: the first ``fixed`` bucket's cap (None: ``cap_bytes``).
         channels: process groups the buckets travel on.
         partition_bytes: buckets above this are split across channels (None: never).
         runtime: whether the training job and ``interlace bench dp`` run it by this name.
+        overlap: what its all-reduces may overlap (``forward``: on into the next forward).
+        torch_wrapper: ``"ddp"`` or ``"fsdp2"`` for torch's own wrappers, None for interlace's.
     """
 
     name: str
@@ -69,6 +73,8 @@ class Strategy:
     channels: int = 1
     partition_bytes: float | None = None
     runtime: bool = False
+    overlap: Overlap = Overlap.BACKWARD
+    torch_wrapper: str | None = None
 
     def __post_init__(self) -> None:
         if self.bucketing is not None:
@@ -82,6 +88,8 @@ class Strategy:
         *,
         backward_s: float,
         forward_s: float,
+        gates: Sequence[Gate] = (),
+        step_s: float = 0.0,
     ) -> Plan:
         """This strategy's plan for ``tensors`` (in ready order) under ``cost``.
 
@@ -90,12 +98,29 @@ class Strategy:
             cost: the price of an all-reduce.
             backward_s: when backward ends.
             forward_s: the forward pass, added to the predicted iteration time.
+            gates: the next forward's gates (``overlap="forward"``: the fastest predicted
+                overlap plan, as DataParallel's planner makes it, is returned).
+            step_s: the optimizer step.
 
         Raises:
-            ValueError: for ``ddp``, which interlace does not plan.
+            ValueError: for torch's own wrappers, which interlace does not plan, or an overlap
+                strategy without gates.
         """
         if self.bucketing is None:
             raise ValueError(f"{self.name!r} buckets by itself; interlace has no plan for it")
+        if self.overlap is Overlap.FORWARD:
+            if not gates:
+                raise ValueError(f"{self.name!r} overlaps the next forward: it needs its gates")
+            _, best = overlap_candidates(
+                tensors,
+                gates,
+                cost,
+                forward_s=forward_s,
+                backward_s=backward_s,
+                step_s=step_s,
+                channels=self.channels,
+            )[0]
+            return best
         return make_plan(
             self.bucketing,
             tensors,
@@ -121,6 +146,21 @@ STRATEGIES: dict[str, Strategy] = {
             "torch DistributedDataParallel, 25 MB buckets (1 MB first)",
             first_cap_bytes=1e6,
             runtime=True,
+            torch_wrapper="ddp",
+        ),
+        Strategy(
+            "ddp-100mb",
+            None,
+            "torch DistributedDataParallel with bucket_cap_mb=100",
+            cap_bytes=100e6,
+            runtime=True,
+            torch_wrapper="ddp",
+        ),
+        Strategy(
+            "fsdp2",
+            None,
+            "torch FSDP2 (fully_shard per layer, reshard_after_forward=False)",
+            torch_wrapper="fsdp2",
         ),
         Strategy(
             "single",
@@ -154,6 +194,13 @@ STRATEGIES: dict[str, Strategy] = {
             "exact best contiguous bucketing (dynamic programming)",
             runtime=True,
         ),
+        Strategy(
+            "overlap",
+            Bucketing.MERGED,
+            "all-reduces on into the next forward, most urgent first (overlap='forward')",
+            runtime=True,
+            overlap=Overlap.FORWARD,
+        ),
         Strategy("mgwfbp/k=2", Bucketing.MERGED, "MG-WFBP on 2 channels (AIACC)", channels=2),
         Strategy("wfbp/k=4", Bucketing.PER_TENSOR, "WFBP on 4 channels (AIACC)", channels=4),
     )
@@ -162,6 +209,17 @@ STRATEGIES: dict[str, Strategy] = {
 #: The names the training job, ``interlace profile`` and ``interlace bench dp`` run.
 RUNTIME_STRATEGIES: tuple[str, ...] = tuple(
     name for name, strategy in STRATEGIES.items() if strategy.runtime
+)
+
+#: What ``interlace bench dp`` runs: the runtime strategies and torch's FSDP2, a peer measured
+#: beside them (its sharded parameters and checkpoints are not the training job's).
+BENCH_STRATEGIES: tuple[str, ...] = (
+    *RUNTIME_STRATEGIES,
+    *(
+        name
+        for name, strategy in STRATEGIES.items()
+        if strategy.torch_wrapper is not None and not strategy.runtime
+    ),
 )
 
 #: The strategies interlace plans, hence the ones the simulator can replay.

@@ -1,0 +1,373 @@
+"""Forward-overlap plans: all-reduces that run on into the next forward, most urgent first.
+
+Pure functions. A plan's gates are the points of the next forward that wait for parameters (a
+layer about to run); the runtime and the simulator execute the :class:`~interlace.comm.plan.Plan`
+made here (why all-reduces rather than reduce-scatter + all-gather: docs/notes/dp.md).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from interlace.comm.cost import CostModel
+from interlace.comm.plan import (
+    ChannelClock,
+    Gate,
+    Launch,
+    PlacedSlice,
+    Plan,
+    ReadyTensor,
+    bucket_of,
+    pack_by_cap,
+    plan_merged,
+)
+
+
+class Overlap(str, enum.Enum):
+    """What the all-reduces of an iteration may overlap; a member or its string works."""
+
+    #: Backward only: ``loss.backward()`` returns with the gradients averaged (DDP's way).
+    BACKWARD = "backward"
+    #: Backward and the next forward: each layer waits for its own parameters' averages and
+    #: updates, right before it runs.
+    FORWARD = "forward"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: Slice sizes (bytes) weighed for cutting large buckets, besides not cutting them: an urgent
+#: bucket then waits behind at most one slice of a big one.
+SLICE_CANDIDATES_BYTES = (1e6, 4e6)
+#: Start-up factors of the merge rule weighed as the buckets of an overlap plan.
+MERGE_SCALES = (1.0, 4.0)
+#: Byte caps (with a 1 MB first bucket) weighed as the buckets of an overlap plan.
+CAP_CANDIDATES_BYTES = (5e6, 10e6, 25e6)
+
+
+@dataclass(frozen=True)
+class GateTiming:
+    """A gate as profiled: its name, the tensors waiting there and when forward reaches it.
+
+    Args:
+        name: The gate's name (a module's).
+        tensors: The tensors that wait there, as the caller indexes them.
+        start_s: Seconds from the start of the forward to the gate.
+    """
+
+    name: str
+    tensors: tuple[int, ...]
+    start_s: float
+
+
+def gates_from_timings(
+    timings: Sequence[GateTiming], position: Sequence[int], forward_s: float
+) -> list[Gate]:
+    """Plan gates from profiled ones: tensors renumbered, each stretch up to the next gate.
+
+    Args:
+        timings: The profiled gates, in forward order.
+        position: Each tensor's index in the plan's ready order, by the timings' numbering.
+        forward_s: The whole forward (the last gate's stretch ends there).
+    """
+    gates: list[Gate] = []
+    for number, gate in enumerate(timings):
+        end = timings[number + 1].start_s if number + 1 < len(timings) else forward_s
+        gates.append(
+            Gate(
+                gate.name,
+                tuple(sorted(position[i] for i in gate.tensors)),
+                max(end - gate.start_s, 0.0),
+            )
+        )
+    return gates
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A slice of a bucket as the launch order lists it.
+
+    Args:
+        bucket: The bucket's index.
+        part: Which slice (from 0).
+        parts: How many slices the bucket is cut into.
+        nbytes: The slice's bytes.
+    """
+
+    bucket: int
+    part: int
+    parts: int
+    nbytes: int
+
+
+def first_needs(groups: Sequence[Sequence[int]], gates: Sequence[Gate], count: int) -> list[int]:
+    """For each bucket, the position of the first gate that waits for one of its tensors
+    (``len(gates)`` for a bucket no gate waits for).
+
+    Args:
+        groups: The buckets, as indices into the ready order.
+        gates: The next forward's gates, in forward order.
+        count: How many tensors there are.
+    """
+    gate_of = [len(gates)] * count
+    for position, gate in reversed(list(enumerate(gates))):
+        for index in gate.tensors:
+            gate_of[index] = position
+    return [min(gate_of[index] for index in group) for group in groups]
+
+
+def units_of(nbytes: Sequence[int], slice_bytes: float | None) -> list[list[Unit]]:
+    """Each bucket cut into slices of at most ``slice_bytes`` (None: one slice each).
+
+    Args:
+        nbytes: Each bucket's bytes.
+        slice_bytes: The largest slice.
+    """
+    cut: list[list[Unit]] = []
+    for bucket, size in enumerate(nbytes):
+        parts = 1 if slice_bytes is None else max(math.ceil(size / slice_bytes), 1)
+        sizes = [size // parts + (1 if k < size % parts else 0) for k in range(parts)]
+        cut.append([Unit(bucket, k, parts, sizes[k]) for k in range(parts)])
+    return cut
+
+
+def plan_overlap(
+    tensors: Sequence[ReadyTensor],
+    gates: Sequence[Gate],
+    cost: CostModel,
+    *,
+    groups: Sequence[Sequence[int]],
+    forward_s: float,
+    backward_s: float | None = None,
+    step_s: float = 0.0,
+    channels: int = 1,
+    slice_bytes: float | None = None,
+    strategy: str = "overlap",
+) -> Plan:
+    """``groups`` sent most urgent first, on into the next forward, which waits at its gates.
+
+    Whenever a channel frees up, the slice sent next is the ready one whose bucket the next
+    forward needs first (ties: ready order); with nothing ready, the next to become ready. The
+    runtime issues the slices in exactly this order, each once its bucket is complete and the
+    one before it is out, so every rank issues the same collectives in the same order.
+
+    The next forward starts when backward ends; each gate waits until every bucket holding
+    one of its tensors has arrived, then applies their update (``step_s`` shared by bytes) and
+    computes up to the next gate. Buckets no gate waits for are waited for, and updated, at
+    the end of the forward.
+
+    Args:
+        tensors: The tensors in ready order.
+        gates: The next forward's gates, in forward order (tensor indices into ``tensors``).
+        cost: The price of an all-reduce.
+        groups: The buckets, as indices into ``tensors`` (contiguous ones, as the planners of
+            :mod:`interlace.comm.plan` make).
+        forward_s: The whole forward pass; what precedes the first gate is its part not
+            covered by the gates' own stretches.
+        backward_s: When backward ends (default: when the last tensor is ready).
+        step_s: The optimizer step over every tensor.
+        channels: How many channels.
+        slice_bytes: Buckets are cut into slices of at most this many bytes (None: never).
+        strategy: The name the plan carries.
+
+    Raises:
+        ValueError: For groups that do not cover the tensors, gates naming unknown tensors, or
+            a slice size that is not positive.
+    """
+    if slice_bytes is not None and not slice_bytes > 0:
+        raise ValueError(f"slice_bytes must be > 0 (or None), got {slice_bytes}")
+    count = len(tensors)
+    flat = sorted(index for group in groups for index in group)
+    if flat != list(range(count)) or any(not group for group in groups):
+        raise ValueError("buckets must be non-empty and cover every tensor exactly once")
+    if any(not 0 <= index < count for gate in gates for index in gate.tensors):
+        raise ValueError("a gate names a tensor the plan does not have")
+    end_of_backward = max((t.ready_s for t in tensors), default=0.0)
+    backward_s = end_of_backward if backward_s is None else max(backward_s, end_of_backward)
+    ready = [max(tensors[i].ready_s for i in group) for group in groups]
+    sizes = [sum(tensors[i].nbytes for i in group) for group in groups]
+    needs = first_needs(groups, gates, count)
+    clock = ChannelClock(cost, channels)
+    launches: list[Launch] = []
+    pending = [unit for units in units_of(sizes, slice_bytes) for unit in units]
+    while pending:
+        now = max(clock.launched, min(clock.free))
+        ready_now = [u for u in pending if ready[u.bucket] <= now]
+        if not ready_now:
+            soonest = min(ready[u.bucket] for u in pending)
+            ready_now = [u for u in pending if ready[u.bucket] <= soonest]
+        unit = min(ready_now, key=lambda u: (needs[u.bucket], ready[u.bucket], u.bucket, u.part))
+        pending.remove(unit)
+        (piece,) = clock.place_slices(unit.nbytes, ready[unit.bucket], count=1)
+        launches.append(
+            Launch(
+                unit.bucket,
+                unit.part,
+                unit.parts,
+                unit.nbytes,
+                piece.channel,
+                piece.start_s,
+                piece.end_s,
+            )
+        )
+    buckets = []
+    for number, group in enumerate(groups):
+        mine = [launch for launch in launches if launch.bucket == number]
+        pieces = [PlacedSlice(u.channel, u.nbytes, u.start_s, u.end_s) for u in mine]
+        buckets.append(bucket_of(tuple(group), sizes[number], ready[number], pieces))
+    done = [bucket.end_s for bucket in buckets]
+    forward_end = gated_forward_end(
+        tensors,
+        gates,
+        groups,
+        done,
+        backward_end_s=backward_s,
+        forward_s=forward_s,
+        step_s=step_s,
+    )
+    return Plan(
+        strategy,
+        tuple(buckets),
+        backward_s,
+        forward_s,
+        cost,
+        tuple(tensors),
+        channels,
+        None,
+        launches=tuple(launches),
+        gates=tuple(gates),
+        step_s=step_s,
+        forward_end_s=forward_end,
+    )
+
+
+def gated_forward_end(
+    tensors: Sequence[ReadyTensor],
+    gates: Sequence[Gate],
+    groups: Sequence[Sequence[int]],
+    done_s: Sequence[float],
+    *,
+    backward_end_s: float,
+    forward_s: float,
+    step_s: float,
+) -> float:
+    """When the next forward ends if it starts at ``backward_end_s`` and bucket ``b`` arrives at
+    ``done_s[b]``: each gate waits for its buckets, applies their update, computes on.
+
+    Args:
+        tensors: The tensors in ready order.
+        gates: The gates, in forward order.
+        groups: The buckets, as indices into ``tensors``.
+        done_s: When each bucket's last slice ends.
+        backward_end_s: When backward ends (the forward starts then).
+        forward_s: The whole forward.
+        step_s: The optimizer step over every tensor, spread by bytes.
+    """
+    bucket_of_tensor = [0] * len(tensors)
+    for number, group in enumerate(groups):
+        for index in group:
+            bucket_of_tensor[index] = number
+    total = sum(t.nbytes for t in tensors) or 1
+    applied = [False] * len(tensors)
+    head = max(forward_s - sum(gate.forward_s for gate in gates), 0.0)
+    now = backward_end_s + head
+    for gate in gates:
+        fresh = [i for i in gate.tensors if not applied[i]]
+        now = max([now, *(done_s[bucket_of_tensor[i]] for i in fresh)])
+        for index in fresh:
+            applied[index] = True
+        now += step_s * sum(tensors[i].nbytes for i in fresh) / total + gate.forward_s
+    rest = [i for i in range(len(tensors)) if not applied[i]]
+    if rest:
+        now = max([now, *(done_s[bucket_of_tensor[i]] for i in rest)])
+        now += step_s * sum(tensors[i].nbytes for i in rest) / total
+    return now
+
+
+def overlap_groupings(
+    tensors: Sequence[ReadyTensor], gates: Sequence[Gate], cost: CostModel
+) -> dict[str, list[list[int]]]:
+    """The bucketings an overlap plan is weighed with, by label: the merge rule (fewer
+    start-ups), one bucket per gate (each layer on its own) and byte caps with a 1 MB first
+    bucket (:data:`CAP_CANDIDATES_BYTES`; few start-ups, the early layers apart).
+
+    Args:
+        tensors: The tensors in ready order.
+        gates: The next forward's gates.
+        cost: The price of an all-reduce.
+    """
+    found: dict[str, list[list[int]]] = {}
+    for scale in MERGE_SCALES:
+        scaled = CostModel(cost.a * scale, cost.b, cost.concurrency)
+        label = "merged" if scale == 1 else f"merged, start-up x{scale:g}"
+        found[label] = plan_merged(tensors, scaled).groups
+    found["per gate"] = per_gate_groups(len(tensors), gates)
+    sizes = [t.nbytes for t in tensors]
+    for cap in CAP_CANDIDATES_BYTES:
+        found[f"{cap / 1e6:g} MB caps"] = pack_by_cap(sizes, cap, min(cap, 1e6))
+    return found
+
+
+def overlap_candidates(
+    tensors: Sequence[ReadyTensor],
+    gates: Sequence[Gate],
+    cost: CostModel,
+    *,
+    forward_s: float,
+    backward_s: float | None = None,
+    step_s: float = 0.0,
+    channels: int = 1,
+) -> list[tuple[str, Plan]]:
+    """Every grouping of :func:`overlap_groupings` with every slice size, fastest predicted
+    first: ``(label, plan)``.
+
+    Args:
+        tensors: The tensors in ready order.
+        gates: The next forward's gates, in forward order.
+        cost: The price of an all-reduce.
+        forward_s: The whole forward pass.
+        backward_s: When backward ends (default: when the last tensor is ready).
+        step_s: The optimizer step over every tensor.
+        channels: How many channels.
+    """
+    found: list[tuple[str, Plan]] = []
+    for label, groups in overlap_groupings(tensors, gates, cost).items():
+        for slice_bytes in (None, *SLICE_CANDIDATES_BYTES):
+            plan = plan_overlap(
+                tensors,
+                gates,
+                cost,
+                groups=groups,
+                forward_s=forward_s,
+                backward_s=backward_s,
+                step_s=step_s,
+                channels=channels,
+                slice_bytes=slice_bytes,
+            )
+            sliced = "" if slice_bytes is None else f", {slice_bytes / 1e6:g} MB slices"
+            found.append((f"overlap: {label}{sliced}", plan))
+    # sorted() is stable: among equals the earlier family (fewer launches) stays first.
+    return sorted(found, key=lambda item: item[1].iteration_s)
+
+
+def per_gate_groups(count: int, gates: Sequence[Gate]) -> list[list[int]]:
+    """Consecutive tensors cut wherever the gate that first waits for them changes.
+
+    Args:
+        count: How many tensors (in ready order).
+        gates: The gates.
+    """
+    gate_of = [len(gates)] * count
+    for position, gate in reversed(list(enumerate(gates))):
+        for index in gate.tensors:
+            gate_of[index] = position
+    groups: list[list[int]] = []
+    for index in range(count):
+        if groups and gate_of[groups[-1][-1]] == gate_of[index]:
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+    return groups
