@@ -21,20 +21,18 @@ from torch.utils._pytree import tree_leaves
 from interlace.clock import StreamClock
 from interlace.comm.agree import check_agreement, describe_tensors
 from interlace.comm.calibrate import fit_concurrency, fit_cost_model
-from interlace.comm.channels import (
-    Channels,
-    assignment_of,
-    check_same_everywhere,
-)
+from interlace.comm.channels import Channels, check_same_everywhere, layout_of
 from interlace.comm.choose import Candidate, Timings, candidate_plans, settle_trials
 from interlace.comm.cost import CostModel
 from interlace.comm.engine import BucketEngine
 from interlace.comm.hooks import CommHook, HookSpec, layout_changed
+from interlace.comm.overlap import GateTiming, Overlap
 from interlace.comm.plan import Bucketing, Plan
-from interlace.comm.tuning import PlanTrials
 from interlace.distenv import collective_device
-from interlace.dp.iteration import CommEvent, DevicePass, ProfiledPasses, iteration_timeline
+from interlace.dp.iteration import CommEvent, DevicePass, iteration_timeline
+from interlace.dp.lifecycle import Due, Lifecycle
 from interlace.dp.options import cost_model_kind, plan_request, trainable_parameters
+from interlace.dp.overlap import ForwardOverlap
 from interlace.dp.plan_state import plan_from_dict, plan_state_of
 from interlace.dp.replicas import BufferBroadcast, broadcast_from_first
 from interlace.errors import UsageError
@@ -47,7 +45,8 @@ class DataParallel(nn.Module):
     """Wrap ``module`` for data-parallel training over ``process_group`` (default: the world).
 
     Used like :class:`torch.nn.parallel.DistributedDataParallel`: forward, ``loss.backward()``
-    returns with gradients averaged over the ranks, ``no_sync()`` accumulates.
+    returns with gradients averaged over the ranks, ``no_sync()`` accumulates. With
+    ``overlap="forward"`` the averages run on into the next forward instead (see ``overlap``).
 
     Args:
         module: the model, already on this rank's device.
@@ -76,6 +75,17 @@ class DataParallel(nn.Module):
             weighed (the cost model's plan, the merge rule with larger start-ups, DDP's
             buckets, and with ``channels="auto"`` the best plan for each channel count); the
             fastest measured is kept. 0 keeps the cost model's plan untried.
+        overlap: an :class:`~interlace.comm.overlap.Overlap` or its string. ``"backward"``
+            (default): all-reduces overlap backward, which returns with the gradients averaged.
+            ``"forward"``: they may also run on into the next forward. ``loss.backward()``
+            then returns at once; ``optimizer.step()`` (any ``torch.optim`` optimizer) is
+            deferred per parameter, and each layer of the next forward waits for its own
+            parameters' averages and applies their update right before it runs, while the
+            all-reduces the later layers need are still in flight, the ones needed first sent
+            first. Code that reads gradients before the step (``clip_grad_norm_``, a
+            ``GradScaler``, K-FAC) or parameters after it (an EMA, a checkpoint) gets the
+            averaged values: it waits for every all-reduce first, as without the overlap.
+            The trials keep a backward-only plan where the overlap is measured slower.
 
     Raises:
         UsageError: for a bad setting, an uninitialised process group, a model without
@@ -98,6 +108,7 @@ class DataParallel(nn.Module):
         partition_mb: float | str | None = "auto",
         compression: str | None = None,
         tune_steps: int = 2,
+        overlap: Overlap | str = Overlap.BACKWARD,
     ) -> None:
         super().__init__()
         if not isinstance(broadcast_buffers, bool):
@@ -116,10 +127,12 @@ class DataParallel(nn.Module):
             compression=compression,
             tune_steps=tune_steps,
             profile_steps=profile_steps,
+            overlap=overlap,
         )
         named = trainable_parameters(module)
         self.module = module
         self.bucketing = self._request.bucketing
+        self.overlap = self._request.overlap
         self.bucket_cap_bytes = self._request.cap_bytes
         self.first_bucket_cap_bytes = self._request.first_cap_bytes
         self.process_group = process_group
@@ -129,8 +142,6 @@ class DataParallel(nn.Module):
         self.compression = compression
         self.tune_steps = tune_steps
         self.profile_steps = profile_steps or (5 if self.bucketing is Bucketing.MERGED else 1)
-        self.plan: Plan | None = None
-        self._order: tuple[int, ...] = ()
         self.channel_choice = ""
         """Why the plan uses the channels it does (set when planned)."""
         self.tuning_summary = ""
@@ -161,6 +172,7 @@ class DataParallel(nn.Module):
                 "partition_mb": partition_mb,
                 "compression": compression,
                 "cost_model": cost_model_kind(cost_model),
+                "overlap": self.overlap,
             },
             {
                 **describe_tensors("parameter", named),
@@ -171,6 +183,9 @@ class DataParallel(nn.Module):
         broadcast_from_first([*self._params, *module.buffers()], process_group)
         self._buffer_sync = BufferBroadcast(module, process_group)
         self._channels = Channels(self._request.channel_groups, process_group)
+        self._lifecycle = Lifecycle(self.profile_steps)
+        self._candidates: list[Candidate] = []
+        self._in_use: Candidate | None = None
         # Until profiling is over: everything in one bucket, sent after backward.
         self._engine = BucketEngine(
             self._params,
@@ -180,19 +195,12 @@ class DataParallel(nn.Module):
             compression=compression,
         )
         self._hook: HookSpec | None = None
-        self._init_iteration_state()
-        for index, param in enumerate(self._params):
-            param.register_post_accumulate_grad_hook(self._make_hook(index))
-
-    def _init_iteration_state(self) -> None:
-        self._candidates: list[Candidate] = []
-        self._trials: PlanTrials | None = None
-        self._entered = 0.0
-        self._timed_from: float | None = None
+        self._overlap = (
+            ForwardOverlap(module, self._params) if self.overlap is Overlap.FORWARD else None
+        )
         self._sync = True
         self._in_backward = False
-        self._backward_passes = 0
-        self._profiled = ProfiledPasses()
+        self._entered = 0.0
         self._forward_start = 0.0
         self._forward_s = 0.0
         self._backward_start: float | None = None
@@ -202,33 +210,44 @@ class DataParallel(nn.Module):
         self._device_pass: DevicePass | None = None
         self._record = False
         self._comm_events: list[CommEvent] = []
+        for index, param in enumerate(self._params):
+            param.register_post_accumulate_grad_hook(self._make_hook(index))
+        if self._overlap is not None:
+            self._overlap.timing_steps = True
 
     # ------------------------------------------------------------------ public API
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; the backward of its output averages the gradients over the ranks."""
         entered = time.perf_counter()
-        if self._plan_due():
-            self._replan()
-        elif self._trials is not None:
-            self._tune(entered)
+        training = torch.is_grad_enabled() and self.module.training
+        due = self._lifecycle.at_forward(entered, training=training, sync=self._sync)
+        if due is Due.PLAN:
+            self._plan()
+        elif due is Due.SWITCH:
+            self._use(self._lifecycle.candidate, announce=False)
+        elif due is Due.DECIDE:
+            self._decide()
         self._entered = entered
-        syncs_buffers = self.broadcast_buffers and torch.is_grad_enabled() and self.module.training
+        syncs_buffers = self.broadcast_buffers and training
         if syncs_buffers:
             self._buffer_sync.receive()
         elif self.module.training:
             # A training-mode pass without gradients may update the buffers too: the snapshot
             # in flight would be stale, so the next training forward broadcasts afresh.
             self._buffer_sync.discard()
-        profiling = self.plan is None and torch.is_grad_enabled() and self._sync
+        profiling = self._lifecycle.profiling and torch.is_grad_enabled() and self._sync
         self._device_pass = (
             DevicePass(self._clock, len(self._params))
             if profiling and self._clock.uses_events
             else None
         )
         self._forward_start = time.perf_counter()
-        output = self.module(*inputs, **kwargs)
+        output = self._run_module(inputs, kwargs, profiling)
         self._forward_s = time.perf_counter() - self._forward_start
+        if self._overlap is not None:
+            # Parameters no gate waited for (unused in this forward): their averages too.
+            self._overlap.complete()
         if self._device_pass is not None:
             self._device_pass.forward_ended()
         if syncs_buffers:
@@ -239,6 +258,30 @@ class DataParallel(nn.Module):
                 if tensor.requires_grad:
                     tensor.register_hook(self._mark_backward_start)
         return output
+
+    def _run_module(self, inputs: tuple[Any, ...], kwargs: dict[str, Any], profiling: bool) -> Any:
+        """The module's forward; while profiling with ``overlap="forward"``, its gates timed
+        (and, the first time, where each parameter is used checked)."""
+        overlap = self._overlap
+        if overlap is None or not profiling:
+            return self.module(*inputs, **kwargs)
+        gates = overlap.gates
+        gates.time_pass(self._forward_start)
+        try:
+            if self._lifecycle.warming_up:
+                with gates.check():
+                    return self.module(*inputs, **kwargs)
+            return self.module(*inputs, **kwargs)
+        finally:
+            gates.stop_timing()
+
+    def synchronize(self) -> None:
+        """Wait for every all-reduce still in flight and apply the optimizer updates deferred
+        until then (``overlap="forward"``; nothing to do otherwise). Code that reads gradients
+        or parameters gets there by itself; this is for timing a step, or before handing the
+        model to code that bypasses torch's operators."""
+        if self._overlap is not None:
+            self._overlap.complete()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -269,16 +312,17 @@ class DataParallel(nn.Module):
             hook: the hook.
 
         Raises:
-            UsageError: when a hook is registered already, when a backward pass has run, or
-                with ``compression`` or ``channels`` other than 1 (a hook sends the bucket
-                itself, so interlace's own compression and channels would not apply).
+            UsageError: when a hook is registered already, when a backward pass has run, with
+                ``compression`` or ``channels`` other than 1 (a hook sends the bucket itself,
+                so interlace's own compression and channels would not apply), or with
+                ``overlap="forward"`` (a hook's future is waited for at the end of backward).
         """
         if self._hook is not None:
             raise UsageError(
                 "register_comm_hook can only be called once; build a new DataParallel to "
                 "use another hook"
             )
-        if self._backward_passes > 0:
+        if not self._lifecycle.fresh:
             raise UsageError(
                 "register_comm_hook must be called before the first backward pass; register "
                 "the hook right after wrapping the model"
@@ -293,6 +337,11 @@ class DataParallel(nn.Module):
             raise UsageError(
                 f"channels={self.channels_requested!r} cannot be combined with a communication "
                 "hook, which sends each bucket itself; wrap with channels=1"
+            )
+        if self.overlap is Overlap.FORWARD:
+            raise UsageError(
+                "a communication hook's future is waited for at the end of backward, so it "
+                "cannot run on into the next forward; wrap with overlap='backward' to use one"
             )
         if not callable(hook):
             raise UsageError(f"hook must be callable as hook(state, bucket), got {hook!r}")
@@ -314,9 +363,14 @@ class DataParallel(nn.Module):
         self._engine.recorder = self._on_comm if enabled else None
 
     @property
+    def plan(self) -> Plan | None:
+        """The plan whose buckets are in use (None while profiling)."""
+        return None if self._in_use is None else self._in_use.plan
+
+    @property
     def planning_done(self) -> bool:
         """Whether the buckets are final: planned, and the candidate plans tried if any were."""
-        return self.plan is not None and self._trials is None
+        return self._lifecycle.settled
 
     @property
     def last_forward_start(self) -> float:
@@ -336,7 +390,7 @@ class DataParallel(nn.Module):
 
     @property
     def buckets(self) -> list[list[str]]:
-        """The parameters of each bucket in use, in launch order (a bucket mixing dtypes counts
+        """The parameters of each bucket in use, in plan order (a bucket mixing dtypes counts
         as one per dtype)."""
         return [[self._names[i] for i in group] for group in self._engine.groups]
 
@@ -347,10 +401,11 @@ class DataParallel(nn.Module):
 
     def plan_state(self) -> dict[str, Any] | None:
         """The final plan as plain data (for a checkpoint); None while profiling or on trial."""
-        if not self.planning_done or self.plan is None:
+        candidate = self._in_use
+        if not self.planning_done or candidate is None:
             return None
         return plan_state_of(
-            self._names, self._order, self.plan, self.channel_choice, self.tuning_summary
+            self._names, candidate.order, candidate.plan, self.channel_choice, self.tuning_summary
         )
 
     def load_plan_state(self, state: Mapping[str, Any]) -> None:
@@ -362,7 +417,8 @@ class DataParallel(nn.Module):
 
         Raises:
             UsageError: when the plan is for other parameters or more channels than this
-                wrapper has, or ranks load different plans.
+                wrapper has, runs on into the forward without ``overlap="forward"``, or ranks
+                load different plans.
         """
         if list(state["names"]) != self._names:
             raise UsageError(
@@ -375,12 +431,17 @@ class DataParallel(nn.Module):
                 f"the saved DataParallel plan uses {plan.channels} channels; this wrapper has "
                 f"{len(self._channels)} (pass channels={plan.channels} or 'auto')"
             )
-        self._profiled.clear()
-        self._trials = None
-        self._candidates = []
+        if plan.overlaps_forward and self._overlap is None:
+            raise UsageError(
+                "the saved DataParallel plan runs its all-reduces on into the next forward; "
+                "wrap with overlap='forward' to load it"
+            )
         if self._cost_model is None:
             self._cost_model = plan.cost
-        self._adopt(Candidate(plan, tuple(state["order"]), str(state.get("why", ""))))
+        candidate = Candidate(plan, tuple(state["order"]), str(state.get("why", "")))
+        self._lifecycle.settle(candidate)
+        self._candidates = []
+        self._use(candidate)
         self.tuning_summary = str(state.get("tuning_summary", ""))
 
     # ------------------------------------------------------------------ hooks
@@ -403,6 +464,9 @@ class DataParallel(nn.Module):
         return hook
 
     def _mark_backward_start(self, grad: torch.Tensor) -> None:
+        if self._overlap is not None and self._overlap.pending:
+            # Before autograd accumulates into the gradients the averages are still owed to.
+            self._overlap.complete()
         now = time.perf_counter()
         if self._backward_start is None or now < self._backward_start:
             self._backward_start = now
@@ -414,6 +478,13 @@ class DataParallel(nn.Module):
         if self._device_pass is not None:
             self._device_pass.backward_ended()
         self._in_backward = False
+        plan = self.plan
+        if plan is not None and plan.overlaps_forward and self._overlap is not None:
+            # Everything goes out now; the next forward applies each average where it is needed.
+            self._engine.close()
+            self._overlap.begin(self._engine)
+            self._after_backward(backward_end)
+            return
         averaged = self._engine.finish()
         targets: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
@@ -434,20 +505,16 @@ class DataParallel(nn.Module):
 
     def _after_backward(self, backward_end: float) -> None:
         start = self._backward_start if self._backward_start is not None else backward_end
-        self._backward_passes += 1
-        if self.plan is None and self._backward_passes > 1:
-            # Pass 1 is a warm-up (allocator, lazy init); later ones are measured.
-            if self._device_pass is not None:
-                # Waits for this pass's last event: profiling passes only, a few per run.
-                self._profiled.add(*self._device_pass.seconds())
-            else:
-                self._profiled.add(
-                    self._forward_s, backward_end - start, [t - start for t in self._ready_times]
-                )
+        if self._device_pass is not None:
+            # Waits for this pass's last event: profiling passes only, a few per run.
+            self._lifecycle.passed(*self._device_pass.seconds())
+        else:
+            self._lifecycle.passed(
+                self._forward_s, backward_end - start, [t - start for t in self._ready_times]
+            )
         self._device_pass = None
-        if self._trials is not None:
-            # The iteration that began at this forward synchronised: the next forward ends it.
-            self._timed_from = self._entered
+        # The iteration that began at this forward synchronised: the next forward ends it.
+        self._lifecycle.synchronised(self._entered)
         if self._record:
             self.last_timeline = iteration_timeline(
                 f"DataParallel ({self.bucketing})",
@@ -469,20 +536,22 @@ class DataParallel(nn.Module):
 
     # ------------------------------------------------------------------ planning
 
-    def _plan_due(self) -> bool:
-        return self.plan is None and len(self._profiled) >= self.profile_steps and self._sync
-
-    def _replan(self) -> None:
-        """Take the slowest rank's timings, plan on rank 0, share the plan, rebuild buckets."""
+    def _plan(self) -> None:
+        """Take the slowest rank's timings, plan on rank 0, share the candidates, use the first."""
+        medians = self._lifecycle.profiled_medians()
+        gates = [] if self._overlap is None else self._overlap.gates.offsets()
+        step_s = 0.0 if self._overlap is None else self._overlap.step_s()
         timings = torch.tensor(
-            self._profiled.medians(),
+            [*medians, *(offset for _, offset in gates), step_s],
             dtype=torch.float64,
             device=collective_device(self.process_group),
         )
         # The slowest rank's times: a bucket's all-reduce completes only once every rank has
         # produced it, so the plan must fit the rank that gets there last.
         dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=self.process_group)
-        forward_s, backward_s, *ready = timings.tolist()
+        forward_s, backward_s, *rest = timings.tolist()
+        ready = rest[: len(self._params)]
+        offsets = rest[len(self._params) : -1]
         device = self._params[0].device
         if self._cost_model is None:
             self._cost_model = fit_cost_model(self.process_group, device=device)
@@ -492,30 +561,38 @@ class DataParallel(nn.Module):
             )
         shared: list[Any] = [None]
         if self._rank == 0:
+            waits = {} if self._overlap is None else self._overlap.gates.waits
             measured = Timings(
                 tuple(self._names),
                 tuple(p.numel() * p.element_size() for p in self._params),
                 forward_s,
                 backward_s,
                 tuple(ready),
+                tuple(
+                    GateTiming(name, tuple(waits.get(name, ())), offset)
+                    for (name, _), offset in zip(gates, offsets, strict=True)
+                ),
+                rest[-1],
             )
             shared[0] = candidate_plans(self._request, measured, self._cost_model)
         dist.broadcast_object_list(shared, src=self._src, group=self.process_group)
         self._candidates = shared[0]
-        self._profiled.clear()
-        if len(self._candidates) > 1:
-            self._trials = PlanTrials([c.label for c in self._candidates], self.tune_steps)
-            # A candidate on trial is not a choice: nothing to announce until the trials end.
-            self._adopt(self._candidates[0], announce=False)
-        else:
-            self._adopt(self._candidates[0])
-            self._candidates = []
+        if self._overlap is not None:
+            self._overlap.timing_steps = False
+        first = self._lifecycle.try_candidates(self._candidates, self.tune_steps)
+        # A candidate on trial is not a choice: nothing to announce until the trials end.
+        self._use(first, announce=self._lifecycle.settled)
 
-    def _adopt(self, candidate: Candidate, *, announce: bool = True) -> None:
+    def _use(self, candidate: Candidate | None, *, announce: bool = True) -> None:
         """Rebuild the buckets for ``candidate`` (identical on every rank, checked), unless its
         plan is in use already; record and announce why it was chosen."""
-        if candidate.plan is not self.plan:
+        assert candidate is not None
+        if self._overlap is not None:
+            # The engine in use may still have averages in flight.
+            self._overlap.complete()
+        if self._in_use is None or candidate.plan is not self._in_use.plan:
             self._rebuild(candidate)
+        self._in_use = candidate
         why = candidate.why if announce else ""
         self.channel_choice = why
         if self._rank == 0 and why:
@@ -524,12 +601,11 @@ class DataParallel(nn.Module):
     def _rebuild(self, candidate: Candidate) -> None:
         plan = candidate.plan
         groups = candidate.groups
-        assignment = [list(bucket.channels) for bucket in plan.buckets]
         # The plan came from rank 0, so this holds unless a rank was built differently; if it
         # fails, every rank raises here instead of hanging on a collective later.
         check_same_everywhere(
-            (plan.channels, plan.partition_bytes, assignment_of(groups, assignment)),
-            "the channel plan (channels, partition threshold, bucket -> channel)",
+            (plan.channels, plan.partition_bytes, layout_of(groups, plan.launches)),
+            "the channel plan (channels, partition threshold, buckets and launches)",
             self.process_group,
         )
         recorder = self._engine.recorder
@@ -539,38 +615,19 @@ class DataParallel(nn.Module):
             groups,
             self.process_group,
             channels=self._channels.groups,
-            assignment=assignment,
+            launches=plan.launches,
             compression=self.compression,
             hook=self._hook,
         )
         self._engine.recorder = recorder
         if self._hook is not None and self._engine.groups != previous_groups:
             layout_changed(self._hook.state)
-        self.plan = plan
-        self._order = candidate.order
 
-    # ------------------------------------------------------------------ trials
-
-    def _tune(self, entered: float) -> None:
-        """At the start of a forward: time the iteration that just ended, and switch to the next
-        candidate (or the winner) when the trials say so. Every rank runs the same iterations,
-        so every rank switches at the same forward."""
-        assert self._trials is not None
-        if not (torch.is_grad_enabled() and self.module.training):
-            self._timed_from = None  # an evaluation pass in between: that span is not training
-            return
-        if self._timed_from is None or not self._sync:
-            return
-        seconds = entered - self._timed_from
-        self._timed_from = None
-        if not self._trials.record(seconds):
-            return
-        if not self._trials.finished:
-            self._adopt(self._candidates[self._trials.current], announce=False)
-            return
+    def _decide(self) -> None:
+        """The trials are over: keep the candidate the slowest rank measured fastest."""
         # The slowest rank's medians: an iteration is over only when every rank is done.
         medians = torch.tensor(
-            self._trials.medians(),
+            self._lifecycle.trial_medians(),
             dtype=torch.float64,
             device=collective_device(self.process_group),
         )
@@ -578,9 +635,9 @@ class DataParallel(nn.Module):
         outcome = settle_trials(self._candidates, medians.tolist(), self.channels_requested)
         self.tuning_summary = outcome.summary
         self.tuning_results = outcome.results
-        self._adopt(outcome.kept)
-        self._trials = None
+        self._lifecycle.settle(outcome.kept)
         self._candidates = []
+        self._use(outcome.kept)
         if self._rank == 0:
             logger.info("interlace.DataParallel: %s", self.tuning_summary)
 

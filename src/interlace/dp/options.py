@@ -12,6 +12,7 @@ from interlace.comm.channels import MAX_AUTO_CHANNELS
 from interlace.comm.choose import PlanRequest
 from interlace.comm.cost import CostModel
 from interlace.comm.engine import COMPRESSIONS
+from interlace.comm.overlap import Overlap
 from interlace.comm.plan import Bucketing
 from interlace.comm.strategies import bucketing_named
 from interlace.errors import UsageError
@@ -27,6 +28,7 @@ def plan_request(
     compression: str | None,
     tune_steps: int,
     profile_steps: int | None,
+    overlap: Overlap | str = Overlap.BACKWARD,
 ) -> PlanRequest:
     """DataParallel's settings, checked, as the plan choice takes them.
 
@@ -39,6 +41,7 @@ def plan_request(
         compression: A name of :data:`~interlace.comm.engine.COMPRESSIONS`, or None.
         tune_steps: Iterations spent measuring candidate plans.
         profile_steps: Profiling iterations, or None for the default.
+        overlap: What the all-reduces may overlap, or its name.
 
     Raises:
         UsageError: Naming the setting that is wrong and what it accepts.
@@ -72,6 +75,13 @@ def plan_request(
             f"tune_steps must be an integer >= 0 (0: keep the cost model's plan), "
             f"got {tune_steps!r}"
         )
+    try:
+        overlapping = Overlap(overlap)
+    except ValueError:
+        raise UsageError(
+            f"unknown overlap {overlap!r}; choose one of "
+            f"{', '.join(member.value for member in Overlap)}"
+        ) from None
     if profile_steps is not None and not (is_int(profile_steps) and profile_steps >= 1):
         raise UsageError(f"profile_steps must be an integer >= 1 or None, got {profile_steps!r}")
     if not dist.is_available() or not dist.is_initialized():
@@ -89,6 +99,7 @@ def plan_request(
         partition_mb=partition_mb,
         compression=compression,
         tune_steps=tune_steps,
+        overlap=overlapping,
     )
 
 

@@ -7,10 +7,11 @@ reads it; plain data loads with ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from interlace.comm.cost import CostModel
-from interlace.comm.plan import Bucket, Plan, ReadyTensor
+from interlace.comm.plan import Bucket, Gate, Launch, Plan, ReadyTensor, slice_sizes
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
@@ -45,6 +46,16 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         ],
         "channels": plan.channels,
         "partition_bytes": plan.partition_bytes,
+        "launches": [
+            [x.bucket, x.part, x.parts, x.nbytes, x.channel, x.start_s, x.end_s]
+            for x in plan.launches
+        ],
+        "gates": [
+            {"name": gate.name, "tensors": list(gate.tensors), "forward_s": gate.forward_s}
+            for gate in plan.gates
+        ],
+        "step_s": plan.step_s,
+        "forward_end_s": plan.forward_end_s,
     }
 
 
@@ -59,7 +70,7 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
         ValueError: for a field out of range (a negative cost, say).
     """
     cost = data["cost"]
-    return Plan(
+    plan = Plan(
         strategy=str(data["strategy"]),
         buckets=tuple(
             Bucket(
@@ -85,7 +96,28 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
         ),
         channels=int(data["channels"]),
         partition_bytes=None if data["partition_bytes"] is None else float(data["partition_bytes"]),
+        gates=tuple(
+            Gate(str(g["name"]), tuple(int(i) for i in g["tensors"]), float(g["forward_s"]))
+            for g in data.get("gates", ())
+        ),
+        step_s=float(data.get("step_s", 0.0)),
+        forward_end_s=float(data.get("forward_end_s", 0.0)),
     )
+    if "launches" in data:
+        launches = tuple(
+            Launch(int(b), int(k), int(n), int(size), int(c), float(start), float(end))
+            for b, k, n, size, c, start, end in data["launches"]
+        )
+    else:
+        # Saved before plans listed their launches: each bucket's slices at once, in order.
+        launches = tuple(
+            Launch(number, part, len(bucket.channels), size, channel, bucket.start_s, bucket.end_s)
+            for number, bucket in enumerate(plan.buckets)
+            for part, (channel, size) in enumerate(
+                zip(bucket.channels, slice_sizes(bucket.nbytes, len(bucket.channels)), strict=True)
+            )
+        )
+    return replace(plan, launches=launches)
 
 
 def plan_state_of(

@@ -1,0 +1,194 @@
+"""Where the next forward waits under ``overlap="forward"``: a pre-hook on each module that holds
+parameters, which waits for those parameters' averages and updates only when the module runs.
+
+A parameter waits at the modules that hold it, unless a checked forward saw it used outside
+their forwards (or saw them not run): then it waits at the start of the forward.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from interlace.dp.pending import METADATA
+
+__all__ = ["ROOT", "Gates"]
+
+#: The gate at the start of the forward (the wrapped module's own pre-hook).
+ROOT = ""
+
+
+class Gates:
+    """Forward pre-hooks on ``module`` and every submodule holding one of ``params``.
+
+    Args:
+        module: The wrapped model.
+        params: The parameters that may wait (DataParallel's, in registration order).
+        on_gate: Called with a gate's name each time its module is about to run.
+    """
+
+    def __init__(
+        self, module: nn.Module, params: Sequence[torch.Tensor], on_gate: Callable[[str], None]
+    ) -> None:
+        index = {id(param): number for number, param in enumerate(params)}
+        #: For each parameter, the modules that hold it directly, by name.
+        self.owners: list[list[str]] = [[] for _ in params]
+        modules: dict[str, nn.Module] = {}
+        for name, child in module.named_modules():
+            for param in child.parameters(recurse=False):
+                number = index.get(id(param))
+                if number is not None:
+                    self.owners[number].append(name)
+                    modules[name] = child
+        modules[ROOT] = module
+        self._modules = modules
+        self._on_gate = on_gate
+        #: Which parameters wait at each gate.
+        self.waits: dict[str, list[int]] = {}
+        self.assign(escaped=set(), ran=set(modules))
+        self._handles = [
+            child.register_forward_pre_hook(self._hook(name)) for name, child in modules.items()
+        ]
+        self._params = list(params)
+        self._timing = False
+        self._forward_start = 0.0
+        self._offsets: dict[str, list[float]] = {}
+        self._seen_this_pass: set[str] = set()
+
+    def assign(self, escaped: set[int], ran: set[str]) -> None:
+        """Decide where each parameter waits.
+
+        Args:
+            escaped: Parameters used outside the forwards of the modules holding them.
+            ran: Gates whose modules ran.
+        """
+        self.waits = {name: [] for name in self._modules}
+        for number, owners in enumerate(self.owners):
+            mine = [name for name in owners if name in ran and name != ROOT]
+            if number in escaped or not mine:
+                self.waits[ROOT].append(number)
+            else:
+                for name in mine:
+                    self.waits[name].append(number)
+
+    def remove(self) -> None:
+        """Take the hooks off."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        def hook(_module: nn.Module, _inputs: Any) -> None:
+            if self._timing and name not in self._seen_this_pass:
+                self._seen_this_pass.add(name)
+                self._offsets.setdefault(name, []).append(time.perf_counter() - self._forward_start)
+            self._on_gate(name)
+
+        return hook
+
+    # ------------------------------------------------------------------ profiling
+
+    def time_pass(self, forward_start: float) -> None:
+        """Time when each gate is first reached in the forward that starts now.
+
+        Args:
+            forward_start: ``time.perf_counter()`` at the forward's start.
+        """
+        self._timing = True
+        self._forward_start = forward_start
+        self._seen_this_pass = set()
+
+    def stop_timing(self) -> None:
+        """The timed forward is over."""
+        self._timing = False
+
+    def offsets(self) -> list[tuple[str, float]]:
+        """The gates reached in the timed forwards, in forward order: each with its median
+        offset (seconds from the forward's start) over the passes that reached it."""
+        medians = [(name, statistics.median(times)) for name, times in self._offsets.items()]
+        return sorted(medians, key=lambda item: item[1])
+
+    def clear_timing(self) -> None:
+        """Forget the timed passes."""
+        self._offsets = {}
+
+    def check(self) -> UseCheck:
+        """A context manager: the forward run inside it shows where each parameter is used;
+        on exit, :meth:`assign` is called with what it saw."""
+        return UseCheck(self, self._modules, self._params)
+
+
+class UseCheck(TorchFunctionMode):
+    """Records, during one forward, parameters used while none of their holders runs.
+
+    Args:
+        gates: The gates to reassign on exit.
+        modules: The gates' modules, by name.
+        params: The parameters.
+    """
+
+    def __init__(
+        self, gates: Gates, modules: dict[str, nn.Module], params: Sequence[torch.Tensor]
+    ) -> None:
+        super().__init__()
+        self._gates = gates
+        self._modules = modules
+        self._index = {id(param): number for number, param in enumerate(params)}
+        self._running: list[str] = []
+        self._ran: set[str] = {ROOT}
+        self._escaped: set[int] = set()
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> UseCheck:
+        for name, module in self._modules.items():
+            if name == ROOT:
+                continue
+            self._handles.append(module.register_forward_pre_hook(self._enter_module(name)))
+            self._handles.append(module.register_forward_hook(self._leave_module(name)))
+        super().__enter__()  # type: ignore[no-untyped-call]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]
+        for handle in self._handles:
+            handle.remove()
+        if exc[0] is None:
+            self._gates.assign(self._escaped, self._ran)
+
+    def _enter_module(self, name: str) -> Callable[..., None]:
+        def hook(_module: nn.Module, _inputs: Any) -> None:
+            self._running.append(name)
+            self._ran.add(name)
+
+        return hook
+
+    def _leave_module(self, name: str) -> Callable[..., None]:
+        def hook(_module: nn.Module, _inputs: Any, _output: Any) -> None:
+            if name in self._running:
+                del self._running[len(self._running) - 1 - self._running[::-1].index(name)]
+
+        return hook
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func not in METADATA:
+            for leaf in tree_leaves((args, kwargs)):
+                number = self._index.get(id(leaf))
+                if number is not None and not any(
+                    owner in self._running for owner in self._gates.owners[number]
+                ):
+                    self._escaped.add(number)
+        return func(*args, **kwargs)
