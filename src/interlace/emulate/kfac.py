@@ -451,14 +451,6 @@ class EmulatedKFACModel(EmulatedModel):
         )
         return self.costs.kfac_costs(method, per_layer)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.with_backward_rest(x)
-        for layer in self.emulated_layers():
-            x = layer(x)
-        if self.forward_rest_s > 0:
-            time.sleep(self.forward_rest_s)
-        return x
-
 
 def _weight_and_bias(
     layer: nn.Module, factor: FactorTrace

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from interlace.emulate.device import DeviceClock
 from interlace.emulate.dilation import DEFAULT_DILATION, check_dilation
 from interlace.sim.trace import Trace, load_trace
 
@@ -58,6 +59,8 @@ class _Meter:
     """Running totals of an emulated model's own CPU time and its device time."""
 
     def __init__(self) -> None:
+        #: Spends the layers' forward times, carrying each sleep's overshoot to the next.
+        self.clock = DeviceClock()
         self.cpu_s = 0.0
         self.device_s = 0.0
         self.iterations = 0
@@ -70,18 +73,14 @@ class _Meter:
 class _DeviceTime(torch.autograd.Function):
     """Forward and backward of one emulated layer: device time, pass-through, cheap gradients.
 
-    Arguments of ``apply``: the input, the layer, whether the caller sleeps the forward time
-    for it, then the layer's parameters (so that autograd hands their gradients to their
-    accumulators as soon as this backward returns).
+    Arguments of ``apply``: the input, the layer, then the layer's parameters (so that autograd
+    hands their gradients to their accumulators as soon as this backward returns).
     """
 
     @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, layer: EmulatedLayer, defer: bool, *params: torch.Tensor
-    ) -> Any:
+    def forward(ctx: Any, x: torch.Tensor, layer: EmulatedLayer, *params: torch.Tensor) -> Any:
         cpu = time.thread_time()
-        if not defer:
-            time.sleep(layer.forward_s)
+        layer.meter.clock.spend(layer.forward_s)
         ctx.layer = layer
         ctx.save_for_backward(x)
         out = x.clone()
@@ -114,7 +113,7 @@ class _DeviceTime(torch.autograd.Function):
         if layer.index == 0:
             meter.iterations += 1
             meter.last_index = -1
-        return (grad_out, None, None, *grads)
+        return (grad_out, None, *grads)
 
 
 class _BackwardRest(torch.autograd.Function):
@@ -181,14 +180,13 @@ class EmulatedLayer(nn.Module):
             self.register_parameter(param_name, nn.Parameter(torch.zeros(numel)))
             self.factors.append((numel, gradient_factor(first + position)))
 
-    def forward(self, x: torch.Tensor, defer: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as a new tensor, after the layer's forward device time.
 
         Args:
             x: The input.
-            defer: Leave the forward device time to the caller (who sleeps it).
         """
-        out: torch.Tensor = _DeviceTime.apply(x, self, defer, *self.parameters())  # type: ignore[no-untyped-call]
+        out: torch.Tensor = _DeviceTime.apply(x, self, *self.parameters())  # type: ignore[no-untyped-call]
         return out
 
 
@@ -198,8 +196,9 @@ class EmulatedModel(nn.Module):
     One :class:`EmulatedLayer` per traced layer, in forward order (the trace's backward order
     reversed), each with one flat parameter per traced tensor of that size. The forward pass
     returns its input unchanged (as a new tensor); each layer's forward and backward take the
-    layer's traced time x ``dilation`` as sleep, so the cores stay free for communication (the
-    forward pass sleeps its layers' times at once, at its end). A layer's
+    layer's traced time x ``dilation`` as sleep, so the cores stay free for communication. In
+    the forward the time outside the layers is spread over them (:attr:`Trace.pass_scales`), so
+    a forward pre-hook waits between layers as on the traced device. A layer's
     backward returns its parameters' gradients before the next layer's backward starts, so
     torch DDP's and :class:`interlace.DataParallel`'s gradient hooks fire layer by layer as on
     the traced device. Gradients are a per-layer scalar (from the batch and the upstream
@@ -220,6 +219,7 @@ class EmulatedModel(nn.Module):
         self.dilation = check_dilation(dilation)
         self.trace = trace if isinstance(trace, Trace) else load_trace(trace)
         self._meter = _Meter()
+        forward_scale, _ = self.trace.pass_scales
         forward_layers = list(reversed(self.trace.layers))
         layers: list[EmulatedLayer] = []
         first = 0
@@ -232,7 +232,7 @@ class EmulatedModel(nn.Module):
                     name,
                     index,
                     params,
-                    forward_s=tensors[0].layer_forward_s * self.dilation,
+                    forward_s=tensors[0].layer_forward_s * forward_scale * self.dilation,
                     backward_s=tensors[0].layer_backward_s * self.dilation,
                     first=first,
                     meter=self._meter,
@@ -241,9 +241,11 @@ class EmulatedModel(nn.Module):
             first += len(params)
         self.layers = nn.ModuleList(layers)
         # Parameter-free kernels (activations, pooling) take the trace's totals beyond its
-        # layers' own times: forward's at its end, backward's after its last layer.
+        # layers' own times: forward's spread over the layers (all of it at the end where the
+        # layers record no forward time), backward's after its last layer.
         trace = self.trace
-        self.forward_rest_s = max(trace.forward_s - trace.layer_forward_total_s, 0) * self.dilation
+        layers_forward_s = sum(layer.forward_s for layer in layers)
+        self.forward_rest_s = max(trace.forward_s * self.dilation - layers_forward_s, 0.0)
         self.backward_rest_s = (
             max(trace.backward_s - trace.layer_backward_total_s, 0) * self.dilation
         )
@@ -275,15 +277,12 @@ class EmulatedModel(nn.Module):
         return [layer for layer in self.layers if isinstance(layer, EmulatedLayer)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # No hook fires inside the forward pass, so its layers' device times are slept at once:
-        # every wake-up costs the CPU a little, and backward needs one per layer already.
-        forward_s = self.forward_rest_s
         x = self.with_backward_rest(x)
         for layer in self.emulated_layers():
-            x = layer(x, defer=True)
-            forward_s += layer.forward_s
-        time.sleep(forward_s)
-        self._meter.device_s += self.forward_rest_s
+            x = layer(x)
+        if self.forward_rest_s > 1e-9:
+            self._meter.clock.spend(self.forward_rest_s)
+            self._meter.device_s += self.forward_rest_s
         return x
 
     def with_backward_rest(self, x: torch.Tensor) -> torch.Tensor:
@@ -314,7 +313,9 @@ class EmulatedStep(torch.optim.Optimizer):
 
     On a GPU the optimizer step runs on the device; on the CPU a real step over the emulated
     model's parameters would hold a core for as long as a backward pass. The emulated model's
-    gradients teach nothing, so its step only needs to take the right time.
+    gradients teach nothing, so its step only needs to take the right time: the traced step's
+    share for the parameters it updates (all of them, or a bucket's when the update is deferred;
+    a shard's under FSDP2).
 
     Args:
         model: The emulated model whose parameters (and ``step_s``) the step stands for.
@@ -325,18 +326,35 @@ class EmulatedStep(torch.optim.Optimizer):
     def __init__(self, model: EmulatedModel, params: Any = None) -> None:
         super().__init__(model.parameters() if params is None else params, {})
         self._step_s = model.step_s
+        self._numel = sum(
+            _local_numel(param) for group in self.param_groups for param in group["params"]
+        )
+        self._clock = DeviceClock()
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        """Sleep the traced step's device time.
+        """Sleep the traced step's device time, in proportion to the parameters that have a
+        gradient (an optimizer updates only those).
 
         Args:
             closure: Re-evaluates the loss, as for any optimizer; its value is returned.
         """
         loss = closure() if closure is not None else None
-        if self._step_s > 0:
-            time.sleep(self._step_s)
+        stepped = sum(
+            _local_numel(param)
+            for group in self.param_groups
+            for param in group["params"]
+            if param.grad is not None
+        )
+        if self._step_s > 0 and stepped:
+            self._clock.spend(self._step_s * stepped / max(self._numel, 1))
         return loss
+
+
+def _local_numel(param: torch.Tensor) -> int:
+    """The elements this rank updates: a sharded parameter's (FSDP2's DTensor) local part."""
+    to_local = getattr(param, "to_local", None)
+    return int(to_local().numel()) if callable(to_local) else param.numel()
 
 
 def gradient_factor(position: int) -> float:
