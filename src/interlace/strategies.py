@@ -1,7 +1,8 @@
 """Wrapping a model for data-parallel training by strategy name, as the command line spells it.
 
-``ddp`` is PyTorch's own DistributedDataParallel (the peer every claim is measured against); the
-others are :class:`interlace.DataParallel` with the planner the strategy table
+``ddp`` is PyTorch's own DistributedDataParallel (the peer every claim is measured against),
+``ddp-100mb`` the same with 100 MB buckets and ``fsdp2`` torch's FSDP2; the others are
+:class:`interlace.DataParallel` with the planner the strategy table
 (:mod:`interlace.comm.strategies`) gives them.
 """
 
@@ -10,10 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from interlace.comm.engine import COMPRESSIONS
-from interlace.comm.strategies import RUNTIME_STRATEGIES
+from interlace.comm.strategies import BENCH_STRATEGIES
 from interlace.comm.strategies import STRATEGIES as TABLE
 from interlace.dp import DataParallel
 from interlace.errors import UsageError
@@ -57,7 +59,7 @@ def wrap_model(
 
     Args:
         model: the model to wrap.
-        strategy: one of :data:`~interlace.comm.strategies.RUNTIME_STRATEGIES`.
+        strategy: one of :data:`~interlace.comm.strategies.BENCH_STRATEGIES`.
         device: the rank's device (DDP's ``device_ids`` on a GPU).
         bucket_cap_mb: None keeps each implementation's default (25 MB, first bucket 1 MB). For
             ``ddp`` a cap is passed on only when given: torch then applies it to the first
@@ -76,13 +78,18 @@ def wrap_model(
         raise UsageError(
             f"unknown --compression '{compression}'; choose one of {', '.join(COMPRESSIONS)}"
         )
-    if strategy == "ddp":
-        return _wrap_ddp(model, device, bucket_cap_mb, channels, compression)
     chosen = TABLE.get(strategy)
-    if chosen is None or not chosen.runtime or chosen.bucketing is None:
+    if chosen is None or strategy not in BENCH_STRATEGIES:
         raise UsageError(
-            f"unknown strategy '{strategy}'; choose one of {', '.join(RUNTIME_STRATEGIES)}"
+            f"unknown strategy '{strategy}'; choose one of {', '.join(BENCH_STRATEGIES)}"
         )
+    if chosen.torch_wrapper == "ddp":
+        if bucket_cap_mb is None and strategy != "ddp":
+            bucket_cap_mb = chosen.cap_bytes / 1e6
+        return _wrap_ddp(model, device, bucket_cap_mb, channels, compression)
+    if chosen.torch_wrapper == "fsdp2":
+        return _wrap_fsdp2(model, channels, compression)
+    assert chosen.bucketing is not None
     return DataParallel(
         model,
         bucketing=chosen.bucketing,
@@ -90,7 +97,21 @@ def wrap_model(
         profile_steps=profile_steps,
         channels=channels,
         compression=compression,
+        overlap=chosen.overlap,
     )
+
+
+def _wrap_fsdp2(model: nn.Module, channels: int | str, compression: str | None) -> nn.Module:
+    """torch's FSDP2 as one would use it for data parallelism on few ranks: every module that
+    holds parameters sharded, parameters kept gathered after forward (no all-gather in
+    backward), then the root."""
+    if channels != 1 or compression is not None:
+        raise UsageError("fsdp2 runs as torch configures it: one channel, no --compression")
+    for child in list(model.modules())[1:]:
+        if any(True for _ in child.parameters(recurse=False)):
+            fully_shard(child, reshard_after_forward=False)
+    fully_shard(model, reshard_after_forward=False)
+    return model
 
 
 def _wrap_ddp(

@@ -67,7 +67,7 @@ from interlace.cliutil import (
 )
 from interlace.comm.cost import CostModel
 from interlace.comm.links import parse_link
-from interlace.comm.strategies import RUNTIME_STRATEGIES
+from interlace.comm.strategies import BENCH_STRATEGIES, STRATEGIES
 from interlace.emulate import Compute, add_compute_arguments, compute_from_args, dilate_rate
 from interlace.errors import UsageError
 from interlace.launch.rank import DEFAULT_COLLECTIVE_TIMEOUT_S
@@ -291,7 +291,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if network is not None:
         parse_network(network)
     strategies = (
-        parse_names(args.strategies, RUNTIME_STRATEGIES, "strategies", "strategy")
+        parse_names(args.strategies, BENCH_STRATEGIES, "strategies", "strategy")
         if args.strategies
         else DEFAULT_STRATEGIES
     )
@@ -350,7 +350,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 def expand_variants(
     strategies: Sequence[str], channels_text: str, compression_text: str
 ) -> tuple[str, ...]:
-    """Every strategy with every channel setting and compression (DDP: one channel only).
+    """Every strategy with every channel setting and compression (torch's wrappers: one channel
+    only; FSDP2 uncompressed).
 
     Args:
         strategies: Strategy names.
@@ -366,8 +367,9 @@ def expand_variants(
         compressions.append(None if part == "none" else part)
     labels: list[str] = []
     for strategy in strategies:
-        for compression in compressions:
-            for channels in channel_settings if strategy != "ddp" else [1]:
+        torch_wrapper = STRATEGIES[strategy].torch_wrapper
+        for compression in compressions if torch_wrapper != "fsdp2" else [None]:
+            for channels in channel_settings if torch_wrapper is None else [1]:
                 labels.append(variant_label(strategy, channels, compression))
     return tuple(dict.fromkeys(labels))
 

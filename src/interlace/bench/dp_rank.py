@@ -25,6 +25,7 @@ from interlace.bench.harness import (
     train_step,
 )
 from interlace.bench.probes import ContentionProbe
+from interlace.comm.strategies import STRATEGIES
 from interlace.emulate import Compute, ComputeKind, EmulatedModel, EmulatedStep
 from interlace.strategies import wrap_model
 from interlace.zoo import build_model
@@ -222,6 +223,17 @@ def _overlapped_sample(
     )
 
 
+def settle(wrapper: Any) -> None:
+    """Wait for what a wrapper still has in flight (DataParallel with ``overlap="forward"``).
+
+    Args:
+        wrapper: A data-parallel wrapper.
+    """
+    synchronize = getattr(wrapper, "synchronize", None)
+    if callable(synchronize):
+        synchronize()
+
+
 def record_completion(handle: Any) -> list[float]:
     """A list that receives ``time.perf_counter()`` when the async collective ``handle``
     completes (empty until then; stays empty for a None handle).
@@ -348,7 +360,7 @@ def _wrap(model: Any, label: str) -> Any:
 
 def _is_final(contender: Contender, steps: int) -> bool:
     """Whether the wrapper's buckets are what it will use from now on."""
-    if parse_variant(contender.name)[0] == "ddp":
+    if STRATEGIES[parse_variant(contender.name)[0]].torch_wrapper is not None:
         return steps >= DDP_REBUILD_STEPS
     return bool(getattr(contender.wrapper, "planning_done", False))
 
@@ -414,6 +426,7 @@ def measure_rank(job: MeasureJob) -> Measurement:
             steps += 1
         for _ in range(job.warmup):
             train_step(contender, *next_batch())
+        settle(contender.wrapper)
         contender.warmup_steps = steps + job.warmup
     for _ in range(max(job.warmup, 1)):
         _compute_sample(plain, plain_optimizer, *next_batch())
@@ -462,10 +475,14 @@ def measure_rank(job: MeasureJob) -> Measurement:
                         probe.add_bulk(overlapped_backward_s, overlapped_done_s)
                 continue
             dist.barrier()
-            for _ in range(block):
+            for index in range(block):
                 inputs, targets = next_batch()
                 start = time.perf_counter()
                 train_step(slot, inputs, targets)
+                if index == block - 1:
+                    # What runs on into the next forward is this block's: its last sample
+                    # waits for it, so the next contender starts on an idle network.
+                    settle(slot.wrapper)
                 slot.times.append(time.perf_counter() - start)
 
     samples = []
