@@ -11,6 +11,7 @@ import argparse
 import functools
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from interlace import __version__, launch
@@ -251,12 +252,20 @@ def _bench_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
-    from interlace.bench import validate  # noqa: PLC0415 - heavy (torch), only for this subcommand
-    from interlace.sim import command  # noqa: PLC0415 - heavy (torch), only for this subcommand
+    # The simulator itself needs no torch: only `--validate`, which measures on ranks, imports it.
+    from interlace.emulate.compute import add_compute_arguments  # noqa: PLC0415 - this subcommand
+    from interlace.sim import command  # noqa: PLC0415 - only for this subcommand
 
     command.add_arguments(parser)
-    validate.add_arguments(parser)
-    parser.set_defaults(handler=functools.partial(command.run, runner=validate.run))
+    # --validate's compute: the zoo models' own kernels, or a trace's device time (emulated).
+    add_compute_arguments(parser)
+    parser.set_defaults(handler=functools.partial(command.run, runner=_run_validation))
+
+
+def _run_validation(args: argparse.Namespace, png_path: Path | None) -> int:
+    from interlace.bench import validate  # noqa: PLC0415 - heavy (torch), only for --validate
+
+    return validate.run(args, png_path)
 
 
 def _run_models(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ import datetime
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from interlace.launch.rank import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
     SCRIPT_FLAG,
     STATE_DIR_VARIABLE,
+    UNREADABLE_WHERE,
     Heartbeat,
     RankState,
     collective_timeout_s,
@@ -50,6 +52,102 @@ def test_heartbeat_says_where_the_main_thread_is_and_its_phase(tmp_path: Path) -
     heartbeat.finish("returned")
     finished = read_state(tmp_path, 0)
     assert finished is not None and finished.state == "returned"
+
+
+class _Code:
+    def __init__(self, name: str, filename: str) -> None:
+        self.co_name = name
+        self.co_filename = filename
+
+
+class _LinelessFrame:
+    """A frame as Python 3.11 can show it mid-instruction: ``f_lineno`` is None."""
+
+    def __init__(self, code: _Code, back: object = None) -> None:
+        self.f_code = code
+        self.f_back = back
+        self.f_lineno = None
+
+
+class _TornDownFrame:
+    """A frame whose code can no longer be read (torn down while the heartbeat looked)."""
+
+    f_back = None
+    f_lineno = 7
+
+    @property
+    def f_code(self) -> _Code:
+        raise RuntimeError("frame torn down")
+
+
+def _main_thread_shows(frame: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    main = threading.main_thread().ident
+    monkeypatch.setattr(sys, "_current_frames", lambda: {main: frame})
+
+
+def _beat_after(directory: Path, after: float) -> RankState:
+    """The first heartbeat written after ``after``; the bound is only reached if beating stopped."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        state = read_state(directory, 0)
+        if state is not None and state.beat > after:
+            return state
+        time.sleep(0.01)
+    raise AssertionError(f"no heartbeat after {after}")
+
+
+def test_a_frame_without_a_line_number_is_shown_without_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = _LinelessFrame(_Code("train_step", "/home/u/job.py"))
+    c10d = f"/site-packages/torch{os.sep}distributed{os.sep}distributed_c10d.py"
+    _main_thread_shows(_LinelessFrame(_Code("all_reduce", c10d), back=job), monkeypatch)
+    heartbeat = Heartbeat(tmp_path / "state-0.json", interval_s=60).start()
+    state = read_state(tmp_path, 0)
+    heartbeat.finish("returned")
+    assert state is not None and state.state == "running"
+    assert (state.where, state.collective) == ("train_step (job.py:?)", "all_reduce")
+
+
+@pytest.mark.parametrize("failing", ["frame", "inspection"])
+def test_the_heartbeat_keeps_beating_when_its_inspection_fails(
+    failing: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if failing == "frame":
+        _main_thread_shows(_TornDownFrame(), monkeypatch)
+    else:
+
+        def broken(frame: object) -> tuple[str, str | None]:
+            raise ValueError("inspection failed")
+
+        monkeypatch.setattr(rank_module, "_where", broken)
+    heartbeat = Heartbeat(tmp_path / "state-0.json", interval_s=0.01).start()
+    first = read_state(tmp_path, 0)
+    assert first is not None and first.where == UNREADABLE_WHERE
+    later = _beat_after(tmp_path, first.beat)
+    heartbeat.finish("returned")
+    assert later.state == "running" and later.where == UNREADABLE_WHERE
+
+
+def test_a_beat_that_fails_outright_does_not_end_the_heartbeat(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write = Heartbeat._write
+    calls = []
+
+    def fails_once_beating(self: Heartbeat, state: RankState) -> None:
+        calls.append(state.beat)
+        if len(calls) == 2:  # the thread's first beat (the first is written by start())
+            raise ValueError("cannot serialise")
+        write(self, state)
+
+    monkeypatch.setattr(Heartbeat, "_write", fails_once_beating)
+    heartbeat = Heartbeat(tmp_path / "state-0.json", interval_s=0.01).start()
+    first = read_state(tmp_path, 0)
+    assert first is not None
+    later = _beat_after(tmp_path, first.beat)
+    heartbeat.finish("returned")
+    assert len(calls) >= 3 and later.state == "running"
 
 
 def test_a_state_describes_where_and_how_long() -> None:

@@ -50,7 +50,6 @@ from interlace.dp import DataParallel
 from interlace.emulate import (
     Compute,
     EmulatedModel,
-    add_compute_arguments,
     compute_from_args,
     dilate_rate,
     parse_compute,
@@ -523,22 +522,13 @@ def _computes_from_args(args: argparse.Namespace) -> tuple[Compute, ...]:
     return tuple(parse_compute(f"emulated:{name}", args.dilation) for name in names)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--compute`` and ``--dilation`` for ``interlace simulate --validate``.
+def run(args: argparse.Namespace, png_path: Path | None) -> int:
+    """``interlace simulate --validate`` with parsed ``args``; the exit status.
 
     With ``--compute real`` (the default) the zoo models are profiled and the replay is
     calibrated by the contention probes (CPU compute fights communication for the cores);
     with ``--compute emulated:TRACE`` the trace's device time is measured and nothing is
-    calibrated.
-
-    Args:
-        parser: ``interlace simulate``'s parser.
-    """
-    add_compute_arguments(parser)
-
-
-def run(args: argparse.Namespace, png_path: Path | None) -> int:
-    """``interlace simulate --validate`` with parsed ``args``; the exit status.
+    calibrated. The flags' parser is :func:`interlace.emulate.add_compute_arguments`.
 
     Args:
         args: ``interlace simulate``'s parsed flags.

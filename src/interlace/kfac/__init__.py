@@ -1,17 +1,25 @@
 """Distributed K-FAC (SC20 / KAISA, SPD-KFAC): :class:`KFAC` and the pieces it is built from.
 
 ``KFACPreconditioner`` is :class:`KFAC` under kfac-pytorch's name, and :mod:`interlace.kfac.enums`
-holds its enums, so a kfac-pytorch script switches by changing its imports.
+holds its enums, so a kfac-pytorch script switches by changing its imports. The torch-backed names
+are imported on first use, so the simulator's torch-free submodules load without torch.
 """
 
-from interlace.kfac.damping import LevenbergMarquardt
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from interlace.kfac.enums import (
     AssignmentStrategy,
     ComputeMethod,
     DampingAdaptation,
     DistributedStrategy,
 )
-from interlace.kfac.preconditioner import KFAC, PHASES, KFACPreconditioner, KFACWarning
+
+if TYPE_CHECKING:
+    from interlace.kfac.damping import LevenbergMarquardt
+    from interlace.kfac.preconditioner import KFAC, PHASES, KFACPreconditioner, KFACWarning
 
 __all__ = [
     "KFAC",
@@ -24,3 +32,25 @@ __all__ = [
     "KFACWarning",
     "LevenbergMarquardt",
 ]
+
+#: The module each torch-backed public name comes from.
+_LAZY = {
+    "KFAC": "interlace.kfac.preconditioner",
+    "PHASES": "interlace.kfac.preconditioner",
+    "KFACPreconditioner": "interlace.kfac.preconditioner",
+    "KFACWarning": "interlace.kfac.preconditioner",
+    "LevenbergMarquardt": "interlace.kfac.damping",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A torch-backed public name, imported on first use.
+
+    Args:
+        name: The attribute asked for.
+    """
+    if name not in _LAZY:
+        raise AttributeError(f"module 'interlace.kfac' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from interlace.kfac.enums import COMPUTE_METHODS
+
 __all__ = [
     "COMPUTE_METHODS",
     "DecompositionError",
@@ -18,8 +20,6 @@ __all__ = [
     "decompose",
     "precondition",
 ]
-
-COMPUTE_METHODS = ("eigen", "inverse")
 
 #: How many times a failing decomposition is retried, each time with ten times more damping on
 #: the diagonal, before the caller falls back to the previous decomposition.

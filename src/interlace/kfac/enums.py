@@ -13,6 +13,7 @@ from typing import TypeVar
 from interlace.errors import UsageError
 
 __all__ = [
+    "COMPUTE_METHODS",
     "AssignmentStrategy",
     "ComputeMethod",
     "DampingAdaptation",
@@ -26,6 +27,10 @@ class ComputeMethod(str, enum.Enum):
 
     EIGEN = "eigen"
     INVERSE = "inverse"
+
+
+#: The :class:`ComputeMethod` values as strings, as the configs and cost models take them.
+COMPUTE_METHODS: tuple[str, ...] = tuple(method.value for method in ComputeMethod)
 
 
 class DistributedStrategy(str, enum.Enum):

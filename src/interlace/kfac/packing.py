@@ -9,6 +9,8 @@ from functools import lru_cache
 
 import torch
 
+from interlace.kfac.sizes import packed_size
+
 __all__ = [
     "pack_upper",
     "packed_size",
@@ -19,17 +21,6 @@ __all__ = [
 
 #: Distinct (size, device) pairs whose indices are kept; a ResNet-152 has about twenty sizes.
 _CACHE_SIZE = 64
-
-
-def packed_size(n: int) -> int:
-    """Numbers in the packed upper triangle of an ``n x n`` matrix: ``n(n+1)/2``.
-
-    Args:
-        n: The matrix side.
-    """
-    if n < 0:
-        raise ValueError(f"a matrix size must be >= 0, got {n}")
-    return n * (n + 1) // 2
 
 
 def _index_dtype(n: int) -> torch.dtype:

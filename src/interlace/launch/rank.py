@@ -35,6 +35,7 @@ __all__ = [
     "HEARTBEAT_S",
     "SCRIPT_FLAG",
     "STATE_DIR_VARIABLE",
+    "UNREADABLE_WHERE",
     "Heartbeat",
     "RankState",
     "collective_timeout_s",
@@ -171,8 +172,17 @@ def read_state(directory: Path, rank: int) -> RankState | None:
         return None
 
 
+#: What a heartbeat says when the main thread's frames could not be read: the rank is alive (it
+#: beat), but where it is stays unknown.
+UNREADABLE_WHERE = "unknown (its frames could not be read)"
+
+
 def _where(frame: types.FrameType) -> tuple[str, str | None]:
-    """``function (file:line)`` of the innermost frame and the collective it waits in, if any."""
+    """``function (file:line)`` of the innermost frame and the collective it waits in, if any.
+
+    A frame without a line number (Python 3.11 gives None while it runs an instruction that has
+    none) is shown as ``file:?``.
+    """
     innermost = frame
     collective = None
     stack = []
@@ -188,11 +198,14 @@ def _where(frame: types.FrameType) -> tuple[str, str | None]:
             collective = name
             break
     outside = next((f for f in stack if _TORCH_DISTRIBUTED not in f.f_code.co_filename), innermost)
-    line = linecache.getline(outside.f_code.co_filename, outside.f_lineno)
-    if collective is None and _WAIT_CALL.search(line):
-        collective = "wait"
     code = outside.f_code
-    return f"{code.co_name} ({os.path.basename(code.co_filename)}:{outside.f_lineno})", collective
+    lineno = outside.f_lineno
+    if isinstance(lineno, int):
+        line = linecache.getline(code.co_filename, lineno)
+        if collective is None and _WAIT_CALL.search(line):
+            collective = "wait"
+    shown = lineno if isinstance(lineno, int) else "?"
+    return f"{code.co_name} ({os.path.basename(code.co_filename)}:{shown})", collective
 
 
 class Heartbeat:
@@ -220,17 +233,26 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
-            self._beat()
+            # A rank whose heartbeat thread died would read as stuck for the rest of the job, so
+            # no failure of one beat may end the loop; the next beat tries again.
+            with contextlib.suppress(Exception):
+                self._beat()
 
     def _beat(self) -> None:
         now = time.time()
-        frame = sys._current_frames().get(self._main) if self._main is not None else None
+        located: tuple[str, str | None] | None = None
+        try:
+            frame = sys._current_frames().get(self._main) if self._main is not None else None
+            if frame is not None:
+                located = _where(frame)
+        except Exception:  # a frame torn down while read, or anything odd in it: still beat
+            located = (UNREADABLE_WHERE, None)
         with self._lock:
             state = self._state
             if state.state != "running":
                 return
-            if frame is not None:
-                where, collective = _where(frame)
+            if located is not None:
+                where, collective = located
                 if where != state.where or collective != state.collective:
                     state.where, state.collective, state.since = where, collective, now
             if _phase:

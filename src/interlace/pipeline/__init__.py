@@ -1,32 +1,16 @@
 """Pipeline model parallelism: partitioning, schedules, weight prediction and the runtime.
 
 ``interlace.pipeline.predict_weights(weight, momentum_buffer, lr, s)`` and the other public names
-of the submodules are importable from here.
+of the submodules are importable from here. The torch-backed ones are imported on first use, so
+the simulator's use of the schedules and the stage balancing needs no torch.
 """
 
 from __future__ import annotations
 
-from interlace.pipeline.partition import (
-    PLAN_BY,
-    StagePlan,
-    balance_stages,
-    pipeline_blocks,
-    plan_stages,
-    profile_block_times,
-    stage_module,
-)
-from interlace.pipeline.predict import (
-    check_predictable,
-    predict_weights,
-    predicted_parameters,
-    version_difference,
-)
-from interlace.pipeline.runtime import (
-    SPECTRAIN_BACKWARDS,
-    EvalResult,
-    PipelineStage,
-    StepResult,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from interlace.pipeline.balance import balance_stages
 from interlace.pipeline.schedule import (
     ASYNCHRONOUS,
     SCHEDULES,
@@ -39,8 +23,30 @@ from interlace.pipeline.schedule import (
     build_schedule,
     gpipe,
     one_f_one_b,
+    version_difference,
 )
-from interlace.pipeline.stages import LocalStage, local_stage
+
+if TYPE_CHECKING:
+    from interlace.pipeline.partition import (
+        PLAN_BY,
+        StagePlan,
+        pipeline_blocks,
+        plan_stages,
+        profile_block_times,
+        stage_module,
+    )
+    from interlace.pipeline.predict import (
+        check_predictable,
+        predict_weights,
+        predicted_parameters,
+    )
+    from interlace.pipeline.runtime import (
+        SPECTRAIN_BACKWARDS,
+        EvalResult,
+        PipelineStage,
+        StepResult,
+    )
+    from interlace.pipeline.stages import LocalStage, local_stage
 
 __all__ = [
     "ASYNCHRONOUS",
@@ -72,3 +78,40 @@ __all__ = [
     "stage_module",
     "version_difference",
 ]
+
+#: The module each torch-backed public name comes from.
+_LAZY = {
+    **dict.fromkeys(
+        (
+            "PLAN_BY",
+            "StagePlan",
+            "pipeline_blocks",
+            "plan_stages",
+            "profile_block_times",
+            "stage_module",
+        ),
+        "interlace.pipeline.partition",
+    ),
+    **dict.fromkeys(
+        ("check_predictable", "predict_weights", "predicted_parameters"),
+        "interlace.pipeline.predict",
+    ),
+    **dict.fromkeys(
+        ("SPECTRAIN_BACKWARDS", "EvalResult", "PipelineStage", "StepResult"),
+        "interlace.pipeline.runtime",
+    ),
+    **dict.fromkeys(("LocalStage", "local_stage"), "interlace.pipeline.stages"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A torch-backed public name, imported on first use.
+
+    Args:
+        name: The attribute asked for.
+    """
+    if name not in _LAZY:
+        raise AttributeError(f"module 'interlace.pipeline' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value

@@ -13,33 +13,9 @@ import torch
 from torch import Tensor, nn
 
 from interlace.errors import UsageError
+from interlace.pipeline.schedule import version_difference
 
 __all__ = ["check_predictable", "predict_weights", "predicted_parameters", "version_difference"]
-
-
-def version_difference(stage: int, num_stages: int) -> tuple[int, int]:
-    """How many optimizer steps stage ``stage`` of ``num_stages`` predicts ahead: ``(fwd, bwd)``.
-
-    ``s_fwd = stage // 2 + num_stages - stage - 1`` and ``s_bwd = stage // 2`` (SpecTrain's rule
-    for the asynchronous 1F1B schedule). For four stages that is ``(3, 0), (2, 0), (2, 1), (1, 1)``;
-    a single stage is plain synchronous SGD, ``(0, 0)``.
-
-    Args:
-        stage: the stage, from 0.
-        num_stages: stages in the pipeline (>= 1).
-
-    Raises :class:`ValueError` when ``num_stages < 1`` or ``stage`` is not in
-    ``[0, num_stages)``.
-    """
-    if num_stages < 1:
-        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
-    if not 0 <= stage < num_stages:
-        raise ValueError(
-            f"stage must be in [0, {num_stages}) for a {num_stages}-stage pipeline, got {stage}"
-        )
-    s_bwd = stage // 2
-    s_fwd = s_bwd + num_stages - stage - 1
-    return s_fwd, s_bwd
 
 
 def predict_weights(weight: Tensor, momentum_buffer: Tensor | None, lr: float, s: int) -> Tensor:

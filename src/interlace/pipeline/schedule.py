@@ -10,14 +10,37 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from interlace.pipeline.predict import version_difference
-
 #: Names of the schedules, as ``interlace train --schedule`` takes them.
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "pipedream", "spectrain", "naive")
 #: The schedules that flush (update once per mini-batch after all its micro-batches).
 SYNCHRONOUS: tuple[str, ...] = ("gpipe", "1f1b")
 #: The asynchronous 1F1B schedules, by weight policy.
 ASYNCHRONOUS: tuple[str, ...] = ("naive", "pipedream", "spectrain")
+
+
+def version_difference(stage: int, num_stages: int) -> tuple[int, int]:
+    """How many optimizer steps stage ``stage`` of ``num_stages`` predicts ahead: ``(fwd, bwd)``.
+
+    ``s_fwd = stage // 2 + num_stages - stage - 1`` and ``s_bwd = stage // 2`` (SpecTrain's rule
+    for the asynchronous 1F1B schedule). For four stages that is ``(3, 0), (2, 0), (2, 1), (1, 1)``;
+    a single stage is plain synchronous SGD, ``(0, 0)``.
+
+    Args:
+        stage: the stage, from 0.
+        num_stages: stages in the pipeline (>= 1).
+
+    Raises :class:`ValueError` when ``num_stages < 1`` or ``stage`` is not in
+    ``[0, num_stages)``.
+    """
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if not 0 <= stage < num_stages:
+        raise ValueError(
+            f"stage must be in [0, {num_stages}) for a {num_stages}-stage pipeline, got {stage}"
+        )
+    s_bwd = stage // 2
+    s_fwd = s_bwd + num_stages - stage - 1
+    return s_fwd, s_bwd
 
 
 class Op(str, Enum):

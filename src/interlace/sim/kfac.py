@@ -16,7 +16,7 @@ from interlace.comm.plan import ReadyTensor, schedule
 from interlace.comm.strategies import PLANNED_STRATEGIES
 from interlace.errors import UsageError
 from interlace.kfac.fusion import make_groups
-from interlace.kfac.packing import packed_size
+from interlace.kfac.sizes import packed_size
 from interlace.sim.engine import SimResult
 from interlace.sim.kfac_costs import KfacCosts
 from interlace.sim.kfac_link import bulk_messages, named_groups, play_link

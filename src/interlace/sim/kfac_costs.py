@@ -11,8 +11,6 @@ import statistics
 import time
 from dataclasses import dataclass, replace
 
-import torch
-
 from interlace.errors import UsageError
 from interlace.kfac.costs import DecompositionCostModel
 
@@ -211,6 +209,8 @@ class KfacCosts:
             device: Where to time the products and decompositions.
             compute_method: ``"eigen"`` or ``"inverse"``.
         """
+        import torch  # noqa: PLC0415 - only `--kfac-costs measure` times kernels
+
         decomposition = DecompositionCostModel.measure(compute_method, device)
 
         def timed(size: int, repeats: int) -> float:

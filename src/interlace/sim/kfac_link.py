@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from interlace.comm.cost import CostModel
 from interlace.comm.plan import Plan, ReadyTensor, schedule
-from interlace.kfac.packing import packed_size
+from interlace.kfac.sizes import packed_size
 from interlace.sim.replay import Replay, replay
 
 __all__ = ["bulk_messages", "named_groups", "play_link"]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from interlace.comm.cost import CostModel
 from interlace.errors import UsageError
-from interlace.pipeline.partition import balance_stages
+from interlace.pipeline.balance import balance_stages
 from interlace.pipeline.schedule import ASYNCHRONOUS, Op, Weights, build_schedule
 from interlace.sim.pipeline_events import (
     Compute,

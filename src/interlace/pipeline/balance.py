@@ -1,0 +1,88 @@
+"""Cutting a sequence of block costs into contiguous stages that minimise the largest stage.
+
+Pure arithmetic, shared by :mod:`interlace.pipeline.partition` and the simulator (no torch).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+__all__ = ["balance_stages", "check_num_stages"]
+
+
+def check_num_stages(num_stages: int, num_blocks: int) -> None:
+    """Raise unless ``num_blocks`` blocks can be cut into ``num_stages`` non-empty stages.
+
+    Args:
+        num_stages: The stages asked for.
+        num_blocks: The blocks there are.
+
+    Raises:
+        ValueError: For fewer than one stage, or more stages than blocks.
+    """
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if num_stages > num_blocks:
+        raise ValueError(
+            f"cannot cut {num_blocks} block(s) into {num_stages} non-empty stages; use at most "
+            f"{num_blocks} stages or split the model into finer blocks"
+        )
+
+
+def balance_stages(costs: Sequence[float], num_stages: int) -> list[tuple[int, int]]:
+    """Cut ``costs`` into ``num_stages`` contiguous non-empty ``[start, end)`` ranges.
+
+    The cut minimises the largest stage sum exactly. Among cuts that reach that minimum, each stage
+    in turn takes as many blocks as it can (the one whose end positions are lexicographically
+    largest). The rule is deterministic, and it leaves the last stage, which also computes the loss
+    that no block cost includes, no heavier than it needs to be.
+
+    Dynamic programming over suffixes, ``O(num_stages * len(costs) ** 2)``: instant for the tens to
+    hundreds of blocks a model is cut into. Stage sums are always differences of the same prefix
+    sums, so the optimum and the tie-breaking compare identical floating-point values.
+
+    Args:
+        costs: the cost of each block, in order (finite, >= 0).
+        num_stages: how many stages to cut into (1 to len(costs)).
+
+    Raises :class:`ValueError` when ``num_stages < 1``, ``num_stages > len(costs)``, or a cost is
+    negative or not finite.
+    """
+    n = len(costs)
+    check_num_stages(num_stages, n)
+    values = [float(c) for c in costs]
+    for index, value in enumerate(values):
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"block costs must be finite and >= 0, got {value} at index {index}")
+    prefix = [0.0]
+    for value in values:
+        prefix.append(prefix[-1] + value)
+
+    def span(start: int, end: int) -> float:
+        return prefix[end] - prefix[start]
+
+    # best[m][i]: the smallest possible largest stage sum when [i, n) is cut into m stages
+    # (inf where fewer than m blocks remain).
+    inf = math.inf
+    best: list[list[float]] = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    for i in range(n):
+        best[1][i] = span(i, n)
+    for m in range(2, num_stages + 1):
+        for i in range(n - m + 1):
+            best[m][i] = min(max(span(i, j), best[m - 1][j]) for j in range(i + 1, n - m + 2))
+    bottleneck = best[num_stages][0]
+
+    bounds: list[tuple[int, int]] = []
+    start = 0
+    for stage in range(num_stages - 1):
+        remaining = num_stages - stage - 1
+        end = max(
+            j
+            for j in range(start + 1, n - remaining + 1)
+            if span(start, j) <= bottleneck and best[remaining][j] <= bottleneck
+        )
+        bounds.append((start, end))
+        start = end
+    bounds.append((start, n))
+    return bounds
