@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from interlace.comm.cost import CostModel
-from interlace.comm.plan import ReadyTensor, make_plan, schedule
+from interlace.comm.overlap import overlap_candidates
+from interlace.comm.plan import Gate, ReadyTensor, make_plan, schedule
 from interlace.sim.replay import Contention, replay
 
 MS = 1e-3
@@ -43,6 +44,54 @@ def test_replay_without_contention_is_schedule(
         assert [t for c in replayed.comms for t in (c.start_s, c.end_s)] == pytest.approx(
             [t for b in plan.buckets for t in (b.start_s, b.end_s)], abs=1e-12
         )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    gaps=st.lists(st.floats(0.0, 5.0), min_size=2, max_size=15),
+    sizes=st.lists(st.integers(1, 6_000_000), min_size=15, max_size=15),
+    forward_ms=st.lists(st.floats(0.0, 3.0), min_size=15, max_size=15),
+    a_ms=st.floats(0.0, 2.0),
+    step_ms=st.floats(0.0, 2.0),
+    channels=st.integers(1, 2),
+)
+def test_replaying_an_overlap_plan_without_contention_gives_the_planners_times(
+    gaps: list[float],
+    sizes: list[int],
+    forward_ms: list[float],
+    a_ms: float,
+    step_ms: float,
+    channels: int,
+) -> None:
+    ready = [sum(gaps[: i + 1]) * MS for i in range(len(gaps))]
+    tensors = [ReadyTensor(f"t{i}", sizes[i], t) for i, t in enumerate(ready)]
+    # One gate per tensor but the first, in reverse ready order (the layers of a network).
+    gates = [Gate(f"g{i}", (i,), forward_ms[i] * MS) for i in reversed(range(1, len(tensors)))]
+    cost = CostModel(a_ms * MS, 1e-9)
+    for _, plan in overlap_candidates(
+        tensors,
+        gates,
+        cost,
+        forward_s=sum(forward_ms) * MS,
+        step_s=step_ms * MS,
+        channels=channels,
+    ):
+        replayed = replay(plan, step_s=step_ms * MS)
+        assert replayed.iteration_s == pytest.approx(plan.iteration_s, rel=1e-9, abs=1e-12)
+        assert [t for c in replayed.comms for t in (c.start_s, c.end_s)] == pytest.approx(
+            [t for b in plan.buckets for t in (b.start_s, b.end_s)], abs=1e-12
+        )
+
+
+def test_contention_slows_an_overlap_plans_gated_forward_too() -> None:
+    tensors = [ReadyTensor("head", 4_000_000, 1 * MS), ReadyTensor("tail", 1_000_000, 2 * MS)]
+    gates = [Gate("tail", (1,), 1 * MS), Gate("head", (0,), 1 * MS)]
+    _, plan = overlap_candidates(tensors, gates, CostModel(0.0, 1e-9), forward_s=2 * MS)[0]
+    free = replay(plan)
+    slowed = replay(plan, Contention(compute_slowdown=2.0, transfer_rate=0.5))
+    assert free.forward_end_s == pytest.approx(plan.forward_end_s)
+    assert slowed.forward_end_s > free.forward_end_s
+    assert slowed.iteration_s > free.iteration_s
 
 
 @settings(max_examples=60, deadline=None)

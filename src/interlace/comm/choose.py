@@ -247,7 +247,7 @@ def candidate_plans(request: PlanRequest, timings: Timings, cost: CostModel) -> 
     if request.overlap is Overlap.FORWARD:
         ahead = overlap_plans(request, timings, cost)
         if request.tune_steps == 0:
-            return [min([*ahead[:1], *found], key=lambda c: c.plan.iteration_s)]
+            return ahead[:1]
         # The best backward-only plans stay in the trials: where overlap cannot win, they do.
         found = [*ahead[:OVERLAP_TRIALS], *found]
     if request.tune_steps > 0:

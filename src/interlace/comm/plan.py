@@ -121,6 +121,25 @@ class Plan:
     forward_end_s: float = 0.0
     """With gates: when the next forward is predicted to end, seconds from backward's start."""
 
+    def __post_init__(self) -> None:
+        if self.buckets and not self.launches:
+            # Each bucket's slices at once, bucket after bucket: how a plan without a launch
+            # order of its own is sent.
+            launches = tuple(
+                Launch(
+                    number, part, len(bucket.channels), size, channel, bucket.start_s, bucket.end_s
+                )
+                for number, bucket in enumerate(self.buckets)
+                for part, (channel, size) in enumerate(
+                    zip(
+                        bucket.channels,
+                        slice_sizes(bucket.nbytes, len(bucket.channels)),
+                        strict=True,
+                    )
+                )
+            )
+            object.__setattr__(self, "launches", launches)
+
     @property
     def overlaps_forward(self) -> bool:
         """Whether the all-reduces run on into the next forward (the plan has gates)."""

@@ -73,8 +73,10 @@ class DataParallel(nn.Module):
             sent in the smaller type and cast back (half the bytes, about 3 significant digits).
         tune_steps: timed iterations per candidate plan and round when several plans are
             weighed (the cost model's plan, the merge rule with larger start-ups, DDP's
-            buckets, and with ``channels="auto"`` the best plan for each channel count); the
-            fastest measured is kept. 0 keeps the cost model's plan untried.
+            buckets, and with ``channels="auto"`` the best plan for each channel count, with
+            ``overlap="forward"`` the best overlap plans); the fastest measured is kept. 0
+            keeps the cost model's plan untried (with ``overlap="forward"``, its best overlap
+            plan).
         overlap: an :class:`~interlace.comm.overlap.Overlap` or its string. ``"backward"``
             (default): all-reduces overlap backward, which returns with the gradients averaged.
             ``"forward"``: they may also run on into the next forward. ``loss.backward()``

@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 from interlace.comm.cost import CostModel
-from interlace.comm.plan import Bucket, Gate, Launch, Plan, ReadyTensor, slice_sizes
+from interlace.comm.plan import Bucket, Gate, Launch, Plan, ReadyTensor
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
@@ -103,20 +103,13 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
         step_s=float(data.get("step_s", 0.0)),
         forward_end_s=float(data.get("forward_end_s", 0.0)),
     )
-    if "launches" in data:
-        launches = tuple(
-            Launch(int(b), int(k), int(n), int(size), int(c), float(start), float(end))
-            for b, k, n, size, c, start, end in data["launches"]
-        )
-    else:
-        # Saved before plans listed their launches: each bucket's slices at once, in order.
-        launches = tuple(
-            Launch(number, part, len(bucket.channels), size, channel, bucket.start_s, bucket.end_s)
-            for number, bucket in enumerate(plan.buckets)
-            for part, (channel, size) in enumerate(
-                zip(bucket.channels, slice_sizes(bucket.nbytes, len(bucket.channels)), strict=True)
-            )
-        )
+    if "launches" not in data:
+        # Saved before plans listed their launches: the plan derives them from its buckets.
+        return plan
+    launches = tuple(
+        Launch(int(b), int(k), int(n), int(size), int(c), float(start), float(end))
+        for b, k, n, size, c, start, end in data["launches"]
+    )
     return replace(plan, launches=launches)
 
 

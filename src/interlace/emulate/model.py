@@ -219,7 +219,8 @@ class EmulatedModel(nn.Module):
         self.dilation = check_dilation(dilation)
         self.trace = trace if isinstance(trace, Trace) else load_trace(trace)
         self._meter = _Meter()
-        forward_scale, _ = self.trace.pass_scales
+        # Each layer's forward as the simulator's gates have it: its share of the whole pass.
+        gates = self.trace.forward_gates()
         forward_layers = list(reversed(self.trace.layers))
         layers: list[EmulatedLayer] = []
         first = 0
@@ -232,7 +233,7 @@ class EmulatedModel(nn.Module):
                     name,
                     index,
                     params,
-                    forward_s=tensors[0].layer_forward_s * forward_scale * self.dilation,
+                    forward_s=gates[index].forward_s * self.dilation,
                     backward_s=tensors[0].layer_backward_s * self.dilation,
                     first=first,
                     meter=self._meter,

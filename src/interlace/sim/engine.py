@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from interlace.comm.cost import CostModel
+from interlace.comm.overlap import Overlap
 from interlace.comm.plan import Plan, schedule
 from interlace.comm.strategies import PLANNED_STRATEGIES, Strategy, planned_strategy
 from interlace.errors import UsageError
@@ -182,7 +183,14 @@ def simulate(
     chosen = strategy if isinstance(strategy, Strategy) else strategy_named(strategy)
     tensors = trace.ready_tensors(per_layer=per_layer)
     if buckets is None:
-        plan = chosen.plan(tensors, cost, backward_s=trace.backward_s, forward_s=trace.forward_s)
+        plan = chosen.plan(
+            tensors,
+            cost,
+            backward_s=trace.backward_s,
+            forward_s=trace.forward_s,
+            gates=trace.forward_gates(per_layer) if chosen.overlap is Overlap.FORWARD else (),
+            step_s=trace.step_s,
+        )
     else:
         position = {tensor.name: index for index, tensor in enumerate(tensors)}
         missing = sorted({name for bucket in buckets for name in bucket} - set(position))

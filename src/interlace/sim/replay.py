@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from interlace.comm.cost import CostModel
-from interlace.comm.plan import Plan, slice_sizes
+from interlace.comm.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -168,6 +168,8 @@ class Replay:
         comms: Every bucket's all-reduce.
         sync_s: Synchronisation at the end of backward's communication (see
             :class:`interlace.sim.contention.Calibration`).
+        forward_end_s: For a plan that overlaps the next forward: when that forward, waiting at
+            its gates and applying their updates, ends (0 otherwise).
     """
 
     forward_s: float
@@ -177,6 +179,7 @@ class Replay:
     backward_end_s: float
     comms: tuple[CommEvent, ...]
     sync_s: float = 0.0
+    forward_end_s: float = 0.0
 
     @property
     def comm_end_s(self) -> float:
@@ -185,7 +188,11 @@ class Replay:
     @property
     def iteration_s(self) -> float:
         """Buffer broadcasts, forward, then backward and the last all-reduce, whichever ends
-        later, the synchronisation, then the step."""
+        later, the synchronisation, then the step. For a plan that overlaps the next forward:
+        buffer broadcasts and the period from one backward's start to the next (the gated
+        forward with its updates in it)."""
+        if self.forward_end_s > 0:
+            return self.pre_forward_s + self.forward_end_s + self.sync_s
         return (
             self.pre_forward_s
             + self.forward_s
@@ -207,9 +214,12 @@ def replay(
     """Play ``plan`` forward in time as discrete events.
 
     Backward is the sequence of compute stretches between consecutive ready times of
-    ``plan.tensors`` (then the rest up to ``plan.backward_s``); all-reduces start in plan order,
-    each once its tensors are all ready and (with no start-up overlap) the previous one has
-    ended. With no contention the times equal :func:`~interlace.comm.plan.schedule`'s.
+    ``plan.tensors`` (then the rest up to ``plan.backward_s``); all-reduces start in the plan's
+    launch order, each once its bucket is complete and (with no start-up overlap) the previous
+    one has ended. A plan with gates plays the next forward too: it starts when backward ends,
+    each gate waits for its buckets, then applies their update (``plan.step_s`` by bytes) and
+    computes to the next gate. With no contention the times equal the planner's own
+    (:func:`~interlace.comm.plan.schedule`, :func:`~interlace.comm.overlap.plan_overlap`).
 
     Args:
         plan: The buckets, with the tensors' ready times and the passes' lengths.
@@ -229,7 +239,7 @@ def replay(
     cost = plan.cost if cost is None else cost
     if not plan.tensors:
         raise ValueError("replaying a plan needs its tensors (plan.tensors is empty)")
-    backward = _Backward(plan)
+    backward = _Lane(plan)
     if plan.channels > 1:
         comms = _replay_channels(plan, contention, cost, backward)
     else:
@@ -237,53 +247,88 @@ def replay(
     assert backward.end_s is not None
     return Replay(
         plan.forward_s,
-        step_s,
+        0.0 if plan.overlaps_forward else step_s,
         sum(cost.time(nbytes) for nbytes in pre_forward_bytes),
         tuple(backward.ready_s),
         backward.end_s,
         comms,
         sync_s,
+        backward.forward_end_s or 0.0,
     )
 
 
-class _Backward:
-    """Backward's compute as a replay plays it: the stretches between consecutive ready times of
-    ``plan.tensors``, then the rest up to ``plan.backward_s``, each at whatever speed contention
-    leaves it; it records when each tensor became ready and when backward ended."""
+@dataclass
+class _Piece:
+    """A stretch of the compute lane: ``work_s`` seconds of compute, started once every bucket
+    of ``waits`` has arrived; ``tensor`` is the tensor it makes ready (-1: none)."""
+
+    work_s: float
+    tensor: int = -1
+    waits: frozenset[int] = frozenset()
+
+
+class _Lane:
+    """The compute lane as a replay plays it: backward's stretches between consecutive ready
+    times of ``plan.tensors``, the rest up to ``plan.backward_s``, and for a plan with gates
+    the next forward (each gate waiting for its buckets); each stretch at whatever speed
+    contention leaves it. It records when each tensor became ready, when backward ended and
+    when the gated forward ended."""
 
     def __init__(self, plan: Plan) -> None:
         tensors = plan.tensors
-        self._work = [tensors[0].ready_s] + [
-            tensors[i].ready_s - tensors[i - 1].ready_s for i in range(1, len(tensors))
+        pieces = [_Piece(tensors[0].ready_s, 0)] + [
+            _Piece(tensors[i].ready_s - tensors[i - 1].ready_s, i) for i in range(1, len(tensors))
         ]
-        self._tail = max(plan.backward_s - tensors[-1].ready_s, 0.0)
-        self._left = self._work[0]  # compute left in the current stretch (or the tail)
-        self._in_tail = False
+        pieces.append(_Piece(max(plan.backward_s - tensors[-1].ready_s, 0.0)))
+        self._backward_pieces = len(pieces)
+        if plan.overlaps_forward:
+            pieces += _forward_pieces(plan)
+        self._pieces = pieces
+        self._at = 0
+        self._left = pieces[0].work_s
+        #: Buckets whose all-reduces have all ended.
+        self.arrived: set[int] = set()
         #: Tensors ready so far, and when each became ready.
         self.done = 0
         self.ready_s = [0.0] * len(tensors)
-        #: When backward ended (None while it computes).
+        #: When backward ended (None while it computes) and the gated forward (None: not yet).
         self.end_s: float | None = None
+        self.forward_end_s: float | None = None
 
     @property
     def computing(self) -> bool:
-        return self.end_s is None
+        """Whether compute is running now (not finished, not waiting at a gate)."""
+        return self._at < len(self._pieces) and self._pieces[self._at].waits <= self.arrived
+
+    @property
+    def finished(self) -> bool:
+        return self._at >= len(self._pieces)
 
     def settle(self, now: float) -> None:
-        """Record every tensor (and backward's end) that is done at ``now``."""
-        while self.end_s is None and self._left <= 0.0:
-            if self._in_tail:
-                self.end_s = now
-            else:
-                self.ready_s[self.done] = now
+        """Record every stretch (and pass end) that is done at ``now``."""
+        while self._at < len(self._pieces) and self._left <= 0.0:
+            piece = self._pieces[self._at]
+            if piece.waits and not piece.waits <= self.arrived:
+                return
+            if piece.tensor >= 0:
+                self.ready_s[piece.tensor] = now
                 self.done += 1
-                if self.done < len(self._work):
-                    self._left = self._work[self.done]
-                else:
-                    self._in_tail, self._left = True, self._tail
+            self._at += 1
+            if self._at == self._backward_pieces:
+                self.end_s = now
+            if self._at == len(self._pieces):
+                if len(self._pieces) > self._backward_pieces:
+                    self.forward_end_s = now
+                return
+            nxt = self._pieces[self._at]
+            self._left = nxt.work_s
+            if nxt.waits and self._left <= 0.0:
+                # A gate with nothing to compute still waits for its buckets.
+                self._left = 0.0
 
     def until_stretch_end(self, rate: float) -> float:
-        """Seconds until the current stretch ends at ``rate`` of full speed (inf once done)."""
+        """Seconds until the current stretch ends at ``rate`` of full speed (inf while done or
+        waiting at a gate)."""
         return self._left / rate if self.computing else math.inf
 
     def advance(self, seconds: float, rate: float, stretch_ends: bool) -> None:
@@ -293,138 +338,160 @@ class _Backward:
             self._left = 0.0 if stretch_ends else self._left - seconds * rate
 
 
+def _forward_pieces(plan: Plan) -> list[_Piece]:
+    """The gated next forward as compute stretches: the part before the first gate, then per
+    gate its update (``plan.step_s`` by bytes) and stretch, waiting for its buckets; the
+    updates of tensors no gate waits for after the end, once their buckets arrived."""
+    bucket_of = [0] * len(plan.tensors)
+    for number, bucket in enumerate(plan.buckets):
+        for index in bucket.indices:
+            bucket_of[index] = number
+    total = sum(t.nbytes for t in plan.tensors) or 1
+    applied = [False] * len(plan.tensors)
+    head = max(plan.forward_s - sum(gate.forward_s for gate in plan.gates), 0.0)
+    pieces = [_Piece(head)]
+    for gate in plan.gates:
+        fresh = [i for i in gate.tensors if not applied[i]]
+        for index in fresh:
+            applied[index] = True
+        update = plan.step_s * sum(plan.tensors[i].nbytes for i in fresh) / total
+        pieces.append(_Piece(update + gate.forward_s, waits=frozenset(bucket_of[i] for i in fresh)))
+    rest = [i for i in range(len(plan.tensors)) if not applied[i]]
+    if rest:
+        update = plan.step_s * sum(plan.tensors[i].nbytes for i in rest) / total
+        pieces.append(_Piece(update, waits=frozenset(bucket_of[i] for i in rest)))
+    return pieces
+
+
 def _replay_one_channel(
-    plan: Plan, contention: Contention, cost: CostModel, backward: _Backward
+    plan: Plan, contention: Contention, cost: CostModel, lane: _Lane
 ) -> tuple[CommEvent, ...]:
-    """:func:`replay` on one channel: its all-reduces (``backward`` is played alongside)."""
+    """:func:`replay` on one channel: its all-reduces (``lane`` is played alongside)."""
+    launches = plan.launches
     last_of = [max(bucket.indices) for bucket in plan.buckets]
-    comms: list[CommEvent] = []
+    left = _slices_per_bucket(plan)
+    first_start: dict[int, float] = {}
+    comms: list[CommEvent | None] = [None] * len(plan.buckets)
     now = 0.0
-    bucket = 0  # next bucket to start
-    # All-reduces in flight, oldest first: (bucket, work left, start). Start-ups go one at a
-    # time; with a `startup_overlap` a second all-reduce may start while the first has bytes
-    # on the wire (gloo's two worker threads), and the bytes of both then share the wire.
-    flights: list[tuple[int, _InFlight, float]] = []
+    position = 0  # next launch to start
+    # All-reduces in flight, oldest first: (launch, work left). Start-ups go one at a time;
+    # with a `startup_overlap` a second all-reduce may start while the first has bytes on the
+    # wire (gloo's two worker threads), and the bytes of both then share the wire.
+    flights: list[tuple[int, _InFlight]] = []
     most = 2 if contention.startup_overlap > 0.0 else 1
     while True:
         # Everything that happens at `now` without time passing.
-        backward.settle(now)
+        lane.settle(now)
         if (
-            bucket < len(plan.buckets)
-            and last_of[bucket] < backward.done
+            position < len(launches)
+            and last_of[launches[position].bucket] < lane.done
             and len(flights) < most
-            and not any(flight.starting for _, flight, _ in flights)
+            and not any(flight.starting for _, flight in flights)
         ):
-            flights.append((bucket, _InFlight.priced(cost, plan.buckets[bucket].nbytes), now))
-            bucket += 1
+            first_start.setdefault(launches[position].bucket, now)
+            flights.append((position, _InFlight.priced(cost, launches[position].nbytes)))
+            position += 1
             continue
-        finished = next((index for index, (_, f, _) in enumerate(flights) if f.done), None)
+        finished = next((index for index, (_, f) in enumerate(flights) if f.done), None)
         if finished is not None:
-            number, _, started = flights.pop(finished)
-            comms.append(_comm(plan, number, backward.ready_s, started, now))
+            number = launches[flights.pop(finished)[0]].bucket
+            _finish_slice(
+                plan, number, now, left=left, first_start=first_start, lane=lane, comms=comms
+            )
             continue
-        if not backward.computing and not flights and bucket >= len(plan.buckets):
+        if lane.finished and not flights and position >= len(launches):
             break
-        computing = backward.computing
+        computing = lane.computing
         # With two in flight, the second was started while the first had bytes on the wire
         # (start-ups go one at a time), so any start-up now runs behind bytes.
         behind = len(flights) > 1
-        sharing = max(sum(1 for _, flight, _ in flights if not flight.starting), 1)
-        rate = min(
-            (flight.compute_rate(contention, behind) for _, flight, _ in flights), default=1.0
-        )
-        to_compute = backward.until_stretch_end(rate)
+        sharing = max(sum(1 for _, flight in flights if not flight.starting), 1)
+        rate = min((flight.compute_rate(contention, behind) for _, flight in flights), default=1.0)
+        to_compute = lane.until_stretch_end(rate)
         to_comm = min(
-            (
-                flight.until_event(contention, computing, behind, sharing)
-                for _, flight, _ in flights
-            ),
+            (flight.until_event(contention, computing, behind, sharing) for _, flight in flights),
             default=math.inf,
         )
         step = min(to_compute, to_comm)
         if not math.isfinite(step):
             raise AssertionError("replay stalled: a bucket waits for a tensor never produced")
         now += step
-        backward.advance(step, rate, step == to_compute)
-        for _, flight, _ in flights:
+        lane.advance(step, rate, step == to_compute)
+        for _, flight in flights:
             flight.advance(step, contention, computing, behind, sharing)
-    comms.sort(key=lambda event: event.indices)
-    return tuple(comms)
+    return tuple(event for event in comms if event is not None)
 
 
 def _replay_channels(
-    plan: Plan, contention: Contention, cost: CostModel, backward: _Backward
+    plan: Plan, contention: Contention, cost: CostModel, lane: _Lane
 ) -> tuple[CommEvent, ...]:
-    """:func:`replay` on ``plan.channels`` channels: their all-reduces (``backward`` is played
+    """:func:`replay` on ``plan.channels`` channels: their all-reduces (``lane`` is played
     alongside).
 
-    A bucket is launched once its tensors are ready and every earlier bucket was launched; its
-    slices queue on the channels the plan assigned; a channel runs its queue one slice after
-    another. Slices starting together count each other, as in
+    A slice is launched once its bucket is complete and every earlier launch went out; it
+    queues on the channel the plan assigned it; a channel runs its queue one slice after
+    another. Slices of one bucket starting together count each other, as in
     :class:`~interlace.comm.plan.ChannelClock`, so without contention this gives the plan's own
-    times. Each slice's start-up and bytes progress at ``contention``'s rates while backward
-    computes, and compute at the slowest rate any slice in flight allows.
+    times. Each slice's start-up and bytes progress at ``contention``'s rates while compute
+    runs, and compute at the slowest rate any slice in flight allows.
     """
+    launches = plan.launches
     last_of = [max(bucket.indices) for bucket in plan.buckets]
-    queues: list[list[tuple[int, int]]] = [[] for _ in range(plan.channels)]
-    running: dict[int, tuple[int, _InFlight]] = {}  # channel -> (bucket, slice in flight)
-    slices_left = [len(bucket.channels) for bucket in plan.buckets]
+    queues: list[list[int]] = [[] for _ in range(plan.channels)]
+    running: dict[int, tuple[int, _InFlight]] = {}  # channel -> (launch, slice in flight)
+    left = _slices_per_bucket(plan)
     first_start: dict[int, float] = {}
     comms: list[CommEvent | None] = [None] * len(plan.buckets)
 
-    ready = backward.ready_s
     now = 0.0
     launched = 0
     while True:
-        backward.settle(now)
-        while launched < len(plan.buckets) and last_of[launched] < backward.done:
-            bucket = plan.buckets[launched]
-            sizes = slice_sizes(bucket.nbytes, len(bucket.channels))
-            for channel, size in zip(bucket.channels, sizes, strict=True):
-                queues[channel].append((launched, size))
+        lane.settle(now)
+        while launched < len(launches) and last_of[launches[launched].bucket] < lane.done:
+            queues[launches[launched].channel].append(launched)
             launched += 1
-        # Start what can start now, bucket by bucket in launch order.
+        # Start what can start now, in launch order: a partitioned bucket's slices together,
+        # as ChannelClock places them; an overlap plan's slices one by one, as it places them.
         startable = sorted(
-            (queues[c][0][0], c) for c in range(plan.channels) if c not in running and queues[c]
+            (queues[c][0], c) for c in range(plan.channels) if c not in running and queues[c]
         )
+        together: dict[int, list[tuple[int, int]]] = {}
+        for position, channel in startable:
+            key = position if plan.overlaps_forward else launches[position].bucket
+            together.setdefault(key, []).append((position, channel))
         finished_now = False
-        for number in sorted({bucket for bucket, _ in startable}):
-            channels = [c for bucket, c in startable if bucket == number]
+        for mine in sorted(together.values()):
+            number = launches[mine[0][0]].bucket
             # As ChannelClock prices it, the newcomer in launch order pays for sharing: a slice
-            # of a later bucket that got its channel first does not slow this one.
-            concurrent = sum(1 for bucket, _ in running.values() if bucket <= number)
-            concurrent += len(channels)
-            for channel in channels:
-                _, size = queues[channel].pop(0)
+            # launched later that got its channel first does not slow this one.
+            first = mine[0][0]
+            concurrent = sum(1 for p, _ in running.values() if p <= first) + len(mine)
+            for position, channel in mine:
+                queues[channel].pop(0)
                 first_start.setdefault(number, now)
-                flight = _InFlight.priced(cost, size, concurrent)
+                flight = _InFlight.priced(cost, launches[position].nbytes, concurrent)
                 if flight.done:
                     finished_now = (
                         _finish_slice(
                             plan,
                             number,
                             now,
-                            slices_left=slices_left,
+                            left=left,
                             first_start=first_start,
-                            ready=ready,
+                            lane=lane,
                             comms=comms,
                         )
                         or finished_now
                     )
                 else:
-                    running[channel] = (number, flight)
+                    running[channel] = (position, flight)
         if finished_now:
             continue
-        if (
-            not backward.computing
-            and not running
-            and launched == len(plan.buckets)
-            and not any(queues)
-        ):
+        if lane.finished and not running and launched == len(launches) and not any(queues):
             break
-        computing = backward.computing
+        computing = lane.computing
         rate = min((flight.compute_rate(contention) for _, flight in running.values()), default=1.0)
-        to_compute = backward.until_stretch_end(rate)
+        to_compute = lane.until_stretch_end(rate)
         to_comm = min(
             (flight.until_event(contention, computing) for _, flight in running.values()),
             default=math.inf,
@@ -433,21 +500,28 @@ def _replay_channels(
         if not math.isfinite(step):
             raise AssertionError("replay stalled: a bucket waits for a tensor never produced")
         now += step
-        backward.advance(step, rate, step == to_compute)
-        for channel, (number, flight) in list(running.items()):
+        lane.advance(step, rate, step == to_compute)
+        for channel, (position, flight) in list(running.items()):
             flight.advance(step, contention, computing)
             if flight.done:
                 del running[channel]
                 _finish_slice(
                     plan,
-                    number,
+                    launches[position].bucket,
                     now,
-                    slices_left=slices_left,
+                    left=left,
                     first_start=first_start,
-                    ready=ready,
+                    lane=lane,
                     comms=comms,
                 )
     return tuple(event for event in comms if event is not None)
+
+
+def _slices_per_bucket(plan: Plan) -> list[int]:
+    count = [0] * len(plan.buckets)
+    for launch in plan.launches:
+        count[launch.bucket] += 1
+    return count
 
 
 def _finish_slice(
@@ -455,15 +529,17 @@ def _finish_slice(
     number: int,
     now: float,
     *,
-    slices_left: list[int],
+    left: list[int],
     first_start: dict[int, float],
-    ready: list[float],
+    lane: _Lane,
     comms: list[CommEvent | None],
 ) -> bool:
-    """Count one slice of bucket ``number`` done; record the bucket once all its slices are."""
-    slices_left[number] -= 1
-    if slices_left[number] == 0:
-        comms[number] = _comm(plan, number, ready, first_start[number], now)
+    """Count one slice of bucket ``number`` done; once all its slices are, record the bucket
+    and tell the lane it arrived."""
+    left[number] -= 1
+    if left[number] == 0:
+        comms[number] = _comm(plan, number, lane.ready_s, first_start[number], now)
+        lane.arrived.add(number)
         return True
     return False
 

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from interlace.comm.plan import ReadyTensor
+from interlace.comm.plan import Gate, ReadyTensor
 from interlace.errors import UsageError
 from interlace.sim.traces import shipped_trace, trace_names
 
@@ -252,6 +252,23 @@ class Trace:
             ReadyTensor(layer, sum(self.tensors[i].nbytes for i in indices), ready[indices[-1]])
             for layer, indices in self.layers
         ]
+
+    def forward_gates(self, per_layer: bool = False) -> list[Gate]:
+        """The next forward's gates for a plan of :meth:`ready_tensors`: one per layer, in
+        forward order (the backward order reversed), each waiting for that layer's tensors and
+        computing its forward with its share of the pass's time outside the layers
+        (:attr:`pass_scales`), which is what an emulated model spends there.
+
+        Args:
+            per_layer: Index the tensors as :meth:`ready_tensors` does with ``per_layer``.
+        """
+        forward_scale, _ = self.pass_scales
+        gates = []
+        for number, (layer, indices) in reversed(list(enumerate(self.layers))):
+            tensors = (number,) if per_layer else tuple(indices)
+            forward_s = self.tensors[indices[0]].layer_forward_s * forward_scale
+            gates.append(Gate(layer, tensors, forward_s))
+        return gates
 
     def describe(self) -> str:
         """One line: model, tensors, layers, size and compute times."""
