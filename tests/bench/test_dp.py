@@ -188,7 +188,12 @@ def test_an_emulated_run_reports_undilated_times_the_compute_and_the_bound(
     argv += ["--warmup", "1", "--rounds", "1", "--timeout", "600", "--json", str(json_path)]
     assert dp.main(argv) == 0
     rows = json.loads(json_path.read_text())
-    assert [row["strategy"] for row in rows] == ["ddp", "wfbp", dp_report.BOUND_ROW]
+    assert [row["strategy"] for row in rows] == [
+        "ddp",
+        "wfbp",
+        dp_report.BOUND_ROW,
+        dp_report.OVERLAP_BOUND_ROW,
+    ]
     label = f"emulated:{trace} D=3"
     # Every layer's forward and backward sleep its traced time x 3; divided by 3 again, no
     # iteration can be shorter than the trace's forward + backward + step (15 ms).
@@ -196,7 +201,7 @@ def test_an_emulated_run_reports_undilated_times_the_compute_and_the_bound(
     for row in rows:
         assert row["compute"] == label and row["model"] == "toy"
         assert row["startup_s"] > 0 and row["per_byte_s"] >= 0
-    ddp, wfbp, bound = rows
+    ddp, wfbp, bound, ahead = rows
     for row in (ddp, wfbp):
         assert row["iteration_s"] >= traced_s and row["samples"] == 3
         # Far below the dilated time: the times were divided by the dilation.
@@ -205,6 +210,11 @@ def test_an_emulated_run_reports_undilated_times_the_compute_and_the_bound(
     expected = 4e-3 + max(8e-3, bound["allreduce_s"]) + bound["step_s"]
     assert bound["iteration_s"] == pytest.approx(expected)
     assert bound["speedup_vs_ddp"] == pytest.approx(ddp["iteration_s"] / bound["iteration_s"])
+    # The overlap bound: max(forward + backward, all-reduce) + the measured step.
+    expected = max(12e-3, ahead["allreduce_s"]) + ahead["step_s"]
+    assert ahead["iteration_s"] == pytest.approx(expected)
+    assert ddp["overlap_bound_s"] == pytest.approx(expected)
+    assert ddp["time_over_overlap_bound"] == pytest.approx(ddp["iteration_s"] / expected)
     out = capsys.readouterr().out
     assert label in out and "all-reduce a + b*M (undilated)" in out
 

@@ -475,15 +475,16 @@ def measure_rank(job: MeasureJob) -> Measurement:
                         probe.add_bulk(overlapped_backward_s, overlapped_done_s)
                 continue
             dist.barrier()
-            for index in range(block):
+            # One untimed step first: a strategy whose all-reduces run on into the next forward
+            # is then timed in its steady state, each step waiting for the one before.
+            train_step(slot, *next_batch())
+            for _ in range(block):
                 inputs, targets = next_batch()
                 start = time.perf_counter()
                 train_step(slot, inputs, targets)
-                if index == block - 1:
-                    # What runs on into the next forward is this block's: its last sample
-                    # waits for it, so the next contender starts on an idle network.
-                    settle(slot.wrapper)
                 slot.times.append(time.perf_counter() - start)
+            # The next contender starts on an idle network.
+            settle(slot.wrapper)
 
     samples = []
     for contender in contenders:

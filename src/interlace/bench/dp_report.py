@@ -17,6 +17,8 @@ from interlace.errors import UsageError
 
 #: The row that stands for the ideal-overlap bound on emulated compute.
 BOUND_ROW = "ideal-bound"
+#: The row that stands for the bound of all-reduces that may also overlap the next forward.
+OVERLAP_BOUND_ROW = "overlap-bound"
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,24 @@ def ideal_bound_s(forward_s: float, backward_s: float, allreduce_s: float, step_
     return forward_s + max(backward_s, allreduce_s) + step_s
 
 
+def overlap_bound_s(
+    forward_s: float, backward_s: float, allreduce_s: float, step_s: float
+) -> float:
+    """The bound when all-reduces may run on into the next forward:
+    ``max(forward + backward, all-reduce) + step``.
+
+    Every iteration still computes its passes and its step, and the link still carries one
+    all-reduce of all gradients per iteration; nothing else need wait.
+
+    Args:
+        forward_s: Seconds of forward.
+        backward_s: Seconds of backward.
+        allreduce_s: Seconds of one all-reduce of all gradients.
+        step_s: Seconds of the optimizer step.
+    """
+    return max(forward_s + backward_s, allreduce_s) + step_s
+
+
 @dataclass(frozen=True)
 class LaunchContext:
     """How a launch was set up: its target ratio (None for a fixed link) and link.
@@ -161,6 +181,10 @@ class Row:
     time_over_bound: float
     contended_bound_s: float | None = None
     time_over_contended: float | None = None
+    #: The bound of all-reduces that may run on into the next forward (see
+    #: :func:`overlap_bound_s`), and this row's time over it.
+    overlap_bound_s: float | None = None
+    time_over_overlap_bound: float | None = None
     predicted_s: float | None = None
     cost_a: float | None = None
     cost_b: float | None = None
@@ -206,14 +230,11 @@ def rows_from_measurement(measurement: Measurement, context: LaunchContext) -> l
     emulated = measurement.device_forward_s is not None
     if emulated:
         # The bound of the traced device: its forward and backward, not the sleeps' overshoot.
-        bound = ideal_bound_s(
-            measurement.device_forward_s or 0.0,
-            measurement.device_backward_s or 0.0,
-            allreduce,
-            step,
-        )
+        passes = (measurement.device_forward_s or 0.0, measurement.device_backward_s or 0.0)
     else:
-        bound = ideal_bound_s(forward, backward, allreduce, step)
+        passes = (forward, backward)
+    bound = ideal_bound_s(*passes, allreduce, step)
+    ahead = overlap_bound_s(*passes, allreduce, step)
     startup = statistics.median(measurement.latency_s) if measurement.latency_s else None
     per_byte = (
         None
@@ -255,6 +276,8 @@ def rows_from_measurement(measurement: Measurement, context: LaunchContext) -> l
                 time_over_bound=median / bound,
                 contended_bound_s=contended,
                 time_over_contended=None if contended is None else median / contended,
+                overlap_bound_s=ahead,
+                time_over_overlap_bound=median / ahead,
                 predicted_s=samples.predicted_s,
                 cost_a=samples.cost_a,
                 cost_b=samples.cost_b,
@@ -277,30 +300,32 @@ def rows_from_measurement(measurement: Measurement, context: LaunchContext) -> l
             )
         )
     if emulated and rows:
-        rows.append(
-            replace(
-                rows[-1],
-                strategy=BOUND_ROW,
-                base_strategy=BOUND_ROW,
-                iteration_s=bound,
-                iteration_p25_s=bound,
-                iteration_p75_s=bound,
-                samples=0,
-                speedup_vs_ddp=None if ddp is None else ddp / bound,
-                buckets="-",
-                time_over_bound=1.0,
-                predicted_s=None,
-                cost_a=None,
-                cost_b=None,
-                plan=None,
-                channels="1",
-                compression="none",
-                chosen_channels=None,
-                channel_choice=None,
-                tuning=None,
-                speedup_vs_one_channel=None,
+        for name, value in ((BOUND_ROW, bound), (OVERLAP_BOUND_ROW, ahead)):
+            rows.append(
+                replace(
+                    rows[-1],
+                    strategy=name,
+                    base_strategy=name,
+                    iteration_s=value,
+                    iteration_p25_s=value,
+                    iteration_p75_s=value,
+                    samples=0,
+                    speedup_vs_ddp=None if ddp is None else ddp / value,
+                    buckets="-",
+                    time_over_bound=value / bound,
+                    time_over_overlap_bound=value / ahead,
+                    predicted_s=None,
+                    cost_a=None,
+                    cost_b=None,
+                    plan=None,
+                    channels="1",
+                    compression="none",
+                    chosen_channels=None,
+                    channel_choice=None,
+                    tuning=None,
+                    speedup_vs_one_channel=None,
+                )
             )
-        )
     return rows
 
 
@@ -403,8 +428,10 @@ def format_table(rows: Sequence[Row]) -> str:
         "| model | compute | batch | target ratio | link | comm/compute | strategy | channels | "
         "k used | "
         "compression | iteration ms (p25-p75) | vs DDP | vs 1 channel | buckets | bound ms | "
-        "time/bound | contended bound ms | time/contended |",
-        "|---|---|---:|---:|---|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "time/bound | overlap bound ms | time/overlap bound | contended bound ms | "
+        "time/contended |",
+        "|---|---|---:|---:|---|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "---:|---:|",
     ]
     for row in rows:
         speedup = "-" if row.speedup_vs_ddp is None else f"{row.speedup_vs_ddp:.2f}x"
@@ -419,6 +446,7 @@ def format_table(rows: Sequence[Row]) -> str:
             f"{used} | {row.compression} | {row.iteration_s * 1e3:.1f} "
             f"({row.iteration_p25_s * 1e3:.1f}-{row.iteration_p75_s * 1e3:.1f}) | {speedup} | "
             f"{versus_one} | {row.buckets} | {row.bound_s * 1e3:.1f} | {row.time_over_bound:.2f} | "
+            f"{_ms(row.overlap_bound_s)} | {_ratio(row.time_over_overlap_bound)} | "
             f"{_ms(row.contended_bound_s)} | {_ratio(row.time_over_contended)} |"
         )
     return "\n".join(lines)
@@ -433,7 +461,8 @@ def _ratio(value: float | None) -> str:
 
 
 def format_summary(rows: Sequence[Row]) -> str:
-    """One line per model x ratio: each strategy's speed-up vs DDP and its time/bound.
+    """One line per model x ratio: each strategy's speed-up vs DDP and its time over both
+    bounds.
 
     Args:
         rows: The rows, in order.
@@ -441,10 +470,11 @@ def format_summary(rows: Sequence[Row]) -> str:
     strategies = list(dict.fromkeys(row.strategy for row in rows))
     groups = _groups(rows)
     header = (
-        "| model | compute | target ratio | link | comm/compute | bound ms | contended bound ms | "
-        + " | ".join(f"{s} vs DDP (t/bound)" for s in strategies)
+        "| model | compute | target ratio | link | comm/compute | bound ms | overlap bound ms | "
+        "contended bound ms | "
+        + " | ".join(f"{s} vs DDP (t/bound, t/overlap bound)" for s in strategies)
     )
-    lines = [header + " |", "|---|---|---:|---|---:|---:|---:|" + "---:|" * len(strategies)]
+    lines = [header + " |", "|---|---|---:|---|---:|---:|---:|---:|" + "---:|" * len(strategies)]
     for group in groups:
         first = group[0]
         by_strategy = {row.strategy: row for row in group}
@@ -455,10 +485,13 @@ def format_summary(rows: Sequence[Row]) -> str:
                 cells.append("-")
                 continue
             speedup = "-" if row.speedup_vs_ddp is None else f"{row.speedup_vs_ddp:.2f}x"
-            cells.append(f"{speedup} ({row.time_over_bound:.2f})")
+            cells.append(
+                f"{speedup} ({row.time_over_bound:.2f}, {_ratio(row.time_over_overlap_bound)})"
+            )
         lines.append(
             f"| {first.model} | {first.compute} | {_ratio_text(first)} | {_link_text(first)} | "
             f"{first.comm_compute:.2f} | {first.bound_s * 1e3:.1f} | "
+            f"{_ms(first.overlap_bound_s)} | "
             f"{_ms(first.contended_bound_s)} | " + " | ".join(cells) + " |"
         )
     return "\n".join(lines)
