@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from interlace.comm.cost import CostModel
-from interlace.kfac.fusion import BucketLauncher, fixed_groups, make_groups, merged_groups
+from interlace.kfac.fusion import make_groups, merged_groups
 
 #: Start-up free, a second per byte: after the first factor's all-reduce the channel stays busy
 #: past any real ready time, so MG-WFBP merges every later factor into one bucket.
@@ -16,13 +16,13 @@ def test_none_gives_one_bucket_per_factor() -> None:
     assert make_groups("none", [8, 16, 4]) == [[0], [1], [2]]
 
 
-def test_fixed_fills_buckets_up_to_the_cap_in_ready_order() -> None:
+def test_fixed_closes_a_bucket_once_it_holds_the_cap_as_ddp_does() -> None:
     sizes = [40, 50, 20, 100, 30, 30, 30]
-    # 40+50 fits 100, +20 does not; 20 alone then +100 overflows; 100 is a bucket by itself.
-    assert fixed_groups(sizes, 100) == [[0, 1], [2], [3], [4, 5, 6]]
+    # 40+50 is below 100, +20 reaches it; 100 alone reaches it; the last three stay below.
+    assert make_groups("fixed", sizes, cap_bytes=100) == [[0, 1, 2], [3], [4, 5, 6]]
     assert make_groups("fixed", [250, 10], cap_bytes=100) == [[0], [1]]
     with pytest.raises(ValueError, match="cap"):
-        fixed_groups(sizes, 0)
+        make_groups("fixed", sizes, cap_bytes=0)
 
 
 def test_merged_follows_mg_wfbp() -> None:
@@ -44,19 +44,3 @@ def test_merged_follows_mg_wfbp() -> None:
         make_groups("merged", [1, 2])
     with pytest.raises(ValueError, match="fusion"):
         make_groups("smart", [1])
-
-
-def test_launcher_launches_complete_buckets_in_plan_order() -> None:
-    launcher = BucketLauncher([[0, 1], [2], [3, 4]])
-    assert launcher.add(2) == []  # bucket 1 is complete but bucket 0 is not out yet
-    assert launcher.add(0) == []
-    assert launcher.add(0) == []  # a repeat counts once
-    assert launcher.add(1) == [0, 1]
-    assert launcher.add(3) == []
-    assert launcher.launched == 2
-    assert launcher.rest() == [2]  # the flush
-    assert launcher.rest() == []
-    with pytest.raises(ValueError, match="no bucket"):
-        launcher.add(7)
-    with pytest.raises(ValueError, match="cover"):
-        BucketLauncher([[0], [2]])

@@ -14,8 +14,10 @@ import torch.distributed as dist
 
 from interlace.comm.calibrate import fit_cost_model
 from interlace.comm.cost import CostModel
+from interlace.comm.engine import BucketEngine
+from interlace.comm.plan import pack_by_cap
 from interlace.kfac.assignment import GroupRanks
-from interlace.kfac.fusion import FUSIONS, BucketLauncher, make_groups
+from interlace.kfac.fusion import FUSIONS, make_groups
 from interlace.kfac.layer import KFACLayer
 from interlace.kfac.packing import pack_upper, packed_size, unpack_upper
 from interlace.kfac.timing import SpanLog
@@ -35,64 +37,52 @@ def all_reduce_mean(
     group: dist.ProcessGroup | None,
     bucket_bytes: int,
 ) -> list[torch.Tensor]:
-    """Average ``tensors`` across ranks in fused buckets of at most ``bucket_bytes``.
-
-    A tensor that would overflow a non-empty bucket starts the next one; all buckets are
-    launched before the first is waited for.
+    """Average ``tensors`` across ranks in buckets of :func:`~interlace.comm.plan.pack_by_cap`,
+    on the communication core's bucket engine: every bucket is launched before the first is
+    waited for.
 
     Args:
         tensors: The same shapes and dtypes on every rank.
         world_size: The ranks of ``group`` (1: nothing to do).
         group: The process group.
-        bucket_bytes: The most bytes in one all-reduce (unless one tensor is larger).
+        bucket_bytes: The cap of a bucket (0: one all-reduce per tensor).
 
     Returns:
-        The averages, shaped like ``tensors`` (views of the buckets).
+        The averages, shaped like ``tensors`` (views of the engine's buffers).
     """
     if world_size == 1 or not tensors:
         return tensors
-    buckets: list[list[int]] = [[]]
-    size = 0
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    # A cap of 0 is kfac-pytorch's "no bucketing": every tensor on its own.
+    groups = (
+        pack_by_cap(sizes, bucket_bytes) if bucket_bytes > 0 else [[i] for i in range(len(sizes))]
+    )
+    engine = BucketEngine(tensors, groups, group)
     for index, tensor in enumerate(tensors):
-        nbytes = tensor.numel() * tensor.element_size()
-        if buckets[-1] and size + nbytes > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(index)
-        size += nbytes
-    flats = [torch.cat([tensors[i].reshape(-1) for i in bucket]) for bucket in buckets]
-    works = [dist.all_reduce(flat, group=group, async_op=True) for flat in flats]
-    result: list[torch.Tensor] = list(tensors)
-    for bucket, flat, work in zip(buckets, flats, works, strict=True):
-        assert work is not None
-        work.wait()
-        # In place: the bucket is this call's own copy, and a second one would add a whole
-        # copy of every factor to the step's peak memory.
-        mean = flat.div_(world_size)
-        offset = 0
-        for index in bucket:
-            numel = tensors[index].numel()
-            result[index] = mean[offset : offset + numel].view_as(tensors[index])
-            offset += numel
-    return result
+        engine.add(index, tensor)
+    averaged = engine.finish()
+    return [
+        mean if mean is not None else tensor for mean, tensor in zip(averaged, tensors, strict=True)
+    ]
 
 
 class FactorPipeline:
     """The in-hook communicator of pipelined factor all-reduces (one factor step at a time).
 
     Factors are indexed by their position in the ready order (``keys``). :meth:`offer` packs a
-    factor's upper triangle and launches every bucket that is now complete, in plan order, as an
-    async SUM all-reduce on the factor group; :meth:`flush` launches the rest and :meth:`wait`
-    collects the sums. While profiling it also notes each factor's ready time, seconds since
-    the first factor of the step (about the start of the forward pass).
+    factor's upper triangle into its bucket of the communication core's bucket engine, which
+    launches every bucket now complete, in plan order, on the factor group; :meth:`flush`
+    launches the rest and :meth:`wait` collects the averages. While profiling it also notes each
+    factor's ready time, seconds since the first factor of the step (about the start of the
+    forward pass).
 
     Args:
         keys: The factors in ready order.
         numels: Each factor's packed size.
         dtypes: Each factor's dtype.
         group: The factor group.
-        device: Where zeros stand in for a factor this rank did not compute.
-        spans: Where each bucket's wait is logged.
+        device: Where the buckets live.
+        spans: Where each bucket's all-reduce is logged.
     """
 
     def __init__(
@@ -118,18 +108,31 @@ class FactorPipeline:
         self.profiled = 0
         self._ready_sum = [0.0] * len(keys)
         self._ready_count = [0] * len(keys)
+        # The engine needs the factors' shapes and dtypes only: meta tensors cost no memory.
+        self._shapes = [
+            torch.empty(n, dtype=d, device="meta") for n, d in zip(numels, dtypes, strict=True)
+        ]
+        self._engine: BucketEngine | None = None
+        self._events: list[tuple[int, float, float]] = []
         self.reset()
 
     def reset(self) -> None:
-        """Forget this step's factors (collectives must have been waited for)."""
-        self.launcher = BucketLauncher(self.groups)
-        self.packed: dict[int, torch.Tensor] = {}
+        """Forget this step's factors (collectives must have been waited for); take up
+        :attr:`groups` if they changed."""
+        if self._engine is None or self._engine.groups != self.groups:
+            self._engine = BucketEngine(self._shapes, self.groups, self.group, device=self.device)
+            self._engine.recorder = self._record
+        self._engine.begin()
+        self._offered: set[int] = set()
         self.ready_s: dict[int, float] = {}
         self.origin: float | None = None
-        self.pending: list[tuple[int, torch.Tensor, dist.Work | None, float]] = []
+        self._events = []
+
+    def _record(self, bucket: int, channel: int, nbytes: int, launched: float, done: float) -> None:
+        self._events.append((bucket, launched, done))
 
     def offer(self, key: FactorKey, factor: torch.Tensor) -> None:
-        """A factor is ready: pack it and launch every bucket now complete.
+        """A factor is ready: pack it into its bucket and launch every bucket now complete.
 
         Args:
             key: Which factor.
@@ -140,48 +143,29 @@ class FactorPipeline:
             self.origin = now
         position = self.index.get(key)
         # A second call of the same module in one step is caught by the step's counts.
-        if position is None or position in self.packed:
+        if position is None or position in self._offered:
             return
-        packed = pack_upper(factor)
-        # The all-reduce works in place, and a diagonal factor is the hook's own tensor.
-        self.packed[position] = packed.clone() if packed is factor else packed
+        self._offered.add(position)
+        assert self._engine is not None
+        self._engine.add(position, pack_upper(factor))
         self.ready_s[position] = now - self.origin
-        for bucket in self.launcher.add(position):
-            self._launch(bucket)
 
     def flush(self) -> None:
-        """Launch every bucket not launched yet."""
-        for bucket in self.launcher.rest():
-            self._launch(bucket)
-
-    def _launch(self, bucket: int) -> None:
-        members = self.groups[bucket]
-        parts = [
-            self.packed[i]
-            if i in self.packed
-            else torch.zeros(self.numels[i], dtype=self.dtypes[i], device=self.device)
-            for i in members
-        ]
-        flat = parts[0] if len(parts) == 1 else torch.cat(parts)
-        started = time.perf_counter()
-        work = dist.all_reduce(flat, group=self.group, async_op=True)
-        self.pending.append((bucket, flat, work, started))
+        """Launch every bucket not launched yet (zeros for a factor this rank did not make)."""
+        assert self._engine is not None
+        self._engine.close()
 
     def wait(self) -> dict[int, torch.Tensor]:
-        """Every factor's all-reduced sum (1-D, packed), by ready position."""
-        sums: dict[int, torch.Tensor] = {}
-        for bucket, flat, work, started in self.pending:
-            assert work is not None
-            work.wait()
-            members = self.groups[bucket]
-            self.spans.add(
-                f"factor bucket {bucket} ({len(members)})", "comm", started, time.perf_counter()
-            )
-            pieces = torch.split(flat, [self.numels[i] for i in members])
-            for i, piece in zip(members, pieces, strict=True):
-                sums[i] = piece
-        self.pending = []
-        return sums
+        """Every factor's average across ranks (1-D, packed), by ready position."""
+        engine = self._engine
+        assert engine is not None
+        engine.wait(range(len(engine.groups)))
+        for bucket, launched, done in sorted(self._events):
+            members = engine.groups[bucket]
+            self.spans.add(f"factor bucket {bucket} ({len(members)})", "comm", launched, done)
+        self._events = []
+        views = engine.averaged(range(len(self.numels)))
+        return {position: view for position, view in enumerate(views) if view is not None}
 
     def record_profile(self) -> None:
         """Add this step's ready times to the profile."""
@@ -376,7 +360,7 @@ class FactorComm:
         ready = [layer for layer, both in zip(layers, everywhere, strict=True) if all(both)]
         phases["factor_compute"] += time.perf_counter() - started
         with self.spans.timed(phases, "factor_comm", "comm", "factor all-reduce wait"):
-            summed = pipe.wait()
+            means = pipe.wait()
         if any_repeated:
             tensors = [tensor for layer in ready for tensor in layer.batch_factors()]
             with self.spans.timed(phases, "factor_comm", "comm", "factor all-reduce"):
@@ -386,7 +370,7 @@ class FactorComm:
             for which, local in (("A", layer.a_sum), ("G", layer.g_sum)):
                 assert local is not None
                 dim, diagonal = layer.dims(which)
-                mean = summed[pipe.index[(layer.name, which)]] / self.world_size
+                mean = means[pipe.index[(layer.name, which)]]
                 averaged.append(unpack_upper(mean, dim, diagonal=diagonal).to(local.dtype))
         return ready, averaged
 
