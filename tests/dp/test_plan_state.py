@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -9,7 +10,10 @@ import torch.distributed as dist
 from torch import nn
 
 from interlace.comm.cost import CostModel
+from interlace.comm.overlap import plan_overlap
+from interlace.comm.plan import Gate, ReadyTensor, plan_fixed
 from interlace.dp import DataParallel
+from interlace.dp.plan_state import plan_from_dict, plan_to_dict
 from interlace.errors import UsageError
 from interlace.testing import run_ranks
 
@@ -78,3 +82,27 @@ def test_a_saved_plan_is_loaded_without_profiling() -> None:
         # Eight more steps: no profiling, no trials, the loaded plan stays.
         assert report["kept"]
         assert "other parameters" in report["refused"]
+
+
+def test_an_overlap_plan_keeps_its_launch_order_and_gates_as_plain_data() -> None:
+    tensors = [ReadyTensor("late", 4_000, 0.0), ReadyTensor("early", 1_000, 1e-3)]
+    gates = [Gate("early", (1,), 1e-3), Gate("late", (0,), 2e-3)]
+    plan = plan_overlap(
+        tensors,
+        gates,
+        CostModel(1e-4, 1e-9),
+        groups=[[0], [1]],
+        forward_s=3e-3,
+        step_s=1e-3,
+        slice_bytes=1_500,
+    )
+    data = plan_to_dict(plan)
+    assert json.loads(json.dumps(data)) == data  # plain data
+    assert plan_from_dict(data) == plan
+    # A plan saved before launches were listed: each bucket at once, in order.
+    old = plan_to_dict(plan_fixed(tensors, CostModel(0, 0), 1))
+    for key in ("launches", "gates", "step_s", "forward_end_s"):
+        del old[key]
+    loaded = plan_from_dict(old)
+    assert [(x.bucket, x.part, x.parts) for x in loaded.launches] == [(0, 0, 1), (1, 0, 1)]
+    assert not loaded.overlaps_forward

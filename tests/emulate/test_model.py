@@ -247,3 +247,28 @@ def test_an_unknown_trace_name_names_the_shipped_ones() -> None:
 def test_a_bad_dilation_is_a_clear_error(dilation: float) -> None:
     with pytest.raises(UsageError, match="dilation must be a finite number > 0"):
         EmulatedModel(small_trace(), dilation=dilation)
+
+
+def test_each_layer_spends_its_own_share_of_the_forward_so_a_pre_hook_waits_between_layers() -> (
+    None
+):
+    # Layers own 5 + 15 ms of a 40 ms forward: the rest is spread in proportion, 10 and 30 ms.
+    first = TensorTrace("first.weight", "first", 10, 40, 5 * MS, 1 * MS)
+    second = TensorTrace("second.weight", "second", 10, 40, 15 * MS, 1 * MS)
+    trace = Trace("spread", (second, first), forward_s=40 * MS, backward_s=2 * MS)
+    model = EmulatedModel(trace, dilation=1.0)
+    assert [layer.forward_s for layer in model.emulated_layers()] == pytest.approx(
+        [gate.forward_s for gate in trace.forward_gates()]
+    )
+    assert [layer.forward_s for layer in model.emulated_layers()] == pytest.approx(
+        [10 * MS, 30 * MS]
+    )
+    reached: list[float] = []
+    for layer in model.emulated_layers():
+        layer.register_forward_pre_hook(lambda *_: reached.append(time.perf_counter()))
+    start = time.perf_counter()
+    model(torch.ones(2, 1))
+    took = time.perf_counter() - start
+    assert reached[0] - start < 10 * MS  # the first layer is reached at once
+    assert reached[1] - start >= 10 * MS  # the second after the first layer's share
+    assert took >= 40 * MS

@@ -51,18 +51,17 @@ def test_replay_without_contention_is_schedule(
     gaps=st.lists(st.floats(0.0, 5.0), min_size=2, max_size=15),
     sizes=st.lists(st.integers(1, 6_000_000), min_size=15, max_size=15),
     forward_ms=st.lists(st.floats(0.0, 3.0), min_size=15, max_size=15),
-    a_ms=st.floats(0.0, 2.0),
-    step_ms=st.floats(0.0, 2.0),
+    costs_ms=st.tuples(st.floats(0.0, 2.0), st.floats(0.0, 2.0)),
     channels=st.integers(1, 2),
 )
 def test_replaying_an_overlap_plan_without_contention_gives_the_planners_times(
     gaps: list[float],
     sizes: list[int],
     forward_ms: list[float],
-    a_ms: float,
-    step_ms: float,
+    costs_ms: tuple[float, float],
     channels: int,
 ) -> None:
+    a_ms, step_ms = costs_ms
     ready = [sum(gaps[: i + 1]) * MS for i in range(len(gaps))]
     tensors = [ReadyTensor(f"t{i}", sizes[i], t) for i, t in enumerate(ready)]
     # One gate per tensor but the first, in reverse ready order (the layers of a network).

@@ -501,7 +501,8 @@ def measure_rank(job: MeasureJob) -> Measurement:
                 cost_b=None if cost is None else cost.b,
                 plan=(
                     plan.describe()
-                    if plan is not None and parse_variant(contender.name)[0] == "mgwfbp"
+                    if plan is not None
+                    and parse_variant(contender.name)[0] in ("mgwfbp", "overlap")
                     else None
                 ),
                 chosen_channels=None if plan is None else plan.channels,

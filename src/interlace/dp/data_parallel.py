@@ -401,6 +401,19 @@ class DataParallel(nn.Module):
         """The channel of each slice of each bucket in use (one entry unless partitioned)."""
         return [list(channels) for channels in self._engine.assignment]
 
+    def gate_layout(self) -> list[GateTiming]:
+        """Where the next forward waits with ``overlap="forward"``: each gate (a module's name)
+        with the parameters (registration indices) that wait there, in module registration
+        order, offsets 0 (a fixed plan's gates; profiling measures the real ones).
+
+        Raises:
+            UsageError: without ``overlap="forward"``.
+        """
+        if self._overlap is None:
+            raise UsageError("gate_layout() needs overlap='forward': without it nothing waits")
+        waits = self._overlap.gates.waits
+        return [GateTiming(name, tuple(indices), 0.0) for name, indices in waits.items() if indices]
+
     def plan_state(self) -> dict[str, Any] | None:
         """The final plan as plain data (for a checkpoint); None while profiling or on trial."""
         candidate = self._in_use

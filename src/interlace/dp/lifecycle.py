@@ -197,11 +197,3 @@ class Lifecycle:
             candidate: The plan kept.
         """
         self.phase = Settled(candidate)
-
-    def restart(self, profile_steps: int) -> None:
-        """Profile afresh (no plan).
-
-        Args:
-            profile_steps: Timed backward passes before planning.
-        """
-        self.phase = Profiling(profile_steps)

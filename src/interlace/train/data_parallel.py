@@ -20,6 +20,7 @@ from torch.nn import functional
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from interlace.comm.cost import CostModel
+from interlace.comm.overlap import Overlap, gates_from_timings, plan_overlap
 from interlace.comm.plan import Bucketing, ReadyTensor, make_plan
 from interlace.distenv import DistContext
 from interlace.dp import DataParallel
@@ -253,7 +254,8 @@ def fixed_plan_state(model: DataParallel, config: TrainConfig) -> dict[str, Any]
 
     The gradients in reverse registration order (the order backward usually produces them),
     cut as the strategy would without measurements: one per tensor for ``wfbp``, one in all
-    for ``single``, DDP's caps (``--bucket-cap-mb``, first bucket 1 MB) otherwise. The bucket
+    for ``single``, DDP's caps (``--bucket-cap-mb``, first bucket 1 MB) otherwise; ``overlap``
+    sends those buckets in the order the next forward needs them. The bucket
     layout fixes the order in which an all-reduce of more than two ranks adds, so the same
     seed gives the same numbers.
 
@@ -280,6 +282,20 @@ def fixed_plan_state(model: DataParallel, config: TrainConfig) -> dict[str, Any]
         first_cap_bytes=1e6,
         channels=int(config.channels),
     )
+    if model.overlap is Overlap.FORWARD:
+        # The same buckets, sent in the order the next forward needs them (registration order
+        # of the layers standing for forward order), each whole: the sums do not change.
+        position = [0] * len(order)
+        for place, index in enumerate(order):
+            position[index] = place
+        plan = plan_overlap(
+            tensors,
+            gates_from_timings(model.gate_layout(), position, 0.0),
+            CostModel(0.0, 0.0),
+            groups=plan.groups,
+            forward_s=0.0,
+            channels=int(config.channels),
+        )
     return plan_state_of(names, order, plan)
 
 
