@@ -64,7 +64,7 @@ def test_gates_are_timed_in_forward_order_and_removed_cleanly() -> None:
     reached: list[str] = []
     gates = Gates(model, list(model.parameters()), reached.append)
     for _ in range(3):
-        gates.time_pass(0.0)
+        gates.time_pass()
         model(torch.randn(2, 4))
         gates.stop_timing()
     offsets = gates.offsets()

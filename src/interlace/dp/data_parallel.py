@@ -268,7 +268,7 @@ class DataParallel(nn.Module):
         if overlap is None or not profiling:
             return self.module(*inputs, **kwargs)
         gates = overlap.gates
-        gates.time_pass(self._forward_start)
+        gates.time_pass()
         try:
             if self._lifecycle.warming_up:
                 with gates.check():

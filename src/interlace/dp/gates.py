@@ -8,7 +8,6 @@ their forwards (or saw them not run): then it waits at the start of the forward.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,6 +16,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from interlace.clock import Mark, StreamClock
 from interlace.dp.pending import METADATA
 
 __all__ = ["ROOT", "Gates"]
@@ -32,10 +32,15 @@ class Gates:
         module: The wrapped model.
         params: The parameters that may wait (DataParallel's, in registration order).
         on_gate: Called with a gate's name each time its module is about to run.
+        clock: Times the gates during profiling (a GPU's stream: CUDA events, no host wait).
     """
 
     def __init__(
-        self, module: nn.Module, params: Sequence[torch.Tensor], on_gate: Callable[[str], None]
+        self,
+        module: nn.Module,
+        params: Sequence[torch.Tensor],
+        on_gate: Callable[[str], None],
+        clock: StreamClock | None = None,
     ) -> None:
         index = {id(param): number for number, param in enumerate(params)}
         #: For each parameter, the modules that hold it directly, by name.
@@ -57,10 +62,11 @@ class Gates:
             child.register_forward_pre_hook(self._hook(name)) for name, child in modules.items()
         ]
         self._params = list(params)
+        self._clock = StreamClock("cpu") if clock is None else clock
         self._timing = False
-        self._forward_start = 0.0
-        self._offsets: dict[str, list[float]] = {}
-        self._seen_this_pass: set[str] = set()
+        self._forward_start: Mark | None = None
+        self._marks: list[tuple[Mark, dict[str, Mark]]] = []
+        self._seen_this_pass: dict[str, Mark] = {}
 
     def assign(self, escaped: set[int], ran: set[str]) -> None:
         """Decide where each parameter waits.
@@ -87,37 +93,35 @@ class Gates:
     def _hook(self, name: str) -> Callable[..., None]:
         def hook(_module: nn.Module, _inputs: Any) -> None:
             if self._timing and name not in self._seen_this_pass:
-                self._seen_this_pass.add(name)
-                self._offsets.setdefault(name, []).append(time.perf_counter() - self._forward_start)
+                self._seen_this_pass[name] = self._clock.mark()
             self._on_gate(name)
 
         return hook
 
     # ------------------------------------------------------------------ profiling
 
-    def time_pass(self, forward_start: float) -> None:
-        """Time when each gate is first reached in the forward that starts now.
-
-        Args:
-            forward_start: ``time.perf_counter()`` at the forward's start.
-        """
+    def time_pass(self) -> None:
+        """Time when each gate is first reached in the forward that starts now."""
         self._timing = True
-        self._forward_start = forward_start
-        self._seen_this_pass = set()
+        self._forward_start = self._clock.mark()
+        self._seen_this_pass = {}
 
     def stop_timing(self) -> None:
         """The timed forward is over."""
+        if self._timing and self._forward_start is not None:
+            self._marks.append((self._forward_start, self._seen_this_pass))
         self._timing = False
 
     def offsets(self) -> list[tuple[str, float]]:
         """The gates reached in the timed forwards, in forward order: each with its median
-        offset (seconds from the forward's start) over the passes that reached it."""
-        medians = [(name, statistics.median(times)) for name, times in self._offsets.items()]
+        offset (seconds from the forward's start) over the passes that reached it (on a GPU
+        this waits for the timed passes' events: once, when planning)."""
+        seconds: dict[str, list[float]] = {}
+        for start, reached in self._marks:
+            for name, mark in reached.items():
+                seconds.setdefault(name, []).append(self._clock.seconds(start, mark))
+        medians = [(name, statistics.median(times)) for name, times in seconds.items()]
         return sorted(medians, key=lambda item: item[1])
-
-    def clear_timing(self) -> None:
-        """Forget the timed passes."""
-        self._offsets = {}
 
     def check(self) -> UseCheck:
         """A context manager: the forward run inside it shows where each parameter is used;

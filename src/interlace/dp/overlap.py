@@ -37,7 +37,8 @@ class ForwardOverlap:
     def __init__(self, module: nn.Module, params: Sequence[nn.Parameter]) -> None:
         self.params = list(params)
         self._ids = {id(param): number for number, param in enumerate(self.params)}
-        self.gates = Gates(module, self.params, self._at_gate)
+        self._clock = StreamClock(self.params[0].device)
+        self.gates = Gates(module, self.params, self._at_gate, self._clock)
         self._engine: BucketEngine | None = None
         self._unapplied: set[int] = set()
         self._wrapped: list[PendingGrad | None] = []
@@ -47,7 +48,6 @@ class ForwardOverlap:
         self._hooked: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         #: Whether the optimizer steps over these parameters are timed (while profiling).
         self.timing_steps = False
-        self._clock = StreamClock(self.params[0].device)
         self._step_marks: list[tuple[Mark, Mark]] = []
         self._step_started: Mark | None = None
         self._handles = [
