@@ -9,13 +9,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.distributed.algorithms.join import Joinable, JoinHook
+from torch.distributed.distributed_c10d import _get_default_group
 from torch.utils._pytree import tree_leaves
 
 from interlace.clock import StreamClock
@@ -29,7 +31,9 @@ from interlace.comm.hooks import CommHook, HookSpec, layout_changed
 from interlace.comm.overlap import GateTiming, Overlap
 from interlace.comm.plan import Bucketing, Plan
 from interlace.distenv import collective_device
+from interlace.dp.ddp_args import DEFAULT_BUCKET_CAP_MB, DeviceLike, ddp_settings, move_inputs
 from interlace.dp.iteration import CommEvent, DevicePass, iteration_timeline
+from interlace.dp.join import JoinState, sync_buffers
 from interlace.dp.lifecycle import Due, Lifecycle
 from interlace.dp.options import cost_model_kind, plan_request, trainable_parameters
 from interlace.dp.overlap import ForwardOverlap
@@ -41,28 +45,64 @@ from interlace.timeline import Timeline
 logger = logging.getLogger("interlace")
 
 
-class DataParallel(nn.Module):
+class DataParallel(nn.Module, Joinable):
     """Wrap ``module`` for data-parallel training over ``process_group`` (default: the world).
 
-    Used like :class:`torch.nn.parallel.DistributedDataParallel`: forward, ``loss.backward()``
-    returns with gradients averaged over the ranks, ``no_sync()`` accumulates. With
-    ``overlap="forward"`` the averages run on into the next forward instead (see ``overlap``).
+    Used like :class:`torch.nn.parallel.DistributedDataParallel`, with its arguments in its
+    order (each one's handling: docs/data-parallel.md, "Coming from DDP"): forward,
+    ``loss.backward()`` returns with gradients averaged over the ranks, ``no_sync()``
+    accumulates, ``with Join([model]):`` trains on uneven inputs. With ``overlap="forward"``
+    the averages run on into the next forward instead (see ``overlap``). interlace's own
+    arguments, from ``bucketing`` on, are keyword-only.
 
     Args:
         module: the model, already on this rank's device.
+        device_ids: None, or the one CUDA device of the model (then forward moves the inputs
+            there, as DDP does); anything else is refused, as DDP refuses it for CPU models.
+        output_device: None, or the model's device: outputs stay where the model makes them
+            (as in DDP, whose single-device forward does not move them).
+        dim: 0; DDP's dimension for scattering inputs over several devices of one process,
+            which neither does.
+        broadcast_buffers: DDP's deprecated name of ``forward_sync_buffers``; False also
+            leaves buffers out of the broadcast at wrap time (as DDP).
+        init_sync: broadcast rank 0's parameters (and buffers) at wrap time; False skips the
+            broadcast but keeps the check that the ranks built the same model.
+        process_group: the group to average over.
+        bucket_cap_mb: the cap of ``"fixed"`` buckets and of the trials' DDP candidate, in MB
+            (10^6 bytes, where DDP counts MiB); None: 25.
+        find_unused_parameters: True or False alike: interlace always does what DDP does with
+            True (a parameter this rank did not use is sent as zeros, one no rank used keeps
+            its ``.grad``), without walking the graph; where DDP with False raises, it trains.
+        check_reduction: deprecated in DDP, and does nothing in either (a FutureWarning).
+        gradient_as_bucket_view: make each ``param.grad`` a view into its bucket after
+            backward, as DDP: the gradients take no memory of their own (not with
+            ``overlap="forward"``).
+        static_graph: True or False alike: interlace finds each backward's gradients anew,
+            so what DDP needs the promise for (reentrant checkpointing, unused parameters)
+            works either way.
+        delay_all_reduce_named_params: refused (None only): interlace plans when each bucket
+            goes out.
+        param_to_hook_all_reduce: refused likewise (None only).
+        mixed_precision: refused (None only): use ``torch.autocast`` and ``compression``.
+        device_mesh: a 1-D DeviceMesh whose group is averaged over, instead of
+            ``process_group``.
+        skip_all_reduce_unused_params: True or False alike: an unused parameter's gradient is
+            not changed either way (interlace's buckets still carry its zeros).
+        bucket_cap_mb_list: refused (None only): interlace sizes the buckets.
+        batched_grad_copy: copy a bucket's gradients into it in one batched copy when it is
+            complete, as DDP.
+        forward_sync_buffers: re-send one rank's buffers (BatchNorm statistics) before every
+            training forward (rank 0's; under ``Join`` the highest rank still training, as
+            DDP); None: ``broadcast_buffers``, else True.
         bucketing: a :class:`~interlace.comm.plan.Bucketing` or its string: ``"merged"``
             (MG-WFBP), ``"per-tensor"`` (WFBP), ``"fixed"`` (DDP-style caps), ``"single"`` (one
             all-reduce after backward) or ``"optimal"`` (the exact best contiguous bucketing
             under the cost model, by dynamic programming); or an alias of
             :data:`~interlace.comm.strategies.BUCKETING_ALIASES`.
-        bucket_cap_mb: the cap of ``"fixed"`` buckets, in MB (10^6 bytes), as DDP's.
         first_bucket_cap_mb: the first ``"fixed"`` bucket's cap (DDP uses 1 MB to start early).
-        process_group: the group to average over.
         profile_steps: backward passes timed before planning (after one warm-up pass);
             default 5 for ``"merged"`` and 1 (just the ready order) for the others.
         cost_model: price of an all-reduce; default: fitted on ``process_group`` (cached).
-        broadcast_buffers: re-send rank 0's buffers (BatchNorm statistics) before every forward,
-            as DDP does by default.
         channels: process groups used at once: an int ``k >= 1`` or ``"auto"`` (``k`` in 1..4
             chosen by measured iteration time, the partition threshold for each ``k`` by
             predicted time from the concurrency measured on the live group). Creating channels
@@ -90,22 +130,38 @@ class DataParallel(nn.Module):
             The trials keep a backward-only plan where the overlap is measured slower.
 
     Raises:
-        UsageError: for a bad setting, an uninitialised process group, a model without
-            trainable parameters or on several devices, or ranks that differ in model or
-            settings (on every rank, instead of a hang later).
+        UsageError: for a bad setting, a DDP argument interlace cannot honour, an uninitialised
+            process group, a model without trainable parameters or on several devices, or ranks
+            that differ in model or settings (on every rank, instead of a hang later).
     """
 
     def __init__(
         self,
         module: nn.Module,
+        device_ids: Sequence[DeviceLike] | None = None,
+        output_device: DeviceLike | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: Sequence[tuple[str, nn.Parameter]] | None = None,
+        param_to_hook_all_reduce: nn.Parameter | None = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: Sequence[float] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
         *,
         bucketing: Bucketing | str = Bucketing.MERGED,
-        bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
-        process_group: dist.ProcessGroup | None = None,
         profile_steps: int | None = None,
         cost_model: CostModel | None = None,
-        broadcast_buffers: bool = True,
         channels: int | str = 1,
         partition_mb: float | str | None = "auto",
         compression: str | None = None,
@@ -113,16 +169,38 @@ class DataParallel(nn.Module):
         overlap: Overlap | str = Overlap.BACKWARD,
     ) -> None:
         super().__init__()
-        if not isinstance(broadcast_buffers, bool):
-            raise UsageError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
+        Joinable.__init__(self)
         if cost_model is not None and not isinstance(cost_model, CostModel):
             raise UsageError(
                 "cost_model must be an interlace CostModel or None, got "
                 f"{type(cost_model).__name__}"
             )
+        named = trainable_parameters(module)
+        ddp = ddp_settings(
+            named[0][1].device,
+            forward_overlap=overlap == Overlap.FORWARD,
+            device_ids=device_ids,
+            output_device=output_device,
+            dim=dim,
+            broadcast_buffers=broadcast_buffers,
+            init_sync=init_sync,
+            process_group=process_group,
+            find_unused_parameters=find_unused_parameters,
+            check_reduction=check_reduction,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+            delay_all_reduce_named_params=delay_all_reduce_named_params,
+            param_to_hook_all_reduce=param_to_hook_all_reduce,
+            mixed_precision=mixed_precision,
+            device_mesh=device_mesh,
+            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+            bucket_cap_mb_list=bucket_cap_mb_list,
+            batched_grad_copy=batched_grad_copy,
+            forward_sync_buffers=forward_sync_buffers,
+        )
         self._request = plan_request(
             bucketing=bucketing,
-            bucket_cap_mb=bucket_cap_mb,
+            bucket_cap_mb=DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb,
             first_bucket_cap_mb=first_bucket_cap_mb,
             channels=channels,
             partition_mb=partition_mb,
@@ -131,14 +209,16 @@ class DataParallel(nn.Module):
             profile_steps=profile_steps,
             overlap=overlap,
         )
-        named = trainable_parameters(module)
+        process_group = ddp.process_group
         self.module = module
         self.bucketing = self._request.bucketing
         self.overlap = self._request.overlap
         self.bucket_cap_bytes = self._request.cap_bytes
         self.first_bucket_cap_bytes = self._request.first_cap_bytes
         self.process_group = process_group
-        self.broadcast_buffers = broadcast_buffers
+        self.broadcast_buffers = ddp.forward_sync_buffers
+        self.gradient_as_bucket_view = ddp.gradient_as_bucket_view
+        self.device_ids = None if ddp.input_device is None else [ddp.input_device.index]
         self.channels_requested = channels
         self.partition_mb = partition_mb
         self.compression = compression
@@ -169,7 +249,8 @@ class DataParallel(nn.Module):
                 "first_bucket_cap_mb": first_bucket_cap_mb,
                 "profile_steps": self.profile_steps,
                 "tune_steps": tune_steps,
-                "broadcast_buffers": broadcast_buffers,
+                "broadcast_buffers": ddp.forward_sync_buffers,
+                "init_sync": (ddp.init_sync, ddp.init_sync_buffers),
                 "channels": channels,
                 "partition_mb": partition_mb,
                 "compression": compression,
@@ -182,8 +263,16 @@ class DataParallel(nn.Module):
             },
             process_group,
         )
-        broadcast_from_first([*self._params, *module.buffers()], process_group)
+        if ddp.init_sync:
+            # Every parameter, frozen ones too, as DDP's initial sync.
+            buffers = list(module.buffers()) if ddp.init_sync_buffers else []
+            broadcast_from_first([*module.parameters(), *buffers], process_group)
         self._buffer_sync = BufferBroadcast(module, process_group)
+        self._join = JoinState(process_group)
+        self._input_device = ddp.input_device
+        self._batched_copy = ddp.batched_grad_copy
+        # Parameters given a gradient inside no_sync(): the next averaging pass sends them.
+        self._accumulated: set[int] = set()
         self._channels = Channels(self._request.channel_groups, process_group)
         self._lifecycle = Lifecycle(self.profile_steps)
         self._candidates: list[Candidate] = []
@@ -195,6 +284,7 @@ class DataParallel(nn.Module):
             process_group,
             channels=self._channels.groups,
             compression=compression,
+            batched_copy=self._batched_copy,
         )
         self._hook: HookSpec | None = None
         self._overlap = (
@@ -202,6 +292,7 @@ class DataParallel(nn.Module):
         )
         self._sync = True
         self._in_backward = False
+        self._armed = False
         self._entered = 0.0
         self._forward_start = 0.0
         self._forward_s = 0.0
@@ -224,15 +315,23 @@ class DataParallel(nn.Module):
         entered = time.perf_counter()
         training = torch.is_grad_enabled() and self.module.training
         due = self._lifecycle.at_forward(entered, training=training, sync=self._sync)
-        if due is Due.PLAN:
-            self._plan()
-        elif due is Due.SWITCH:
-            self._use(self._lifecycle.candidate, announce=False)
-        elif due is Due.DECIDE:
-            self._decide()
-        self._entered = entered
         syncs_buffers = self.broadcast_buffers and training
-        if syncs_buffers:
+        joining = self._join_config.enable
+        if joining:
+            src = self._join.begin(
+                self,
+                will_sync=torch.is_grad_enabled() and self._sync,
+                due=due,
+                recorded=self._lifecycle.recorded,
+                syncs_buffers=syncs_buffers,
+            ).src
+        self._on_due(due)
+        self._entered = entered
+        if self._input_device is not None:
+            inputs, kwargs = move_inputs(inputs, kwargs, self._input_device)
+        if syncs_buffers and joining:
+            sync_buffers(self, src)
+        elif syncs_buffers:
             self._buffer_sync.receive()
         elif self.module.training:
             # A training-mode pass without gradients may update the buffers too: the snapshot
@@ -252,7 +351,7 @@ class DataParallel(nn.Module):
             self._overlap.complete()
         if self._device_pass is not None:
             self._device_pass.forward_ended()
-        if syncs_buffers:
+        if syncs_buffers and not joining:
             self._buffer_sync.send()
         self._backward_start = None
         if torch.is_grad_enabled() and self._sync:
@@ -260,6 +359,15 @@ class DataParallel(nn.Module):
                 if tensor.requires_grad:
                     tensor.register_hook(self._mark_backward_start)
         return output
+
+    def _on_due(self, due: Due) -> None:
+        """What the lifecycle says a forward must do first (collective, but for nothing)."""
+        if due is Due.PLAN:
+            self._plan()
+        elif due is Due.SWITCH:
+            self._use(self._lifecycle.candidate, announce=False)
+        elif due is Due.DECIDE:
+            self._decide()
 
     def _run_module(self, inputs: tuple[Any, ...], kwargs: dict[str, Any], profiling: bool) -> Any:
         """The module's forward; while profiling with ``overlap="forward"``, its gates timed
@@ -294,6 +402,31 @@ class DataParallel(nn.Module):
             yield
         finally:
             self._sync = previous
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """What ``torch.distributed.algorithms.join.Join`` runs on a rank out of inputs: each
+        iteration of the others shadowed (their collectives in their order, this rank's
+        gradients zero), and, once every rank has joined, the last joiner's model everywhere.
+
+        Args:
+            **kwargs: ``Join``'s keyword arguments; ``divide_by_initial_world_size`` as DDP's
+                (default True: the average divides by the whole group's size; False: by the
+                ranks still training).
+
+        Raises:
+            UsageError: with ``overlap="forward"``, whose all-reduces cannot be shadowed.
+        """
+        return self._join.hook(self, self._overlap is not None, **kwargs)
+
+    @property
+    def join_device(self) -> torch.device:
+        """Where ``Join``'s own all-reduces run."""
+        return collective_device(self.process_group)
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        """The group ``Join`` counts ranks in: this wrapper's."""
+        return self.process_group if self.process_group is not None else _get_default_group()
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Average each bucket with a DDP communication hook instead of interlace's all-reduce.
@@ -350,7 +483,11 @@ class DataParallel(nn.Module):
         self._hook = HookSpec(state, hook)
         recorder = self._engine.recorder
         self._engine = BucketEngine(
-            self._params, self._engine.groups, self.process_group, hook=self._hook
+            self._params,
+            self._engine.groups,
+            self.process_group,
+            hook=self._hook,
+            batched_copy=self._batched_copy,
         )
         self._engine.recorder = recorder
 
@@ -450,14 +587,25 @@ class DataParallel(nn.Module):
 
     def _make_hook(self, index: int) -> Any:
         def hook(param: torch.Tensor) -> None:
-            if not self._sync or param.grad is None:
+            if param.grad is None:
+                return
+            if not self._sync:
+                self._accumulated.add(index)
                 return
             now = time.perf_counter()
             if not self._in_backward:
                 self._in_backward = True
                 if self._backward_start is None:
                     self._backward_start = now
-                Variable._execution_engine.queue_callback(self._finish_backward)
+                if not self._armed:
+                    # Backward did not pass through the output: end with this graph task.
+                    Variable._execution_engine.queue_callback(self._finish_backward)
+            elif self._engine.launcher.arrived(index) and self._engine.sent(index):
+                raise UsageError(
+                    f"parameter {self._names[index]!r} got a second gradient in one backward "
+                    "after its bucket was sent (a reentrant checkpoint runs its layer twice); "
+                    "use torch.utils.checkpoint(..., use_reentrant=False)"
+                )
             self._ready_times[index] = now
             if self._device_pass is not None:
                 self._device_pass.tensor_ready(index)
@@ -469,17 +617,32 @@ class DataParallel(nn.Module):
         if self._overlap is not None and self._overlap.pending:
             # Before autograd accumulates into the gradients the averages are still owed to.
             self._overlap.complete()
+        if not self._armed:
+            # Queued from the outermost graph task: a reentrant backward (checkpointing) nested
+            # in it must not end the iteration when it ends.
+            self._armed = True
+            Variable._execution_engine.queue_callback(self._end_of_backward)
         now = time.perf_counter()
         if self._backward_start is None or now < self._backward_start:
             self._backward_start = now
         if self._device_pass is not None:
             self._device_pass.backward_started()
 
+    def _end_of_backward(self) -> None:
+        self._armed = False
+        if self._in_backward:  # else no gradient arrived (torch.autograd.grad, say)
+            self._finish_backward()
+
     def _finish_backward(self) -> None:
         backward_end = time.perf_counter()
         if self._device_pass is not None:
             self._device_pass.backward_ended()
         self._in_backward = False
+        for index in sorted(self._accumulated):
+            param = self._params[index]
+            if param.grad is not None and not self._engine.launcher.arrived(index):
+                self._engine.add(index, param.grad)
+        self._accumulated.clear()
         plan = self.plan
         if plan is not None and plan.overlaps_forward and self._overlap is not None:
             # Everything goes out now; the next forward applies each average where it is needed.
@@ -488,11 +651,15 @@ class DataParallel(nn.Module):
             self._after_backward(backward_end)
             return
         averaged = self._engine.finish()
+        if self._hook is None:
+            self._join.rescale(averaged)
         targets: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
         for param, grad in zip(self._params, averaged, strict=True):
             if grad is None:
-                param.grad = None
+                continue  # no rank produced one: its .grad stays as it is, as in DDP
+            if self.gradient_as_bucket_view:
+                param.grad = grad
             elif param.grad is None:
                 param.grad = grad.clone()
             else:
@@ -620,6 +787,7 @@ class DataParallel(nn.Module):
             launches=plan.launches,
             compression=self.compression,
             hook=self._hook,
+            batched_copy=self._batched_copy,
         )
         self._engine.recorder = recorder
         if self._hook is not None and self._engine.groups != previous_groups:
