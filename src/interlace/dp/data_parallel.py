@@ -273,6 +273,10 @@ class DataParallel(nn.Module, Joinable):
         self._batched_copy = ddp.batched_grad_copy
         # Parameters given a gradient inside no_sync(): the next averaging pass sends them.
         self._accumulated: set[int] = set()
+        # Gradients per parameter in this backward, and in the first (how many make it whole).
+        self._hits = [0] * len(named)
+        self._needed = [1] * len(named)
+        self._late: list[int] = []
         self._channels = Channels(self._request.channel_groups, process_group)
         self._lifecycle = Lifecycle(self.profile_steps)
         self._candidates: list[Candidate] = []
@@ -291,6 +295,7 @@ class DataParallel(nn.Module, Joinable):
             ForwardOverlap(module, self._params) if self.overlap is Overlap.FORWARD else None
         )
         self._sync = True
+        self._buffers_due = True
         self._in_backward = False
         self._armed = False
         self._entered = 0.0
@@ -312,25 +317,43 @@ class DataParallel(nn.Module, Joinable):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; the backward of its output averages the gradients over the ranks."""
+        inputs, kwargs, profiling, sends_buffers = self._before_module(inputs, kwargs)
+        output = self._run_module(inputs, kwargs, profiling)
+        self._after_module(output, sends_buffers)
+        return output
+
+    # Plain Python when the wrapper is compiled: tracing the bookkeeping would guard on (and
+    # recompile at) every step of the lifecycle, and planning's object collectives do not trace.
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def _before_module(
+        self, inputs: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any], bool, bool]:
+        """The lifecycle, Join and the buffers before the module runs; returns the inputs, whether
+        this pass is profiled and whether the buffers are sent after it."""
         entered = time.perf_counter()
         training = torch.is_grad_enabled() and self.module.training
         due = self._lifecycle.at_forward(entered, training=training, sync=self._sync)
-        syncs_buffers = self.broadcast_buffers and training
+        will_sync = torch.is_grad_enabled() and self._sync
+        # One rank's buffers before every training forward, and, as DDP, before any forward
+        # after a synchronising one (an evaluation then sees rank 0's statistics).
+        syncs_buffers = self.broadcast_buffers and (training or self._buffers_due)
+        self._buffers_due = will_sync
         joining = self._join_config.enable
         if joining:
-            src = self._join.begin(
+            shared = self._join.begin(
                 self,
-                will_sync=torch.is_grad_enabled() and self._sync,
+                will_sync=will_sync,
                 due=due,
                 recorded=self._lifecycle.recorded,
                 syncs_buffers=syncs_buffers,
-            ).src
+            )
+            syncs_buffers = shared.syncs_buffers
         self._on_due(due)
         self._entered = entered
         if self._input_device is not None:
             inputs, kwargs = move_inputs(inputs, kwargs, self._input_device)
         if syncs_buffers and joining:
-            sync_buffers(self, src)
+            sync_buffers(self, shared.src)
         elif syncs_buffers:
             self._buffer_sync.receive()
         elif self.module.training:
@@ -344,21 +367,23 @@ class DataParallel(nn.Module, Joinable):
             else None
         )
         self._forward_start = time.perf_counter()
-        output = self._run_module(inputs, kwargs, profiling)
+        return inputs, kwargs, profiling, syncs_buffers and not joining
+
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def _after_module(self, output: Any, sends_buffers: bool) -> None:
         self._forward_s = time.perf_counter() - self._forward_start
         if self._overlap is not None:
             # Parameters no gate waited for (unused in this forward): their averages too.
             self._overlap.complete()
         if self._device_pass is not None:
             self._device_pass.forward_ended()
-        if syncs_buffers and not joining:
+        if sends_buffers:
             self._buffer_sync.send()
         self._backward_start = None
         if torch.is_grad_enabled() and self._sync:
             for tensor in _tensors_in(output):
                 if tensor.requires_grad:
                     tensor.register_hook(self._mark_backward_start)
-        return output
 
     def _on_due(self, due: Due) -> None:
         """What the lifecycle says a forward must do first (collective, but for nothing)."""
@@ -600,15 +625,21 @@ class DataParallel(nn.Module, Joinable):
                 if not self._armed:
                     # Backward did not pass through the output: end with this graph task.
                     Variable._execution_engine.queue_callback(self._finish_backward)
-            elif self._engine.launcher.arrived(index) and self._engine.sent(index):
-                raise UsageError(
-                    f"parameter {self._names[index]!r} got a second gradient in one backward "
-                    "after its bucket was sent (a reentrant checkpoint runs its layer twice); "
-                    "use torch.utils.checkpoint(..., use_reentrant=False)"
-                )
             self._ready_times[index] = now
             if self._device_pass is not None:
                 self._device_pass.tensor_ready(index)
+            # A reentrant backward (checkpointing a layer used twice) can accumulate into a
+            # gradient several times; the first backward counts how often, sending at the end.
+            hits = self._hits[index] = self._hits[index] + 1
+            if hits < self._needed[index] or self._lifecycle.warming_up:
+                self._late.append(index)
+                return
+            if hits > self._needed[index] and self._engine.sent(index):
+                raise UsageError(
+                    f"parameter {self._names[index]!r} got a gradient more often in one backward "
+                    f"than in the first ({hits} times), after its bucket was sent: keep the "
+                    "graph's reentrant checkpoints fixed, or use use_reentrant=False"
+                )
             self._engine.add(index, param.grad)
 
         return hook
@@ -638,11 +669,16 @@ class DataParallel(nn.Module, Joinable):
         if self._device_pass is not None:
             self._device_pass.backward_ended()
         self._in_backward = False
-        for index in sorted(self._accumulated):
+        # Gradients complete only now: from no_sync() passes, or still accumulating above.
+        for index in sorted(self._accumulated.union(self._late)):
             param = self._params[index]
             if param.grad is not None and not self._engine.launcher.arrived(index):
                 self._engine.add(index, param.grad)
+        if self._lifecycle.warming_up:
+            self._needed = [max(1, hits) for hits in self._hits]
         self._accumulated.clear()
+        self._late.clear()
+        self._hits = [0] * len(self._params)
         plan = self.plan
         if plan is not None and plan.overlaps_forward and self._overlap is not None:
             # Everything goes out now; the next forward applies each average where it is needed.
