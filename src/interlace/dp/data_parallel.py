@@ -32,6 +32,7 @@ from interlace.comm.overlap import GateTiming, Overlap
 from interlace.comm.plan import Bucketing, Plan
 from interlace.distenv import collective_device
 from interlace.dp.ddp_args import DEFAULT_BUCKET_CAP_MB, DeviceLike, ddp_settings, move_inputs
+from interlace.dp.gradients import Arrivals, write_averages
 from interlace.dp.iteration import CommEvent, DevicePass, iteration_timeline
 from interlace.dp.join import JoinState, sync_buffers
 from interlace.dp.lifecycle import Due, Lifecycle
@@ -57,43 +58,31 @@ class DataParallel(nn.Module, Joinable):
 
     Args:
         module: the model, already on this rank's device.
-        device_ids: None, or the one CUDA device of the model (then forward moves the inputs
-            there, as DDP does); anything else is refused, as DDP refuses it for CPU models.
-        output_device: None, or the model's device: outputs stay where the model makes them
-            (as in DDP, whose single-device forward does not move them).
-        dim: 0; DDP's dimension for scattering inputs over several devices of one process,
-            which neither does.
-        broadcast_buffers: DDP's deprecated name of ``forward_sync_buffers``; False also
-            leaves buffers out of the broadcast at wrap time (as DDP).
-        init_sync: broadcast rank 0's parameters (and buffers) at wrap time; False skips the
-            broadcast but keeps the check that the ranks built the same model.
+        device_ids: None, or the model's one CUDA device (inputs are then moved there).
+        output_device: None, or the model's device (outputs stay where the model makes them).
+        dim: 0 (DDP's scatter dimension; neither scatters over devices).
+        broadcast_buffers: DDP's deprecated ``forward_sync_buffers``; False also keeps the
+            buffers out of the broadcast at wrap time.
+        init_sync: broadcast rank 0's parameters (and buffers) at wrap time; False skips it,
+            the check that the ranks built the same model stays.
         process_group: the group to average over.
-        bucket_cap_mb: the cap of ``"fixed"`` buckets and of the trials' DDP candidate, in MB
-            (10^6 bytes, where DDP counts MiB); None: 25.
-        find_unused_parameters: True or False alike: interlace always does what DDP does with
-            True (a parameter this rank did not use is sent as zeros, one no rank used keeps
-            its ``.grad``), without walking the graph; where DDP with False raises, it trains.
-        check_reduction: deprecated in DDP, and does nothing in either (a FutureWarning).
-        gradient_as_bucket_view: make each ``param.grad`` a view into its bucket after
-            backward, as DDP: the gradients take no memory of their own (not with
-            ``overlap="forward"``).
-        static_graph: True or False alike: interlace finds each backward's gradients anew,
-            so what DDP needs the promise for (reentrant checkpointing, unused parameters)
-            works either way.
-        delay_all_reduce_named_params: refused (None only): interlace plans when each bucket
-            goes out.
-        param_to_hook_all_reduce: refused likewise (None only).
-        mixed_precision: refused (None only): use ``torch.autocast`` and ``compression``.
-        device_mesh: a 1-D DeviceMesh whose group is averaged over, instead of
-            ``process_group``.
-        skip_all_reduce_unused_params: True or False alike: an unused parameter's gradient is
-            not changed either way (interlace's buckets still carry its zeros).
-        bucket_cap_mb_list: refused (None only): interlace sizes the buckets.
-        batched_grad_copy: copy a bucket's gradients into it in one batched copy when it is
-            complete, as DDP.
-        forward_sync_buffers: re-send one rank's buffers (BatchNorm statistics) before every
-            training forward (rank 0's; under ``Join`` the highest rank still training, as
-            DDP); None: ``broadcast_buffers``, else True.
+        bucket_cap_mb: the cap of ``"fixed"`` buckets and of DDP's candidate plan, in MB
+            (10^6 bytes; DDP counts MiB); None: 25.
+        find_unused_parameters: True or False alike: unused parameters are always handled as
+            DDP does with True, without walking the graph.
+        check_reduction: deprecated in DDP, where it does nothing; a FutureWarning.
+        gradient_as_bucket_view: each ``.grad`` is a view into its bucket (no memory of its own).
+        static_graph: True or False alike: each backward's gradients are found anew.
+        delay_all_reduce_named_params: None only (interlace plans when buckets go out).
+        param_to_hook_all_reduce: None only, likewise.
+        mixed_precision: None only: use ``torch.autocast`` and ``compression``.
+        device_mesh: a 1-D DeviceMesh whose group is averaged over.
+        skip_all_reduce_unused_params: True or False alike: unused gradients stay unchanged.
+        bucket_cap_mb_list: None only (interlace sizes the buckets).
+        batched_grad_copy: copy a bucket's gradients in at once when it is complete.
+        forward_sync_buffers: one rank's buffers (BatchNorm statistics) before every training
+            forward and any forward after one (rank 0's; under ``Join`` the highest rank still
+            training); None: ``broadcast_buffers``, else True.
         bucketing: a :class:`~interlace.comm.plan.Bucketing` or its string: ``"merged"``
             (MG-WFBP), ``"per-tensor"`` (WFBP), ``"fixed"`` (DDP-style caps), ``"single"`` (one
             all-reduce after backward) or ``"optimal"`` (the exact best contiguous bucketing
@@ -271,12 +260,7 @@ class DataParallel(nn.Module, Joinable):
         self._join = JoinState(process_group)
         self._input_device = ddp.input_device
         self._batched_copy = ddp.batched_grad_copy
-        # Parameters given a gradient inside no_sync(): the next averaging pass sends them.
-        self._accumulated: set[int] = set()
-        # Gradients per parameter in this backward, and in the first (how many make it whole).
-        self._hits = [0] * len(named)
-        self._needed = [1] * len(named)
-        self._late: list[int] = []
+        self._arrivals = Arrivals(len(named))
         self._channels = Channels(self._request.channel_groups, process_group)
         self._lifecycle = Lifecycle(self.profile_steps)
         self._candidates: list[Candidate] = []
@@ -615,7 +599,7 @@ class DataParallel(nn.Module, Joinable):
             if param.grad is None:
                 return
             if not self._sync:
-                self._accumulated.add(index)
+                self._arrivals.accumulated.add(index)
                 return
             now = time.perf_counter()
             if not self._in_backward:
@@ -628,17 +612,13 @@ class DataParallel(nn.Module, Joinable):
             self._ready_times[index] = now
             if self._device_pass is not None:
                 self._device_pass.tensor_ready(index)
-            # A reentrant backward (checkpointing a layer used twice) can accumulate into a
-            # gradient several times; the first backward counts how often, sending at the end.
-            hits = self._hits[index] = self._hits[index] + 1
-            if hits < self._needed[index] or self._lifecycle.warming_up:
-                self._late.append(index)
+            if not self._arrivals.complete(index, counting=self._lifecycle.warming_up):
                 return
-            if hits > self._needed[index] and self._engine.sent(index):
+            if self._arrivals.overdue(index) and self._engine.sent(index):
                 raise UsageError(
-                    f"parameter {self._names[index]!r} got a gradient more often in one backward "
-                    f"than in the first ({hits} times), after its bucket was sent: keep the "
-                    "graph's reentrant checkpoints fixed, or use use_reentrant=False"
+                    f"parameter {self._names[index]!r} got more gradients in one backward than "
+                    "in the first, after its bucket was sent: keep the graph's reentrant "
+                    "checkpoints fixed, or use use_reentrant=False"
                 )
             self._engine.add(index, param.grad)
 
@@ -669,16 +649,7 @@ class DataParallel(nn.Module, Joinable):
         if self._device_pass is not None:
             self._device_pass.backward_ended()
         self._in_backward = False
-        # Gradients complete only now: from no_sync() passes, or still accumulating above.
-        for index in sorted(self._accumulated.union(self._late)):
-            param = self._params[index]
-            if param.grad is not None and not self._engine.launcher.arrived(index):
-                self._engine.add(index, param.grad)
-        if self._lifecycle.warming_up:
-            self._needed = [max(1, hits) for hits in self._hits]
-        self._accumulated.clear()
-        self._late.clear()
-        self._hits = [0] * len(self._params)
+        self._arrivals.finish(self._engine, self._params, counting=self._lifecycle.warming_up)
         plan = self.plan
         if plan is not None and plan.overlaps_forward and self._overlap is not None:
             # Everything goes out now; the next forward applies each average where it is needed.
@@ -689,22 +660,7 @@ class DataParallel(nn.Module, Joinable):
         averaged = self._engine.finish()
         if self._hook is None:
             self._join.rescale(averaged)
-        targets: list[torch.Tensor] = []
-        sources: list[torch.Tensor] = []
-        for param, grad in zip(self._params, averaged, strict=True):
-            if grad is None:
-                continue  # no rank produced one: its .grad stays as it is, as in DDP
-            if self.gradient_as_bucket_view:
-                param.grad = grad
-            elif param.grad is None:
-                param.grad = grad.clone()
-            else:
-                targets.append(param.grad)
-                sources.append(grad)
-        # One batched copy: a Python-level copy per parameter costs more than the copying on
-        # models of many small tensors.
-        if targets:
-            torch._foreach_copy_(targets, sources)
+        write_averages(self._params, averaged, as_views=self.gradient_as_bucket_view)
         self._after_backward(backward_end)
         self._engine.begin()
 
