@@ -153,6 +153,7 @@ class JoinState:
         counts = values.tolist()
         present = counts[4:]
         active = sum(present)
+        # The training ranks agree on their iteration: a sum is ``active`` times its value.
         sync_sum, due_sum, recorded_sum, buffers_sum = counts[:4]
         highest = max(rank for rank, here in enumerate(present) if here)
         self.latest = Iteration(
