@@ -63,6 +63,9 @@ class BucketEngine:
             bucket's gradients undivided, and the used-tensor marks travel in one small
             all-reduce of their own after the hooks' futures are done.
         device: where the buffers live (default: the first tensor's device).
+        batched_copy: copy a bucket's gradients into it in one ``_foreach_copy_`` when it is
+            launched, instead of one copy per gradient as it arrives (DDP's
+            ``batched_grad_copy``: fewer kernel launches for many small tensors).
 
     Raises:
         ValueError: for no tensors, an unknown compression, compression together with a hook,
@@ -81,6 +84,7 @@ class BucketEngine:
         compression: str | None = None,
         hook: HookSpec | None = None,
         device: torch.device | None = None,
+        batched_copy: bool = False,
     ) -> None:
         if not tensors:
             raise ValueError("a bucket engine needs at least one tensor")
@@ -92,6 +96,7 @@ class BucketEngine:
             raise ValueError("a communication hook and compression cannot be combined")
         self.tensors = list(tensors)
         self.hook = hook
+        self.batched_copy = batched_copy
         self.process_group = process_group
         self.channels = list(channels) if channels is not None else [process_group]
         self.world_size = dist.get_world_size(process_group)
@@ -164,6 +169,7 @@ class BucketEngine:
         self._handles: list[dist.Work | None] = []
         self._waited: list[bool] = []
         self._futures: list[torch.futures.Future[torch.Tensor] | None] = []
+        self._copies: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         self.begin()
 
     def begin(self) -> None:
@@ -173,6 +179,7 @@ class BucketEngine:
         self._handles = [None] * len(self.sends)
         self._waited = [False] * len(self.groups)
         self._futures = [None] * len(self.groups)
+        self._copies = [[] for _ in self.groups]
 
     @property
     def all_used(self) -> bool:
@@ -186,12 +193,27 @@ class BucketEngine:
             index: the tensor's index.
             grad: its gradient.
         """
-        # A second gradient for the same tensor within one backward cannot happen for a leaf
-        # (its hook fires after accumulation); it counts as the newer value.
+        # A second gradient for the same tensor within one backward (a reentrant backward that
+        # reaches a leaf twice) is the accumulated one: it counts as the newer value.
         self._used[index] = True
-        self._views[index].copy_(grad)
+        view = self._views[index]
+        if grad is view:
+            pass  # the gradient is this view of the bucket already (gradient_as_bucket_view)
+        elif self.batched_copy:
+            self._copies[self.slots[index].bucket].append((view, grad))
+        else:
+            view.copy_(grad)
         for position in self.launcher.add(index):
             self._launch(position)
+
+    def sent(self, index: int) -> bool:
+        """Whether tensor ``index``'s bucket has gone out this iteration (a gradient arriving
+        now would be too late for it).
+
+        Args:
+            index: the tensor's index.
+        """
+        return self._sends_of[self.slots[index].bucket][0] < self.launcher.launched
 
     def close(self) -> None:
         """Backward is over: zeros for the tensors this rank has no gradient for, and every
@@ -296,6 +318,10 @@ class BucketEngine:
         send = self.sends[position]
         bucket = send.bucket
         buffer = self.buffers[bucket]
+        copies = self._copies[bucket]
+        if copies:
+            torch._foreach_copy_([view for view, _ in copies], [grad for _, grad in copies])
+            copies.clear()
         if position == len(self.sends) - 1:
             # Every tensor is accounted for once the last launch is due: write all the usage
             # marks in one copy rather than one tensor write per gradient.

@@ -9,13 +9,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.distributed.algorithms.join import Joinable, JoinHook
+from torch.distributed.distributed_c10d import _get_default_group
 from torch.utils._pytree import tree_leaves
 
 from interlace.clock import StreamClock
@@ -29,7 +31,10 @@ from interlace.comm.hooks import CommHook, HookSpec, layout_changed
 from interlace.comm.overlap import GateTiming, Overlap
 from interlace.comm.plan import Bucketing, Plan
 from interlace.distenv import collective_device
+from interlace.dp.ddp_args import DEFAULT_BUCKET_CAP_MB, DeviceLike, ddp_settings, move_inputs
+from interlace.dp.gradients import Arrivals, write_averages
 from interlace.dp.iteration import CommEvent, DevicePass, iteration_timeline
+from interlace.dp.join import JoinState, sync_buffers
 from interlace.dp.lifecycle import Due, Lifecycle
 from interlace.dp.options import cost_model_kind, plan_request, trainable_parameters
 from interlace.dp.overlap import ForwardOverlap
@@ -41,28 +46,52 @@ from interlace.timeline import Timeline
 logger = logging.getLogger("interlace")
 
 
-class DataParallel(nn.Module):
+class DataParallel(nn.Module, Joinable):
     """Wrap ``module`` for data-parallel training over ``process_group`` (default: the world).
 
-    Used like :class:`torch.nn.parallel.DistributedDataParallel`: forward, ``loss.backward()``
-    returns with gradients averaged over the ranks, ``no_sync()`` accumulates. With
-    ``overlap="forward"`` the averages run on into the next forward instead (see ``overlap``).
+    Used like :class:`torch.nn.parallel.DistributedDataParallel`, with its arguments in its
+    order (each one's handling: docs/data-parallel.md, "Coming from DDP"): forward,
+    ``loss.backward()`` returns with gradients averaged over the ranks, ``no_sync()``
+    accumulates, ``with Join([model]):`` trains on uneven inputs. With ``overlap="forward"``
+    the averages run on into the next forward instead (see ``overlap``). interlace's own
+    arguments, from ``bucketing`` on, are keyword-only.
 
     Args:
         module: the model, already on this rank's device.
+        device_ids: None, or the model's one CUDA device (inputs are then moved there).
+        output_device: None, or the model's device (outputs stay where the model makes them).
+        dim: 0 (DDP's scatter dimension; neither scatters over devices).
+        broadcast_buffers: DDP's deprecated ``forward_sync_buffers``; False also keeps the
+            buffers out of the broadcast at wrap time.
+        init_sync: broadcast rank 0's parameters (and buffers) at wrap time; False skips it,
+            the check that the ranks built the same model stays.
+        process_group: the group to average over.
+        bucket_cap_mb: the cap of ``"fixed"`` buckets and of DDP's candidate plan, in MB
+            (10^6 bytes; DDP counts MiB); None: 25.
+        find_unused_parameters: True or False alike: unused parameters are always handled as
+            DDP does with True, without walking the graph.
+        check_reduction: deprecated in DDP, where it does nothing; a FutureWarning.
+        gradient_as_bucket_view: each ``.grad`` is a view into its bucket (no memory of its own).
+        static_graph: True or False alike: each backward's gradients are found anew.
+        delay_all_reduce_named_params: None only (interlace plans when buckets go out).
+        param_to_hook_all_reduce: None only, likewise.
+        mixed_precision: None only: use ``torch.autocast`` and ``compression``.
+        device_mesh: a 1-D DeviceMesh whose group is averaged over.
+        skip_all_reduce_unused_params: True or False alike: unused gradients stay unchanged.
+        bucket_cap_mb_list: None only (interlace sizes the buckets).
+        batched_grad_copy: copy a bucket's gradients in at once when it is complete.
+        forward_sync_buffers: one rank's buffers (BatchNorm statistics) before every training
+            forward and any forward after one (rank 0's; under ``Join`` the highest rank still
+            training); None: ``broadcast_buffers``, else True.
         bucketing: a :class:`~interlace.comm.plan.Bucketing` or its string: ``"merged"``
             (MG-WFBP), ``"per-tensor"`` (WFBP), ``"fixed"`` (DDP-style caps), ``"single"`` (one
             all-reduce after backward) or ``"optimal"`` (the exact best contiguous bucketing
             under the cost model, by dynamic programming); or an alias of
             :data:`~interlace.comm.strategies.BUCKETING_ALIASES`.
-        bucket_cap_mb: the cap of ``"fixed"`` buckets, in MB (10^6 bytes), as DDP's.
         first_bucket_cap_mb: the first ``"fixed"`` bucket's cap (DDP uses 1 MB to start early).
-        process_group: the group to average over.
         profile_steps: backward passes timed before planning (after one warm-up pass);
             default 5 for ``"merged"`` and 1 (just the ready order) for the others.
         cost_model: price of an all-reduce; default: fitted on ``process_group`` (cached).
-        broadcast_buffers: re-send rank 0's buffers (BatchNorm statistics) before every forward,
-            as DDP does by default.
         channels: process groups used at once: an int ``k >= 1`` or ``"auto"`` (``k`` in 1..4
             chosen by measured iteration time, the partition threshold for each ``k`` by
             predicted time from the concurrency measured on the live group). Creating channels
@@ -90,22 +119,38 @@ class DataParallel(nn.Module):
             The trials keep a backward-only plan where the overlap is measured slower.
 
     Raises:
-        UsageError: for a bad setting, an uninitialised process group, a model without
-            trainable parameters or on several devices, or ranks that differ in model or
-            settings (on every rank, instead of a hang later).
+        UsageError: for a bad setting, a DDP argument interlace cannot honour, an uninitialised
+            process group, a model without trainable parameters or on several devices, or ranks
+            that differ in model or settings (on every rank, instead of a hang later).
     """
 
     def __init__(
         self,
         module: nn.Module,
+        device_ids: Sequence[DeviceLike] | None = None,
+        output_device: DeviceLike | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: Sequence[tuple[str, nn.Parameter]] | None = None,
+        param_to_hook_all_reduce: nn.Parameter | None = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: Sequence[float] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
         *,
         bucketing: Bucketing | str = Bucketing.MERGED,
-        bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
-        process_group: dist.ProcessGroup | None = None,
         profile_steps: int | None = None,
         cost_model: CostModel | None = None,
-        broadcast_buffers: bool = True,
         channels: int | str = 1,
         partition_mb: float | str | None = "auto",
         compression: str | None = None,
@@ -113,16 +158,38 @@ class DataParallel(nn.Module):
         overlap: Overlap | str = Overlap.BACKWARD,
     ) -> None:
         super().__init__()
-        if not isinstance(broadcast_buffers, bool):
-            raise UsageError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
+        Joinable.__init__(self)
         if cost_model is not None and not isinstance(cost_model, CostModel):
             raise UsageError(
                 "cost_model must be an interlace CostModel or None, got "
                 f"{type(cost_model).__name__}"
             )
+        named = trainable_parameters(module)
+        ddp = ddp_settings(
+            named[0][1].device,
+            forward_overlap=overlap == Overlap.FORWARD,
+            device_ids=device_ids,
+            output_device=output_device,
+            dim=dim,
+            broadcast_buffers=broadcast_buffers,
+            init_sync=init_sync,
+            process_group=process_group,
+            find_unused_parameters=find_unused_parameters,
+            check_reduction=check_reduction,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+            delay_all_reduce_named_params=delay_all_reduce_named_params,
+            param_to_hook_all_reduce=param_to_hook_all_reduce,
+            mixed_precision=mixed_precision,
+            device_mesh=device_mesh,
+            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+            bucket_cap_mb_list=bucket_cap_mb_list,
+            batched_grad_copy=batched_grad_copy,
+            forward_sync_buffers=forward_sync_buffers,
+        )
         self._request = plan_request(
             bucketing=bucketing,
-            bucket_cap_mb=bucket_cap_mb,
+            bucket_cap_mb=DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb,
             first_bucket_cap_mb=first_bucket_cap_mb,
             channels=channels,
             partition_mb=partition_mb,
@@ -131,14 +198,16 @@ class DataParallel(nn.Module):
             profile_steps=profile_steps,
             overlap=overlap,
         )
-        named = trainable_parameters(module)
+        process_group = ddp.process_group
         self.module = module
         self.bucketing = self._request.bucketing
         self.overlap = self._request.overlap
         self.bucket_cap_bytes = self._request.cap_bytes
         self.first_bucket_cap_bytes = self._request.first_cap_bytes
         self.process_group = process_group
-        self.broadcast_buffers = broadcast_buffers
+        self.broadcast_buffers = ddp.forward_sync_buffers
+        self.gradient_as_bucket_view = ddp.gradient_as_bucket_view
+        self.device_ids = None if ddp.input_device is None else [ddp.input_device.index]
         self.channels_requested = channels
         self.partition_mb = partition_mb
         self.compression = compression
@@ -169,7 +238,8 @@ class DataParallel(nn.Module):
                 "first_bucket_cap_mb": first_bucket_cap_mb,
                 "profile_steps": self.profile_steps,
                 "tune_steps": tune_steps,
-                "broadcast_buffers": broadcast_buffers,
+                "broadcast_buffers": ddp.forward_sync_buffers,
+                "init_sync": (ddp.init_sync, ddp.init_sync_buffers),
                 "channels": channels,
                 "partition_mb": partition_mb,
                 "compression": compression,
@@ -182,8 +252,15 @@ class DataParallel(nn.Module):
             },
             process_group,
         )
-        broadcast_from_first([*self._params, *module.buffers()], process_group)
+        if ddp.init_sync:
+            # Every parameter, frozen ones too, as DDP's initial sync.
+            buffers = list(module.buffers()) if ddp.init_sync_buffers else []
+            broadcast_from_first([*module.parameters(), *buffers], process_group)
         self._buffer_sync = BufferBroadcast(module, process_group)
+        self._join = JoinState(process_group)
+        self._input_device = ddp.input_device
+        self._batched_copy = ddp.batched_grad_copy
+        self._arrivals = Arrivals(len(named))
         self._channels = Channels(self._request.channel_groups, process_group)
         self._lifecycle = Lifecycle(self.profile_steps)
         self._candidates: list[Candidate] = []
@@ -195,13 +272,16 @@ class DataParallel(nn.Module):
             process_group,
             channels=self._channels.groups,
             compression=compression,
+            batched_copy=self._batched_copy,
         )
         self._hook: HookSpec | None = None
         self._overlap = (
             ForwardOverlap(module, self._params) if self.overlap is Overlap.FORWARD else None
         )
         self._sync = True
+        self._buffers_due = True
         self._in_backward = False
+        self._armed = False
         self._entered = 0.0
         self._forward_start = 0.0
         self._forward_s = 0.0
@@ -221,18 +301,44 @@ class DataParallel(nn.Module):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; the backward of its output averages the gradients over the ranks."""
+        inputs, kwargs, profiling, sends_buffers = self._before_module(inputs, kwargs)
+        output = self._run_module(inputs, kwargs, profiling)
+        self._after_module(output, sends_buffers)
+        return output
+
+    # Plain Python when the wrapper is compiled: tracing the bookkeeping would guard on (and
+    # recompile at) every step of the lifecycle, and planning's object collectives do not trace.
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def _before_module(
+        self, inputs: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any], bool, bool]:
+        """The lifecycle, Join and the buffers before the module runs; returns the inputs, whether
+        this pass is profiled and whether the buffers are sent after it."""
         entered = time.perf_counter()
         training = torch.is_grad_enabled() and self.module.training
         due = self._lifecycle.at_forward(entered, training=training, sync=self._sync)
-        if due is Due.PLAN:
-            self._plan()
-        elif due is Due.SWITCH:
-            self._use(self._lifecycle.candidate, announce=False)
-        elif due is Due.DECIDE:
-            self._decide()
+        will_sync = torch.is_grad_enabled() and self._sync
+        # One rank's buffers before every training forward, and, as DDP, before any forward
+        # after a synchronising one (an evaluation then sees rank 0's statistics).
+        syncs_buffers = self.broadcast_buffers and (training or self._buffers_due)
+        self._buffers_due = will_sync
+        joining = self._join_config.enable
+        if joining:
+            shared = self._join.begin(
+                self,
+                will_sync=will_sync,
+                due=due,
+                recorded=self._lifecycle.recorded,
+                syncs_buffers=syncs_buffers,
+            )
+            syncs_buffers = shared.syncs_buffers
+        self._on_due(due)
         self._entered = entered
-        syncs_buffers = self.broadcast_buffers and training
-        if syncs_buffers:
+        if self._input_device is not None:
+            inputs, kwargs = move_inputs(inputs, kwargs, self._input_device)
+        if syncs_buffers and joining:
+            sync_buffers(self, shared.src)
+        elif syncs_buffers:
             self._buffer_sync.receive()
         elif self.module.training:
             # A training-mode pass without gradients may update the buffers too: the snapshot
@@ -245,21 +351,32 @@ class DataParallel(nn.Module):
             else None
         )
         self._forward_start = time.perf_counter()
-        output = self._run_module(inputs, kwargs, profiling)
+        return inputs, kwargs, profiling, syncs_buffers and not joining
+
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def _after_module(self, output: Any, sends_buffers: bool) -> None:
         self._forward_s = time.perf_counter() - self._forward_start
         if self._overlap is not None:
             # Parameters no gate waited for (unused in this forward): their averages too.
             self._overlap.complete()
         if self._device_pass is not None:
             self._device_pass.forward_ended()
-        if syncs_buffers:
+        if sends_buffers:
             self._buffer_sync.send()
         self._backward_start = None
         if torch.is_grad_enabled() and self._sync:
             for tensor in _tensors_in(output):
                 if tensor.requires_grad:
                     tensor.register_hook(self._mark_backward_start)
-        return output
+
+    def _on_due(self, due: Due) -> None:
+        """What the lifecycle says a forward must do first (collective, but for nothing)."""
+        if due is Due.PLAN:
+            self._plan()
+        elif due is Due.SWITCH:
+            self._use(self._lifecycle.candidate, announce=False)
+        elif due is Due.DECIDE:
+            self._decide()
 
     def _run_module(self, inputs: tuple[Any, ...], kwargs: dict[str, Any], profiling: bool) -> Any:
         """The module's forward; while profiling with ``overlap="forward"``, its gates timed
@@ -294,6 +411,31 @@ class DataParallel(nn.Module):
             yield
         finally:
             self._sync = previous
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """What ``torch.distributed.algorithms.join.Join`` runs on a rank out of inputs: each
+        iteration of the others shadowed (their collectives in their order, this rank's
+        gradients zero), and, once every rank has joined, the last joiner's model everywhere.
+
+        Args:
+            **kwargs: ``Join``'s keyword arguments; ``divide_by_initial_world_size`` as DDP's
+                (default True: the average divides by the whole group's size; False: by the
+                ranks still training).
+
+        Raises:
+            UsageError: with ``overlap="forward"``, whose all-reduces cannot be shadowed.
+        """
+        return self._join.hook(self, self._overlap is not None, **kwargs)
+
+    @property
+    def join_device(self) -> torch.device:
+        """Where ``Join``'s own all-reduces run."""
+        return collective_device(self.process_group)
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        """The group ``Join`` counts ranks in: this wrapper's."""
+        return self.process_group if self.process_group is not None else _get_default_group()
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Average each bucket with a DDP communication hook instead of interlace's all-reduce.
@@ -350,7 +492,11 @@ class DataParallel(nn.Module):
         self._hook = HookSpec(state, hook)
         recorder = self._engine.recorder
         self._engine = BucketEngine(
-            self._params, self._engine.groups, self.process_group, hook=self._hook
+            self._params,
+            self._engine.groups,
+            self.process_group,
+            hook=self._hook,
+            batched_copy=self._batched_copy,
         )
         self._engine.recorder = recorder
 
@@ -463,17 +609,30 @@ class DataParallel(nn.Module):
 
     def _make_hook(self, index: int) -> Any:
         def hook(param: torch.Tensor) -> None:
-            if not self._sync or param.grad is None:
+            if param.grad is None:
+                return
+            if not self._sync:
+                self._arrivals.accumulated.add(index)
                 return
             now = time.perf_counter()
             if not self._in_backward:
                 self._in_backward = True
                 if self._backward_start is None:
                     self._backward_start = now
-                Variable._execution_engine.queue_callback(self._finish_backward)
+                if not self._armed:
+                    # Backward did not pass through the output: end with this graph task.
+                    Variable._execution_engine.queue_callback(self._finish_backward)
             self._ready_times[index] = now
             if self._device_pass is not None:
                 self._device_pass.tensor_ready(index)
+            if not self._arrivals.complete(index, counting=self._lifecycle.warming_up):
+                return
+            if self._arrivals.overdue(index) and self._engine.sent(index):
+                raise UsageError(
+                    f"parameter {self._names[index]!r} got more gradients in one backward than "
+                    "in the first, after its bucket was sent: keep the graph's reentrant "
+                    "checkpoints fixed, or use use_reentrant=False"
+                )
             self._engine.add(index, param.grad)
 
         return hook
@@ -482,17 +641,28 @@ class DataParallel(nn.Module):
         if self._overlap is not None and self._overlap.pending:
             # Before autograd accumulates into the gradients the averages are still owed to.
             self._overlap.complete()
+        if not self._armed:
+            # Queued from the outermost graph task: a reentrant backward (checkpointing) nested
+            # in it must not end the iteration when it ends.
+            self._armed = True
+            Variable._execution_engine.queue_callback(self._end_of_backward)
         now = time.perf_counter()
         if self._backward_start is None or now < self._backward_start:
             self._backward_start = now
         if self._device_pass is not None:
             self._device_pass.backward_started()
 
+    def _end_of_backward(self) -> None:
+        self._armed = False
+        if self._in_backward:  # else no gradient arrived (torch.autograd.grad, say)
+            self._finish_backward()
+
     def _finish_backward(self) -> None:
         backward_end = time.perf_counter()
         if self._device_pass is not None:
             self._device_pass.backward_ended()
         self._in_backward = False
+        self._arrivals.finish(self._engine, self._params, counting=self._lifecycle.warming_up)
         plan = self.plan
         if plan is not None and plan.overlaps_forward and self._overlap is not None:
             # Everything goes out now; the next forward applies each average where it is needed.
@@ -501,20 +671,9 @@ class DataParallel(nn.Module):
             self._after_backward(backward_end)
             return
         averaged = self._engine.finish()
-        targets: list[torch.Tensor] = []
-        sources: list[torch.Tensor] = []
-        for param, grad in zip(self._params, averaged, strict=True):
-            if grad is None:
-                param.grad = None
-            elif param.grad is None:
-                param.grad = grad.clone()
-            else:
-                targets.append(param.grad)
-                sources.append(grad)
-        # One batched copy: a Python-level copy per parameter costs more than the copying on
-        # models of many small tensors.
-        if targets:
-            torch._foreach_copy_(targets, sources)
+        if self._hook is None:
+            self._join.rescale(averaged)
+        write_averages(self._params, averaged, as_views=self.gradient_as_bucket_view)
         self._after_backward(backward_end)
         self._engine.begin()
 
@@ -633,6 +792,7 @@ class DataParallel(nn.Module):
             launches=plan.launches,
             compression=self.compression,
             hook=self._hook,
+            batched_copy=self._batched_copy,
         )
         self._engine.recorder = recorder
         if self._hook is not None and self._engine.groups != previous_groups:

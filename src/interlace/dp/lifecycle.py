@@ -80,6 +80,8 @@ class Lifecycle:
         self.phase: Profiling | Trials | Settled = Profiling(profile_steps)
         #: Synchronised backward passes so far.
         self.passes = 0
+        #: Whether the latest :meth:`at_forward` took an iteration time for the trials.
+        self.recorded = False
 
     @property
     def candidate(self) -> Candidate | None:
@@ -148,6 +150,7 @@ class Lifecycle:
             sync: Whether its backward will average (outside ``no_sync()``).
         """
         phase = self.phase
+        self.recorded = False
         if isinstance(phase, Profiling):
             ready = len(phase.passes) >= phase.needed and sync
             return Due.PLAN if ready else Due.NOTHING
@@ -160,9 +163,29 @@ class Lifecycle:
             return Due.NOTHING
         seconds = entered - phase.timed_from
         phase.timed_from = None
+        self.recorded = True
         if not phase.schedule.record(seconds):
             return Due.NOTHING
         return Due.DECIDE if phase.schedule.finished else Due.SWITCH
+
+    def follow(self, recorded: bool) -> None:
+        """Step as :meth:`at_forward` did on the ranks that still train, on a rank that ran out of
+        inputs (``Join``): it times nothing, so an iteration time taken there counts as 0 here
+        (the ranks agree on the slowest rank's times, so the 0 never wins).
+
+        Args:
+            recorded: Whether the training ranks' :meth:`at_forward` took an iteration time.
+        """
+        phase = self.phase
+        if isinstance(phase, Trials):
+            phase.timed_from = None
+            if recorded:
+                phase.schedule.record(0.0)
+
+    def interrupt(self) -> None:
+        """The iteration in progress is not one to time (the ranks left ``Join``)."""
+        if isinstance(self.phase, Trials):
+            self.phase.timed_from = None
 
     def profiled_medians(self) -> list[float]:
         """The profiled passes' medians: forward, backward, then each tensor's ready time."""

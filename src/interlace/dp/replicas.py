@@ -13,7 +13,9 @@ from torch import nn
 
 
 def broadcast_from_first(
-    tensors: Sequence[torch.Tensor], process_group: dist.ProcessGroup | None = None
+    tensors: Sequence[torch.Tensor],
+    process_group: dist.ProcessGroup | None = None,
+    src: int | None = None,
 ) -> None:
     """Copy the group's rank 0's values into ``tensors``, now, in one broadcast.
 
@@ -23,11 +25,13 @@ def broadcast_from_first(
     Args:
         tensors: the same tensors (shapes and dtypes) on every rank.
         process_group: the group (default: the world).
+        src: the global rank to copy from instead of the group's rank 0.
     """
     if not tensors:
         return
     ordered, flat = _pack_bytes(tensors)
-    dist.broadcast(flat, src=_first_rank(process_group), group=process_group)
+    source = _first_rank(process_group) if src is None else src
+    dist.broadcast(flat, src=source, group=process_group)
     _unpack_bytes(ordered, flat)
 
 
