@@ -22,12 +22,9 @@ from torch.utils._pytree import tree_leaves
 
 from interlace.clock import StreamClock
 from interlace.comm.agree import check_agreement, describe_tensors
-from interlace.comm.calibrate import fit_concurrency, fit_cost_model
-from interlace.comm.channels import Channels, check_same_everywhere, layout_of
-from interlace.comm.choose import Candidate, Timings, candidate_plans, settle_trials
+from interlace.comm.channels import Channels
 from interlace.comm.cost import CostModel
-from interlace.comm.engine import BucketEngine
-from interlace.comm.hooks import CommHook, HookSpec, layout_changed
+from interlace.comm.hooks import CommHook, HookSpec
 from interlace.comm.overlap import GateTiming, Overlap
 from interlace.comm.plan import Bucketing, Plan
 from interlace.distenv import collective_device
@@ -35,10 +32,9 @@ from interlace.dp.ddp_args import DEFAULT_BUCKET_CAP_MB, DeviceLike, ddp_setting
 from interlace.dp.gradients import Arrivals, write_averages
 from interlace.dp.iteration import CommEvent, DevicePass, iteration_timeline
 from interlace.dp.join import JoinState, sync_buffers
-from interlace.dp.lifecycle import Due, Lifecycle
 from interlace.dp.options import cost_model_kind, plan_request, trainable_parameters
 from interlace.dp.overlap import ForwardOverlap
-from interlace.dp.plan_state import plan_from_dict, plan_state_of
+from interlace.dp.planning import Plans
 from interlace.dp.replicas import BufferBroadcast, broadcast_from_first
 from interlace.errors import UsageError
 from interlace.timeline import Timeline
@@ -213,20 +209,10 @@ class DataParallel(nn.Module, Joinable):
         self.compression = compression
         self.tune_steps = tune_steps
         self.profile_steps = profile_steps or (5 if self.bucketing is Bucketing.MERGED else 1)
-        self.channel_choice = ""
-        """Why the plan uses the channels it does (set when planned)."""
-        self.tuning_summary = ""
-        """The candidate plans' measured iteration times and which was kept (set when done)."""
-        self.tuning_results: list[tuple[str, int, float]] = []
-        """Per candidate tried: its label, its bucket count, its median iteration seconds on
-        the slowest rank (set when the trials end)."""
         self.last_timeline: Timeline | None = None
         """The latest iteration's timeline while :meth:`record_timeline` is on."""
         self._names = [name for name, _ in named]
         self._params = [p for _, p in named]
-        self._cost_model = cost_model
-        self._rank = dist.get_rank(process_group)
-        self._src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
 
         # Before any other collective: ranks that disagree on these would hang or abort in the
         # collectives that follow, or average differently laid out tensors.
@@ -262,21 +248,19 @@ class DataParallel(nn.Module, Joinable):
         self._batched_copy = ddp.batched_grad_copy
         self._arrivals = Arrivals(len(named))
         self._channels = Channels(self._request.channel_groups, process_group)
-        self._lifecycle = Lifecycle(self.profile_steps)
-        self._candidates: list[Candidate] = []
-        self._in_use: Candidate | None = None
-        # Until profiling is over: everything in one bucket, sent after backward.
-        self._engine = BucketEngine(
-            self._params,
-            [list(reversed(range(len(self._params))))],
-            process_group,
-            channels=self._channels.groups,
-            compression=compression,
-            batched_copy=self._batched_copy,
-        )
-        self._hook: HookSpec | None = None
         self._overlap = (
             ForwardOverlap(module, self._params) if self.overlap is Overlap.FORWARD else None
+        )
+        self._plans = Plans(
+            self._request,
+            self._names,
+            self._params,
+            process_group,
+            self._channels,
+            profile_steps=self.profile_steps,
+            cost_model=cost_model,
+            overlap=self._overlap,
+            batched_copy=self._batched_copy,
         )
         self._sync = True
         self._buffers_due = True
@@ -316,7 +300,7 @@ class DataParallel(nn.Module, Joinable):
         this pass is profiled and whether the buffers are sent after it."""
         entered = time.perf_counter()
         training = torch.is_grad_enabled() and self.module.training
-        due = self._lifecycle.at_forward(entered, training=training, sync=self._sync)
+        due = self._plans.lifecycle.at_forward(entered, training=training, sync=self._sync)
         will_sync = torch.is_grad_enabled() and self._sync
         # One rank's buffers before every training forward, and, as DDP, before any forward
         # after a synchronising one (an evaluation then sees rank 0's statistics).
@@ -328,11 +312,11 @@ class DataParallel(nn.Module, Joinable):
                 self,
                 will_sync=will_sync,
                 due=due,
-                recorded=self._lifecycle.recorded,
+                recorded=self._plans.lifecycle.recorded,
                 syncs_buffers=syncs_buffers,
             )
             syncs_buffers = shared.syncs_buffers
-        self._on_due(due)
+        self._plans.on_due(due)
         self._entered = entered
         if self._input_device is not None:
             inputs, kwargs = move_inputs(inputs, kwargs, self._input_device)
@@ -344,7 +328,7 @@ class DataParallel(nn.Module, Joinable):
             # A training-mode pass without gradients may update the buffers too: the snapshot
             # in flight would be stale, so the next training forward broadcasts afresh.
             self._buffer_sync.discard()
-        profiling = self._lifecycle.profiling and torch.is_grad_enabled() and self._sync
+        profiling = self._plans.lifecycle.profiling and torch.is_grad_enabled() and self._sync
         self._device_pass = (
             DevicePass(self._clock, len(self._params))
             if profiling and self._clock.uses_events
@@ -369,15 +353,6 @@ class DataParallel(nn.Module, Joinable):
                 if tensor.requires_grad:
                     tensor.register_hook(self._mark_backward_start)
 
-    def _on_due(self, due: Due) -> None:
-        """What the lifecycle says a forward must do first (collective, but for nothing)."""
-        if due is Due.PLAN:
-            self._plan()
-        elif due is Due.SWITCH:
-            self._use(self._lifecycle.candidate, announce=False)
-        elif due is Due.DECIDE:
-            self._decide()
-
     def _run_module(self, inputs: tuple[Any, ...], kwargs: dict[str, Any], profiling: bool) -> Any:
         """The module's forward; while profiling with ``overlap="forward"``, its gates timed
         (and, the first time, where each parameter is used checked)."""
@@ -387,7 +362,7 @@ class DataParallel(nn.Module, Joinable):
         gates = overlap.gates
         gates.time_pass()
         try:
-            if self._lifecycle.warming_up:
+            if self._plans.lifecycle.warming_up:
                 with gates.check():
                     return self.module(*inputs, **kwargs)
             return self.module(*inputs, **kwargs)
@@ -461,12 +436,12 @@ class DataParallel(nn.Module, Joinable):
                 so interlace's own compression and channels would not apply), or with
                 ``overlap="forward"`` (a hook's future is waited for at the end of backward).
         """
-        if self._hook is not None:
+        if self._plans.hook is not None:
             raise UsageError(
                 "register_comm_hook can only be called once; build a new DataParallel to "
                 "use another hook"
             )
-        if not self._lifecycle.fresh:
+        if not self._plans.lifecycle.fresh:
             raise UsageError(
                 "register_comm_hook must be called before the first backward pass; register "
                 "the hook right after wrapping the model"
@@ -489,16 +464,7 @@ class DataParallel(nn.Module, Joinable):
             )
         if not callable(hook):
             raise UsageError(f"hook must be callable as hook(state, bucket), got {hook!r}")
-        self._hook = HookSpec(state, hook)
-        recorder = self._engine.recorder
-        self._engine = BucketEngine(
-            self._params,
-            self._engine.groups,
-            self.process_group,
-            hook=self._hook,
-            batched_copy=self._batched_copy,
-        )
-        self._engine.recorder = recorder
+        self._plans.attach_hook(HookSpec(state, hook))
 
     def record_timeline(self, enabled: bool = True) -> None:
         """Keep each iteration's forward, per-tensor backward and per-bucket all-reduce times in
@@ -508,17 +474,33 @@ class DataParallel(nn.Module, Joinable):
             enabled: whether to record.
         """
         self._record = enabled
-        self._engine.recorder = self._on_comm if enabled else None
+        self._plans.engine.recorder = self._on_comm if enabled else None
 
     @property
     def plan(self) -> Plan | None:
         """The plan whose buckets are in use (None while profiling)."""
-        return None if self._in_use is None else self._in_use.plan
+        return self._plans.plan
+
+    @property
+    def channel_choice(self) -> str:
+        """Why the plan uses the channels it does (set when planned)."""
+        return self._plans.channel_choice
+
+    @property
+    def tuning_summary(self) -> str:
+        """The candidate plans' measured iteration times and which was kept (set when done)."""
+        return self._plans.tuning_summary
+
+    @property
+    def tuning_results(self) -> list[tuple[str, int, float]]:
+        """Per candidate tried: its label, its bucket count, its median iteration seconds on
+        the slowest rank (set when the trials end)."""
+        return self._plans.tuning_results
 
     @property
     def planning_done(self) -> bool:
         """Whether the buckets are final: planned, and the candidate plans tried if any were."""
-        return self._lifecycle.settled
+        return self._plans.lifecycle.settled
 
     @property
     def last_forward_start(self) -> float:
@@ -529,7 +511,7 @@ class DataParallel(nn.Module, Joinable):
     @property
     def cost_model(self) -> CostModel | None:
         """The cost model the plans are priced with (fitted at planning time if not given)."""
-        return self._cost_model
+        return self._plans.cost_model
 
     @property
     def parameter_names(self) -> list[str]:
@@ -540,12 +522,12 @@ class DataParallel(nn.Module, Joinable):
     def buckets(self) -> list[list[str]]:
         """The parameters of each bucket in use, in plan order (a bucket mixing dtypes counts
         as one per dtype)."""
-        return [[self._names[i] for i in group] for group in self._engine.groups]
+        return [[self._names[i] for i in group] for group in self._plans.engine.groups]
 
     @property
     def bucket_channels(self) -> list[list[int]]:
         """The channel of each slice of each bucket in use (one entry unless partitioned)."""
-        return [list(channels) for channels in self._engine.assignment]
+        return [list(channels) for channels in self._plans.engine.assignment]
 
     def gate_layout(self) -> list[GateTiming]:
         """Where the next forward waits with ``overlap="forward"``: each gate (a module's name)
@@ -562,12 +544,7 @@ class DataParallel(nn.Module, Joinable):
 
     def plan_state(self) -> dict[str, Any] | None:
         """The final plan as plain data (for a checkpoint); None while profiling or on trial."""
-        candidate = self._in_use
-        if not self.planning_done or candidate is None:
-            return None
-        return plan_state_of(
-            self._names, candidate.order, candidate.plan, self.channel_choice, self.tuning_summary
-        )
+        return self._plans.state()
 
     def load_plan_state(self, state: Mapping[str, Any]) -> None:
         """Use a saved plan from now on, with no profiling and no trials; collective.
@@ -581,29 +558,7 @@ class DataParallel(nn.Module, Joinable):
                 wrapper has, runs on into the forward without ``overlap="forward"``, or ranks
                 load different plans.
         """
-        if list(state["names"]) != self._names:
-            raise UsageError(
-                "the saved DataParallel plan is for other parameters than this model's; "
-                "load it into the model it was made for"
-            )
-        plan = plan_from_dict(state["plan"])
-        if plan.channels > len(self._channels):
-            raise UsageError(
-                f"the saved DataParallel plan uses {plan.channels} channels; this wrapper has "
-                f"{len(self._channels)} (pass channels={plan.channels} or 'auto')"
-            )
-        if plan.overlaps_forward and self._overlap is None:
-            raise UsageError(
-                "the saved DataParallel plan runs its all-reduces on into the next forward; "
-                "wrap with overlap='forward' to load it"
-            )
-        if self._cost_model is None:
-            self._cost_model = plan.cost
-        candidate = Candidate(plan, tuple(state["order"]), str(state.get("why", "")))
-        self._lifecycle.settle(candidate)
-        self._candidates = []
-        self._use(candidate)
-        self.tuning_summary = str(state.get("tuning_summary", ""))
+        self._plans.load(state)
 
     # ------------------------------------------------------------------ hooks
 
@@ -625,15 +580,15 @@ class DataParallel(nn.Module, Joinable):
             self._ready_times[index] = now
             if self._device_pass is not None:
                 self._device_pass.tensor_ready(index)
-            if not self._arrivals.complete(index, counting=self._lifecycle.warming_up):
+            if not self._arrivals.complete(index, counting=self._plans.lifecycle.warming_up):
                 return
-            if self._arrivals.overdue(index) and self._engine.sent(index):
+            if self._arrivals.overdue(index) and self._plans.engine.sent(index):
                 raise UsageError(
                     f"parameter {self._names[index]!r} got more gradients in one backward than "
                     "in the first, after its bucket was sent: keep the graph's reentrant "
                     "checkpoints fixed, or use use_reentrant=False"
                 )
-            self._engine.add(index, param.grad)
+            self._plans.engine.add(index, param.grad)
 
         return hook
 
@@ -662,33 +617,35 @@ class DataParallel(nn.Module, Joinable):
         if self._device_pass is not None:
             self._device_pass.backward_ended()
         self._in_backward = False
-        self._arrivals.finish(self._engine, self._params, counting=self._lifecycle.warming_up)
+        self._arrivals.finish(
+            self._plans.engine, self._params, counting=self._plans.lifecycle.warming_up
+        )
         plan = self.plan
         if plan is not None and plan.overlaps_forward and self._overlap is not None:
             # Everything goes out now; the next forward applies each average where it is needed.
-            self._engine.close()
-            self._overlap.begin(self._engine)
+            self._plans.engine.close()
+            self._overlap.begin(self._plans.engine)
             self._after_backward(backward_end)
             return
-        averaged = self._engine.finish()
-        if self._hook is None:
+        averaged = self._plans.engine.finish()
+        if self._plans.hook is None:
             self._join.rescale(averaged)
         write_averages(self._params, averaged, as_views=self.gradient_as_bucket_view)
         self._after_backward(backward_end)
-        self._engine.begin()
+        self._plans.engine.begin()
 
     def _after_backward(self, backward_end: float) -> None:
         start = self._backward_start if self._backward_start is not None else backward_end
         if self._device_pass is not None:
             # Waits for this pass's last event: profiling passes only, a few per run.
-            self._lifecycle.passed(*self._device_pass.seconds())
+            self._plans.lifecycle.passed(*self._device_pass.seconds())
         else:
-            self._lifecycle.passed(
+            self._plans.lifecycle.passed(
                 self._forward_s, backward_end - start, [t - start for t in self._ready_times]
             )
         self._device_pass = None
         # The iteration that began at this forward synchronised: the next forward ends it.
-        self._lifecycle.synchronised(self._entered)
+        self._plans.lifecycle.synchronised(self._entered)
         if self._record:
             self.last_timeline = iteration_timeline(
                 f"DataParallel ({self.bucketing})",
@@ -707,114 +664,6 @@ class DataParallel(nn.Module, Joinable):
         self, bucket: int, channel: int, nbytes: int, launched: float, done: float
     ) -> None:
         self._comm_events.append((bucket, channel, nbytes, launched, done))
-
-    # ------------------------------------------------------------------ planning
-
-    def _plan(self) -> None:
-        """Take the slowest rank's timings, plan on rank 0, share the candidates, use the first."""
-        medians = self._lifecycle.profiled_medians()
-        gates = [] if self._overlap is None else self._overlap.gates.offsets()
-        step_s = 0.0 if self._overlap is None else self._overlap.step_s()
-        timings = torch.tensor(
-            [*medians, *(offset for _, offset in gates), step_s],
-            dtype=torch.float64,
-            device=collective_device(self.process_group),
-        )
-        # The slowest rank's times: a bucket's all-reduce completes only once every rank has
-        # produced it, so the plan must fit the rank that gets there last.
-        dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=self.process_group)
-        forward_s, backward_s, *rest = timings.tolist()
-        ready = rest[: len(self._params)]
-        offsets = rest[len(self._params) : -1]
-        device = self._params[0].device
-        if self._cost_model is None:
-            self._cost_model = fit_cost_model(self.process_group, device=device)
-        if len(self._channels) > 1 and len(self._cost_model.concurrency) < len(self._channels) - 1:
-            self._cost_model = fit_concurrency(
-                self._channels.groups, self._cost_model, device=device
-            )
-        shared: list[Any] = [None]
-        if self._rank == 0:
-            waits = {} if self._overlap is None else self._overlap.gates.waits
-            measured = Timings(
-                tuple(self._names),
-                tuple(p.numel() * p.element_size() for p in self._params),
-                forward_s,
-                backward_s,
-                tuple(ready),
-                tuple(
-                    GateTiming(name, tuple(waits.get(name, ())), offset)
-                    for (name, _), offset in zip(gates, offsets, strict=True)
-                ),
-                rest[-1],
-            )
-            shared[0] = candidate_plans(self._request, measured, self._cost_model)
-        dist.broadcast_object_list(shared, src=self._src, group=self.process_group)
-        self._candidates = shared[0]
-        if self._overlap is not None:
-            self._overlap.timing_steps = False
-        first = self._lifecycle.try_candidates(self._candidates, self.tune_steps)
-        # A candidate on trial is not a choice: nothing to announce until the trials end.
-        self._use(first, announce=self._lifecycle.settled)
-
-    def _use(self, candidate: Candidate | None, *, announce: bool = True) -> None:
-        """Rebuild the buckets for ``candidate`` (identical on every rank, checked), unless its
-        plan is in use already; record and announce why it was chosen."""
-        assert candidate is not None
-        if self._overlap is not None:
-            # The engine in use may still have averages in flight.
-            self._overlap.complete()
-        if self._in_use is None or candidate.plan is not self._in_use.plan:
-            self._rebuild(candidate)
-        self._in_use = candidate
-        why = candidate.why if announce else ""
-        self.channel_choice = why
-        if self._rank == 0 and why:
-            logger.info("interlace.DataParallel: %s", why)
-
-    def _rebuild(self, candidate: Candidate) -> None:
-        plan = candidate.plan
-        groups = candidate.groups
-        # The plan came from rank 0, so this holds unless a rank was built differently; if it
-        # fails, every rank raises here instead of hanging on a collective later.
-        check_same_everywhere(
-            (plan.channels, plan.partition_bytes, layout_of(groups, plan.launches)),
-            "the channel plan (channels, partition threshold, buckets and launches)",
-            self.process_group,
-        )
-        recorder = self._engine.recorder
-        previous_groups = self._engine.groups
-        self._engine = BucketEngine(
-            self._params,
-            groups,
-            self.process_group,
-            channels=self._channels.groups,
-            launches=plan.launches,
-            compression=self.compression,
-            hook=self._hook,
-            batched_copy=self._batched_copy,
-        )
-        self._engine.recorder = recorder
-        if self._hook is not None and self._engine.groups != previous_groups:
-            layout_changed(self._hook.state)
-
-    def _decide(self) -> None:
-        """The trials are over: keep the candidate the slowest rank measured fastest."""
-        # The slowest rank's medians: an iteration is over only when every rank is done.
-        medians = torch.tensor(
-            self._lifecycle.trial_medians(),
-            dtype=torch.float64,
-            device=collective_device(self.process_group),
-        )
-        dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=self.process_group)
-        outcome = settle_trials(self._candidates, medians.tolist(), self.channels_requested)
-        self.tuning_summary = outcome.summary
-        self.tuning_results = outcome.results
-        self._lifecycle.settle(outcome.kept)
-        self._candidates = []
-        self._use(outcome.kept)
-        if self._rank == 0:
-            logger.info("interlace.DataParallel: %s", self.tuning_summary)
 
 
 def _tensors_in(value: Any) -> Iterator[torch.Tensor]:

@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from interlace.comm.engine import BucketEngine
 from interlace.distenv import collective_device
-from interlace.dp.lifecycle import Due, Lifecycle
+from interlace.dp.lifecycle import Due
+from interlace.dp.planning import Plans
 from interlace.dp.replicas import BufferBroadcast, broadcast_from_first
 from interlace.errors import UsageError
 
@@ -33,12 +33,9 @@ class Shadowed(Protocol):
     process_group: dist.ProcessGroup | None
     broadcast_buffers: bool
     _params: list[nn.Parameter]
-    _engine: BucketEngine
-    _lifecycle: Lifecycle
+    _plans: Plans
     _buffer_sync: BufferBroadcast
     _join: JoinState
-
-    def _on_due(self, due: Due) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -178,18 +175,18 @@ class _JoinHook(JoinHook):
         """One iteration of the training ranks, with this rank's gradients zero."""
         wrapper = self.wrapper
         iteration = wrapper._join._exchange(None)
-        wrapper._lifecycle.follow(iteration.recorded)
-        wrapper._on_due(iteration.due)
+        wrapper._plans.lifecycle.follow(iteration.recorded)
+        wrapper._plans.on_due(iteration.due)
         if iteration.syncs_buffers:
             sync_buffers(wrapper, iteration.src)
         if not iteration.will_sync:
             return
-        engine = wrapper._engine
+        engine = wrapper._plans.engine
         # No gradient arrived: every bucket goes out as zeros, marked unused, in plan order.
         engine.finish()
         engine.begin()
-        wrapper._lifecycle.passed(0.0, 0.0, [0.0] * len(wrapper._params))
-        wrapper._lifecycle.synchronised(time.perf_counter())
+        wrapper._plans.lifecycle.passed(0.0, 0.0, [0.0] * len(wrapper._params))
+        wrapper._plans.lifecycle.synchronised(time.perf_counter())
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank takes the model of the highest-ranked last joiner.
@@ -210,7 +207,7 @@ class _JoinHook(JoinHook):
         broadcast_from_first(
             tensors, group, src=src if group is None else dist.get_global_rank(group, src)
         )
-        wrapper._lifecycle.interrupt()
+        wrapper._plans.lifecycle.interrupt()
 
 
 def sync_buffers(wrapper: Shadowed, src: int) -> None:
