@@ -37,8 +37,8 @@ from interlace.errors import UsageError
 from interlace.kfac import KFAC
 from interlace.sim.profiled import trace_from_plan
 from interlace.sim.trace import ActivationTrace, Trace
-from interlace.strategies import parse_channels, wrap_model
 from interlace.timeline import Event, Timeline
+from interlace.wrapping import parse_channels, wrap_model
 from interlace.zoo import build_model, model_shape
 
 if TYPE_CHECKING:

@@ -72,7 +72,7 @@ from interlace.emulate import Compute, add_compute_arguments, compute_from_args,
 from interlace.errors import UsageError
 from interlace.launch.rank import DEFAULT_COLLECTIVE_TIMEOUT_S
 from interlace.sim.network import NETWORK_HELP, parse_network
-from interlace.strategies import parse_channels
+from interlace.wrapping import parse_channels
 from interlace.zoo import build_model
 
 PROG = "interlace bench dp"

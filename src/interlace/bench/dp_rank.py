@@ -27,7 +27,7 @@ from interlace.bench.harness import (
 from interlace.bench.probes import ContentionProbe
 from interlace.comm.strategies import STRATEGIES
 from interlace.emulate import Compute, ComputeKind, EmulatedModel, EmulatedStep
-from interlace.strategies import wrap_model
+from interlace.wrapping import wrap_model
 from interlace.zoo import build_model
 
 #: Upper bound on warm-up steps spent waiting for a wrapper's plan; a wrapper that never plans

@@ -77,7 +77,7 @@ from interlace.sim.validate import (
     plot_validation,
     rows_from_sample,
 )
-from interlace.strategies import wrap_model
+from interlace.wrapping import wrap_model
 from interlace.zoo import MODEL_NAMES, build_model
 
 PROG = "interlace simulate --validate"

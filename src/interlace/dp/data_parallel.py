@@ -30,7 +30,7 @@ from interlace.comm.plan import Bucketing, Plan
 from interlace.distenv import collective_device
 from interlace.dp.ddp_args import DEFAULT_BUCKET_CAP_MB, DeviceLike, ddp_settings, move_inputs
 from interlace.dp.gradients import Arrivals, write_averages
-from interlace.dp.iteration import CommEvent, DevicePass, iteration_timeline
+from interlace.dp.iteration import CommRecord, DevicePass, iteration_timeline
 from interlace.dp.join import JoinState, sync_buffers
 from interlace.dp.options import cost_model_kind, plan_request, trainable_parameters
 from interlace.dp.overlap import ForwardOverlap
@@ -275,7 +275,7 @@ class DataParallel(nn.Module, Joinable):
         self._clock = StreamClock(self._params[0].device if self._params else "cpu")
         self._device_pass: DevicePass | None = None
         self._record = False
-        self._comm_events: list[CommEvent] = []
+        self._comm_events: list[CommRecord] = []
         for index, param in enumerate(self._params):
             param.register_post_accumulate_grad_hook(self._make_hook(index))
         if self._overlap is not None:

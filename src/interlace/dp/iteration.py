@@ -9,7 +9,7 @@ from interlace.clock import Mark, StreamClock
 from interlace.timeline import Timeline
 
 #: One finished all-reduce: (bucket index, channel, bytes, launch time, completion time).
-CommEvent = tuple[int, int, int, float, float]
+CommRecord = tuple[int, int, int, float, float]
 
 
 class ProfiledPasses:
@@ -115,7 +115,7 @@ def iteration_timeline(
     backward_start: float,
     backward_end: float,
     ready_s: Sequence[float],
-    comm_events: Sequence[CommEvent],
+    comm_events: Sequence[CommRecord],
     channels: int,
 ) -> Timeline:
     """One iteration's forward, per-tensor backward and per-bucket all-reduces as a timeline.

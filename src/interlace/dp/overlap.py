@@ -42,6 +42,7 @@ class ForwardOverlap:
         self._engine: BucketEngine | None = None
         self._unapplied: set[int] = set()
         self._wrapped: list[PendingGrad | None] = []
+        self._had_none: list[bool] = []
         self._deferred: list[DeferredStep] = []
         self._hidden: list[tuple[nn.Parameter, torch.Tensor | None]] = []
         self._guard: ParamGuard | None = None
@@ -72,8 +73,10 @@ class ForwardOverlap:
         self._engine = engine
         self._unapplied = set(range(len(engine.groups)))
         self._wrapped = []
+        self._had_none = []
         for number, param in enumerate(self.params):
             grad = param.grad
+            self._had_none.append(grad is None)
             if grad is None:
                 # Another rank may have produced one: a read must still wait for the average.
                 grad = torch.zeros_like(param)
@@ -125,14 +128,15 @@ class ForwardOverlap:
             param = self.params[index]
             current = param.grad
             if current is not None and current is self._wrapped[index]:
-                # Left as backward made it: from now on it is the averaged gradient.
+                # Left as backward made it: from now on it is the averaged gradient; one no
+                # rank produced stays as it was (None, or what earlier passes accumulated).
                 assert isinstance(current, PendingGrad)
-                plain = None if mean is None else current.plain
+                plain = None if mean is None and self._had_none[index] else current.plain
                 if plain is not None and mean is not None:
                     targets.append(plain)
                     sources.append(mean)
                 keep.append(plain)
-                param.grad = plain
+                param.grad = plain if mean is not None else None
             else:
                 # Zeroed or dropped by the user since: the update uses the average, the
                 # gradient stays as the user left it.

@@ -22,7 +22,6 @@ from interlace.kfac.factor_comm import FACTOR_COMMS
 from interlace.kfac.fusion import FUSIONS
 from interlace.kfac.options import G_NORMALIZATIONS
 from interlace.pipeline import ASYNCHRONOUS, PLAN_BY, SCHEDULES, SPECTRAIN_BACKWARDS, SYNCHRONOUS
-from interlace.strategies import parse_channels
 from interlace.train.checkpoint import SaveEvery
 from interlace.train.kfac_options import (
     Choice,
@@ -35,6 +34,7 @@ from interlace.train.kfac_options import (
     check_kfac_options,
     kfac_option,
 )
+from interlace.wrapping import parse_channels
 
 #: The ``--optimizer`` choices: plain SGD with momentum, or K-FAC in front of it.
 OPTIMIZERS = ("sgd", "kfac")
@@ -56,7 +56,8 @@ class TrainConfig:
     Args:
         model: a zoo name or ``package.module:callable``.
         data: digits, synthetic-cifar10, synthetic-imagenet, or a CIFAR-10 folder.
-        strategy: how gradients are averaged (one of ``interlace.strategies.RUNTIME_STRATEGIES``).
+        strategy: how gradients are averaged (one of
+            ``interlace.comm.strategies.RUNTIME_STRATEGIES``).
         bucket_cap_mb: bucket cap of the ddp and fixed strategies, MB.
         channels: communication channels, an integer >= 1 or ``"auto"``.
         compression: ``"fp16"`` or ``"bf16"`` gradient buckets, or None.

@@ -27,11 +27,11 @@ from interlace.dp import DataParallel
 from interlace.dp.plan_state import plan_state_of
 from interlace.errors import UsageError
 from interlace.kfac import KFAC
-from interlace.strategies import wrap_model
 from interlace.train.checkpoint import Position, rng_state, set_rng_state
 from interlace.train.config import TrainConfig, TrainResult, sgd_with_schedule, steps_in_epoch
 from interlace.train.kfac_options import kfac_keywords, kfac_options, kfac_usage_error
 from interlace.train.records import RunRecords, finish_run
+from interlace.wrapping import wrap_model
 from interlace.zoo import build_model, load_data, make_loader
 
 
