@@ -167,18 +167,18 @@ def _build_contender(
     module = stage_module(pipeline_blocks(model), plan, rank)
     optimizer = sgd(module.parameters())
     if schedule in INTERLACE_PIPELINE_SCHEDULES:
-        kind = schedule_type(schedule)
+        schedule_class = schedule_type(schedule)
         stage = PipelineStage(
             module,
             optimizer,
             stage=rank,
             num_stages=ranks,
-            schedule=kind,
+            schedule=schedule_class,
             loss_fn=functional.cross_entropy,
             microbatches=job.microbatches,
             # The asynchronous schedules stream each mini-batch in as many pieces as the
             # synchronous ones cut it into, so every contender moves the same messages.
-            chunks=1 if kind.synchronous else job.microbatches,
+            chunks=1 if schedule_class.synchronous else job.microbatches,
         )
 
         def train_interlace(batches: Sequence[tuple[Any, Any]]) -> float | None:

@@ -564,7 +564,11 @@ class PipelineStage:
             if piece.rng_state is not None:
                 torch.set_rng_state(piece.rng_state)
             with torch.enable_grad():
-                piece.output = self._call(state.graph_leaves, x)
+                out = self._call(state.graph_leaves, x)
+                if self.is_last:  # the loss again, already counted by the forward
+                    assert self.loss_fn is not None and piece.target is not None
+                    out = self.loss_fn(out, piece.target) * piece.scale
+        piece.output = out
         self._record("recompute", "forward", started, action.batch)
 
     def _backward(self, action: Action, piece: _Piece) -> None:

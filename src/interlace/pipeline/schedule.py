@@ -172,19 +172,21 @@ def reuses_forward_graph(actions: Sequence[Action]) -> bool:
 def stashes_weights(actions: Sequence[Action]) -> bool:
     """Whether a stage copies its weights at every forward that is not predicted.
 
-    True when a backward computes with its forward's weights (``STASHED``) and an update falls
-    between them: the parameters will have moved by then. A predicted forward's weights are new
-    tensors already and are kept as they are.
+    True when a backward computes with its forward's weights (``STASHED``), those are the
+    parameters themselves (the forward is not predicted: a prediction is a new tensor already,
+    kept as it is) and an update falls between the two passes, so the parameters will have moved
+    by the backward.
 
     Args:
         actions: one stage's actions, as :meth:`Schedule.for_stage` lists them.
     """
     where = {(a.op, a.batch): i for i, a in enumerate(actions)}
+    forwards = {a.batch: a for a in actions if a.op is Op.FORWARD}
     updates = [i for i, a in enumerate(actions) if a.op is Op.UPDATE]
     return any(
         where[(Op.FORWARD, a.batch)] < u < where[(Op.BACKWARD, a.batch)]
         for a in actions
-        if a.op is Op.BACKWARD and a.weights is Weights.STASHED
+        if a.op is Op.BACKWARD and a.weights is Weights.STASHED and not forwards[a.batch].predicted
         for u in updates
     )
 
