@@ -207,6 +207,7 @@ class PipelineStage:
         self._events: list[Event] = []
         self._sends: list[tuple[list[dist.Work], tuple[Tensor, ...]]] = []
         self._process = f"stage {stage}"
+        self._schedules: dict[int, Schedule] = {}  # by number of batches
         if num_stages > 1:
             check_stages_agree(
                 stage=stage,
@@ -248,11 +249,11 @@ class PipelineStage:
         source = iter(batches) if batches is not None else None
         self.module.train()
         if self.asynchronous:
-            schedule = self.kind(self.num_stages, num_batches)
+            schedule = self._schedule(num_batches)
             units = (self._next_batch(source) for _ in range(num_batches))
             self._execute(schedule, _unit_batches(units), result)
         else:
-            schedule = self.kind(self.num_stages, self.microbatches)
+            schedule = self._schedule(self.microbatches)
             for _ in range(num_batches):
                 batch = self._next_batch(source)
                 self._execute(schedule, self._split(batch), result)
@@ -343,6 +344,12 @@ class PipelineStage:
     # ---------------------------------------------------------------------------------------
     # executing a schedule
     # ---------------------------------------------------------------------------------------
+
+    def _schedule(self, num_batches: int) -> Schedule:
+        """The schedule over ``num_batches`` batches, built once (it keeps its programs)."""
+        if num_batches not in self._schedules:
+            self._schedules[num_batches] = self.kind(self.num_stages, num_batches)
+        return self._schedules[num_batches]
 
     def _next_batch(self, source: Iterator[Batch] | None) -> Batch | None:
         if source is None:

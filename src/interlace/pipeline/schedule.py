@@ -8,7 +8,7 @@ runtime executes that program and the simulator prices it. Built without torch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import Enum
 from typing import ClassVar
 
@@ -180,14 +180,16 @@ def stashes_weights(actions: Sequence[Action]) -> bool:
     Args:
         actions: one stage's actions, as :meth:`Schedule.for_stage` lists them.
     """
-    where = {(a.op, a.batch): i for i, a in enumerate(actions)}
     forwards = {a.batch: a for a in actions if a.op is Op.FORWARD}
-    updates = [i for i, a in enumerate(actions) if a.op is Op.UPDATE]
+    updates_before = {}  # (op, batch) -> updates earlier in the stage's list
+    updates = 0
+    for action in actions:
+        updates += action.op is Op.UPDATE
+        updates_before[(action.op, action.batch)] = updates
     return any(
-        where[(Op.FORWARD, a.batch)] < u < where[(Op.BACKWARD, a.batch)]
+        updates_before[(Op.BACKWARD, a.batch)] > updates_before[(Op.FORWARD, a.batch)]
         for a in actions
         if a.op is Op.BACKWARD and a.weights is Weights.STASHED and not forwards[a.batch].predicted
-        for u in updates
     )
 
 
@@ -323,19 +325,22 @@ class Schedule:
             recv, send = (Op.RECV_ACT, Op.SEND_ACT) if forward else (Op.RECV_GRAD, Op.SEND_GRAD)
             receives = (recv, action.batch, action.clock) in messages
             sends = (send, action.batch, action.clock) in messages
-            made = Op.PREDICT if action.predicted else (Op.STASH if stash and forward else None)
-            if made is Op.PREDICT and (forward or not keep):
-                lowered.append(replace(action, op=Op.PREDICT))
-            elif made is Op.STASH:
-                lowered.append(replace(action, op=Op.STASH, weights=Weights.STASHED, ahead=0))
+            clock, batch = action.clock, action.batch
+            computed = (action.version, action.weights, action.ahead)
+            if action.predicted and (forward or not keep):
+                lowered.append(Action(clock, stage, Op.PREDICT, batch, *computed))
+            elif stash and forward and not action.predicted:
+                lowered.append(
+                    Action(clock, stage, Op.STASH, batch, action.version, Weights.STASHED)
+                )
             for piece in range(pieces):
                 if not forward and not keep:
-                    lowered.append(replace(action, op=Op.RECOMPUTE, piece=piece))
+                    lowered.append(Action(clock, stage, Op.RECOMPUTE, batch, *computed, piece))
                 if receives:
-                    lowered.append(Action(action.clock, stage, recv, action.batch, piece=piece))
-                lowered.append(replace(action, piece=piece))
+                    lowered.append(Action(clock, stage, recv, batch, piece=piece))
+                lowered.append(Action(clock, stage, action.op, batch, *computed, piece))
                 if sends:
-                    lowered.append(Action(action.clock, stage, send, action.batch, piece=piece))
+                    lowered.append(Action(clock, stage, send, batch, piece=piece))
         lowered.append(Action(actions[-1].clock, stage, Op.WAIT_SENDS, actions[-1].batch))
         return tuple(lowered)
 
@@ -386,9 +391,9 @@ def _check_orders(schedule: Schedule, orders: Sequence[Sequence[tuple[Op, int]]]
         (op, b) for op in (Op.FORWARD, Op.BACKWARD) for b in range(schedule.num_batches)
     )
     for stage, order in enumerate(orders):
+        where = {step: i for i, step in enumerate(order)}
         if sorted(order) != expected or any(
-            order.index((Op.BACKWARD, b)) < order.index((Op.FORWARD, b))
-            for b in range(schedule.num_batches)
+            where[(Op.BACKWARD, b)] < where[(Op.FORWARD, b)] for b in range(schedule.num_batches)
         ):
             raise ValueError(
                 f"{schedule.name}: stage {stage} must run every batch's forward once, then its "
