@@ -1,4 +1,5 @@
-"""Pipeline schedules against golden action lists worked out by hand, and their invariants."""
+"""Pipeline schedules against golden action lists worked out by hand, and their invariants;
+the programs they lower to (what a stage runs) against golden lists, and the weight rules."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import pytest
 
 from interlace.pipeline.predict import version_difference
 from interlace.pipeline.schedule import (
+    SCHEDULE_TYPES,
     SCHEDULES,
+    Action,
     Op,
     Schedule,
     Weights,
@@ -14,6 +17,9 @@ from interlace.pipeline.schedule import (
     build_schedule,
     gpipe,
     one_f_one_b,
+    reuses_forward_graph,
+    same_weights,
+    stashes_weights,
 )
 
 
@@ -225,3 +231,304 @@ def test_bad_arguments_are_clear_errors() -> None:
         async_one_f_one_b(2, 2, "gpipe")
     with pytest.raises(ValueError, match="out of range"):
         gpipe(2, 2).for_stage(2)
+
+
+def _program(schedule: Schedule, stage: int, pieces: int = 1) -> list[str]:
+    return [str(action) for action in schedule.program(stage, pieces)]
+
+
+def test_gpipe_two_stages_program_golden() -> None:
+    """Receives posted first in the order the neighbour sends; each computation between its
+    message in and its message out; the update; the wait on the sends."""
+    schedule = gpipe(2, 2)
+    assert _program(schedule, 0) == [
+        "t0 s0 post_grad(0.0)",
+        "t0 s0 post_grad(1.0)",
+        "t0 s0 forward(0.0) v0 current",
+        "t0 s0 send_act(0.0)",
+        "t1 s0 forward(1.0) v0 current",
+        "t1 s0 send_act(1.0)",
+        "t4 s0 recv_grad(0.0)",
+        "t4 s0 backward(0.0) v0 current",
+        "t5 s0 recv_grad(1.0)",
+        "t5 s0 backward(1.0) v0 current",
+        "t5 s0 update(1)",
+        "t5 s0 wait_sends",
+    ]
+    assert _program(schedule, 1) == [
+        "t0 s1 post_act(0.0)",
+        "t0 s1 post_act(1.0)",
+        "t1 s1 recv_act(0.0)",
+        "t1 s1 forward(0.0) v0 current",
+        "t2 s1 recv_act(1.0)",
+        "t2 s1 forward(1.0) v0 current",
+        "t3 s1 backward(0.0) v0 current",
+        "t3 s1 send_grad(0.0)",
+        "t4 s1 backward(1.0) v0 current",
+        "t4 s1 send_grad(1.0)",
+        "t4 s1 update(1)",
+        "t4 s1 wait_sends",
+    ]
+
+
+def test_one_f_one_b_middle_stage_program_golden() -> None:
+    # Stage 1 of 3 keeps two forwards in flight; it posts both neighbours' messages up front.
+    assert _program(one_f_one_b(3, 2), 1) == [
+        "t0 s1 post_act(0.0)",
+        "t0 s1 post_act(1.0)",
+        "t0 s1 post_grad(0.0)",
+        "t0 s1 post_grad(1.0)",
+        "t1 s1 recv_act(0.0)",
+        "t1 s1 forward(0.0) v0 current",
+        "t1 s1 send_act(0.0)",
+        "t2 s1 recv_act(1.0)",
+        "t2 s1 forward(1.0) v0 current",
+        "t2 s1 send_act(1.0)",
+        "t4 s1 recv_grad(0.0)",
+        "t4 s1 backward(0.0) v0 current",
+        "t4 s1 send_grad(0.0)",
+        "t6 s1 recv_grad(1.0)",
+        "t6 s1 backward(1.0) v0 current",
+        "t6 s1 send_grad(1.0)",
+        "t6 s1 update(1)",
+        "t6 s1 wait_sends",
+    ]
+
+
+def test_spectrain_two_stages_in_two_pieces_program_golden() -> None:
+    """Stage 0 predicts once per mini-batch (s_fwd = 1) for both pieces; its backward (s_bwd = 0)
+    computes each piece again with the current weights before taking the piece's gradient.
+    Stage 1 (s_fwd = s_bwd = 0, no update in between) backpropagates the forward's graph."""
+    schedule = async_one_f_one_b(2, 2, "spectrain")
+    assert _program(schedule, 0, pieces=2) == [
+        "t0 s0 post_grad(0.0)",
+        "t0 s0 post_grad(0.1)",
+        "t0 s0 post_grad(1.0)",
+        "t0 s0 post_grad(1.1)",
+        "t0 s0 predict(0) v0 predicted+1",
+        "t0 s0 forward(0.0) v0 predicted+1",
+        "t0 s0 send_act(0.0)",
+        "t0 s0 forward(0.1) v0 predicted+1",
+        "t0 s0 send_act(0.1)",
+        "t1 s0 predict(1) v0 predicted+1",
+        "t1 s0 forward(1.0) v0 predicted+1",
+        "t1 s0 send_act(1.0)",
+        "t1 s0 forward(1.1) v0 predicted+1",
+        "t1 s0 send_act(1.1)",
+        "t3 s0 recompute(0.0) v0 predicted",
+        "t3 s0 recv_grad(0.0)",
+        "t3 s0 backward(0.0) v0 predicted",
+        "t3 s0 recompute(0.1) v0 predicted",
+        "t3 s0 recv_grad(0.1)",
+        "t3 s0 backward(0.1) v0 predicted",
+        "t3 s0 update(0)",
+        "t5 s0 recompute(1.0) v1 predicted",
+        "t5 s0 recv_grad(1.0)",
+        "t5 s0 backward(1.0) v1 predicted",
+        "t5 s0 recompute(1.1) v1 predicted",
+        "t5 s0 recv_grad(1.1)",
+        "t5 s0 backward(1.1) v1 predicted",
+        "t5 s0 update(1)",
+        "t5 s0 wait_sends",
+    ]
+    assert _program(schedule, 1, pieces=2) == [
+        "t0 s1 post_act(0.0)",
+        "t0 s1 post_act(0.1)",
+        "t0 s1 post_act(1.0)",
+        "t0 s1 post_act(1.1)",
+        "t1 s1 recv_act(0.0)",
+        "t1 s1 forward(0.0) v0 predicted",
+        "t1 s1 recv_act(0.1)",
+        "t1 s1 forward(0.1) v0 predicted",
+        "t2 s1 backward(0.0) v0 predicted",
+        "t2 s1 send_grad(0.0)",
+        "t2 s1 backward(0.1) v0 predicted",
+        "t2 s1 send_grad(0.1)",
+        "t2 s1 update(0)",
+        "t3 s1 recv_act(1.0)",
+        "t3 s1 forward(1.0) v1 predicted",
+        "t3 s1 recv_act(1.1)",
+        "t3 s1 forward(1.1) v1 predicted",
+        "t4 s1 backward(1.0) v1 predicted",
+        "t4 s1 send_grad(1.0)",
+        "t4 s1 backward(1.1) v1 predicted",
+        "t4 s1 send_grad(1.1)",
+        "t4 s1 update(1)",
+        "t4 s1 wait_sends",
+    ]
+
+
+def test_spectrain_four_stages_predicts_again_before_computing_again() -> None:
+    # Stage 2 of 4: s_fwd = 1 + 4 - 2 - 1 = 2, s_bwd = 1; its backward predicts from the
+    # weights at backward time, then computes the stage again on them.
+    assert _program(async_one_f_one_b(4, 2, "spectrain"), 2) == [
+        "t0 s2 post_act(0.0)",
+        "t0 s2 post_act(1.0)",
+        "t0 s2 post_grad(0.0)",
+        "t0 s2 post_grad(1.0)",
+        "t2 s2 predict(0) v0 predicted+2",
+        "t2 s2 recv_act(0.0)",
+        "t2 s2 forward(0.0) v0 predicted+2",
+        "t2 s2 send_act(0.0)",
+        "t3 s2 predict(1) v0 predicted+2",
+        "t3 s2 recv_act(1.0)",
+        "t3 s2 forward(1.0) v0 predicted+2",
+        "t3 s2 send_act(1.0)",
+        "t5 s2 predict(0) v0 predicted+1",
+        "t5 s2 recompute(0.0) v0 predicted+1",
+        "t5 s2 recv_grad(0.0)",
+        "t5 s2 backward(0.0) v0 predicted+1",
+        "t5 s2 send_grad(0.0)",
+        "t5 s2 update(0)",
+        "t7 s2 predict(1) v1 predicted+1",
+        "t7 s2 recompute(1.0) v1 predicted+1",
+        "t7 s2 recv_grad(1.0)",
+        "t7 s2 backward(1.0) v1 predicted+1",
+        "t7 s2 send_grad(1.0)",
+        "t7 s2 update(1)",
+        "t7 s2 wait_sends",
+    ]
+
+
+def test_pipedream_three_stages_copies_the_weights_at_each_forward() -> None:
+    # Stage 1 of 3: one update falls between a mini-batch's forward and its backward once the
+    # pipe is full, so every forward stashes a copy, which its backward then uses.
+    assert _program(async_one_f_one_b(3, 3, "pipedream"), 1) == [
+        "t0 s1 post_act(0.0)",
+        "t0 s1 post_act(1.0)",
+        "t0 s1 post_act(2.0)",
+        "t0 s1 post_grad(0.0)",
+        "t0 s1 post_grad(1.0)",
+        "t0 s1 post_grad(2.0)",
+        "t1 s1 stash(0) v0 stashed",
+        "t1 s1 recv_act(0.0)",
+        "t1 s1 forward(0.0) v0 current",
+        "t1 s1 send_act(0.0)",
+        "t2 s1 stash(1) v0 stashed",
+        "t2 s1 recv_act(1.0)",
+        "t2 s1 forward(1.0) v0 current",
+        "t2 s1 send_act(1.0)",
+        "t4 s1 recv_grad(0.0)",
+        "t4 s1 backward(0.0) v0 stashed",
+        "t4 s1 send_grad(0.0)",
+        "t4 s1 update(0)",
+        "t5 s1 stash(2) v1 stashed",
+        "t5 s1 recv_act(2.0)",
+        "t5 s1 forward(2.0) v1 current",
+        "t5 s1 send_act(2.0)",
+        "t6 s1 recv_grad(1.0)",
+        "t6 s1 backward(1.0) v0 stashed",
+        "t6 s1 send_grad(1.0)",
+        "t6 s1 update(1)",
+        "t8 s1 recv_grad(2.0)",
+        "t8 s1 backward(2.0) v1 stashed",
+        "t8 s1 send_grad(2.0)",
+        "t8 s1 update(2)",
+        "t8 s1 wait_sends",
+    ]
+
+
+#: (schedule, stages, batches) -> per stage (reuses the forward's graph, stashes the weights).
+WEIGHT_RULES = {
+    ("gpipe", 4, 6): [(True, False)] * 4,
+    ("1f1b", 4, 6): [(True, False)] * 4,
+    # An update falls between the passes on every stage but the last.
+    ("naive", 4, 6): [(False, False)] * 3 + [(True, False)],
+    ("pipedream", 4, 6): [(True, True)] * 3 + [(True, False)],
+    # Forward and backward predict differently far ahead on every stage but the last.
+    ("spectrain", 4, 6): [(False, False)] * 3 + [(True, False)],
+    # The forward's prediction is kept: no copy, no second forward.
+    ("spectrain-reuse", 4, 6): [(True, False)] * 4,
+    # One mini-batch meets no update between its passes: the weights stay the forward's.
+    ("naive", 3, 1): [(True, False)] * 3,
+    ("pipedream", 3, 1): [(True, False)] * 3,
+    ("spectrain", 3, 1): [(False, False)] * 2 + [(True, False)],
+}
+
+
+@pytest.mark.parametrize(("name", "stages", "batches"), list(WEIGHT_RULES))
+def test_graph_reuse_and_stashing_follow_the_actions(name: str, stages: int, batches: int) -> None:
+    schedule = build_schedule(name, stages, batches)
+    rules = [
+        (reuses_forward_graph(schedule.for_stage(k)), stashes_weights(schedule.for_stage(k)))
+        for k in range(stages)
+    ]
+    assert rules == WEIGHT_RULES[(name, stages, batches)]
+    for stage in range(stages):
+        ops = [a.op for a in schedule.program(stage)]
+        assert schedule.reuses_forward_graph(stage) == (Op.RECOMPUTE not in ops)
+        assert ops.count(Op.STASH) == (batches if rules[stage][1] else 0)
+
+
+def test_same_weights_compares_versions_and_predictions() -> None:
+    forward = Action(0, 0, Op.FORWARD, 0, 1, Weights.PREDICTED, 2)
+    assert same_weights(forward, Action(3, 0, Op.BACKWARD, 0, 1, Weights.PREDICTED, 2))
+    assert not same_weights(forward, Action(3, 0, Op.BACKWARD, 0, 2, Weights.PREDICTED, 1))
+    assert same_weights(forward, Action(3, 0, Op.BACKWARD, 0, 1, Weights.STASHED))
+    # Predicted zero updates ahead is the current weights.
+    current = Action(0, 0, Op.FORWARD, 0, 1)
+    assert same_weights(current, Action(3, 0, Op.BACKWARD, 0, 1, Weights.PREDICTED, 0))
+    assert not same_weights(current, Action(3, 0, Op.BACKWARD, 0, 2))
+
+
+@pytest.mark.parametrize("name", list(SCHEDULE_TYPES))
+@pytest.mark.parametrize(("stages", "batches", "pieces"), [(1, 2, 1), (2, 3, 2), (4, 5, 3)])
+def test_every_program_runs_each_piece_once_in_order(
+    name: str, stages: int, batches: int, pieces: int
+) -> None:
+    schedule = build_schedule(name, stages, batches)
+    for stage in range(stages):
+        program = schedule.program(stage, pieces)
+        first, last = stage == 0, stage == stages - 1
+        # A message is posted first, taken just before the computation that needs it, and
+        # what a computation produces is sent right after it.
+        expected = (
+            ([] if first else [Op.POST_ACT])
+            + ([] if last else [Op.POST_GRAD])
+            + ([] if first else [Op.RECV_ACT])
+            + [Op.FORWARD]
+            + ([] if last else [Op.SEND_ACT])
+            + ([] if schedule.reuses_forward_graph(stage) else [Op.RECOMPUTE])
+            + ([] if last else [Op.RECV_GRAD])
+            + [Op.BACKWARD]
+            + ([] if first else [Op.SEND_GRAD])
+        )
+        for batch in range(batches):
+            for piece in range(pieces):
+                ops = [a.op for a in program if (a.batch, a.piece) == (batch, piece)]
+                assert ops == expected, (stage, batch, piece)
+        assert program[-1].op is Op.WAIT_SENDS
+        updates = [a for a in program if a.op is Op.UPDATE]
+        assert updates == [a for a in schedule.for_stage(stage) if a.op is Op.UPDATE]
+
+
+class _BackwardsOutOfTurn(Schedule):
+    """Stage 0 runs its backwards first to last, stage 1 last to first."""
+
+    name = "out-of-turn"
+
+    def orders(self) -> list[list[tuple[Op, int]]]:
+        forwards = [(Op.FORWARD, b) for b in range(self.num_batches)]
+        backwards = [(Op.BACKWARD, b) for b in range(self.num_batches)]
+        return [forwards + backwards, forwards + backwards[::-1]]
+
+
+class _BackwardBeforeForward(Schedule):
+    name = "backward-first"
+
+    def orders(self) -> list[list[tuple[Op, int]]]:
+        return [[(Op.BACKWARD, 0), (Op.FORWARD, 0)]] * self.num_stages
+
+
+def test_a_program_takes_messages_in_the_order_they_are_sent() -> None:
+    schedule = _BackwardsOutOfTurn(2, 3)
+    with pytest.raises(ValueError, match=r"stage 0 takes batches \[0, 1, 2\] in another order"):
+        schedule.program(0)
+    assert [a.batch for a in schedule.program(1) if a.op is Op.SEND_GRAD] == [2, 1, 0]
+    with pytest.raises(ValueError, match="pieces must be >= 1"):
+        gpipe(2, 2).program(0, pieces=0)
+
+
+def test_a_schedule_must_run_each_forward_before_its_backward() -> None:
+    with pytest.raises(ValueError, match="forward once, then its backward once"):
+        _BackwardBeforeForward(2, 1)

@@ -180,8 +180,9 @@ def test_asynchronous_1f1b_fills_and_drains_once_per_block(stages: int, block: i
 
 
 def test_a_recomputation_hides_behind_the_gradients_wait() -> None:
-    # 2 stages, one mini-batch: stage 0 computes again (1) while stage 1 runs its forward and
-    # backward (1 + 2), so naive and SpecTrain end with PipeDream: 1 + 1 + 2 + 2 = 6.
+    # 2 stages, one mini-batch: SpecTrain's stage 0 computes again (1) while stage 1 runs its
+    # forward and backward (1 + 2), so it ends with PipeDream: 1 + 1 + 2 + 2 = 6. (Naive's one
+    # mini-batch meets no update between its passes and keeps its forward's graph.)
     stages = equal_stages(2, 1)
     times = {
         s: simulate_pipeline(stages, s, FREE, microbatches=1).block_s

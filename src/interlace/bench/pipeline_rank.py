@@ -28,15 +28,12 @@ from interlace.emulate.compute import Compute, ComputeKind
 from interlace.emulate.pipeline import EmulatedPipelineModel
 from interlace.pipeline.partition import pipeline_blocks, stage_module
 from interlace.pipeline.runtime import PipelineStage
+from interlace.pipeline.schedule import schedule_type
 from interlace.pipeline.stages import local_stage
 from interlace.sim.pipeline import INTERLACE_PIPELINE_SCHEDULES, TORCH_PIPELINE_SCHEDULES
 from interlace.timeline import Event
 from interlace.zoo import build_model
 
-#: ``spectrain-reuse`` is SpecTrain whose backward reuses the forward's prediction (and graph)
-#: instead of computing the stage again: ``PipelineStage(spectrain_backward="reuse")``.
-REUSE_SUFFIX = "-reuse"
-SYNCHRONOUS: tuple[str, ...] = ("gpipe", "1f1b")
 #: interlace's schedules, data parallelism, then torch's, in table order (the simulator's names).
 SCHEDULES: tuple[str, ...] = (
     *INTERLACE_PIPELINE_SCHEDULES,
@@ -170,19 +167,18 @@ def _build_contender(
     module = stage_module(pipeline_blocks(model), plan, rank)
     optimizer = sgd(module.parameters())
     if schedule in INTERLACE_PIPELINE_SCHEDULES:
-        reuse = schedule.endswith(REUSE_SUFFIX)
+        schedule_class = schedule_type(schedule)
         stage = PipelineStage(
             module,
             optimizer,
             stage=rank,
             num_stages=ranks,
-            schedule=schedule.removesuffix(REUSE_SUFFIX),
+            schedule=schedule_class,
             loss_fn=functional.cross_entropy,
             microbatches=job.microbatches,
-            spectrain_backward="reuse" if reuse else "recompute",
             # The asynchronous schedules stream each mini-batch in as many pieces as the
             # synchronous ones cut it into, so every contender moves the same messages.
-            chunks=1 if schedule in SYNCHRONOUS else job.microbatches,
+            chunks=1 if schedule_class.synchronous else job.microbatches,
         )
 
         def train_interlace(batches: Sequence[tuple[Any, Any]]) -> float | None:

@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from interlace.bench.harness import quartiles
-from interlace.bench.pipeline_rank import DP_BASELINE, SYNCHRONOUS, TORCH_BASELINE
+from interlace.bench.pipeline_rank import DP_BASELINE, TORCH_BASELINE
+from interlace.pipeline.schedule import schedule_type
 from interlace.sim.pipeline import INTERLACE_PIPELINE_SCHEDULES
 from interlace.timeline import Timeline
 
@@ -24,17 +25,12 @@ def describe_schedule(schedule: str, microbatches: int, ranks: int) -> str:
         microbatches: Pieces per mini-batch.
         ranks: Ranks (= stages).
     """
-    if schedule in SYNCHRONOUS:
-        return f"{microbatches} micro-batches, flush"
     if schedule in INTERLACE_PIPELINE_SCHEDULES:
-        policy = {
-            "naive": "latest weights",
-            "pipedream": "stashed",
-            "spectrain": "predicted",
-            "spectrain-reuse": "predicted, forward's reused",
-        }
+        kind = schedule_type(schedule)
+        if kind.synchronous:
+            return f"{microbatches} micro-batches, {kind.description}"
         pieces = f", {microbatches} chunks" if microbatches > 1 else ""
-        return f"async 1F1B, {policy[schedule]}{pieces}"
+        return f"{kind.description}{pieces}"
     if schedule == DP_BASELINE:
         return f"{ranks} x 1/{ranks} batch, merged buckets"
     return f"{microbatches} micro-batches, torch.distributed.pipelining"
@@ -55,7 +51,7 @@ def fill_drain_fraction(schedule: str, num_stages: int, block: int, microbatches
     """
     if schedule == DP_BASELINE:
         return 0.0
-    streamed = schedule in INTERLACE_PIPELINE_SCHEDULES and schedule not in SYNCHRONOUS
+    streamed = schedule in INTERLACE_PIPELINE_SCHEDULES and not schedule_type(schedule).synchronous
     units = block if streamed else microbatches
     return (num_stages - 1) / (units + num_stages - 1)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 
 import torch
@@ -61,16 +62,16 @@ def irecv(tensor: Tensor, peer: int, group: dist.ProcessGroup | None, tag: int) 
 class Inbox:
     """The messages one stage receives from one peer, in order, each received as it arrives.
 
-    The header receives of the whole schedule are posted up front. gloo moves a payload only
-    once its receive is posted, so a small thread waits on each header in turn and posts the
-    payload's receive the moment the header lands: the transfer then runs while the stage
-    computes, instead of starting when the stage next asks for it. The stage takes messages
-    in order and waits on each payload handle exactly once (waiting on a gloo receive twice
-    would wait for a second message).
+    Each :meth:`post` posts the receive of the next message's header (a stage posts those of
+    its whole program as it starts). gloo moves a payload only once its receive is posted, so a
+    small thread waits on each header in turn and posts the payload's receive the moment the
+    header lands: the transfer then runs while the stage computes, instead of starting when the
+    stage next asks for it. The stage takes messages in order and waits on each payload handle
+    exactly once (waiting on a gloo receive twice would wait for a second message).
 
     Args:
         peer: the sending rank.
-        count: messages the schedule receives from it.
+        count: messages whose receives are posted at once (more may be posted later).
         group: the process group (the default group when None).
         device: where the payloads are received.
     """
@@ -81,24 +82,40 @@ class Inbox:
         self.peer = peer
         self.group = group
         self.device = device
-        self.headers = [
-            torch.empty(HEADER_LEN, dtype=torch.int64, device=device) for _ in range(count)
-        ]
-        self.header_work = [irecv(header, peer, group, HEADER_TAG) for header in self.headers]
-        self.payloads: list[Tensor | None] = [None] * count
-        self.payload_work: list[dist.Work | None] = [None] * count
-        self.arrived = [threading.Event() for _ in range(count)]
+        self.headers: list[Tensor] = []
+        self.header_work: list[dist.Work] = []
+        self.payloads: list[Tensor | None] = []
+        self.payload_work: list[dist.Work | None] = []
+        self.arrived: list[threading.Event] = []
         self.error: BaseException | None = None
         self.taken = 0  # messages handed out so far
+        self._posted: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._thread = threading.Thread(
             target=self._post_payloads, name=f"interlace-inbox-{peer}", daemon=True
         )
         self._thread.start()
+        for _ in range(count):
+            self.post()
+
+    def post(self) -> int:
+        """Post the receive of the next message's header; the message's index."""
+        index = len(self.headers)
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        self.headers.append(header)
+        self.header_work.append(irecv(header, self.peer, self.group, HEADER_TAG))
+        self.payloads.append(None)
+        self.payload_work.append(None)
+        arrived = threading.Event()
+        self.arrived.append(arrived)
+        if self.error is not None:  # the thread has stopped: take() raises its error
+            arrived.set()
+        self._posted.put(index)
+        return index
 
     def _post_payloads(self) -> None:
         try:
-            for index, header_work in enumerate(self.header_work):
-                header_work.wait()
+            while (index := self._posted.get()) is not None:
+                self.header_work[index].wait()
                 header = self.headers[index].tolist()
                 dtype, ndim = DTYPES[header[0]], header[1]
                 payload = torch.empty(header[2 : 2 + ndim], dtype=dtype, device=self.device)
@@ -107,7 +124,7 @@ class Inbox:
                 self.arrived[index].set()
         except BaseException as error:  # handed to the stage, which raises it in take()
             self.error = error
-            for event in self.arrived:
+            for event in list(self.arrived):
                 event.set()
 
     def take(self, index: int) -> Tensor:
@@ -134,11 +151,12 @@ class Inbox:
         return payload
 
     def check_drained(self) -> None:
-        """Fail loudly if the schedule left a message untaken (its handle never waited on)."""
+        """Fail loudly if a posted message was left untaken (its handle never waited on)."""
         if self.taken != len(self.headers):
             raise RuntimeError(
                 f"{len(self.headers) - self.taken} messages from rank {self.peer} were not taken"
             )
+        self._posted.put(None)
         self._thread.join()
 
 

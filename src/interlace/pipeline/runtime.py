@@ -1,7 +1,7 @@
 """Executing a pipeline schedule on one rank: one stage, point-to-point messages, weight policies.
 
 A :class:`PipelineStage` holds one stage's module and optimizer and runs, in order, the actions
-that :mod:`interlace.pipeline.schedule` lists for it.
+of the program that its :class:`~interlace.pipeline.schedule.Schedule` lowers for it.
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ from interlace.pipeline.messages import Inbox, send_tensor
 from interlace.pipeline.predict import check_predictable, predicted_parameters
 from interlace.pipeline.schedule import (
     ASYNCHRONOUS,
-    SCHEDULES,
     Action,
     Op,
     Schedule,
     Weights,
-    build_schedule,
+    schedule_type,
 )
 from interlace.pipeline.stages import check_stages_agree
 from interlace.timeline import Event
@@ -85,7 +84,9 @@ class _Piece:
     """One piece of a batch between its forward and its backward on this stage."""
 
     input: Tensor | None = None
-    output: Tensor | None = None  # the graph's root, when the backward reuses the forward's graph
+    output: Tensor | None = None  # the graph's root, from a kept forward or a recomputation
+    outgoing: Tensor | None = None  # computed, to be sent by the next SEND action
+    grad: Tensor | None = None  # the output's gradient, received
     rng_state: Tensor | None = None
     target: Tensor | None = None
     scale: float = 1.0  # its share of the mini-batch's samples (scales the last stage's loss)
@@ -94,10 +95,12 @@ class _Piece:
 @dataclass
 class _InFlight:
     """What a stage keeps of one batch between its forward and its backward: its pieces (one,
-    or ``chunks`` for a streamed asynchronous mini-batch) and the weight copies they used."""
+    or ``chunks`` for a streamed asynchronous mini-batch) and the weight copies they use."""
 
     pieces: list[_Piece]
-    leaves: dict[str, Tensor] | None = None  # weight copies a kept graph was built over
+    leaves: dict[str, Tensor] | None = None  # weights a PREDICT or STASH made for the batch
+    graph_leaves: dict[str, Tensor] | None = None  # the weights the backward's graph is over
+    saved_buffers: list[Tensor] | None = None  # the buffers before a recomputation
 
 
 class PipelineStage:
@@ -111,13 +114,16 @@ class PipelineStage:
 
     Args:
         module: this stage's blocks.
-        optimizer: updates ``module``'s parameters; ``spectrain`` needs
-            :class:`torch.optim.SGD` with momentum (it predicts from the momentum buffer).
+        optimizer: updates ``module``'s parameters; a schedule that predicts weights
+            (``spectrain``) needs :class:`torch.optim.SGD` with momentum (it predicts from the
+            momentum buffer).
         stage: this rank's position among the stages, from 0.
         num_stages: stages in the pipeline.
-        schedule: one of :data:`~interlace.pipeline.schedule.SCHEDULES`. With ``gpipe`` and
-            ``1f1b`` each mini-batch is cut into ``microbatches`` micro-batches and the loss is
-            the mini-batch mean, so the update equals the unpipelined model's on that mini-batch.
+        schedule: a schedule's name (a key of
+            :data:`~interlace.pipeline.schedule.SCHEDULE_TYPES`) or its class. With a
+            synchronous one (``gpipe``, ``1f1b``) each mini-batch is cut into ``microbatches``
+            micro-batches and the loss is the mini-batch mean, so the update equals the
+            unpipelined model's on that mini-batch.
         loss_fn: the last stage's loss; it must average over its batch, as torch's losses do by
             default.
         microbatches: micro-batches per mini-batch of ``gpipe`` and ``1f1b``.
@@ -132,7 +138,8 @@ class PipelineStage:
             which with autograd means computing the stage again on the saved input) or
             ``"reuse"`` (the forward's prediction and graph: both aim at the same future version
             of the weights, and the forward is not run twice, for the memory of one graph per
-            batch in flight, as PipeDream's stashing needs).
+            batch in flight, as PipeDream's stashing needs). ``schedule="spectrain"`` with
+            ``"reuse"`` runs the ``spectrain-reuse`` schedule.
         chunks: pieces along the batch each mini-batch of an asynchronous schedule travels in,
             all with the mini-batch's weights and one update: a stage starts on the first piece
             while the others are in transit, so a round trip stops paying every link's full
@@ -147,7 +154,7 @@ class PipelineStage:
         *,
         stage: int,
         num_stages: int,
-        schedule: str,
+        schedule: str | type[Schedule],
         loss_fn: LossFn | None = None,
         microbatches: int = 4,
         ranks: Sequence[int] | None = None,
@@ -157,34 +164,35 @@ class PipelineStage:
         spectrain_backward: str = "recompute",
         chunks: int = 1,
     ) -> None:
-        if schedule not in SCHEDULES:
-            raise UsageError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if spectrain_backward not in SPECTRAIN_BACKWARDS:
+            raise UsageError(
+                f"spectrain_backward must be one of {', '.join(SPECTRAIN_BACKWARDS)}, "
+                f"got {spectrain_backward!r}"
+            )
+        kind = _schedule_kind(schedule, spectrain_backward)
         if not 0 <= stage < num_stages:
             raise UsageError(f"stage {stage} is out of range for {num_stages} stages")
         if microbatches < 1:
             raise UsageError(f"microbatches must be >= 1, got {microbatches}")
         if chunks < 1:
             raise UsageError(f"chunks must be >= 1, got {chunks}")
-        if chunks > 1 and schedule not in ASYNCHRONOUS:
+        if chunks > 1 and kind.synchronous:
             raise UsageError(
                 f"chunks applies to the asynchronous schedules ({', '.join(ASYNCHRONOUS)}); "
-                f"{schedule} cuts a mini-batch with microbatches="
+                f"{kind.name} cuts a mini-batch with microbatches="
             )
         if stage == num_stages - 1 and loss_fn is None:
             raise UsageError("the last pipeline stage needs a loss_fn")
-        if schedule == "spectrain":
+        if kind(num_stages, max(num_stages, microbatches)).predicts:
             check_predictable(optimizer)
-        if spectrain_backward not in SPECTRAIN_BACKWARDS:
-            raise UsageError(
-                f"spectrain_backward must be one of {', '.join(SPECTRAIN_BACKWARDS)}, "
-                f"got {spectrain_backward!r}"
-            )
         self.spectrain_backward = spectrain_backward
         self.module = module
         self.optimizer = optimizer
         self.stage = stage
         self.num_stages = num_stages
-        self.schedule_name = schedule
+        #: The schedule this stage runs: its class, built afresh for every call of :meth:`run`.
+        self.kind = kind
+        self.schedule_name = schedule if isinstance(schedule, str) else kind.name
         self.loss_fn = loss_fn
         self.microbatches = microbatches
         self.chunks = chunks
@@ -199,16 +207,17 @@ class PipelineStage:
         self._events: list[Event] = []
         self._sends: list[tuple[list[dist.Work], tuple[Tensor, ...]]] = []
         self._process = f"stage {stage}"
+        self._schedules: dict[int, Schedule] = {}  # by number of batches
         if num_stages > 1:
             check_stages_agree(
                 stage=stage,
                 num_stages=num_stages,
                 ranks=self.ranks,
                 group=group,
-                schedule=schedule,
+                schedule=kind.name,
+                synchronous=kind.synchronous,
                 microbatches=microbatches,
                 chunks=chunks,
-                spectrain_backward=spectrain_backward,
             )
 
     # ---------------------------------------------------------------------------------------
@@ -218,7 +227,7 @@ class PipelineStage:
     @property
     def asynchronous(self) -> bool:
         """True for the schedules that update after every backward (no flush)."""
-        return self.schedule_name in ASYNCHRONOUS
+        return not self.kind.synchronous
 
     def run(self, batches: Iterable[Batch] | None, num_batches: int) -> StepResult:
         """Train on ``num_batches`` mini-batches from ``batches``; every stage calls it together.
@@ -240,11 +249,11 @@ class PipelineStage:
         source = iter(batches) if batches is not None else None
         self.module.train()
         if self.asynchronous:
-            schedule = build_schedule(self.schedule_name, self.num_stages, num_batches)
+            schedule = self._schedule(num_batches)
             units = (self._next_batch(source) for _ in range(num_batches))
             self._execute(schedule, _unit_batches(units), result)
         else:
-            schedule = build_schedule(self.schedule_name, self.num_stages, self.microbatches)
+            schedule = self._schedule(self.microbatches)
             for _ in range(num_batches):
                 batch = self._next_batch(source)
                 self._execute(schedule, self._split(batch), result)
@@ -336,6 +345,12 @@ class PipelineStage:
     # executing a schedule
     # ---------------------------------------------------------------------------------------
 
+    def _schedule(self, num_batches: int) -> Schedule:
+        """The schedule over ``num_batches`` batches, built once (it keeps its programs)."""
+        if num_batches not in self._schedules:
+            self._schedules[num_batches] = self.kind(self.num_stages, num_batches)
+        return self._schedules[num_batches]
+
     def _next_batch(self, source: Iterator[Batch] | None) -> Batch | None:
         if source is None:
             return None
@@ -398,71 +413,103 @@ class PipelineStage:
         units: Sequence[tuple[Batch | None, float]] | Iterator[tuple[Batch | None, float]],
         result: StepResult,
     ) -> None:
-        actions = schedule.for_stage(self.stage)
-        n = schedule.num_batches * self._pieces_per_unit()
-        acts = self._inbox(self.stage - 1, n) if not self.is_first else None
-        grads = self._inbox(self.stage + 1, n) if not self.is_last else None
+        """Run this stage's program of ``schedule``, action by action."""
+        program = schedule.program(self.stage, self._pieces_per_unit())
+        keep = schedule.reuses_forward_graph(self.stage)
+        backward_ends = {
+            a.batch: position
+            for position, a in enumerate(program)
+            if a.op in (Op.RECOMPUTE, Op.RECV_GRAD, Op.BACKWARD, Op.SEND_GRAD)
+        }
+        inboxes: dict[Op, Inbox] = {}
+        posted: dict[tuple[Op, int, int], int] = {}  # (POST op, batch, piece) -> message index
         unit_iter = iter(units)
         flight: dict[int, _InFlight] = {}
-        for action in actions:
-            if action.op is Op.FORWARD:
-                batch, scale = next(unit_iter)
-                state = _InFlight(self._pieces(batch, scale))
-                if self.is_last:
-                    assert batch is not None
-                    result.samples += int(batch[1].shape[0])
-                flight[action.batch] = state
-                self._forward(action, state, result, acts)
-            elif action.op is Op.BACKWARD:
-                self._backward(action, flight.pop(action.batch), grads)
-            elif action.op is Op.UPDATE:
-                started = time.perf_counter()
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                result.updates += 1
-                if self.on_update is not None:
-                    self.on_update()
-                self._record("update", "optimizer", started, action.batch)
-        self._finish_sends()
-        for inbox in (acts, grads):
-            if inbox is not None:
-                inbox.check_drained()
+        for position, action in enumerate(program):
+            op = action.op
+            if op in (Op.POST_ACT, Op.POST_GRAD):
+                if op not in inboxes:
+                    peer = self.stage - 1 if op is Op.POST_ACT else self.stage + 1
+                    inboxes[op] = self._inbox(peer, 0)
+                posted[(op, action.batch, _piece(action))] = inboxes[op].post()
+            elif op is Op.UPDATE:
+                self._update(action, result)
+            elif op is Op.WAIT_SENDS:
+                self._finish_sends()
+            else:
+                state = flight.get(action.batch)
+                if state is None:
+                    state = flight[action.batch] = self._start(unit_iter, result)
+                self._run(action, state, keep, inboxes, posted, result)
+                if backward_ends.get(action.batch) == position:
+                    self._end_backward(flight.pop(action.batch))
+        for inbox in inboxes.values():
+            inbox.check_drained()
+
+    def _start(self, units: Iterator[tuple[Batch | None, float]], result: StepResult) -> _InFlight:
+        """The next unit's pieces, as its first forward-side action needs them."""
+        batch, scale = next(units)
+        if self.is_last:
+            assert batch is not None
+            result.samples += int(batch[1].shape[0])
+        return _InFlight(self._pieces(batch, scale))
+
+    def _run(
+        self,
+        action: Action,
+        state: _InFlight,
+        keep: bool,
+        inboxes: dict[Op, Inbox],
+        posted: dict[tuple[Op, int, int], int],
+        result: StepResult,
+    ) -> None:
+        """One action of a batch: make weights, receive, compute or send one piece."""
+        op = action.op
+        if op in (Op.PREDICT, Op.STASH):
+            state.leaves = self._weights(action)
+            return
+        piece = state.pieces[_piece(action)]
+        if op in (Op.RECV_ACT, Op.RECV_GRAD):
+            post = Op.POST_ACT if op is Op.RECV_ACT else Op.POST_GRAD
+            index = posted[(post, action.batch, _piece(action))]
+            tensor = self._take(
+                inboxes[post], index, action, "act" if post is Op.POST_ACT else "grad"
+            )
+            if op is Op.RECV_ACT:
+                piece.input = tensor
+            else:
+                piece.grad = tensor
+        elif op is Op.FORWARD:
+            self._forward(action, state, piece, keep, result)
+        elif op is Op.RECOMPUTE:
+            self._recompute(action, state, piece)
+        elif op is Op.BACKWARD:
+            self._backward(action, piece)
+        elif op in (Op.SEND_ACT, Op.SEND_GRAD):
+            assert piece.outgoing is not None
+            self._send(piece.outgoing, self.stage + (1 if op is Op.SEND_ACT else -1))
+            piece.outgoing = None
+        else:
+            raise ValueError(f"a pipeline stage cannot run {action}")
 
     def _pieces_per_unit(self) -> int:
         return self.chunks if self.asynchronous else 1
 
-    def _leaves(self, action: Action) -> dict[str, Tensor] | None:
-        """The weight tensors a computation uses in place of the parameters, or None for them.
+    def _weights(self, action: Action) -> dict[str, Tensor]:
+        """The weight tensors a PREDICT or STASH makes, used in place of the parameters.
 
-        A prediction is a new tensor; PipeDream's stash is a copy taken at the forward (only
-        where an update falls before the backward), which the kept graph then holds.
+        A prediction is a new tensor; a stash is a copy taken at the forward, which the kept
+        graph then holds.
         """
-        if action.weights is Weights.PREDICTED and action.ahead > 0:
+        if action.op is Op.PREDICT:
             predicted = predicted_parameters(
                 self.module.named_parameters(), self.optimizer, action.ahead
             )
             return {name: t.requires_grad_(True) for name, t in predicted.items()}
-        stash = self.schedule_name == "pipedream" and not self._reuses_graph_plainly()
-        if stash and action.op is Op.FORWARD:
-            return {
-                name: p.detach().clone().requires_grad_(True)
-                for name, p in self.module.named_parameters()
-            }
-        return None
-
-    def _reuses_graph_plainly(self) -> bool:
-        """True where no update falls between a batch's forward and backward on this stage."""
-        return not self.asynchronous or self.is_last
-
-    def _keeps_graph(self) -> bool:
-        """Whether the backward reuses the forward's graph (the same weights in both passes).
-
-        Otherwise (``naive`` and ``spectrain`` before the last stage) the forward runs without
-        a graph and the backward recomputes the stage with its own weights.
-        """
-        if self.schedule_name == "spectrain" and self.spectrain_backward == "reuse":
-            return True
-        return self._reuses_graph_plainly() or self.schedule_name == "pipedream"
+        return {
+            name: p.detach().clone().requires_grad_(True)
+            for name, p in self.module.named_parameters()
+        }
 
     def _call(self, leaves: dict[str, Tensor] | None, x: Tensor) -> Tensor:
         out = self.module(x) if leaves is None else functional_call(self.module, leaves, (x,))
@@ -473,88 +520,49 @@ class PipelineStage:
             )
         return out
 
-    def _take(self, inbox: Inbox, action: Action, piece: int, what: str) -> Tensor:
-        """Piece ``piece`` of ``action``'s batch from ``inbox``, the wait timed."""
+    def _take(self, inbox: Inbox, index: int, action: Action, what: str) -> Tensor:
+        """Message ``index`` from ``inbox``, the wait timed."""
         started = time.perf_counter()
-        tensor = inbox.take(action.batch * self._pieces_per_unit() + piece)
+        tensor = inbox.take(index)
         self._record(f"recv {what}", "comm", started, action.batch)
         return tensor
 
     def _forward(
-        self, action: Action, state: _InFlight, result: StepResult, acts: Inbox | None
+        self, action: Action, state: _InFlight, piece: _Piece, keep: bool, result: StepResult
     ) -> None:
-        keep = self._keeps_graph()
-        leaves = self._leaves(action)  # one set of weights for every piece of the batch
-        for index, piece in enumerate(state.pieces):
-            if acts is not None:
-                piece.input = self._take(acts, action, index, "act")
-            started = time.perf_counter()
-            assert piece.input is not None
-            x = piece.input
-            if keep and not self.is_first:
-                x.requires_grad_(True)
-            if not keep:
-                piece.rng_state = torch.get_rng_state()
-            with torch.set_grad_enabled(keep):
-                out = self._call(leaves, x)
-                if self.is_last:
-                    assert self.loss_fn is not None and piece.target is not None
-                    loss = self.loss_fn(out, piece.target)
-                    result.losses.append(float(loss.detach()))
-                    out = loss * piece.scale
-            if keep:
-                piece.output = out
-            self._record("forward", "forward", started, action.batch)
-            if not self.is_last:
-                self._send(out.detach(), self.stage + 1)
-        if keep:
-            state.leaves = leaves
-
-    def _backward(self, action: Action, state: _InFlight, grads: Inbox | None) -> None:
-        recompute = state.pieces[0].output is None
-        saved_buffers: list[Tensor] = []
-        leaves = state.leaves
-        if recompute:
-            saved_buffers = [b.detach().clone() for b in self.module.buffers()]
-            leaves = self._leaves(action)  # the backward's weights, shared by every piece
-        for index, piece in enumerate(state.pieces):
-            # Recompute before taking the gradient: the recomputation needs only the saved
-            # input, so it runs while the gradient may still be in transit.
-            out = piece.output
-            if recompute:
-                started = time.perf_counter()
-                out = self._recompute(piece, leaves)
-                self._record("recompute", "forward", started, action.batch)
-            assert out is not None
-            grad_out = None if grads is None else self._take(grads, action, index, "grad")
-            started = time.perf_counter()
+        """One piece's forward with the batch's weights; with a graph when ``keep``."""
+        started = time.perf_counter()
+        assert piece.input is not None
+        x = piece.input
+        if keep and not self.is_first:
+            x.requires_grad_(True)
+        if not keep:
+            piece.rng_state = torch.get_rng_state()
+        with torch.set_grad_enabled(keep):
+            out = self._call(state.leaves, x)
             if self.is_last:
-                out.backward()
-            else:
-                assert grad_out is not None
-                out.backward(grad_out)
-            self._record("backward", "backward", started, action.batch)
-            if not self.is_first:
-                assert piece.input is not None
-                grad_in = piece.input.grad
-                if grad_in is None:
-                    raise UsageError(
-                        f"pipeline stage {self.stage}'s output does not depend on its input; "
-                        "every stage after the first must use the activation it receives"
-                    )
-                self._send(grad_in, self.stage - 1)
-        if saved_buffers:
-            # The recomputation moved BatchNorm's running statistics a second time for this
-            # batch; put back the forward's. Only after backward: autograd saved them.
-            with torch.no_grad():
-                for buffer, saved in zip(self.module.buffers(), saved_buffers, strict=True):
-                    buffer.copy_(saved)
-        if leaves is not None:
-            self._accumulate(leaves)
+                assert self.loss_fn is not None and piece.target is not None
+                loss = self.loss_fn(out, piece.target)
+                result.losses.append(float(loss.detach()))
+                out = loss * piece.scale
+        if keep:
+            piece.output = out
+            state.graph_leaves = state.leaves
+        self._record("forward", "forward", started, action.batch)
+        if not self.is_last:
+            piece.outgoing = out.detach()
 
-    def _recompute(self, piece: _Piece, leaves: dict[str, Tensor] | None) -> Tensor:
-        """The stage's output on a piece's saved input with the backward's weights, with a
-        graph, drawing the forward's random numbers."""
+    def _recompute(self, action: Action, state: _InFlight, piece: _Piece) -> None:
+        """One piece's output again on its saved input with the backward's weights, with a
+        graph, drawing the forward's random numbers; ahead of its gradient, which may still be
+        in transit."""
+        if state.saved_buffers is None:
+            # The first piece: keep the forward's buffers (BatchNorm's running statistics),
+            # which the recomputation moves again, and take the backward's weights.
+            state.saved_buffers = [b.detach().clone() for b in self.module.buffers()]
+            made = action.predicted or action.weights is Weights.STASHED
+            state.graph_leaves = state.leaves if made else None
+        started = time.perf_counter()
         assert piece.input is not None
         x = piece.input
         if not self.is_first:
@@ -563,7 +571,54 @@ class PipelineStage:
             if piece.rng_state is not None:
                 torch.set_rng_state(piece.rng_state)
             with torch.enable_grad():
-                return self._call(leaves, x)
+                out = self._call(state.graph_leaves, x)
+                if self.is_last:  # the loss again, already counted by the forward
+                    assert self.loss_fn is not None and piece.target is not None
+                    out = self.loss_fn(out, piece.target) * piece.scale
+        piece.output = out
+        self._record("recompute", "forward", started, action.batch)
+
+    def _backward(self, action: Action, piece: _Piece) -> None:
+        """One piece's backward; the input's gradient is then ready to send back."""
+        out = piece.output
+        assert out is not None
+        started = time.perf_counter()
+        if self.is_last:
+            out.backward()
+        else:
+            assert piece.grad is not None
+            out.backward(piece.grad)
+        self._record("backward", "backward", started, action.batch)
+        piece.output = piece.grad = None
+        if not self.is_first:
+            assert piece.input is not None
+            grad_in = piece.input.grad
+            if grad_in is None:
+                raise UsageError(
+                    f"pipeline stage {self.stage}'s output does not depend on its input; "
+                    "every stage after the first must use the activation it receives"
+                )
+            piece.outgoing = grad_in
+
+    def _end_backward(self, state: _InFlight) -> None:
+        """After a batch's last backward action: the forward's buffers back, gradients summed."""
+        if state.saved_buffers:
+            # The recomputation moved BatchNorm's running statistics a second time for this
+            # batch; put back the forward's. Only after backward: autograd saved them.
+            with torch.no_grad():
+                for buffer, saved in zip(self.module.buffers(), state.saved_buffers, strict=True):
+                    buffer.copy_(saved)
+        if state.graph_leaves is not None:
+            self._accumulate(state.graph_leaves)
+
+    def _update(self, action: Action, result: StepResult) -> None:
+        started = time.perf_counter()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        result.updates += 1
+        if self.on_update is not None:
+            self.on_update()
+        self._record("update", "optimizer", started, action.batch)
 
     def _accumulate(self, leaves: dict[str, Tensor]) -> None:
         """Add the gradients that landed on weight copies to the real parameters' ``.grad``."""
@@ -604,3 +659,24 @@ def _unit_batches(
 ) -> Iterator[tuple[Batch | None, float]]:
     for batch in batches:
         yield batch, 1.0
+
+
+def _piece(action: Action) -> int:
+    """The piece a lowered program's message or computation carries."""
+    if action.piece is None:
+        raise ValueError(f"{action} names no piece: run a lowered program (Schedule.program)")
+    return action.piece
+
+
+def _schedule_kind(schedule: str | type[Schedule], spectrain_backward: str) -> type[Schedule]:
+    """The schedule class ``schedule`` names (SpecTrain's ``reuse`` backward is a schedule)."""
+    if isinstance(schedule, type) and issubclass(schedule, Schedule):
+        return schedule
+    if not isinstance(schedule, str):
+        raise UsageError(f"schedule must be a name or a Schedule class, got {schedule!r}")
+    if schedule == "spectrain" and spectrain_backward == "reuse":
+        schedule = "spectrain-reuse"
+    try:
+        return schedule_type(schedule)
+    except ValueError as error:
+        raise UsageError(str(error)) from None

@@ -1,7 +1,8 @@
-"""Pipeline schedules as pure, checkable lists of actions per stage and clock.
+"""Pipeline schedules: what every stage does at each clock tick, and the program it runs.
 
-For each stage and clock tick a schedule says what that stage does (receive, forward, send,
-backward, update); the runtime only executes it. Built without torch.
+A :class:`Schedule` lists each stage's actions (receive, forward, send, backward, update) and
+lowers them to the program a stage runs, message by message (:meth:`Schedule.program`): the
+runtime executes that program and the simulator prices it. Built without torch.
 """
 
 from __future__ import annotations
@@ -9,13 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-
-#: Names of the schedules, as ``interlace train --schedule`` takes them.
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "pipedream", "spectrain", "naive")
-#: The schedules that flush (update once per mini-batch after all its micro-batches).
-SYNCHRONOUS: tuple[str, ...] = ("gpipe", "1f1b")
-#: The asynchronous 1F1B schedules, by weight policy.
-ASYNCHRONOUS: tuple[str, ...] = ("naive", "pipedream", "spectrain")
+from typing import ClassVar
 
 
 def version_difference(stage: int, num_stages: int) -> tuple[int, int]:
@@ -44,7 +39,7 @@ def version_difference(stage: int, num_stages: int) -> tuple[int, int]:
 
 
 class Op(str, Enum):
-    """What a stage does in one action."""
+    """What a stage does in one action; the ops after ``UPDATE`` appear in lowered programs only."""
 
     RECV_ACT = "recv_act"
     FORWARD = "forward"
@@ -53,6 +48,17 @@ class Op(str, Enum):
     BACKWARD = "backward"
     SEND_GRAD = "send_grad"
     UPDATE = "update"
+    #: Post the receive of an activation (a gradient), to be taken later by its ``RECV_ACT``.
+    POST_ACT = "post_act"
+    POST_GRAD = "post_grad"
+    #: Make the predicted weights the batch's next computations use.
+    PREDICT = "predict"
+    #: Copy the weights at a batch's forward, for its backward.
+    STASH = "stash"
+    #: Compute the stage again on the saved input with the backward's weights, with a graph.
+    RECOMPUTE = "recompute"
+    #: Wait until every send started so far has completed.
+    WAIT_SENDS = "wait_sends"
 
 
 class Weights(str, Enum):
@@ -60,7 +66,8 @@ class Weights(str, Enum):
 
     #: The stage's parameters as they are now.
     CURRENT = "current"
-    #: A copy taken at this batch's forward, kept for its backward (PipeDream's stashing).
+    #: The weights this batch's forward computed with, kept for its backward (PipeDream's
+    #: stashing; a copy where an update falls in between).
     STASHED = "stashed"
     #: ``W - ahead * lr * v``, SpecTrain's prediction of the weights ``ahead`` updates later.
     PREDICTED = "predicted"
@@ -77,6 +84,8 @@ _TICK_ORDER = {
     Op.SEND_GRAD: 2,
     Op.UPDATE: 3,
 }
+#: Actions that say which weights they compute with (or make).
+_WITH_WEIGHTS = (Op.FORWARD, Op.BACKWARD, Op.RECOMPUTE, Op.PREDICT, Op.STASH)
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,7 @@ class Action:
     index in the stream (asynchronous ones). ``version`` is how many updates this stage's weights
     have had in this schedule before the action; ``weights`` and ``ahead`` say what a forward or
     backward computes with (``ahead`` is the number of updates predicted, 0 unless predicted).
+    In a lowered program, ``piece`` is the part of the batch a message or computation carries.
 
     Args:
         clock: the tick of the unit-time model.
@@ -96,6 +106,7 @@ class Action:
         version: updates this stage's weights have had in this schedule before the action.
         weights: which weights a forward or backward computes with.
         ahead: updates predicted ahead (0 unless predicted).
+        piece: the piece of the batch, in a lowered program (None in a schedule's actions).
     """
 
     clock: int
@@ -105,31 +116,136 @@ class Action:
     version: int = 0
     weights: Weights = Weights.CURRENT
     ahead: int = 0
+    piece: int | None = None
+
+    @property
+    def predicted(self) -> bool:
+        """True where the computation uses weights predicted at least one update ahead."""
+        return self.weights is Weights.PREDICTED and self.ahead > 0
 
     def __str__(self) -> str:
-        text = f"t{self.clock} s{self.stage} {self.op.value}({self.batch})"
-        if self.op in (Op.FORWARD, Op.BACKWARD):
+        if self.op is Op.WAIT_SENDS:
+            return f"t{self.clock} s{self.stage} {self.op.value}"
+        piece = "" if self.piece is None else f".{self.piece}"
+        text = f"t{self.clock} s{self.stage} {self.op.value}({self.batch}{piece})"
+        if self.op in _WITH_WEIGHTS:
             text += f" v{self.version} {self.weights.value}"
             if self.ahead:
                 text += f"+{self.ahead}"
         return text
 
 
-@dataclass(frozen=True)
-class Schedule:
-    """A named schedule: the actions of every stage, each stage's list in execution order.
+def same_weights(forward: Action, backward: Action) -> bool:
+    """Whether a batch's backward computes with the very weights its forward used.
+
+    True for stashed weights, and for the same weights (current, or predicted as far ahead) at
+    the same version, that is with no update in between.
 
     Args:
-        name: the schedule's name (one of SCHEDULES).
-        num_stages: stages in the pipeline.
+        forward: the batch's forward on a stage.
+        backward: its backward on the same stage.
+    """
+    if backward.weights is Weights.STASHED:
+        return True
+
+    def ahead(action: Action) -> int:
+        return action.ahead if action.weights is Weights.PREDICTED else 0
+
+    return forward.version == backward.version and ahead(forward) == ahead(backward)
+
+
+def reuses_forward_graph(actions: Sequence[Action]) -> bool:
+    """Whether a stage's backwards run on the graphs their forwards built.
+
+    The one rule the runtime and the simulator follow: true when every backward computes with
+    its forward's weights (:func:`same_weights`). Otherwise every forward runs without a graph
+    and each backward first computes the stage again with its own weights (``RECOMPUTE``), as
+    autograd cannot change the weights a kept graph used.
+
+    Args:
+        actions: one stage's actions, as :meth:`Schedule.for_stage` lists them.
+    """
+    forwards = {a.batch: a for a in actions if a.op is Op.FORWARD}
+    return all(same_weights(forwards[a.batch], a) for a in actions if a.op is Op.BACKWARD)
+
+
+def stashes_weights(actions: Sequence[Action]) -> bool:
+    """Whether a stage copies its weights at every forward that is not predicted.
+
+    True when a backward computes with its forward's weights (``STASHED``), those are the
+    parameters themselves (the forward is not predicted: a prediction is a new tensor already,
+    kept as it is) and an update falls between the two passes, so the parameters will have moved
+    by the backward.
+
+    Args:
+        actions: one stage's actions, as :meth:`Schedule.for_stage` lists them.
+    """
+    forwards = {a.batch: a for a in actions if a.op is Op.FORWARD}
+    updates_before = {}  # (op, batch) -> updates earlier in the stage's list
+    updates = 0
+    for action in actions:
+        updates += action.op is Op.UPDATE
+        updates_before[(action.op, action.batch)] = updates
+    return any(
+        updates_before[(Op.BACKWARD, a.batch)] > updates_before[(Op.FORWARD, a.batch)]
+        for a in actions
+        if a.op is Op.BACKWARD and a.weights is Weights.STASHED and not forwards[a.batch].predicted
+    )
+
+
+class Schedule:
+    """A pipeline schedule: every stage's actions on the unit-time clock, and its programs.
+
+    A schedule is a subclass that sets :attr:`name` and :attr:`synchronous` and says in which
+    order each stage runs its forwards and backwards (:meth:`orders`) and with which weights
+    (:meth:`weights_for`); clocks, messages, weight versions and updates follow from those. What
+    the runtime and the simulator use is :meth:`program` (a stage's lowered program, messages
+    and all), :meth:`reuses_forward_graph` and :attr:`synchronous`.
+
+    Args:
+        num_stages: stages in the pipeline (>= 1).
         num_batches: micro-batches per step (synchronous) or mini-batches in the stream.
-        stages: each stage's actions, in execution order.
     """
 
-    name: str
-    num_stages: int
-    num_batches: int
-    stages: tuple[tuple[Action, ...], ...]
+    #: The schedule's name (``interlace train --schedule``, the benchmark's contenders).
+    name: ClassVar[str] = ""
+    #: True: one update after all the micro-batches of a mini-batch (a flush), each mini-batch
+    #: run as a step of its own. False: an update after every backward, over one stream of
+    #: mini-batches, each of which may travel in chunks.
+    synchronous: ClassVar[bool] = True
+    #: What it is, in a few words (the benchmark's tables).
+    description: ClassVar[str] = ""
+
+    def __init__(self, num_stages: int, num_batches: int) -> None:
+        if num_stages < 1:
+            raise ValueError(f"a pipeline needs at least 1 stage, got {num_stages}")
+        if num_batches < 1:
+            raise ValueError(f"a schedule needs at least 1 batch, got {num_batches}")
+        self.num_stages = num_stages
+        self.num_batches = num_batches
+        self.stages: tuple[tuple[Action, ...], ...] = _expand(self)
+        self._programs: dict[tuple[int, int], tuple[Action, ...]] = {}
+
+    # ---------------------------------------------------------------------------------------
+    # what a schedule defines
+    # ---------------------------------------------------------------------------------------
+
+    def orders(self) -> list[list[tuple[Op, int]]]:
+        """Each stage's forwards and backwards, ``(Op.FORWARD or Op.BACKWARD, batch)``, in order."""
+        raise NotImplementedError(f"{type(self).__name__} does not say its orders")
+
+    def weights_for(self, op: Op, stage: int) -> tuple[Weights, int]:
+        """The weights a forward or backward on ``stage`` computes with, and ``ahead``.
+
+        Args:
+            op: ``Op.FORWARD`` or ``Op.BACKWARD``.
+            stage: the stage, from 0.
+        """
+        return Weights.CURRENT, 0
+
+    # ---------------------------------------------------------------------------------------
+    # what the runtime and the simulator use
+    # ---------------------------------------------------------------------------------------
 
     def for_stage(self, stage: int) -> tuple[Action, ...]:
         """The actions stage ``stage`` executes, in order.
@@ -141,10 +257,96 @@ class Schedule:
             raise ValueError(f"stage {stage} is out of range for {self.num_stages} stages")
         return self.stages[stage]
 
+    def reuses_forward_graph(self, stage: int) -> bool:
+        """Whether ``stage``'s backwards run on their forwards' graphs: the module's rule,
+        :func:`reuses_forward_graph`, on the stage's actions.
+
+        Args:
+            stage: the stage, from 0.
+        """
+        return reuses_forward_graph(self.for_stage(stage))
+
     @property
-    def synchronous(self) -> bool:
-        """True for a schedule that flushes and updates once at the end."""
-        return self.name in SYNCHRONOUS
+    def predicts(self) -> bool:
+        """True when some computation uses predicted weights (the optimizer must allow it)."""
+        return any(a.weights is Weights.PREDICTED for actions in self.stages for a in actions)
+
+    def program(self, stage: int, pieces: int = 1) -> tuple[Action, ...]:
+        """What stage ``stage`` runs, message by message, each batch in ``pieces`` pieces.
+
+        First the receive of every message the stage will take is posted, in the order its
+        neighbour sends them. Then, per forward: the weights it computes with are made (a
+        prediction, or a copy where :func:`stashes_weights`), and each piece is received,
+        computed and sent on. Per backward: a stage that does not reuse the forward's graph
+        makes the backward's weights, and each piece is computed again, its gradient received,
+        the backward run and the input's gradient sent back. Updates stay where the schedule
+        has them, and the program ends waiting on its sends.
+
+        Args:
+            stage: the stage, from 0.
+            pieces: pieces each batch travels in (>= 1).
+
+        Raises :class:`ValueError` when a stage would take messages in another order than its
+        neighbour sends them.
+        """
+        if pieces < 1:
+            raise ValueError(f"pieces must be >= 1, got {pieces}")
+        key = (stage, pieces)
+        if key not in self._programs:
+            self._programs[key] = self._lower(stage, pieces)
+        return self._programs[key]
+
+    def _lower(self, stage: int, pieces: int) -> tuple[Action, ...]:
+        actions = self.for_stage(stage)
+        keep = reuses_forward_graph(actions)
+        stash = stashes_weights(actions)
+        lowered: list[Action] = []
+        for recv, send, post, peer in (
+            (Op.RECV_ACT, Op.SEND_ACT, Op.POST_ACT, stage - 1),
+            (Op.RECV_GRAD, Op.SEND_GRAD, Op.POST_GRAD, stage + 1),
+        ):
+            taken = [a.batch for a in actions if a.op is recv]
+            if not 0 <= peer < self.num_stages:
+                continue
+            sent = [a.batch for a in self.stages[peer] if a.op is send]
+            if taken != sent:
+                raise ValueError(
+                    f"{self.name}: stage {stage} takes batches {taken} in another order than "
+                    f"stage {peer} sends them, {sent}"
+                )
+            lowered += [Action(0, stage, post, b, piece=p) for b in sent for p in range(pieces)]
+        messages = {(a.op, a.batch, a.clock) for a in actions}
+        for action in actions:
+            if action.op is Op.UPDATE:
+                lowered.append(action)
+            if action.op not in (Op.FORWARD, Op.BACKWARD):
+                continue
+            forward = action.op is Op.FORWARD
+            recv, send = (Op.RECV_ACT, Op.SEND_ACT) if forward else (Op.RECV_GRAD, Op.SEND_GRAD)
+            receives = (recv, action.batch, action.clock) in messages
+            sends = (send, action.batch, action.clock) in messages
+            clock, batch = action.clock, action.batch
+            computed = (action.version, action.weights, action.ahead)
+            if action.predicted and (forward or not keep):
+                lowered.append(Action(clock, stage, Op.PREDICT, batch, *computed))
+            elif stash and forward and not action.predicted:
+                lowered.append(
+                    Action(clock, stage, Op.STASH, batch, action.version, Weights.STASHED)
+                )
+            for piece in range(pieces):
+                if not forward and not keep:
+                    lowered.append(Action(clock, stage, Op.RECOMPUTE, batch, *computed, piece))
+                if receives:
+                    lowered.append(Action(clock, stage, recv, batch, piece=piece))
+                lowered.append(Action(clock, stage, action.op, batch, *computed, piece))
+                if sends:
+                    lowered.append(Action(clock, stage, send, batch, piece=piece))
+        lowered.append(Action(actions[-1].clock, stage, Op.WAIT_SENDS, actions[-1].batch))
+        return tuple(lowered)
+
+    # ---------------------------------------------------------------------------------------
+    # the unit-time picture
+    # ---------------------------------------------------------------------------------------
 
     @property
     def num_clocks(self) -> int:
@@ -179,31 +381,24 @@ class Schedule:
         return "\n".join(rows)
 
 
-def _check_sizes(num_stages: int, num_batches: int) -> None:
-    if num_stages < 1:
-        raise ValueError(f"a pipeline needs at least 1 stage, got {num_stages}")
-    if num_batches < 1:
-        raise ValueError(f"a schedule needs at least 1 batch, got {num_batches}")
-
-
-def _gpipe_order(num_stages: int, num_batches: int) -> list[list[tuple[Op, int]]]:
-    order: list[tuple[Op, int]] = [(Op.FORWARD, b) for b in range(num_batches)]
-    order += [(Op.BACKWARD, b) for b in range(num_batches)]
-    return [list(order) for _ in range(num_stages)]
-
-
-def _one_f_one_b_order(num_stages: int, num_batches: int) -> list[list[tuple[Op, int]]]:
-    """Stage k: ``N - k`` forwards in flight, then alternate one backward, one forward."""
-    orders = []
-    for stage in range(num_stages):
-        warmup = min(num_stages - stage, num_batches)
-        order: list[tuple[Op, int]] = [(Op.FORWARD, b) for b in range(warmup)]
-        for b in range(num_batches):
-            order.append((Op.BACKWARD, b))
-            if warmup + b < num_batches:
-                order.append((Op.FORWARD, warmup + b))
-        orders.append(order)
-    return orders
+def _check_orders(schedule: Schedule, orders: Sequence[Sequence[tuple[Op, int]]]) -> None:
+    """Every stage runs each batch's forward once, then its backward once."""
+    if len(orders) != schedule.num_stages:
+        raise ValueError(
+            f"{schedule.name}: orders for {len(orders)} stages, expected {schedule.num_stages}"
+        )
+    expected = sorted(
+        (op, b) for op in (Op.FORWARD, Op.BACKWARD) for b in range(schedule.num_batches)
+    )
+    for stage, order in enumerate(orders):
+        where = {step: i for i, step in enumerate(order)}
+        if sorted(order) != expected or any(
+            where[(Op.BACKWARD, b)] < where[(Op.FORWARD, b)] for b in range(schedule.num_batches)
+        ):
+            raise ValueError(
+                f"{schedule.name}: stage {stage} must run every batch's forward once, then its "
+                "backward once"
+            )
 
 
 def _clocks(
@@ -238,28 +433,22 @@ def _clocks(
     return done
 
 
-def _expand(
-    name: str,
-    num_stages: int,
-    num_batches: int,
-    orders: Sequence[Sequence[tuple[Op, int]]],
-) -> Schedule:
-    """Turn per-stage compute orders into full action lists with clocks, versions and weights."""
+def _expand(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
+    """A schedule's per-stage orders as full action lists with clocks, versions and weights."""
+    orders = schedule.orders()
+    _check_orders(schedule, orders)
+    num_stages = schedule.num_stages
     clocks = _clocks(num_stages, orders)
-    asynchronous = name in ASYNCHRONOUS
     stages = []
     for stage, order in enumerate(orders):
         actions: list[Action] = []
         updates = 0
         forward_version: dict[int, int] = {}
-        s_fwd, s_bwd = version_difference(stage, num_stages)
+        last = stage == num_stages - 1
         for op, batch in order:
             clock = clocks[stage][(op, batch)]
-            last = stage == num_stages - 1
+            weights, ahead = schedule.weights_for(op, stage)
             if op is Op.FORWARD:
-                weights, ahead = Weights.CURRENT, 0
-                if name == "spectrain":
-                    weights, ahead = Weights.PREDICTED, s_fwd
                 forward_version[batch] = updates
                 if stage > 0:
                     actions.append(Action(clock, stage, Op.RECV_ACT, batch))
@@ -267,58 +456,201 @@ def _expand(
                 if not last:
                     actions.append(Action(clock, stage, Op.SEND_ACT, batch))
                 continue
-            weights, ahead = Weights.CURRENT, 0
-            if name == "pipedream":
-                weights = Weights.STASHED
-            elif name == "spectrain":
-                weights, ahead = Weights.PREDICTED, s_bwd
             version = forward_version[batch] if weights is Weights.STASHED else updates
             if not last:
                 actions.append(Action(clock, stage, Op.RECV_GRAD, batch))
             actions.append(Action(clock, stage, op, batch, version, weights, ahead))
             if stage > 0:
                 actions.append(Action(clock, stage, Op.SEND_GRAD, batch))
-            if asynchronous:
+            if not schedule.synchronous:
                 actions.append(Action(clock, stage, Op.UPDATE, batch, updates))
                 updates += 1
-        if not asynchronous:
-            actions.append(Action(actions[-1].clock, stage, Op.UPDATE, num_batches - 1))
+        if schedule.synchronous:
+            actions.append(Action(actions[-1].clock, stage, Op.UPDATE, schedule.num_batches - 1))
         actions.sort(key=lambda a: (a.clock, _TICK_ORDER[a.op]))
         stages.append(tuple(actions))
-    return Schedule(name, num_stages, num_batches, tuple(stages))
+    return tuple(stages)
 
 
-def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+def _gpipe_order(num_stages: int, num_batches: int) -> list[list[tuple[Op, int]]]:
+    order: list[tuple[Op, int]] = [(Op.FORWARD, b) for b in range(num_batches)]
+    order += [(Op.BACKWARD, b) for b in range(num_batches)]
+    return [list(order) for _ in range(num_stages)]
+
+
+def _one_f_one_b_order(num_stages: int, num_batches: int) -> list[list[tuple[Op, int]]]:
+    """Stage k: ``N - k`` forwards in flight, then alternate one backward, one forward."""
+    orders = []
+    for stage in range(num_stages):
+        warmup = min(num_stages - stage, num_batches)
+        order: list[tuple[Op, int]] = [(Op.FORWARD, b) for b in range(warmup)]
+        for b in range(num_batches):
+            order.append((Op.BACKWARD, b))
+            if warmup + b < num_batches:
+                order.append((Op.FORWARD, warmup + b))
+        orders.append(order)
+    return orders
+
+
+class GPipe(Schedule):
     """GPipe: every micro-batch's forward, then every backward, then one update (a flush).
 
     Args:
         num_stages: stages in the pipeline (>= 1).
-        num_microbatches: micro-batches per mini-batch (>= 1).
+        num_batches: micro-batches per mini-batch (>= 1).
     """
-    _check_sizes(num_stages, num_microbatches)
-    return _expand(
-        "gpipe", num_stages, num_microbatches, _gpipe_order(num_stages, num_microbatches)
-    )
+
+    name = "gpipe"
+    description = "flush"
+
+    def orders(self) -> list[list[tuple[Op, int]]]:
+        return _gpipe_order(self.num_stages, self.num_batches)
 
 
-def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+class OneFOneB(Schedule):
     """Synchronous 1F1B (PipeDream-flush): 1F1B order within the step, one update at the end.
+
+    Args:
+        num_stages: stages in the pipeline (>= 1).
+        num_batches: micro-batches per mini-batch (>= 1).
+    """
+
+    name = "1f1b"
+    description = "flush"
+
+    def orders(self) -> list[list[tuple[Op, int]]]:
+        return _one_f_one_b_order(self.num_stages, self.num_batches)
+
+
+class AsyncOneFOneB(Schedule):
+    """Asynchronous 1F1B over a stream of mini-batches, an update after every backward.
+
+    The stream fills the pipeline once at its start and drains it once at its end, so a long
+    stream (an epoch) is nearly bubble-free. Each policy is a subclass that picks the weights.
+
+    Args:
+        num_stages: stages in the pipeline (>= 1).
+        num_batches: mini-batches in the stream (>= 1).
+    """
+
+    synchronous = False
+
+    def orders(self) -> list[list[tuple[Op, int]]]:
+        return _one_f_one_b_order(self.num_stages, self.num_batches)
+
+
+class Naive(AsyncOneFOneB):
+    """Asynchronous 1F1B on the latest weights in both passes.
+
+    Args:
+        num_stages: stages in the pipeline (>= 1).
+        num_batches: mini-batches in the stream (>= 1).
+    """
+
+    name = "naive"
+    description = "async 1F1B, latest weights"
+
+
+class PipeDream(AsyncOneFOneB):
+    """Asynchronous 1F1B whose backward uses the weights its forward used (stashed).
+
+    Args:
+        num_stages: stages in the pipeline (>= 1).
+        num_batches: mini-batches in the stream (>= 1).
+    """
+
+    name = "pipedream"
+    description = "async 1F1B, stashed"
+
+    def weights_for(self, op: Op, stage: int) -> tuple[Weights, int]:
+        return (Weights.STASHED, 0) if op is Op.BACKWARD else (Weights.CURRENT, 0)
+
+
+class SpecTrain(AsyncOneFOneB):
+    """Asynchronous 1F1B on weights predicted ahead by :func:`version_difference` (the paper's
+    backward: predicted from the weights at backward time).
+
+    Args:
+        num_stages: stages in the pipeline (>= 1).
+        num_batches: mini-batches in the stream (>= 1).
+    """
+
+    name = "spectrain"
+    description = "async 1F1B, predicted"
+
+    def weights_for(self, op: Op, stage: int) -> tuple[Weights, int]:
+        s_fwd, s_bwd = version_difference(stage, self.num_stages)
+        return Weights.PREDICTED, s_fwd if op is Op.FORWARD else s_bwd
+
+
+class SpecTrainReuse(SpecTrain):
+    """SpecTrain whose backward reuses the forward's prediction (and graph): both aim at the same
+    future version of the weights, and the forward is not computed twice.
+
+    Args:
+        num_stages: stages in the pipeline (>= 1).
+        num_batches: mini-batches in the stream (>= 1).
+    """
+
+    name = "spectrain-reuse"
+    description = "async 1F1B, predicted, forward's reused"
+
+    def weights_for(self, op: Op, stage: int) -> tuple[Weights, int]:
+        if op is Op.BACKWARD:
+            return Weights.STASHED, 0
+        return super().weights_for(op, stage)
+
+
+#: Every schedule by name, in the order the benchmark's tables list them.
+SCHEDULE_TYPES: dict[str, type[Schedule]] = {
+    kind.name: kind for kind in (GPipe, OneFOneB, Naive, PipeDream, SpecTrain, SpecTrainReuse)
+}
+#: Names of the schedules, as ``interlace train --schedule`` takes them (SpecTrain's reuse is
+#: its ``--spectrain-backward``).
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "pipedream", "spectrain", "naive")
+#: The schedules that flush (update once per mini-batch after all its micro-batches).
+SYNCHRONOUS: tuple[str, ...] = tuple(
+    n for n, kind in SCHEDULE_TYPES.items() if n in SCHEDULES and kind.synchronous
+)
+#: The asynchronous 1F1B schedules, by weight policy.
+ASYNCHRONOUS: tuple[str, ...] = tuple(
+    n for n, kind in SCHEDULE_TYPES.items() if n in SCHEDULES and not kind.synchronous
+)
+
+
+def schedule_type(name: str) -> type[Schedule]:
+    """The schedule called ``name`` (a key of :data:`SCHEDULE_TYPES`).
+
+    Args:
+        name: the schedule's name.
+    """
+    if name not in SCHEDULE_TYPES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_TYPES)}")
+    return SCHEDULE_TYPES[name]
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+    """GPipe over ``num_microbatches`` micro-batches (:class:`GPipe`).
 
     Args:
         num_stages: stages in the pipeline (>= 1).
         num_microbatches: micro-batches per mini-batch (>= 1).
     """
-    _check_sizes(num_stages, num_microbatches)
-    orders = _one_f_one_b_order(num_stages, num_microbatches)
-    return _expand("1f1b", num_stages, num_microbatches, orders)
+    return GPipe(num_stages, num_microbatches)
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+    """Synchronous 1F1B over ``num_microbatches`` micro-batches (:class:`OneFOneB`).
+
+    Args:
+        num_stages: stages in the pipeline (>= 1).
+        num_microbatches: micro-batches per mini-batch (>= 1).
+    """
+    return OneFOneB(num_stages, num_microbatches)
 
 
 def async_one_f_one_b(num_stages: int, num_batches: int, policy: str) -> Schedule:
-    """Asynchronous 1F1B over ``num_batches`` mini-batches, an update after every backward.
-
-    ``policy`` is ``"naive"``, ``"pipedream"`` or ``"spectrain"``: which weights each pass uses.
-    The stream fills the pipeline once at its start and drains it once at its end, so a long
-    stream (an epoch) is nearly bubble-free.
+    """Asynchronous 1F1B over ``num_batches`` mini-batches with a weight policy.
 
     Args:
         num_stages: stages in the pipeline (>= 1).
@@ -327,26 +659,19 @@ def async_one_f_one_b(num_stages: int, num_batches: int, policy: str) -> Schedul
     """
     if policy not in ASYNCHRONOUS:
         raise ValueError(f"policy must be one of {', '.join(ASYNCHRONOUS)}, got {policy!r}")
-    _check_sizes(num_stages, num_batches)
-    return _expand(policy, num_stages, num_batches, _one_f_one_b_order(num_stages, num_batches))
+    return SCHEDULE_TYPES[policy](num_stages, num_batches)
 
 
 def build_schedule(name: str, num_stages: int, num_batches: int) -> Schedule:
-    """The schedule called ``name`` (one of :data:`SCHEDULES`).
+    """The schedule called ``name`` over ``num_stages`` stages and ``num_batches`` batches.
 
-    For ``gpipe`` and ``1f1b`` ``num_batches`` is the number of micro-batches in one step; for
-    the asynchronous schedules it is the number of mini-batches in the stream.
+    For the synchronous schedules ``num_batches`` is the number of micro-batches in one step;
+    for the asynchronous ones it is the number of mini-batches in the stream.
 
     Args:
-        name: one of SCHEDULES.
+        name: a key of :data:`SCHEDULE_TYPES`.
         num_stages: stages in the pipeline (>= 1).
-        num_batches: micro-batches in one step (gpipe, 1f1b) or mini-batches in the stream
-            (asynchronous schedules).
+        num_batches: micro-batches in one step (synchronous schedules) or mini-batches in the
+            stream (asynchronous ones).
     """
-    if name == "gpipe":
-        return gpipe(num_stages, num_batches)
-    if name == "1f1b":
-        return one_f_one_b(num_stages, num_batches)
-    if name in ASYNCHRONOUS:
-        return async_one_f_one_b(num_stages, num_batches, name)
-    raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    return schedule_type(name)(num_stages, num_batches)

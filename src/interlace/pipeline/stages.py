@@ -18,7 +18,6 @@ from interlace.pipeline.partition import (
     plan_stages,
     stage_module,
 )
-from interlace.pipeline.schedule import ASYNCHRONOUS
 
 
 @dataclass(frozen=True)
@@ -95,9 +94,9 @@ def check_stages_agree(
     ranks: Sequence[int],
     group: dist.ProcessGroup | None,
     schedule: str,
+    synchronous: bool,
     microbatches: int,
     chunks: int,
-    spectrain_backward: str,
 ) -> None:
     """Compare, across the stages, what decides the messages they exchange; collective.
 
@@ -110,10 +109,10 @@ def check_stages_agree(
         num_stages: stages in the pipeline.
         ranks: the global rank of each stage.
         group: the process group the stages talk over (None: the default group).
-        schedule: the schedule's name.
+        schedule: the schedule's name (SpecTrain's backward rule is part of it).
+        synchronous: whether the schedule flushes (it then cuts micro-batches, else chunks).
         microbatches: micro-batches per mini-batch (synchronous schedules).
         chunks: pieces per mini-batch (asynchronous schedules).
-        spectrain_backward: SpecTrain's backward rule.
 
     Raises:
         UsageError: naming the setting and the ranks that disagree, or the stage or group
@@ -139,12 +138,10 @@ def check_stages_agree(
     }
     # Compared only where they count: a synchronous schedule takes no chunks, an asynchronous
     # one no micro-batches.
-    if schedule in ASYNCHRONOUS:
-        settings["chunks"] = chunks
-    else:
+    if synchronous:
         settings["microbatches"] = microbatches
-    if schedule == "spectrain":
-        settings["spectrain_backward"] = spectrain_backward
+    else:
+        settings["chunks"] = chunks
     check_agreement("PipelineStage", settings, process_group=group)
     rank = dist.get_rank()
     if ranks[stage] != rank:

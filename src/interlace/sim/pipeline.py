@@ -1,7 +1,7 @@
-"""Pipeline schedules predicted in time: interlace's GPipe, 1F1B and asynchronous 1F1B
-(naive, PipeDream, SpecTrain) and torch's ``ScheduleGPipe`` and ``Schedule1F1B``, each stage's
-actions replayed against the messages that cross the stage boundaries
-(:mod:`interlace.sim.pipeline_events`), as ``interlace bench pipeline`` runs and times them.
+"""Pipeline schedules predicted in time: interlace's schedules, each stage's lowered program
+(:meth:`interlace.pipeline.schedule.Schedule.program`, what the runtime runs) priced, and torch's
+``ScheduleGPipe`` and ``Schedule1F1B``, replayed against the messages that cross the stage
+boundaries (:mod:`interlace.sim.pipeline_events`), as ``interlace bench pipeline`` times them.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from interlace.comm.cost import CostModel
 from interlace.errors import UsageError
 from interlace.pipeline.balance import balance_stages
-from interlace.pipeline.schedule import ASYNCHRONOUS, Op, Weights, build_schedule
+from interlace.pipeline.schedule import SCHEDULE_TYPES, Action, Op, Schedule
 from interlace.sim.pipeline_events import (
     Compute,
+    Instruction,
     Message,
     Post,
     Replay,
@@ -24,18 +25,10 @@ from interlace.sim.pipeline_events import (
     Wait,
     replay_programs,
 )
-from interlace.sim.pipeline_events import Op as ProgramOp
 from interlace.sim.trace import Trace
 
 #: interlace's schedules, then torch's, as ``interlace bench pipeline`` names its contenders.
-INTERLACE_PIPELINE_SCHEDULES: tuple[str, ...] = (
-    "gpipe",
-    "1f1b",
-    "naive",
-    "pipedream",
-    "spectrain",
-    "spectrain-reuse",
-)
+INTERLACE_PIPELINE_SCHEDULES: tuple[str, ...] = tuple(SCHEDULE_TYPES)
 TORCH_PIPELINE_SCHEDULES: tuple[str, ...] = ("torch-gpipe", "torch-1f1b")
 PIPELINE_SCHEDULES: tuple[str, ...] = (*INTERLACE_PIPELINE_SCHEDULES, *TORCH_PIPELINE_SCHEDULES)
 #: The per-rank batch a trace's times stand for when it records none (as the emulated
@@ -237,7 +230,7 @@ class _Builder:
         self.pieces = pieces
         self.first = stage == 0
         self.last = stage == len(stages) - 1
-        self.ops: list[ProgramOp] = []
+        self.ops: list[Instruction] = []
 
     def act(self, step: int, unit: int, piece: int, into: int) -> Message:
         """The activation of ``(step, unit, piece)`` that stage ``into`` receives."""
@@ -282,72 +275,67 @@ class _Builder:
 
 
 def _interlace_program(
-    stages: Sequence[StageCost], stage: int, name: str, microbatches: int, block: int
-) -> list[ProgramOp]:
-    """What :class:`interlace.pipeline.runtime.PipelineStage` does on ``stage`` for one block.
+    stages: Sequence[StageCost], stage: int, kind: type[Schedule], microbatches: int, block: int
+) -> list[Instruction]:
+    """What :class:`interlace.pipeline.runtime.PipelineStage` runs on ``stage`` for one block:
+    the schedule's lowered program (:meth:`~interlace.pipeline.schedule.Schedule.program`),
+    priced action by action.
 
-    Synchronous schedules run one step per mini-batch (micro-batches, an update, every send
-    waited on); the asynchronous ones stream the block once, each mini-batch in
-    ``microbatches`` chunks. Each tensor is a header and a payload; every header's receive
-    of a step is posted at its start and each payload's as its header lands (the ``Inbox``).
+    A synchronous schedule runs one step per mini-batch, of ``microbatches`` micro-batches; an
+    asynchronous one streams the block once, each mini-batch in ``microbatches`` chunks. Each
+    tensor is a header and a payload whose receive is posted as its header lands (the
+    ``Inbox``).
     """
-    policy = name.removesuffix("-reuse")
-    reuse = name.endswith("-reuse")
-    asynchronous = policy in ASYNCHRONOUS
     num_stages = len(stages)
-    if asynchronous:
-        steps = [build_schedule(policy, num_stages, block)]
+    if kind.synchronous:
+        steps, pieces = [kind(num_stages, microbatches)] * block, 1
     else:
-        steps = [build_schedule(policy, num_stages, microbatches)] * block
+        steps, pieces = [kind(num_stages, block)], microbatches
     b = _Builder(stages, stage, microbatches)
-    last = b.last
-    # PipelineStage._keeps_graph: otherwise the backward computes the stage again first.
-    keeps = reuse or not asynchronous or last or policy == "pipedream"
-    pieces = microbatches if asynchronous else 1
+    host = b.cost.host
     for step, schedule in enumerate(steps):
-        # The Inboxes post every header's receive as the step starts.
-        for unit in range(schedule.num_batches):
-            for piece in range(pieces):
-                if not b.first:
-                    b.ops.append(Post(b.headed(b.act(step, unit, piece, stage))[0]))
-                if not last:
-                    b.ops.append(Post(b.headed(b.grad(step, unit, piece, stage))[0]))
         sends: list[Message] = []
-        for action in schedule.for_stage(stage):
-            predicted = action.weights is Weights.PREDICTED and action.ahead > 0
-            if action.op is Op.FORWARD:
-                if predicted:
-                    b.host(b.cost.host.predict_s, "predict")
-                elif policy == "pipedream" and asynchronous and not last:
-                    b.host(b.cost.host.copy_s, "stash")
-                for piece in range(pieces):
-                    if not b.first:
-                        incoming = b.headed(b.act(step, action.batch, piece, stage))[1]
-                        b.ops.append(Wait((incoming,)))
-                    b.forward()
-                    if not last:
-                        sends += b.send_headed(b.act(step, action.batch, piece, stage + 1))
-            elif action.op is Op.BACKWARD:
-                if not keeps and predicted:
-                    b.host(b.cost.host.predict_s, "predict")
-                for piece in range(pieces):
-                    if not keeps:
-                        b.forward("recompute")
-                    if not last:
-                        incoming = b.headed(b.grad(step, action.batch, piece, stage))[1]
-                        b.ops.append(Wait((incoming,)))
-                    b.backward()
-                    if not b.first:
-                        sends += b.send_headed(b.grad(step, action.batch, piece, stage - 1))
-            elif action.op is Op.UPDATE:
-                b.host(b.cost.host.update_s, "update")
-        b.ops.append(Wait(tuple(sends)))
+        for action in schedule.program(stage, pieces):
+            op = action.op
+            if op in (Op.POST_ACT, Op.RECV_ACT, Op.POST_GRAD, Op.RECV_GRAD):
+                kind_of = b.act if op in (Op.POST_ACT, Op.RECV_ACT) else b.grad
+                header, payload = b.headed(kind_of(step, action.batch, _piece(action), stage))
+                posting = op in (Op.POST_ACT, Op.POST_GRAD)
+                b.ops.append(Post(header) if posting else Wait((payload,)))
+            elif op is Op.SEND_ACT:
+                sends += b.send_headed(b.act(step, action.batch, _piece(action), stage + 1))
+            elif op is Op.SEND_GRAD:
+                sends += b.send_headed(b.grad(step, action.batch, _piece(action), stage - 1))
+            elif op is Op.WAIT_SENDS:
+                b.ops.append(Wait(tuple(sends)))
+                sends = []
+            elif op is Op.FORWARD:
+                b.forward()
+            elif op is Op.RECOMPUTE:
+                b.forward("recompute")
+            elif op is Op.BACKWARD:
+                b.backward()
+            elif op is Op.PREDICT:
+                b.host(host.predict_s, "predict")
+            elif op is Op.STASH:
+                b.host(host.copy_s, "stash")
+            elif op is Op.UPDATE:
+                b.host(host.update_s, "update")
+            else:
+                raise ValueError(f"the simulator cannot price {action}")
     return b.ops
+
+
+def _piece(action: Action) -> int:
+    """The piece a lowered program's message carries."""
+    if action.piece is None:
+        raise ValueError(f"{action} names no piece: price a lowered program (Schedule.program)")
+    return action.piece
 
 
 def _torch_gpipe_program(
     stages: Sequence[StageCost], stage: int, microbatches: int, block: int
-) -> list[ProgramOp]:
+) -> list[Instruction]:
     """``ScheduleGPipe.step`` then ``optimizer.step()`` per mini-batch: each receive posted and
     waited on just before its computation, the forward sends waited on before the backwards
     and the backward sends at the end, then the gradients divided by the micro-batch count."""
@@ -381,7 +369,7 @@ def _torch_gpipe_program(
 
 def _torch_1f1b_program(
     stages: Sequence[StageCost], stage: int, microbatches: int, block: int
-) -> list[ProgramOp]:
+) -> list[Instruction]:
     """``Schedule1F1B.step`` then ``optimizer.step()`` per mini-batch, as torch runs it: a
     warm-up forward's send waits for the one before; the last warm-up send goes out with the
     first backward's receive, and each backward's send with the next forward's receive, each
@@ -452,18 +440,23 @@ def _torch_1f1b_program(
 
 
 def stage_programs(
-    stages: Sequence[StageCost], schedule: str, *, microbatches: int, block: int
-) -> list[list[ProgramOp]]:
+    stages: Sequence[StageCost],
+    schedule: str | type[Schedule],
+    *,
+    microbatches: int,
+    block: int,
+) -> list[list[Instruction]]:
     """Every stage's operations for one timed block of ``block`` mini-batches.
 
     Args:
         stages: Each stage's costs.
-        schedule: One of :data:`PIPELINE_SCHEDULES`.
+        schedule: One of :data:`PIPELINE_SCHEDULES`, or a schedule class (as the runtime
+            takes it).
         microbatches: Pieces per mini-batch: micro-batches of the synchronous schedules, chunks
             each mini-batch of an asynchronous one is streamed in.
         block: Mini-batches in the block.
     """
-    if schedule not in PIPELINE_SCHEDULES:
+    if isinstance(schedule, str) and schedule not in PIPELINE_SCHEDULES:
         raise UsageError(
             f"unknown pipeline schedule {schedule!r}; choose from {', '.join(PIPELINE_SCHEDULES)}"
         )
@@ -483,13 +476,14 @@ def stage_programs(
         elif schedule == "torch-1f1b":
             programs.append(_torch_1f1b_program(stages, stage, microbatches, block))
         else:
-            programs.append(_interlace_program(stages, stage, schedule, microbatches, block))
+            kind = SCHEDULE_TYPES[schedule] if isinstance(schedule, str) else schedule
+            programs.append(_interlace_program(stages, stage, kind, microbatches, block))
     return programs
 
 
 def simulate_pipeline(
     stages: Sequence[StageCost],
-    schedule: str,
+    schedule: str | type[Schedule],
     cost: CostModel,
     *,
     microbatches: int,
@@ -503,7 +497,7 @@ def simulate_pipeline(
 
     Args:
         stages: Each stage's costs (:func:`stage_costs`).
-        schedule: One of :data:`PIPELINE_SCHEDULES`.
+        schedule: One of :data:`PIPELINE_SCHEDULES`, or a schedule class.
         cost: ``a + b * bytes`` of one point-to-point message alone on a link.
         microbatches: Pieces per mini-batch (micro-batches, or an asynchronous schedule's
             chunks).
@@ -511,4 +505,5 @@ def simulate_pipeline(
     """
     programs = stage_programs(stages, schedule, microbatches=microbatches, block=block)
     replay = replay_programs(programs, cost)
-    return PipelineResult(schedule, block, replay.makespan_s, replay)
+    name = schedule if isinstance(schedule, str) else schedule.name
+    return PipelineResult(name, block, replay.makespan_s, replay)

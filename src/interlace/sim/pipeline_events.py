@@ -100,7 +100,8 @@ class Wait:
     messages: tuple[Message, ...]
 
 
-Op = Compute | Send | Post | Wait
+#: One step of a stage program.
+Instruction = Compute | Send | Post | Wait
 
 
 @dataclass(frozen=True)
@@ -298,7 +299,7 @@ class _Network:
 
 
 def replay_programs(
-    programs: Sequence[Sequence[Op]],
+    programs: Sequence[Sequence[Instruction]],
     cost: CostModel,
     crossing_s: float | None = None,
     buffer_bytes: float = SEND_BUFFER_BYTES,
