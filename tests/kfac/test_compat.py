@@ -14,7 +14,7 @@ from torch import nn
 from interlace import kfac  # kfac-pytorch's package name: its scripts read `kfac.enums...`
 from interlace.errors import UsageError
 from interlace.kfac import KFAC, KFACWarning
-from interlace.kfac.placement import decomposition_cost, memory_cost
+from interlace.kfac.balancing import decomposition_cost, memory_cost
 from interlace.kfac.preconditioner import KFACPreconditioner
 from interlace.testing import run_ranks
 

@@ -58,7 +58,7 @@ from interlace.comm.links import parse_link
 from interlace.emulate.compute import Compute, add_compute_arguments, compute_from_args
 from interlace.emulate.device import dilate_link
 from interlace.errors import UsageError
-from interlace.kfac.placement import worker_count
+from interlace.kfac.worker_groups import worker_count
 from interlace.timeline import Event, Timeline
 from interlace.zoo import build_model
 

@@ -24,7 +24,7 @@ from interlace.comm.links import parse_link
 from interlace.emulate import Compute, dilate_rate, undilate_cost
 from interlace.emulate.kfac import EmulatedKFACModel
 from interlace.errors import UsageError
-from interlace.kfac.assignment import fit_broadcast_cost_model
+from interlace.kfac.work_assignment import fit_broadcast_cost_model
 from interlace.launch import netem
 from interlace.sim.kfac import KfacResult, simulate_kfac
 from interlace.sim.kfac_costs import KfacCosts

@@ -22,7 +22,7 @@ from interlace.emulate.dilation import DEFAULT_DILATION
 from interlace.emulate.model import EmulatedLayer, EmulatedModel
 from interlace.kfac.costs import DecompositionCostModel
 from interlace.kfac.decomp import COMPUTE_METHODS, FactorDecomposition
-from interlace.kfac.layers import LayerHelper
+from interlace.kfac.module_helpers import LayerHelper
 from interlace.sim.kfac_costs import KfacCosts, log_log_interpolate
 from interlace.sim.trace import FactorTrace, Trace
 
@@ -355,7 +355,7 @@ class EmulatedFactorLayer(EmulatedLayer):
         self._clock = clock
 
     def kfac_helper(self) -> EmulatedFactorHelper:
-        """K-FAC's helper for this layer (see :func:`interlace.kfac.layers.make_helper`)."""
+        """K-FAC's helper for this layer (see :func:`interlace.kfac.module_helpers.make_helper`)."""
         return EmulatedFactorHelper(self, self.factor, self.rows, self._costs, self._clock)
 
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from interlace.checks import is_real
 from interlace.errors import UsageError
 from interlace.kfac.enums import DampingAdaptation, coerce_choice
-from interlace.kfac.layer import KFACLayer
+from interlace.kfac.preconditioned_layer import KFACLayer
 
 __all__ = [
     "AdaptiveDamping",

@@ -16,11 +16,11 @@ from interlace.comm.calibrate import fit_cost_model
 from interlace.comm.cost import CostModel
 from interlace.comm.engine import BucketEngine
 from interlace.comm.plan import pack_by_cap
-from interlace.kfac.assignment import GroupRanks
 from interlace.kfac.fusion import FUSIONS, make_groups
-from interlace.kfac.layer import KFACLayer
 from interlace.kfac.packing import pack_upper, packed_size, unpack_upper
+from interlace.kfac.preconditioned_layer import KFACLayer
 from interlace.kfac.timing import SpanLog
+from interlace.kfac.work_assignment import GroupRanks
 
 __all__ = ["FACTOR_COMMS", "FactorComm", "FactorPipeline", "all_reduce_mean"]
 

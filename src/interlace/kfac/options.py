@@ -9,10 +9,10 @@ from typing import Any
 
 from interlace.checks import is_real
 from interlace.errors import UsageError
-from interlace.kfac.assignment import PLACEMENTS
 from interlace.kfac.decomp import COMPUTE_METHODS
 from interlace.kfac.factor_comm import FACTOR_COMMS
 from interlace.kfac.fusion import FUSIONS
+from interlace.kfac.work_assignment import PLACEMENTS
 
 __all__ = ["G_NORMALIZATIONS", "agreement_settings", "check_hyperparameters", "check_options"]
 

@@ -1,9 +1,9 @@
 """``interlace.KFAC``: the distributed K-FAC preconditioner (SC20 / KAISA), like kfac-pytorch's.
 
-Per-layer work is in :mod:`~interlace.kfac.layer`, placement in :mod:`~interlace.kfac.assignment`,
-the factor step in :mod:`~interlace.kfac.factor_update`, the gradient step in
-:mod:`~interlace.kfac.gradients` and checkpoints in :mod:`~interlace.kfac.state`; this module
-holds the options, the hooks and the order of a step.
+Per-layer work is in :mod:`~interlace.kfac.preconditioned_layer`, who does what in
+:mod:`~interlace.kfac.work_assignment`, the factor step in :mod:`~interlace.kfac.factor_update`,
+the gradient step in :mod:`~interlace.kfac.gradients` and checkpoints in
+:mod:`~interlace.kfac.state`; this module holds the options, the hooks and the order of a step.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from torch import nn
 from interlace.comm.agree import check_agreement
 from interlace.comm.cost import CostModel
 from interlace.errors import UsageError
-from interlace.kfac.assignment import PLACEMENTS, GroupRanks, WorkAssignment
 from interlace.kfac.compat import (
     asks_for_comm_opt,
     bucket_cap_from,
@@ -51,7 +50,13 @@ from interlace.kfac.factor_update import FactorUpdate
 from interlace.kfac.fusion import FUSIONS
 from interlace.kfac.gradients import GradientPreconditioning
 from interlace.kfac.hooks import LayerForwardHook
-from interlace.kfac.layer import (
+from interlace.kfac.options import (
+    G_NORMALIZATIONS,
+    agreement_settings,
+    check_hyperparameters,
+    check_options,
+)
+from interlace.kfac.preconditioned_layer import (
     GradientMark,
     KFACLayer,
     describe_layers,
@@ -61,13 +66,6 @@ from interlace.kfac.layer import (
     restart_non_finite,
     unwrap,
 )
-from interlace.kfac.options import (
-    G_NORMALIZATIONS,
-    agreement_settings,
-    check_hyperparameters,
-    check_options,
-)
-from interlace.kfac.placement import WorkerGroups
 from interlace.kfac.state import (
     PLAIN_HYPERPARAMETERS,
     agree_on_decomposition,
@@ -77,6 +75,8 @@ from interlace.kfac.state import (
 )
 from interlace.kfac.timing import SpanLog
 from interlace.kfac.warning import KFACWarning
+from interlace.kfac.work_assignment import PLACEMENTS, GroupRanks, WorkAssignment
+from interlace.kfac.worker_groups import WorkerGroups
 from interlace.timeline import Event
 
 __all__ = [
@@ -148,7 +148,7 @@ class KFAC:
         bucket_cap_mb: Largest bulk factor all-reduce (and ``"fixed"`` bucket), in MiB.
         placement: Where decompositions are computed: ``"greedy"`` (SC20 / KAISA),
             ``"round-robin"`` or ``"lbp"`` (SPD-KFAC, COMM-OPT only); see
-            :class:`~interlace.kfac.assignment.WorkAssignment`.
+            :class:`~interlace.kfac.work_assignment.WorkAssignment`.
         decomposition_cost: LBP's decomposition cost model, the same on every rank (None:
             measured at start-up).
         broadcast_cost: LBP's broadcast cost model, the same on every rank (None: measured at

@@ -1,7 +1,7 @@
 """K-FAC strategies in the simulator: one D-KFAC or SPD-KFAC iteration from a trace.
 
 Gradient and factor all-reduces share one link, replayed by :func:`interlace.sim.replay.replay`;
-decompositions are placed and priced by :mod:`interlace.kfac.placement`. What each cost is
+decompositions are placed and priced by :mod:`interlace.kfac.placements`. What each cost is
 taken from is in docs/notes/sim.md.
 """
 

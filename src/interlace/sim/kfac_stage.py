@@ -1,7 +1,7 @@
 """The decomposition stage of a simulated K-FAC iteration: who decomposes each factor, what that
 costs, and when every rank holds every decomposition.
 
-Placement follows :mod:`interlace.kfac.placement` on the costs the runtime places with; the stage
+Placement follows :mod:`interlace.kfac.placements` on the costs the runtime places with; the stage
 is priced with what each decomposition takes (:meth:`KfacCosts.decomposition_s`).
 """
 
@@ -12,14 +12,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from interlace.comm.cost import CostModel
+from interlace.kfac.balancing import decomposition_cost, greedy_placement
 from interlace.kfac.costs import decomposition_numel
-from interlace.kfac.placement import (
-    FactorItem,
-    decomposition_cost,
-    greedy_placement,
-    lbp_placement,
-    schedule_order,
-)
+from interlace.kfac.lbp import FactorItem, lbp_placement, schedule_order
 from interlace.sim.kfac_costs import KfacCosts
 
 __all__ = ["Stage", "decomposition_stage"]
@@ -60,9 +55,9 @@ def decomposition_stage(
 
     ``"greedy"`` places layers (both decompositions on one rank by ``n^3``, one broadcast of
     both); ``"lbp"`` places single factors, each layer's ``A`` then ``G``, by
-    :func:`~interlace.kfac.placement.lbp_placement` on :meth:`KfacCosts.decomposition_model`
+    :func:`~interlace.kfac.placements.lbp_placement` on :meth:`KfacCosts.decomposition_model`
     (what the runtime's LBP places with), and every rank walks
-    :func:`~interlace.kfac.placement.schedule_order` of that placement.
+    :func:`~interlace.kfac.placements.schedule_order` of that placement.
 
     Each owner decomposes its items in that order. Without ``broadcasts_after`` it sends each
     result as soon as it is made and its previous send is done, owners' sends overlapping (the

@@ -16,11 +16,11 @@ from interlace.comm.engine import COMPRESSIONS
 from interlace.comm.strategies import RUNTIME_STRATEGIES
 from interlace.errors import UsageError
 from interlace.kfac import AssignmentStrategy, ComputeMethod, DampingAdaptation
-from interlace.kfac.assignment import PLACEMENTS
 from interlace.kfac.decomp import COMPUTE_METHODS
 from interlace.kfac.factor_comm import FACTOR_COMMS
 from interlace.kfac.fusion import FUSIONS
 from interlace.kfac.options import G_NORMALIZATIONS
+from interlace.kfac.work_assignment import PLACEMENTS
 from interlace.pipeline import ASYNCHRONOUS, PLAN_BY, SCHEDULES, SPECTRAIN_BACKWARDS, SYNCHRONOUS
 from interlace.strategies import parse_channels
 from interlace.train.checkpoint import SaveEvery

@@ -1,7 +1,7 @@
 """What K-FAC needs from each supported module: its two factors and its gradient as one matrix.
 
 One :class:`LayerHelper` per module kind (Linear, Conv1d, Conv2d, Embedding); the state built
-on them lives in :mod:`interlace.kfac.layer`.
+on them lives in :mod:`interlace.kfac.preconditioned_layer`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class LayerHelper:
     appended for the bias) and ``G`` that of the gradients ``g`` with respect to its outputs.
     Normalisation follows kfac-pytorch, so the same hyperparameters give the same numbers. A
     helper is stateless beyond its module: the running averages live in
-    :class:`~interlace.kfac.layer.KFACLayer`.
+    :class:`~interlace.kfac.preconditioned_layer.KFACLayer`.
 
     Args:
         module: The module whose factors and gradient this helper computes.

@@ -18,7 +18,7 @@ from interlace.kfac.decomp import (
     decompose,
     empty_like_decomposition,
 )
-from interlace.kfac.layers import LayerHelper, make_helper
+from interlace.kfac.module_helpers import LayerHelper, make_helper
 
 __all__ = [
     "GradientMark",

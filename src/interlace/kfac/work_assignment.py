@@ -1,6 +1,6 @@
 """Who decomposes each factor and who preconditions each gradient (kfac-pytorch's WorkAssignment).
 
-Built once from the pure rules of :mod:`interlace.kfac.placement`, the same on every rank, with
+Built once from the pure rules of :mod:`interlace.kfac.placements`, the same on every rank, with
 the process groups that carry decompositions and preconditioned gradients.
 """
 
@@ -14,19 +14,16 @@ import torch.distributed as dist
 
 from interlace.comm.calibrate import time_broadcast
 from interlace.comm.cost import CostModel
-from interlace.kfac.costs import DecompositionCostModel, broadcast_time
-from interlace.kfac.layer import KFACLayer, PendingBroadcast
-from interlace.kfac.placement import (
-    FactorItem,
-    WorkerGroups,
+from interlace.kfac.balancing import (
     decomposition_cost,
     greedy_placement,
-    lbp_placement,
     memory_cost,
-    predicted_makespan,
     round_robin_placement,
-    schedule_order,
 )
+from interlace.kfac.costs import DecompositionCostModel, broadcast_time
+from interlace.kfac.lbp import FactorItem, lbp_placement, predicted_makespan, schedule_order
+from interlace.kfac.preconditioned_layer import KFACLayer, PendingBroadcast
+from interlace.kfac.worker_groups import WorkerGroups
 
 __all__ = [
     "BROADCAST_SIZES",
