@@ -17,6 +17,7 @@ from torch import nn
 from interlace.emulate.kfac import EmulatedFactorHelper, EmulatedFactorLayer
 from interlace.kfac import PHASES
 from interlace.kfac.decomp import FactorDecomposition
+from interlace.kfac.methods import method_from
 
 #: What a pending collective's result is: ``Work.get_future()`` and ``then()`` give the C++
 #: future, which is not an instance of its Python subclass.
@@ -329,11 +330,13 @@ def emulate_device_work(layer: Any, helper: EmulatedFactorHelper, compute_method
         compute_method: ``"eigen"`` or ``"inverse"``.
     """
 
+    method = method_from(compute_method)
+
     def decompose(factor: str) -> Any:
         matrix = getattr(layer, f"{factor}_factor")
         if not isinstance(matrix, torch.Tensor):
             raise RuntimeError(f"cannot decompose {factor.upper()} before it has been computed")
-        return helper.decompose(matrix, compute_method, 0.0, layer.inv_dtype)
+        return helper.decompose(matrix, method, 0.0, layer.inv_dtype)
 
     def compute_a_inv(damping: float = 0.001) -> None:
         done = decompose("a")
@@ -357,8 +360,8 @@ def emulate_device_work(layer: Any, helper: EmulatedFactorHelper, compute_method
     def preconditioned_grad(damping: float = 0.001) -> None:
         # The helper prices preconditioning by the method alone; a rank that received the
         # decompositions holds kfac-pytorch's tensors, not interlace's, so describe them.
-        method = FactorDecomposition(compute_method)
-        layer.grad = helper.precondition(layer.module.get_grad(), method, method, damping)
+        described = FactorDecomposition(method)
+        layer.grad = helper.precondition(layer.module.get_grad(), described, described, damping)
 
     layer.compute_a_inv = compute_a_inv
     layer.compute_g_inv = compute_g_inv

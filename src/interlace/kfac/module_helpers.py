@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn import functional
 
 from interlace.kfac.decomp import FactorDecomposition, decompose, precondition
+from interlace.kfac.methods import DecompositionMethod
 
 __all__ = [
     "Conv1dHelper",
@@ -81,7 +82,11 @@ class LayerHelper:
         raise NotImplementedError
 
     def decompose(
-        self, factor: torch.Tensor, method: str, damping: float, dtype: torch.dtype
+        self,
+        factor: torch.Tensor,
+        method: DecompositionMethod,
+        damping: float,
+        dtype: torch.dtype,
     ) -> FactorDecomposition:
         """Decompose one of this layer's factors (:func:`interlace.kfac.decomp.decompose`).
 
@@ -89,7 +94,7 @@ class LayerHelper:
 
         Args:
             factor: The running average of ``A`` or ``G``.
-            method: ``"eigen"`` or ``"inverse"``.
+            method: The decomposition method.
             damping: The damping.
             dtype: The dtype to decompose in.
         """
