@@ -16,7 +16,12 @@ from typing import Any
 from interlace.bench.dp_report import format_rate
 from interlace.bench.harness import launch_on_ranks
 from interlace.bench.kfac import undilated
-from interlace.bench.kfac_rank import ABLATION_MODES, AblationJob, measure_ablation_rank
+from interlace.bench.kfac_rank import (
+    ABLATION_MODES,
+    AblationJob,
+    measure_ablation_rank,
+    mode_policies,
+)
 from interlace.bench.launch_options import LaunchOptions
 from interlace.comm.calibrate import fit_cost_model, fit_stream_cost_model, stream_sizes_up_to
 from interlace.comm.cost import CostModel
@@ -94,10 +99,9 @@ def predict_modes(
     results: dict[str, KfacResult] = {}
     for mode in modes:
         _check_mode(mode)
-        factor_comm, fusion, placement = ABLATION_MODES[mode]
         results[mode] = simulate_kfac(
             trace,
-            runtime_strategy(mode, factor_comm, fusion, placement),
+            runtime_strategy(mode, *mode_policies(*ABLATION_MODES[mode], {})),
             live.plan,
             workers,
             costs=costs,

@@ -1,14 +1,117 @@
 """KAISA's gradient workers: which ranks precondition each layer, and who sends whom its result.
 
-Pure functions of the world size and ``grad_worker_fraction``, the same on every rank.
+Pure functions of the world size and ``grad_worker_fraction``, the same on every rank, and what
+``KFAC(grad_worker_fraction=)`` accepts (kfac-pytorch's meanings).
 """
 
 from __future__ import annotations
 
+import enum
 import math
+import warnings
 from dataclasses import dataclass
 
-__all__ = ["WorkerGroups", "worker_count"]
+from interlace.checks import is_real
+from interlace.errors import OptionError
+from interlace.kfac.enums import DistributedStrategy, coerce_choice
+
+__all__ = [
+    "WorkerGroups",
+    "asks_for_comm_opt",
+    "check_grad_worker_fraction",
+    "resolve_grad_worker_fraction",
+    "worker_count",
+]
+
+
+def check_grad_worker_fraction(value: object) -> None:
+    """Refuse a ``grad_worker_fraction`` that is no fraction or strategy at any world size.
+
+    Args:
+        value: What the caller passed.
+
+    Raises:
+        OptionError: Out of [0, 1], not a number, or an unknown strategy.
+    """
+    if value is None:
+        return
+    if isinstance(value, str | enum.Enum):
+        coerce_choice(DistributedStrategy, value, "grad_worker_fraction")
+        return
+    if not (is_real(value) and math.isfinite(value) and 0 <= value <= 1):
+        raise OptionError(
+            "grad_worker_fraction",
+            f"must be a number in [0, 1] (0: MEM-OPT) or a DistributedStrategy, got {value!r}",
+        )
+
+
+def resolve_grad_worker_fraction(value: object, world_size: int, stacklevel: int = 2) -> float:
+    """``grad_worker_fraction`` as a fraction that gives whole, equal worker groups.
+
+    kfac-pytorch's meanings: a :class:`DistributedStrategy` (COMM-OPT 1, HYBRID-OPT 1/2,
+    MEM-OPT 1/world_size) or its string; a number in [0, 1], 0 meaning MEM-OPT, rounded to a
+    whole number of workers per layer (with a warning when rounding changes it); None is 1.
+
+    Args:
+        value: What the caller passed.
+        world_size: The ranks K-FAC runs on.
+        stacklevel: Where a rounding warning points, counted as :func:`warnings.warn` counts
+            from the caller of this function.
+
+    Raises:
+        OptionError: Out of [0, 1], not a number, or workers that do not divide the ranks.
+    """
+    check_grad_worker_fraction(value)
+    if value is None:
+        return 1.0
+    if isinstance(value, str | enum.Enum):
+        strategy = coerce_choice(DistributedStrategy, value, "grad_worker_fraction")
+        workers = {
+            DistributedStrategy.COMM_OPT: world_size,
+            DistributedStrategy.HYBRID_OPT: max(1, round(world_size / 2)),
+            DistributedStrategy.MEM_OPT: 1,
+        }[strategy]
+        if world_size % workers:
+            raise OptionError(
+                "grad_worker_fraction",
+                f"{strategy.value} gives {workers} gradient workers, which does not divide the "
+                f"{world_size} ranks; use comm-opt or mem-opt",
+            )
+        return workers / world_size
+    assert is_real(value)
+    if value == 0:
+        return 1.0 / world_size
+    workers = max(1, round(value * world_size))
+    if world_size % workers:
+        raise OptionError(
+            "grad_worker_fraction",
+            f"{value} gives {workers} gradient workers, which does not divide the {world_size} "
+            f"ranks into equal groups; pick k/{world_size} with k dividing {world_size}",
+        )
+    fraction = workers / world_size
+    if not math.isclose(fraction, value, rel_tol=1e-6):
+        warnings.warn(
+            f"grad_worker_fraction {value} of {world_size} ranks is rounded to {workers} "
+            f"gradient worker(s) per layer ({fraction:g})",
+            UserWarning,
+            stacklevel=stacklevel + 1,
+        )
+    return fraction
+
+
+def asks_for_comm_opt(value: object) -> bool:
+    """Whether ``grad_worker_fraction`` asks for every rank as a gradient worker (COMM-OPT).
+
+    Args:
+        value: What the caller passed (see :func:`resolve_grad_worker_fraction`).
+    """
+    if value is None:
+        return True
+    if isinstance(value, str | enum.Enum):
+        return coerce_choice(DistributedStrategy, value, "grad_worker_fraction") is (
+            DistributedStrategy.COMM_OPT
+        )
+    return value == 1
 
 
 def worker_count(grad_worker_fraction: float, world_size: int) -> int:
