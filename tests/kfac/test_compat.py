@@ -15,6 +15,7 @@ from interlace import kfac  # kfac-pytorch's package name: its scripts read `kfa
 from interlace.errors import UsageError
 from interlace.kfac import KFAC, KFACWarning
 from interlace.kfac.balancing import decomposition_cost, memory_cost
+from interlace.kfac.costs import DecompositionCostModel
 from interlace.kfac.factor_modes import Bulk, Pipelined
 from interlace.kfac.placements import LBP, Greedy
 from interlace.kfac.preconditioner import KFACPreconditioner
@@ -159,6 +160,23 @@ def test_colocate_factors_false_places_factors_apart() -> None:
             compute_eigenvalue_outer_product=False,
             placement="greedy",
         )
+
+
+def test_flat_spellings_become_the_policy_objects_settings() -> None:
+    cost = DecompositionCostModel(c3=1e-9, c2=0.0, c0=1e-4)
+    precond = KFACPreconditioner(
+        _model(),
+        fusion="none",
+        profile_steps=2,
+        placement="lbp",
+        decomposition_cost=cost,
+        damping_adaptation="levenberg-marquardt",
+    )
+    assert precond.factor_comm == Pipelined(fusion="none", profile_steps=2)
+    assert precond.placement == LBP(decomposition_cost=cost)
+    assert precond.adaptive_damping is not None  # KFAC's own keywords pass through
+    with pytest.raises(UsageError, match="decomposition_cost prices LBP's placement"):
+        KFACPreconditioner(_model(), decomposition_cost=cost)
 
 
 class _Scaler:

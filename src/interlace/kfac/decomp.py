@@ -8,12 +8,11 @@ diagonal vector.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from interlace.kfac.enums import COMPUTE_METHODS
-from interlace.kfac.methods import DecompositionMethod, method_from
+from interlace.kfac.methods import DecompositionMethod, FactorDecomposition, method_from
 
 __all__ = [
     "COMPUTE_METHODS",
@@ -30,68 +29,6 @@ RETRIES = 3
 
 class DecompositionError(RuntimeError):
     """A factor could not be decomposed into finite numbers, even with extra damping."""
-
-
-@dataclass
-class FactorDecomposition:
-    """One factor's second-order information, as its method made it.
-
-    ``eigen``: ``vectors`` (``n x n``, None for a diagonal factor) and ``values`` (``n``).
-    ``inverse``: ``inverse`` (``n x n``), or for a diagonal factor ``values`` holding
-    ``1 / (diag + damping)``.
-
-    Args:
-        method: The method that made it (or its name, ``"eigen"`` or ``"inverse"``).
-        values: Eigenvalues, or a diagonal factor's numbers.
-        vectors: Eigenvectors (``eigen``, dense factors).
-        inverse: The damped inverse (``inverse``, dense factors).
-    """
-
-    method: DecompositionMethod
-    values: torch.Tensor | None = None
-    vectors: torch.Tensor | None = None
-    inverse: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        self.method = method_from(self.method, "method")
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The tensors that travel when the decomposition is broadcast, in a fixed order."""
-        return [t for t in (self.vectors, self.values, self.inverse) if t is not None]
-
-    def replace(self, tensors: list[torch.Tensor]) -> None:
-        """Take new values for :meth:`tensors`, in the same order (after a broadcast).
-
-        Args:
-            tensors: New tensors in :meth:`tensors`' order (consumed).
-        """
-        if self.vectors is not None:
-            self.vectors = tensors.pop(0)
-        if self.values is not None:
-            self.values = tensors.pop(0)
-        if self.inverse is not None:
-            self.inverse = tensors.pop(0)
-
-    def flatten(self) -> torch.Tensor:
-        """:meth:`tensors` back to back in one 1-D buffer, so one collective sends them all."""
-        return torch.cat([t.reshape(-1) for t in self.tensors()])
-
-    def load_flat(self, flat: torch.Tensor) -> None:
-        """Take new values from a buffer laid out as :meth:`flatten` lays out this one's.
-
-        The receiving side of a broadcast: this decomposition gives the shapes (it was made
-        by :func:`empty_like_decomposition`, or is the previous decomposition), ``flat`` the
-        numbers. The new tensors are views of ``flat``.
-
-        Args:
-            flat: The 1-D buffer received.
-        """
-        shapes = self.tensors()
-        expected = sum(t.numel() for t in shapes)
-        if flat.numel() != expected:
-            raise ValueError(f"a flat decomposition of {flat.numel()} numbers, expected {expected}")
-        pieces = torch.split(flat, [t.numel() for t in shapes])
-        self.replace([piece.view_as(t) for piece, t in zip(pieces, shapes, strict=True)])
 
 
 def empty_like_decomposition(

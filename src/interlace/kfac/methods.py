@@ -16,16 +16,88 @@ from interlace.kfac.enums import ComputeMethod, coerce_choice
 if TYPE_CHECKING:
     import torch
 
-    from interlace.kfac.decomp import FactorDecomposition
+__all__ = [
+    "EIGEN",
+    "INVERSE",
+    "DecompositionMethod",
+    "Eigen",
+    "FactorDecomposition",
+    "Inverse",
+    "method_from",
+]
 
-__all__ = ["EIGEN", "INVERSE", "DecompositionMethod", "Eigen", "Inverse", "method_from"]
+
+@dataclass
+class FactorDecomposition:
+    """One factor's second-order information, as its method made it.
+
+    ``eigen``: ``vectors`` (``n x n``, None for a diagonal factor) and ``values`` (``n``).
+    ``inverse``: ``inverse`` (``n x n``), or for a diagonal factor ``values`` holding
+    ``1 / (diag + damping)``.
+
+    Args:
+        method: The method that made it (or its name, ``"eigen"`` or ``"inverse"``).
+        values: Eigenvalues, or a diagonal factor's numbers.
+        vectors: Eigenvectors (``eigen``, dense factors).
+        inverse: The damped inverse (``inverse``, dense factors).
+    """
+
+    method: DecompositionMethod
+    values: torch.Tensor | None = None
+    vectors: torch.Tensor | None = None
+    inverse: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self.method = method_from(self.method, "method")
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors that travel when the decomposition is broadcast, in a fixed order."""
+        return [t for t in (self.vectors, self.values, self.inverse) if t is not None]
+
+    def replace(self, tensors: list[torch.Tensor]) -> None:
+        """Take new values for :meth:`tensors`, in the same order (after a broadcast).
+
+        Args:
+            tensors: New tensors in :meth:`tensors`' order (consumed).
+        """
+        if self.vectors is not None:
+            self.vectors = tensors.pop(0)
+        if self.values is not None:
+            self.values = tensors.pop(0)
+        if self.inverse is not None:
+            self.inverse = tensors.pop(0)
+
+    def flatten(self) -> torch.Tensor:
+        """:meth:`tensors` back to back in one 1-D buffer, so one collective sends them all."""
+        import torch  # noqa: PLC0415 - the simulator prices this module without torch
+
+        return torch.cat([t.reshape(-1) for t in self.tensors()])
+
+    def load_flat(self, flat: torch.Tensor) -> None:
+        """Take new values from a buffer laid out as :meth:`flatten` lays out this one's.
+
+        The receiving side of a broadcast: this decomposition gives the shapes (it was made
+        by :meth:`DecompositionMethod.empty`, or is the previous decomposition), ``flat`` the
+        numbers. The new tensors are views of ``flat``.
+
+        Args:
+            flat: The 1-D buffer received.
+        """
+        import torch  # noqa: PLC0415 - the simulator prices this module without torch
+
+        shapes = self.tensors()
+        expected = sum(t.numel() for t in shapes)
+        if flat.numel() != expected:
+            raise ValueError(f"a flat decomposition of {flat.numel()} numbers, expected {expected}")
+        pieces = torch.split(flat, [t.numel() for t in shapes])
+        self.replace([piece.view_as(t) for piece, t in zip(pieces, shapes, strict=True)])
 
 
 @runtime_checkable
 class DecompositionMethod(Protocol):
     """What K-FAC asks of a decomposition method; :class:`Eigen` and :class:`Inverse` are two.
 
-    A :class:`~interlace.kfac.decomp.FactorDecomposition` made by a method holds any of
+    A :class:`FactorDecomposition` made by a method holds any of
     ``values``, ``vectors`` and ``inverse``; the method alone says which, and what they mean.
     """
 
@@ -130,22 +202,16 @@ class Eigen:
     def decompose(self, factor: torch.Tensor, damping: float, shift: float) -> FactorDecomposition:
         import torch  # noqa: PLC0415 - the simulator prices this module without torch
 
-        from interlace.kfac.decomp import FactorDecomposition  # noqa: PLC0415 - imports torch
-
         identity = torch.eye(factor.shape[0], dtype=factor.dtype, device=factor.device)
         values, vectors = torch.linalg.eigh(factor + shift * identity)
         # Eigenvalues of a second moment are >= 0; rounding can make small ones negative.
         return FactorDecomposition(self, values=values.clamp(min=0.0), vectors=vectors)
 
     def decompose_diagonal(self, diagonal: torch.Tensor, damping: float) -> FactorDecomposition:
-        from interlace.kfac.decomp import FactorDecomposition  # noqa: PLC0415 - imports torch
-
         return FactorDecomposition(self, values=diagonal.clamp(min=0.0))
 
     def dense_from_diagonal(self, values: torch.Tensor) -> FactorDecomposition:
         import torch  # noqa: PLC0415 - the simulator prices this module without torch
-
-        from interlace.kfac.decomp import FactorDecomposition  # noqa: PLC0415 - imports torch
 
         eye = torch.eye(values.shape[0], dtype=values.dtype, device=values.device)
         return FactorDecomposition(self, values=values, vectors=eye)
@@ -154,8 +220,6 @@ class Eigen:
         self, dim: int, diagonal: bool, dtype: torch.dtype, device: torch.device
     ) -> FactorDecomposition:
         import torch  # noqa: PLC0415 - the simulator prices this module without torch
-
-        from interlace.kfac.decomp import FactorDecomposition  # noqa: PLC0415 - imports torch
 
         values = torch.empty(dim, dtype=dtype, device=device)
         if diagonal:
@@ -201,22 +265,16 @@ class Inverse:
     def decompose(self, factor: torch.Tensor, damping: float, shift: float) -> FactorDecomposition:
         import torch  # noqa: PLC0415 - the simulator prices this module without torch
 
-        from interlace.kfac.decomp import FactorDecomposition  # noqa: PLC0415 - imports torch
-
         identity = torch.eye(factor.shape[0], dtype=factor.dtype, device=factor.device)
         return FactorDecomposition(
             self, inverse=torch.linalg.inv(factor + (damping + shift) * identity)
         )
 
     def decompose_diagonal(self, diagonal: torch.Tensor, damping: float) -> FactorDecomposition:
-        from interlace.kfac.decomp import FactorDecomposition  # noqa: PLC0415 - imports torch
-
         return FactorDecomposition(self, values=1.0 / (diagonal + damping))
 
     def dense_from_diagonal(self, values: torch.Tensor) -> FactorDecomposition:
         import torch  # noqa: PLC0415 - the simulator prices this module without torch
-
-        from interlace.kfac.decomp import FactorDecomposition  # noqa: PLC0415 - imports torch
 
         return FactorDecomposition(self, inverse=torch.diag(values))
 
@@ -224,8 +282,6 @@ class Inverse:
         self, dim: int, diagonal: bool, dtype: torch.dtype, device: torch.device
     ) -> FactorDecomposition:
         import torch  # noqa: PLC0415 - the simulator prices this module without torch
-
-        from interlace.kfac.decomp import FactorDecomposition  # noqa: PLC0415 - imports torch
 
         if diagonal:
             return FactorDecomposition(self, values=torch.empty(dim, dtype=dtype, device=device))
