@@ -7,7 +7,7 @@ import copy
 import resource
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -182,8 +182,12 @@ def mode_policies(
         placement: ``"greedy"``, ``"round-robin"`` or ``"lbp"``.
         lbp_costs: LBP's cost models by keyword (empty: measured at start-up).
     """
-    mode = Pipelined(fusion=fusion) if factor_comm == "pipelined" else factor_comm_from(factor_comm)
-    chosen = LBP(**lbp_costs) if placement == "lbp" else placement_from(placement)
+    mode = factor_comm_from(factor_comm)
+    if isinstance(mode, Pipelined):
+        mode = replace(mode, fusion=fusion)
+    chosen = placement_from(placement)
+    if isinstance(chosen, LBP):
+        chosen = replace(chosen, **lbp_costs)
     return mode, chosen
 
 
@@ -453,7 +457,8 @@ def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
     for mode in job.modes:
         contenders.append(_contender(mode, plain, job, lbp_costs))
         precond = contenders[-1].precond
-        if ABLATION_MODES.get(mode, ("", "", ""))[2] == "lbp" and "broadcast_cost" not in lbp_costs:
+        priced = isinstance(precond, KFAC) and precond.broadcast_cost is not None
+        if priced and "broadcast_cost" not in lbp_costs:
             lbp_costs = {
                 "decomposition_cost": precond.decomposition_cost,
                 "broadcast_cost": precond.broadcast_cost,

@@ -376,8 +376,8 @@ def describe_mode(mode: str, result: KfacResult, measurement: KfacMeasurement) -
     placed = ""
     owners = measurement.placements.get(mode)
     if owners is not None:
-        # Greedy places layers (both factors on one rank), LBP single factors.
-        if ABLATION_MODES[mode][2] == "greedy":
+        # A colocated placement (greedy) places layers (both factors on one rank), LBP factors.
+        if mode_policies(*ABLATION_MODES[mode], {})[1].colocated:
             runtime = [pair[0] for pair in owners]
         else:
             runtime = [owner for pair in owners for owner in pair]
