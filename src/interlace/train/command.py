@@ -223,8 +223,8 @@ def add_arguments(
         f"(default {defaults.partition_by})",
     )
     kfac = parser.add_argument_group(
-        "K-FAC (with --optimizer kfac and --parallel data): interlace.KFAC's keywords, "
-        "defaults KFAC's (kfac-pytorch's)"
+        "K-FAC (with --optimizer kfac and --parallel data): interlace.kfac.KFACPreconditioner's "
+        "keywords (KFAC's own and kfac-pytorch's names), defaults theirs (kfac-pytorch's)"
     )
     add_kfac_arguments(kfac, TrainConfig)
     parser.set_defaults(default_epochs=default_epochs, default_nprocs=default_nprocs)
