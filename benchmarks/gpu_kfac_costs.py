@@ -21,7 +21,7 @@ import torch
 from interlace.clock import StreamClock
 from interlace.kfac.costs import random_spd
 from interlace.kfac.decomp import decompose, precondition
-from interlace.kfac.layers import second_moment
+from interlace.kfac.module_helpers import second_moment
 
 
 def _device_s(work: Callable[[], object], repeats: int) -> float:

@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from interlace import KFAC, DataParallel
 from interlace.kfac.costs import random_spd
 from interlace.kfac.decomp import COMPUTE_METHODS, decompose
+from interlace.kfac.factor_modes import Pipelined
 from interlace.testing import run_ranks
 from interlace.zoo import build_model
 
@@ -76,8 +77,7 @@ def _train_steps(model_name: str, batch_size: int, steps: int, rounds: int) -> d
             precond = KFAC(
                 wrapped,
                 inv_update_steps=10,
-                factor_comm="pipelined" if spd else "bulk",
-                fusion="merged" if spd else "none",
+                factor_comm=Pipelined(fusion="merged") if spd else "bulk",
                 placement="lbp" if spd else "greedy",
             )
         optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01, momentum=0.9)

@@ -27,6 +27,7 @@ from interlace.comm.cost import CostModel
 from interlace.distenv import DistContext, default_backend
 from interlace.dp import DataParallel
 from interlace.kfac.costs import DecompositionCostModel
+from interlace.kfac.factor_modes import Pipelined
 from interlace.record import record_trace
 from interlace.runlog import read_metrics
 from interlace.testing import run_ranks
@@ -203,10 +204,10 @@ def test_kfac_on_cuda_preconditions_like_kfac_on_cpu(method: str) -> None:
 
 def _spd_modes_on_cuda() -> dict[str, list[dict[str, Any]]]:
     modes: dict[str, dict[str, Any]] = {
-        "dkfac": {"factor_comm": "bulk", "fusion": "none", "placement": "greedy"},
-        "pipelined": {"factor_comm": "pipelined", "fusion": "merged", "placement": "greedy"},
-        "lbp": {"factor_comm": "bulk", "fusion": "none", "placement": "lbp"},
-        "spd": {"factor_comm": "pipelined", "fusion": "merged", "placement": "lbp"},
+        "dkfac": {"factor_comm": "bulk", "placement": "greedy"},
+        "pipelined": {"factor_comm": Pipelined(fusion="merged"), "placement": "greedy"},
+        "lbp": {"factor_comm": "bulk", "placement": "lbp"},
+        "spd": {"factor_comm": Pipelined(fusion="merged"), "placement": "lbp"},
     }
     return {mode: _kfac_grads("cuda", options, steps=5) for mode, options in modes.items()}
 

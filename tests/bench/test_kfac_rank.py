@@ -7,8 +7,9 @@ import inspect
 from types import SimpleNamespace
 
 from interlace import KFAC
-from interlace.bench.kfac_rank import ABLATION_MODES, DEFAULT_MODE, KfacContender
-from interlace.kfac.compat import factor_comm_from
+from interlace.bench.kfac_rank import ABLATION_MODES, DEFAULT_MODE, KfacContender, mode_policies
+from interlace.kfac.factor_modes import Bulk, Pipelined, factor_comm_from
+from interlace.kfac.placements import placement_from
 
 MODES = ("dkfac", "pipelined", "lbp", "spd")
 
@@ -23,18 +24,14 @@ def test_the_ablation_modes_are_spd_kfacs() -> None:
 
 def test_the_default_mode_is_what_kfacs_defaults_select() -> None:
     defaults = inspect.signature(KFAC).parameters
-    factor_comm, fusion, placement = ABLATION_MODES[DEFAULT_MODE]
-    assert factor_comm == factor_comm_from(
-        defaults["factor_comm"].default, defaults["update_factors_in_hook"].default
-    )
-    assert fusion == defaults["fusion"].default
-    assert placement == "greedy" and defaults["placement"].default is None
+    factor_comm, placement = mode_policies(*ABLATION_MODES[DEFAULT_MODE], {})
+    assert factor_comm == factor_comm_from(defaults["factor_comm"].default)
+    assert placement == placement_from(defaults["placement"].default)
 
 
 def _contender(planning_done: bool, factor_comm: str, steps: int) -> KfacContender:
-    precond = SimpleNamespace(
-        factor_comm=factor_comm, steps=steps, profile_steps=3, factor_update_steps=1
-    )
+    mode = Pipelined(profile_steps=3) if factor_comm == "pipelined" else Bulk()
+    precond = SimpleNamespace(factor_comm=mode, steps=steps, factor_update_steps=1)
     return KfacContender("m", SimpleNamespace(planning_done=planning_done), None, precond=precond)
 
 

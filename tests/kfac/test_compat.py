@@ -14,7 +14,10 @@ from torch import nn
 from interlace import kfac  # kfac-pytorch's package name: its scripts read `kfac.enums...`
 from interlace.errors import UsageError
 from interlace.kfac import KFAC, KFACWarning
-from interlace.kfac.placement import decomposition_cost, memory_cost
+from interlace.kfac.balancing import decomposition_cost, memory_cost
+from interlace.kfac.costs import DecompositionCostModel
+from interlace.kfac.factor_modes import Bulk, Pipelined
+from interlace.kfac.placements import LBP, Greedy
 from interlace.kfac.preconditioner import KFACPreconditioner
 from interlace.testing import run_ranks
 
@@ -125,36 +128,55 @@ def test_compute_method_takes_either_library_s_enum_and_strings(
     value: object, expected: str
 ) -> None:
     precond = KFAC(_model(), compute_method=value)  # type: ignore[arg-type]
-    assert precond.compute_method == expected
+    assert precond.compute_method.name == expected
 
 
 def test_memory_assignment_balances_squares_and_compute_cubes() -> None:
     assert memory_cost(3, 4) == 9 + 16 and memory_cost(5, 2, a_diagonal=True) == 5 + 4
     assert decomposition_cost(3, 4) == 27 + 64
-    precond = KFAC(_model(), assignment_strategy="MEMORY")
+    precond = KFACPreconditioner(_model(), assignment_strategy="MEMORY")
     assert precond.assignment_strategy is kfac.AssignmentStrategy.MEMORY
-    assert precond.assignment.balance == "memory"
+    assert precond.placement == Greedy(balance=kfac.AssignmentStrategy.MEMORY)
 
 
 def test_update_factors_in_hook_is_the_pipelined_factor_comm() -> None:
-    assert KFAC(_model(), update_factors_in_hook=True).factor_comm == "pipelined"
-    assert KFAC(_model(), update_factors_in_hook=False).factor_comm == "bulk"
+    assert KFACPreconditioner(_model(), update_factors_in_hook=True).factor_comm == Pipelined()
+    assert KFACPreconditioner(_model(), update_factors_in_hook=False).factor_comm == Bulk()
     with pytest.raises(UsageError, match="update_factors_in_hook=True means"):
-        KFAC(_model(), update_factors_in_hook=True, factor_comm="bulk")
+        KFACPreconditioner(_model(), update_factors_in_hook=True, factor_comm="bulk")
 
 
 def test_colocate_factors_false_places_factors_apart() -> None:
     with pytest.raises(UsageError, match="colocate_factors must be True to use"):
-        KFAC(_model(), colocate_factors=False)
-    precond = KFAC(_model(), colocate_factors=False, compute_eigenvalue_outer_product=False)
-    assert precond.placement == "lbp"
+        KFACPreconditioner(_model(), colocate_factors=False)
+    precond = KFACPreconditioner(
+        _model(), colocate_factors=False, compute_eigenvalue_outer_product=False
+    )
+    assert precond.placement == LBP()
     with pytest.raises(UsageError, match="use placement='lbp'"):
-        KFAC(
+        KFACPreconditioner(
             _model(),
             colocate_factors=False,
             compute_eigenvalue_outer_product=False,
             placement="greedy",
         )
+
+
+def test_flat_spellings_become_the_policy_objects_settings() -> None:
+    cost = DecompositionCostModel(c3=1e-9, c2=0.0, c0=1e-4)
+    precond = KFACPreconditioner(
+        _model(),
+        fusion="none",
+        profile_steps=2,
+        placement="lbp",
+        decomposition_cost=cost,
+        damping_adaptation="levenberg-marquardt",
+    )
+    assert precond.factor_comm == Pipelined(fusion="none", profile_steps=2)
+    assert precond.placement == LBP(decomposition_cost=cost)
+    assert precond.adaptive_damping is not None  # KFAC's own keywords pass through
+    with pytest.raises(UsageError, match="decomposition_cost prices LBP's placement"):
+        KFACPreconditioner(_model(), decomposition_cost=cost)
 
 
 class _Scaler:
@@ -212,7 +234,7 @@ def test_memory_usage_counts_factors_and_decompositions() -> None:
 
 def test_loglevel_logs_the_registered_layers(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="interlace.kfac"):
-        KFAC(_model(), loglevel=logging.INFO)
+        KFACPreconditioner(_model(), loglevel=logging.INFO)
     assert "K-FAC registered 0: A 7, G 8" in caplog.text
 
 
@@ -241,7 +263,7 @@ def test_bad_kfac_pytorch_arguments_are_one_clear_error(
     kwargs: dict[str, object], match: str
 ) -> None:
     with pytest.raises(UsageError, match=match):
-        KFAC(_model(), **kwargs)  # type: ignore[arg-type]
+        KFACPreconditioner(_model(), **kwargs)
 
 
 def _fractions_and_equivalent_comms() -> dict[str, object]:
@@ -260,7 +282,7 @@ def _fractions_and_equivalent_comms() -> dict[str, object]:
         ("symmetric", {"symmetry_aware": True}),
     ]:
         model = _model()
-        precond = KFAC(model, **kwargs)  # type: ignore[arg-type]
+        precond = KFACPreconditioner(model, **kwargs)
         rank = torch.distributed.get_rank()
         x, y = _batch(10 + rank)
         nn.functional.cross_entropy(model(x), y).backward()

@@ -19,6 +19,7 @@ from torch.nn import functional
 from interlace import KFAC
 from interlace.comm.cost import CostModel
 from interlace.dp import DataParallel
+from interlace.kfac.factor_modes import Pipelined
 from interlace.testing import run_ranks
 
 DTYPE = torch.float64
@@ -35,19 +36,20 @@ MERGING_COST = CostModel(0.0, 1.0)
     ("kwargs", "match"),
     [
         ({"factor_comm": "eager"}, "factor_comm"),
-        ({"factor_comm": "pipelined", "fusion": "smart"}, "fusion"),
+        ({"fusion": "smart"}, "fusion"),
         ({"fusion": "fixed", "profile_steps": 0}, "profile_steps"),
     ],
 )
 def test_bad_options_are_refused(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        KFAC(nn.Linear(3, 2), **kwargs)
+        mode = kwargs["factor_comm"] if "factor_comm" in kwargs else Pipelined(**kwargs)
+        KFAC(nn.Linear(3, 2), factor_comm=mode)
 
 
 def test_pipelined_on_one_process_is_bulk() -> None:
     """One rank sends nothing: pipelined falls back to bulk and gives its numbers."""
     bulk = _train(0, 1, {})
-    pipelined = _train(0, 1, {"factor_comm": "pipelined", "fusion": "merged"})
+    pipelined = _train(0, 1, {"factor_comm": Pipelined(fusion="merged")})
     for ours, theirs in zip(pipelined["grads"], bulk["grads"], strict=True):
         for name, value in theirs.items():
             torch.testing.assert_close(ours[name], value, rtol=0, atol=0)
@@ -130,14 +132,11 @@ def _train(rank: int, world: int, options: dict[str, Any], wrap: bool = False) -
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "bulk": {"factor_comm": "bulk"},
-    "none": {"factor_comm": "pipelined", "fusion": "none"},
+    "none": {"factor_comm": Pipelined(fusion="none")},
     # 1 KB: the four layers' packed factors (28 to 1088 bytes) fill several buckets.
-    "fixed": {"factor_comm": "pipelined", "fusion": "fixed", "bucket_cap_mb": 1 / 1024},
+    "fixed": {"factor_comm": Pipelined(fusion="fixed"), "bucket_cap_mb": 1 / 1024},
     "merged": {
-        "factor_comm": "pipelined",
-        "fusion": "merged",
-        "profile_steps": 1,
-        "factor_cost": MERGING_COST,
+        "factor_comm": Pipelined(fusion="merged", profile_steps=1, factor_cost=MERGING_COST),
     },
 }
 
@@ -237,7 +236,7 @@ def _train_twice(rank: int, world: int, options: dict[str, Any]) -> list[list[fl
 
 
 def _rank_twice() -> list[list[float]]:
-    options = {"factor_comm": "pipelined", "fusion": "fixed"}
+    options = {"factor_comm": Pipelined(fusion="fixed")}
     return _train_twice(dist.get_rank(), dist.get_world_size(), options)
 
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
+from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 import torch
@@ -13,7 +16,8 @@ from torch.nn import functional
 from torch.nn.parallel import DistributedDataParallel
 
 from interlace.dp import DataParallel
-from interlace.kfac import KFAC, PHASES, KFACWarning
+from interlace.kfac import KFAC, PHASES, KFACPreconditioner, KFACWarning
+from interlace.kfac.methods import FactorDecomposition
 from interlace.testing import run_ranks
 
 
@@ -32,6 +36,81 @@ def _train_step(
     functional.cross_entropy(model(inputs), targets).backward()
     precond.step()
     optimizer.step()
+
+
+# -- the surface -----------------------------------------------------------------------------
+
+#: kfac-pytorch's names (and aliases) that KFACPreconditioner maps onto KFAC's own.
+KFAC_PYTORCH_ONLY = (
+    "allreduce_bucket_cap_mb",
+    "assignment_strategy",
+    "colocate_factors",
+    "compute_eigenvalue_outer_product",
+    "update_factors_in_hook",
+    "loglevel",
+)
+
+
+def test_kfac_takes_interlaces_own_keywords_and_the_compatibility_class_kfac_pytorchs() -> None:
+    ours = inspect.signature(KFAC).parameters
+    assert len(ours) <= 22
+    assert [name for name in KFAC_PYTORCH_ONLY if name in ours] == []
+    theirs = inspect.signature(KFACPreconditioner).parameters
+    assert [name for name in KFAC_PYTORCH_ONLY if name not in theirs] == []
+    with pytest.raises(TypeError, match="colocate_factors"):
+        KFAC(_mlp(), colocate_factors=True)  # type: ignore[call-arg]
+
+
+@dataclass(frozen=True)
+class _Unpreconditioned:
+    """A toy decomposition method, defined here only: it keeps nothing and changes nothing, so
+    K-FAC without its KL-clip leaves the gradients as they are."""
+
+    name: ClassVar[str] = "unpreconditioned"
+    precondition_products: ClassVar[int] = 0
+
+    def numel(self, dim: int, diagonal: bool = False) -> int:
+        return dim
+
+    def decompose(self, factor: torch.Tensor, damping: float, shift: float) -> FactorDecomposition:
+        return FactorDecomposition(self, values=torch.ones(factor.shape[0], dtype=factor.dtype))
+
+    def decompose_diagonal(self, diagonal: torch.Tensor, damping: float) -> FactorDecomposition:
+        return FactorDecomposition(self, values=torch.ones_like(diagonal))
+
+    def dense_from_diagonal(self, values: torch.Tensor) -> FactorDecomposition:
+        return FactorDecomposition(self, values=values)
+
+    def empty(
+        self, dim: int, diagonal: bool, dtype: torch.dtype, device: torch.device
+    ) -> FactorDecomposition:
+        return FactorDecomposition(self, values=torch.empty(dim, dtype=dtype, device=device))
+
+    def precondition(
+        self,
+        grad: torch.Tensor,
+        a: FactorDecomposition,
+        g: FactorDecomposition,
+        damping: float,
+    ) -> torch.Tensor:
+        return grad
+
+    def run(self, matrix: torch.Tensor) -> None:
+        return None
+
+
+def test_a_decomposition_method_is_one_class() -> None:
+    model = _mlp()
+    plain = copy.deepcopy(model)
+    precond = KFAC(model, compute_method=_Unpreconditioned(), kl_clip=None)
+    generator = torch.Generator().manual_seed(3)
+    inputs, targets = torch.randn(16, 6, generator=generator), torch.randint(0, 3, (16,))
+    for net in (model, plain):
+        functional.cross_entropy(net(inputs), targets).backward()
+    precond.step()
+    assert precond.compute_method.name == "unpreconditioned"
+    for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad)
 
 
 # -- layers and registration -----------------------------------------------------------------

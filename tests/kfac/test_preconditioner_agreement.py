@@ -20,6 +20,7 @@ from torch.nn import functional
 from interlace.dp import DataParallel
 from interlace.errors import UsageError
 from interlace.kfac import KFAC, KFACWarning
+from interlace.kfac.factor_modes import Pipelined
 from interlace.testing import run_ranks
 
 
@@ -40,7 +41,7 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "lr": ({"lr": 0.1}, {"lr": lambda step: 0.2}),
     "compute_method": ({"compute_method": "eigen"}, {"compute_method": "inverse"}),
     "placement": ({"placement": "greedy"}, {"placement": "round-robin"}),
-    "fusion": ({"factor_comm": "pipelined"}, {"factor_comm": "pipelined", "fusion": "fixed"}),
+    "fusion": ({"factor_comm": "pipelined"}, {"factor_comm": Pipelined(fusion="fixed")}),
     "factor_dtype": ({}, {"factor_dtype": torch.float64}),
     "g_normalization": ({}, {"g_normalization": "per-example"}),
     "skip_layers": ({}, {"skip_layers": ["0"]}),

@@ -204,7 +204,6 @@ def test_a_new_gradient_at_a_freed_gradients_address_is_preconditioned() -> None
         ({"factor_update_steps": True}, "factor_update_steps must be an integer >= 1, got True"),
         ({"inv_update_steps": 2.5}, "inv_update_steps must be an integer >= 1, got 2.5"),
         ({"accumulation_steps": True}, "accumulation_steps must be an integer >= 1, got True"),
-        ({"profile_steps": 1.0}, "profile_steps must be an integer >= 1, got 1.0"),
         ({"bucket_cap_mb": math.inf}, "bucket_cap_mb must be a finite number >= 0"),
         ({"grad_worker_fraction": True}, "grad_worker_fraction must be a number in"),
         ({"compute_method": 1}, "compute_method must be one of"),

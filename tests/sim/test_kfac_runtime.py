@@ -14,6 +14,8 @@ import pytest
 from interlace.comm.cost import CostModel
 from interlace.errors import UsageError
 from interlace.kfac.costs import DecompositionCostModel
+from interlace.kfac.factor_modes import Pipelined
+from interlace.kfac.placements import LBP, Greedy
 from interlace.sim.kfac import simulate_kfac
 from interlace.sim.kfac_costs import KfacCosts, log_log_interpolate
 from interlace.sim.kfac_link import bulk_messages
@@ -58,29 +60,29 @@ def ms(phases: dict[str, float]) -> dict[str, float]:
 
 
 def test_each_ablation_mode_maps_to_what_the_runtime_does() -> None:
-    dkfac = runtime_strategy("dkfac", "bulk", "none", "greedy")
-    assert (dkfac.pipelined, dkfac.placement, dkfac.computes_in_passes) == (False, "greedy", True)
+    dkfac = runtime_strategy("dkfac", "bulk", "greedy")
+    assert (dkfac.pipelined, dkfac.placement, dkfac.computes_in_passes) == (False, Greedy(), True)
     assert (dkfac.bulk_packed, dkfac.bulk_cap_bytes) == (False, 25 * 2**20)
     assert dkfac.broadcasts_after and not dkfac.factor_group
-    spd = runtime_strategy("spd", "pipelined", "merged", "lbp")
-    assert (spd.pipelined, spd.placement, spd.factor_group) == (True, "lbp", True)
+    spd = runtime_strategy("spd", "pipelined", "lbp")
+    assert (spd.pipelined, spd.placement, spd.factor_group) == (True, LBP(), True)
     assert not spd.broadcasts_after
-    assert runtime_strategy("lbp", "bulk", "none", "lbp").computes_in_passes
-    assert runtime_strategy("p", "bulk", "none", "greedy", symmetry_aware=True).bulk_packed
+    assert runtime_strategy("lbp", "bulk", "lbp").computes_in_passes
+    assert runtime_strategy("p", "bulk", "greedy", symmetry_aware=True).bulk_packed
     assert RUNTIME_BULK_CAP_BYTES == 25 * 1024 * 1024
 
 
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        (("bulk", "none", "round-robin"), "greedy and lbp placement only"),
-        (("pipelined", "none", "greedy"), "merged buckets"),
-        (("pipelined", "fixed", "lbp"), "merged buckets"),
-        (("hooks", "none", "greedy"), "merged buckets"),
+        ((Pipelined(fusion="none"), "greedy"), "merged buckets"),
+        ((Pipelined(fusion="fixed"), "lbp"), "merged buckets"),
+        (("hooks", "greedy"), "factor_comm must be one of"),
+        (("bulk", "random"), "placement must be one of"),
     ],
 )
 def test_modes_without_a_model_are_refused_in_one_line(
-    settings: tuple[str, str, str], message: str
+    settings: tuple[Pipelined | str, str], message: str
 ) -> None:
     with pytest.raises(UsageError, match=message) as refused:
         runtime_strategy("m", *settings)
@@ -98,7 +100,7 @@ def test_bulk_greedy_by_hand() -> None:
     # (16 B each: 5 ms) one after the other: 10 + 5 + 5 = 20. Preconditioning 1, step 1: 49 ms.
     result = simulate_kfac(
         two_layers(),
-        runtime_strategy("dkfac", "bulk", "none", "greedy"),
+        runtime_strategy("dkfac", "bulk", "greedy"),
         CostModel(1 * MS, PER_BYTE),
         2,
         costs=unit_costs(),
@@ -124,7 +126,7 @@ def test_link_timing_apart_from_planning() -> None:
     # bulk 23..29; the broadcasts are priced by the planning model (5 ms each): 29 + 20 + 2.
     result = simulate_kfac(
         two_layers(),
-        runtime_strategy("dkfac", "bulk", "none", "greedy"),
+        runtime_strategy("dkfac", "bulk", "greedy"),
         CostModel(1 * MS, PER_BYTE),
         2,
         costs=unit_costs(),
@@ -135,7 +137,7 @@ def test_link_timing_apart_from_planning() -> None:
 
 
 def test_broadcasts_after_the_decompositions_cost_what_overlapped_ones_hide() -> None:
-    strategy = runtime_strategy("dkfac", "bulk", "none", "greedy")
+    strategy = runtime_strategy("dkfac", "bulk", "greedy")
     cost = CostModel(1 * MS, PER_BYTE)
     after = simulate_kfac(two_layers(), strategy, cost, 2, costs=unit_costs())
     # Each owner sends its layer as soon as it is made, the two sends at once: 10 + 5.
@@ -155,7 +157,7 @@ def test_pipelined_factors_queue_apart_from_the_gradients() -> None:
     # when ready and its queue is free; the two queues overlap. The reference replays the
     # simulator's own buckets that way.
     cost = CostModel(5 * MS, 0.0)
-    strategy = runtime_strategy("pipelined", "pipelined", "merged", "greedy")
+    strategy = runtime_strategy("pipelined", "pipelined", "greedy")
     result = simulate_kfac(two_layers(), strategy, cost, 2, costs=unit_costs())
     one = simulate_kfac(
         two_layers(),
@@ -179,7 +181,7 @@ def test_pipelined_factors_queue_apart_from_the_gradients() -> None:
 def test_two_queues_share_the_wire() -> None:
     # Both queues busy with bytes at once: the newcomer's bytes take twice as long.
     cost = CostModel(0.0, PER_BYTE)
-    strategy = runtime_strategy("pipelined", "pipelined", "merged", "greedy")
+    strategy = runtime_strategy("pipelined", "pipelined", "greedy")
     trace = two_layers()
     big = Trace(
         "two",
@@ -209,7 +211,7 @@ def test_two_queues_share_the_wire() -> None:
 
 
 def test_measured_gradient_buckets_replace_the_plan() -> None:
-    strategy = runtime_strategy("dkfac", "bulk", "none", "greedy")
+    strategy = runtime_strategy("dkfac", "bulk", "greedy")
     cost = CostModel(1 * MS, PER_BYTE)
     # One bucket of both gradients (8 B: 3 ms) once l0's is ready at 20: 20..23.
     result = simulate_kfac(
@@ -255,7 +257,7 @@ def test_measured_decompositions_price_the_stage_while_the_fit_places_it() -> No
     )
     result = simulate_kfac(
         two_layers(),
-        runtime_strategy("lbp", "bulk", "none", "lbp"),
+        runtime_strategy("lbp", "bulk", "lbp"),
         CostModel(1 * MS, PER_BYTE),
         2,
         costs=costs,
@@ -286,7 +288,7 @@ def test_listed_layers_take_their_factor_seconds() -> None:
     assert costs.layer_factors_s("l0", 1, 1, 2 * MS, 4 * MS) == (2 * MS, 2 * MS)
     result = simulate_kfac(
         two_layers(),
-        runtime_strategy("dkfac", "bulk", "none", "greedy"),
+        runtime_strategy("dkfac", "bulk", "greedy"),
         CostModel(1 * MS, PER_BYTE),
         2,
         costs=costs,

@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 from interlace import launch
+from interlace.comm.tuning import PlanTrials
 from interlace.distenv import DistContext, init_distributed
-from interlace.dp import DataParallel
 from interlace.dp.iteration import ProfiledPasses
+from interlace.dp.lifecycle import Lifecycle
 from interlace.errors import UsageError
 from interlace.runlog import read_metrics
 from interlace.train import (
@@ -194,8 +195,8 @@ def _counted(what: str, method: Any) -> Any:
 def _resume_a_measured_plan(config: TrainConfig, root: str) -> tuple[Any, ...]:
     """One rank: train with a measured plan, then resume the run's epoch-2 checkpoint twice,
     keeping the saved plan and with ``replan``; what each run did to plan."""
-    DataParallel._replan = _counted("plans", DataParallel._replan)  # type: ignore[method-assign]
-    DataParallel._tune = _counted("trial iterations", DataParallel._tune)  # type: ignore[method-assign]
+    Lifecycle.try_candidates = _counted("plans", Lifecycle.try_candidates)  # type: ignore[method-assign]
+    PlanTrials.record = _counted("trial iterations", PlanTrials.record)  # type: ignore[method-assign]
     ProfiledPasses.add = _counted("profiled passes", ProfiledPasses.add)  # type: ignore[method-assign]
     context = init_distributed()
     full = Path(root, "full")

@@ -17,7 +17,7 @@ from torch import nn
 from interlace import KFAC, cli, launch
 from interlace.distenv import DistContext
 from interlace.errors import UsageError
-from interlace.kfac import AssignmentStrategy, ComputeMethod
+from interlace.kfac import AssignmentStrategy, ComputeMethod, KFACPreconditioner
 from interlace.launch import LaunchResult
 from interlace.runlog import read_metrics
 from interlace.train import TrainConfig, applicable_settings, make_kfac
@@ -25,7 +25,8 @@ from interlace.train.checkpoint import Position, latest_checkpoint, save_checkpo
 from interlace.train.command import add_arguments
 from interlace.train.kfac_options import kfac_keywords, kfac_options
 
-#: KFAC's keywords that ``interlace train`` deliberately has no flag for, and why.
+#: Keywords of KFACPreconditioner (KFAC's and the ones it maps) that ``interlace train``
+#: deliberately has no flag for, and why.
 NOT_EXPOSED = {
     "model": "the job builds it from --model (and wraps it for --strategy)",
     "process_group": "a live object: the job's default group, every rank of -n",
@@ -38,32 +39,39 @@ NOT_EXPOSED = {
 }
 
 
+def _keywords() -> set[str]:
+    """Every keyword KFACPreconditioner takes: its own, and KFAC's through ``**options``."""
+    own = inspect.signature(KFACPreconditioner).parameters
+    named = {name for name, p in own.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    return named | set(inspect.signature(KFAC).parameters)
+
+
 def test_every_kfac_keyword_is_a_flag_or_deliberately_not() -> None:
     exposed = {key for o in kfac_options(TrainConfig) for key in (o.keyword, *o.aliases)}
-    keywords = set(inspect.signature(KFAC).parameters)
+    keywords = _keywords()
     neither = sorted(keywords - exposed - set(NOT_EXPOSED))
     assert neither == [], f"add a kfac_option field to TrainConfig, or a reason here: {neither}"
     assert sorted(exposed & set(NOT_EXPOSED)) == []
-    assert sorted(set(NOT_EXPOSED) - keywords) == [], "KFAC no longer takes these"
+    assert sorted(set(NOT_EXPOSED) - keywords) == [], "KFACPreconditioner no longer takes these"
     assert sorted(exposed - keywords) == []
     for option in kfac_options(TrainConfig):
         assert option.field == f"kfac_{option.keyword}"
 
 
-def test_defaults_are_kfacs_own_but_the_kl_clips_learning_rate() -> None:
-    signature = inspect.signature(KFAC).parameters
-    expected = {name: p.default for name, p in signature.items() if name not in NOT_EXPOSED}
-    # KFAC's lr defaults to a fixed 0.1; the job's K-FAC follows the SGD's scheduled rate.
-    expected["lr"] = None
-    # The kfac-pytorch alias names the same setting as bucket_cap_mb: one flag for both.
-    del expected["allreduce_bucket_cap_mb"]
+def test_the_jobs_defaults_settle_as_kfacs_own() -> None:
     given = kfac_keywords(TrainConfig())
-    assert given == expected
+    # Not given, so that the library's defaults apply: the KL-clip's rate (the job's is the
+    # SGD's scheduled one), and what kfac-pytorch's switches would otherwise contradict.
+    for keyword in ("lr", "placement", "factor_comm", "bucket_cap_mb", "colocate_factors"):
+        assert keyword not in given
     assert (given["inv_dtype"], given["loglevel"], given["skip_layers"]) == (
         torch.float32,
         logging.DEBUG,
         (),
     )
+    # The job's K-FAC, built from these, is KFAC at its defaults (levenberg-marquardt damping
+    # included, though KFACPreconditioner's own default is kfac-pytorch's fixed damping).
+    assert KFACPreconditioner.check_options(4, **given) == KFAC.check_options(4)
 
 
 def _kfac_actions() -> dict[str, argparse.Action]:
@@ -128,7 +136,7 @@ def test_the_flags_reach_kfac_as_its_keywords(launched: list[TrainConfig]) -> No
         "inv_dtype": torch.float64,
         "bucket_cap_mb": 0.0,
         "placement": "round-robin",
-        "factor_comm": None,
+        # --kfac-factor-comm not given: left out, KFAC's default (pipelined, as asked).
         "fusion": "merged",
         "profile_steps": 5,
         "g_normalization": "kfac-pytorch",
@@ -162,8 +170,8 @@ def test_make_kfac_builds_kfac_with_the_options() -> None:
     with pytest.warns(UserWarning, match="leaves 1 module"):
         precond = make_kfac(config, model, optimizer)
     assert list(precond.skipped) == ["2"]
-    assert precond.inv_dtype == torch.float64 and precond.compute_method == "inverse"
-    assert (precond.factor_comm, precond.placement, precond.symmetry_aware) == (
+    assert precond.inv_dtype == torch.float64 and precond.compute_method.name == "inverse"
+    assert (precond.factor_comm.name, precond.placement.name, precond.symmetry_aware) == (
         "pipelined",
         "lbp",
         True,
@@ -181,7 +189,7 @@ def test_make_kfac_builds_kfac_with_the_options() -> None:
         (["--kfac-symmetry-aware", "maybe"], "expected true or false"),
         (["--kfac-profile-steps", "0"], "--kfac-profile-steps must be an integer >= 1"),
         (["--kfac-profile-steps", "two"], "--kfac-profile-steps: expected an integer"),
-        (["--kfac-bucket-cap-mb", "-1"], "--kfac-bucket-cap-mb must be >= 0"),
+        (["--kfac-bucket-cap-mb", "-1"], "--kfac-bucket-cap-mb must be a finite number >= 0"),
         (["--kfac-lr", "0"], "--kfac-lr must be > 0"),
         (["--kfac-grad-worker-fraction", "some"], "--kfac-grad-worker-fraction: expected"),
         (["--kfac-accumulation-steps", "4"], "one backward per optimizer step"),
@@ -195,7 +203,7 @@ def test_make_kfac_builds_kfac_with_the_options() -> None:
         ),
         (
             ["--kfac-placement", "lbp", "--kfac-grad-worker-fraction", "mem-opt", "-n", "2"],
-            "--kfac-placement lbp sends every decomposition to every rank",
+            "--kfac-placement lbp needs --kfac-grad-worker-fraction 1 (COMM-OPT)",
         ),
         (
             ["--kfac-assignment-strategy", "memory", "--kfac-placement", "round-robin"],

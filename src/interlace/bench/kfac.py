@@ -57,8 +57,10 @@ from interlace.cliutil import (
 from interlace.comm.links import parse_link
 from interlace.emulate.compute import Compute, add_compute_arguments, compute_from_args
 from interlace.emulate.device import dilate_link
-from interlace.errors import UsageError
-from interlace.kfac.placement import worker_count
+from interlace.errors import OptionError, UsageError
+from interlace.kfac.options import check_placement
+from interlace.kfac.placements import placement_from
+from interlace.kfac.worker_groups import worker_count
 from interlace.timeline import Event, Timeline
 from interlace.zoo import build_model
 
@@ -75,6 +77,15 @@ COMPARE_CHOICES = (KFAC_PYTORCH_MODE,)
 #: How to get kfac-pytorch, which is not on PyPI.
 KFAC_PYTORCH_INSTALL = "pip install git+https://github.com/gpauloski/kfac-pytorch"
 DEFAULT_ABLATION_MODELS: tuple[str, ...] = ("resnet20", "resnet56", "vgg11", "transformer")
+
+
+def _flag(option: str) -> str:
+    """A K-FAC keyword as this command's flag: ``grad_worker_fraction``, ``--grad-worker-fraction``.
+
+    Args:
+        option: The keyword.
+    """
+    return "--" + option.replace("_", "-")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -227,8 +238,10 @@ def run(args: argparse.Namespace) -> int:
         if not args.ablation:
             raise UsageError("--compare runs beside the modes of --ablation; add --ablation")
         check_kfac_pytorch()
-    if args.placement == "lbp" and args.grad_worker_fraction < 1:
-        raise UsageError("--placement lbp needs --grad-worker-fraction 1 (COMM-OPT)")
+    try:
+        check_placement(placement_from(args.placement or "greedy"), args.grad_worker_fraction)
+    except OptionError as error:
+        raise UsageError(error.spelt(_flag, lambda name, value: f"{_flag(name)} {value}")) from None
     if args.inv_update_steps < 1:
         raise UsageError(f"--inv-update-steps must be >= 1, got {args.inv_update_steps}")
     if args.factor_update_steps < 1:

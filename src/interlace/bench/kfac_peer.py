@@ -17,6 +17,7 @@ from torch import nn
 from interlace.emulate.kfac import EmulatedFactorHelper, EmulatedFactorLayer
 from interlace.kfac import PHASES
 from interlace.kfac.decomp import FactorDecomposition
+from interlace.kfac.methods import method_from
 
 #: What a pending collective's result is: ``Work.get_future()`` and ``then()`` give the C++
 #: future, which is not an instance of its Python subclass.
@@ -223,7 +224,7 @@ class KfacPytorchPeer:
 
 
 class EmulatedModuleHelper:
-    """kfac-pytorch's module-helper interface (``kfac.layers.modules.ModuleHelper``) over an
+    """kfac-pytorch's module-helper interface (``kfac.module_helpers.modules.ModuleHelper``) over an
     emulated layer's K-FAC helper: the same traced factor sizes and the same device time for
     factors as :class:`interlace.KFAC` gets from it.
 
@@ -302,7 +303,7 @@ class EmulatedModuleHelper:
 def emulated_module_helpers() -> Iterator[None]:
     """While open, kfac-pytorch registers :class:`EmulatedFactorLayer` modules through
     :class:`EmulatedModuleHelper` (it registers only ``nn.Linear`` and ``nn.Conv2d`` itself)."""
-    from kfac.layers import register  # type: ignore[import-not-found]  # noqa: PLC0415 - optional dependency
+    from kfac.module_helpers import register  # type: ignore[import-not-found]  # noqa: PLC0415 - optional dependency
 
     known = register.get_module_helper
 
@@ -329,11 +330,13 @@ def emulate_device_work(layer: Any, helper: EmulatedFactorHelper, compute_method
         compute_method: ``"eigen"`` or ``"inverse"``.
     """
 
+    method = method_from(compute_method)
+
     def decompose(factor: str) -> Any:
         matrix = getattr(layer, f"{factor}_factor")
         if not isinstance(matrix, torch.Tensor):
             raise RuntimeError(f"cannot decompose {factor.upper()} before it has been computed")
-        return helper.decompose(matrix, compute_method, 0.0, layer.inv_dtype)
+        return helper.decompose(matrix, method, 0.0, layer.inv_dtype)
 
     def compute_a_inv(damping: float = 0.001) -> None:
         done = decompose("a")
@@ -357,8 +360,8 @@ def emulate_device_work(layer: Any, helper: EmulatedFactorHelper, compute_method
     def preconditioned_grad(damping: float = 0.001) -> None:
         # The helper prices preconditioning by the method alone; a rank that received the
         # decompositions holds kfac-pytorch's tensors, not interlace's, so describe them.
-        method = FactorDecomposition(compute_method)
-        layer.grad = helper.precondition(layer.module.get_grad(), method, method, damping)
+        described = FactorDecomposition(method)
+        layer.grad = helper.precondition(layer.module.get_grad(), described, described, damping)
 
     layer.compute_a_inv = compute_a_inv
     layer.compute_g_inv = compute_g_inv

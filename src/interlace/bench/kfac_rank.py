@@ -7,7 +7,7 @@ import copy
 import resource
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -27,6 +27,8 @@ from interlace.emulate.compute import Compute, ComputeKind
 from interlace.emulate.kfac import EmulatedKFACModel
 from interlace.emulate.model import EmulatedStep
 from interlace.kfac import KFAC, PHASES
+from interlace.kfac.factor_modes import FactorCommMode, Pipelined, factor_comm_from
+from interlace.kfac.placements import LBP, Placement, placement_from
 from interlace.zoo import build_model
 
 #: Upper bound on warm-up steps spent waiting for the data-parallel plan (a bug otherwise).
@@ -169,6 +171,26 @@ def lbp_costs_for(model: torch.nn.Module, compute_method: str) -> dict[str, Any]
     return {}
 
 
+def mode_policies(
+    factor_comm: str, fusion: str, placement: str, lbp_costs: dict[str, Any]
+) -> tuple[FactorCommMode, Placement]:
+    """``KFAC``'s ``factor_comm`` and ``placement`` objects for a mode's names.
+
+    Args:
+        factor_comm: ``"bulk"`` or ``"pipelined"``.
+        fusion: The pipelined buckets (ignored for bulk).
+        placement: ``"greedy"``, ``"round-robin"`` or ``"lbp"``.
+        lbp_costs: LBP's cost models by keyword (empty: measured at start-up).
+    """
+    mode = factor_comm_from(factor_comm)
+    if isinstance(mode, Pipelined):
+        mode = replace(mode, fusion=fusion)
+    chosen = placement_from(placement)
+    if isinstance(chosen, LBP):
+        chosen = replace(chosen, **lbp_costs)
+    return mode, chosen
+
+
 def job_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     """The optimizer a contender steps: SGD with momentum, or for an emulated model the traced
     step's device time (:class:`EmulatedStep`; a real step would hold a core as a GPU's does
@@ -240,10 +262,11 @@ def measure_rank(job: KfacJob) -> dict[str, Any]:
         grad_worker_fraction=job.grad_worker_fraction,
         factor_update_steps=job.factor_update_steps,
         inv_update_steps=job.inv_update_steps,
-        placement=job.placement,
+        placement=mode_policies(
+            "bulk", "none", job.placement, lbp_costs_for(model, job.compute_method)
+        )[1],
         # D-KFAC's phases, each after backward: the breakdown SPD-KFAC's pipelining attacks.
         factor_comm="bulk",
-        **(lbp_costs_for(model, job.compute_method) if job.placement == "lbp" else {}),
     )
     batches = job_batches(
         job.batch, job.input_shape, job.seed, rank, job.compute, num_classes=job.num_classes
@@ -316,9 +339,10 @@ class KfacContender(Contender):
         if not getattr(self.wrapper, "planning_done", True):
             return False
         precond = self.precond
-        if precond.factor_comm != "pipelined":
+        mode = precond.factor_comm
+        if not isinstance(mode, Pipelined):
             return True
-        return bool(precond.steps > precond.profile_steps * precond.factor_update_steps)
+        return bool(precond.steps > mode.profile_steps * precond.factor_update_steps)
 
 
 def _contender(
@@ -345,7 +369,7 @@ def _contender(
         )
         return KfacContender(mode, ddp, job_optimizer(model), precond=peer)
     wrapped = DataParallel(model)
-    factor_comm, fusion, placement = ABLATION_MODES[mode]
+    factor_comm, placement = mode_policies(*ABLATION_MODES[mode], lbp_costs)
     precond = KFAC(
         wrapped,
         lr=0.01,
@@ -355,8 +379,6 @@ def _contender(
         inv_update_steps=job.inv_update_steps,
         placement=placement,
         factor_comm=factor_comm,
-        fusion=fusion,
-        **(lbp_costs if placement == "lbp" else {}),
     )
     return KfacContender(mode, wrapped, job_optimizer(model), precond=precond)
 
@@ -435,7 +457,8 @@ def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
     for mode in job.modes:
         contenders.append(_contender(mode, plain, job, lbp_costs))
         precond = contenders[-1].precond
-        if ABLATION_MODES.get(mode, ("", "", ""))[2] == "lbp" and "broadcast_cost" not in lbp_costs:
+        priced = isinstance(precond, KFAC) and precond.broadcast_cost is not None
+        if priced and "broadcast_cost" not in lbp_costs:
             lbp_costs = {
                 "decomposition_cost": precond.decomposition_cost,
                 "broadcast_cost": precond.broadcast_cost,
@@ -529,7 +552,7 @@ def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
             c.name: sum(
                 owner is None for pair in c.precond.factor_owners.values() for owner in pair
             )
-            if c.precond.placement == "lbp"
+            if isinstance(c.precond, KFAC) and not c.precond.placement.colocated
             else None
             for c in contenders
         },

@@ -16,7 +16,12 @@ from typing import Any
 from interlace.bench.dp_report import format_rate
 from interlace.bench.harness import launch_on_ranks
 from interlace.bench.kfac import undilated
-from interlace.bench.kfac_rank import ABLATION_MODES, AblationJob, measure_ablation_rank
+from interlace.bench.kfac_rank import (
+    ABLATION_MODES,
+    AblationJob,
+    measure_ablation_rank,
+    mode_policies,
+)
 from interlace.bench.launch_options import LaunchOptions
 from interlace.comm.calibrate import fit_cost_model, fit_stream_cost_model, stream_sizes_up_to
 from interlace.comm.cost import CostModel
@@ -24,7 +29,7 @@ from interlace.comm.links import parse_link
 from interlace.emulate import Compute, dilate_rate, undilate_cost
 from interlace.emulate.kfac import EmulatedKFACModel
 from interlace.errors import UsageError
-from interlace.kfac.assignment import fit_broadcast_cost_model
+from interlace.kfac.work_assignment import fit_broadcast_cost_model
 from interlace.launch import netem
 from interlace.sim.kfac import KfacResult, simulate_kfac
 from interlace.sim.kfac_costs import KfacCosts
@@ -94,10 +99,9 @@ def predict_modes(
     results: dict[str, KfacResult] = {}
     for mode in modes:
         _check_mode(mode)
-        factor_comm, fusion, placement = ABLATION_MODES[mode]
         results[mode] = simulate_kfac(
             trace,
-            runtime_strategy(mode, factor_comm, fusion, placement),
+            runtime_strategy(mode, *mode_policies(*ABLATION_MODES[mode], {})),
             live.plan,
             workers,
             costs=costs,
@@ -372,8 +376,8 @@ def describe_mode(mode: str, result: KfacResult, measurement: KfacMeasurement) -
     placed = ""
     owners = measurement.placements.get(mode)
     if owners is not None:
-        # Greedy places layers (both factors on one rank), LBP single factors.
-        if ABLATION_MODES[mode][2] == "greedy":
+        # A colocated placement (greedy) places layers (both factors on one rank), LBP factors.
+        if mode_policies(*ABLATION_MODES[mode], {})[1].colocated:
             runtime = [pair[0] for pair in owners]
         else:
             runtime = [owner for pair in owners for owner in pair]

@@ -22,7 +22,8 @@ from interlace.emulate.dilation import DEFAULT_DILATION
 from interlace.emulate.model import EmulatedLayer, EmulatedModel
 from interlace.kfac.costs import DecompositionCostModel
 from interlace.kfac.decomp import COMPUTE_METHODS, FactorDecomposition
-from interlace.kfac.layers import LayerHelper
+from interlace.kfac.methods import DecompositionMethod, method_from
+from interlace.kfac.module_helpers import LayerHelper
 from interlace.sim.kfac_costs import KfacCosts, log_log_interpolate
 from interlace.sim.trace import FactorTrace, Trace
 
@@ -167,20 +168,18 @@ class KFACDeviceCosts:
         return self.gemm_s(2.0 * rows * dim * dim, kernels=2)
 
     def precondition_s(self, method: str, a_dim: int, g_dim: int) -> float:
-        """Seconds to precondition one ``g_dim x a_dim`` gradient.
-
-        ``eigen``: four products into and out of both eigenbases and one elementwise division;
-        ``inverse``: two products.
+        """Seconds to precondition one ``g_dim x a_dim`` gradient: the method's products
+        (``eigen``: four, into and out of both eigenbases, and one elementwise division;
+        ``inverse``: two), each ``2 g a n`` flops, and its kernels.
 
         Args:
             method: ``"eigen"`` or ``"inverse"``.
             a_dim: Side of ``A``.
             g_dim: Side of ``G``.
         """
-        both = 2.0 * (g_dim * g_dim * a_dim + g_dim * a_dim * a_dim)
-        if method == "eigen":
-            return self.gemm_s(2.0 * both, kernels=PRECONDITION_KERNELS["eigen"])
-        return self.gemm_s(both, kernels=PRECONDITION_KERNELS["inverse"])
+        products = method_from(method, "method").precondition_products
+        flops = products * (g_dim * g_dim * a_dim + g_dim * a_dim * a_dim)
+        return self.gemm_s(flops, kernels=PRECONDITION_KERNELS[method])
 
     def kfac_costs(
         self, method: str, layer_factor_s: tuple[tuple[str, float, float], ...] = ()
@@ -274,15 +273,16 @@ class EmulatedFactorHelper(LayerHelper):
         return torch.eye(self.g_dim)
 
     def decompose(
-        self, factor: torch.Tensor, method: str, damping: float, dtype: torch.dtype
+        self,
+        factor: torch.Tensor,
+        method: DecompositionMethod,
+        damping: float,
+        dtype: torch.dtype,
     ) -> FactorDecomposition:
         n = factor.shape[0]
-        self.clock.spend(self.costs.decomposition_s(method, n))
-        if method == "eigen":
-            return FactorDecomposition(
-                method, values=torch.ones(n, dtype=dtype), vectors=torch.eye(n, dtype=dtype)
-            )
-        return FactorDecomposition(method, inverse=torch.eye(n, dtype=dtype))
+        self.clock.spend(self.costs.decomposition_s(method.name, n))
+        # The identity factor's decomposition, in the method's dense shapes.
+        return method.dense_from_diagonal(torch.ones(n, dtype=dtype))
 
     def precondition(
         self,
@@ -291,7 +291,7 @@ class EmulatedFactorHelper(LayerHelper):
         g: FactorDecomposition,
         damping: float,
     ) -> torch.Tensor:
-        self.clock.spend(self.costs.precondition_s(g.method, self.a_dim, self.g_dim))
+        self.clock.spend(self.costs.precondition_s(g.method.name, self.a_dim, self.g_dim))
         return grad.clone()
 
     def grad_matrix(self) -> torch.Tensor | None:
@@ -355,7 +355,7 @@ class EmulatedFactorLayer(EmulatedLayer):
         self._clock = clock
 
     def kfac_helper(self) -> EmulatedFactorHelper:
-        """K-FAC's helper for this layer (see :func:`interlace.kfac.layers.make_helper`)."""
+        """K-FAC's helper for this layer (see :func:`interlace.kfac.module_helpers.make_helper`)."""
         return EmulatedFactorHelper(self, self.factor, self.rows, self._costs, self._clock)
 
 

@@ -1,13 +1,15 @@
 """Distributed K-FAC (SC20 / KAISA, SPD-KFAC): :class:`KFAC` and the pieces it is built from.
 
-``KFACPreconditioner`` is :class:`KFAC` under kfac-pytorch's name, and :mod:`interlace.kfac.enums`
-holds its enums, so a kfac-pytorch script switches by changing its imports. The torch-backed names
-are imported on first use, so the simulator's torch-free submodules load without torch.
+``KFACPreconditioner`` is :class:`KFAC` with kfac-pytorch's name and arguments, and
+:mod:`interlace.kfac.enums` holds its enums, so a kfac-pytorch script switches by changing its
+imports. The torch-backed names are imported on first use, so the simulator's torch-free
+submodules load without torch.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from interlace.kfac.enums import (
@@ -44,13 +46,17 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    """A torch-backed public name, imported on first use.
+    """A torch-backed public name, or a submodule (``kfac.preconditioner``, as kfac-pytorch's
+    scripts write it), imported on first use.
 
     Args:
         name: The attribute asked for.
     """
-    if name not in _LAZY:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
         raise AttributeError(f"module 'interlace.kfac' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
     globals()[name] = value
     return value

@@ -1,234 +1,209 @@
-"""kfac-pytorch's constructor arguments, translated into interlace's own settings.
+"""kfac-pytorch's constructor arguments, and interlace's flat spellings, as ``KFAC``'s keywords.
 
-``KFAC`` accepts every argument of kfac-pytorch's ``KFACPreconditioner`` with its meaning; this
-module holds the translations, so that the preconditioner reads as K-FAC, not as a shim.
+:class:`~interlace.kfac.preconditioner.KFACPreconditioner` (and so ``interlace train``'s flags)
+takes kfac-pytorch's names and the settings ``KFAC`` keeps inside its policy objects as plain
+keywords; :func:`kfac_keywords` maps them onto ``KFAC``'s own, so that ``KFAC`` reads as K-FAC,
+not as a shim.
 """
 
 from __future__ import annotations
 
-import enum
-import math
-import warnings
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
-from interlace.errors import UsageError
-from interlace.kfac.enums import AssignmentStrategy, DistributedStrategy, coerce_choice
+from interlace.errors import Named, OptionError, Setting
+from interlace.kfac.enums import AssignmentStrategy, ComputeMethod, coerce_choice
+from interlace.kfac.factor_modes import Bulk, FactorCommMode, Pipelined, factor_comm_from
+from interlace.kfac.methods import EIGEN, method_from
+from interlace.kfac.placements import LBP, Greedy, Placement, placement_from
 
-__all__ = [
-    "asks_for_comm_opt",
-    "bucket_cap_from",
-    "factor_comm_from",
-    "grad_scale_function",
-    "placement_from",
-    "resolve_grad_worker_fraction",
-]
+if TYPE_CHECKING:
+    from interlace.comm.cost import CostModel
+    from interlace.kfac.costs import DecompositionCostModel
+
+__all__ = ["kfac_keywords"]
 
 
-def resolve_grad_worker_fraction(value: object, world_size: int) -> float:
-    """``grad_worker_fraction`` as a fraction that gives whole, equal worker groups.
-
-    kfac-pytorch's meanings: a :class:`DistributedStrategy` (COMM-OPT 1, HYBRID-OPT 1/2,
-    MEM-OPT 1/world_size) or its string; a number in [0, 1], 0 meaning MEM-OPT, rounded to a
-    whole number of workers per layer (with a warning when rounding changes it); None is 1.
+def kfac_keywords(
+    options: Mapping[str, Any],
+    *,
+    allreduce_bucket_cap_mb: float | None = None,
+    assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
+    colocate_factors: bool | None = None,
+    compute_eigenvalue_outer_product: bool = True,
+    update_factors_in_hook: bool | None = None,
+    fusion: str | None = None,
+    profile_steps: int | None = None,
+    factor_cost: CostModel | None = None,
+    decomposition_cost: DecompositionCostModel | None = None,
+    broadcast_cost: CostModel | None = None,
+) -> dict[str, Any]:
+    """``KFAC``'s keywords: ``options`` (its own) with the rest folded in, each with
+    kfac-pytorch's meaning; a keyword left out keeps ``KFAC``'s default.
 
     Args:
-        value: What the caller passed.
-        world_size: The ranks K-FAC runs on.
+        options: ``KFAC``'s own keywords as given (``bucket_cap_mb``, ``placement``,
+            ``factor_comm`` and ``compute_method`` are read; ``bucket_cap_mb``, ``placement``
+            and ``factor_comm`` are written).
+        allreduce_bucket_cap_mb: kfac-pytorch's name for ``bucket_cap_mb``.
+        assignment_strategy: What greedy placement balances (kfac-pytorch's
+            :class:`AssignmentStrategy`): ``MEMORY`` is ``placement=Greedy(balance="memory")``.
+        colocate_factors: kfac-pytorch's switch: True keeps a layer's factors on one rank
+            (greedy, round-robin), False places them apart (LBP); None: as ``placement`` says.
+        compute_eigenvalue_outer_product: kfac-pytorch's switch; results do not depend on it,
+            but with ``eigen`` it needs colocated factors, as in kfac-pytorch.
+        update_factors_in_hook: kfac-pytorch's switch: True is ``factor_comm="pipelined"``,
+            False ``"bulk"``; None: as ``factor_comm`` says.
+        fusion: :class:`~interlace.kfac.factor_modes.Pipelined`'s ``fusion``.
+        profile_steps: :class:`~interlace.kfac.factor_modes.Pipelined`'s ``profile_steps``.
+        factor_cost: :class:`~interlace.kfac.factor_modes.Pipelined`'s ``factor_cost``.
+        decomposition_cost: :class:`~interlace.kfac.placements.LBP`'s ``decomposition_cost``.
+        broadcast_cost: :class:`~interlace.kfac.placements.LBP`'s ``broadcast_cost``.
 
     Raises:
-        UsageError: Out of [0, 1], not a number, or workers that do not divide the ranks.
+        OptionError: Options that contradict each other (naming what to write instead), or a
+            switch that is not True or False.
     """
-    if value is None:
-        return 1.0
-    if isinstance(value, str | enum.Enum):
-        strategy = coerce_choice(DistributedStrategy, value, "grad_worker_fraction")
-        workers = {
-            DistributedStrategy.COMM_OPT: world_size,
-            DistributedStrategy.HYBRID_OPT: max(1, round(world_size / 2)),
-            DistributedStrategy.MEM_OPT: 1,
-        }[strategy]
-        if world_size % workers:
-            raise UsageError(
-                f"grad_worker_fraction={strategy.name} gives {workers} gradient workers, which "
-                f"does not divide the {world_size} ranks; use COMM_OPT or MEM_OPT"
+    if not isinstance(compute_eigenvalue_outer_product, bool):
+        raise OptionError(
+            "compute_eigenvalue_outer_product",
+            f"must be True or False, got {compute_eigenvalue_outer_product!r}",
+        )
+    for name, switch in (
+        ("colocate_factors", colocate_factors),
+        ("update_factors_in_hook", update_factors_in_hook),
+    ):
+        if switch is not None and not isinstance(switch, bool):
+            raise OptionError(name, f"must be True or False (or None: not given), got {switch!r}")
+    keywords = dict(options)
+    if allreduce_bucket_cap_mb is not None:
+        given = keywords.get("bucket_cap_mb")
+        if given is not None and given != allreduce_bucket_cap_mb:
+            raise OptionError(
+                "allreduce_bucket_cap_mb",
+                Named("bucket_cap_mb"),
+                " and ",
+                Named("allreduce_bucket_cap_mb"),
+                " name the same setting; pass one",
             )
-        return workers / world_size
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not (math.isfinite(value) and 0 <= value <= 1)
-    ):
-        raise UsageError(
-            f"grad_worker_fraction must be a number in [0, 1] (0: MEM-OPT) or a "
-            f"DistributedStrategy, got {value!r}"
-        )
-    if value == 0:
-        return 1.0 / world_size
-    workers = max(1, round(value * world_size))
-    if world_size % workers:
-        raise UsageError(
-            f"grad_worker_fraction {value} gives {workers} gradient workers, which does not "
-            f"divide the {world_size} ranks into equal groups; pick k/{world_size} with k "
-            f"dividing {world_size}"
-        )
-    fraction = workers / world_size
-    if not math.isclose(fraction, value, rel_tol=1e-6):
-        warnings.warn(
-            f"grad_worker_fraction {value} of {world_size} ranks is rounded to {workers} "
-            f"gradient worker(s) per layer ({fraction:g})",
-            UserWarning,
-            stacklevel=3,
-        )
-    return fraction
-
-
-def asks_for_comm_opt(value: object) -> bool:
-    """Whether ``grad_worker_fraction`` asks for every rank as a gradient worker (COMM-OPT).
-
-    Args:
-        value: What the caller passed.
-    """
-    if value is None:
-        return True
-    if isinstance(value, str | enum.Enum):
-        return coerce_choice(DistributedStrategy, value, "grad_worker_fraction") is (
-            DistributedStrategy.COMM_OPT
-        )
-    return value == 1
-
-
-def bucket_cap_from(bucket_cap_mb: float | None, allreduce_bucket_cap_mb: float | None) -> float:
-    """The factor all-reduce bucket cap in MiB; 0 means one all-reduce per factor.
-
-    Args:
-        bucket_cap_mb: interlace's name for it.
-        allreduce_bucket_cap_mb: kfac-pytorch's name for it.
-
-    Raises:
-        UsageError: Both given with different values, or a negative or non-finite cap.
-    """
-    if (
-        allreduce_bucket_cap_mb is not None
-        and bucket_cap_mb is not None
-        and allreduce_bucket_cap_mb != bucket_cap_mb
-    ):
-        raise UsageError(
-            "bucket_cap_mb and allreduce_bucket_cap_mb name the same setting; pass one"
-        )
-    cap = (
-        allreduce_bucket_cap_mb
-        if allreduce_bucket_cap_mb is not None
-        else (25.0 if bucket_cap_mb is None else bucket_cap_mb)
+        keywords["bucket_cap_mb"] = allreduce_bucket_cap_mb
+    mode = _factor_comm(keywords.get("factor_comm"), update_factors_in_hook)
+    base = mode if isinstance(mode, Pipelined) else Pipelined()
+    # Built whatever the mode, so that a bad value is refused even where bulk ignores it.
+    settings = Pipelined(
+        fusion=base.fusion if fusion is None else fusion,
+        profile_steps=base.profile_steps if profile_steps is None else profile_steps,
+        factor_cost=base.factor_cost if factor_cost is None else factor_cost,
     )
-    if isinstance(cap, bool) or not isinstance(cap, int | float) or not (0 <= cap < math.inf):
-        raise UsageError(
-            f"bucket_cap_mb must be a finite number >= 0 (0: one all-reduce per factor), "
-            f"got {cap!r}"
-        )
-    return float(cap)
+    flat_given = fusion is not None or profile_steps is not None or factor_cost is not None
+    if isinstance(mode, Pipelined) or (mode is None and flat_given):
+        mode = settings  # KFAC's default mode is pipelined
+    if mode is not None:
+        keywords["factor_comm"] = mode
+    # kfac-pytorch's default method and KFAC's: eigen.
+    method = method_from(keywords.get("compute_method", ComputeMethod.EIGEN))
+    placement = _placement(
+        keywords.get("placement"),
+        coerce_choice(AssignmentStrategy, assignment_strategy, "assignment_strategy"),
+        colocate_factors,
+        needs_colocated=method == EIGEN and compute_eigenvalue_outer_product,
+        costs=(decomposition_cost, broadcast_cost),
+    )
+    if placement is not None:
+        keywords["placement"] = placement
+    return keywords
 
 
-def factor_comm_from(factor_comm: str | None, update_factors_in_hook: bool | None) -> str:
-    """``factor_comm`` from interlace's option or kfac-pytorch's ``update_factors_in_hook``.
-
-    kfac-pytorch's ``update_factors_in_hook=True`` folds and all-reduces each factor from its
-    module's hook, as ``factor_comm="pipelined"`` does; ``False`` does it all in ``step()``, as
-    ``"bulk"`` does. Neither given: ``"pipelined"``, as kfac-pytorch's default.
-
-    Args:
-        factor_comm: ``"bulk"``, ``"pipelined"`` or None (not given).
-        update_factors_in_hook: kfac-pytorch's switch, or None (not given).
-
-    Raises:
-        UsageError: The two given and contradicting each other.
-    """
+def _factor_comm(given: object, update_factors_in_hook: bool | None) -> FactorCommMode | None:
+    """The mode from ``factor_comm`` and kfac-pytorch's switch (None: neither given)."""
+    mode = None if given is None else factor_comm_from(given)
     if update_factors_in_hook is None:
-        return "pipelined" if factor_comm is None else factor_comm
-    if not isinstance(update_factors_in_hook, bool):
-        raise UsageError(
-            f"update_factors_in_hook must be True or False, got {update_factors_in_hook!r}"
+        return mode
+    implied = Pipelined() if update_factors_in_hook else Bulk()
+    if mode is not None and mode.name != implied.name:
+        raise OptionError(
+            "update_factors_in_hook",
+            Setting("update_factors_in_hook", update_factors_in_hook),
+            " means ",
+            Setting("factor_comm", implied.name),
+            ", but ",
+            Setting("factor_comm", mode.name),
+            " was given; pass one of the two",
         )
-    implied = "pipelined" if update_factors_in_hook else "bulk"
-    if factor_comm is not None and factor_comm != implied:
-        raise UsageError(
-            f"update_factors_in_hook={update_factors_in_hook} means factor_comm={implied!r}, "
-            f"but factor_comm={factor_comm!r} was given; pass one of the two"
-        )
-    return implied
+    return implied if mode is None else mode
 
 
-def placement_from(
-    placement: str | None,
-    assignment_strategy: object,
+def _placement(
+    given: object,
+    strategy: AssignmentStrategy,
     colocate_factors: bool | None,
-    compute_eigenvalue_outer_product: bool,
-    eigen: bool,
-) -> tuple[str, AssignmentStrategy]:
-    """The placement and what greedy placement balances, from both libraries' options.
-
-    Greedy and round-robin placement keep a layer's two factors on one rank (kfac-pytorch's
-    ``colocate_factors=True``); LBP places each factor on its own (``colocate_factors=False``).
-
-    Args:
-        placement: ``"greedy"``, ``"round-robin"``, ``"lbp"`` or None (not given).
-        assignment_strategy: kfac-pytorch's :class:`AssignmentStrategy` or its string.
-        colocate_factors: kfac-pytorch's switch, or None (not given).
-        compute_eigenvalue_outer_product: kfac-pytorch's switch (needs colocated factors).
-        eigen: Whether the compute method is eigendecomposition.
-
-    Raises:
-        UsageError: Contradicting options, with what to write instead.
-    """
-    strategy = coerce_choice(AssignmentStrategy, assignment_strategy, "assignment_strategy")
-    if colocate_factors is not None and not isinstance(colocate_factors, bool):
-        raise UsageError(f"colocate_factors must be True or False, got {colocate_factors!r}")
-    if colocate_factors is False and eigen and compute_eigenvalue_outer_product:
-        raise UsageError(
-            "colocate_factors must be True to use compute_eigenvalue_outer_product; pass "
-            "compute_eigenvalue_outer_product=False with colocate_factors=False"
+    *,
+    needs_colocated: bool,
+    costs: tuple[DecompositionCostModel | None, CostModel | None],
+) -> Placement | None:
+    """The placement from ``placement`` and kfac-pytorch's switches (see :func:`kfac_keywords`);
+    None: nothing asks for other than ``KFAC``'s default."""
+    if colocate_factors is False and needs_colocated:
+        raise OptionError(
+            "colocate_factors",
+            "must be True to use ",
+            Named("compute_eigenvalue_outer_product"),
+            "; pass ",
+            Setting("compute_eigenvalue_outer_product", False),
+            " with ",
+            Setting("colocate_factors", False),
         )
-    chosen = placement
+    chosen = None if given is None else placement_from(given)
     if colocate_factors is False:
-        if chosen not in (None, "lbp"):
-            raise UsageError(
-                f"placement={chosen!r} keeps a layer's factors on one rank, but "
-                "colocate_factors=False was given; use placement='lbp' to place them apart"
+        if chosen is not None and chosen.colocated:
+            raise OptionError(
+                "colocate_factors",
+                Setting("placement", chosen.name),
+                " keeps a layer's factors on one rank, but ",
+                Setting("colocate_factors", False),
+                " was given; use ",
+                Setting("placement", "lbp"),
+                " to place them apart",
             )
-        chosen = "lbp"
-    elif colocate_factors is True and chosen == "lbp":
-        raise UsageError(
-            "placement='lbp' places each factor on its own, but colocate_factors=True was "
-            "given; drop colocate_factors or use placement='greedy'"
+        chosen = chosen or LBP()
+    elif colocate_factors is True and chosen is not None and not chosen.colocated:
+        raise OptionError(
+            "colocate_factors",
+            Setting("placement", chosen.name),
+            " places each factor on its own, but ",
+            Setting("colocate_factors", True),
+            " was given; drop ",
+            Named("colocate_factors"),
+            " or use ",
+            Setting("placement", "greedy"),
         )
-    chosen = chosen or "greedy"
-    if strategy is AssignmentStrategy.MEMORY and chosen != "greedy":
-        raise UsageError(
-            f"assignment_strategy=MEMORY balances greedy placement, not placement={chosen!r}; "
-            "use placement='greedy'"
+    if strategy is AssignmentStrategy.MEMORY:
+        chosen = chosen or Greedy()
+        if not isinstance(chosen, Greedy):
+            raise OptionError(
+                "assignment_strategy",
+                Setting("assignment_strategy", strategy.value),
+                " balances greedy placement, not ",
+                Setting("placement", chosen.name),
+                "; use ",
+                Setting("placement", "greedy"),
+            )
+        chosen = Greedy(balance=strategy)
+    decomposition_cost, broadcast_cost = costs
+    if decomposition_cost is not None or broadcast_cost is not None:
+        if not isinstance(chosen, LBP):
+            option = "decomposition_cost" if decomposition_cost is not None else "broadcast_cost"
+            raise OptionError(
+                option,
+                "prices LBP's placement, but ",
+                Setting("placement", "greedy" if chosen is None else chosen.name),
+                " was chosen; drop it or use ",
+                Setting("placement", "lbp"),
+            )
+        chosen = replace(
+            chosen,
+            decomposition_cost=decomposition_cost or chosen.decomposition_cost,
+            broadcast_cost=broadcast_cost or chosen.broadcast_cost,
         )
-    return chosen, strategy
-
-
-def grad_scale_function(grad_scaler: object) -> Callable[[], float] | None:
-    """How to read the current loss scale: ``GradScaler.get_scale`` or the callable itself.
-
-    Args:
-        grad_scaler: None, a ``torch.amp.GradScaler`` (anything with ``get_scale()``), or a
-            callable returning the current scale.
-
-    Raises:
-        UsageError: Anything else.
-    """
-    if grad_scaler is None:
-        return None
-    get_scale = getattr(grad_scaler, "get_scale", None)
-    if callable(get_scale):
-        return lambda: float(get_scale())
-    if callable(grad_scaler):
-        scaler: Callable[[], Any] = grad_scaler
-        return lambda: float(scaler())
-    raise UsageError(
-        f"grad_scaler must be a torch.amp.GradScaler or a callable returning the loss scale, "
-        f"got {grad_scaler!r}"
-    )
+    return chosen

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from interlace.comm.cost import CostModel
-from interlace.kfac.enums import COMPUTE_METHODS
+from interlace.kfac.methods import DecompositionMethod, method_from
 
 if TYPE_CHECKING:
     import torch
@@ -124,27 +124,26 @@ class DecompositionCostModel:
     @classmethod
     def measure(
         cls,
-        method: str,
+        method: DecompositionMethod | str,
         device: torch.device | str,
         dtype: torch.dtype | None = None,
         sizes: Sequence[int] = (32, 64, 128, 256, 512),
         repeats: int = 3,
     ) -> DecompositionCostModel:
-        """Time ``eigh`` (``"eigen"``) or ``inv`` (``"inverse"``) on this device, then fit.
+        """Time ``method``'s kernel (``eigh``, ``inv``) on this device, then fit.
 
         Each size is decomposed once untimed (the first call loads solver kernels and
         workspaces) and then ``repeats`` times on fresh random SPD matrices; the median time
         per size goes to :meth:`fit`. CUDA work is synchronised around each timing.
 
         Args:
-            method: ``"eigen"`` or ``"inverse"``.
+            method: The decomposition method (or its name, ``"eigen"`` or ``"inverse"``).
             device: Where to time.
             dtype: The dtype of the timed matrices (default float32).
             sizes: The sides timed.
             repeats: Timed decompositions per size (after one untimed).
         """
-        if method not in COMPUTE_METHODS:
-            raise ValueError(f"method must be one of {COMPUTE_METHODS}, got {method!r}")
+        chosen = method_from(method, "method")
         if repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {repeats}")
         import torch  # noqa: PLC0415 - only measuring needs torch; the simulator prices without it
@@ -155,7 +154,7 @@ class DecompositionCostModel:
         samples = []
         for n in sizes:
             matrices = [random_spd(n, dtype, device, generator) for _ in range(repeats + 1)]
-            timings = [time_decomposition(method, matrix) for matrix in matrices]
+            timings = [time_decomposition(chosen, matrix) for matrix in matrices]
             samples.append((n, statistics.median(timings[1:])))
         return cls.fit(samples)
 
@@ -184,51 +183,47 @@ def _synchronise(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_decomposition(method: str, matrix: torch.Tensor) -> float:
+def time_decomposition(method: DecompositionMethod | str, matrix: torch.Tensor) -> float:
     """Seconds for one decomposition of ``matrix``, with the device drained before and after.
 
     Args:
-        method: ``"eigen"`` (``torch.linalg.eigh``) or anything else (``torch.linalg.inv``).
+        method: The decomposition method (or its name), whose kernel is timed.
         matrix: A square matrix.
     """
-    import torch  # noqa: PLC0415 - only measuring needs torch; the simulator prices without it
-
+    chosen = method_from(method, "method")
     _synchronise(matrix.device)
     start = time.perf_counter()
-    if method == "eigen":
-        torch.linalg.eigh(matrix)
-    else:
-        torch.linalg.inv(matrix)
+    chosen.run(matrix)
     _synchronise(matrix.device)
     return time.perf_counter() - start
 
 
-def decomposition_numel(method: str, dim: int, diagonal: bool = False) -> int:
+def decomposition_numel(method: DecompositionMethod | str, dim: int, diagonal: bool = False) -> int:
     """Numbers broadcast for one factor's decomposition, as the preconditioner sends them.
 
     ``eigen``: eigenvectors and eigenvalues, ``n^2 + n``; ``inverse``: the ``n x n`` inverse;
-    a diagonal factor: its ``n`` values either way.
+    a diagonal factor: its ``n`` values either way (:meth:`DecompositionMethod.numel`).
 
     Args:
-        method: ``"eigen"`` or ``"inverse"``.
+        method: The decomposition method (or its name).
         dim: The factor's side.
         diagonal: Whether the factor is a diagonal.
     """
-    if method not in COMPUTE_METHODS:
-        raise ValueError(f"method must be one of {COMPUTE_METHODS}, got {method!r}")
-    if diagonal:
-        return dim
-    return dim * dim + dim if method == "eigen" else dim * dim
+    return method_from(method, "method").numel(dim, diagonal)
 
 
 def broadcast_time(
-    model: CostModel, method: str, dim: int, diagonal: bool = False, element_size: int = 4
+    model: CostModel,
+    method: DecompositionMethod | str,
+    dim: int,
+    diagonal: bool = False,
+    element_size: int = 4,
 ) -> float:
     """Seconds to broadcast one factor's decomposition, priced by ``model`` (``a + b M``).
 
     Args:
         model: The ``a + b M`` cost model.
-        method: ``"eigen"`` or ``"inverse"``.
+        method: The decomposition method (or its name).
         dim: The factor's side.
         diagonal: Whether the factor is a diagonal.
         element_size: Bytes per number sent.

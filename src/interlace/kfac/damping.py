@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from interlace.checks import is_real
-from interlace.errors import UsageError
+from interlace.errors import Named, OptionError, Setting, UsageError
 from interlace.kfac.enums import DampingAdaptation, coerce_choice
-from interlace.kfac.layer import KFACLayer
+from interlace.kfac.preconditioned_layer import KFACLayer
 
 __all__ = [
     "AdaptiveDamping",
@@ -106,25 +106,34 @@ def check_adaptation(settings: LevenbergMarquardt | None, damping: object) -> No
         damping: ``KFAC(damping=...)``.
 
     Raises:
-        UsageError: A callable, or a number outside ``[min_damping, max_damping]``.
+        OptionError: A callable, or a number outside ``[min_damping, max_damping]``.
     """
     if settings is None:
         return
     if callable(damping):
-        raise UsageError(
-            "damping_adaptation='levenberg-marquardt' adapts a number, got a callable damping; "
-            "pass damping=<number>, or damping_adaptation='fixed' to schedule it yourself"
+        raise OptionError(
+            "damping",
+            Setting("damping_adaptation", "levenberg-marquardt"),
+            " adapts a number, got a callable damping; pass ",
+            Named("damping"),
+            "=<number>, or ",
+            Setting("damping_adaptation", "fixed"),
+            " to schedule it yourself",
         )
     if not (is_real(damping) and 0 < damping < math.inf):
-        raise UsageError(
-            f"damping_adaptation='levenberg-marquardt' needs a damping > 0 to start from, got "
-            f"{damping!r}; pass damping_adaptation='fixed' for a damping of 0"
+        raise OptionError(
+            "damping",
+            Setting("damping_adaptation", "levenberg-marquardt"),
+            f" needs a damping > 0 to start from, got {damping!r}; pass ",
+            Setting("damping_adaptation", "fixed"),
+            " for a damping of 0",
         )
     low, high = settings.bounds(damping)
     if not low <= damping <= high:
-        raise UsageError(
-            f"damping {damping!r} is outside the Levenberg-Marquardt bounds [{low:g}, {high:g}]; "
-            "pass a damping within them or LevenbergMarquardt(min_damping=..., max_damping=...)"
+        raise OptionError(
+            "damping",
+            f"{damping!r} is outside the Levenberg-Marquardt bounds [{low:g}, {high:g}]; "
+            "pass a damping within them or LevenbergMarquardt(min_damping=..., max_damping=...)",
         )
 
 

@@ -1,17 +1,18 @@
-"""One factor's decomposition (``eigen`` or ``inverse``) and the preconditioning formulas using it.
+"""One factor's decomposition and the preconditioning that uses it, by a decomposition method.
 
-Pure functions of tensors, so the preconditioner, the tests and the simulator share one
-definition; a diagonal factor (an embedding's ``A``) is kept as its diagonal vector.
+Pure functions of tensors around the method objects of :mod:`interlace.kfac.methods` (the
+retries, the checks, the dtypes); a diagonal factor (an embedding's ``A``) is kept as its
+diagonal vector.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from interlace.kfac.enums import COMPUTE_METHODS
+from interlace.kfac.methods import DecompositionMethod, FactorDecomposition, method_from
 
 __all__ = [
     "COMPUTE_METHODS",
@@ -30,131 +31,59 @@ class DecompositionError(RuntimeError):
     """A factor could not be decomposed into finite numbers, even with extra damping."""
 
 
-@dataclass
-class FactorDecomposition:
-    """One factor's second-order information.
-
-    ``eigen``: ``vectors`` (``n x n``, None for a diagonal factor) and ``values`` (``n``).
-    ``inverse``: ``inverse`` (``n x n``), or for a diagonal factor ``values`` holding
-    ``1 / (diag + damping)``.
-
-    Args:
-        method: ``"eigen"`` or ``"inverse"``.
-        values: Eigenvalues, or a diagonal factor's numbers.
-        vectors: Eigenvectors (``eigen``, dense factors).
-        inverse: The damped inverse (``inverse``, dense factors).
-    """
-
-    method: str
-    values: torch.Tensor | None = None
-    vectors: torch.Tensor | None = None
-    inverse: torch.Tensor | None = None
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The tensors that travel when the decomposition is broadcast, in a fixed order."""
-        return [t for t in (self.vectors, self.values, self.inverse) if t is not None]
-
-    def replace(self, tensors: list[torch.Tensor]) -> None:
-        """Take new values for :meth:`tensors`, in the same order (after a broadcast).
-
-        Args:
-            tensors: New tensors in :meth:`tensors`' order (consumed).
-        """
-        if self.vectors is not None:
-            self.vectors = tensors.pop(0)
-        if self.values is not None:
-            self.values = tensors.pop(0)
-        if self.inverse is not None:
-            self.inverse = tensors.pop(0)
-
-    def flatten(self) -> torch.Tensor:
-        """:meth:`tensors` back to back in one 1-D buffer, so one collective sends them all."""
-        return torch.cat([t.reshape(-1) for t in self.tensors()])
-
-    def load_flat(self, flat: torch.Tensor) -> None:
-        """Take new values from a buffer laid out as :meth:`flatten` lays out this one's.
-
-        The receiving side of a broadcast: this decomposition gives the shapes (it was made
-        by :func:`empty_like_decomposition`, or is the previous decomposition), ``flat`` the
-        numbers. The new tensors are views of ``flat``.
-
-        Args:
-            flat: The 1-D buffer received.
-        """
-        shapes = self.tensors()
-        expected = sum(t.numel() for t in shapes)
-        if flat.numel() != expected:
-            raise ValueError(f"a flat decomposition of {flat.numel()} numbers, expected {expected}")
-        pieces = torch.split(flat, [t.numel() for t in shapes])
-        self.replace([piece.view_as(t) for piece, t in zip(pieces, shapes, strict=True)])
-
-
 def empty_like_decomposition(
-    method: str, dim: int, diagonal: bool, dtype: torch.dtype, device: torch.device
+    method: DecompositionMethod | str,
+    dim: int,
+    diagonal: bool,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> FactorDecomposition:
     """Buffers of the right shapes for receiving a broadcast decomposition.
 
     Args:
-        method: ``"eigen"`` or ``"inverse"``.
+        method: The decomposition method (or its name).
         dim: The factor's side.
         diagonal: Whether the factor is a diagonal.
         dtype: The buffers' dtype.
         device: The buffers' device.
     """
-    if diagonal:
-        return FactorDecomposition(method, values=torch.empty(dim, dtype=dtype, device=device))
-    if method == "eigen":
-        return FactorDecomposition(
-            method,
-            values=torch.empty(dim, dtype=dtype, device=device),
-            vectors=torch.empty(dim, dim, dtype=dtype, device=device),
-        )
-    return FactorDecomposition(method, inverse=torch.empty(dim, dim, dtype=dtype, device=device))
+    return method_from(method, "method").empty(dim, diagonal, dtype, device)
 
 
 def decompose(
-    factor: torch.Tensor, method: str, damping: float, dtype: torch.dtype
+    factor: torch.Tensor, method: DecompositionMethod | str, damping: float, dtype: torch.dtype
 ) -> FactorDecomposition:
-    """Decompose (``eigen``) or invert (``inverse``) ``factor`` in ``dtype``.
+    """Decompose ``factor`` in ``dtype`` by ``method`` (eigendecomposition, damped inverse).
 
     A 1-D ``factor`` is a diagonal. Raises :class:`DecompositionError` when even
     :data:`RETRIES` escalations of the damping give no finite result.
 
     Args:
         factor: A symmetric ``n x n`` factor, or a diagonal factor as a vector.
-        method: ``"eigen"`` or ``"inverse"``.
-        damping: Added to the diagonal before inverting (``inverse`` only).
+        method: The decomposition method (or its name, ``"eigen"`` or ``"inverse"``).
+        damping: The damping (``inverse`` adds it on the diagonal).
         dtype: The dtype to compute and return in.
     """
+    chosen = method_from(method, "method")
     work = factor.to(dtype)
     if work.dim() == 1:
-        if method == "eigen":
-            return FactorDecomposition(method, values=work.clamp(min=0.0))
-        return FactorDecomposition(method, values=1.0 / (work + damping))
+        return chosen.decompose_diagonal(work, damping)
     if not bool(torch.isfinite(work).all()):
         raise DecompositionError("the factor holds non-finite values")
-    identity = torch.eye(work.shape[0], dtype=dtype, device=work.device)
     # Extra diagonal on a retry: zero first, then growing multiples of the damping (or of a
     # small floor when damping is zero), which lifts near-singular factors into range.
     extra = [0.0] + [max(damping, 1e-6) * 10.0**k for k in range(1, RETRIES + 1)]
     last_error = ""
     for shift in extra:
         try:
-            if method == "eigen":
-                values, vectors = torch.linalg.eigh(work + shift * identity)
-                # Eigenvalues of a second moment are >= 0; rounding can make small ones negative.
-                result = FactorDecomposition(method, values=values.clamp(min=0.0), vectors=vectors)
-            else:
-                result = FactorDecomposition(
-                    method, inverse=torch.linalg.inv(work + (damping + shift) * identity)
-                )
+            result = chosen.decompose(work, damping, shift)
         except RuntimeError as error:  # torch.linalg.LinAlgError is a RuntimeError
             last_error = str(error).splitlines()[0]
             continue
         if all(bool(torch.isfinite(t).all()) for t in result.tensors()):
             return result
         last_error = "non-finite result"
-    raise DecompositionError(f"{method} decomposition failed: {last_error}")
+    raise DecompositionError(f"{chosen.name} decomposition failed: {last_error}")
 
 
 def precondition(
@@ -165,35 +94,16 @@ def precondition(
 ) -> torch.Tensor:
     """The preconditioned ``(g_dim, a_dim)`` gradient, in ``grad``'s dtype.
 
+    Computed in the decompositions' dtype by their method.
+
     Args:
         grad: The ``(g_dim, a_dim)`` gradient.
         a: ``A``'s decomposition.
         g: ``G``'s decomposition (same method).
         damping: The damping.
     """
-    work_dtype = (g.values if g.values is not None else g.inverse).dtype  # type: ignore[union-attr]
-    v = grad.to(work_dtype)
-    if g.method == "eigen":
-        # Rotate into both eigenbases, divide by the damped eigenvalue products, rotate back.
-        qg, dg = g.vectors, g.values
-        assert qg is not None and dg is not None
-        rotated = qg.t() @ v
-        if a.vectors is not None:
-            rotated = rotated @ a.vectors
-        assert a.values is not None
-        rotated = rotated / (dg.unsqueeze(1) * a.values.unsqueeze(0) + damping)
-        result = qg @ rotated
-        if a.vectors is not None:
-            result = result @ a.vectors.t()
-    else:
-        assert g.inverse is not None
-        result = g.inverse @ v
-        if a.inverse is not None:
-            result = result @ a.inverse
-        else:
-            assert a.values is not None
-            result = result * a.values.unsqueeze(0)
-    return result.to(grad.dtype)
+    work_dtype = g.tensors()[0].dtype
+    return g.method.precondition(grad.to(work_dtype), a, g, damping).to(grad.dtype)
 
 
 def kl_clip_scale(products: float, kl_clip: float | None, lr: float) -> float:

@@ -1,5 +1,6 @@
-"""The choices ``KFAC`` takes as enums, with kfac-pytorch's names, so its scripts switch unchanged
-(and :class:`DampingAdaptation`, interlace's own).
+"""The choices ``KFAC`` takes as enums: kfac-pytorch's, with its names, so its scripts switch
+unchanged, and interlace's own (:class:`PlacementChoice`, :class:`FactorCommChoice`,
+:class:`DampingAdaptation`).
 
 Each option accepts a member of these enums, its string (any case, ``-`` or ``_``), or a member
 of kfac-pytorch's enum of the same name (``kfac.enums.ComputeMethod.EIGEN``).
@@ -10,7 +11,7 @@ from __future__ import annotations
 import enum
 from typing import TypeVar
 
-from interlace.errors import UsageError
+from interlace.errors import OptionError
 
 __all__ = [
     "COMPUTE_METHODS",
@@ -18,6 +19,8 @@ __all__ = [
     "ComputeMethod",
     "DampingAdaptation",
     "DistributedStrategy",
+    "FactorCommChoice",
+    "PlacementChoice",
     "coerce_choice",
 ]
 
@@ -48,6 +51,21 @@ class AssignmentStrategy(str, enum.Enum):
     MEMORY = "memory"
 
 
+class PlacementChoice(str, enum.Enum):
+    """The built-in placements of ``KFAC(placement=)`` (see :mod:`interlace.kfac.placements`)."""
+
+    GREEDY = "greedy"
+    ROUND_ROBIN = "round-robin"
+    LBP = "lbp"
+
+
+class FactorCommChoice(str, enum.Enum):
+    """How ``KFAC(factor_comm=)`` averages factors (see :mod:`interlace.kfac.factor_modes`)."""
+
+    BULK = "bulk"
+    PIPELINED = "pipelined"
+
+
 class DampingAdaptation(str, enum.Enum):
     """How the damping changes: fixed (kfac-pytorch), or by the Levenberg-Marquardt rule."""
 
@@ -56,7 +74,13 @@ class DampingAdaptation(str, enum.Enum):
 
 
 Choice = TypeVar(
-    "Choice", ComputeMethod, DistributedStrategy, AssignmentStrategy, DampingAdaptation
+    "Choice",
+    ComputeMethod,
+    DistributedStrategy,
+    AssignmentStrategy,
+    PlacementChoice,
+    FactorCommChoice,
+    DampingAdaptation,
 )
 
 
@@ -69,7 +93,7 @@ def coerce_choice(kind: type[Choice], value: object, option: str) -> Choice:
         option: The keyword, for the error.
 
     Raises:
-        UsageError: A value that names no member.
+        OptionError: A value that names no member.
     """
     if isinstance(value, kind):
         return value
@@ -81,4 +105,4 @@ def coerce_choice(kind: type[Choice], value: object, option: str) -> Choice:
     if key is not None and key in kind.__members__:
         return kind.__members__[key]
     names = ", ".join(repr(member.value) for member in kind)
-    raise UsageError(f"{option} must be one of {names} (or {kind.__name__}.<NAME>), got {value!r}")
+    raise OptionError(option, f"must be one of {names} (or {kind.__name__}.<NAME>), got {value!r}")

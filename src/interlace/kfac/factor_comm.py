@@ -16,16 +16,14 @@ from interlace.comm.calibrate import fit_cost_model
 from interlace.comm.cost import CostModel
 from interlace.comm.engine import BucketEngine
 from interlace.comm.plan import pack_by_cap
-from interlace.kfac.assignment import GroupRanks
-from interlace.kfac.fusion import FUSIONS, make_groups
-from interlace.kfac.layer import KFACLayer
+from interlace.kfac.factor_modes import FactorCommMode, Pipelined
+from interlace.kfac.fusion import make_groups
 from interlace.kfac.packing import pack_upper, packed_size, unpack_upper
+from interlace.kfac.preconditioned_layer import KFACLayer
 from interlace.kfac.timing import SpanLog
+from interlace.kfac.work_assignment import GroupRanks
 
-__all__ = ["FACTOR_COMMS", "FactorComm", "FactorPipeline", "all_reduce_mean"]
-
-#: Values of ``KFAC(factor_comm=...)``: how factors are averaged across ranks.
-FACTOR_COMMS = ("bulk", "pipelined")
+__all__ = ["FactorComm", "FactorPipeline", "all_reduce_mean"]
 
 #: A factor in the pipeline's ready order: ``(layer name, "A" or "G")``.
 FactorKey = tuple[str, str]
@@ -183,7 +181,8 @@ class FactorPipeline:
 
 
 class FactorComm:
-    """Averages the layers' factors across ranks, in bulk or pipelined (``KFAC(factor_comm=)``).
+    """Averages the layers' factors across ranks as a mode says: in bulk, or pipelined from the
+    hooks (``KFAC(factor_comm=)``, :mod:`interlace.kfac.factor_modes`).
 
     The first factor step is always bulk: it finds the layers whose hooks never fire, and
     rank 0's hook order becomes the ready order. Pipelining starts after it, with several
@@ -191,13 +190,11 @@ class FactorComm:
     after the last micro-batch). Constructing it creates the factor group (collective).
 
     Args:
-        mode: One of :data:`FACTOR_COMMS`.
-        fusion: One of :data:`~interlace.kfac.fusion.FUSIONS` (pipelined only).
+        mode: :class:`~interlace.kfac.factor_modes.Bulk` or
+            :class:`~interlace.kfac.factor_modes.Pipelined` (with its fusion's settings).
         ranks: The process group K-FAC runs on and this rank in it.
         bucket_bytes: The most bytes per bulk (and ``"fixed"``) all-reduce.
         accumulation_steps: Micro-batches per step.
-        profile_steps: Factor steps profiled before ``"merged"`` plans its buckets.
-        factor_cost: The all-reduce cost model behind ``"merged"`` (None: fitted when needed).
         spans: Where timed spans go.
         symmetry_aware: Bulk all-reduces send each factor's upper triangle only (kfac-pytorch's
             ``symmetry_aware``); pipelined buckets always do.
@@ -205,32 +202,25 @@ class FactorComm:
 
     def __init__(
         self,
-        mode: str,
-        fusion: str,
+        mode: FactorCommMode,
         *,
         ranks: GroupRanks,
         bucket_bytes: int,
         accumulation_steps: int,
-        profile_steps: int,
-        factor_cost: CostModel | None,
         spans: SpanLog,
         symmetry_aware: bool = False,
     ) -> None:
-        if mode not in FACTOR_COMMS:
-            raise ValueError(f"factor_comm must be one of {', '.join(FACTOR_COMMS)}, got {mode!r}")
-        if fusion not in FUSIONS:
-            raise ValueError(f"fusion must be one of {', '.join(FUSIONS)}, got {fusion!r}")
         self.mode = mode
-        self.fusion = fusion
         self.world_size = ranks.world_size
         self.group = ranks.group
         self.global_ranks = ranks.global_ranks
         self.bucket_bytes = bucket_bytes
         self.symmetry_aware = symmetry_aware
         self.accumulation_steps = accumulation_steps
-        self.profile_steps = profile_steps
         #: The all-reduce cost model behind ``fusion="merged"`` (given, or fitted when needed).
-        self.factor_cost = factor_cost
+        self.factor_cost: CostModel | None = (
+            mode.factor_cost if isinstance(mode, Pipelined) else None
+        )
         self.spans = spans
         #: The pipelined buckets in use (indices into :attr:`factor_order`); None until
         #: pipelining starts, singletons while ``"merged"`` profiles.
@@ -243,7 +233,7 @@ class FactorComm:
         # gradient all-reduces run on the default group: a group of their own keeps the two
         # sequences apart (new_group is collective, so every rank creates it here).
         self.factor_group: dist.ProcessGroup | None = None
-        if mode == "pipelined" and ranks.distributed and ranks.world_size > 1:
+        if mode.pipelined and ranks.distributed and ranks.world_size > 1:
             self.factor_group = dist.new_group(ranks.global_ranks)
 
     @property
@@ -261,7 +251,7 @@ class FactorComm:
         """
         if self._pipe is not None:
             self._pipe.offer(key, factor)
-        elif self.mode == "pipelined" and count == 1:
+        elif self.mode.pipelined and count == 1:
             self._fired.append(key)
 
     def forget_ready_order(self) -> None:
@@ -389,7 +379,8 @@ class FactorComm:
             return
         if pipe.profiling:
             pipe.record_profile()
-            if pipe.profiled >= self.profile_steps:
+            assert isinstance(self.mode, Pipelined)
+            if pipe.profiled >= self.mode.profile_steps:
                 self._plan_merged(pipe, device)
         pipe.reset()
 
@@ -425,12 +416,14 @@ class FactorComm:
         self._pipe = FactorPipeline(
             keys, numels, dtypes, group=self.factor_group, device=device, spans=self.spans
         )
-        if self.fusion == "merged":
+        assert isinstance(self.mode, Pipelined)  # only pipelined modes have a factor group
+        fusion = self.mode.fusion
+        if fusion == "merged":
             # Per-factor launches while the ready times are profiled.
             self._pipe.profiling = True
             self._set_plan(make_groups("none", self._pipe.nbytes))
         else:
-            self._set_plan(make_groups(self.fusion, self._pipe.nbytes, cap_bytes=self.bucket_bytes))
+            self._set_plan(make_groups(fusion, self._pipe.nbytes, cap_bytes=self.bucket_bytes))
 
     def _set_plan(self, groups: list[list[int]]) -> None:
         assert self._pipe is not None

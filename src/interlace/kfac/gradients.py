@@ -7,12 +7,12 @@ import warnings
 
 import torch
 
-from interlace.kfac.assignment import WorkAssignment
 from interlace.kfac.decomp import kl_clip_scale
-from interlace.kfac.layer import KFACLayer
-from interlace.kfac.placement import WorkerGroups
+from interlace.kfac.preconditioned_layer import KFACLayer
 from interlace.kfac.timing import SpanLog
 from interlace.kfac.warning import KFACWarning
+from interlace.kfac.work_assignment import WorkAssignment
+from interlace.kfac.worker_groups import WorkerGroups
 
 __all__ = ["GradientPreconditioning", "Preconditioned", "all_finite"]
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from interlace.kfac.layer import KFACLayer
+from interlace.kfac.preconditioned_layer import KFACLayer
 
 #: ``(layer, module, inputs, output)``: what the hook hands on.
 ForwardHook = Callable[[KFACLayer, nn.Module, tuple[Any, ...], Any], None]

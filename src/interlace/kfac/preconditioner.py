@@ -1,13 +1,15 @@
 """``interlace.KFAC``: the distributed K-FAC preconditioner (SC20 / KAISA), like kfac-pytorch's.
 
-Per-layer work is in :mod:`~interlace.kfac.layer`, placement in :mod:`~interlace.kfac.assignment`,
-the factor step in :mod:`~interlace.kfac.factor_update`, the gradient step in
-:mod:`~interlace.kfac.gradients` and checkpoints in :mod:`~interlace.kfac.state`; this module
-holds the options, the hooks and the order of a step.
+Per-layer work is in :mod:`~interlace.kfac.preconditioned_layer`, who does what in
+:mod:`~interlace.kfac.work_assignment`, the factor step in :mod:`~interlace.kfac.factor_update`,
+the gradient step in :mod:`~interlace.kfac.gradients` and checkpoints in
+:mod:`~interlace.kfac.state`; this module holds the hooks and the order of a step, and
+:class:`KFACPreconditioner`, which takes kfac-pytorch's arguments.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 import warnings
@@ -22,36 +24,27 @@ from torch import nn
 
 from interlace.comm.agree import check_agreement
 from interlace.comm.cost import CostModel
-from interlace.errors import UsageError
-from interlace.kfac.assignment import PLACEMENTS, GroupRanks, WorkAssignment
-from interlace.kfac.compat import (
-    asks_for_comm_opt,
-    bucket_cap_from,
-    factor_comm_from,
-    grad_scale_function,
-    placement_from,
-    resolve_grad_worker_fraction,
-)
+from interlace.kfac.compat import kfac_keywords
 from interlace.kfac.costs import DecompositionCostModel
-from interlace.kfac.damping import (
-    AdaptiveDamping,
-    LevenbergMarquardt,
-    check_adaptation,
-    damping_adaptation_from,
-)
+from interlace.kfac.damping import AdaptiveDamping, LevenbergMarquardt
 from interlace.kfac.enums import (
     AssignmentStrategy,
     ComputeMethod,
     DampingAdaptation,
     DistributedStrategy,
+    FactorCommChoice,
+    PlacementChoice,
     coerce_choice,
 )
-from interlace.kfac.factor_comm import FACTOR_COMMS, FactorComm
+from interlace.kfac.factor_comm import FactorComm
+from interlace.kfac.factor_modes import FactorCommMode
 from interlace.kfac.factor_update import FactorUpdate
-from interlace.kfac.fusion import FUSIONS
 from interlace.kfac.gradients import GradientPreconditioning
 from interlace.kfac.hooks import LayerForwardHook
-from interlace.kfac.layer import (
+from interlace.kfac.methods import DecompositionMethod
+from interlace.kfac.options import Settled, agreement_settings, check_hyperparameters, settle
+from interlace.kfac.placements import Placement
+from interlace.kfac.preconditioned_layer import (
     GradientMark,
     KFACLayer,
     describe_layers,
@@ -61,13 +54,6 @@ from interlace.kfac.layer import (
     restart_non_finite,
     unwrap,
 )
-from interlace.kfac.options import (
-    G_NORMALIZATIONS,
-    agreement_settings,
-    check_hyperparameters,
-    check_options,
-)
-from interlace.kfac.placement import WorkerGroups
 from interlace.kfac.state import (
     PLAIN_HYPERPARAMETERS,
     agree_on_decomposition,
@@ -77,17 +63,11 @@ from interlace.kfac.state import (
 )
 from interlace.kfac.timing import SpanLog
 from interlace.kfac.warning import KFACWarning
+from interlace.kfac.work_assignment import GroupRanks, WorkAssignment
+from interlace.kfac.worker_groups import WorkerGroups
 from interlace.timeline import Event
 
-__all__ = [
-    "FACTOR_COMMS",
-    "FUSIONS",
-    "G_NORMALIZATIONS",
-    "KFAC",
-    "PHASES",
-    "PLACEMENTS",
-    "KFACWarning",
-]
+__all__ = ["KFAC", "PHASES", "KFACPreconditioner", "KFACWarning"]
 
 #: The K-FAC phases timed by every :meth:`KFAC.step` (seconds in :attr:`KFAC.last_phase_s`).
 #: ``factor_compute`` is the work done in the forward and backward hooks since the last step.
@@ -109,7 +89,7 @@ _LOG = logging.getLogger("interlace.kfac")
 
 
 class KFAC:
-    """Distributed K-FAC preconditioner (SC20 / KAISA), a drop-in for kfac-pytorch's.
+    """Distributed K-FAC preconditioner (SC20 / KAISA, SPD-KFAC), with kfac-pytorch's step.
 
     ::
 
@@ -125,6 +105,8 @@ class KFAC:
     unless every rank is a worker); last, the KL-clip scales every preconditioned gradient by one
     factor. Linear, Conv2d (groups=1) and dense Embedding layers are preconditioned. ``G`` is
     normalised to the *global* batch, so W ranks give exactly the single-process result.
+    kfac-pytorch's other arguments (``allreduce_bucket_cap_mb``, ``colocate_factors``, ...) are
+    :class:`KFACPreconditioner`'s.
 
     Args:
         model: The model, or a DataParallel / DDP wrapper around it.
@@ -137,36 +119,38 @@ class KFAC:
         lr: Learning rate, used only by the KL-clip; pass the optimiser's current rate when a
             schedule changes it.
         accumulation_steps: Micro-batches per optimiser step.
-        compute_method: ``"eigen"`` (inverse-free) or ``"inverse"``.
+        compute_method: How factors become preconditioners: a
+            :class:`~interlace.kfac.methods.DecompositionMethod` object, or a
+            :class:`ComputeMethod` (or its string): ``"eigen"`` (inverse-free) or ``"inverse"``.
         grad_worker_fraction: Gradient workers per layer as a fraction of the world: 1
-            (COMM-OPT), 1/world (MEM-OPT) or a fraction between (HYBRID); None means 1.
+            (COMM-OPT), 1/world (MEM-OPT) or a fraction between (HYBRID), or a
+            :class:`DistributedStrategy`; 0 is MEM-OPT and None 1, as in kfac-pytorch.
         skip_layers: Modules to leave to the optimiser, by their name in the model, any
             enclosing module's name, or their class name (case-insensitive).
         factor_dtype: dtype the factors are computed in (None: the layer's).
         inv_dtype: dtype the decompositions are computed and kept in.
         process_group: The group K-FAC runs on (None: the default group, if initialised).
-        bucket_cap_mb: Largest bulk factor all-reduce (and ``"fixed"`` bucket), in MiB.
-        placement: Where decompositions are computed: ``"greedy"`` (SC20 / KAISA),
-            ``"round-robin"`` or ``"lbp"`` (SPD-KFAC, COMM-OPT only); see
-            :class:`~interlace.kfac.assignment.WorkAssignment`.
-        decomposition_cost: LBP's decomposition cost model, the same on every rank (None:
-            measured at start-up).
-        broadcast_cost: LBP's broadcast cost model, the same on every rank (None: measured at
-            start-up).
-        factor_comm: ``"pipelined"`` (the default; SPD-KFAC, and kfac-pytorch's
-            ``update_factors_in_hook=True``: each factor is all-reduced as soon as its hook
-            computes it, and ``step()`` waits for them) or ``"bulk"`` (D-KFAC: ``step()``
-            all-reduces every factor in buckets); see
-            :class:`~interlace.kfac.factor_comm.FactorComm`.
-        fusion: Pipelined buckets: ``"merged"`` (the default; MG-WFBP's rule over measured
-            factor times), ``"none"`` (one per factor) or ``"fixed"`` (up to ``bucket_cap_mb``
-            in ready order).
-        profile_steps: Factor steps profiled before ``"merged"`` plans its buckets.
-        factor_cost: All-reduce cost model behind ``"merged"``, the same on every rank (None:
-            fitted on the factor group).
+        bucket_cap_mb: Largest bulk factor all-reduce (and ``"fixed"`` bucket), in MiB; 0: one
+            all-reduce per factor.
+        placement: Where decompositions are computed: a
+            :class:`~interlace.kfac.placements.Placement` object, or a :class:`PlacementChoice`
+            (or its string) at its defaults: ``"greedy"`` (SC20 / KAISA), ``"round-robin"`` or
+            ``"lbp"`` (SPD-KFAC, COMM-OPT only; ``LBP(decomposition_cost=...,
+            broadcast_cost=...)`` to give its cost models, which it measures at start-up
+            otherwise). See :mod:`interlace.kfac.placements`.
+        factor_comm: How factors are averaged across ranks: ``"pipelined"`` (SPD-KFAC, and
+            kfac-pytorch's ``update_factors_in_hook=True``: each factor is all-reduced as soon
+            as its hook computes it, and ``step()`` waits for them; ``Pipelined(fusion=...,
+            profile_steps=..., factor_cost=...)`` for its buckets) or ``"bulk"`` (D-KFAC:
+            ``step()`` all-reduces every factor in buckets); see
+            :mod:`interlace.kfac.factor_modes`.
         g_normalization: ``"kfac-pytorch"`` (``G`` of the mean loss) or ``"per-example"``
             (``G`` scaled by the squared global batch: the per-example Fisher's factor, whose
             damping means the same thing at every batch size).
+        symmetry_aware: Bulk factor all-reduces send each factor's upper triangle only
+            (pipelined ones always do).
+        grad_scaler: The AMP ``torch.amp.GradScaler`` (or a callable returning the loss scale),
+            so that ``G`` is the unscaled loss's; None without AMP.
         damping_adaptation: ``"levenberg-marquardt"`` (a :class:`DampingAdaptation`, its
             string, or :class:`~interlace.kfac.damping.LevenbergMarquardt` settings): the
             damping follows Martens & Grosse's rule, driven by the loss given to :meth:`step`
@@ -174,10 +158,15 @@ class KFAC:
             fixed (or scheduled) damping. See docs/kfac/damping.md.
 
     Raises:
-        UsageError: For a bad option or hyperparameter (a ``ValueError``), or, on every rank
-            instead of a hang later, for ranks that differ in settings or registered layers
-            (see :func:`interlace.comm.agree.check_agreement`).
+        UsageError: For a bad option or hyperparameter (a ``ValueError``; an
+            :class:`~interlace.errors.OptionError` naming it), or, on every rank instead of a
+            hang later, for ranks that differ in settings or registered layers (see
+            :func:`interlace.comm.agree.check_agreement`).
     """
+
+    #: The level of the messages naming the registered layers and the placement
+    #: (kfac-pytorch's ``loglevel``; :class:`KFACPreconditioner` takes it).
+    loglevel: int = logging.DEBUG
 
     def __init__(
         self,
@@ -190,101 +179,72 @@ class KFAC:
         kl_clip: FloatHyper | None = 0.001,
         lr: FloatHyper = 0.1,
         accumulation_steps: int = 1,
-        compute_method: ComputeMethod | str = ComputeMethod.EIGEN,
+        compute_method: DecompositionMethod | ComputeMethod | str = ComputeMethod.EIGEN,
         grad_worker_fraction: DistributedStrategy | float | None = 1.0,
         skip_layers: Iterable[str] | None = (),
         factor_dtype: torch.dtype | None = None,
         inv_dtype: torch.dtype = torch.float32,
         process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float | None = None,
-        placement: str | None = None,
-        decomposition_cost: DecompositionCostModel | None = None,
-        broadcast_cost: CostModel | None = None,
-        factor_comm: str | None = None,
-        fusion: str = "merged",
-        profile_steps: int = 3,
-        factor_cost: CostModel | None = None,
+        bucket_cap_mb: float = 25.0,
+        placement: Placement | PlacementChoice | str = PlacementChoice.GREEDY,
+        factor_comm: FactorCommMode | FactorCommChoice | str = FactorCommChoice.PIPELINED,
         g_normalization: str = "kfac-pytorch",
-        allreduce_bucket_cap_mb: float | None = None,
-        assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
-        colocate_factors: bool | None = None,
-        compute_eigenvalue_outer_product: bool = True,
         symmetry_aware: bool = False,
         grad_scaler: Any = None,
-        update_factors_in_hook: bool | None = None,
-        loglevel: int = logging.DEBUG,
         damping_adaptation: DampingAdaptation
         | str
         | LevenbergMarquardt = DampingAdaptation.LEVENBERG_MARQUARDT,
     ) -> None:
-        compute_method = coerce_choice(ComputeMethod, compute_method, "compute_method").value
-        for flag, value in (
-            ("compute_eigenvalue_outer_product", compute_eigenvalue_outer_product),
-            ("symmetry_aware", symmetry_aware),
-        ):
-            if not isinstance(value, bool):
-                raise UsageError(f"{flag} must be True or False, got {value!r}")
-        bucket_cap_mb = bucket_cap_from(bucket_cap_mb, allreduce_bucket_cap_mb)
-        factor_comm = factor_comm_from(factor_comm, update_factors_in_hook)
-        placement, balance = placement_from(
-            placement,
-            assignment_strategy,
-            colocate_factors,
-            compute_eigenvalue_outer_product,
-            eigen=compute_method == ComputeMethod.EIGEN.value,
+        ranks = GroupRanks.of(process_group)
+        options = settle(
+            world_size=ranks.world_size,
+            factor_update_steps=factor_update_steps,
+            inv_update_steps=inv_update_steps,
+            damping=damping,
+            factor_decay=factor_decay,
+            kl_clip=kl_clip,
+            lr=lr,
+            accumulation_steps=accumulation_steps,
+            compute_method=compute_method,
+            grad_worker_fraction=grad_worker_fraction,
+            skip_layers=skip_layers,
+            factor_dtype=factor_dtype,
+            inv_dtype=inv_dtype,
+            bucket_cap_mb=bucket_cap_mb,
+            placement=placement,
+            factor_comm=factor_comm,
+            g_normalization=g_normalization,
+            symmetry_aware=symmetry_aware,
+            grad_scaler=grad_scaler,
+            damping_adaptation=damping_adaptation,
         )
-        self._grad_scale = grad_scale_function(grad_scaler)
+        self._grad_scale = options.grad_scale
         # The loss scale, read once per backward: a read is a device sync on an accelerator.
         self._scale_now: float | None = None
-        skip_layers = () if skip_layers is None else skip_layers
-        check_options(
-            factor_comm=factor_comm,
-            fusion=fusion,
-            profile_steps=profile_steps,
-            g_normalization=g_normalization,
-            placement=placement,
-            grad_worker_fraction=1.0,  # checked below, once the world size is known
-            compute_method=compute_method,
-            accumulation_steps=accumulation_steps,
-            bucket_cap_mb=bucket_cap_mb if bucket_cap_mb > 0 else 1.0,
-        )
-        #: kfac-pytorch's switches, kept for :meth:`__repr__` and checkpoints.
-        self.assignment_strategy = balance
-        self.compute_eigenvalue_outer_product = compute_eigenvalue_outer_product
-        self.symmetry_aware = symmetry_aware
-        self.loglevel = loglevel
-        self.g_normalization = g_normalization
+        self.g_normalization = options.g_normalization
+        self.symmetry_aware = options.symmetry_aware
         self._factor_update_steps = factor_update_steps
         self._inv_update_steps = inv_update_steps
         self._damping = damping
         self._factor_decay = factor_decay
         self._kl_clip = kl_clip
         self._lr = lr
-        self.accumulation_steps = accumulation_steps
-        self.compute_method = compute_method
+        self.accumulation_steps = options.accumulation_steps
+        #: The decomposition method, placement and factor-communication mode, as objects.
+        self.compute_method: DecompositionMethod = options.method
+        self.placement: Placement = options.placement
+        self.factor_comm: FactorCommMode = options.factor_comm
         self.factor_dtype = factor_dtype
         self.inv_dtype = inv_dtype
         # A cap of 0 (kfac-pytorch: no bucketing) gives every factor an all-reduce of its own.
-        self.bucket_bytes = int(bucket_cap_mb * 1024 * 1024)
-        self.placement = placement
-        self.factor_comm = factor_comm
-        self.fusion = fusion
-        self.profile_steps = profile_steps
+        self.bucket_bytes = int(options.bucket_cap_mb * 1024 * 1024)
         self.steps = 0
-        self._check_hyperparameters()
-        adaptation = damping_adaptation_from(damping_adaptation)
-        check_adaptation(adaptation, damping)
 
-        ranks = GroupRanks.of(process_group)
         self.group, self.world_size, self.rank = ranks.group, ranks.world_size, ranks.rank
-        fraction = resolve_grad_worker_fraction(grad_worker_fraction, self.world_size)
-        if placement == "lbp" and not asks_for_comm_opt(grad_worker_fraction):
-            raise UsageError(
-                "placement='lbp' needs grad_worker_fraction=1 (COMM-OPT): it broadcasts each "
-                f"factor's decomposition to every rank, got grad_worker_fraction="
-                f"{grad_worker_fraction!r}; use placement='greedy' for MEM-OPT or HYBRID"
-            )
-        self.worker_groups = WorkerGroups.for_fraction(fraction, self.world_size)
+        assert options.grad_worker_fraction is not None  # settled on this world size
+        self.worker_groups = WorkerGroups.for_fraction(
+            options.grad_worker_fraction, self.world_size
+        )
         self.grad_worker_fraction = self.worker_groups.workers / self.world_size
 
         #: Seconds spent in each of :data:`PHASES` by the last :meth:`step`.
@@ -301,9 +261,8 @@ class KFAC:
 
         #: Modules left to the optimiser, with the reason: ``{name: reason}``.
         self.skipped: dict[str, str]
-        skip_layers = tuple(skip_layers)  # read twice below: a generator would be spent
         self._layers, self.skipped = find_layers(
-            unwrap(model), skip_layers, compute_method, inv_dtype
+            unwrap(model), options.skip_layers, self.compute_method, inv_dtype
         )
         if ranks.distributed and self.world_size > 1:
             # Before the first collective: ranks that disagree here would hang, abort in gloo
@@ -311,25 +270,19 @@ class KFAC:
             settings = agreement_settings(
                 {key: getattr(self, f"_{key}") for key in PLAIN_HYPERPARAMETERS},
                 self._hyperparameters(),
-                skip_layers=sorted({name.lower() for name in skip_layers}),
-                accumulation_steps=accumulation_steps,
-                compute_method=compute_method,
+                skip_layers=sorted({name.lower() for name in options.skip_layers}),
+                accumulation_steps=self.accumulation_steps,
+                compute_method=self.compute_method,
                 grad_worker_fraction=self.grad_worker_fraction,
                 factor_dtype=factor_dtype,
                 inv_dtype=inv_dtype,
-                bucket_cap_mb=bucket_cap_mb,
-                placement=placement,
-                assignment_strategy=balance.value,
-                symmetry_aware=symmetry_aware,
+                bucket_cap_mb=options.bucket_cap_mb,
+                placement=self.placement,
+                symmetry_aware=self.symmetry_aware,
                 grad_scaler=self._grad_scale is not None,
-                decomposition_cost=decomposition_cost,
-                broadcast_cost=broadcast_cost,
-                factor_comm=factor_comm,
-                fusion=fusion,
-                profile_steps=profile_steps,
-                factor_cost=factor_cost,
-                g_normalization=g_normalization,
-                damping_adaptation=repr(adaptation) if adaptation else "fixed",
+                factor_comm=self.factor_comm,
+                g_normalization=self.g_normalization,
+                damping_adaptation=repr(options.adaptation) if options.adaptation else "fixed",
             )
             check_agreement("K-FAC", settings, describe_layers(self._layers), self.group)
         for layer in self._layers:
@@ -338,26 +291,20 @@ class KFAC:
         # The order below is the order of the collectives each part issues at start-up.
         self.assignment = WorkAssignment(
             self._layers,
-            placement=placement,
+            placement=self.placement,
             worker_groups=self.worker_groups,
-            compute_method=compute_method,
+            method=self.compute_method,
             inv_dtype=inv_dtype,
             ranks=ranks,
             device=self._device(),
-            decomposition_cost=decomposition_cost,
-            broadcast_cost=broadcast_cost,
-            balance=balance.value,
         )
         self._comm = FactorComm(
-            factor_comm,
-            fusion,
+            self.factor_comm,
             ranks=ranks,
             bucket_bytes=self.bucket_bytes,
-            accumulation_steps=accumulation_steps,
-            profile_steps=profile_steps,
-            factor_cost=factor_cost,
+            accumulation_steps=self.accumulation_steps,
             spans=self._spans,
-            symmetry_aware=symmetry_aware,
+            symmetry_aware=self.symmetry_aware,
         )
         self.assignment.make_owner_groups()
         self._factor_update = FactorUpdate(self._comm, self._spans, self.rank)
@@ -365,19 +312,21 @@ class KFAC:
         #: The Levenberg-Marquardt damping (None: the ``damping`` given, fixed or scheduled).
         self.adaptive_damping = (
             None
-            if adaptation is None
-            else AdaptiveDamping(adaptation, cast(float, damping), self.world_size, self.group)
+            if options.adaptation is None
+            else AdaptiveDamping(
+                options.adaptation, cast(float, damping), self.world_size, self.group
+            )
         )
         self._batch_rows = 1
         for layer in self._layers:
             _LOG.log(
-                loglevel,
+                self.loglevel,
                 "K-FAC registered %s: A %d, G %d",
                 layer.name,
                 layer.helper.a_dim,
                 layer.helper.g_dim,
             )
-        _LOG.log(loglevel, "K-FAC layer assignment: %s", self.describe().splitlines()[0])
+        _LOG.log(self.loglevel, "K-FAC layer assignment: %s", self.describe().splitlines()[0])
         if self.skipped and self.rank == 0:
             listing = ", ".join(f"{name} ({why})" for name, why in self.skipped.items())
             warnings.warn(
@@ -386,6 +335,30 @@ class KFAC:
                 KFACWarning,
                 stacklevel=2,
             )
+
+    @classmethod
+    def check_options(cls, world_size: int | None = None, **keywords: Any) -> Settled:
+        """Check keywords as the constructor does, with no model or process group yet (what
+        ``interlace train`` runs before it starts any rank).
+
+        Args:
+            world_size: The ranks K-FAC will run on (None: not known; the gradient-worker
+                fraction is then checked for range only).
+            **keywords: The constructor's keywords (but ``model`` and ``process_group``); the
+                rest take their defaults.
+
+        Raises:
+            OptionError: What the constructor would raise before touching the model.
+            TypeError: A keyword the constructor does not take.
+        """
+        bound = inspect.signature(KFAC.__init__).bind(None, None, **keywords)
+        bound.apply_defaults()
+        given = {
+            key: value
+            for key, value in bound.arguments.items()
+            if key not in ("self", "model", "process_group")
+        }
+        return settle(world_size=world_size, **given)
 
     # -- hyperparameters ------------------------------------------------------------------
 
@@ -453,24 +426,29 @@ class KFAC:
     def factor_owners(self) -> dict[str, tuple[int | None, int | None]]:
         """Every layer's ``(A owner, G owner)``; None means decomposed locally on every rank.
 
-        With a layer-level placement both are the layer's owner.
+        With a colocated placement both are the layer's owner.
         """
         owner = self.assignment.factor_owner
         return {name: (owner(name, "A"), owner(name, "G")) for name in self}
 
     @property
     def decomposition_cost(self) -> DecompositionCostModel | None:
-        """LBP's decomposition cost model (None for the layer-level placements, on one rank)."""
-        return self.assignment.decomposition_cost
+        """The decomposition cost model the placement priced with, given or measured (None
+        when it priced nothing: greedy, round-robin, any placement on one rank)."""
+        costs = self.assignment.costs
+        return None if costs is None else costs.decomposition
 
     @property
     def broadcast_cost(self) -> CostModel | None:
-        """LBP's broadcast cost model (None for the layer-level placements, on one rank)."""
-        return self.assignment.broadcast_cost
+        """The broadcast cost model the placement priced with, given or measured (None when it
+        priced nothing)."""
+        costs = self.assignment.costs
+        return None if costs is None else costs.broadcast
 
     @property
     def factor_cost(self) -> CostModel | None:
-        """The all-reduce cost model behind ``fusion="merged"`` (given, or fitted when needed)."""
+        """The all-reduce cost model behind pipelined ``fusion="merged"`` (given, or fitted
+        when needed)."""
         return self._comm.factor_cost
 
     @property
@@ -487,9 +465,10 @@ class KFAC:
     def describe(self) -> str:
         """A few lines: the distribution mode and placement, per-rank load, the layers' owners.
 
-        The first line is a one-line summary. Layer-level placements give each rank's share of
-        the ``n^3`` decomposition cost; LBP gives each rank's predicted seconds of decomposition
-        (its own factors plus the local ones) and the predicted makespan under its cost models.
+        The first line is a one-line summary. A placement that priced nothing gives each rank's
+        share of the ``n^3`` decomposition cost; one that priced its choice (LBP) gives each
+        rank's predicted seconds of decomposition (its own factors plus the local ones) and the
+        predicted makespan under its cost models.
         """
         return self.assignment.describe(self._layers)
 
@@ -741,9 +720,7 @@ class KFAC:
             "compute_method": self.compute_method,
             "grad_worker_fraction": self.grad_worker_fraction,
             "placement": self.placement,
-            "assignment_strategy": self.assignment_strategy.value,
             "factor_comm": self.factor_comm,
-            "fusion": self.fusion,
             "bucket_cap_mb": self.bucket_bytes / 2**20,
             "symmetry_aware": self.symmetry_aware,
             "grad_scaler": self._grad_scale is not None,
@@ -766,11 +743,31 @@ class KFAC:
 
 
 class KFACPreconditioner(KFAC):
-    """:class:`KFAC` under kfac-pytorch's name (``kfac.preconditioner.KFACPreconditioner``), with
-    kfac-pytorch's fixed damping by default, so a script switched by its import behaves as before.
+    """kfac-pytorch's ``KFACPreconditioner``: :class:`KFAC` with kfac-pytorch's arguments and its
+    fixed damping by default, so a script switched by its import behaves as before.
+
+    Takes every keyword of :class:`KFAC` and, besides, kfac-pytorch's own names and the flat
+    spellings of settings :class:`KFAC` keeps in its policy objects (``interlace train``'s
+    flags are these keywords); :func:`~interlace.kfac.compat.kfac_keywords` maps them.
 
     Args:
         model: The model, or a DataParallel / DDP wrapper around it.
+        allreduce_bucket_cap_mb: kfac-pytorch's name for ``bucket_cap_mb`` (None: not given).
+        assignment_strategy: What greedy placement balances: ``COMPUTE`` (``n^3``) or
+            ``MEMORY`` (``n^2``), an :class:`AssignmentStrategy` or its string.
+        colocate_factors: True keeps a layer's two factors on one rank (greedy, round-robin),
+            False places them apart (LBP); None: as ``placement`` says.
+        compute_eigenvalue_outer_product: kfac-pytorch's switch; results do not depend on it,
+            but with ``eigen`` it needs colocated factors.
+        update_factors_in_hook: True is ``factor_comm="pipelined"``, False ``"bulk"``; None:
+            as ``factor_comm`` says.
+        loglevel: The level of the messages naming the registered layers and the placement.
+        fusion: The pipelined buckets (see :class:`~interlace.kfac.factor_modes.Pipelined`;
+            None: its default).
+        profile_steps: Factor steps profiled before ``"merged"`` plans (None: the default).
+        factor_cost: The all-reduce cost model behind ``"merged"`` (None: fitted).
+        decomposition_cost: LBP's decomposition cost model (None: measured at start-up).
+        broadcast_cost: LBP's broadcast cost model (None: measured at start-up).
         damping_adaptation: As :class:`KFAC`'s, ``"fixed"`` unless given.
         **options: :class:`KFAC`'s other keyword arguments.
     """
@@ -779,7 +776,59 @@ class KFACPreconditioner(KFAC):
         self,
         model: nn.Module,
         *,
+        allreduce_bucket_cap_mb: float | None = None,
+        assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
+        colocate_factors: bool | None = None,
+        compute_eigenvalue_outer_product: bool = True,
+        update_factors_in_hook: bool | None = None,
+        loglevel: int = logging.DEBUG,
+        fusion: str | None = None,
+        profile_steps: int | None = None,
+        factor_cost: CostModel | None = None,
+        decomposition_cost: DecompositionCostModel | None = None,
+        broadcast_cost: CostModel | None = None,
         damping_adaptation: DampingAdaptation | str | LevenbergMarquardt = DampingAdaptation.FIXED,
         **options: Any,
     ) -> None:
-        super().__init__(model, damping_adaptation=damping_adaptation, **options)
+        self.loglevel = loglevel
+        keywords = kfac_keywords(
+            {**options, "damping_adaptation": damping_adaptation},
+            allreduce_bucket_cap_mb=allreduce_bucket_cap_mb,
+            assignment_strategy=assignment_strategy,
+            colocate_factors=colocate_factors,
+            compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
+            update_factors_in_hook=update_factors_in_hook,
+            fusion=fusion,
+            profile_steps=profile_steps,
+            factor_cost=factor_cost,
+            decomposition_cost=decomposition_cost,
+            broadcast_cost=broadcast_cost,
+        )
+        super().__init__(model, **keywords)
+        #: kfac-pytorch's switches as given, for scripts that read them back.
+        self.assignment_strategy = coerce_choice(
+            AssignmentStrategy, assignment_strategy, "assignment_strategy"
+        )
+        self.compute_eigenvalue_outer_product = compute_eigenvalue_outer_product
+
+    @classmethod
+    def check_options(cls, world_size: int | None = None, **keywords: Any) -> Settled:
+        """Check keywords as the constructor does, with no model or process group yet (what
+        ``interlace train`` runs before it starts any rank).
+
+        Args:
+            world_size: The ranks K-FAC will run on (None: not known yet).
+            **keywords: The constructor's keywords (but ``model`` and ``process_group``).
+
+        Raises:
+            OptionError: What the constructor would raise before touching the model.
+            TypeError: A keyword neither this class nor :class:`KFAC` takes.
+        """
+        bound = inspect.signature(cls.__init__).bind(None, None, **keywords)
+        bound.apply_defaults()
+        given = dict(bound.arguments)
+        options = given.pop("options")
+        for key in ("self", "model", "loglevel"):
+            given.pop(key)
+        options["damping_adaptation"] = given.pop("damping_adaptation")
+        return KFAC.check_options(world_size, **kfac_keywords(options, **given))

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from interlace.kfac.assignment import WorkAssignment
-from interlace.kfac.layer import KFACLayer
+from interlace.kfac.preconditioned_layer import KFACLayer
 from interlace.kfac.warning import KFACWarning
+from interlace.kfac.work_assignment import WorkAssignment
 
 __all__ = [
     "PLAIN_HYPERPARAMETERS",

@@ -1,8 +1,8 @@
 """K-FAC strategies in the simulator: one D-KFAC or SPD-KFAC iteration from a trace.
 
 Gradient and factor all-reduces share one link, replayed by :func:`interlace.sim.replay.replay`;
-decompositions are placed and priced by :mod:`interlace.kfac.placement`. What each cost is
-taken from is in docs/notes/sim.md.
+decompositions are placed by the runtime's own placement objects (:mod:`interlace.kfac.placements`)
+and priced here. What each cost is taken from is in docs/notes/sim.md.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from interlace.comm.plan import ReadyTensor, schedule
 from interlace.comm.strategies import PLANNED_STRATEGIES
 from interlace.errors import UsageError
 from interlace.kfac.fusion import make_groups
+from interlace.kfac.placements import LBP, Greedy, Placement, placement_from
 from interlace.kfac.sizes import packed_size
 from interlace.sim.engine import SimResult
 from interlace.sim.kfac_costs import KfacCosts
@@ -45,8 +46,9 @@ class KfacStrategy:
         pipelined: Factors computed in the passes and all-reduced in merged buckets as they
             become ready (SPD-KFAC); otherwise computed after backward and all-reduced in one
             message.
-        placement: ``"greedy"``: a layer's two decompositions on one rank by n^3 (D-KFAC);
-            ``"lbp"``: SPD-KFAC's load-balancing placement of single factors.
+        placement: The runtime's placement object (or its name): :class:`Greedy`, a layer's
+            two decompositions on one rank by n^3 (D-KFAC); :class:`LBP`, SPD-KFAC's
+            load-balancing placement of single factors; or any other.
         description: One line for people.
         factors_in_passes: Factors computed in the passes (``A`` after its layer's forward,
             ``G`` before its layer's backward) even when sent in bulk, as interlace's hooks do
@@ -56,9 +58,9 @@ class KfacStrategy:
         bulk_cap_bytes: Bulk factors go in buckets of at most this many bytes, in layer order
             (``A`` then ``G``; a factor that would overflow a bucket starts the next one);
             0: one message.
-        broadcasts_after: Layer-level placement: every decomposition is made before the first
-            broadcast, then one broadcast per layer in layer order, one after another
-            (interlace's greedy placement); otherwise each owner sends a result as soon as it
+        broadcasts_after: Colocated placement: every decomposition is made before the first
+            broadcast, then one broadcast per layer in layer order, one after another (as
+            interlace's runtime sends them); otherwise each owner sends a result as soon as it
             is made.
         factor_group: Pipelined factor all-reduces run on a process group of their own (a
             second queue beside the gradients', sharing the wire), as interlace's do; otherwise
@@ -67,13 +69,16 @@ class KfacStrategy:
 
     name: str
     pipelined: bool
-    placement: str
+    placement: Placement
     description: str
     factors_in_passes: bool | None = None
     bulk_packed: bool = True
     bulk_cap_bytes: int = 0
     broadcasts_after: bool = False
     factor_group: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "placement", placement_from(self.placement))
 
     @property
     def computes_in_passes(self) -> bool:
@@ -86,22 +91,22 @@ KFAC_STRATEGIES: dict[str, KfacStrategy] = {
     "dkfac": KfacStrategy(
         "dkfac",
         False,
-        "greedy",
+        Greedy(),
         "D-KFAC: factors after backward, one bulk all-reduce, greedy placement per layer",
     ),
     "dkfac-pipelined": KfacStrategy(
         "dkfac-pipelined",
         True,
-        "greedy",
+        Greedy(),
         "D-KFAC with SPD-KFAC's pipelined factor all-reduces in merged buckets",
     ),
     "dkfac-lbp": KfacStrategy(
-        "dkfac-lbp", False, "lbp", "D-KFAC with SPD-KFAC's load-balancing placement"
+        "dkfac-lbp", False, LBP(), "D-KFAC with SPD-KFAC's load-balancing placement"
     ),
     "spd": KfacStrategy(
         "spd",
         True,
-        "lbp",
+        LBP(),
         "SPD-KFAC: pipelined factor all-reduces in merged buckets, load-balancing placement",
     ),
 }
@@ -210,8 +215,8 @@ class KfacResult(SimResult):
     Args:
         total_s: The iteration.
         kinds: What each bucket of ``plan`` carries: ``"gradient"`` or ``"factor"``.
-        owners: Each placed item's owner (None: decomposed on every rank): a layer for greedy,
-            a factor (each layer's ``A`` then ``G``) for LBP.
+        owners: Each placed item's owner (None: decomposed on every rank): a layer for a
+            colocated placement (greedy), a factor (each layer's ``A`` then ``G``) otherwise.
         events: The timeline's events.
     """
 
@@ -455,7 +460,7 @@ def simulate_kfac(
     stage = decomposition_stage(
         [(layer.name, layer.a_dim, layer.g_dim) for layer in layers],
         placement=chosen.placement,
-        broadcasts_after=chosen.broadcasts_after and chosen.placement == "greedy",
+        broadcasts_after=chosen.broadcasts_after and chosen.placement.colocated,
         workers=workers,
         costs=costs,
         broadcast=broadcast_cost or cost,

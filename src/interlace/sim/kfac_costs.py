@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from interlace.errors import UsageError
 from interlace.kfac.costs import DecompositionCostModel
+from interlace.kfac.methods import DecompositionMethod, method_from
 
 #: ``(c3, c2, c0)`` of the default decomposition model, seconds for an ``n x n`` factor: a
 #: round-number model of a GPU-class symmetric eigensolver (cuSOLVER ``syevd``, float32), for
@@ -39,9 +40,6 @@ def log_log_interpolate(points: tuple[tuple[int, float], ...], n: int) -> float:
     return t0 * math.exp(slope * math.log(n / n0))
 
 
-_METHODS = ("eigen", "inverse")
-
-
 @dataclass(frozen=True)
 class KfacCosts:
     """The costs a trace does not hold, as explicit models.
@@ -57,8 +55,9 @@ class KfacCosts:
             :data:`DEFAULT_DECOMPOSITION`.
         gemm_flops: Flop/s of the preconditioning products.
         precondition_overhead_s: Seconds per preconditioned layer on top of its products.
-        compute_method: ``"eigen"`` (eigenvectors and eigenvalues sent, four products to
-            precondition) or ``"inverse"`` (the inverse sent, two products).
+        compute_method: The decomposition method the runtime uses, or its name: ``"eigen"``
+            (eigenvectors and eigenvalues sent, four products to precondition) or
+            ``"inverse"`` (the inverse sent, two products).
         element_bytes: Bytes per number of factors and decompositions on the wire (float32).
         source: Where the numbers come from, for the printed description.
         decomposition_points: Measured ``(n, seconds)`` of one decomposition, increasing in
@@ -75,7 +74,7 @@ class KfacCosts:
     decomposition: DecompositionCostModel | None = None
     gemm_flops: float = DEFAULT_GEMM_FLOPS
     precondition_overhead_s: float = DEFAULT_PRECONDITION_OVERHEAD_S
-    compute_method: str = "eigen"
+    compute_method: DecompositionMethod | str = "eigen"
     element_bytes: int = 4
     source: str = "defaults for a GPU-class device"
     decomposition_points: tuple[tuple[int, float], ...] = ()
@@ -90,8 +89,7 @@ class KfacCosts:
                 raise ValueError(f"{name} must be finite and >= 0, got {value}")
         if not (math.isfinite(self.gemm_flops) and self.gemm_flops > 0):
             raise ValueError(f"gemm_flops must be finite and > 0, got {self.gemm_flops}")
-        if self.compute_method not in _METHODS:
-            raise ValueError(f"compute_method must be one of {_METHODS}, got {self.compute_method}")
+        method_from(self.compute_method)  # refuses an unknown method
         if self.element_bytes < 1:
             raise ValueError(f"element_bytes must be >= 1, got {self.element_bytes}")
         points = self.decomposition_points
@@ -104,6 +102,11 @@ class KfacCosts:
         for layer, a_s, g_s in self.layer_factor_s:
             if not all(math.isfinite(t) and t >= 0 for t in (a_s, g_s)):
                 raise ValueError(f"layer_factor_s of {layer!r} must be finite and >= 0")
+
+    @property
+    def method(self) -> DecompositionMethod:
+        """The decomposition method priced (:attr:`compute_method` as an object)."""
+        return method_from(self.compute_method)
 
     def decomposition_model(self) -> DecompositionCostModel:
         """The decomposition model: the one given, or :data:`DEFAULT_DECOMPOSITION`'s."""
@@ -173,8 +176,7 @@ class KfacCosts:
             a_dim: ``A``'s order (the weight's columns, bias included).
             g_dim: ``G``'s order (the weight's rows).
         """
-        products = 4 if self.compute_method == "eigen" else 2
-        flops = products * a_dim * g_dim * (a_dim + g_dim)
+        flops = self.method.precondition_products * a_dim * g_dim * (a_dim + g_dim)
         return self.precondition_overhead_s + flops / self.gemm_flops
 
     def describe(self) -> str:
@@ -186,11 +188,11 @@ class KfacCosts:
             else f"factors {self.factor_scale:g} x the layer's own products"
         )
         decomposition = (
-            f"{self.compute_method} decomposition through {len(self.decomposition_points)} "
+            f"{self.method.name} decomposition through {len(self.decomposition_points)} "
             f"measured sizes (placed by {model.c0 * 1e3:.3g} ms + {model.c2:.3g} n^2 + "
             f"{model.c3:.3g} n^3 s)"
             if self.decomposition_points
-            else f"{self.compute_method} decomposition {model.c0 * 1e3:.3g} ms + "
+            else f"{self.method.name} decomposition {model.c0 * 1e3:.3g} ms + "
             f"{model.c2:.3g} n^2 + {model.c3:.3g} n^3 s"
         )
         return (

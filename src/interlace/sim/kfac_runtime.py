@@ -1,9 +1,12 @@
-"""interlace's own K-FAC modes as simulator strategies: what ``KFAC(factor_comm=, fusion=,
-placement=)`` does, stage by stage, for validating the simulator against the runtime."""
+"""interlace's own K-FAC modes as simulator strategies: what ``KFAC(factor_comm=, placement=)``
+does, stage by stage, for validating the simulator against the runtime; the modes and placements
+are the runtime's own objects."""
 
 from __future__ import annotations
 
 from interlace.errors import UsageError
+from interlace.kfac.factor_modes import FactorCommMode, Pipelined, factor_comm_from
+from interlace.kfac.placements import Placement, placement_from
 from interlace.sim.kfac import KfacStrategy
 
 __all__ = ["RUNTIME_BULK_CAP_BYTES", "runtime_strategy"]
@@ -15,14 +18,13 @@ RUNTIME_BULK_CAP_BYTES = 25 * 1024 * 1024
 
 def runtime_strategy(
     name: str,
-    factor_comm: str,
-    fusion: str,
-    placement: str,
+    factor_comm: FactorCommMode | str,
+    placement: Placement | str,
     *,
     bucket_cap_bytes: int = RUNTIME_BULK_CAP_BYTES,
     symmetry_aware: bool = False,
 ) -> KfacStrategy:
-    """interlace's ``KFAC(factor_comm=, fusion=, placement=)`` (COMM-OPT) as a simulator strategy.
+    """interlace's ``KFAC(factor_comm=, placement=)`` (COMM-OPT) as a simulator strategy.
 
     What the runtime does, and so what the strategy models:
 
@@ -31,50 +33,44 @@ def runtime_strategy(
     * ``"bulk"``: once backward has returned with averaged gradients, ``step()`` all-reduces
       every factor in buckets of at most ``bucket_cap_bytes`` in layer order; whole ``n x n``
       factors unless ``symmetry_aware``.
-    * ``"pipelined"`` with ``"merged"`` fusion: SPD-KFAC's buckets, as the simulator's ``spd``,
-      on a process group of their own: a second queue beside the gradients', sharing the wire.
-    * ``"greedy"``: an owner decomposes both of a layer's factors; the broadcasts (one per
-      layer, on the world group) start once every decomposition is made and run one after
-      another. ``"lbp"``: the simulator's LBP (each owner broadcasts on a group of its own as
-      soon as a factor is made).
+    * ``Pipelined(fusion="merged")`` (``"pipelined"``): SPD-KFAC's buckets, as the simulator's
+      ``spd``, on a process group of their own: a second queue beside the gradients', sharing
+      the wire.
+    * A colocated placement (greedy, round-robin): an owner decomposes both of a layer's
+      factors; the broadcasts (one per layer, on the world group) start once every
+      decomposition is made and run one after another. Any other (LBP): each owner broadcasts
+      a factor on a group of its own as soon as it is made. The placement object itself places,
+      as the runtime runs it.
 
     Not modelled: the small all-reduce with which ``step()`` agrees which layers have factors
     (one start-up), and host work beside the device's (folding factors into running averages).
 
     Args:
         name: The strategy's name in rows.
-        factor_comm: ``"bulk"`` or ``"pipelined"``.
-        fusion: ``"none"`` (bulk) or ``"merged"`` (pipelined).
-        placement: ``"greedy"`` or ``"lbp"``.
+        factor_comm: The runtime's mode object, or its name.
+        placement: The runtime's placement object, or its name.
         bucket_cap_bytes: ``KFAC(bucket_cap_mb=)`` in bytes.
         symmetry_aware: ``KFAC(symmetry_aware=)``.
 
     Raises:
-        UsageError: For a combination the simulator has no model of (``"round-robin"``
-            placement, pipelined factors in other than merged buckets, unknown values).
+        UsageError: For a mode the simulator has no model of (pipelined factors in other than
+            merged buckets) or an unknown name.
     """
-    settings = f"factor_comm={factor_comm!r}, fusion={fusion!r}, placement={placement!r}"
-    if placement not in ("greedy", "lbp"):
+    mode = factor_comm_from(factor_comm)
+    chosen = placement_from(placement)
+    if isinstance(mode, Pipelined) and mode.fusion != "merged":
         raise UsageError(
-            f"K-FAC with {settings}: the simulator models greedy and lbp placement only"
-        )
-    if factor_comm == "pipelined" and fusion == "merged":
-        pipelined = True
-    elif factor_comm == "bulk":
-        pipelined = False
-    else:
-        raise UsageError(
-            f"K-FAC with {settings}: the simulator models bulk factors, or pipelined factors in "
-            "merged buckets"
+            f"K-FAC with factor_comm={mode!r}: the simulator models bulk factors, or pipelined "
+            "factors in merged buckets"
         )
     return KfacStrategy(
         name,
-        pipelined,
-        placement,
-        f"interlace's KFAC({settings})",
+        mode.pipelined,
+        chosen,
+        f"interlace's KFAC(factor_comm={mode.name!r}, placement={chosen.name!r})",
         factors_in_passes=True,
         bulk_packed=symmetry_aware,
         bulk_cap_bytes=bucket_cap_bytes,
-        broadcasts_after=placement == "greedy",
-        factor_group=pipelined,
+        broadcasts_after=chosen.colocated,
+        factor_group=mode.pipelined,
     )

@@ -1,28 +1,24 @@
 """The decomposition stage of a simulated K-FAC iteration: who decomposes each factor, what that
 costs, and when every rank holds every decomposition.
 
-Placement follows :mod:`interlace.kfac.placement` on the costs the runtime places with; the stage
-is priced with what each decomposition takes (:meth:`KfacCosts.decomposition_s`).
+The placement is the runtime's own object (:mod:`interlace.kfac.placements`), run on the costs the
+runtime places with; the stage is priced with what each decomposition takes
+(:meth:`KfacCosts.decomposition_s`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from interlace.comm.cost import CostModel
-from interlace.kfac.costs import decomposition_numel
-from interlace.kfac.placement import (
-    FactorItem,
-    decomposition_cost,
-    greedy_placement,
-    lbp_placement,
-    schedule_order,
-)
+from interlace.kfac.costs import DecompositionCostModel
+from interlace.kfac.lbp import FactorItem, schedule_order
+from interlace.kfac.placements import LayerFactors, Placement, PlacementCosts
 from interlace.sim.kfac_costs import KfacCosts
 
-__all__ = ["Stage", "decomposition_stage"]
+__all__ = ["SimulatedCosts", "Stage", "decomposition_stage"]
 
 #: One stage event: ``(name, category, start, end)``, seconds from the stage's start.
 StageEvent = tuple[str, str, float, float]
@@ -35,8 +31,9 @@ class Stage:
     Args:
         makespan_s: Until every rank holds every decomposition.
         decomposition_s: The busiest rank's decompositions, local ones included.
-        owners: Each placed item's owner (None: decomposed on every rank).
-        local_factors: Factors decomposed on every rank (LBP).
+        owners: Each placed item's owner (None: decomposed on every rank): a layer for a
+            colocated placement, a factor otherwise.
+        local_factors: Factors decomposed on every rank.
         events: The rank that finishes last: its decompositions and the broadcasts drawn.
     """
 
@@ -47,89 +44,109 @@ class Stage:
     events: list[StageEvent]
 
 
+@dataclass(frozen=True)
+class SimulatedCosts:
+    """The simulator's :class:`~interlace.kfac.placements.CostSource`: the placement prices
+    with :meth:`KfacCosts.decomposition_model` and the broadcast model, as the runtime's LBP
+    prices with its fitted models.
+
+    Args:
+        costs: The K-FAC costs.
+        broadcast: Prices a decomposition's broadcast.
+    """
+
+    costs: KfacCosts
+    broadcast: CostModel
+
+    def priced(
+        self,
+        decomposition: DecompositionCostModel | None = None,
+        broadcast: CostModel | None = None,
+    ) -> PlacementCosts:
+        """The models given, the simulator's own for those not given.
+
+        Args:
+            decomposition: A decomposition model to use as it is.
+            broadcast: A broadcast model to use as it is.
+        """
+        return PlacementCosts(
+            decomposition or self.costs.decomposition_model(),
+            broadcast or self.broadcast,
+            self.costs.method,
+            element_bytes=self.costs.element_bytes,
+        )
+
+
 def decomposition_stage(
     layers: Sequence[tuple[str, int, int]],
     *,
-    placement: str,
+    placement: Placement,
     broadcasts_after: bool,
     workers: int,
     costs: KfacCosts,
     broadcast: CostModel,
 ) -> Stage:
-    """Place the decompositions of ``layers`` and price the stage.
+    """Place the decompositions of ``layers`` with ``placement`` and price the stage.
 
-    ``"greedy"`` places layers (both decompositions on one rank by ``n^3``, one broadcast of
-    both); ``"lbp"`` places single factors, each layer's ``A`` then ``G``, by
-    :func:`~interlace.kfac.placement.lbp_placement` on :meth:`KfacCosts.decomposition_model`
-    (what the runtime's LBP places with), and every rank walks
-    :func:`~interlace.kfac.placement.schedule_order` of that placement.
+    A colocated placement's items are layers (both decompositions on one rank, one broadcast of
+    both); any other's are single factors, each layer's ``A`` then ``G``, walked in the
+    placement's order (LBP's: :func:`~interlace.kfac.lbp.schedule_order` of its placement).
 
-    Each owner decomposes its items in that order. Without ``broadcasts_after`` it sends each
-    result as soon as it is made and its previous send is done, owners' sends overlapping (the
-    placement model's assumption); local factors come last and delay no send. With
-    ``broadcasts_after`` every decomposition is made before the first broadcast, and the
-    broadcasts follow one another in layer order (interlace's greedy placement: one broadcast
-    per layer on the world group once the decompositions are done).
+    Each owner decomposes its items in order. Without ``broadcasts_after`` it sends each result
+    as soon as it is made and its previous send is done, owners' sends overlapping (the LBP
+    model's assumption), layers in Johnson's order for a colocated placement; local factors
+    come last and delay no send. With ``broadcasts_after`` (colocated placements only, as the
+    runtime runs them) every decomposition is made before the first broadcast, and the
+    broadcasts follow one another in layer order (one per layer on the world group).
 
     Args:
         layers: ``(name, a_dim, g_dim)`` of each preconditioned layer, in module order.
-        placement: ``"greedy"`` or ``"lbp"``.
+        placement: The runtime's placement object.
         broadcasts_after: Broadcast only once every decomposition is made (see above).
         workers: The ranks (>= 1).
-        costs: Prices decompositions (and gives the model LBP places with).
+        costs: Prices decompositions (and gives the model a placement prices with).
         broadcast: Prices a decomposition's broadcast.
     """
-    method, size = costs.compute_method, costs.element_bytes
+    method, size = costs.method, costs.element_bytes
     price = costs.decomposition_s
-    names: list[str]
-    items: list[FactorItem]
-    place_decompose: Callable[[int], float]
-    send: Callable[[int], float]
-    owners: list[int | None]
-    if placement == "greedy":
+    source = SimulatedCosts(costs, broadcast)
+    placed = placement.place([LayerFactors(a, g) for _, a, g in layers], workers, source)
+    placed.check(placement, 2 * len(layers), workers)
+    if placement.colocated:
         names = [name for name, _, _ in layers]
-        seconds = [price(a) + price(g) for _, a, g in layers]
-        sent = [
-            broadcast.time((decomposition_numel(method, a) + decomposition_numel(method, g)) * size)
-            for _, a, g in layers
-        ]
-        # An item's dim is the layer's index, priced by lookup.
+        owners = list(placed.owners[0::2])
+        work = [price(a) + price(g) for _, a, g in layers]
+        sent = [broadcast.time((method.numel(a) + method.numel(g)) * size) for _, a, g in layers]
+        # An item's dim is the layer's index, priced by lookup (Johnson's order, not placing).
         items = [FactorItem(index) for index in range(len(layers))]
-
-        def place_decompose(index: int) -> float:
-            return seconds[index]
-
-        def send(index: int) -> float:
-            return sent[index]
-
-        owners = list(greedy_placement([decomposition_cost(a, g) for _, a, g in layers], workers))
-        work = list(seconds)
-        transfer = [s if workers > 1 else 0.0 for s in sent]
+        johnson = (lambda index: work[index], lambda index: sent[index])
+        order = (
+            list(range(len(layers)))
+            if broadcasts_after
+            else schedule_order(items, owners, workers, *johnson)
+        )
     else:
         names = [f"{name}.{which}" for name, _, _ in layers for which in ("A", "G")]
-        items = [FactorItem(dim) for _, a, g in layers for dim in (a, g)]
-        place_decompose = costs.decomposition_model().time
-
-        def send(dim: int) -> float:
-            return broadcast.time(decomposition_numel(method, dim) * size)
-
-        owners = lbp_placement(items, workers, place_decompose, send)
-        work = [price(item.dim) for item in items]
-        transfer = [send(item.dim) if workers > 1 else 0.0 for item in items]
+        owners = list(placed.owners)
+        dims = [dim for _, a, g in layers for dim in (a, g)]
+        work = [price(dim) for dim in dims]
+        sent = [broadcast.time(method.numel(dim) * size) for dim in dims]
+        order = list(placed.order)
+        broadcasts_after = False
+    transfer = [s if workers > 1 else 0.0 for s in sent]
     local = [w for w, owner in zip(work, owners, strict=True) if owner is None]
     own: list[list[float]] = [[] for _ in range(workers)]
     for w, owner in zip(work, owners, strict=True):
         if owner is not None:
             own[owner].append(w)
     busiest = max(math.fsum(own[rank] + local) for rank in range(workers))
+    local_count = sum(owner is None for owner in owners)
     if broadcasts_after:
-        order = list(range(len(items)))
         last = max(range(workers), key=lambda r: (math.fsum(own[r] + local), -r))
         sends = math.fsum(transfer)
         makespan = busiest + sends
         events = _draw(names, order, owners, (work, transfer), last, after=busiest)
-        return Stage(makespan, busiest, owners, _local_count(placement, owners), events)
-    order = schedule_order(items, owners, workers, place_decompose, send)
+        return Stage(makespan, busiest, owners, local_count, events)
     finish: list[float] = []
     for rank in range(workers):
         clock = sending = 0.0
@@ -141,11 +158,7 @@ def decomposition_stage(
     makespan = max(finish)
     last = max(range(workers), key=lambda r: (finish[r], -r))
     events = _draw(names, order, owners, (work, transfer), last, after=None)
-    return Stage(makespan, min(busiest, makespan), owners, _local_count(placement, owners), events)
-
-
-def _local_count(placement: str, owners: Sequence[int | None]) -> int:
-    return sum(owner is None for owner in owners) if placement == "lbp" else 0
+    return Stage(makespan, min(busiest, makespan), owners, local_count, events)
 
 
 def _draw(

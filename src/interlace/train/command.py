@@ -29,7 +29,7 @@ from interlace.train.config import (
     run_label,
 )
 from interlace.train.job import train_rank
-from interlace.train.kfac_options import add_kfac_arguments, check_worker_fraction, kfac_options
+from interlace.train.kfac_options import add_kfac_arguments, check_kfac_options, kfac_options
 from interlace.zoo import build_model, load_data
 
 
@@ -223,8 +223,8 @@ def add_arguments(
         f"(default {defaults.partition_by})",
     )
     kfac = parser.add_argument_group(
-        "K-FAC (with --optimizer kfac and --parallel data): interlace.KFAC's keywords, "
-        "defaults KFAC's (kfac-pytorch's)"
+        "K-FAC (with --optimizer kfac and --parallel data): interlace.kfac.KFACPreconditioner's "
+        "keywords (KFAC's own and kfac-pytorch's names), defaults theirs (kfac-pytorch's)"
     )
     add_kfac_arguments(kfac, TrainConfig)
     parser.set_defaults(default_epochs=default_epochs, default_nprocs=default_nprocs)
@@ -305,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
     if args.link is not None:
         parse_link(args.link)
     if config.optimizer == "kfac":
-        check_worker_fraction(config, nprocs)
+        check_kfac_options(config, nprocs)
     # Check the model and data here, once, so a typo is one line rather than N tracebacks.
     bundle = load_data(config.data, synthetic_size=config.synthetic_size, seed=config.seed)
     build_model(

@@ -16,9 +16,8 @@ from interlace.comm.engine import COMPRESSIONS
 from interlace.comm.strategies import RUNTIME_STRATEGIES
 from interlace.errors import UsageError
 from interlace.kfac import AssignmentStrategy, ComputeMethod, DampingAdaptation
-from interlace.kfac.assignment import PLACEMENTS
-from interlace.kfac.decomp import COMPUTE_METHODS
-from interlace.kfac.factor_comm import FACTOR_COMMS
+from interlace.kfac.enums import FactorCommChoice, PlacementChoice
+from interlace.kfac.factor_modes import Pipelined
 from interlace.kfac.fusion import FUSIONS
 from interlace.kfac.options import G_NORMALIZATIONS
 from interlace.pipeline import ASYNCHRONOUS, PLAN_BY, SCHEDULES, SPECTRAIN_BACKWARDS, SYNCHRONOUS
@@ -115,10 +114,12 @@ class TrainConfig:
     runs_dir: str = "runs"
     progress: bool = True
     optimizer: str = "sgd"
-    # K-FAC's options (used when optimizer == "kfac"): one declaration per interlace.KFAC
-    # keyword, its default KFAC's (kfac-pytorch's) unless the help says why not; the flag, check
-    # and KFAC keyword follow from it (train/kfac_options.py). A K-FAC run keeps every SGD option
-    # above: lr, momentum, weight decay and the schedule apply to the preconditioned gradients.
+    # K-FAC's options (used when optimizer == "kfac"): one declaration per keyword of
+    # interlace.KFACPreconditioner (KFAC's, kfac-pytorch's, a policy object's setting spelt flat),
+    # its default the keyword's unless the help says why not; the flag and the keyword in the
+    # call follow from it, and the library checks the values (train/kfac_options.py). A K-FAC
+    # run keeps every SGD option above: lr, momentum, weight decay and the schedule apply to the
+    # preconditioned gradients.
     kfac_factor_update_steps: int = kfac_option(
         "factor_update_steps", Count(), "update the Kronecker factors every N steps"
     )
@@ -130,19 +131,19 @@ class TrainConfig:
     )
     kfac_damping_adaptation: str = kfac_option(
         "damping_adaptation",
-        Choice(tuple(member.value for member in DampingAdaptation), DampingAdaptation),
+        Choice(DampingAdaptation),
         "fixed (kfac-pytorch's) or levenberg-marquardt (adapted every 5 steps from the loss, "
         "so that small damping cannot make K-FAC diverge)",
     )
     kfac_factor_decay: float = kfac_option(
-        "factor_decay", Real(0.0, 1.0), "running-average decay of the factors"
+        "factor_decay", Real(), "running-average decay of the factors, in [0, 1)"
     )
     kfac_kl_clip: float = kfac_option(
         "kl_clip", Real(zero_is_none=True), "KL-clip bound on the preconditioned step (0: no clip)"
     )
     kfac_lr: float | None = kfac_option(
         "lr",
-        Real(low_open=True, optional=True, name="LR"),
+        Real(name="LR"),
         "learning rate the KL-clip assumes, fixed (KFAC's own default, 0.1, would not follow "
         "the schedule)",
         default=None,
@@ -150,7 +151,7 @@ class TrainConfig:
     )
     kfac_compute_method: str = kfac_option(
         "compute_method",
-        Choice(COMPUTE_METHODS, ComputeMethod),
+        Choice(ComputeMethod),
         "eigen (eigendecompositions) or inverse (damped inverses)",
     )
     kfac_grad_worker_fraction: float | str = kfac_option(
@@ -166,59 +167,66 @@ class TrainConfig:
         "class name (case-insensitive)",
     )
     kfac_factor_dtype: str | None = kfac_option(
-        "factor_dtype",
-        DType(optional=True),
-        "dtype the factors are computed in",
-        unset="the layer's",
+        "factor_dtype", DType(), "dtype the factors are computed in", unset="the layer's"
     )
     kfac_inv_dtype: str = kfac_option(
         "inv_dtype", DType(), "dtype the decompositions are computed and kept in"
     )
+    # Not given (None) by default: kfac-pytorch's allreduce_bucket_cap_mb, colocate_factors and
+    # update_factors_in_hook may set these, and a value given here would contradict them.
     kfac_bucket_cap_mb: float | None = kfac_option(
         "bucket_cap_mb",
-        Real(optional=True, name="MB"),
+        Real(name="MB"),
         "largest bulk factor all-reduce (and --kfac-fusion fixed bucket), MiB; 0: one "
         "all-reduce per factor",
+        default=None,
         unset="25 MiB",
         aliases=("allreduce_bucket_cap_mb",),
     )
     kfac_placement: str | None = kfac_option(
         "placement",
-        Choice(PLACEMENTS, optional=True),
+        Choice(PlacementChoice),
         "where the factors are decomposed: greedy (SC20 / KAISA), round-robin, or lbp "
         "(SPD-KFAC; comm-opt only)",
+        default=None,
         unset="greedy; lbp with --kfac-colocate-factors false",
     )
     kfac_factor_comm: str | None = kfac_option(
         "factor_comm",
-        Choice(FACTOR_COMMS, optional=True),
+        Choice(FactorCommChoice),
         "bulk (step() all-reduces the factors in buckets) or pipelined (SPD-KFAC: each factor "
         "as soon as its hook computes it)",
-        unset="bulk; pipelined with --kfac-update-factors-in-hook",
+        default=None,
+        unset="pipelined; bulk with --kfac-update-factors-in-hook false",
     )
+    # Pipelined's settings, spelt flat; their defaults are Pipelined's.
     kfac_fusion: str = kfac_option(
         "fusion",
-        Choice(FUSIONS),
+        Choice(values=FUSIONS),
         "pipelined buckets: none (one per factor), fixed (up to --kfac-bucket-cap-mb in ready "
         "order) or merged (MG-WFBP's rule)",
+        default=Pipelined().fusion,
     )
     kfac_profile_steps: int = kfac_option(
-        "profile_steps", Count(), "factor steps profiled before --kfac-fusion merged plans"
+        "profile_steps",
+        Count(),
+        "factor steps profiled before --kfac-fusion merged plans",
+        default=Pipelined().profile_steps,
     )
     kfac_g_normalization: str = kfac_option(
         "g_normalization",
-        Choice(G_NORMALIZATIONS),
+        Choice(values=G_NORMALIZATIONS),
         "G from gradients of the mean loss (kfac-pytorch) or of each example's loss (the "
         "per-example Fisher: G times the squared global batch)",
     )
     kfac_assignment_strategy: str = kfac_option(
         "assignment_strategy",
-        Choice(tuple(member.value for member in AssignmentStrategy), AssignmentStrategy),
+        Choice(AssignmentStrategy),
         "what greedy placement balances: compute (decomposition work, n^3) or memory (n^2)",
     )
     kfac_colocate_factors: bool | None = kfac_option(
         "colocate_factors",
-        Switch(optional=True),
+        Switch(),
         "kfac-pytorch's switch: true keeps a layer's two factors on one rank (greedy, "
         "round-robin), false places them apart (lbp)",
         unset="as --kfac-placement places them",
@@ -236,13 +244,13 @@ class TrainConfig:
     )
     kfac_update_factors_in_hook: bool | None = kfac_option(
         "update_factors_in_hook",
-        Switch(optional=True),
+        Switch(),
         "kfac-pytorch's switch: true is --kfac-factor-comm pipelined, false is bulk",
         unset="as --kfac-factor-comm says",
     )
     kfac_loglevel: str = kfac_option(
         "loglevel",
-        Choice(("debug", "info", "warning", "error"), levels=True),
+        Choice(values=("debug", "info", "warning", "error"), levels=True),
         "level of K-FAC's messages (layers registered, placement) on the interlace.kfac "
         "logger; warning prints them",
     )

@@ -25,11 +25,11 @@ from interlace.comm.plan import Bucketing, ReadyTensor, make_plan
 from interlace.distenv import DistContext
 from interlace.dp import DataParallel
 from interlace.dp.plan_state import plan_state_of
-from interlace.errors import UsageError
-from interlace.kfac import KFAC
+from interlace.errors import OptionError, UsageError
+from interlace.kfac import KFAC, KFACPreconditioner
 from interlace.train.checkpoint import Position, rng_state, set_rng_state
 from interlace.train.config import TrainConfig, TrainResult, sgd_with_schedule, steps_in_epoch
-from interlace.train.kfac_options import kfac_keywords, kfac_options, kfac_usage_error
+from interlace.train.kfac_options import kfac_keywords, kfac_options, shown_as_flags
 from interlace.train.records import RunRecords, finish_run
 from interlace.wrapping import wrap_model
 from interlace.zoo import build_model, load_data, make_loader
@@ -376,7 +376,8 @@ def _eval_loader(
 def make_kfac(
     config: TrainConfig, parallel_model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> KFAC:
-    """K-FAC on the wrapped model with the config's ``kfac_*`` options.
+    """K-FAC on the wrapped model with the config's ``kfac_*`` options
+    (:class:`~interlace.kfac.KFACPreconditioner`, which takes every keyword the flags name).
 
     Its KL-clip follows the optimiser's scheduled rate unless ``kfac_lr`` fixes one.
 
@@ -392,12 +393,11 @@ def make_kfac(
             with no layer to precondition).
     """
     keywords = kfac_keywords(config)
-    if keywords["lr"] is None:
-        keywords["lr"] = _CurrentLr(optimizer)
+    keywords.setdefault("lr", _CurrentLr(optimizer))
     try:
-        return KFAC(parallel_model, **keywords)
-    except ValueError as error:
-        raise kfac_usage_error(error, kfac_options(TrainConfig)) from None
+        return KFACPreconditioner(parallel_model, **keywords)
+    except OptionError as error:
+        raise UsageError(shown_as_flags(error, kfac_options(TrainConfig))) from None
 
 
 class _CurrentLr:

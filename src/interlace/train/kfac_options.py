@@ -1,8 +1,11 @@
-"""``interlace.KFAC``'s keywords as ``interlace train`` flags, declared once each.
+"""``interlace train``'s K-FAC flags: one per keyword of ``KFACPreconditioner``, declared once each.
 
 A ``kfac_*`` field of :class:`~interlace.train.config.TrainConfig` declared with
-:func:`kfac_option` takes its default from ``KFAC``'s signature; its flag, its check and its
-keyword in the call to ``KFAC`` are all made from that declaration.
+:func:`kfac_option` names a keyword of :class:`~interlace.kfac.KFACPreconditioner` (``KFAC``'s
+own, kfac-pytorch's, or a policy object's setting spelt flat); its flag, its default (the
+keyword's, read from the signature) and its value in the call all come from that declaration.
+The library checks the values (before any rank starts, as it would in each), and its errors are
+shown as they are, each option named by its flag.
 """
 
 from __future__ import annotations
@@ -12,22 +15,14 @@ import enum
 import inspect
 import logging
 import math
-import re
 import warnings
-from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
-from interlace.errors import UsageError
-from interlace.kfac import KFAC, DistributedStrategy
-from interlace.kfac.compat import (
-    asks_for_comm_opt,
-    factor_comm_from,
-    placement_from,
-    resolve_grad_worker_fraction,
-)
+from interlace.errors import OptionError, UsageError
+from interlace.kfac import KFAC, DistributedStrategy, KFACPreconditioner
 
 __all__ = [
     "KFAC_DEFAULTS",
@@ -41,18 +36,26 @@ __all__ = [
     "Switch",
     "add_kfac_arguments",
     "check_kfac_options",
-    "check_worker_fraction",
     "kfac_keywords",
     "kfac_option",
     "kfac_options",
-    "kfac_usage_error",
+    "shown_as_flags",
 ]
 
-#: ``KFAC``'s keyword defaults, read from its signature.
+
+def _defaults(function: Any) -> dict[str, Any]:
+    return {
+        name: parameter.default
+        for name, parameter in inspect.signature(function).parameters.items()
+        if parameter.default is not inspect.Parameter.empty
+    }
+
+
+#: The keywords' defaults, read from the signatures: ``KFAC``'s own, then the ones
+#: ``KFACPreconditioner`` adds (its fixed-damping default is kfac-pytorch's, not the job's).
 KFAC_DEFAULTS: dict[str, Any] = {
-    name: parameter.default
-    for name, parameter in inspect.signature(KFAC).parameters.items()
-    if parameter.default is not inspect.Parameter.empty
+    **{k: v for k, v in _defaults(KFACPreconditioner).items() if k != "damping_adaptation"},
+    **_defaults(KFAC),
 }
 _METADATA_KEY = "kfac"
 _UNSET = object()
@@ -63,9 +66,10 @@ def _normal(text: str) -> str:
 
 
 class Kind:
-    """An option's values: parsed from the flag, checked, held by the config, given to ``KFAC``.
+    """An option's values: read from the flag, held by the config, given to ``KFAC``.
 
-    The base holds the values as they are; each kind below overrides what differs.
+    The base holds the values as they are; each kind below overrides what differs. Whether a
+    value is in range is the library's to say (:meth:`KFAC.check_options`).
     """
 
     @property
@@ -82,11 +86,11 @@ class Kind:
         return value
 
     def problem(self, value: Any) -> str | None:
-        """What is wrong with ``value``, e.g. ``must be >= 0`` (None: nothing)."""
+        """What keeps ``value`` from becoming a keyword at all (None: nothing)."""
         return None
 
     def to_config(self, value: Any) -> Any:
-        """``KFAC``'s default as the config holds it."""
+        """``KFAC``'s default as the config holds it (plain data, for ``config.json``)."""
         return value
 
     def to_kfac(self, value: Any) -> Any:
@@ -94,13 +98,13 @@ class Kind:
         return value
 
     def show(self, value: Any) -> str:
-        """The value as the help prints it."""
+        """The value as the help and the messages print it."""
         return str(value)
 
 
 @dataclass(frozen=True)
 class Count(Kind):
-    """An integer >= 1."""
+    """An integer (the library wants it >= 1)."""
 
     @property
     def metavar(self) -> str:
@@ -112,30 +116,16 @@ class Count(Kind):
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
 
-    def problem(self, value: object) -> str | None:
-        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-        return None if ok else "must be an integer >= 1"
-
 
 @dataclass(frozen=True)
 class Real(Kind):
-    """A finite number in a range; ``optional`` also allows None (not given).
+    """A finite number; ``zero_is_none``: 0 on the command line is ``KFAC``'s None.
 
     Args:
-        low: the smallest value allowed (or, with ``low_open``, the bound above which).
-        high: the largest value allowed (or, with ``high_open``, the bound below which).
-        low_open: exclude ``low``.
-        high_open: exclude ``high``.
-        optional: None is allowed (the flag not given).
         zero_is_none: 0 on the command line is ``KFAC``'s None (kl_clip: no clip).
         name: the value's name in the help.
     """
 
-    low: float = 0.0
-    high: float = math.inf
-    low_open: bool = False
-    high_open: bool = True
-    optional: bool = False
     zero_is_none: bool = False
     name: str = "X"
 
@@ -145,25 +135,12 @@ class Real(Kind):
 
     def parse(self, text: str) -> float:
         try:
-            return float(text)
+            value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-
-    def problem(self, value: object) -> str | None:
-        if value is None and self.optional:
-            return None
-        number = isinstance(value, int | float) and not isinstance(value, bool)
-        if number and math.isfinite(value) and self._in_range(float(value)):  # type: ignore[arg-type]
-            return None
-        if self.high == math.inf:
-            return f"must be {'>' if self.low_open else '>='} {self.low:g}"
-        left, right = ("(" if self.low_open else "["), (")" if self.high_open else "]")
-        return f"must be in {left}{self.low:g}, {self.high:g}{right}"
-
-    def _in_range(self, value: float) -> bool:
-        above = value > self.low if self.low_open else value >= self.low
-        below = value < self.high if self.high_open else value <= self.high
-        return above and below
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        return value
 
     def to_config(self, value: Any) -> Any:
         return 0.0 if value is None and self.zero_is_none else value
@@ -172,7 +149,7 @@ class Real(Kind):
         return None if self.zero_is_none and value == 0 else value
 
     def show(self, value: Any) -> str:
-        return f"{value:g}"
+        return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 @dataclass(frozen=True)
@@ -180,37 +157,42 @@ class Choice(Kind):
     """One of a few strings; any case, ``-`` or ``_``, and an enum's member names too.
 
     Args:
-        values: the strings, as the config holds them.
-        enum_type: the enum the strings belong to, whose member names are accepted as well.
+        enum_type: the enum whose values are the strings (and whose member names are accepted).
+        values: the strings, when there is no enum.
         levels: the strings are logging level names, given to ``KFAC`` as numbers.
-        optional: None is allowed (the flag not given).
     """
 
-    values: tuple[str, ...]
     enum_type: type[enum.Enum] | None = None
+    values: tuple[str, ...] = ()
     levels: bool = False
-    optional: bool = False
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        """The strings, as the config holds them."""
+        if self.enum_type is not None:
+            return tuple(str(member.value) for member in self.enum_type)
+        return self.values
 
     @property
     def metavar(self) -> str:
-        return "{" + ",".join(self.values) + "}"
+        return "{" + ",".join(self.choices) + "}"
 
     def parse(self, text: str) -> str:
         value = self.canonical(text)
         if value is None:
             raise argparse.ArgumentTypeError(
-                f"expected one of {', '.join(self.values)}, got {text!r}"
+                f"expected one of {', '.join(self.choices)}, got {text!r}"
             )
         return value
 
     def canonical(self, value: object) -> str | None:
-        """``value`` as one of :attr:`values`, or None when it names none."""
+        """``value`` as one of :attr:`choices`, or None when it names none."""
         if isinstance(value, enum.Enum):
             value = value.value
         if not isinstance(value, str):
             return None
         wanted = _normal(value)
-        for choice in self.values:
+        for choice in self.choices:
             if _normal(choice) == wanted:
                 return choice
         if self.enum_type is not None:
@@ -221,11 +203,6 @@ class Choice(Kind):
 
     def normalize(self, value: Any) -> Any:
         return self.canonical(value) or value
-
-    def problem(self, value: object) -> str | None:
-        if (value is None and self.optional) or value in self.values:
-            return None
-        return f"must be one of {', '.join(self.values)}"
 
     def to_config(self, value: Any) -> Any:
         if self.levels and isinstance(value, int):
@@ -242,9 +219,7 @@ class Choice(Kind):
 class Fraction(Kind):
     """``grad_worker_fraction``: a number in [0, 1] (0: MEM-OPT) or a ``DistributedStrategy``."""
 
-    strategies: Choice = Choice(
-        tuple(str(member.value) for member in DistributedStrategy), DistributedStrategy
-    )
+    strategies: Choice = Choice(DistributedStrategy)
 
     @property
     def metavar(self) -> str:
@@ -261,14 +236,9 @@ class Fraction(Kind):
             return float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"expected a number in [0, 1] or one of {', '.join(self.strategies.values)}, "
+                f"expected a number in [0, 1] or one of {', '.join(self.strategies.choices)}, "
                 f"got {text!r}"
             ) from None
-
-    def problem(self, value: object) -> str | None:
-        if isinstance(value, str):
-            return self.strategies.problem(value)
-        return Real(0.0, 1.0, high_open=False).problem(value)
 
     def to_config(self, value: Any) -> Any:
         return 1.0 if value is None else value
@@ -279,9 +249,7 @@ class Fraction(Kind):
 
 @dataclass(frozen=True)
 class Switch(Kind):
-    """True or false; the flag alone means true. ``optional``: None (not given) too."""
-
-    optional: bool = False
+    """True or false; the flag alone means true."""
 
     @property
     def metavar(self) -> str:
@@ -295,10 +263,6 @@ class Switch(Kind):
             return False
         raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
-    def problem(self, value: object) -> str | None:
-        ok = isinstance(value, bool) or (value is None and self.optional)
-        return None if ok else "must be true or false"
-
     def show(self, value: Any) -> str:
         return str(value).lower()
 
@@ -309,10 +273,9 @@ DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 @dataclass(frozen=True)
 class DType(Kind):
-    """A floating-point dtype by its torch name; ``optional``: None (not given) too."""
+    """A floating-point dtype by its torch name (the config holds the name)."""
 
-    optional: bool = False
-    choice: Choice = Choice(DTYPES)
+    choice: Choice = Choice(values=DTYPES)
 
     @property
     def metavar(self) -> str:
@@ -325,7 +288,8 @@ class DType(Kind):
         return value if value is None else self.choice.normalize(self.to_config(value))
 
     def problem(self, value: object) -> str | None:
-        return None if value is None and self.optional else self.choice.problem(value)
+        ok = value is None or value in DTYPES
+        return None if ok else f"must be one of {', '.join(DTYPES)}"
 
     def to_config(self, value: Any) -> Any:
         return None if value is None else str(value).removeprefix("torch.")
@@ -360,16 +324,16 @@ class Names(Kind):
 
 @dataclass(frozen=True)
 class KfacOption:
-    """One ``KFAC`` keyword as a ``TrainConfig`` field and an ``interlace train`` flag.
+    """One keyword of ``KFACPreconditioner`` as a ``TrainConfig`` field and a flag.
 
     Args:
         field: the config field, ``kfac_`` and the keyword.
-        keyword: ``KFAC``'s keyword.
-        kind: its values: how they are parsed, checked and handed to ``KFAC``.
+        keyword: the keyword.
+        kind: its values: how they are read and handed over.
         help: the flag's help, without the default.
-        default: the config's default.
+        default: the config's default (None: not given, ``KFAC``'s default applies).
         unset: what None (the flag not given) means, for the help.
-        aliases: other ``KFAC`` keywords the same flag sets (kfac-pytorch's names).
+        aliases: other keywords the same flag sets (kfac-pytorch's names).
     """
 
     field: str
@@ -406,19 +370,19 @@ def kfac_option(
     unset: str | None = None,
     aliases: tuple[str, ...] = (),
 ) -> Any:
-    """A ``TrainConfig`` field for ``KFAC``'s ``keyword``: ``kfac_<keyword>``, one declaration.
+    """A ``TrainConfig`` field for ``keyword``: ``kfac_<keyword>``, one declaration.
 
     Args:
-        keyword: ``KFAC``'s keyword; the field must be named ``kfac_<keyword>``.
+        keyword: a keyword of ``KFACPreconditioner``; the field is named ``kfac_<keyword>``.
         kind: its values (:class:`Count`, :class:`Real`, :class:`Choice`, ...).
         help: the flag's help; the default is appended.
-        default: the config's default when it must differ from ``KFAC``'s (say why in
-            ``help``); otherwise ``KFAC``'s, from its signature.
+        default: the config's default when it must differ from the signature's (say why in
+            ``help``; None: not given); otherwise the signature's.
         unset: what None (the flag not given) means, for the help.
         aliases: kfac-pytorch's other names for the same keyword (more spellings of the flag).
 
     Raises:
-        KeyError: ``keyword`` is not one of ``KFAC``'s keywords with a default.
+        KeyError: ``keyword`` is no keyword with a default.
     """
     value = kind.to_config(KFAC_DEFAULTS[keyword]) if default is _UNSET else default
     metadata = {
@@ -481,15 +445,18 @@ def _refuse_accumulation(text: str) -> int:
     return 1
 
 
-def check_kfac_options(config: Any) -> None:
-    """Check the K-FAC options and write choices in their canonical spelling.
+def check_kfac_options(config: Any, world_size: int | None = None) -> None:
+    """Check the K-FAC options as ``KFACPreconditioner`` would, and write choices in their
+    canonical spelling.
 
     Args:
         config: a :class:`~interlace.train.config.TrainConfig`; its choices are rewritten
             (``EIGEN`` becomes ``eigen``).
+        world_size: the ranks the job will start (None: not known yet; the gradient-worker
+            fraction is then checked for range only).
 
     Raises:
-        UsageError: naming the flag of the first bad value, or of two that contradict.
+        UsageError: the library's message, each option named by its flag.
     """
     options = kfac_options(type(config))
     for option in options:
@@ -499,81 +466,50 @@ def check_kfac_options(config: Any) -> None:
         if problem is not None:
             raise UsageError(f"{option.flag} {problem}, got {value!r}")
     keywords = kfac_keywords(config)
-    try:
-        factor_comm_from(keywords["factor_comm"], keywords["update_factors_in_hook"])
-        placement_from(
-            keywords["placement"],
-            keywords["assignment_strategy"],
-            keywords["colocate_factors"],
-            keywords["compute_eigenvalue_outer_product"],
-            eigen=keywords["compute_method"] == "eigen",
-        )
-    except UsageError as error:
-        raise kfac_usage_error(error, options) from None
-    lbp = keywords["placement"] == "lbp" or keywords["colocate_factors"] is False
-    if lbp and not asks_for_comm_opt(keywords["grad_worker_fraction"]):
-        raise UsageError(
-            "--kfac-placement lbp sends every decomposition to every rank: it needs "
-            "--kfac-grad-worker-fraction 1 (comm-opt); use --kfac-placement greedy for mem-opt "
-            "or hybrid-opt"
-        )
-
-
-def check_worker_fraction(config: Any, world_size: int) -> None:
-    """Refuse a gradient-worker fraction that gives no equal groups of ``world_size`` ranks.
-
-    Args:
-        config: a :class:`~interlace.train.config.TrainConfig`.
-        world_size: the ranks the job will start.
-
-    Raises:
-        UsageError: naming ``--kfac-grad-worker-fraction``.
-    """
+    keywords.setdefault("lr", config.lr)  # the job's K-FAC follows the SGD's rate: its peak
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # each rank's K-FAC warns of the rounding itself
+        warnings.simplefilter("ignore")  # each rank's K-FAC warns of a rounded fraction itself
         try:
-            resolve_grad_worker_fraction(config.kfac_grad_worker_fraction, world_size)
-        except UsageError as error:
-            raise kfac_usage_error(error, kfac_options(type(config))) from None
+            KFACPreconditioner.check_options(world_size, **keywords)
+        except OptionError as error:
+            raise UsageError(shown_as_flags(error, options)) from None
 
 
 def kfac_keywords(config: Any) -> dict[str, Any]:
-    """The K-FAC options as ``KFAC``'s keywords and values.
+    """The K-FAC options as ``KFACPreconditioner``'s keywords; one not given (None) is left out,
+    so that its default applies.
 
     Args:
         config: a :class:`~interlace.train.config.TrainConfig`.
     """
     return {
-        option.keyword: option.kind.to_kfac(getattr(config, option.field))
+        option.keyword: option.kind.to_kfac(value)
         for option in kfac_options(type(config))
+        if (value := getattr(config, option.field)) is not None
     }
 
 
-def kfac_usage_error(error: Exception, options: Iterable[KfacOption]) -> UsageError:
-    """``KFAC``'s error in the command line's words, led by the flag it names first.
-
-    ``placement='lbp'`` becomes ``--kfac-placement lbp``, a keyword with an underscore its
-    flag, ``True`` ``true``; the first flag named leads the message.
+def shown_as_flags(error: OptionError, options: list[KfacOption]) -> str:
+    """The library's message with each option it names written as its flag (and a value as the
+    command line writes it), led by the flag of the option to blame.
 
     Args:
-        error: what ``KFAC`` (or its checks) raised.
-        options: the declared options, whose keywords are looked for in the message.
+        error: what the library raised.
+        options: the declared options.
     """
-    flags = {
-        keyword: option.flag for option in options for keyword in (option.keyword, *option.aliases)
+    by_keyword = {
+        keyword: option for option in options for keyword in (option.keyword, *option.aliases)
     }
 
-    def as_flag(match: re.Match[str]) -> str:
-        keyword, value = match.group(1), match.group(3)
-        if keyword not in flags:
-            return match.group(0)
-        return f"{flags[keyword]} {value.lower()}" if value else flags[keyword]
+    def flag(name: str) -> str:
+        option = by_keyword.get(name)
+        return name if option is None else option.flag
 
-    assigned = re.compile(r"\b([a-z_]+)=(['\"]?)([\w.\-]+)\2")
-    message = assigned.sub(as_flag, str(error))
-    message = re.sub(r"\b([a-z]+_[a-z_]+)\b()()", as_flag, message)
-    message = re.sub(r"\b(True|False|None)\b", lambda word: word.group(0).lower(), message)
-    first = re.search(r"--kfac-[a-z\-]+", message)
-    if first is not None and first.start() == 0:
-        return UsageError(message)
-    return UsageError(f"{first.group(0) if first else '--optimizer kfac'}: {message}")
+    def setting(name: str, value: object) -> str:
+        option = by_keyword.get(name)
+        if option is None:
+            return f"{name}={value!r}"
+        shown = value.value if isinstance(value, enum.Enum) else value
+        return f"{option.flag} {option.kind.show(shown) if shown is not None else 'none'}"
+
+    return error.spelt(flag, setting)

@@ -1,7 +1,7 @@
 """Who decomposes each factor and who preconditions each gradient (kfac-pytorch's WorkAssignment).
 
-Built once from the pure rules of :mod:`interlace.kfac.placement`, the same on every rank, with
-the process groups that carry decompositions and preconditioned gradients.
+Built once by running a placement object (:mod:`interlace.kfac.placements`), the same on every
+rank, with the process groups that carry decompositions and preconditioned gradients.
 """
 
 from __future__ import annotations
@@ -14,30 +14,26 @@ import torch.distributed as dist
 
 from interlace.comm.calibrate import time_broadcast
 from interlace.comm.cost import CostModel
-from interlace.kfac.costs import DecompositionCostModel, broadcast_time
-from interlace.kfac.layer import KFACLayer, PendingBroadcast
-from interlace.kfac.placement import (
-    FactorItem,
-    WorkerGroups,
-    decomposition_cost,
-    greedy_placement,
-    lbp_placement,
-    memory_cost,
-    predicted_makespan,
-    round_robin_placement,
-    schedule_order,
+from interlace.kfac.balancing import decomposition_cost
+from interlace.kfac.costs import DecompositionCostModel
+from interlace.kfac.lbp import predicted_makespan
+from interlace.kfac.methods import DecompositionMethod
+from interlace.kfac.placements import (
+    LayerFactors,
+    Placement,
+    PlacementCosts,
+    factor_items,
 )
+from interlace.kfac.preconditioned_layer import KFACLayer, PendingBroadcast
+from interlace.kfac.worker_groups import WorkerGroups
 
 __all__ = [
     "BROADCAST_SIZES",
-    "PLACEMENTS",
     "GroupRanks",
     "WorkAssignment",
     "fit_broadcast_cost_model",
+    "layer_factors",
 ]
-
-#: Values of ``KFAC(placement=...)``: where decompositions are computed.
-PLACEMENTS = ("round-robin", "greedy", "lbp")
 
 #: Bytes per broadcast timed to fit LBP's broadcast cost model (besides 4 bytes for the
 #: start-up): the span of small and medium factors' decompositions, where LBP's
@@ -89,8 +85,9 @@ class GroupRanks:
 def fit_broadcast_cost_model(
     group: dist.ProcessGroup | None, source: int, device: torch.device | None = None
 ) -> CostModel:
-    """``a + b M`` for a broadcast on ``group``, fitted like all-reduces are calibrated: LBP's
-    broadcast model when it is not given (collective; the same model on every rank).
+    """``a + b M`` for a broadcast on ``group``, fitted like all-reduces are calibrated: the
+    broadcast model of a placement that prices broadcasts, when it is not given (collective;
+    the same model on every rank).
 
     Mirrors :func:`interlace.comm.calibrate.fit_cost_model` (median per size, the slowest
     rank's medians, a 4-byte message for the start-up, least squares for the per-byte cost on
@@ -124,62 +121,81 @@ class _SharedGroups(list[dist.ProcessGroup]):
         return self
 
 
-class WorkAssignment:
-    """Every layer's (or, under LBP, every factor's) owner and the groups its results travel on.
+def layer_factors(layer: KFACLayer) -> LayerFactors:
+    """A preconditioned layer's factor sides, as placements see them.
 
-    ``"greedy"`` and ``"round-robin"`` give a layer's two factors one owner, which decomposes
-    both and sends them to the layer's gradient workers (:class:`WorkerGroups`); ``"lbp"``
-    places each factor on its own, or on every rank (owner None), and each owner broadcasts
-    on a process group of its own. Under LBP, missing cost models are measured here on the
-    live group (rank 0's decomposition fit, the slowest rank's broadcast medians).
+    Args:
+        layer: The layer.
+    """
+    return LayerFactors(layer.helper.a_dim, layer.helper.g_dim, layer.helper.diagonal_a)
+
+
+class _MeasuredCosts:
+    """The runtime's :class:`~interlace.kfac.placements.CostSource`: models not given are
+    measured on the live group, once, the same on every rank (collective)."""
+
+    def __init__(self, work: WorkAssignment) -> None:
+        self.work = work
+
+    def priced(
+        self,
+        decomposition: DecompositionCostModel | None = None,
+        broadcast: CostModel | None = None,
+    ) -> PlacementCosts:
+        work = self.work
+        return PlacementCosts(
+            decomposition or work.measure_decomposition_cost(),
+            broadcast or fit_broadcast_cost_model(work.group, work.global_ranks[0], work.device),
+            work.method,
+            element_bytes=work.inv_dtype.itemsize,
+        )
+
+
+class WorkAssignment:
+    """Every factor's owner, from a placement object, and the groups its results travel on.
+
+    A colocated placement (greedy, round-robin) gives a layer's two factors one owner, which
+    decomposes both and sends them to the layer's gradient workers (:class:`WorkerGroups`)
+    once every decomposition is made; any other places each factor on its own, or on every
+    rank (owner None), and each owner broadcasts a factor as soon as it is made, on a process
+    group of its own. A placement that prices its choice (LBP) gets the models it was not
+    given measured here on the live group.
 
     Args:
         layers: The preconditioned layers, in registration order.
-        placement: One of :data:`PLACEMENTS`.
+        placement: The placement to run.
         worker_groups: The gradient-worker blocks for this world size.
-        compute_method: ``"eigen"`` or ``"inverse"``.
+        method: The decomposition method.
         inv_dtype: The dtype decompositions are computed and sent in.
         ranks: The process group K-FAC runs on and this rank in it.
-        device: Where LBP's start-up measurements run.
-        decomposition_cost: LBP's decomposition cost model (None: measured when needed).
-        broadcast_cost: LBP's broadcast cost model (None: measured when needed).
-        balance: What greedy placement balances: ``"compute"`` (decomposition work, ``n^3``)
-            or ``"memory"`` (``n^2``; kfac-pytorch's ``AssignmentStrategy.MEMORY``).
+        device: Where start-up measurements run.
     """
 
     def __init__(
         self,
         layers: Sequence[KFACLayer],
         *,
-        placement: str,
+        placement: Placement,
         worker_groups: WorkerGroups,
-        compute_method: str,
+        method: DecompositionMethod,
         inv_dtype: torch.dtype,
         ranks: GroupRanks,
         device: torch.device,
-        decomposition_cost: DecompositionCostModel | None = None,
-        broadcast_cost: CostModel | None = None,
-        balance: str = "compute",
     ) -> None:
-        if placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
         self.placement = placement
-        self.balance = balance
         self.worker_groups = worker_groups
         self.world_size = worker_groups.world_size
-        self.compute_method = compute_method
+        self.method = method
         self.inv_dtype = inv_dtype
         self.group = ranks.group
         self.rank = ranks.rank
         self.global_ranks = ranks.global_ranks
         self.device = device
-        #: LBP's cost models (None for the layer-level placements and on a single rank).
-        self.decomposition_cost = decomposition_cost
-        self.broadcast_cost = broadcast_cost
         self._owner: dict[str, int] = {}
         self._factor_owner: dict[tuple[str, str], int | None] = {}
         self._order: dict[tuple[str, str], int] = {}
-        self._place(layers)
+        #: The costs the placement priced with (None: it priced nothing).
+        self.costs = self._place(layers)
         self._block_groups: dict[int, dist.ProcessGroup | None] = {}
         self._receiver_groups: dict[int, dist.ProcessGroup | None] = {}
         self._make_worker_groups(ranks.distributed)
@@ -188,78 +204,43 @@ class WorkAssignment:
 
     # -- placing -------------------------------------------------------------------------
 
-    def _place(self, layers: Sequence[KFACLayer]) -> None:
-        """Give every layer (or, for LBP, every factor) its owner; the same on every rank."""
-        if self.placement == "lbp":
-            self._place_factors(layers)
-            return
-        if self.placement == "round-robin":
-            owners = round_robin_placement(len(layers), self.world_size)
-        else:
-            cost = memory_cost if self.balance == "memory" else decomposition_cost
-            costs = [
-                cost(layer.helper.a_dim, layer.helper.g_dim, layer.helper.diagonal_a)
-                for layer in layers
-            ]
-            owners = greedy_placement(costs, self.world_size)
-        for layer, owner in zip(layers, owners, strict=True):
-            self._owner[layer.name] = owner
-            self._factor_owner[(layer.name, "A")] = self._factor_owner[(layer.name, "G")] = owner
-            self._order[(layer.name, "A")] = self._order[(layer.name, "G")] = 0
+    @property
+    def colocated(self) -> bool:
+        """Whether a layer's two factors share an owner (the placement's ``colocated``)."""
+        return bool(self.placement.colocated)
 
-    def _place_factors(self, layers: Sequence[KFACLayer]) -> None:
-        """LBP: per-factor owners and the one global order every rank decomposes and sends in.
-
-        On one rank nothing is sent, so everything is local and nothing is measured.
-        """
-        items = _factor_items(layers)
-        if self.world_size == 1:
-            owners: list[int | None] = [None] * len(items)
-            order = list(range(len(items)))
-        else:
-            if self.decomposition_cost is None:
-                self.decomposition_cost = self._measure_decomposition_cost()
-            if self.broadcast_cost is None:
-                self.broadcast_cost = self._measure_broadcast_cost()
-            owners = lbp_placement(items, self.world_size, self._decompose_s, self._broadcast_s)
-            order = schedule_order(
-                items, owners, self.world_size, self._decompose_s, self._broadcast_s
-            )
-        position = {factor: index for index, factor in enumerate(order)}
+    def _place(self, layers: Sequence[KFACLayer]) -> PlacementCosts | None:
+        """Run the placement: every factor's owner and the one order every rank decomposes
+        (and, factor by factor, sends) in; the same on every rank."""
+        placed = self.placement.place(
+            [layer_factors(layer) for layer in layers], self.world_size, _MeasuredCosts(self)
+        )
+        placed.check(self.placement, 2 * len(layers), self.world_size)
+        position = {factor: index for index, factor in enumerate(placed.order)}
         for index, layer in enumerate(layers):
             for offset, which in enumerate(("A", "G")):
-                self._factor_owner[(layer.name, which)] = owners[2 * index + offset]
+                self._factor_owner[(layer.name, which)] = placed.owners[2 * index + offset]
                 self._order[(layer.name, which)] = position[2 * index + offset]
-            # The summary owner behind KFAC.layers: A's, else G's, else 0.
-            owned = [o for o in owners[2 * index : 2 * index + 2] if o is not None]
+            # The layer's owner behind KFAC.layers and its gradient workers: A's, else G's,
+            # else 0 (a layer decomposed on every rank).
+            owned = [o for o in placed.owners[2 * index : 2 * index + 2] if o is not None]
             self._owner[layer.name] = owned[0] if owned else 0
+        return placed.costs
 
-    def _decompose_s(self, n: int) -> float:
-        assert self.decomposition_cost is not None
-        return self.decomposition_cost.time(n)
-
-    def _broadcast_s(self, n: int) -> float:
-        assert self.broadcast_cost is not None
-        return broadcast_time(
-            self.broadcast_cost, self.compute_method, n, element_size=self.inv_dtype.itemsize
-        )
-
-    def _measure_decomposition_cost(self) -> DecompositionCostModel:
+    def measure_decomposition_cost(self) -> DecompositionCostModel:
         """Fit decomposition times on this rank's device, then take rank 0's fit everywhere.
 
         Every rank measures (so the machine is as busy as in training), but fits differ a
         little between ranks, and different placements would deadlock the broadcasts.
+        Collective.
         """
-        fitted = DecompositionCostModel.measure(self.compute_method, self.device, self.inv_dtype)
+        fitted = DecompositionCostModel.measure(self.method, self.device, self.inv_dtype)
         coefficients = torch.tensor(
             [fitted.c3, fitted.c2, fitted.c0], dtype=torch.float64, device=self.device
         )
         dist.broadcast(coefficients, src=self.global_ranks[0], group=self.group)
         c3, c2, c0 = coefficients.cpu().tolist()
         return DecompositionCostModel(c3=c3, c2=c2, c0=c0)
-
-    def _measure_broadcast_cost(self) -> CostModel:
-        return fit_broadcast_cost_model(self.group, self.global_ranks[0], self.device)
 
     # -- process groups ------------------------------------------------------------------
 
@@ -277,13 +258,14 @@ class WorkAssignment:
             )
 
     def make_owner_groups(self) -> None:
-        """LBP: one process group per owner, so different owners' broadcasts run at once.
+        """Factor by factor (not colocated): one process group per owner, so that different
+        owners' broadcasts run at once.
 
-        LBP's placement assumes each owner's sends leave through their own channel; on one
+        LBP's makespan model assumes each owner's sends leave through their own channel; on one
         group they would queue behind each other. Collective: every rank calls it, in the same
         place of its start-up.
         """
-        if self.placement == "lbp" and self._distributed and self.world_size > 1:
+        if not self.colocated and self._distributed and self.world_size > 1:
             self._owner_groups.extend(
                 dist.new_group(self.global_ranks) for _ in range(self.world_size)
             )
@@ -302,7 +284,7 @@ class WorkAssignment:
         return self._receiver_groups.get(self.rank % self.worker_groups.workers, self.group)
 
     def owner_group(self, owner: int) -> dist.ProcessGroup | None:
-        """The group ``owner`` broadcasts its factors' decompositions on (LBP).
+        """The group ``owner`` broadcasts its factors' decompositions on (not colocated).
 
         Args:
             owner: The rank that decomposed the factor.
@@ -317,14 +299,14 @@ class WorkAssignment:
         decompose: Callable[[KFACLayer, str], None],
         device: torch.device,
     ) -> list[PendingBroadcast]:
-        """Decompose the factors this rank is given; under LBP, start their broadcasts too.
+        """Decompose the factors this rank is given; factor by factor, start their broadcasts.
 
-        Layer-level placements: an owner decomposes both of a layer's factors (they are sent
-        afterwards by :meth:`send_layer_decompositions`). LBP: every rank walks the same global
-        order (owned factors in Johnson's order, then the local ones); an owner decomposes a
-        factor and starts its broadcast at once, while the others post the matching broadcast
-        into a buffer and move on, so collectives are issued in one order everywhere and each
-        owner's sends start as early as its decompositions allow.
+        Every rank walks the placement's one order and decomposes the factors it owns or keeps
+        local. Colocated: the decompositions are sent afterwards, a layer at a time
+        (:meth:`send_layer_decompositions`). Otherwise an owner starts a factor's broadcast as
+        soon as it is made, while the others post the matching broadcast into a buffer and move
+        on, so collectives are issued in one order everywhere and each owner's sends start as
+        early as its decompositions allow.
 
         Args:
             ready: The layers with factors, in the same order on every rank.
@@ -332,22 +314,15 @@ class WorkAssignment:
             device: Where receive buffers live.
 
         Returns:
-            The broadcasts started (LBP), to be waited for.
+            The broadcasts started (factor by factor), to be waited for.
         """
         pending: list[PendingBroadcast] = []
-        if self.placement != "lbp":
-            for layer in ready:
-                layer.decomposed = True
-                if self._owner[layer.name] == self.rank:
-                    decompose(layer, "A")
-                    decompose(layer, "G")
-            return pending
         for layer, which in self.factor_schedule(ready):
             layer.decomposed = True
             owner = self.factor_owner(layer.name, which)
             if owner is None or owner == self.rank:
                 decompose(layer, which)
-            if owner is None:
+            if owner is None or self.colocated:
                 continue
             pending.append(
                 layer.broadcast_decomposition(
@@ -362,20 +337,20 @@ class WorkAssignment:
 
     @property
     def sends_layer_decompositions(self) -> bool:
-        """Whether :meth:`send_layer_decompositions` sends anything (layer-level, not MEM-OPT)."""
-        return self.placement != "lbp" and self.worker_groups.broadcasts_decompositions
+        """Whether :meth:`send_layer_decompositions` sends anything (colocated, not MEM-OPT)."""
+        return self.colocated and self.worker_groups.broadcasts_decompositions
 
     def send_layer_decompositions(
         self, ready: Sequence[KFACLayer], device: torch.device
     ) -> list[PendingBroadcast]:
-        """Layer-level placements: start one broadcast per layer from its owner to its block.
+        """Colocated placements: start one broadcast per layer from its owner to its block.
 
         Args:
             ready: The layers decomposed this step, in the same order on every rank.
             device: Where receive buffers live.
 
         Returns:
-            The broadcasts started (none under LBP or MEM-OPT), to be waited for.
+            The broadcasts started (none factor by factor, or under MEM-OPT), to be waited for.
         """
         if not self.sends_layer_decompositions:
             return []
@@ -393,7 +368,7 @@ class WorkAssignment:
     # -- queries -------------------------------------------------------------------------
 
     def owner(self, name: str) -> int:
-        """The rank that decomposes a layer's factors (under LBP: see ``KFAC.layers``).
+        """The rank that decomposes a layer's factors (factor by factor: see ``KFAC.layers``).
 
         Args:
             name: The layer's name.
@@ -427,7 +402,8 @@ class WorkAssignment:
         return self.global_ranks[source]
 
     def factor_schedule(self, layers: Sequence[KFACLayer]) -> list[tuple[KFACLayer, str]]:
-        """LBP: every factor of ``layers`` in the one order all ranks decompose and send in.
+        """Every factor of ``layers`` in the placement's one order, which all ranks decompose
+        (and, factor by factor, send) in.
 
         Args:
             layers: The layers whose factors are due.
@@ -493,66 +469,58 @@ class WorkAssignment:
         """
         # Run headers and tests match this prefix, so the placement comes after it.
         head = (
-            f"K-FAC ({self.compute_method}, {self.mode()}) on {self.world_size} rank(s): "
-            f"{len(layers)} layers, {self.placement} placement, "
+            f"K-FAC ({self.method.name}, {self.mode()}) on {self.world_size} rank(s): "
+            f"{len(layers)} layers, {self.placement.name} placement, {self._load(layers)}"
         )
-        if self.placement == "lbp":
-            head += self._lbp_load(layers)
-        else:
+        lines = [head]
+        for layer in layers:
+            helper = layer.helper
+            a_text = f"A {helper.a_dim}{' (diagonal)' if helper.diagonal_a else ''}"
+            if self.colocated:
+                lines.append(
+                    f"  {layer.name}: {a_text}, G {helper.g_dim}, rank {self._owner[layer.name]}"
+                )
+            else:
+                lines.append(
+                    f"  {layer.name}: {a_text} {_where(self.factor_owner(layer.name, 'A'))}, "
+                    f"G {helper.g_dim} {_where(self.factor_owner(layer.name, 'G'))}"
+                )
+        return "\n".join(lines)
+
+    def _load(self, layers: Sequence[KFACLayer]) -> str:
+        """Each rank's share of the ``n^3`` work, or, when the placement priced its choice,
+        its predicted seconds and the predicted makespan."""
+        items = factor_items([layer_factors(layer) for layer in layers])
+        owners = [self.factor_owner(layer.name, which) for layer in layers for which in "AG"]
+        costs = self.costs
+        if costs is None and all(owner is None for owner in owners):
+            return "every factor decomposed locally (nothing to send)"
+        if costs is None:
             loads = [0.0] * self.world_size
             for layer in layers:
                 loads[self._owner[layer.name]] += decomposition_cost(
                     layer.helper.a_dim, layer.helper.g_dim, layer.helper.diagonal_a
                 )
-            head += "decomposition cost per rank " + ", ".join(
+            return "decomposition cost per rank " + ", ".join(
                 f"{load / max(sum(loads), 1.0):.0%}" for load in loads
             )
-        lines = [head]
-        for layer in layers:
-            helper = layer.helper
-            a_text = f"A {helper.a_dim}{' (diagonal)' if helper.diagonal_a else ''}"
-            if self.placement == "lbp":
-                lines.append(
-                    f"  {layer.name}: {a_text} {_where(self.factor_owner(layer.name, 'A'))}, "
-                    f"G {helper.g_dim} {_where(self.factor_owner(layer.name, 'G'))}"
-                )
-            else:
-                lines.append(
-                    f"  {layer.name}: {a_text}, G {helper.g_dim}, rank {self._owner[layer.name]}"
-                )
-        return "\n".join(lines)
-
-    def _lbp_load(self, layers: Sequence[KFACLayer]) -> str:
-        if self.decomposition_cost is None or self.broadcast_cost is None:
-            return "every factor decomposed locally (nothing to send)"
-        items = _factor_items(layers)
-        owners = [self.factor_owner(layer.name, which) for layer in layers for which in "AG"]
-        seconds = [0.0 if item.diagonal else self._decompose_s(item.dim) for item in items]
+        seconds = [0.0 if item.diagonal else costs.decompose_s(item.dim) for item in items]
         local = sum(s for s, owner in zip(seconds, owners, strict=True) if owner is None)
-        loads = [local] * self.world_size
+        per_rank = [local] * self.world_size
         for cost, owner in zip(seconds, owners, strict=True):
             if owner is not None:
-                loads[owner] += cost
+                per_rank[owner] += cost
         makespan = predicted_makespan(
-            items, owners, self.world_size, self._decompose_s, self._broadcast_s
+            items, owners, self.world_size, costs.decompose_s, costs.broadcast_s
         )
         kept = sum(owner is None for owner in owners)
         return (
             f"{kept} of {len(owners)} factors local, predicted decomposition ms per rank "
-            + ", ".join(f"{load * 1e3:.2f}" for load in loads)
+            + ", ".join(f"{load * 1e3:.2f}" for load in per_rank)
             + f", predicted makespan {makespan * 1e3:.2f} ms"
         )
 
 
-def _factor_items(layers: Sequence[KFACLayer]) -> list[FactorItem]:
-    """Every layer's ``A`` then ``G``, in layer order: the factors LBP places."""
-    items: list[FactorItem] = []
-    for layer in layers:
-        items.append(FactorItem(layer.helper.a_dim, layer.helper.diagonal_a))
-        items.append(FactorItem(layer.helper.g_dim))
-    return items
-
-
 def _where(owner: int | None) -> str:
-    """Where LBP decomposes a factor, for :meth:`WorkAssignment.describe`."""
+    """Where a factor is decomposed, for :meth:`WorkAssignment.describe`."""
     return "local" if owner is None else f"on rank {owner}"

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from interlace.kfac.layer import KFACLayer, find_layers, unwrap
-from interlace.kfac.layers import LinearHelper
+from interlace.kfac.module_helpers import LinearHelper
+from interlace.kfac.preconditioned_layer import KFACLayer, find_layers, unwrap
 
 
 def _layer(method: str = "eigen") -> KFACLayer:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from interlace.kfac.layers import Conv1dHelper, Conv2dHelper, make_helper
+from interlace.kfac.module_helpers import Conv1dHelper, Conv2dHelper, make_helper
 
 
 @pytest.mark.parametrize(

@@ -12,13 +12,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from interlace.kfac.decomp import (
-    DecompositionError,
-    FactorDecomposition,
-    decompose,
-    empty_like_decomposition,
-)
-from interlace.kfac.layers import LayerHelper, make_helper
+from interlace.kfac.decomp import DecompositionError, FactorDecomposition, decompose
+from interlace.kfac.methods import DecompositionMethod, method_from
+from interlace.kfac.module_helpers import LayerHelper, make_helper
 
 __all__ = [
     "GradientMark",
@@ -67,16 +63,20 @@ class KFACLayer:
     Args:
         name: The module's name in the model.
         helper: The module's :class:`LayerHelper`.
-        compute_method: ``"eigen"`` or ``"inverse"`` (see :mod:`interlace.kfac.decomp`).
+        method: The decomposition method (see :mod:`interlace.kfac.methods`), or its name.
         inv_dtype: The dtype decompositions are computed and kept in.
     """
 
     def __init__(
-        self, name: str, helper: LayerHelper, compute_method: str, inv_dtype: torch.dtype
+        self,
+        name: str,
+        helper: LayerHelper,
+        method: DecompositionMethod | str,
+        inv_dtype: torch.dtype,
     ) -> None:
         self.name = name
         self.helper = helper
-        self.compute_method = compute_method
+        self.method = method_from(method, "method")
         self.inv_dtype = inv_dtype
         #: The module's hooks, removed by :meth:`remove_hooks`.
         self.handles: list[RemovableHandle] = []
@@ -228,7 +228,7 @@ class KFACLayer:
 
         Args:
             which: ``"A"`` or ``"G"``.
-            damping: The damping (added on the diagonal by ``"inverse"``).
+            damping: The damping (the inverse method adds it on the diagonal).
 
         Returns:
             None, or after a fallback what failed and what was used instead.
@@ -236,7 +236,7 @@ class KFACLayer:
         factor = self.factor(which)
         assert factor is not None
         try:
-            result = self.helper.decompose(factor, self.compute_method, damping, self.inv_dtype)
+            result = self.helper.decompose(factor, self.method, damping, self.inv_dtype)
         except DecompositionError as error:
             fallback = self.held_decomposition(which)
             what = "keeps the previous decomposition"
@@ -244,11 +244,13 @@ class KFACLayer:
                 # Nothing earlier to keep: the diagonal of the factor always decomposes.
                 fallback = decompose(
                     torch.diagonal(factor).clone() if factor.dim() == 2 else factor,
-                    self.compute_method,
+                    self.method,
                     damping,
                     self.inv_dtype,
                 )
-                fallback = _as_dense(fallback, factor)
+                if factor.dim() == 2:  # in the dense shapes the broadcast buffers expect
+                    assert fallback.values is not None
+                    fallback = self.method.dense_from_diagonal(fallback.values)
                 what = "uses the factor's diagonal"
             self._set_decomposition(which, fallback)
             return f"{error}; it {what}"
@@ -265,7 +267,7 @@ class KFACLayer:
         dim, diagonal = self.dims(which)
         self._set_decomposition(
             which,
-            empty_like_decomposition(self.compute_method, dim, diagonal, self.inv_dtype, device),
+            self.method.empty(dim, diagonal, self.inv_dtype, device),
         )
 
     def broadcast_decompositions(
@@ -357,7 +359,7 @@ class KFACLayer:
         for key, decomposition in (("A_decomp", self.a_decomp), ("G_decomp", self.g_decomp)):
             if decomposition is not None:
                 entry[key] = {
-                    "method": decomposition.method,
+                    "method": decomposition.method.name,
                     "values": decomposition.values,
                     "vectors": decomposition.vectors,
                     "inverse": decomposition.inverse,
@@ -373,20 +375,19 @@ class KFACLayer:
         """
         self.a_factor = None if entry["A"] is None else entry["A"].to(device)
         self.g_factor = None if entry["G"] is None else entry["G"].to(device)
-        decomps = []
+        decomps: list[FactorDecomposition | None] = []
         for key in ("A_decomp", "G_decomp"):
             raw = entry.get(key)
-            decomps.append(
-                None
-                if raw is None
-                else FactorDecomposition(
-                    raw["method"],
-                    **{
-                        k: (None if raw[k] is None else raw[k].to(device))
-                        for k in ("values", "vectors", "inverse")
-                    },
-                )
-            )
+            if raw is None:
+                decomps.append(None)
+                continue
+            # A checkpoint names its method: this layer's own object when the names agree.
+            method = self.method if raw["method"] == self.method.name else raw["method"]
+            tensors = {
+                k: (None if raw[k] is None else raw[k].to(device))
+                for k in ("values", "vectors", "inverse")
+            }
+            decomps.append(FactorDecomposition(method, **tensors))
         self.a_decomp, self.g_decomp = decomps
         self.decomposed = self.a_factor is not None
 
@@ -420,19 +421,6 @@ def _running_average(current: torch.Tensor | None, new: torch.Tensor, decay: flo
     return decay * current + (1.0 - decay) * new
 
 
-def _as_dense(decomposition: FactorDecomposition, factor: torch.Tensor) -> FactorDecomposition:
-    """A diagonal fallback decomposition in the dense shapes the broadcast buffers expect."""
-    if factor.dim() == 1:
-        return decomposition
-    n = factor.shape[0]
-    values = decomposition.values
-    assert values is not None
-    eye = torch.eye(n, dtype=values.dtype, device=values.device)
-    if decomposition.method == "eigen":
-        return FactorDecomposition("eigen", values=values, vectors=eye)
-    return FactorDecomposition("inverse", inverse=torch.diag(values))
-
-
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside DataParallel / DDP wrappers (they expose it as ``.module``).
 
@@ -446,7 +434,10 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def find_layers(
-    model: nn.Module, skip_layers: Iterable[str], compute_method: str, inv_dtype: torch.dtype
+    model: nn.Module,
+    skip_layers: Iterable[str],
+    method: DecompositionMethod | str,
+    inv_dtype: torch.dtype,
 ) -> tuple[list[KFACLayer], dict[str, str]]:
     """The layers K-FAC preconditions in ``model``, and the modules with parameters it leaves.
 
@@ -455,7 +446,7 @@ def find_layers(
         skip_layers: Modules to leave out. Each entry matches a module's name, any enclosing
             module's name or its class name (case-insensitive), or, as kfac-pytorch reads it,
             is a regular expression found in the module's name or class name.
-        compute_method: ``"eigen"`` or ``"inverse"``.
+        method: The decomposition method, or its name.
         inv_dtype: The dtype decompositions are kept in.
 
     Returns:
@@ -484,7 +475,7 @@ def find_layers(
         if helper is None:
             skipped[name] = reason
             continue
-        layers.append(KFACLayer(name or type(module).__name__, helper, compute_method, inv_dtype))
+        layers.append(KFACLayer(name or type(module).__name__, helper, method, inv_dtype))
     if not layers:
         raise ValueError(
             "K-FAC found no Linear, Conv1d, Conv2d or Embedding layer with a trainable weight to "

@@ -1,8 +1,7 @@
-"""Where each factor is decomposed and which ranks precondition each gradient: the pure rules.
+"""SPD-KFAC's load-balancing placement (LBP) of single factors, and the makespan model it optimises.
 
-Functions of sizes and the world size, so every rank derives the same answer without talking:
-greedy and round-robin layer placement, KAISA's :class:`WorkerGroups`, SPD-KFAC's
-:func:`lbp_placement` with the makespan model it optimises.
+Functions of the factors' sizes, the world size and two cost functions, so every rank derives the
+same answer without talking.
 """
 
 from __future__ import annotations
@@ -11,174 +10,16 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from interlace.kfac.balancing import greedy_placement
+
 __all__ = [
+    "CostFunction",
     "FactorItem",
-    "WorkerGroups",
-    "decomposition_cost",
     "factor_greedy_placement",
-    "greedy_placement",
     "lbp_placement",
-    "memory_cost",
     "predicted_makespan",
-    "round_robin_placement",
     "schedule_order",
-    "worker_count",
 ]
-
-
-def decomposition_cost(a_dim: int, g_dim: int, a_diagonal: bool = False) -> float:
-    """Relative cost of decomposing a layer's factors: ``n^3`` each (a diagonal costs ``n``).
-
-    Args:
-        a_dim: Side of ``A``.
-        g_dim: Side of ``G``.
-        a_diagonal: Whether ``A`` is a diagonal.
-    """
-    return float(a_dim if a_diagonal else a_dim**3) + float(g_dim**3)
-
-
-def memory_cost(a_dim: int, g_dim: int, a_diagonal: bool = False) -> float:
-    """Relative memory of a layer's decompositions: ``n^2`` each (a diagonal takes ``n``).
-
-    Args:
-        a_dim: Side of ``A``.
-        g_dim: Side of ``G``.
-        a_diagonal: Whether ``A`` is a diagonal.
-    """
-    return float(a_dim if a_diagonal else a_dim**2) + float(g_dim**2)
-
-
-def greedy_placement(costs: Sequence[float], ranks: int) -> list[int]:
-    """The rank of each item: largest cost first, onto the least-loaded rank (lowest on ties).
-
-    Args:
-        costs: Each item's cost.
-        ranks: The number of ranks.
-    """
-    if ranks < 1:
-        raise ValueError(f"ranks must be >= 1, got {ranks}")
-    loads = [0.0] * ranks
-    owner = [0] * len(costs)
-    # Stable on equal costs (earlier item first), so the answer depends only on the inputs.
-    for index in sorted(range(len(costs)), key=lambda i: -costs[i]):
-        rank = min(range(ranks), key=lambda r: (loads[r], r))
-        owner[index] = rank
-        loads[rank] += costs[index]
-    return owner
-
-
-def rank_loads(costs: Sequence[float], owners: Sequence[int], ranks: int) -> list[float]:
-    """Total cost placed on each rank.
-
-    Args:
-        costs: Each item's cost.
-        owners: Each item's rank.
-        ranks: The number of ranks.
-    """
-    loads = [0.0] * ranks
-    for cost, rank in zip(costs, owners, strict=True):
-        loads[rank] += cost
-    return loads
-
-
-def worker_count(grad_worker_fraction: float, world_size: int) -> int:
-    """Gradient workers per layer for a fraction of the world; must divide the world size.
-
-    Args:
-        grad_worker_fraction: Gradient workers per layer as a fraction of the world.
-        world_size: The number of ranks.
-    """
-    if not 0 < grad_worker_fraction <= 1:
-        raise ValueError(
-            f"grad_worker_fraction must be in (0, 1], got {grad_worker_fraction}; use 1 for "
-            f"COMM-OPT, 1/world_size for MEM-OPT, or a fraction in between for HYBRID"
-        )
-    workers = max(1, round(grad_worker_fraction * world_size))
-    if not math.isclose(workers, grad_worker_fraction * world_size, rel_tol=1e-6, abs_tol=1e-6):
-        raise ValueError(
-            f"grad_worker_fraction {grad_worker_fraction} of {world_size} ranks is not a whole "
-            f"number of ranks; pick a fraction k/{world_size} with k dividing {world_size}"
-        )
-    if world_size % workers:
-        raise ValueError(
-            f"grad_worker_fraction {grad_worker_fraction} gives {workers} gradient workers, "
-            f"which does not divide the {world_size} ranks into equal groups"
-        )
-    return workers
-
-
-@dataclass(frozen=True)
-class WorkerGroups:
-    """KAISA's gradient-worker blocks and receiver groups for one world size.
-
-    With ``workers`` k on W ranks, the ranks form W / k blocks of k consecutive ranks. A layer's
-    *gradient workers* are the block that holds its owner: they receive its decomposition and
-    precondition its gradient. Every other rank receives the preconditioned gradient from the
-    worker in the same position of that block (its *receiver group* is the ranks of that
-    position in every block). k = W is COMM-OPT, k = 1 MEM-OPT, anything between HYBRID.
-
-    Args:
-        world_size: The number of ranks.
-        workers: Gradient workers per layer; divides ``world_size``.
-    """
-
-    world_size: int
-    workers: int
-
-    @classmethod
-    def for_fraction(cls, grad_worker_fraction: float, world_size: int) -> WorkerGroups:
-        """The groups for a fraction of the world (see :func:`worker_count`).
-
-        Args:
-            grad_worker_fraction: Gradient workers per layer as a fraction of the world.
-            world_size: The number of ranks.
-        """
-        return cls(world_size, worker_count(grad_worker_fraction, world_size))
-
-    @property
-    def broadcasts_decompositions(self) -> bool:
-        """Decompositions travel when a layer has more than one gradient worker."""
-        return self.workers > 1
-
-    @property
-    def broadcasts_gradients(self) -> bool:
-        """Preconditioned gradients travel when not every rank is a gradient worker."""
-        return self.workers < self.world_size
-
-    def blocks(self) -> list[tuple[int, ...]]:
-        """The gradient-worker blocks, in rank order."""
-        return [
-            tuple(range(start, start + self.workers))
-            for start in range(0, self.world_size, self.workers)
-        ]
-
-    def receiver_groups(self) -> list[tuple[int, ...]]:
-        """Ranks at the same position of every block, one group per position."""
-        return [
-            tuple(range(position, self.world_size, self.workers))
-            for position in range(self.workers)
-        ]
-
-    def block_of(self, rank: int) -> tuple[int, ...]:
-        """The gradient-worker block that holds ``rank``.
-
-        Args:
-            rank: A rank.
-        """
-        start = rank - rank % self.workers
-        return tuple(range(start, start + self.workers))
-
-    def gradient_source(self, owner: int, rank: int) -> int:
-        """The gradient worker of ``owner``'s block that sends ``rank`` the gradient.
-
-        Args:
-            owner: The layer's owner.
-            rank: The receiving rank.
-        """
-        return owner - owner % self.workers + rank % self.workers
-
-
-# -- SPD-KFAC's load-balancing placement (LBP) of individual factors ---------------------------
 
 #: Seconds for one factor of a given dimension: to decompose it, or to broadcast the result.
 CostFunction = Callable[[int], float]
@@ -202,20 +43,6 @@ class FactorItem:
     def __post_init__(self) -> None:
         if self.dim < 0:
             raise ValueError(f"a factor's dimension must be >= 0, got {self.dim}")
-
-
-def round_robin_placement(count: int, ranks: int) -> list[int]:
-    """Item ``i`` on rank ``i % ranks``: the size-blind baseline.
-
-    Args:
-        count: The number of items.
-        ranks: The number of ranks.
-    """
-    if ranks < 1:
-        raise ValueError(f"ranks must be >= 1, got {ranks}")
-    if count < 0:
-        raise ValueError(f"count must be >= 0, got {count}")
-    return [index % ranks for index in range(count)]
 
 
 def factor_greedy_placement(factors: Sequence[FactorItem | int], ranks: int) -> list[int]:

@@ -23,6 +23,7 @@ from torch.nn import functional
 from interlace import KFAC
 from interlace.comm.cost import CostModel
 from interlace.kfac.costs import DecompositionCostModel
+from interlace.kfac.placements import LBP
 from interlace.testing import run_ranks
 
 DTYPE = torch.float64
@@ -85,9 +86,9 @@ def _kfac(
     measured: bool = False,
     inv_update_steps: int | Callable[[int], int] = 1,
 ) -> KFAC:
-    costs: dict[str, Any] = {}
+    chosen: str | LBP = placement
     if placement == "lbp" and not measured:
-        costs = {"decomposition_cost": DECOMPOSITION_COST, "broadcast_cost": BROADCAST_COST}
+        chosen = LBP(decomposition_cost=DECOMPOSITION_COST, broadcast_cost=BROADCAST_COST)
     return KFAC(
         model,
         damping=0.01,
@@ -96,8 +97,7 @@ def _kfac(
         inv_update_steps=inv_update_steps,
         compute_method=method,
         inv_dtype=DTYPE,
-        placement=placement,
-        **costs,
+        placement=chosen,
     )
 
 
@@ -203,7 +203,9 @@ def test_layer_placements_give_both_factors_one_owner() -> None:
 
 
 def test_an_unknown_placement_is_rejected() -> None:
-    with pytest.raises(ValueError, match=r"placement must be one of round-robin, greedy, lbp"):
+    with pytest.raises(
+        ValueError, match=r"placement must be one of 'greedy', 'round-robin', 'lbp'"
+    ):
         KFAC(_build("mlp"), placement="random")
 
 

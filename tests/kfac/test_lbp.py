@@ -1,4 +1,4 @@
-"""Placement rules: greedy, KAISA's worker groups, and SPD-KFAC's LBP with its makespan model.
+"""SPD-KFAC's LBP with its makespan model.
 
 LBP's golden cases use integer seconds, so every sum is exact and the hand-worked answers are
 the answers; the properties compare LBP with the factor-level greedy and the paper's own rule.
@@ -13,79 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from interlace.kfac.layers import make_helper
-from interlace.kfac.placement import (
+from interlace.kfac.lbp import (
     FactorItem,
-    WorkerGroups,
-    decomposition_cost,
     factor_greedy_placement,
-    greedy_placement,
     lbp_placement,
     predicted_makespan,
-    rank_loads,
-    round_robin_placement,
     schedule_order,
-    worker_count,
 )
-from interlace.zoo import build_model
-
-# -- layer-level placement and worker groups -------------------------------------------------
-
-
-def test_greedy_placement_puts_the_largest_first_on_the_least_loaded_rank() -> None:
-    # Hand-worked: 8 -> r0; 7 -> r1; 5 -> r2; 4 -> r2 (5 < 7 < 8); 3 -> r1 (7 < 8 = 9? no: r1 7)
-    # then loads r0 8, r1 10, r2 9 and 1 -> r0.
-    costs = [3.0, 8.0, 4.0, 7.0, 1.0, 5.0]
-    owners = greedy_placement(costs, 3)
-    assert owners == [1, 0, 2, 1, 0, 2]
-    assert rank_loads(costs, owners, 3) == [9.0, 10.0, 9.0]
-    # Ties go to the lowest rank, and one rank takes everything.
-    assert greedy_placement([1.0, 1.0], 2) == [0, 1]
-    assert greedy_placement([5.0, 2.0], 1) == [0, 0]
-    with pytest.raises(ValueError, match="ranks"):
-        greedy_placement([1.0], 0)
-
-
-def test_placement_of_resnet32_on_4_ranks_is_within_1_2x_of_ideal() -> None:
-    model = build_model("resnet32", (3, 32, 32), 10)
-    costs = []
-    for module in model.modules():
-        helper, _ = make_helper(module)
-        if helper is not None:
-            costs.append(decomposition_cost(helper.a_dim, helper.g_dim, helper.diagonal_a))
-    # The first convolution, 30 in 15 blocks, 2 projection shortcuts and the classifier.
-    assert len(costs) == 34
-    loads = rank_loads(costs, greedy_placement(costs, 4), 4)
-    ideal = sum(costs) / 4
-    assert max(costs) <= ideal  # balance is possible at all
-    assert max(loads) / ideal <= 1.2
-
-
-def test_worker_groups_follow_kaisa() -> None:
-    hybrid = WorkerGroups.for_fraction(0.5, 8)
-    assert hybrid.workers == 4
-    assert hybrid.blocks() == [(0, 1, 2, 3), (4, 5, 6, 7)]
-    assert hybrid.receiver_groups() == [(0, 4), (1, 5), (2, 6), (3, 7)]
-    # A layer owned by rank 6: its gradient workers are 4..7; rank 1 hears from rank 5.
-    assert hybrid.block_of(6) == (4, 5, 6, 7)
-    assert hybrid.gradient_source(6, 1) == 5
-    assert hybrid.broadcasts_decompositions and hybrid.broadcasts_gradients
-
-    comm_opt = WorkerGroups.for_fraction(1.0, 4)
-    assert comm_opt.broadcasts_decompositions and not comm_opt.broadcasts_gradients
-    mem_opt = WorkerGroups.for_fraction(0.25, 4)
-    assert not mem_opt.broadcasts_decompositions and mem_opt.broadcasts_gradients
-    assert mem_opt.receiver_groups() == [(0, 1, 2, 3)]
-    assert mem_opt.gradient_source(2, 0) == 2
-
-
-@pytest.mark.parametrize("fraction", [0.0, 1.5, 0.3, 0.375])
-def test_impossible_grad_worker_fractions_are_refused(fraction: float) -> None:
-    with pytest.raises(ValueError, match="grad_worker_fraction"):
-        worker_count(fraction, 8)
-
-
-# -- LBP ---------------------------------------------------------------------------------------
 
 
 def _dim(n: int) -> float:
@@ -94,13 +28,6 @@ def _dim(n: int) -> float:
 
 def _constant(seconds: float) -> Callable[[int], float]:
     return lambda n: seconds
-
-
-def test_round_robin_deals_factors_out_in_turn() -> None:
-    assert round_robin_placement(5, 2) == [0, 1, 0, 1, 0]
-    assert round_robin_placement(0, 3) == []
-    with pytest.raises(ValueError, match="ranks"):
-        round_robin_placement(3, 0)
 
 
 def test_factor_greedy_is_greedy_by_n_cubed_per_factor() -> None:
@@ -193,9 +120,6 @@ def test_bad_placements_and_costs_are_refused() -> None:
         lbp_placement([1], 2, _dim, _constant(-1.0))
     with pytest.raises(ValueError, match="dimension"):
         FactorItem(-1)
-
-
-# -- properties ----------------------------------------------------------------------------
 
 
 def _flow_shop_brute_force(seconds: Sequence[float], sends: Sequence[float]) -> float:

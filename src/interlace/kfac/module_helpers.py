@@ -1,7 +1,7 @@
 """What K-FAC needs from each supported module: its two factors and its gradient as one matrix.
 
 One :class:`LayerHelper` per module kind (Linear, Conv1d, Conv2d, Embedding); the state built
-on them lives in :mod:`interlace.kfac.layer`.
+on them lives in :mod:`interlace.kfac.preconditioned_layer`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn import functional
 
 from interlace.kfac.decomp import FactorDecomposition, decompose, precondition
+from interlace.kfac.methods import DecompositionMethod
 
 __all__ = [
     "Conv1dHelper",
@@ -33,7 +34,7 @@ class LayerHelper:
     appended for the bias) and ``G`` that of the gradients ``g`` with respect to its outputs.
     Normalisation follows kfac-pytorch, so the same hyperparameters give the same numbers. A
     helper is stateless beyond its module: the running averages live in
-    :class:`~interlace.kfac.layer.KFACLayer`.
+    :class:`~interlace.kfac.preconditioned_layer.KFACLayer`.
 
     Args:
         module: The module whose factors and gradient this helper computes.
@@ -81,7 +82,11 @@ class LayerHelper:
         raise NotImplementedError
 
     def decompose(
-        self, factor: torch.Tensor, method: str, damping: float, dtype: torch.dtype
+        self,
+        factor: torch.Tensor,
+        method: DecompositionMethod,
+        damping: float,
+        dtype: torch.dtype,
     ) -> FactorDecomposition:
         """Decompose one of this layer's factors (:func:`interlace.kfac.decomp.decompose`).
 
@@ -89,7 +94,7 @@ class LayerHelper:
 
         Args:
             factor: The running average of ``A`` or ``G``.
-            method: ``"eigen"`` or ``"inverse"``.
+            method: The decomposition method.
             damping: The damping.
             dtype: The dtype to decompose in.
         """

@@ -1,0 +1,311 @@
+"""Where each factor is decomposed: placements as objects the runtime runs and the simulator prices.
+
+A placement is one object with a small protocol (:class:`Placement`): given the layers' factor
+sizes and the ranks, it names each factor's owner and the order every rank decomposes in.
+:class:`Greedy`, :class:`RoundRobin` and :class:`LBP` are interlace's; a new one is one class.
+No torch here, so the simulator imports these very objects.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
+
+from interlace.kfac.balancing import (
+    decomposition_cost,
+    greedy_placement,
+    memory_cost,
+    round_robin_placement,
+)
+from interlace.kfac.enums import AssignmentStrategy, PlacementChoice, coerce_choice
+from interlace.kfac.lbp import FactorItem, lbp_placement, schedule_order
+
+if TYPE_CHECKING:
+    from interlace.comm.cost import CostModel
+    from interlace.kfac.costs import DecompositionCostModel
+    from interlace.kfac.methods import DecompositionMethod
+
+__all__ = [
+    "LBP",
+    "CostSource",
+    "FactorPlacement",
+    "Greedy",
+    "LayerFactors",
+    "Placement",
+    "PlacementCosts",
+    "RoundRobin",
+    "factor_items",
+    "placement_from",
+]
+
+
+@dataclass(frozen=True)
+class LayerFactors:
+    """One preconditioned layer as a placement sees it: the sides of its two factors.
+
+    Args:
+        a_dim: Side of ``A`` (inputs, plus one for a bias).
+        g_dim: Side of ``G`` (outputs).
+        a_diagonal: Whether ``A`` is kept as a diagonal (an embedding's).
+    """
+
+    a_dim: int
+    g_dim: int
+    a_diagonal: bool = False
+
+
+def factor_items(layers: Sequence[LayerFactors]) -> list[FactorItem]:
+    """Every layer's ``A`` then ``G``, in layer order: the factors a placement places.
+
+    Args:
+        layers: The layers.
+    """
+    items: list[FactorItem] = []
+    for layer in layers:
+        items.append(FactorItem(layer.a_dim, layer.a_diagonal))
+        items.append(FactorItem(layer.g_dim))
+    return items
+
+
+@dataclass(frozen=True)
+class PlacementCosts:
+    """Seconds to decompose a factor and to broadcast its decomposition, as placements price
+    them: a decomposition model, and the broadcast model on the numbers the method sends.
+
+    Args:
+        decomposition: Seconds to decompose a dense factor of a side.
+        broadcast: ``a + b M`` seconds to broadcast ``M`` bytes.
+        method: The decomposition method (how many numbers a decomposition sends).
+        element_bytes: Bytes per number sent.
+    """
+
+    decomposition: DecompositionCostModel
+    broadcast: CostModel
+    method: DecompositionMethod
+    element_bytes: int = 4
+
+    def decompose_s(self, n: int) -> float:
+        """Seconds to decompose a dense ``n x n`` factor.
+
+        Args:
+            n: The factor's side.
+        """
+        return self.decomposition.time(n)
+
+    def broadcast_s(self, n: int) -> float:
+        """Seconds to broadcast a dense ``n x n`` factor's decomposition.
+
+        Args:
+            n: The factor's side.
+        """
+        return self.broadcast.time(self.method.numel(n) * self.element_bytes)
+
+
+class CostSource(Protocol):
+    """Where a cost-aware placement gets its prices: the runtime measures on the live group
+    (collectively: every rank asks at the same point), the simulator has its models."""
+
+    def priced(
+        self,
+        decomposition: DecompositionCostModel | None = None,
+        broadcast: CostModel | None = None,
+    ) -> PlacementCosts:
+        """The costs to place with: the models given, the source's own for those not given.
+
+        Args:
+            decomposition: A decomposition model to use as it is (None: the source's).
+            broadcast: A broadcast model to use as it is (None: the source's).
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class FactorPlacement:
+    """What a placement decided: every factor's owner and the order ranks decompose in.
+
+    Args:
+        owners: Each layer's ``A`` then ``G`` owner (a rank), or None: decomposed on every
+            rank (never for a colocated placement, whose two factors of a layer share a rank).
+        order: Factor indices (into ``owners``) in the one order every rank walks: each rank
+            decomposes the factors it owns or keeps local, in this order.
+        costs: The costs a cost-aware placement priced with (None: it priced nothing).
+    """
+
+    owners: tuple[int | None, ...]
+    order: tuple[int, ...]
+    costs: PlacementCosts | None = None
+
+    def check(self, placement: Placement, count: int, ranks: int) -> None:
+        """Refuse an answer the runtime cannot run: owners or order of the wrong length, an
+        owner that is no rank, a layer split by a colocated placement, or repeated factors.
+
+        Args:
+            placement: Who answered, for the message.
+            count: The factors placed (two per layer).
+            ranks: The number of ranks.
+
+        Raises:
+            ValueError: Naming the placement and what is wrong.
+        """
+        where = f"placement {placement.name!r}"
+        if len(self.owners) != count or sorted(self.order) != list(range(count)):
+            raise ValueError(
+                f"{where} gave {len(self.owners)} owners and an order of {len(self.order)} for "
+                f"{count} factors; it must give each layer's A and G an owner and order each once"
+            )
+        for owner in self.owners:
+            if owner is not None and not (isinstance(owner, int) and 0 <= owner < ranks):
+                raise ValueError(f"{where} gave owner {owner!r}, which is not a rank of {ranks}")
+        if placement.colocated:
+            pairs = zip(self.owners[0::2], self.owners[1::2], strict=True)
+            if any(a is None or a != g for a, g in pairs):
+                raise ValueError(
+                    f"{where} is colocated, so each layer's A and G need one owner, got "
+                    f"{list(self.owners)}"
+                )
+
+
+@runtime_checkable
+class Placement(Protocol):
+    """Where each factor is decomposed, and so what travels: ``KFAC(placement=)``'s objects.
+
+    The runtime runs :meth:`place` once, on every rank with the same inputs (the same answer
+    everywhere, or the collectives it orders would hang), and the simulator prices the same
+    call.
+    """
+
+    @property
+    def name(self) -> str:
+        """The placement's name in descriptions and records."""
+        ...
+
+    @property
+    def colocated(self) -> bool:
+        """True: a layer's two factors have one owner, which sends both decompositions at once
+        to the layer's gradient workers after every decomposition is made (any
+        ``grad_worker_fraction``). False: each factor is placed on its own, or on every rank,
+        and its owner sends it to every rank as soon as it is made (COMM-OPT only)."""
+        ...
+
+    def place(
+        self, layers: Sequence[LayerFactors], ranks: int, costs: CostSource
+    ) -> FactorPlacement:
+        """Every factor's owner and the decomposition order, the same on every rank.
+
+        Args:
+            layers: The preconditioned layers, in registration order.
+            ranks: The number of ranks.
+            costs: Prices for placements that weigh time (ask only when they need it: the
+                runtime measures on the live group).
+        """
+        ...
+
+
+def _per_layer(owners: Sequence[int]) -> FactorPlacement:
+    """Layer owners as a factor placement: both factors on the layer's owner, in layer order."""
+    return FactorPlacement(
+        tuple(owner for owner in owners for _ in "AG"), tuple(range(2 * len(owners)))
+    )
+
+
+@dataclass(frozen=True)
+class Greedy:
+    """SC20 / KAISA: layers largest first, each onto the least-loaded rank (colocated).
+
+    Args:
+        balance: What a layer weighs: its decomposition work, ``n^3`` per factor
+            (``"compute"``), or its decompositions' memory, ``n^2`` (``"memory"``;
+            kfac-pytorch's ``AssignmentStrategy.MEMORY``). An :class:`AssignmentStrategy` or its
+            string.
+    """
+
+    balance: AssignmentStrategy = AssignmentStrategy.COMPUTE
+    name: ClassVar[str] = "greedy"
+    colocated: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "balance", coerce_choice(AssignmentStrategy, self.balance, "balance")
+        )
+
+    def place(
+        self, layers: Sequence[LayerFactors], ranks: int, costs: CostSource
+    ) -> FactorPlacement:
+        weigh = memory_cost if self.balance is AssignmentStrategy.MEMORY else decomposition_cost
+        weights = [weigh(layer.a_dim, layer.g_dim, layer.a_diagonal) for layer in layers]
+        return _per_layer(greedy_placement(weights, ranks))
+
+
+@dataclass(frozen=True)
+class RoundRobin:
+    """Layer ``i`` on rank ``i % ranks``, whatever its size: the size-blind baseline
+    (colocated)."""
+
+    name: ClassVar[str] = "round-robin"
+    colocated: ClassVar[bool] = True
+
+    def place(
+        self, layers: Sequence[LayerFactors], ranks: int, costs: CostSource
+    ) -> FactorPlacement:
+        return _per_layer(round_robin_placement(len(layers), ranks))
+
+
+@dataclass(frozen=True)
+class LBP:
+    """SPD-KFAC's load-balancing placement of single factors: each on the rank that finishes
+    first, or decomposed on every rank when that beats sending it; every rank then decomposes
+    in Johnson's order (see :func:`~interlace.kfac.lbp.lbp_placement`). COMM-OPT only.
+
+    Args:
+        decomposition_cost: Seconds to decompose a factor, the same on every rank (None:
+            measured at start-up: rank 0's fit, sent to every rank).
+        broadcast_cost: Seconds to broadcast, the same on every rank (None: measured at
+            start-up: the slowest rank's medians).
+        search: Also try other local sets and factor-level greedy, keeping the best under the
+            makespan model (False: the paper's rule alone).
+    """
+
+    decomposition_cost: DecompositionCostModel | None = None
+    broadcast_cost: CostModel | None = None
+    search: bool = True
+    name: ClassVar[str] = "lbp"
+    colocated: ClassVar[bool] = False
+
+    def place(
+        self, layers: Sequence[LayerFactors], ranks: int, costs: CostSource
+    ) -> FactorPlacement:
+        items = factor_items(layers)
+        if ranks == 1:
+            # Nothing is sent on one rank: every factor is local, and nothing is priced.
+            return FactorPlacement((None,) * len(items), tuple(range(len(items))))
+        priced = costs.priced(self.decomposition_cost, self.broadcast_cost)
+        owners = lbp_placement(
+            items, ranks, priced.decompose_s, priced.broadcast_s, search=self.search
+        )
+        order = schedule_order(items, owners, ranks, priced.decompose_s, priced.broadcast_s)
+        return FactorPlacement(tuple(owners), tuple(order), priced)
+
+
+_BY_CHOICE: dict[PlacementChoice, type[Greedy | RoundRobin | LBP]] = {
+    PlacementChoice.GREEDY: Greedy,
+    PlacementChoice.ROUND_ROBIN: RoundRobin,
+    PlacementChoice.LBP: LBP,
+}
+
+
+def placement_from(value: object, option: str = "placement") -> Placement:
+    """The placement ``value`` names: a :class:`Placement` as it is, or a
+    :class:`~interlace.kfac.enums.PlacementChoice` (or its string) at its defaults.
+
+    Args:
+        value: What the caller passed.
+        option: The option's name, for the error.
+
+    Raises:
+        OptionError: A value that is neither.
+    """
+    if not isinstance(value, str | enum.Enum) and isinstance(value, Placement):
+        return value
+    return _BY_CHOICE[coerce_choice(PlacementChoice, value, option)]()
