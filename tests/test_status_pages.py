@@ -260,6 +260,29 @@ def _emulated_h200_readme() -> list[str]:
     ]
 
 
+@figure(FEATURES, "bench-dp/overlap.json")
+def _overlap_features() -> list[str]:
+    rows = _json("bench-dp/overlap.json")
+    return [
+        f"{_span(row['ddp_s'] / row['overlap_s'] for row in rows)} DDP over {len(rows)} rows, "
+        f"{_span(row['overlap_s'] / row['overlap_bound_s'] for row in rows)} the overlap bound"
+    ]
+
+
+@figure(README, "bench-dp/overlap.json")
+def _overlap_readme() -> list[str]:
+    rows = _json("bench-dp/overlap.json")
+    errors = [abs(row["simulated_s"] / row["overlap_s"] - 1) for row in rows]
+    return [
+        f"{len(rows)} rows",
+        f"{_span(row['ddp_s'] / row['overlap_s'] for row in rows)} DDP, "
+        f"{_span(row['ddp_100mb_s'] / row['overlap_s'] for row in rows if row['ddp_100mb_s'])}"
+        " DDP with 100 MB buckets, "
+        f"{_span(row['overlap_s'] / row['overlap_bound_s'] for row in rows)} the overlap bound",
+        f"simulator within {_percent_span([min(errors), max(errors)])}",
+    ]
+
+
 # -- the simulator ---------------------------------------------------------------------------------
 
 
