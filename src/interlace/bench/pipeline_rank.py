@@ -18,13 +18,14 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from torch.nn import functional
 
 from interlace.bench.harness import (
-    NUM_CLASSES,
+    LR,
+    MOMENTUM,
     Contender,
-    max_over_ranks,
-    synthetic_batches,
+    RankJob,
+    make_optimizer,
+    max_over_ranks_each,
 )
 from interlace.dp import DataParallel
-from interlace.emulate.compute import Compute, ComputeKind
 from interlace.emulate.pipeline import EmulatedPipelineModel
 from interlace.pipeline.partition import pipeline_blocks, stage_module
 from interlace.pipeline.runtime import PipelineStage
@@ -32,7 +33,6 @@ from interlace.pipeline.schedule import schedule_type
 from interlace.pipeline.stages import local_stage
 from interlace.sim.pipeline import INTERLACE_PIPELINE_SCHEDULES, TORCH_PIPELINE_SCHEDULES
 from interlace.timeline import Event
-from interlace.zoo import build_model
 
 #: interlace's schedules, data parallelism, then torch's, in table order (the simulator's names).
 SCHEDULES: tuple[str, ...] = (
@@ -45,51 +45,46 @@ TORCH_BASELINE = "torch-gpipe"
 DP_BASELINE = "dp"
 #: What ``--png`` draws, each in its own group of lanes, when measured.
 TIMELINE_SCHEDULES: tuple[str, ...] = ("spectrain", "gpipe")
-DEFAULT_LR = 0.01
-DEFAULT_MOMENTUM = 0.9
 #: Upper bound on warm-up steps spent waiting for DataParallel's plan (a bug otherwise).
 MAX_PLAN_STEPS = 200
 #: The stream of the job's seed its mini-batches come from: the same on every rank.
 BATCH_STREAM = 7
 
 
-@dataclass(frozen=True)
-class PipelineJob:
-    """What every rank of one launch measures."""
-
-    model: str
-    batch: int
-    microbatches: int
-    input_shape: tuple[int, ...]
-    schedules: tuple[str, ...]
-    block: int
-    iters: int
-    warmup: int
-    seed: int = 0
-    partition_by: str = "time"
-    timeline: bool = False
-    lr: float = DEFAULT_LR
-    momentum: float = DEFAULT_MOMENTUM
-    num_classes: int = NUM_CLASSES
-    #: Real kernels, or a trace's device time (``model`` is then the trace).
-    compute: Compute = field(default_factory=lambda: Compute(ComputeKind.REAL))
-
-
-def build_pipeline_model(
-    model: str, input_shape: tuple[int, ...], compute: Compute, num_classes: int = NUM_CLASSES
-) -> torch.nn.Module:
-    """The model a job cuts into stages: the zoo's, or the trace's emulated block sequence.
+@dataclass(frozen=True, kw_only=True)
+class PipelineJob(RankJob):
+    """What every rank of one launch measures: ``iters`` rounds of one block of ``block``
+    mini-batches of ``batch`` (the global batch) per contender.
 
     Args:
-        model: A zoo name (real compute); for emulated compute the trace names the model.
-        input_shape: One sample's shape (real compute).
-        compute: What the job computes on.
-        num_classes: Classes the model predicts.
+        microbatches: Pieces per mini-batch.
+        schedules: The contenders, in table order.
+        block: Mini-batches per timed block.
+        partition_by: Stages balanced by measured ``time`` or by ``params``.
+        timeline: Whether to record one timed block of :data:`TIMELINE_SCHEDULES`.
+        lr: SGD's learning rate.
+        momentum: SGD's momentum.
     """
-    if compute.emulated:
-        assert compute.trace is not None
-        return EmulatedPipelineModel(compute.trace, compute.dilation, classes=num_classes)
-    return build_model(model, input_shape, num_classes)
+
+    microbatches: int
+    schedules: tuple[str, ...]
+    block: int
+    partition_by: str = "time"
+    timeline: bool = False
+    lr: float = LR
+    momentum: float = MOMENTUM
+
+    #: The emulated pipeline model takes the inputs of ``input_shape`` and predicts classes.
+    emulated_takes_logits = False
+
+    def emulated_module(self, trace: str, dilation: float) -> torch.nn.Module:
+        """The trace's emulated block sequence, predicting ``num_classes`` classes.
+
+        Args:
+            trace: A shipped trace's name or a trace file.
+            dilation: The time-dilation factor.
+        """
+        return EmulatedPipelineModel(trace, dilation, classes=self.num_classes)
 
 
 @dataclass(kw_only=True)
@@ -140,14 +135,10 @@ def _build_contender(
 ) -> PipelineContender:
     """``schedule``'s own copy of ``base`` (identical weights), optimizer and training step."""
     model = copy.deepcopy(base)
-
-    def sgd(parameters: Any) -> torch.optim.Optimizer:
-        return torch.optim.SGD(parameters, lr=job.lr, momentum=job.momentum)
-
     last = rank == ranks - 1
     if schedule == DP_BASELINE:
         wrapper = DataParallel(model, bucketing="merged")
-        optimizer = sgd(wrapper.parameters())
+        optimizer = make_optimizer(model, wrapper.parameters(), lr=job.lr, momentum=job.momentum)
         shard = job.batch // ranks
 
         def train_dp(batches: Sequence[tuple[Any, Any]]) -> float | None:
@@ -165,7 +156,7 @@ def _build_contender(
         return PipelineContender(schedule, wrapper=wrapper, train=train_dp)
 
     module = stage_module(pipeline_blocks(model), plan, rank)
-    optimizer = sgd(module.parameters())
+    optimizer = make_optimizer(module, lr=job.lr, momentum=job.momentum)
     if schedule in INTERLACE_PIPELINE_SCHEDULES:
         schedule_class = schedule_type(schedule)
         stage = PipelineStage(
@@ -236,10 +227,8 @@ def measure_rank(job: PipelineJob) -> dict[str, Any]:
     """
     rank, ranks = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(job.seed)
-    base = build_pipeline_model(job.model, job.input_shape, job.compute, job.num_classes)
-    batches = synthetic_batches(
-        job.batch, job.input_shape, job.seed, BATCH_STREAM, num_classes=job.num_classes
-    )
+    base = job.module()
+    batches = job.batches(BATCH_STREAM)
     sample = batches[0][0][: max(1, job.batch // job.microbatches)]
     plan = local_stage(base, num_stages=ranks, stage=rank, by=job.partition_by, sample=sample).plan
     boundary = _boundary_bytes(pipeline_blocks(base), plan, sample, job.batch)
@@ -296,10 +285,8 @@ def measure_rank(job: PipelineJob) -> dict[str, Any]:
                 events[contender.name] = _event_dicts(recorded)
                 origins[contender.name] = start
 
-    maxima = max_over_ranks([t for c in contenders for t in c.times])
-    block_s = {
-        c.name: maxima[i * job.iters : (i + 1) * job.iters] for i, c in enumerate(contenders)
-    }
+    maxima = max_over_ranks_each([c.times for c in contenders])
+    block_s = {c.name: times for c, times in zip(contenders, maxima, strict=True)}
     cpu_flat = torch.tensor([t for c in contenders for t in c.cpu_s], dtype=torch.float64)
     dist.all_reduce(cpu_flat)  # summed over ranks
     cpu_sums: list[float] = cpu_flat.tolist()
