@@ -20,13 +20,16 @@ from interlace.bench.harness import (
     LaunchFailedError,
     RankJob,
     default_batch,
+    event_record,
     launch_on_ranks,
     make_optimizer,
     max_over_ranks,
     max_over_ranks_each,
     quartiles,
+    rotated,
     round_order,
     split_blocks,
+    steps_until,
     synthetic_batches,
     train_step,
     undilated,
@@ -34,6 +37,7 @@ from interlace.bench.harness import (
 from interlace.emulate import EmulatedStep, parse_compute
 from interlace.sim.trace import TensorTrace, Trace
 from interlace.testing import run_ranks
+from interlace.timeline import Event
 
 
 def test_timed_iterations_are_split_into_even_rounds() -> None:
@@ -58,6 +62,31 @@ def test_round_orders_balance_positions_and_predecessors(slots: int) -> None:
     follows = Counter((a, b) for order in orders for a, b in itertools.pairwise(order))
     expected = {(a, b): per_round for a in range(slots) for b in range(slots) if a != b}
     assert follows == expected
+
+
+def test_a_rotation_starts_each_round_one_further() -> None:
+    assert [rotated("abc", index) for index in range(4)] == [
+        ["a", "b", "c"],
+        ["b", "c", "a"],
+        ["c", "a", "b"],
+        ["a", "b", "c"],
+    ]
+    assert rotated([], 3) == []
+
+
+def test_warm_up_steps_until_the_plans_are_final_and_not_forever() -> None:
+    taken: list[int] = []
+    assert steps_until(lambda steps: steps >= 3, taken.append, "m") == 3
+    assert taken == [0, 1, 2]
+    assert steps_until(lambda _: True, taken.append, "m") == 0
+    with pytest.raises(RuntimeError, match="m: the plans were not final after 5 warm-up steps"):
+        steps_until(lambda _: False, taken.append, "m", limit=5)
+
+
+def test_an_event_travels_as_a_record_it_is_rebuilt_from() -> None:
+    event = Event("F0", "forward", 1.0, 2.5, "compute", "stage 1", {"batch": 0})
+    assert Event(**event_record(event)) == event
+    assert event_record(event, process="rank 0")["process"] == "rank 0"
 
 
 def test_the_old_rotation_would_have_kept_predecessors() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -23,6 +24,7 @@ from interlace.bench.harness import (
     max_over_ranks_each,
     round_order,
     split_blocks,
+    steps_until,
     synthetic_batches,
     train_step,
     undilated,
@@ -33,9 +35,6 @@ from interlace.emulate.model import EmulatedModel
 from interlace.wrapping import wrap_model
 from interlace.zoo import build_model
 
-#: Upper bound on warm-up steps spent waiting for a wrapper's plan; a wrapper that never plans
-#: is a bug, reported instead of looping forever.
-MAX_PLAN_STEPS = 200
 #: DDP rebuilds its buckets in gradient-ready order during its second iteration.
 DDP_REBUILD_STEPS = 2
 
@@ -325,6 +324,19 @@ def _is_final(contender: Contender, steps: int) -> bool:
     return bool(getattr(contender.wrapper, "planning_done", False))
 
 
+def _warm_up(contender: Contender, next_batch: Callable[[], tuple[Any, Any]], warmup: int) -> None:
+    """Train ``contender`` until its buckets are final, then ``warmup`` more steps."""
+    steps = steps_until(
+        lambda taken: _is_final(contender, taken),
+        lambda _: train_step(contender, *next_batch()),
+        contender.name,
+    )
+    for _ in range(warmup):
+        train_step(contender, *next_batch())
+    settle(contender.wrapper)
+    contender.warmup_steps = steps + warmup
+
+
 def _ddp_buckets(wrapper: Any) -> int | None:
     """DDP's bucket count after its rebuild, from its logging data (a private API: None if it
     is missing or changed)."""
@@ -374,19 +386,7 @@ def measure_rank(job: MeasureJob) -> Measurement:
         return batches[counter % len(batches)]
 
     for contender in contenders:
-        steps = 0
-        while not _is_final(contender, steps):
-            if steps >= MAX_PLAN_STEPS:
-                raise RuntimeError(
-                    f"{contender.name} had no plan after {steps} warm-up steps; "
-                    "it never finished profiling"
-                )
-            train_step(contender, *next_batch())
-            steps += 1
-        for _ in range(job.warmup):
-            train_step(contender, *next_batch())
-        settle(contender.wrapper)
-        contender.warmup_steps = steps + job.warmup
+        _warm_up(contender, next_batch, job.warmup)
     for _ in range(max(job.warmup, 1)):
         _compute_sample(plain, plain_optimizer, *next_batch())
     _allreduce_sample(flat)

@@ -24,6 +24,7 @@ from interlace import launch
 from interlace.cliutil import collective_timeout_of
 from interlace.emulate import Compute, ComputeKind
 from interlace.emulate.model import EmulatedModel, EmulatedStep
+from interlace.timeline import Event
 from interlace.zoo import build_model
 
 DEFAULT_INPUT_SHAPE: tuple[int, ...] = (3, 32, 32)
@@ -48,6 +49,10 @@ BATCHES = 4
 #: Every contender's SGD: the same learning rate and momentum in every benchmark.
 LR = 0.01
 MOMENTUM = 0.9
+
+#: Warm-up steps a plan may take to become final; one that never does is a bug, reported instead
+#: of looping forever.
+MAX_PLAN_STEPS = 300
 
 #: A launch whose rank was killed by a signal is run once more: a rare SIGABRT inside gloo that
 #: no rerun repeats should not cost a long benchmark a row.
@@ -360,6 +365,63 @@ def train_step(contender: Contender, inputs: torch.Tensor, targets: torch.Tensor
     loss = functional.cross_entropy(contender.wrapper(inputs), targets)
     loss.backward()
     contender.optimizer.step()
+
+
+def steps_until(
+    final: Callable[[int], bool],
+    step: Callable[[int], object],
+    what: str,
+    *,
+    limit: int = MAX_PLAN_STEPS,
+) -> int:
+    """Take warm-up steps until the plans are final; the steps taken.
+
+    Args:
+        final: Whether they are, given the steps taken so far (asked before every step).
+        step: One warm-up step, given its index.
+        what: Whose plans, for the error.
+        limit: The most steps to take.
+
+    Raises:
+        RuntimeError: When ``limit`` steps did not make them final.
+    """
+    steps = 0
+    while not final(steps):
+        if steps >= limit:
+            raise RuntimeError(f"{what}: the plans were not final after {steps} warm-up steps")
+        step(steps)
+        steps += 1
+    return steps
+
+
+def rotated(items: Sequence[_T], round_index: int) -> list[_T]:
+    """``items`` starting at the ``round_index``-th, so that the first one changes every round.
+
+    Args:
+        items: The contenders, in their order.
+        round_index: Which round (from 0).
+    """
+    first = round_index % len(items) if items else 0
+    return [*items[first:], *items[:first]]
+
+
+def event_record(event: Event, **changes: Any) -> dict[str, Any]:
+    """``event`` as a plain dict (picklable across ranks; ``Event(**record)`` rebuilds it).
+
+    Args:
+        event: A timed event.
+        **changes: Fields to set otherwise (``process``, ``lane``).
+    """
+    return {
+        "name": event.name,
+        "category": event.category,
+        "start_s": event.start_s,
+        "end_s": event.end_s,
+        "lane": event.lane,
+        "process": event.process,
+        "args": dict(event.args),
+        **changes,
+    }
 
 
 def split_blocks(iters: int, rounds: int) -> list[int]:

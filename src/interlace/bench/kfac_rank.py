@@ -17,9 +17,12 @@ from torch.nn import functional
 from interlace.bench.harness import (
     Contender,
     RankJob,
+    event_record,
     make_optimizer,
     max_over_ranks,
     max_over_ranks_each,
+    rotated,
+    steps_until,
 )
 from interlace.bench.kfac_peer import KfacPytorchPeer
 from interlace.comm.cost import CostModel
@@ -28,9 +31,8 @@ from interlace.emulate.kfac import EmulatedKFACModel
 from interlace.kfac import KFAC, PHASES
 from interlace.kfac.factor_modes import FactorCommMode, Pipelined, factor_comm_from
 from interlace.kfac.placements import LBP, Placement, placement_from
+from interlace.timeline import Event
 
-#: Upper bound on warm-up steps spent waiting for the data-parallel plan (a bug otherwise).
-MAX_WARMUP_STEPS = 300
 #: Steps every contender of a memory launch takes at least. A process's peak RSS creeps up over
 #: its first steps (the allocator's pools grow), so contenders whose plans settle at once would
 #: otherwise be measured earlier in that climb than those that profile first.
@@ -233,13 +235,17 @@ def measure_rank(job: BreakdownJob) -> dict[str, Any]:
     def passes(module: Any, step: int) -> float:
         return _passes(module, batches[step % len(batches)])
 
-    step = 0
-    while step < job.warmup or not (wrapped.planning_done and data_parallel_only.planning_done):
+    def warm_up(step: int) -> None:
         kfac_iteration(step)
         passes(data_parallel_only, step)
-        step += 1
-        if step > MAX_WARMUP_STEPS:
-            raise RuntimeError(f"{job.model}: DataParallel did not finish planning in warm-up")
+
+    step = steps_until(
+        lambda taken: (
+            taken >= job.warmup and wrapped.planning_done and data_parallel_only.planning_done
+        ),
+        warm_up,
+        job.model,
+    )
     precond.take_events()
 
     keys = [*PHASES, "passes", "optimizer", "iteration", "plain", "data_parallel"]
@@ -366,22 +372,21 @@ def measure_memory_rank(job: AblationJob) -> dict[str, Any]:
     dist.barrier()
     base = peak_rss_mb()
     contender = _contender(job.modes[0], plain, job, lbp_costs_for(plain, job.compute_method))
-    step = 0
-    settled_at: int | None = None
-    while settled_at is None or step < max(settled_at + max(job.warmup, 1), job.memory_steps):
+
+    def step_of(step: int) -> None:
         _kfac_iteration(contender, batches[step % len(batches)], KFAC_PASSES[0])
-        step += 1
-        if settled_at is None and contender.settled():
-            settled_at = step
-        if step > MAX_WARMUP_STEPS:
-            raise RuntimeError(f"{job.model}: the plans were not final after the warm-up")
+
+    settled = steps_until(lambda taken: taken > 0 and contender.settled(), step_of, job.model)
+    steps = max(settled + max(job.warmup, 1), job.memory_steps)
+    for step in range(settled, steps):
+        step_of(step)
     peak = peak_rss_mb()
     base_max, peak_max, added_max = max_over_ranks([base, peak, peak - base])
     return {
         "peak_rss_mb": peak_max,
         "base_rss_mb": base_max,
         "added_rss_mb": added_max,
-        "steps": step,
+        "steps": steps,
     }
 
 
@@ -421,27 +426,24 @@ def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
         return _passes(module, batches[step % len(batches)])
 
     def one_round(step: int) -> tuple[dict[str, dict[str, float]], float, float]:
-        first = step % len(contenders)
         samples = {
             contender.name: kfac_iteration(contender, step)
-            for contender in contenders[first:] + contenders[:first]
+            for contender in rotated(contenders, step)
         }
         return samples, passes(plain, step), passes(data_parallel_only, step)
 
-    # Warm up until every plan is final, then one more round on the final plans.
-    step = 0
-    settled_at: int | None = None
-    while step < job.warmup or settled_at is None or step <= settled_at:
-        one_round(step)
-        step += 1
-        if (
-            settled_at is None
+    def settled(taken: int) -> bool:
+        return (
+            taken > 0
             and data_parallel_only.planning_done
             and all(contender.settled() for contender in contenders)
-        ):
-            settled_at = step
-        if step > MAX_WARMUP_STEPS:
-            raise RuntimeError(f"{job.model}: the plans were not final after the warm-up")
+        )
+
+    # Warm up until every plan is final, then one more round on the final plans.
+    settled_at = steps_until(settled, one_round, job.model)
+    step = max(settled_at + 1, job.warmup)
+    for extra in range(settled_at, step):
+        one_round(extra)
 
     keys = [*PHASES, KFAC_PASSES[0], "optimizer", "iteration"]
     samples: dict[str, dict[str, list[float]]] = {
@@ -521,41 +523,15 @@ def _iteration_events(
     """The last iteration as plain dicts (picklable): the data-parallel timeline of forward,
     backward and gradient all-reduces, then K-FAC's spans, on one time origin."""
     process = f"rank {rank}"
-    origin = wrapped.last_forward_start
-    events: list[dict[str, Any]] = []
     timeline = wrapped.last_timeline
-    if timeline is not None:
-        for event in timeline.events:
-            events.append(
-                {
-                    "name": event.name,
-                    "category": event.category,
-                    "start_s": event.start_s,
-                    "end_s": event.end_s,
-                    "lane": event.lane,
-                    "process": process,
-                }
-            )
-    for event in precond.take_events(process=process, origin_s=origin):
-        events.append(
-            {
-                "name": event.name,
-                "category": event.category,
-                "start_s": event.start_s,
-                "end_s": event.end_s,
-                "lane": "kfac comm" if event.category == "comm" else "kfac",
-                "process": process,
-            }
-        )
+    events = [
+        event_record(event, process=process)
+        for event in (timeline.events if timeline is not None else ())
+    ]
+    events += [
+        event_record(event, lane="kfac comm" if event.category == "comm" else "kfac")
+        for event in precond.take_events(process=process, origin_s=wrapped.last_forward_start)
+    ]
     end = sample["iteration"]
-    events.append(
-        {
-            "name": "SGD step",
-            "category": "optimizer",
-            "start_s": end - sample["optimizer"],
-            "end_s": end,
-            "lane": "kfac",
-            "process": process,
-        }
-    )
-    return events
+    step = Event("SGD step", "optimizer", end - sample["optimizer"], end, "kfac", process)
+    return [*events, event_record(step)]

@@ -22,8 +22,11 @@ from interlace.bench.harness import (
     MOMENTUM,
     Contender,
     RankJob,
+    event_record,
     make_optimizer,
     max_over_ranks_each,
+    rotated,
+    steps_until,
 )
 from interlace.dp import DataParallel
 from interlace.emulate.pipeline import EmulatedPipelineModel
@@ -45,8 +48,6 @@ TORCH_BASELINE = "torch-gpipe"
 DP_BASELINE = "dp"
 #: What ``--png`` draws, each in its own group of lanes, when measured.
 TIMELINE_SCHEDULES: tuple[str, ...] = ("spectrain", "gpipe")
-#: Upper bound on warm-up steps spent waiting for DataParallel's plan (a bug otherwise).
-MAX_PLAN_STEPS = 200
 #: The stream of the job's seed its mini-batches come from: the same on every rank.
 BATCH_STREAM = 7
 
@@ -198,21 +199,6 @@ def _build_contender(
     return PipelineContender(schedule, train=train_torch)
 
 
-def _event_dicts(events: Sequence[Event]) -> list[dict[str, Any]]:
-    return [
-        {
-            "name": e.name,
-            "category": e.category,
-            "start_s": e.start_s,
-            "end_s": e.end_s,
-            "lane": e.lane,
-            "process": e.process,
-            "args": dict(e.args),
-        }
-        for e in events
-    ]
-
-
 def measure_rank(job: PipelineJob) -> dict[str, Any]:
     """One rank of a launch: build every contender, warm up, time interleaved blocks.
 
@@ -247,27 +233,28 @@ def measure_rank(job: PipelineJob) -> dict[str, Any]:
     def drain(contender: PipelineContender) -> list[Event]:
         return list(contender.stage.take_events()) if contender.stage is not None else []
 
+    def warm_up(contender: PipelineContender) -> None:
+        dist.barrier()
+        contender.train(blocks_from(0, max(job.warmup, 1)))
+        wrapper = contender.wrapper
+        if wrapper is not None and steps_until(
+            lambda _: bool(wrapper.planning_done),
+            lambda step: contender.train(blocks_from(step, 1)),
+            contender.name,
+        ):
+            contender.train(blocks_from(0, 1))  # one step on the final buckets
+        drain(contender)
+
     # Warm-up: every contender ``job.warmup`` mini-batches (at least one: torch's stages infer
     # their shapes on their first step), DataParallel until its plan is final.
     for contender in contenders:
-        dist.barrier()
-        contender.train(blocks_from(0, max(job.warmup, 1)))
-        steps = 0
-        while contender.wrapper is not None and not contender.wrapper.planning_done:
-            if steps >= MAX_PLAN_STEPS:
-                raise RuntimeError(f"dp had no plan after {steps} warm-up steps")
-            contender.train(blocks_from(steps, 1))
-            steps += 1
-        if contender.wrapper is not None and steps:
-            contender.train(blocks_from(0, 1))  # one step on the final buckets
-        drain(contender)
+        warm_up(contender)
 
     events: dict[str, list[dict[str, Any]]] = {}
     origins: dict[str, float] = {}
     for round_index in range(job.iters):
-        shift = round_index % len(contenders)
         data = blocks_from(round_index, job.block)
-        for contender in contenders[shift:] + contenders[:shift]:
+        for contender in rotated(contenders, round_index):
             dist.barrier()
             start, cpu_start = time.perf_counter(), time.process_time()
             loss = contender.train(data)
@@ -282,7 +269,7 @@ def measure_rank(job: PipelineJob) -> dict[str, Any]:
                 contender.comm_s.append(sum(e.duration_s for e in recorded if e.category == "comm"))
             last_round = round_index == job.iters - 1
             if job.timeline and last_round and contender.name in TIMELINE_SCHEDULES:
-                events[contender.name] = _event_dicts(recorded)
+                events[contender.name] = [event_record(event) for event in recorded]
                 origins[contender.name] = start
 
     maxima = max_over_ranks_each([c.times for c in contenders])

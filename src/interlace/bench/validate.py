@@ -25,6 +25,7 @@ from interlace.bench.harness import (
     default_batch,
     make_optimizer,
     max_over_ranks,
+    steps_until,
     train_step,
 )
 from interlace.bench.session import (
@@ -100,12 +101,12 @@ def validate_rank(job: MeasureJob) -> ValidateSample:
     optimizer = make_optimizer(module, wrapper.parameters())
     contender = Contender("single", wrapper, optimizer)
     batches = job.batches(dist.get_rank())
-    count = 0
-    while wrapper.plan is None:
-        if count > 50:
-            raise RuntimeError("the profiling DataParallel never planned")
-        train_step(contender, *batches[count % len(batches)])
-        count += 1
+    steps_until(
+        lambda _: wrapper.plan is not None,
+        lambda step: train_step(contender, *batches[step % len(batches)]),
+        "the profiling DataParallel",
+        limit=50,
+    )
     steps = []
     for index in range(STEP_SAMPLES):
         inputs, targets = batches[index % len(batches)]
