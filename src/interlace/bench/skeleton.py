@@ -287,7 +287,7 @@ class BenchConfig:
 
     @property
     def link_text(self) -> str:
-        """The link as rows name it."""
+        """The link as rows name it (a benchmark that picks its links names them itself)."""
         return self.link or "loopback"
 
     def batch_for(self, model: str) -> int:
