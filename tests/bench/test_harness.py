@@ -1,12 +1,12 @@
-"""The benchmark harness: launching, rounds, batches, contenders, parsing and quartiles."""
+"""The benchmarks' rank side: launching, rounds, jobs, batches, contenders, undilating and
+quartiles."""
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import math
-import re
 from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,21 +18,26 @@ from interlace.bench.harness import (
     NUM_CLASSES,
     Contender,
     LaunchFailedError,
-    check_launch_args,
+    RankJob,
     default_batch,
+    event_record,
     launch_on_ranks,
+    make_optimizer,
     max_over_ranks,
-    parse_names,
-    parse_ratios,
-    parse_shape,
+    max_over_ranks_each,
     quartiles,
+    rotated,
     round_order,
     split_blocks,
+    steps_until,
     synthetic_batches,
     train_step,
+    undilated,
 )
-from interlace.errors import UsageError
+from interlace.emulate import EmulatedStep, parse_compute
+from interlace.sim.trace import TensorTrace, Trace
 from interlace.testing import run_ranks
+from interlace.timeline import Event
 
 
 def test_timed_iterations_are_split_into_even_rounds() -> None:
@@ -57,6 +62,31 @@ def test_round_orders_balance_positions_and_predecessors(slots: int) -> None:
     follows = Counter((a, b) for order in orders for a, b in itertools.pairwise(order))
     expected = {(a, b): per_round for a in range(slots) for b in range(slots) if a != b}
     assert follows == expected
+
+
+def test_a_rotation_starts_each_round_one_further() -> None:
+    assert [rotated("abc", index) for index in range(4)] == [
+        ["a", "b", "c"],
+        ["b", "c", "a"],
+        ["c", "a", "b"],
+        ["a", "b", "c"],
+    ]
+    assert rotated([], 3) == []
+
+
+def test_warm_up_steps_until_the_plans_are_final_and_not_forever() -> None:
+    taken: list[int] = []
+    assert steps_until(lambda steps: steps >= 3, taken.append, "m") == 3
+    assert taken == [0, 1, 2]
+    assert steps_until(lambda _: True, taken.append, "m") == 0
+    with pytest.raises(RuntimeError, match="m: the plans were not final after 5 warm-up steps"):
+        steps_until(lambda _: False, taken.append, "m", limit=5)
+
+
+def test_an_event_travels_as_a_record_it_is_rebuilt_from() -> None:
+    event = Event("F0", "forward", 1.0, 2.5, "compute", "stage 1", {"batch": 0})
+    assert Event(**event_record(event)) == event
+    assert event_record(event, process="rank 0")["process"] == "rank 0"
 
 
 def test_the_old_rotation_would_have_kept_predecessors() -> None:
@@ -104,13 +134,15 @@ def test_a_train_step_is_one_sgd_step_on_the_cross_entropy() -> None:
     assert contender.times == [] and contender.warmup_steps == 0
 
 
-def _rank_maxima() -> list[float]:
+def _rank_maxima() -> tuple[list[float], list[list[float]]]:
     rank = dist.get_rank()
-    return max_over_ranks([float(rank), 1.0 - rank, 5.0])
+    series = [[float(rank), 1.0 - rank], [], [5.0 * rank]]
+    return max_over_ranks([float(rank), 1.0 - rank, 5.0]), max_over_ranks_each(series)
 
 
 def test_max_over_ranks_takes_each_samples_slowest_rank() -> None:
-    assert run_ranks(_rank_maxima, 2, timeout=120) == [[1.0, 1.0, 5.0], [1.0, 1.0, 5.0]]
+    expected = ([1.0, 1.0, 5.0], [[1.0, 1.0], [], [5.0]])
+    assert run_ranks(_rank_maxima, 2, timeout=120) == [expected, expected]
 
 
 def _world_plus(job: int) -> int:
@@ -132,6 +164,54 @@ def test_a_failed_launch_names_the_rank_and_its_error() -> None:
     assert "no such luck" in str(failed.value)
 
 
+# ---------------------------------------------------------------------------- jobs
+
+
+def _trace_file(tmp_path: Path) -> Path:
+    tensors = (TensorTrace("fc.weight", "fc", 40, 160, 1e-4, 2e-4),)
+    return Trace("toy", tensors, forward_s=1e-4, backward_s=2e-4).save(tmp_path / "toy.json")
+
+
+def test_a_job_builds_its_model_and_batches_for_its_compute(tmp_path: Path) -> None:
+    job = RankJob(model="mlp", batch=4, input_shape=(1, 4, 4), iters=1, warmup=0, num_classes=7)
+    model = job.module()
+    inputs, targets = job.batches(stream=1)[0]
+    assert model(inputs).shape == (4, 7) and int(targets.max()) < 7
+    assert isinstance(make_optimizer(model), torch.optim.SGD)
+    emulated = RankJob(
+        model="toy",
+        batch=4,
+        input_shape=(1, 4, 4),
+        iters=1,
+        warmup=0,
+        compute=parse_compute(f"emulated:{_trace_file(tmp_path)}", 2.0),
+    )
+    # The emulated model returns its input: its batches are logits of NUM_CLASSES classes.
+    inputs, _ = emulated.batches(stream=1)[0]
+    assert inputs.shape == (4, NUM_CLASSES)
+    assert isinstance(make_optimizer(emulated.module()), EmulatedStep)
+
+
+@dataclass(frozen=True)
+class _Sample:
+    seconds: list[float]
+    cost_s: float | None
+    count: int
+
+
+def test_undilating_divides_every_float_or_the_named_ones_only() -> None:
+    sample = _Sample([0.4, 0.8], 0.2, 3)
+    assert undilated(sample, 2.0) == _Sample([0.2, 0.4], 0.1, 3)
+    assert undilated(_Sample([0.4], None, 1), 4.0) == _Sample([0.1], None, 1)
+    value = {"block_s": {"gpipe": [2.0]}, "losses": {"gpipe": 2.0}, "bytes": [8]}
+    assert undilated(value, 2.0, ("block_s", "bytes")) == {
+        "block_s": {"gpipe": [1.0]},
+        "losses": {"gpipe": 2.0},
+        "bytes": [8],
+    }
+    assert undilated(value, 1.0) is value
+
+
 # ---------------------------------------------------------------------------- rows
 
 
@@ -141,60 +221,10 @@ def test_quartiles_are_inclusive_and_one_sample_is_all_three() -> None:
     assert quartiles([0.25]) == (0.25, 0.25, 0.25)
 
 
-# ---------------------------------------------------------------------------- arguments
+# ---------------------------------------------------------------------------- defaults
 
 
 def test_each_model_has_its_batch_and_others_the_fallback() -> None:
     assert default_batch("resnet20") == DEFAULT_BATCH["resnet20"] == 8
     assert default_batch("mlp") == 512
     assert default_batch("pkg.mod:build") == FALLBACK_BATCH == 32
-
-
-def test_names_shapes_and_ratios_are_parsed() -> None:
-    assert parse_names(" a, b ,a,", None, "models", "model") == ("a", "b")
-    assert parse_names("ddp", ("ddp", "wfbp"), "strategies", "strategy") == ("ddp",)
-    with pytest.raises(UsageError, match="--strategies: unknown strategy 'x'; choose from ddp"):
-        parse_names("ddp,x", ("ddp",), "strategies", "strategy")
-    with pytest.raises(UsageError, match="name at least one"):
-        parse_names(" , ", None, "models", "model")
-    assert parse_shape("3,32,32") == parse_shape("3x32x32") == (3, 32, 32)
-    for bad in ("3,0,32", "three", ""):
-        with pytest.raises(UsageError, match="--input-shape"):
-            parse_shape(bad)
-    assert parse_ratios("0.5, 1,2,1") == (0.5, 1.0, 2.0)
-    for bad in ("0", "-1", "inf", "nan", "one"):
-        with pytest.raises(UsageError, match="--ratios"):
-            parse_ratios(bad)
-    assert math.isfinite(parse_ratios("1e-3")[0])
-
-
-@pytest.mark.parametrize(
-    ("models", "changes", "needle"),
-    [
-        (("resnet1000",), {}, "--models: unknown model 'resnet1000'"),
-        (("mlp",), {"nprocs": 1}, "-n must be >= 2 (why), got 1"),
-        (("mlp",), {"timeout": 0.0}, "--timeout must be > 0 seconds"),
-        (("mlp",), {"collective_timeout": -1.0}, "--collective-timeout must be > 0 seconds"),
-        (("mlp",), {"link": "1gbit", "no_netem": True}, "contradict"),
-    ],
-)
-def test_launch_arguments_are_checked(
-    models: tuple[str, ...], changes: dict[str, object], needle: str
-) -> None:
-    values: dict[str, object] = {
-        "nprocs": 2,
-        "timeout": 10.0,
-        "collective_timeout": None,
-        "link": None,
-        "no_netem": False,
-    }
-    args = argparse.Namespace(**{**values, **changes})
-    with pytest.raises(UsageError, match=re.escape(needle)):
-        check_launch_args(args, models, prefix="--models: ", ranks_reason="why")
-
-
-def test_good_launch_arguments_pass() -> None:
-    args = argparse.Namespace(
-        nprocs=2, timeout=10.0, collective_timeout=30.0, link=None, no_netem=True
-    )
-    check_launch_args(args, ("mlp", "pkg.mod:build"), prefix="", ranks_reason="why")

@@ -15,10 +15,17 @@ from interlace.bench.kfac import (
     DEFAULT_ABLATION_MODELS,
     DEFAULT_MODELS,
     add_arguments,
-    models_from_args,
+    config_from_args,
 )
 from interlace.bench.kfac_rank import KFAC_PASSES, MEMORY_STEPS
-from interlace.bench.kfac_report import COLUMNS
+from interlace.bench.kfac_report import (
+    COLUMNS,
+    AblationRow,
+    KfacRow,
+    format_ablation_table,
+    format_h2h_table,
+    format_table,
+)
 from interlace.sim.trace import ActivationTrace, FactorTrace, TensorTrace, Trace
 
 MODES = ("dkfac", "pipelined", "lbp", "spd")
@@ -56,9 +63,11 @@ def test_a_tiny_run_on_loopback_writes_rows_and_a_timeline(
     )
     assert status == 0
     out = capsys.readouterr().out
-    assert "| mlp | 2 | loopback |" in out and "MEM-OPT" not in out
+    assert "MEM-OPT" not in out
     (row,) = json.loads(rows_path.read_text())
-    assert row["model"] == "mlp" and row["layers"] == 13 and row["grad_worker_fraction"] == 0.5
+    assert format_table([KfacRow(**row)]) in out
+    assert (row["model"], row["ranks"], row["link"]) == ("mlp", 2, "loopback")
+    assert row["layers"] == 13 and row["grad_worker_fraction"] == 0.5
     phases = row["phases_ms"]
     assert set(phases) == {key for key, _ in COLUMNS}
     # MEM-OPT on 2 ranks broadcasts preconditioned gradients; every rank decomposes something.
@@ -111,20 +120,25 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 
 def test_ablation_parsing_and_models() -> None:
-    args = _parse("--ablation")
-    assert args.ablation and args.placement is None and args.factor_update_steps == 1
-    assert args.inv_update_steps == 1 and args.link == "1gbit"
-    assert models_from_args(args) == DEFAULT_ABLATION_MODELS
+    config = config_from_args(_parse("--ablation"))
+    assert config.placement == "greedy" and config.factor_update_steps == 1
+    assert config.inv_update_steps == 1 and config.link == "1gbit"
+    assert config.models == DEFAULT_ABLATION_MODELS
+    assert config.modes == MODES and config.memory_modes == ()
     assert DEFAULT_ABLATION_MODELS == ("resnet20", "resnet56", "vgg11", "transformer")
-    assert models_from_args(_parse("--ablation", "--models", "resnet20,transformer")) == (
+    assert config_from_args(_parse("--ablation", "--models", "resnet20,transformer")).models == (
         "resnet20",
         "transformer",
     )
-    assert models_from_args(_parse("--ablation", "--model", "pkg.mod:build")) == ("pkg.mod:build",)
+    assert config_from_args(_parse("--ablation", "--model", "pkg.mod:build")).models == (
+        "pkg.mod:build",
+    )
+    memory = config_from_args(_parse("--ablation", "--memory", "spd,kfac-pytorch,dkfac"))
+    assert memory.memory_modes == ("dkfac", "spd")  # the peer runs only with --compare
     # Without --ablation the defaults (and the greedy placement) are what they were.
-    plain = _parse()
-    assert not plain.ablation and models_from_args(plain) == DEFAULT_MODELS
-    assert _parse("--factor-update-steps", "3").factor_update_steps == 3
+    plain = config_from_args(_parse())
+    assert plain.models == DEFAULT_MODELS and plain.placement == "greedy"
+    assert config_from_args(_parse("--factor-update-steps", "3")).factor_update_steps == 3
 
 
 @pytest.mark.slow
@@ -168,7 +182,7 @@ def test_a_tiny_ablation_on_loopback_measures_the_four_modes(
         assert row["layers"] == 13 and row["ranks"] == 2
         assert set(row["phases_s"]) == {key for key, _ in COLUMNS} | {KFAC_PASSES[0]}
         assert row["phases_s"]["decomposition"] > 0 and row["phases_s"]["factor_compute"] > 0
-        assert f"| mlp | {row['mode']} |" in out
+    assert format_ablation_table([AblationRow(**row) for row in rows]) in out
     assert by_mode["dkfac"]["speedup_vs_dkfac"] == 1.0
     # The pipelined modes ran on their merged buckets; the LBP modes on one shared placement.
     assert by_mode["pipelined"]["factor_buckets"] >= 1 and by_mode["spd"]["factor_buckets"] >= 1
@@ -247,7 +261,7 @@ def test_compare_runs_kfac_pytorch_beside_the_modes_with_its_phases_and_memory(
     assert rows["kfac-pytorch"]["memory_steps"] >= rows["dkfac"]["memory_steps"]
     assert rows["spd"]["peak_rss_mb"] is None
     out = capsys.readouterr().out
-    assert "| resnet20 | kfac-pytorch |" in out and "whole-cycle ms" in out
+    assert format_h2h_table([AblationRow(**row) for row in rows.values()]) in out
 
 
 # ================================================================================ emulated

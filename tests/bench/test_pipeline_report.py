@@ -87,6 +87,7 @@ def test_rows_give_the_median_rate_and_ratios_of_the_same_launch() -> None:
     record = by["spectrain"].to_dict()
     assert record["model"] == "m" and record["schedule"] == "spectrain"
     assert record["samples_per_s"] == pytest.approx(256.0)
+    assert record["regime"] == _regime().to_dict()  # the JSON row carries its model's regime
     json.dumps(record)
 
 
@@ -95,22 +96,26 @@ def test_ratios_are_dashes_without_their_baselines() -> None:
     del value["block_s"]["torch-gpipe"], value["block_s"]["dp"]
     rows = rows_from_value(value, _regime(), block=2)
     assert all(row.vs_torch_gpipe is None and row.vs_dp is None for row in rows)
-    table = format_table(rows)
-    assert (
-        "| m | spectrain | async 1F1B, predicted, 4 chunks | 256.0 | 256.0-256.0 | - | - | 0.25 |"
-        in table
-    )
+    spectrain = rows[1]
+    assert spectrain.description == "async 1F1B, predicted, 4 chunks"
+    assert spectrain.samples_per_s_p25 == spectrain.samples_per_s_p75 == pytest.approx(256.0)
+    assert spectrain.cpu_s_per_minibatch == pytest.approx(0.25)
+    assert len(format_table(rows).splitlines()) == 2 + len(rows)
 
 
 def test_the_table_has_the_promised_columns() -> None:
-    header, rule, *lines = format_table(rows_from_value(_value(), _regime(), block=2)).splitlines()
-    for column in ("model", "schedule", "samples/s", "vs torch-gpipe", "vs dp"):
+    rows = rows_from_value(_value(), _regime(), block=2)
+    header, rule, *lines = format_table(rows).splitlines()
+    for column in ("model", "schedule", "samples/s", "vs torch-gpipe", "vs dp", "cores busy"):
         assert f" {column} |" in header
-    assert header.count("|") == rule.count("|") == lines[0].count("|")
-    assert len(lines) == 4
-    assert "| m | torch-gpipe |" in lines[3] and "| 1.00x |" in lines[3]
-    assert lines[1].endswith("| 2.00x | 8.00x | 0.25 | 1.00 |")
-    assert lines[2].endswith("| 1.00x | - | - |")  # dp: no CPU times in this value
+    assert all(line.count("|") == header.count("|") == rule.count("|") for line in lines)
+    assert [row.schedule for row in rows] == ["gpipe", "spectrain", "dp", "torch-gpipe"]
+    assert len(lines) == len(rows)
+    torch_gpipe, spectrain, dp = rows[3], rows[1], rows[2]
+    assert torch_gpipe.vs_torch_gpipe == pytest.approx(1.0)
+    assert (spectrain.vs_torch_gpipe, spectrain.vs_dp) == pytest.approx((2.0, 8.0))
+    assert (spectrain.cpu_s_per_minibatch, spectrain.cores_busy) == pytest.approx((0.25, 1.0))
+    assert dp.vs_dp == pytest.approx(1.0) and dp.cores_busy is None  # no CPU times for dp
 
 
 def test_the_regime_says_which_side_is_communication_bound() -> None:

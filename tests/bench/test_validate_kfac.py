@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from interlace.bench import validate_kfac
-from interlace.bench.launch_options import LaunchOptions
+from interlace.bench import harness
+from interlace.bench.session import LaunchOptions
 from interlace.bench.validate_kfac import (
     KfacMeasurement,
     LiveCosts,
@@ -176,7 +176,7 @@ def test_rows_compare_each_mode_with_its_measurement(tmp_path: Path) -> None:
 def test_bad_arguments_are_refused_in_one_line_before_any_launch(
     change: dict[str, object], message: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(validate_kfac, "launch_on_ranks", _no_launch)
+    monkeypatch.setattr(harness, "launch_on_ranks", _no_launch)
     arguments: dict[str, object] = {
         "compute": Compute(ComputeKind.EMULATED, "resnet20-h200", 16.0),
         "nprocs": 4,
@@ -195,7 +195,7 @@ def test_bad_arguments_are_refused_in_one_line_before_any_launch(
 def test_a_trace_without_factor_sizes_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(validate_kfac, "launch_on_ranks", _no_launch)
+    monkeypatch.setattr(harness, "launch_on_ranks", _no_launch)
     factored = load_trace(toy_trace(tmp_path / "toy.json"))
     bare = Trace("bare", factored.tensors, factored.forward_s, factored.backward_s)
     compute = Compute(ComputeKind.EMULATED, str(bare.save(tmp_path / "bare.json")), 2.0)

@@ -8,8 +8,8 @@ import statistics
 
 import pytest
 
-from interlace.bench.launch_options import LaunchOptions
 from interlace.bench.pipeline_rank import SCHEDULES
+from interlace.bench.session import LaunchOptions
 from interlace.bench.validate_pipeline import PipelineSample, pipeline_validation_rows
 from interlace.comm.cost import CostModel
 from interlace.emulate import Compute

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -18,25 +19,24 @@ from torch.nn import functional
 from interlace.bench.harness import (
     NUM_CLASSES,
     Contender,
-    max_over_ranks,
+    RankJob,
+    make_optimizer,
+    max_over_ranks_each,
     round_order,
     split_blocks,
+    steps_until,
     synthetic_batches,
     train_step,
+    undilated,
 )
 from interlace.bench.probes import ContentionProbe
 from interlace.comm.strategies import STRATEGIES
-from interlace.emulate import Compute, ComputeKind, EmulatedModel, EmulatedStep
+from interlace.emulate.model import EmulatedModel
 from interlace.wrapping import wrap_model
 from interlace.zoo import build_model
 
-#: Upper bound on warm-up steps spent waiting for a wrapper's plan; a wrapper that never plans
-#: is a bug, reported instead of looping forever.
-MAX_PLAN_STEPS = 200
 #: DDP rebuilds its buckets in gradient-ready order during its second iteration.
 DDP_REBUILD_STEPS = 2
-#: The model's own kernels: what a job computes on unless it names a trace.
-REAL_COMPUTE = Compute(ComputeKind.REAL)
 
 
 def variant_label(strategy: str, channels: int | str = 1, compression: str | None = None) -> str:
@@ -97,26 +97,21 @@ class Calibration:
     latency_s: float
 
 
-@dataclass(frozen=True)
-class MeasureJob:
-    """Time ``strategies`` on ``model`` in round-robin blocks after a warm-up."""
+@dataclass(frozen=True, kw_only=True)
+class MeasureJob(RankJob):
+    """Time ``strategies`` on ``model`` in round-robin blocks after a warm-up.
 
-    model: str
-    batch: int
-    input_shape: tuple[int, ...]
+    Args:
+        strategies: The strategies' variant labels (:func:`variant_label`).
+        rounds: Round-robin blocks the timed iterations are split into.
+        probe_contention: Also take the simulator's contention probes
+            (:mod:`interlace.sim.contention`) in every round: the start-up and synchronisation
+            probes as a block of their own, the bytes probe in the reference slot.
+    """
+
     strategies: tuple[str, ...]
-    iters: int
-    warmup: int
     rounds: int
-    seed: int = 0
-    #: Also take the simulator's contention probes (:mod:`interlace.sim.contention`) in every
-    #: round: the start-up and synchronisation probes as a block of their own, the bytes probe
-    #: in the reference slot.
     probe_contention: bool = False
-    num_classes: int = NUM_CLASSES
-    #: What the ranks compute on: ``model``'s kernels, or an :class:`EmulatedModel` of a trace
-    #: (then ``model`` only names the rows and the times come back dilated).
-    compute: Compute = REAL_COMPUTE
 
 
 @dataclass(frozen=True)
@@ -173,6 +168,23 @@ class Measurement:
     #: Emulated compute: the trace's forward and backward device time (dilated), seconds.
     device_forward_s: float | None = None
     device_backward_s: float | None = None
+
+    #: The fields that hold times (every float of the strategies' samples is one).
+    TIMES: ClassVar[tuple[str, ...]] = (
+        "strategies",
+        "forward_s",
+        "backward_s",
+        "step_s",
+        "allreduce_s",
+        "overlapped_s",
+        "latency_s",
+        "device_forward_s",
+        "device_backward_s",
+    )
+
+    def undilated(self) -> Measurement:
+        """This measurement with every time divided by its dilation (itself when that is 1)."""
+        return replace(undilated(self, self.dilation, self.TIMES), dilation=1.0)
 
 
 def _compute_sample(
@@ -258,55 +270,6 @@ def _allreduce_sample(flat: Any) -> float:
     return time.perf_counter() - start
 
 
-def build_module(
-    model_name: str,
-    input_shape: tuple[int, ...],
-    compute: Compute = REAL_COMPUTE,
-    num_classes: int = NUM_CLASSES,
-) -> torch.nn.Module:
-    """The module a rank trains: the zoo model, or the emulated model of ``compute``'s trace.
-
-    An emulated model returns its input, so its batches have :data:`NUM_CLASSES` features and
-    the cross-entropy loss applies unchanged.
-
-    Args:
-        model_name: A zoo name or ``package.module:callable`` (real compute).
-        input_shape: One sample's shape (real compute).
-        compute: What to compute on.
-        num_classes: Classes the model predicts (real compute).
-    """
-    if compute.emulated:
-        assert compute.trace is not None
-        return EmulatedModel(compute.trace, compute.dilation)
-    return build_model(model_name, input_shape, num_classes)
-
-
-def _plain(
-    model_name: str,
-    input_shape: tuple[int, ...],
-    seed: int,
-    compute: Compute = REAL_COMPUTE,
-    num_classes: int = NUM_CLASSES,
-) -> tuple[Any, Any]:
-    torch.manual_seed(seed)
-    model = build_module(model_name, input_shape, compute, num_classes)
-    return model, make_optimizer(model)
-
-
-def make_optimizer(model: torch.nn.Module, wrapper: torch.nn.Module | None = None) -> Any:
-    """The benchmark's optimizer: SGD with momentum, or on an emulated model the traced step's
-    device time (:class:`EmulatedStep`; a real step would hold a core as a GPU's does not).
-
-    Args:
-        model: The module (emulated or not).
-        wrapper: Its data-parallel wrapper, whose ``parameters()`` the optimizer owns.
-    """
-    params = (model if wrapper is None else wrapper).parameters()
-    if isinstance(model, EmulatedModel):
-        return EmulatedStep(model, params)
-    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
-
-
 def _flat_gradients(model: Any) -> Any:
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return torch.zeros(numel, dtype=torch.float32)
@@ -323,7 +286,9 @@ def calibrate_rank(job: CalibrationJob) -> list[Calibration]:
     rank = dist.get_rank()
     results = []
     for name, batch in zip(job.models, job.batches, strict=True):
-        model, optimizer = _plain(name, job.input_shape, job.seed, num_classes=job.num_classes)
+        torch.manual_seed(job.seed)
+        model = build_model(name, job.input_shape, job.num_classes)
+        optimizer = make_optimizer(model)
         batches = synthetic_batches(
             batch, job.input_shape, job.seed, rank, num_classes=job.num_classes
         )
@@ -339,14 +304,8 @@ def calibrate_rank(job: CalibrationJob) -> list[Calibration]:
         for _ in range(2):
             _allreduce_sample(tiny)
         latencies = [_allreduce_sample(tiny) for _ in range(2 * job.iters)]
-        results.append(
-            Calibration(
-                name,
-                statistics.median(max_over_ranks(computes)),
-                statistics.median(max_over_ranks(allreduces)),
-                statistics.median(max_over_ranks(latencies)),
-            )
-        )
+        maxima = max_over_ranks_each([computes, allreduces, latencies])
+        results.append(Calibration(name, *(statistics.median(values) for values in maxima)))
     return results
 
 
@@ -363,6 +322,19 @@ def _is_final(contender: Contender, steps: int) -> bool:
     if STRATEGIES[parse_variant(contender.name)[0]].torch_wrapper is not None:
         return steps >= DDP_REBUILD_STEPS
     return bool(getattr(contender.wrapper, "planning_done", False))
+
+
+def _warm_up(contender: Contender, next_batch: Callable[[], tuple[Any, Any]], warmup: int) -> None:
+    """Train ``contender`` until its buckets are final, then ``warmup`` more steps."""
+    steps = steps_until(
+        lambda taken: _is_final(contender, taken),
+        lambda _: train_step(contender, *next_batch()),
+        contender.name,
+    )
+    for _ in range(warmup):
+        train_step(contender, *next_batch())
+    settle(contender.wrapper)
+    contender.warmup_steps = steps + warmup
 
 
 def _ddp_buckets(wrapper: Any) -> int | None:
@@ -392,17 +364,16 @@ def measure_rank(job: MeasureJob) -> Measurement:
     if emulated:
         # The cores belong to communication; an intra-op pool would spin through the sleeps.
         torch.set_num_threads(1)
-    input_shape = (NUM_CLASSES,) if emulated else job.input_shape
-    classes = NUM_CLASSES if emulated else job.num_classes
-    batches = synthetic_batches(job.batch, input_shape, job.seed, rank, num_classes=classes)
+    batches = job.batches(rank)
     contenders = []
     for strategy in job.strategies:
         torch.manual_seed(job.seed)
-        model = build_module(job.model, input_shape, job.compute, job.num_classes)
+        model = job.module()
         wrapper = _wrap(model, strategy)
-        optimizer = make_optimizer(model, wrapper)
-        contenders.append(Contender(strategy, wrapper, optimizer))
-    plain, plain_optimizer = _plain(job.model, input_shape, job.seed, job.compute, classes)
+        contenders.append(Contender(strategy, wrapper, make_optimizer(model, wrapper.parameters())))
+    torch.manual_seed(job.seed)
+    plain = job.module()
+    plain_optimizer = make_optimizer(plain)
     flat = _flat_gradients(plain)
     alongside = _flat_gradients(plain)
     tiny = torch.zeros(1)
@@ -415,19 +386,7 @@ def measure_rank(job: MeasureJob) -> Measurement:
         return batches[counter % len(batches)]
 
     for contender in contenders:
-        steps = 0
-        while not _is_final(contender, steps):
-            if steps >= MAX_PLAN_STEPS:
-                raise RuntimeError(
-                    f"{contender.name} had no plan after {steps} warm-up steps; "
-                    "it never finished profiling"
-                )
-            train_step(contender, *next_batch())
-            steps += 1
-        for _ in range(job.warmup):
-            train_step(contender, *next_batch())
-        settle(contender.wrapper)
-        contender.warmup_steps = steps + job.warmup
+        _warm_up(contender, next_batch, job.warmup)
     for _ in range(max(job.warmup, 1)):
         _compute_sample(plain, plain_optimizer, *next_batch())
     _allreduce_sample(flat)
@@ -486,14 +445,18 @@ def measure_rank(job: MeasureJob) -> Measurement:
             # The next contender starts on an idle network.
             settle(slot.wrapper)
 
+    # One collective for every series: the maximum over ranks of each sample.
+    iterations = [contender.times for contender in contenders]
+    measured = [forwards, backwards, steps_s, allreduces, overlapped, latencies]
+    maxima = max_over_ranks_each([*iterations, *measured])
     samples = []
-    for contender in contenders:
+    for contender, slowest in zip(contenders, maxima[: len(contenders)], strict=True):
         plan = getattr(contender.wrapper, "plan", None)
         cost = getattr(contender.wrapper, "cost_model", None)
         samples.append(
             StrategySamples(
                 strategy=contender.name,
-                iteration_s=max_over_ranks(contender.times),
+                iteration_s=slowest,
                 buckets=(_ddp_buckets(contender.wrapper) if plan is None else len(plan.buckets)),
                 warmup_steps=contender.warmup_steps,
                 predicted_s=None if plan is None else plan.predicted_s,
@@ -515,6 +478,8 @@ def measure_rank(job: MeasureJob) -> Measurement:
                 tuning=getattr(contender.wrapper, "tuning_summary", None) or None,
             )
         )
+    forwards, backwards, steps_s, allreduces, overlapped, latencies = maxima[len(contenders) :]
+    layers = plain.emulated_layers() if isinstance(plain, EmulatedModel) else None
     return Measurement(
         model=job.model,
         batch=job.batch,
@@ -522,19 +487,15 @@ def measure_rank(job: MeasureJob) -> Measurement:
         gradient_bytes=flat.numel() * flat.element_size(),
         tensors=sum(1 for p in plain.parameters() if p.requires_grad),
         strategies=samples,
-        forward_s=max_over_ranks(forwards),
-        backward_s=max_over_ranks(backwards),
-        step_s=max_over_ranks(steps_s),
-        allreduce_s=max_over_ranks(allreduces),
-        overlapped_s=max_over_ranks(overlapped),
+        forward_s=forwards,
+        backward_s=backwards,
+        step_s=steps_s,
+        allreduce_s=allreduces,
+        overlapped_s=overlapped,
         contention=None if probe is None else probe.finish(),
-        latency_s=max_over_ranks(latencies),
+        latency_s=latencies,
         compute=job.compute.label(),
         dilation=job.compute.dilation,
-        device_forward_s=(
-            sum(layer.forward_s for layer in plain.emulated_layers()) if emulated else None
-        ),
-        device_backward_s=(
-            sum(layer.backward_s for layer in plain.emulated_layers()) if emulated else None
-        ),
+        device_forward_s=None if layers is None else sum(layer.forward_s for layer in layers),
+        device_backward_s=None if layers is None else sum(layer.backward_s for layer in layers),
     )

@@ -6,12 +6,14 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from interlace.bench.dp_rank import Measurement, parse_variant, variant_label
 from interlace.bench.harness import quartiles
+from interlace.bench.session import format_rate
+from interlace.bench.tables import Row as BaseRow
+from interlace.bench.tables import markdown_table, ms, number, speedup
 from interlace.comm.cost import CostModel
 from interlace.errors import UsageError
 
@@ -85,22 +87,6 @@ def rate_for_ratio(
     return RateChoice(min(max(wanted, min_bps), max_bps), wanted)
 
 
-def format_rate(rate_bps: float) -> str:
-    """``rate_bps`` as a ``tc``/``--link`` rate with 3 significant digits (``87.5mbit``).
-
-    Args:
-        rate_bps: A finite rate > 0, bits per second.
-    """
-    if not rate_bps > 0 or not math.isfinite(rate_bps):
-        raise ValueError(f"a rate must be a finite number > 0, got {rate_bps}")
-    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
-        if rate_bps >= scale or unit == "kbit":
-            value = rate_bps / scale
-            text = f"{value:.3g}" if value < 1000 else f"{value:.0f}"
-            return f"{text}{unit}"
-    raise AssertionError("unreachable")
-
-
 def ideal_bound_s(forward_s: float, backward_s: float, allreduce_s: float, step_s: float) -> float:
     """The ideal-overlap iteration time: ``forward + max(backward, all-reduce) + step``.
 
@@ -154,7 +140,7 @@ class LaunchContext:
 
 
 @dataclass(frozen=True)
-class Row:
+class Row(BaseRow):
     """One line of the results: one strategy on one model at one link."""
 
     model: str
@@ -210,9 +196,6 @@ class Row:
     target_startup_s: float | None = None
     target_per_byte_s: float | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 def rows_from_measurement(measurement: Measurement, context: LaunchContext) -> list[Row]:
     """Medians, speed-ups against DDP of the same launch, and the ideal-overlap bound.
@@ -221,7 +204,7 @@ def rows_from_measurement(measurement: Measurement, context: LaunchContext) -> l
         measurement: What one launch measured.
         context: Its target ratio and link.
     """
-    measurement = undilated(measurement)
+    measurement = measurement.undilated()
     forward = statistics.median(measurement.forward_s)
     backward = statistics.median(measurement.backward_s)
     step = statistics.median(measurement.step_s)
@@ -329,47 +312,6 @@ def rows_from_measurement(measurement: Measurement, context: LaunchContext) -> l
     return rows
 
 
-def undilated(measurement: Measurement) -> Measurement:
-    """``measurement`` with every time divided by its dilation (itself when that is 1).
-
-    Args:
-        measurement: What one launch measured, on the dilated clock.
-    """
-    factor = measurement.dilation
-    if factor == 1.0:
-        return measurement
-
-    def times(values: list[float]) -> list[float]:
-        return [value / factor for value in values]
-
-    def scaled(value: float | None) -> float | None:
-        return None if value is None else value / factor
-
-    strategies = [
-        replace(
-            samples,
-            iteration_s=times(samples.iteration_s),
-            predicted_s=scaled(samples.predicted_s),
-            cost_a=scaled(samples.cost_a),
-            cost_b=scaled(samples.cost_b),
-        )
-        for samples in measurement.strategies
-    ]
-    return replace(
-        measurement,
-        strategies=strategies,
-        forward_s=times(measurement.forward_s),
-        backward_s=times(measurement.backward_s),
-        step_s=times(measurement.step_s),
-        allreduce_s=times(measurement.allreduce_s),
-        overlapped_s=times(measurement.overlapped_s),
-        latency_s=times(measurement.latency_s),
-        device_forward_s=scaled(measurement.device_forward_s),
-        device_backward_s=scaled(measurement.device_backward_s),
-        dilation=1.0,
-    )
-
-
 def _ratio_text(row: Row) -> str:
     return "-" if row.ratio is None else f"{row.ratio:g}"
 
@@ -424,40 +366,54 @@ def format_table(rows: Sequence[Row]) -> str:
     Args:
         rows: The rows, in order.
     """
+    head = (
+        "model",
+        "compute",
+        "batch",
+        "target ratio",
+        "link",
+        "comm/compute",
+        "strategy",
+        "channels",
+        "k used",
+        "compression",
+        "iteration ms (p25-p75)",
+        "vs DDP",
+        "vs 1 channel",
+        "buckets",
+        "bound ms",
+        "time/bound",
+        "overlap bound ms",
+        "time/overlap bound",
+        "contended bound ms",
+        "time/contended",
+    )
     lines = [
-        "| model | compute | batch | target ratio | link | comm/compute | strategy | channels | "
-        "k used | "
-        "compression | iteration ms (p25-p75) | vs DDP | vs 1 channel | buckets | bound ms | "
-        "time/bound | overlap bound ms | time/overlap bound | contended bound ms | "
-        "time/contended |",
-        "|---|---|---:|---:|---|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
-        "---:|---:|",
+        (
+            row.model,
+            row.compute,
+            str(row.batch),
+            _ratio_text(row),
+            _link_text(row),
+            number(row.comm_compute),
+            row.base_strategy or row.strategy,
+            row.channels,
+            "-" if row.chosen_channels is None else str(row.chosen_channels),
+            row.compression,
+            f"{ms(row.iteration_s)} ({ms(row.iteration_p25_s)}-{ms(row.iteration_p75_s)})",
+            speedup(row.speedup_vs_ddp),
+            speedup(row.speedup_vs_one_channel),
+            str(row.buckets),
+            ms(row.bound_s),
+            number(row.time_over_bound),
+            ms(row.overlap_bound_s),
+            number(row.time_over_overlap_bound),
+            ms(row.contended_bound_s),
+            number(row.time_over_contended),
+        )
+        for row in rows
     ]
-    for row in rows:
-        speedup = "-" if row.speedup_vs_ddp is None else f"{row.speedup_vs_ddp:.2f}x"
-        versus_one = (
-            "-" if row.speedup_vs_one_channel is None else f"{row.speedup_vs_one_channel:.2f}x"
-        )
-        used = "-" if row.chosen_channels is None else str(row.chosen_channels)
-        lines.append(
-            f"| {row.model} | {row.compute} | {row.batch} | {_ratio_text(row)} | "
-            f"{_link_text(row)} | "
-            f"{row.comm_compute:.2f} | {row.base_strategy or row.strategy} | {row.channels} | "
-            f"{used} | {row.compression} | {row.iteration_s * 1e3:.1f} "
-            f"({row.iteration_p25_s * 1e3:.1f}-{row.iteration_p75_s * 1e3:.1f}) | {speedup} | "
-            f"{versus_one} | {row.buckets} | {row.bound_s * 1e3:.1f} | {row.time_over_bound:.2f} | "
-            f"{_ms(row.overlap_bound_s)} | {_ratio(row.time_over_overlap_bound)} | "
-            f"{_ms(row.contended_bound_s)} | {_ratio(row.time_over_contended)} |"
-        )
-    return "\n".join(lines)
-
-
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
-
-
-def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
+    return markdown_table(head, "llrrlrlrrlrrrrrrrrrr", lines)
 
 
 def format_summary(rows: Sequence[Row]) -> str:
@@ -468,33 +424,41 @@ def format_summary(rows: Sequence[Row]) -> str:
         rows: The rows, in order.
     """
     strategies = list(dict.fromkeys(row.strategy for row in rows))
-    groups = _groups(rows)
-    header = (
-        "| model | compute | target ratio | link | comm/compute | bound ms | overlap bound ms | "
-        "contended bound ms | "
-        + " | ".join(f"{s} vs DDP (t/bound, t/overlap bound)" for s in strategies)
-    )
-    lines = [header + " |", "|---|---|---:|---|---:|---:|---:|---:|" + "---:|" * len(strategies)]
-    for group in groups:
+    head = [
+        "model",
+        "compute",
+        "target ratio",
+        "link",
+        "comm/compute",
+        "bound ms",
+        "overlap bound ms",
+        "contended bound ms",
+        *(f"{s} vs DDP (t/bound, t/overlap bound)" for s in strategies),
+    ]
+    lines = []
+    for group in _groups(rows):
         first = group[0]
         by_strategy = {row.strategy: row for row in group}
-        cells = []
+        cells = [
+            first.model,
+            first.compute,
+            _ratio_text(first),
+            _link_text(first),
+            number(first.comm_compute),
+            ms(first.bound_s),
+            ms(first.overlap_bound_s),
+            ms(first.contended_bound_s),
+        ]
         for strategy in strategies:
             row = by_strategy.get(strategy)
-            if row is None:
-                cells.append("-")
-                continue
-            speedup = "-" if row.speedup_vs_ddp is None else f"{row.speedup_vs_ddp:.2f}x"
             cells.append(
-                f"{speedup} ({row.time_over_bound:.2f}, {_ratio(row.time_over_overlap_bound)})"
+                "-"
+                if row is None
+                else f"{speedup(row.speedup_vs_ddp)} ({number(row.time_over_bound)}, "
+                f"{number(row.time_over_overlap_bound)})"
             )
-        lines.append(
-            f"| {first.model} | {first.compute} | {_ratio_text(first)} | {_link_text(first)} | "
-            f"{first.comm_compute:.2f} | {first.bound_s * 1e3:.1f} | "
-            f"{_ms(first.overlap_bound_s)} | "
-            f"{_ms(first.contended_bound_s)} | " + " | ".join(cells) + " |"
-        )
-    return "\n".join(lines)
+        lines.append(cells)
+    return markdown_table(head, "llrlrrrr" + "r" * len(strategies), lines)
 
 
 def _groups(rows: Sequence[Row]) -> list[list[Row]]:
@@ -573,6 +537,6 @@ def one_line(rows: Sequence[Row]) -> str:
     return (
         f"{first.model} ({first.compute}) ratio {_ratio_text(first)} at {_link_text(first)} "
         "(measured "
-        f"{first.comm_compute:.2f}, bound {first.bound_s * 1e3:.0f} ms, contended bound "
-        f"{_ms(first.contended_bound_s)} ms): {parts}"
+        f"{first.comm_compute:.2f}, bound {ms(first.bound_s, 0)} ms, contended bound "
+        f"{ms(first.contended_bound_s)} ms): {parts}"
     )

@@ -1,30 +1,31 @@
-"""What every benchmark shares: launching on ranks, synthetic batches, contenders, parsing.
+"""What every benchmark and validation shares on the rank side: starting the ranks, the job every
+rank is told, synthetic batches, contenders, and undilating what they measured.
 
-Each benchmark is built the same way on top of this module: a job, the rank code that measures
-it, rows made from what the ranks return, a table or plot of the rows, and its arguments.
+A run's launches are :mod:`~interlace.bench.session`'s; the command is
+:mod:`~interlace.bench.skeleton`'s.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import io
-import math
-import os
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn import functional
 
 from interlace import launch
-from interlace.cliutil import add_collective_timeout_argument, collective_timeout_of
-from interlace.errors import UsageError
-from interlace.launch import netem
-from interlace.zoo import MODEL_NAMES
+from interlace.cliutil import collective_timeout_of
+from interlace.emulate import Compute, ComputeKind
+from interlace.emulate.model import EmulatedModel, EmulatedStep
+from interlace.timeline import Event
+from interlace.zoo import build_model
 
 DEFAULT_INPUT_SHAPE: tuple[int, ...] = (3, 32, 32)
 NUM_CLASSES = 10
@@ -45,12 +46,23 @@ FALLBACK_BATCH = 32
 #: Distinct synthetic batches cycled through, so no contender trains on one batch only.
 BATCHES = 4
 
+#: Every contender's SGD: the same learning rate and momentum in every benchmark.
+LR = 0.01
+MOMENTUM = 0.9
+
+#: Warm-up steps a plan may take to become final; one that never does is a bug, reported instead
+#: of looping forever.
+MAX_PLAN_STEPS = 300
+
 #: A launch whose rank was killed by a signal is run once more: a rare SIGABRT inside gloo that
 #: no rerun repeats should not cost a long benchmark a row.
 SIGNAL_RETRIES = 1
 
 #: The name launch messages carry when a caller gives none.
 PROG = "interlace bench"
+
+#: The model's own kernels: what a job computes on unless it names a trace.
+REAL_COMPUTE = Compute(ComputeKind.REAL)
 
 _T = TypeVar("_T")
 
@@ -159,13 +171,75 @@ def launch_on_ranks(
     raise LaunchFailedError(detail)
 
 
-def check_netem() -> None:
-    """Make sure the emulated cluster can be built here.
+# ================================================================================ rank jobs
 
-    Raises:
-        UsageError: It cannot (not root, or no iproute2); the message suggests ``--no-netem``.
+
+def default_batch(model: str) -> int:
+    """The per-rank batch of ``model``: :data:`DEFAULT_BATCH`'s, else :data:`FALLBACK_BATCH`.
+
+    Args:
+        model: A zoo name or ``package.module:callable``.
     """
-    netem.require("run as root, or pass --no-netem to measure on loopback")
+    return DEFAULT_BATCH.get(model, FALLBACK_BATCH)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankJob:
+    """What every rank of a launch is told: the model and its data, the counts, the compute.
+    Each benchmark's job adds what it alone measures.
+
+    Args:
+        model: A zoo name or ``package.module:callable``; on emulated compute it names the
+            rows (the trace is the model).
+        batch: Samples per batch.
+        input_shape: One sample's shape.
+        iters: Timed iterations (or rounds).
+        warmup: Untimed iterations first.
+        seed: The model and data seed.
+        num_classes: Classes the model predicts.
+        compute: The model's own kernels, or a trace's device time.
+    """
+
+    model: str
+    batch: int
+    input_shape: tuple[int, ...]
+    iters: int
+    warmup: int
+    seed: int = 0
+    num_classes: int = NUM_CLASSES
+    compute: Compute = REAL_COMPUTE
+
+    #: Whether the emulated model returns its input, so that its batches are logits of
+    #: :data:`NUM_CLASSES` classes and the loss is the same cross-entropy.
+    emulated_takes_logits: ClassVar[bool] = True
+
+    def emulated_module(self, trace: str, dilation: float) -> nn.Module:
+        """The model of a trace, its device times multiplied by ``dilation``.
+
+        Args:
+            trace: A shipped trace's name or a trace file.
+            dilation: The time-dilation factor.
+        """
+        return EmulatedModel(trace, dilation)
+
+    def module(self) -> nn.Module:
+        """The model every contender copies: the zoo's (or the user's), or the trace's."""
+        if self.compute.emulated:
+            assert self.compute.trace is not None
+            return self.emulated_module(self.compute.trace, self.compute.dilation)
+        return build_model(self.model, self.input_shape, self.num_classes)
+
+    def batches(self, stream: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The job's synthetic batches of one stream of its seed.
+
+        Args:
+            stream: The rank for per-rank data, a constant for data the same on every rank.
+        """
+        if self.compute.emulated and self.emulated_takes_logits:
+            return synthetic_batches(self.batch, (NUM_CLASSES,), self.seed, stream)
+        return synthetic_batches(
+            self.batch, self.input_shape, self.seed, stream, num_classes=self.num_classes
+        )
 
 
 # ================================================================================ on the ranks
@@ -186,6 +260,20 @@ def max_over_ranks(samples: Sequence[float]) -> list[float]:
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     values: list[float] = tensor.tolist()
     return values
+
+
+def max_over_ranks_each(series: Sequence[Sequence[float]]) -> list[list[float]]:
+    """:func:`max_over_ranks` of several series, in one collective.
+
+    Args:
+        series: This rank's series (every rank calls it with as many, as long).
+    """
+    flat = max_over_ranks([value for values in series for value in values])
+    maxima, start = [], 0
+    for values in series:
+        maxima.append(flat[start : start + len(values)])
+        start += len(values)
+    return maxima
 
 
 def synthetic_batches(
@@ -221,6 +309,29 @@ def synthetic_batches(
     ]
 
 
+def make_optimizer(
+    model: nn.Module,
+    parameters: Any = None,
+    *,
+    lr: float = LR,
+    momentum: float = MOMENTUM,
+) -> torch.optim.Optimizer:
+    """A contender's optimizer: SGD with momentum, or on an emulated model the traced step's
+    device time (:class:`EmulatedStep`; a real step would hold a core as a GPU's does not).
+
+    Args:
+        model: The contender's own model (emulated or not).
+        parameters: The parameters it owns (default ``model.parameters()``; a wrapper's are the
+            same tensors).
+        lr: SGD's learning rate.
+        momentum: SGD's momentum.
+    """
+    params = model.parameters() if parameters is None else parameters
+    if isinstance(model, EmulatedModel):
+        return EmulatedStep(model, params)
+    return torch.optim.SGD(params, lr=lr, momentum=momentum)
+
+
 @dataclass
 class Contender:
     """One contender on one rank: its own wrapped copy of the model and optimizer, and the
@@ -254,6 +365,63 @@ def train_step(contender: Contender, inputs: torch.Tensor, targets: torch.Tensor
     loss = functional.cross_entropy(contender.wrapper(inputs), targets)
     loss.backward()
     contender.optimizer.step()
+
+
+def steps_until(
+    final: Callable[[int], bool],
+    step: Callable[[int], object],
+    what: str,
+    *,
+    limit: int = MAX_PLAN_STEPS,
+) -> int:
+    """Take warm-up steps until the plans are final; the steps taken.
+
+    Args:
+        final: Whether they are, given the steps taken so far (asked before every step).
+        step: One warm-up step, given its index.
+        what: Whose plans, for the error.
+        limit: The most steps to take.
+
+    Raises:
+        RuntimeError: When ``limit`` steps did not make them final.
+    """
+    steps = 0
+    while not final(steps):
+        if steps >= limit:
+            raise RuntimeError(f"{what}: the plans were not final after {steps} warm-up steps")
+        step(steps)
+        steps += 1
+    return steps
+
+
+def rotated(items: Sequence[_T], round_index: int) -> list[_T]:
+    """``items`` starting at the ``round_index``-th, so that the first one changes every round.
+
+    Args:
+        items: The contenders, in their order.
+        round_index: Which round (from 0).
+    """
+    first = round_index % len(items) if items else 0
+    return [*items[first:], *items[:first]]
+
+
+def event_record(event: Event, **changes: Any) -> dict[str, Any]:
+    """``event`` as a plain dict (picklable across ranks; ``Event(**record)`` rebuilds it).
+
+    Args:
+        event: A timed event.
+        **changes: Fields to set otherwise (``process``, ``lane``).
+    """
+    return {
+        "name": event.name,
+        "category": event.category,
+        "start_s": event.start_s,
+        "end_s": event.end_s,
+        "lane": event.lane,
+        "process": event.process,
+        "args": dict(event.args),
+        **changes,
+    }
 
 
 def split_blocks(iters: int, rounds: int) -> list[int]:
@@ -293,7 +461,45 @@ def round_order(slots: int, round_index: int) -> list[int]:
     return row
 
 
-# ================================================================================ rows
+# ================================================================================ measurements
+
+
+def undilated(value: _T, dilation: float, keys: Collection[str] | None = None) -> _T:
+    """``value`` with its times divided by ``dilation`` (itself when that is 1): every float
+    in it, through lists, tuples, dicts and dataclasses; with ``keys``, only what lies under
+    those keys of a dict or fields of a dataclass at the top. Ints (counts, bytes) are no times.
+
+    Args:
+        value: What a launch measured on the dilated clock.
+        dilation: The run's dilation (1 for real compute).
+        keys: The top-level keys or fields that hold times (None: all of them).
+    """
+    if dilation == 1:
+        return value
+    divided: _T = _divided(value, dilation, keys)
+    return divided
+
+
+def _divided(value: Any, factor: float, keys: Collection[str] | None = None) -> Any:
+    if isinstance(value, float):
+        return value / factor
+    if isinstance(value, list | tuple):
+        return type(value)(_divided(item, factor) for item in value)
+    if isinstance(value, dict):
+        return {
+            key: _divided(item, factor) if keys is None or key in keys else item
+            for key, item in value.items()
+        }
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(
+            value,
+            **{
+                item.name: _divided(getattr(value, item.name), factor)
+                for item in dataclasses.fields(value)
+                if keys is None or item.name in keys
+            },
+        )
+    return value
 
 
 def quartiles(samples: Sequence[float]) -> tuple[float, float, float]:
@@ -306,142 +512,3 @@ def quartiles(samples: Sequence[float]) -> tuple[float, float, float]:
         return samples[0], samples[0], samples[0]
     q1, q2, q3 = statistics.quantiles(samples, n=4, method="inclusive")
     return q1, q2, q3
-
-
-def machine_load() -> str:
-    """The 1, 5 and 15 minute load averages (``"n/a"`` where the system has none)."""
-    try:
-        return ", ".join(f"{value:.2f}" for value in os.getloadavg())
-    except OSError:
-        return "n/a"
-
-
-# ================================================================================ arguments
-
-
-def default_batch(model: str) -> int:
-    """The per-rank batch of ``model``: :data:`DEFAULT_BATCH`'s, else :data:`FALLBACK_BATCH`.
-
-    Args:
-        model: A zoo name or ``package.module:callable``.
-    """
-    return DEFAULT_BATCH.get(model, FALLBACK_BATCH)
-
-
-def parse_ratios(text: str) -> tuple[float, ...]:
-    """``"0.5,1,2"`` -> ``(0.5, 1.0, 2.0)``; every ratio must be a finite number > 0.
-
-    Args:
-        text: Comma-separated ratios (``--ratios``).
-
-    Raises:
-        UsageError: A ratio is not a number or not > 0.
-    """
-    ratios: list[float] = []
-    for part in text.split(","):
-        item = part.strip()
-        try:
-            value = float(item)
-        except ValueError:
-            raise UsageError(
-                f"--ratios: {item!r} is not a number; give comma-separated communication/compute "
-                "ratios such as 0.5,1,2"
-            ) from None
-        if not value > 0 or not math.isfinite(value):
-            raise UsageError(f"--ratios: every ratio must be > 0, got {item}")
-        ratios.append(value)
-    return tuple(dict.fromkeys(ratios))
-
-
-def parse_names(text: str, allowed: Sequence[str] | None, what: str, one: str) -> tuple[str, ...]:
-    """Comma-separated names, duplicates dropped.
-
-    Args:
-        text: The flag's value.
-        allowed: The names accepted, or None for any.
-        what: The flag without its dashes (``"models"``), for messages.
-        one: What a single item is called (``"model"``), for messages.
-
-    Raises:
-        UsageError: No name was given, or one is not in ``allowed``.
-    """
-    names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
-    if not names:
-        raise UsageError(f"--{what}: name at least one")
-    if allowed is not None:
-        for name in names:
-            if name not in allowed:
-                raise UsageError(
-                    f"--{what}: unknown {one} {name!r}; choose from {', '.join(allowed)}"
-                )
-    return names
-
-
-def parse_shape(text: str) -> tuple[int, ...]:
-    """``"3,32,32"`` (or ``3x32x32``) -> ``(3, 32, 32)``; every size a positive int.
-
-    Args:
-        text: The ``--input-shape`` value.
-
-    Raises:
-        UsageError: A size is not a positive integer.
-    """
-    parts = text.replace("x", ",").split(",")
-    try:
-        shape = tuple(int(part) for part in parts)
-    except ValueError:
-        raise UsageError(f"--input-shape: expected sizes such as 3,32,32, got {text!r}") from None
-    if not shape or min(shape) < 1:
-        raise UsageError(f"--input-shape: sizes must be positive, got {text!r}")
-    return shape
-
-
-def check_launch_args(
-    args: argparse.Namespace, models: Sequence[str], *, prefix: str, ranks_reason: str
-) -> None:
-    """The checks every benchmark that trains on several ranks makes of its arguments: known
-    models, at least two ranks, a positive ``--timeout`` and ``--collective-timeout``, and not
-    both ``--link`` and ``--no-netem``.
-
-    Args:
-        args: The parsed arguments (``nprocs``, ``timeout``, ``collective_timeout``, ``link``,
-            ``no_netem``).
-        models: The models asked for.
-        prefix: What an unknown model's message starts with (``"--models: "`` or ``""``).
-        ranks_reason: Why at least two ranks are needed, for the message.
-
-    Raises:
-        UsageError: The first value that is wrong.
-    """
-    for model in models:
-        if ":" not in model and model not in MODEL_NAMES:
-            raise UsageError(
-                f"{prefix}unknown model {model!r}; choose from {', '.join(MODEL_NAMES)} or give "
-                "package.module:callable"
-            )
-    if args.nprocs < 2:
-        raise UsageError(f"-n must be >= 2 ({ranks_reason}), got {args.nprocs}")
-    if not args.timeout > 0:
-        raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout}")
-    collective_timeout_of(args.collective_timeout)
-    if args.no_netem and args.link is not None:
-        raise UsageError("--link and --no-netem contradict each other; give one of them")
-
-
-def add_timeout_arguments(
-    parser: argparse.ArgumentParser | argparse._ArgumentGroup, default: float
-) -> None:
-    """``--timeout`` (the bound on each launch) and ``--collective-timeout`` (the bound on any
-    one collective in it), as every benchmark that launches ranks takes them.
-
-    Args:
-        parser: The benchmark's parser (or argument group).
-        default: Seconds allowed per launch when ``--timeout`` is not given.
-    """
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=default,
-        help=f"seconds allowed per launch (default {default:g})",
-    )
-    add_collective_timeout_argument(parser)

@@ -7,7 +7,7 @@ import copy
 import resource
 import statistics
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -15,24 +15,24 @@ import torch.distributed as dist
 from torch.nn import functional
 
 from interlace.bench.harness import (
-    NUM_CLASSES,
     Contender,
+    RankJob,
+    event_record,
+    make_optimizer,
     max_over_ranks,
-    synthetic_batches,
+    max_over_ranks_each,
+    rotated,
+    steps_until,
 )
 from interlace.bench.kfac_peer import KfacPytorchPeer
 from interlace.comm.cost import CostModel
 from interlace.dp import DataParallel
-from interlace.emulate.compute import Compute, ComputeKind
 from interlace.emulate.kfac import EmulatedKFACModel
-from interlace.emulate.model import EmulatedStep
 from interlace.kfac import KFAC, PHASES
 from interlace.kfac.factor_modes import FactorCommMode, Pipelined, factor_comm_from
 from interlace.kfac.placements import LBP, Placement, placement_from
-from interlace.zoo import build_model
+from interlace.timeline import Event
 
-#: Upper bound on warm-up steps spent waiting for the data-parallel plan (a bug otherwise).
-MAX_WARMUP_STEPS = 300
 #: Steps every contender of a memory launch takes at least. A process's peak RSS creeps up over
 #: its first steps (the allocator's pools grow), so contenders whose plans settle at once would
 #: otherwise be measured earlier in that climb than those that profile first.
@@ -70,90 +70,60 @@ def mode_settings(mode: str) -> tuple[str, str, str]:
 KFAC_PASSES = ("kfac_passes", "fwd+bwd+hooks")
 
 
-@dataclass(frozen=True)
-class KfacJob:
-    """What every rank of one launch measures."""
+@dataclass(frozen=True, kw_only=True)
+class KfacJob(RankJob):
+    """What every rank of a K-FAC launch is told; on emulated compute the trace's K-FAC model
+    trains.
 
-    model: str
-    batch: int
-    input_shape: tuple[int, ...]
-    seed: int
-    iters: int
-    warmup: int
+    Args:
+        compute_method: ``"eigen"`` or ``"inverse"``.
+        factor_update_steps: Steps between factor updates.
+        inv_update_steps: Steps between decompositions.
+    """
+
     compute_method: str
-    grad_worker_fraction: float
-    inv_update_steps: int
-    timeline: bool
-    placement: str = "greedy"
     factor_update_steps: int = 1
-    num_classes: int = NUM_CLASSES
-    #: Real kernels, or a trace's device time (``model`` is then the trace).
-    compute: Compute = field(default_factory=lambda: Compute(ComputeKind.REAL))
+    inv_update_steps: int = 1
+
+    def emulated_module(self, trace: str, dilation: float) -> torch.nn.Module:
+        """The trace's emulated K-FAC model (its factors' device work included).
+
+        Args:
+            trace: A shipped trace's name or a trace file.
+            dilation: The time-dilation factor.
+        """
+        return EmulatedKFACModel(trace, dilation)
 
 
-@dataclass(frozen=True)
-class AblationJob:
-    """What every rank of one ``--ablation`` launch measures: ``modes`` side by side."""
+@dataclass(frozen=True, kw_only=True)
+class BreakdownJob(KfacJob):
+    """One configuration timed phase by phase.
 
-    model: str
-    batch: int
-    input_shape: tuple[int, ...]
-    seed: int
-    iters: int
-    warmup: int
-    compute_method: str
-    factor_update_steps: int
-    inv_update_steps: int
+    Args:
+        grad_worker_fraction: 1 = COMM-OPT, 1/N = MEM-OPT, between = HYBRID.
+        placement: Where decompositions are computed.
+        timeline: Whether to record the last iteration's events.
+    """
+
+    grad_worker_fraction: float = 1.0
+    placement: str = "greedy"
+    timeline: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class AblationJob(KfacJob):
+    """``modes`` side by side (an ``--ablation`` launch), or one mode alone (a memory launch).
+
+    Args:
+        modes: Keys of :data:`ABLATION_MODES`, or :data:`KFAC_PYTORCH_MODE`.
+        broadcast_cost: LBP's broadcast cost model for every LBP mode (None: the first LBP
+            mode measures one).
+        memory_steps: Steps a memory launch takes at least (:func:`measure_memory_rank`).
+    """
+
     modes: tuple[str, ...] = tuple(ABLATION_MODES)
-    num_classes: int = NUM_CLASSES
-    #: Real kernels, or a trace's device time (``model`` is then the trace).
-    compute: Compute = field(default_factory=lambda: Compute(ComputeKind.REAL))
-    #: LBP's broadcast cost model for every LBP mode (None: the first LBP mode measures one).
     broadcast_cost: CostModel | None = None
-    #: Steps a memory launch takes at least (:func:`measure_memory_rank`).
     memory_steps: int = MEMORY_STEPS
-
-
-def build_job_model(
-    model: str, input_shape: tuple[int, ...], compute: Compute, num_classes: int = NUM_CLASSES
-) -> torch.nn.Module:
-    """The model a job trains: the zoo's (real compute) or the trace's emulated K-FAC model.
-
-    Args:
-        model: A zoo name (real compute); ignored for emulated compute, whose trace it names.
-        input_shape: One sample's shape (real compute).
-        compute: What the job computes on.
-        num_classes: Classes the model predicts (real compute).
-    """
-    if compute.emulated:
-        assert compute.trace is not None
-        return EmulatedKFACModel(compute.trace, compute.dilation)
-    return build_model(model, input_shape, num_classes)
-
-
-def job_batches(
-    batch: int,
-    input_shape: tuple[int, ...],
-    seed: int,
-    rank: int,
-    compute: Compute,
-    *,
-    num_classes: int = NUM_CLASSES,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The job's synthetic batches. An emulated model returns its input, so its batches are
-    logits of :data:`NUM_CLASSES` classes and the loss is the same cross-entropy.
-
-    Args:
-        batch: Per-rank batch.
-        input_shape: One sample's shape (real compute).
-        seed: The data seed.
-        rank: This rank.
-        compute: What the job computes on.
-        num_classes: Classes of the targets (real compute).
-    """
-    if compute.emulated:
-        return synthetic_batches(batch, (NUM_CLASSES,), seed, rank)
-    return synthetic_batches(batch, input_shape, seed, rank, num_classes=num_classes)
 
 
 def lbp_costs_for(model: torch.nn.Module, compute_method: str) -> dict[str, Any]:
@@ -189,19 +159,6 @@ def mode_policies(
     if isinstance(chosen, LBP):
         chosen = replace(chosen, **lbp_costs)
     return mode, chosen
-
-
-def job_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
-    """The optimizer a contender steps: SGD with momentum, or for an emulated model the traced
-    step's device time (:class:`EmulatedStep`; a real step would hold a core as a GPU's does
-    not, and would not take the traced time).
-
-    Args:
-        model: The contender's own model.
-    """
-    if isinstance(model, EmulatedKFACModel):
-        return EmulatedStep(model)
-    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
 
 def _kfac_iteration(
@@ -242,7 +199,7 @@ def _passes(module: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
     return time.perf_counter() - start
 
 
-def measure_rank(job: KfacJob) -> dict[str, Any]:
+def measure_rank(job: BreakdownJob) -> dict[str, Any]:
     """One rank of a launch: warm up, time ``job.iters`` iterations, return the medians.
 
     Args:
@@ -250,11 +207,11 @@ def measure_rank(job: KfacJob) -> dict[str, Any]:
     """
     rank = dist.get_rank()
     torch.manual_seed(job.seed)
-    plain = build_job_model(job.model, job.input_shape, job.compute, job.num_classes)
+    plain = job.module()
     model = copy.deepcopy(plain)
     wrapped = DataParallel(model)
     data_parallel_only = DataParallel(copy.deepcopy(plain))
-    optimizer = job_optimizer(model)
+    optimizer = make_optimizer(model)
     precond = KFAC(
         wrapped,
         lr=0.01,
@@ -268,9 +225,7 @@ def measure_rank(job: KfacJob) -> dict[str, Any]:
         # D-KFAC's phases, each after backward: the breakdown SPD-KFAC's pipelining attacks.
         factor_comm="bulk",
     )
-    batches = job_batches(
-        job.batch, job.input_shape, job.seed, rank, job.compute, num_classes=job.num_classes
-    )
+    batches = job.batches(rank)
 
     contender = KfacContender("kfac", wrapped, optimizer, precond=precond)
 
@@ -280,13 +235,17 @@ def measure_rank(job: KfacJob) -> dict[str, Any]:
     def passes(module: Any, step: int) -> float:
         return _passes(module, batches[step % len(batches)])
 
-    step = 0
-    while step < job.warmup or not (wrapped.planning_done and data_parallel_only.planning_done):
+    def warm_up(step: int) -> None:
         kfac_iteration(step)
         passes(data_parallel_only, step)
-        step += 1
-        if step > MAX_WARMUP_STEPS:
-            raise RuntimeError(f"{job.model}: DataParallel did not finish planning in warm-up")
+
+    step = steps_until(
+        lambda taken: (
+            taken >= job.warmup and wrapped.planning_done and data_parallel_only.planning_done
+        ),
+        warm_up,
+        job.model,
+    )
     precond.take_events()
 
     keys = [*PHASES, "passes", "optimizer", "iteration", "plain", "data_parallel"]
@@ -304,7 +263,7 @@ def measure_rank(job: KfacJob) -> dict[str, Any]:
         sample["data_parallel"] = passes(data_parallel_only, step + index)
         for key in keys:
             samples[key].append(sample[key])
-    maxima = {key: max_over_ranks(values) for key, values in samples.items()}
+    maxima = dict(zip(samples, max_over_ranks_each(list(samples.values())), strict=True))
     medians = {key: statistics.median(values) for key, values in maxima.items()}
     # Data parallelism's share of forward + backward: the wrapped passes beyond the plain ones.
     exposed = [
@@ -367,7 +326,7 @@ def _contender(
             compute_method=job.compute_method,
             lr=0.01,
         )
-        return KfacContender(mode, ddp, job_optimizer(model), precond=peer)
+        return KfacContender(mode, ddp, make_optimizer(model), precond=peer)
     wrapped = DataParallel(model)
     factor_comm, placement = mode_policies(*ABLATION_MODES[mode], lbp_costs)
     precond = KFAC(
@@ -380,7 +339,7 @@ def _contender(
         placement=placement,
         factor_comm=factor_comm,
     )
-    return KfacContender(mode, wrapped, job_optimizer(model), precond=precond)
+    return KfacContender(mode, wrapped, make_optimizer(model), precond=precond)
 
 
 def peak_rss_mb() -> float:
@@ -407,31 +366,27 @@ def measure_memory_rank(job: AblationJob) -> dict[str, Any]:
     """
     if len(job.modes) != 1:
         raise ValueError(f"a memory launch measures one mode, got {list(job.modes)}")
-    rank = dist.get_rank()
     torch.manual_seed(job.seed)
-    plain = build_job_model(job.model, job.input_shape, job.compute, job.num_classes)
-    batches = job_batches(
-        job.batch, job.input_shape, job.seed, rank, job.compute, num_classes=job.num_classes
-    )
+    plain = job.module()
+    batches = job.batches(dist.get_rank())
     dist.barrier()
     base = peak_rss_mb()
     contender = _contender(job.modes[0], plain, job, lbp_costs_for(plain, job.compute_method))
-    step = 0
-    settled_at: int | None = None
-    while settled_at is None or step < max(settled_at + max(job.warmup, 1), job.memory_steps):
+
+    def step_of(step: int) -> None:
         _kfac_iteration(contender, batches[step % len(batches)], KFAC_PASSES[0])
-        step += 1
-        if settled_at is None and contender.settled():
-            settled_at = step
-        if step > MAX_WARMUP_STEPS:
-            raise RuntimeError(f"{job.model}: the plans were not final after the warm-up")
+
+    settled = steps_until(lambda taken: taken > 0 and contender.settled(), step_of, job.model)
+    steps = max(settled + max(job.warmup, 1), job.memory_steps)
+    for step in range(settled, steps):
+        step_of(step)
     peak = peak_rss_mb()
     base_max, peak_max, added_max = max_over_ranks([base, peak, peak - base])
     return {
         "peak_rss_mb": peak_max,
         "base_rss_mb": base_max,
         "added_rss_mb": added_max,
-        "steps": step,
+        "steps": steps,
     }
 
 
@@ -444,9 +399,8 @@ def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
     Args:
         job: The model and the modes to time side by side.
     """
-    rank = dist.get_rank()
     torch.manual_seed(job.seed)
-    plain = build_job_model(job.model, job.input_shape, job.compute, job.num_classes)
+    plain = job.module()
     data_parallel_only = DataParallel(copy.deepcopy(plain))
     contenders: list[KfacContender] = []
     lbp_costs: dict[str, Any] = lbp_costs_for(plain, job.compute_method)
@@ -463,9 +417,7 @@ def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
                 "decomposition_cost": precond.decomposition_cost,
                 "broadcast_cost": precond.broadcast_cost,
             }
-    batches = job_batches(
-        job.batch, job.input_shape, job.seed, rank, job.compute, num_classes=job.num_classes
-    )
+    batches = job.batches(dist.get_rank())
 
     def kfac_iteration(contender: KfacContender, step: int) -> dict[str, float]:
         return _kfac_iteration(contender, batches[step % len(batches)], KFAC_PASSES[0])
@@ -474,27 +426,24 @@ def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
         return _passes(module, batches[step % len(batches)])
 
     def one_round(step: int) -> tuple[dict[str, dict[str, float]], float, float]:
-        first = step % len(contenders)
         samples = {
             contender.name: kfac_iteration(contender, step)
-            for contender in contenders[first:] + contenders[:first]
+            for contender in rotated(contenders, step)
         }
         return samples, passes(plain, step), passes(data_parallel_only, step)
 
-    # Warm up until every plan is final, then one more round on the final plans.
-    step = 0
-    settled_at: int | None = None
-    while step < job.warmup or settled_at is None or step <= settled_at:
-        one_round(step)
-        step += 1
-        if (
-            settled_at is None
+    def settled(taken: int) -> bool:
+        return (
+            taken > 0
             and data_parallel_only.planning_done
             and all(contender.settled() for contender in contenders)
-        ):
-            settled_at = step
-        if step > MAX_WARMUP_STEPS:
-            raise RuntimeError(f"{job.model}: the plans were not final after the warm-up")
+        )
+
+    # Warm up until every plan is final, then one more round on the final plans.
+    settled_at = steps_until(settled, one_round, job.model)
+    step = max(settled_at + 1, job.warmup)
+    for extra in range(settled_at, step):
+        one_round(extra)
 
     keys = [*PHASES, KFAC_PASSES[0], "optimizer", "iteration"]
     samples: dict[str, dict[str, list[float]]] = {
@@ -511,9 +460,7 @@ def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
         data_parallel_s.append(data_parallel_sample)
     # One collective for every series: the maximum over ranks of each sample.
     series = [samples[mode][key] for mode in job.modes for key in keys]
-    series += [plain_s, data_parallel_s]
-    flat = max_over_ranks([value for values in series for value in values])
-    maxima = [flat[i * job.iters : (i + 1) * job.iters] for i in range(len(series))]
+    maxima = max_over_ranks_each([*series, plain_s, data_parallel_s])
     plain_max, data_parallel_max = maxima[-2], maxima[-1]
     forward_backward = statistics.median(plain_max)
     # Data parallelism's share of forward + backward: the wrapped passes beyond the plain ones.
@@ -576,41 +523,15 @@ def _iteration_events(
     """The last iteration as plain dicts (picklable): the data-parallel timeline of forward,
     backward and gradient all-reduces, then K-FAC's spans, on one time origin."""
     process = f"rank {rank}"
-    origin = wrapped.last_forward_start
-    events: list[dict[str, Any]] = []
     timeline = wrapped.last_timeline
-    if timeline is not None:
-        for event in timeline.events:
-            events.append(
-                {
-                    "name": event.name,
-                    "category": event.category,
-                    "start_s": event.start_s,
-                    "end_s": event.end_s,
-                    "lane": event.lane,
-                    "process": process,
-                }
-            )
-    for event in precond.take_events(process=process, origin_s=origin):
-        events.append(
-            {
-                "name": event.name,
-                "category": event.category,
-                "start_s": event.start_s,
-                "end_s": event.end_s,
-                "lane": "kfac comm" if event.category == "comm" else "kfac",
-                "process": process,
-            }
-        )
+    events = [
+        event_record(event, process=process)
+        for event in (timeline.events if timeline is not None else ())
+    ]
+    events += [
+        event_record(event, lane="kfac comm" if event.category == "comm" else "kfac")
+        for event in precond.take_events(process=process, origin_s=wrapped.last_forward_start)
+    ]
     end = sample["iteration"]
-    events.append(
-        {
-            "name": "SGD step",
-            "category": "optimizer",
-            "start_s": end - sample["optimizer"],
-            "end_s": end,
-            "lane": "kfac",
-            "process": process,
-        }
-    )
-    return events
+    step = Event("SGD step", "optimizer", end - sample["optimizer"], end, "kfac", process)
+    return [*events, event_record(step)]

@@ -4,7 +4,7 @@ markdown tables, the ablation's header and its stacked bars."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from interlace.bench.kfac_rank import (
     KFAC_PYTORCH_MODE,
     mode_settings,
 )
+from interlace.bench.tables import Row, markdown_table, ms, speedup
 
 #: Columns of the table, in order: (key, heading).
 COLUMNS: tuple[tuple[str, str], ...] = (
@@ -32,7 +33,7 @@ COLUMNS: tuple[tuple[str, str], ...] = (
 
 
 @dataclass
-class KfacRow:
+class KfacRow(Row):
     """One model's measured breakdown (milliseconds, medians of maxima over ranks)."""
 
     model: str
@@ -50,12 +51,9 @@ class KfacRow:
     #: ``real``, or the emulated trace and dilation (times are then undilated).
     compute: str = "real"
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass
-class AblationRow:
+class AblationRow(Row):
     """One (model, mode) of the ablation (seconds, medians of maxima over ranks).
 
     ``phases_s`` holds the :data:`COLUMNS` phases and :data:`KFAC_PASSES`; ``factor_buckets`` is
@@ -101,9 +99,6 @@ class AblationRow:
     added_rss_mb: float | None = None
     memory_steps: int | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 def format_table(rows: Sequence[KfacRow]) -> str:
     """The breakdown's markdown table: one line per model, its iteration and phases (ms).
@@ -113,18 +108,16 @@ def format_table(rows: Sequence[KfacRow]) -> str:
     """
     head = ["model", "ranks", "link", "iteration ms", *(title + " ms" for _, title in COLUMNS)]
     lines = [
-        "| " + " | ".join(head) + " |",
-        "|---|---:|---|" + "---:|" * (len(head) - 3),
+        [
+            row.model,
+            str(row.ranks),
+            row.link,
+            f"{row.iteration_ms:.1f}",
+            *(f"{row.phases_ms.get(key, 0.0):.1f}" for key, _ in COLUMNS),
+        ]
+        for row in rows
     ]
-    for row in rows:
-        cells = [row.model, str(row.ranks), row.link, f"{row.iteration_ms:.1f}"]
-        cells += [f"{row.phases_ms.get(key, 0.0):.1f}" for key, _ in COLUMNS]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f}"
+    return markdown_table(head, "lrl" + "r" * (len(head) - 3), lines)
 
 
 def _whole(value: float | None) -> int | None:
@@ -219,16 +212,17 @@ def format_ablation_table(rows: Sequence[AblationRow]) -> str:
         "vs dkfac",
         *(title + " ms" for _, title in (*COLUMNS, KFAC_PASSES)),
     ]
-    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
-    for row in rows:
-        speedup = "-" if row.speedup_vs_dkfac is None else f"{row.speedup_vs_dkfac:.2f}x"
-        cells = [row.model, row.mode, _ms(row.iteration_s), speedup]
-        cells += [
-            _ms(row.phases_s[key]) if key in row.phases_s else "-"
-            for key, _ in (*COLUMNS, KFAC_PASSES)
+    lines = [
+        [
+            row.model,
+            row.mode,
+            ms(row.iteration_s),
+            speedup(row.speedup_vs_dkfac),
+            *(ms(row.phases_s.get(key)) for key, _ in (*COLUMNS, KFAC_PASSES)),
         ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        for row in rows
+    ]
+    return markdown_table(head, "ll" + "r" * (len(head) - 2), lines)
 
 
 def factor_comm_share(rows: Sequence[AblationRow]) -> dict[str, float]:
@@ -291,7 +285,7 @@ def format_ablation_header(
             f"Throughput over whole cycles of {inv_steps} iterations (mean iteration, speed-up "
             "over dkfac): "
             + ", ".join(
-                f"{row.model} {row.mode} {_ms(row.cycle_iteration_s or 0.0)} ms "
+                f"{row.model} {row.mode} {ms(row.cycle_iteration_s or 0.0)} ms "
                 f"({row.cycle_speedup_vs_dkfac:.2f}x)"
                 for row in cycles
             )
@@ -303,8 +297,8 @@ def format_ablation_header(
         lines.append(
             "Factor comm share of dkfac's iteration: "
             + ", ".join(
-                f"{model} {share:.0%} ({_ms(by_model[model].phases_s.get('factor_comm', 0.0))} "
-                f"of {_ms(by_model[model].iteration_s)} ms)"
+                f"{model} {share:.0%} ({ms(by_model[model].phases_s.get('factor_comm', 0.0))} "
+                f"of {ms(by_model[model].iteration_s)} ms)"
                 for model, share in shares.items()
             )
             + "."
@@ -401,10 +395,6 @@ H2H_PHASES: tuple[tuple[str, str], ...] = (
 )
 
 
-def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
-
-
 def format_h2h_table(rows: Sequence[AblationRow]) -> str:
     """The head-to-head table: per (model, link, decomposition interval, mode), the whole-cycle
     mean iteration, the per-step median, both speed-ups over kfac-pytorch, the phases' means
@@ -425,24 +415,25 @@ def format_h2h_table(rows: Sequence[AblationRow]) -> str:
         *(title + " ms" for _, title in H2H_PHASES),
         "peak RSS MiB",
     ]
-    lines = ["| " + " | ".join(head) + " |", "|---|---|---:|---|" + "---:|" * (len(head) - 4)]
+    lines = []
     for row in rows:
         cycle = row.cycle_iteration_s if row.cycle_iteration_s is not None else row.iteration_s
         phases = row.cycle_phases_s or row.phases_s
-        cells = [
-            row.model,
-            row.link,
-            str(row.inv_update_steps),
-            row.mode,
-            _ms(cycle),
-            _ms(row.iteration_s),
-            _ratio(row.cycle_speedup_vs_peer),
-            _ratio(row.speedup_vs_peer),
-            *(_ms(phases[key]) if key in phases else "-" for key, _ in H2H_PHASES),
-            "-" if row.peak_rss_mb is None else f"{row.peak_rss_mb:.0f}",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        lines.append(
+            [
+                row.model,
+                row.link,
+                str(row.inv_update_steps),
+                row.mode,
+                ms(cycle),
+                ms(row.iteration_s),
+                speedup(row.cycle_speedup_vs_peer),
+                speedup(row.speedup_vs_peer),
+                *(ms(phases.get(key)) for key, _ in H2H_PHASES),
+                "-" if row.peak_rss_mb is None else f"{row.peak_rss_mb:.0f}",
+            ]
+        )
+    return markdown_table(head, "llrl" + "r" * (len(head) - 4), lines)
 
 
 def h2h_verdicts(

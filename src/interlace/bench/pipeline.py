@@ -8,38 +8,16 @@ throughput (:mod:`interlace.bench.pipeline_report`).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import shutil
-import sys
-import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-from tqdm import tqdm
-
-from interlace.bench.harness import (
-    DEFAULT_INPUT_SHAPE,
-    NUM_CLASSES,
-    LaunchFailedError,
-    add_timeout_arguments,
-    check_launch_args,
-    check_netem,
-    launch_on_ranks,
-    machine_load,
-    parse_names,
-)
+from interlace.bench.harness import LR, MOMENTUM, undilated
 from interlace.bench.pipeline_rank import (
-    DEFAULT_LR,
-    DEFAULT_MOMENTUM,
     SCHEDULES,
     TIMELINE_SCHEDULES,
     PipelineJob,
-    build_pipeline_model,
     measure_rank,
 )
 from interlace.bench.pipeline_report import (
@@ -53,23 +31,11 @@ from interlace.bench.pipeline_report import (
     rows_from_value,
     timeline_from_events,
 )
-from interlace.cliutil import (
-    add_deprecated_alias,
-    add_model_shape_arguments,
-    add_nprocs_argument,
-    collective_timeout_of,
-    standalone_main,
-)
+from interlace.bench.session import Session
+from interlace.bench.skeleton import BenchConfig, Benchmark, Flags, parse_names
+from interlace.bench.tables import machine, write_timeline
 from interlace.comm.links import parse_link
-from interlace.emulate.compute import (
-    Compute,
-    ComputeKind,
-    add_compute_arguments,
-    compute_from_args,
-)
-from interlace.emulate.device import dilate_link
 from interlace.errors import UsageError
-from interlace.launch.rank import DEFAULT_COLLECTIVE_TIMEOUT_S
 from interlace.pipeline.partition import pipeline_blocks
 
 #: vgg11: 9.8M parameters in a few large tensors against a few MB of activations per mini-batch,
@@ -89,241 +55,77 @@ DEFAULT_ITERS = 3
 DEFAULT_WARMUP = 2
 DEFAULT_TIMEOUT_S = 1200.0
 
+FLAGS = Flags(
+    models=DEFAULT_MODELS,
+    models_help="comma-separated zoo names or package.module:callable, each an nn.Sequential or "
+    f"a model with pipeline_blocks() (default {','.join(DEFAULT_MODELS)})",
+    nprocs=DEFAULT_NPROCS,
+    nprocs_help=f"ranks = pipeline stages (default {DEFAULT_NPROCS})",
+    link=DEFAULT_LINK,
+    link_help=f"emulated link per rank (default {DEFAULT_LINK}, where data parallelism of a "
+    "large model is communication-bound)",
+    batch=DEFAULT_BATCH,
+    batch_help="global batch per mini-batch, the same for every contender (split over the ranks "
+    f"by dp; default {DEFAULT_BATCH})",
+    iters=DEFAULT_ITERS,
+    iters_help="timed rounds, one block per contender each",
+    warmup=DEFAULT_WARMUP,
+    warmup_help="untimed mini-batches per contender first",
+    timeout_s=DEFAULT_TIMEOUT_S,
+    png_help="timeline of one timed block of spectrain and of gpipe on the first model, a lane "
+    "per stage (and a Chrome trace next to it)",
+)
 
-@dataclass(frozen=True)
-class BenchConfig:
-    """A validated benchmark run."""
 
-    models: tuple[str, ...]
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig(BenchConfig):
+    """A validated ``interlace bench pipeline`` run: the shared settings and the pipeline's.
+
+    Args:
+        schedules: The contenders, in table order.
+        microbatches: Pieces per mini-batch.
+        block: Mini-batches per timed block.
+        partition_by: Stages balanced by measured ``time`` or by ``params``.
+    """
+
     schedules: tuple[str, ...]
-    nprocs: int
-    batch: int
     microbatches: int
     block: int
-    iters: int
-    warmup: int
-    input_shape: tuple[int, ...]
-    link: str | None
-    partition_by: str
-    seed: int
-    timeout_s: float
-    json_path: str | None
-    png_path: str | None
-    num_classes: int = NUM_CLASSES
-    #: Real kernels, or a trace's device time: then ``models`` is the trace, the launches run
-    #: on ``link`` divided by the dilation, and every time is divided by it.
-    compute: Compute = field(default_factory=lambda: Compute(ComputeKind.REAL))
-    #: Seconds any one collective may wait for its peers (``--collective-timeout``).
-    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+    partition_by: str = "time"
 
     @property
-    def link_text(self) -> str:
-        return self.link or "loopback (no emulated network)"
+    def batch(self) -> int:
+        """The global batch per mini-batch, the same for every contender."""
+        return self.batch_for("")
 
-    @property
-    def launch_link(self) -> str | None:
-        """The link the ranks run on: ``link``, dilated for emulated compute."""
-        if self.link is None or not self.compute.emulated:
-            return self.link
-        return dilate_link(self.link, self.compute.dilation)
+    def pipeline_job(self, model: str, *, timeline: bool = False) -> PipelineJob:
+        """The job of ``model``'s launch.
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``interlace bench pipeline``.
-
-    Args:
-        parser: The parser (or subcommand parser) to add them to.
-    """
-    parser.add_argument(
-        "--models",
-        help="comma-separated zoo names or package.module:callable, each an nn.Sequential or a "
-        f"model with pipeline_blocks() (default {','.join(DEFAULT_MODELS)})",
-    )
-    parser.add_argument("--model", help="one model (zoo name or package.module:callable)")
-    parser.add_argument(
-        "--schedules",
-        "--schedule",
-        dest="schedules",
-        help=f"comma-separated contenders (default all: {','.join(SCHEDULES)})",
-    )
-    add_nprocs_argument(
-        parser,
-        default=DEFAULT_NPROCS,
-        help_text=f"ranks = pipeline stages (default {DEFAULT_NPROCS})",
-    )
-    parser.add_argument(
-        "--link",
-        help=f"emulated link per rank (default {DEFAULT_LINK}, where data parallelism of a large "
-        "model is communication-bound)",
-    )
-    parser.add_argument(
-        "--no-netem", action="store_true", help="plain loopback instead of the emulated cluster"
-    )
-    parser.add_argument(
-        "--batch-size",
-        type=int,
-        default=DEFAULT_BATCH,
-        help="global batch per mini-batch, the same for every contender (split over the ranks "
-        f"by dp; default {DEFAULT_BATCH})",
-    )
-    add_deprecated_alias(parser, "--batch", "--batch-size", "batch_size", type=int)
-    parser.add_argument(
-        "--microbatches",
-        type=int,
-        default=DEFAULT_MICROBATCHES,
-        help="pieces per mini-batch: micro-batches of gpipe, 1f1b and torch's schedules, "
-        "chunks streamed with the mini-batch's weights by naive, pipedream and spectrain "
-        f"(default {DEFAULT_MICROBATCHES})",
-    )
-    parser.add_argument(
-        "--block",
-        type=int,
-        default=DEFAULT_BLOCK,
-        help="mini-batches per timed block (an asynchronous schedule's stream fills and drains "
-        f"once per block; default {DEFAULT_BLOCK})",
-    )
-    parser.add_argument(
-        "--iters",
-        type=int,
-        default=DEFAULT_ITERS,
-        help=f"timed rounds, one block per contender each (default {DEFAULT_ITERS})",
-    )
-    parser.add_argument(
-        "--warmup",
-        type=int,
-        default=DEFAULT_WARMUP,
-        help=f"untimed mini-batches per contender first (default {DEFAULT_WARMUP})",
-    )
-    add_model_shape_arguments(parser, input_shape=DEFAULT_INPUT_SHAPE, classes=NUM_CLASSES)
-    parser.add_argument(
-        "--partition-by",
-        choices=("time", "params"),
-        default="time",
-        help="balance the stages by measured time or by parameter count (default time)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
-    add_timeout_arguments(parser, DEFAULT_TIMEOUT_S)
-    parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
-    parser.add_argument(
-        "--png",
-        metavar="PATH",
-        help="timeline of one timed block of spectrain and of gpipe on the first model, a lane "
-        "per stage (and a Chrome trace next to it)",
-    )
-    add_compute_arguments(parser)
-
-
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    """Resolve the defaults and check every value; raises UsageError.
-
-    Args:
-        args: The parsed flags (see :func:`add_arguments`).
-    """
-    compute = compute_from_args(args)
-    if args.model and args.models:
-        raise UsageError("--model and --models contradict each other; give one of them")
-    if compute.emulated and (args.model or args.models):
-        raise UsageError(
-            "--compute emulated:TRACE runs the trace's model; leave out --model/--models"
+        Args:
+            model: The model.
+            timeline: Whether the launch records a timed block's events.
+        """
+        return self.job(
+            PipelineJob,
+            model,
+            microbatches=self.microbatches,
+            schedules=self.schedules,
+            block=self.block,
+            partition_by=self.partition_by,
+            timeline=timeline,
         )
-    if compute.emulated:
-        models: tuple[str, ...] = (str(compute.trace),)
-    elif args.model:
-        models = parse_names(args.model, None, "model", "model")
-    elif args.models:
-        models = parse_names(args.models, None, "models", "model")
-    else:
-        models = DEFAULT_MODELS
-    # An emulated run's model is its trace, which compute_from_args has checked.
-    check_launch_args(
-        args,
-        () if compute.emulated else models,
-        prefix="",
-        ranks_reason="a pipeline needs two stages",
-    )
-    schedules = (
-        parse_names(args.schedules, SCHEDULES, "schedules", "schedule")
-        if args.schedules
-        else SCHEDULES
-    )
-    schedules = tuple(s for s in SCHEDULES if s in schedules)  # table order
-    for flag, value, least in (
-        ("--batch-size", args.batch_size, 1),
-        ("--microbatches", args.microbatches, 1),
-        ("--block", args.block, 1),
-        ("--iters", args.iters, 1),
-        ("--warmup", args.warmup, 0),
-    ):
-        if value < least:
-            raise UsageError(f"{flag} must be >= {least}, got {value}")
-    if args.batch_size % args.nprocs:
-        raise UsageError(
-            f"--batch-size {args.batch_size} does not split into {args.nprocs} equal "
-            f"data-parallel shards; use a multiple of -n {args.nprocs}"
-        )
-    if args.batch_size % args.microbatches:
-        raise UsageError(
-            f"--batch-size {args.batch_size} does not split into {args.microbatches} equal "
-            "micro-batches; use a multiple of --microbatches"
-        )
-    if (
-        args.json
-        and args.png
-        and Path(args.json).resolve() == Path(args.png).with_suffix(".json").resolve()
-    ):
-        raise UsageError(
-            f"--json {args.json} is where --png {args.png} puts its Chrome trace; choose another"
-        )
-    link = None if args.no_netem else (args.link or DEFAULT_LINK)
-    if link is not None:
-        parse_link(link)
-    return BenchConfig(
-        models=models,
-        schedules=schedules,
-        nprocs=args.nprocs,
-        batch=args.batch_size,
-        microbatches=args.microbatches,
-        block=args.block,
-        iters=args.iters,
-        warmup=args.warmup,
-        input_shape=tuple(args.input_shape),
-        num_classes=args.classes,
-        link=link,
-        partition_by=args.partition_by,
-        seed=args.seed,
-        timeout_s=float(args.timeout),
-        collective_timeout_s=collective_timeout_of(args.collective_timeout),
-        json_path=args.json,
-        png_path=args.png,
-        compute=compute,
-    )
 
 
-def _check_models(config: BenchConfig) -> None:
-    """Build each model once here, so a bad model, shape or stage count is one line."""
-    for model in config.models:
-        blocks = pipeline_blocks(
-            build_pipeline_model(model, config.input_shape, config.compute, config.num_classes)
-        )
-        if len(blocks) < config.nprocs:
-            raise UsageError(
-                f"{model} has {len(blocks)} pipeline blocks, too few for {config.nprocs} stages; "
-                "use fewer ranks (-n) or a deeper model"
-            )
-
-
-def describe_conditions(config: BenchConfig) -> str:
+def describe_conditions(config: PipelineConfig) -> str:
     """When and where the rows were measured.
 
     Args:
         config: The run.
     """
-    load = machine_load()
     return (
-        f"Machine: {platform.node()} ({os.cpu_count()} CPUs, load {load} at the end), torch "
-        f"{torch.__version__}, gloo, 1 thread per rank; stages cut by {config.partition_by} "
-        f"(rank 0's plan); input {'x'.join(map(str, config.input_shape))}; SGD lr {DEFAULT_LR:g} "
-        f"momentum {DEFAULT_MOMENTUM:g}; compute {config.compute.label()}"
+        f"Machine: {machine()}, 1 thread per rank; stages cut by {config.partition_by} "
+        f"(rank 0's plan); input {'x'.join(map(str, config.input_shape))}; SGD lr {LR:g} "
+        f"momentum {MOMENTUM:g}; compute {config.compute.label()}"
         + (
             " (device time"
             + (f"; links at {config.launch_link}" if config.launch_link else "")
@@ -335,8 +137,10 @@ def describe_conditions(config: BenchConfig) -> str:
 
 
 def _write_timeline(
-    value: Mapping[str, Any], config: BenchConfig, model: str, path: str
-) -> Path | None:
+    value: Mapping[str, Any], config: PipelineConfig, model: str, path: str
+) -> str | None:
+    """Draw the launch's timed block of :data:`TIMELINE_SCHEDULES` to ``path``; a line saying
+    so, or None when the launch recorded none of them."""
     events: Mapping[str, Sequence[Mapping[str, Any]]] = value.get("events", {})
     if not events:
         return None
@@ -347,164 +151,183 @@ def _write_timeline(
         value["origins"],
         descriptions,
         title=f"{model}: one block of {config.block} mini-batches of {config.batch}, "
-        f"{config.nprocs} stages on {config.link or 'loopback'}",
+        f"{config.nprocs} stages on {config.link_text}",
     )
-    target = Path(path)
-    timeline.to_png(target)
-    timeline.to_chrome_trace(target.with_suffix(".json"))
-    return target
+    return write_timeline(timeline, path)
 
 
-def undilated_value(value: dict[str, Any], dilation: float) -> dict[str, Any]:
-    """A launch's value with its times divided by ``dilation``: wall times, and CPU seconds
-    too, so that the cores a contender keeps busy stay a fraction of its wall time.
+class PipelineBenchmark(Benchmark[PipelineConfig, Row]):
+    """``interlace bench pipeline``: per model, one launch times every contender in interleaved
+    blocks at an equal global batch."""
 
-    Args:
-        value: :func:`measure_rank`'s value.
-        dilation: The run's dilation (1 for real compute).
-    """
-    if dilation == 1:
-        return value
-    out = dict(value)
-    for key in ("block_s", "cpu_s"):
-        out[key] = {k: [t / dilation for t in v] for k, v in value.get(key, {}).items()}
-    out["stage_stats"] = {
-        schedule: {key: [t / dilation for t in times] for key, times in stats.items()}
-        for schedule, stats in value.get("stage_stats", {}).items()
-    }
-    return out
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run the benchmark described by ``args`` (see :func:`add_arguments`); the exit status.
-
-    Args:
-        args: The parsed flags (see :func:`add_arguments`).
-    """
-    config = config_from_args(args)
-    _check_models(config)
-    if config.link is not None:
-        check_netem()
-    link_bps = parse_link(config.link) if config.link is not None else None
-    cache_dir = tempfile.mkdtemp(prefix="interlace-bench-pipeline-")
-    rows: list[Row] = []
-    regimes: list[Regime] = []
-    failures: list[str] = []
-    timeline_path: Path | None = None
-    try:
-        with tqdm(total=len(config.models), unit="model", desc=PROG, dynamic_ncols=True) as bar:
-            for model in config.models:
-                bar.set_postfix_str(model)
-                job = PipelineJob(
-                    model=model,
-                    batch=config.batch,
-                    microbatches=config.microbatches,
-                    input_shape=config.input_shape,
-                    schedules=config.schedules,
-                    block=config.block,
-                    iters=config.iters,
-                    warmup=config.warmup,
-                    seed=config.seed,
-                    partition_by=config.partition_by,
-                    timeline=bool(config.png_path) and timeline_path is None,
-                    num_classes=config.num_classes,
-                    compute=config.compute,
-                )
-                try:
-                    value = launch_on_ranks(
-                        measure_rank,
-                        job,
-                        nprocs=config.nprocs,
-                        link=config.launch_link,
-                        timeout_s=config.timeout_s,
-                        collective_timeout_s=config.collective_timeout_s,
-                        cache_dir=cache_dir,
-                        note=bar.write,
-                        prog=PROG,
-                    )
-                except LaunchFailedError as exc:
-                    failures.append(f"{model}: {exc}")
-                    bar.write(f"{PROG}: launch failed: {failures[-1]}")
-                    bar.update(1)
-                    continue
-                value = undilated_value(value, config.compute.dilation)
-                regime = Regime(
-                    model=model,
-                    ranks=config.nprocs,
-                    link=config.link or "loopback",
-                    link_bps=link_bps,
-                    batch=config.batch,
-                    microbatches=config.microbatches,
-                    parameters=value["parameters"],
-                    gradient_bytes=value["gradient_bytes"],
-                    boundary_bytes=list(value["boundary_bytes"]),
-                    plan=value["plan"],
-                )
-                regimes.append(regime)
-                new_rows = [
-                    replace(row, compute=config.compute.label())
-                    for row in rows_from_value(value, regime, block=config.block)
-                ]
-                rows += new_rows
-                bar.write(one_line(new_rows))
-                if job.timeline and config.png_path:
-                    timeline_path = _write_timeline(value, config, model, config.png_path)
-                bar.update(1)
-    finally:
-        shutil.rmtree(cache_dir, ignore_errors=True)
-
-    print()
-    print(
-        format_header(
-            regimes,
-            ranks=config.nprocs,
-            link=config.link_text,
-            batch=config.batch,
-            microbatches=config.microbatches,
-            block=config.block,
-            iters=config.iters,
-            warmup=config.warmup,
-            conditions=describe_conditions(config),
-        )
-    )
-    print()
-    if rows:
-        print(format_table(rows))
-    if config.json_path:
-        path = Path(config.json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        record = [row.to_dict() for row in rows]
-        by_model = {regime.model: regime.to_dict() for regime in regimes}
-        for item in record:
-            item["regime"] = by_model.get(item["model"])
-        path.write_text(json.dumps(record, indent=1) + "\n")
-        print(f"\nrows written to {path}")
-    if timeline_path is not None:
-        print(
-            f"timeline written to {timeline_path} "
-            f"(Chrome trace: {timeline_path.with_suffix('.json')})"
-        )
-    elif config.png_path:
-        print(f"{PROG}: no timeline drawn: measure spectrain or gpipe for --png", file=sys.stderr)
-    if failures:
-        print(f"\n{PROG}: {len(failures)} launch(es) failed:", file=sys.stderr)
-        for message in failures:
-            print(f"  {message.splitlines()[0]}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``interlace bench pipeline`` on its own (``python benchmarks/pipeline.py``).
-
-    Args:
-        argv: The arguments (default: the command line).
-    """
-    return standalone_main(
-        PROG,
+    prog = PROG
+    description = (
         "Compare interlace's pipeline schedules with DataParallel and "
-        "torch.distributed.pipelining at equal global batch on the emulated cluster.",
-        add_arguments,
-        run,
-        argv,
+        "torch.distributed.pipelining at equal global batch on the emulated cluster."
     )
+    flags = FLAGS
+
+    def add_own_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """The contenders, the pieces of a mini-batch, the block and the stages' split.
+
+        Args:
+            parser: The parser.
+        """
+        parser.add_argument(
+            "--schedules",
+            "--schedule",
+            dest="schedules",
+            help=f"comma-separated contenders (default all: {','.join(SCHEDULES)})",
+        )
+        parser.add_argument(
+            "--microbatches",
+            type=int,
+            default=DEFAULT_MICROBATCHES,
+            help="pieces per mini-batch: micro-batches of gpipe, 1f1b and torch's schedules, "
+            "chunks streamed with the mini-batch's weights by naive, pipedream and spectrain "
+            f"(default {DEFAULT_MICROBATCHES})",
+        )
+        parser.add_argument(
+            "--block",
+            type=int,
+            default=DEFAULT_BLOCK,
+            help="mini-batches per timed block (an asynchronous schedule's stream fills and "
+            f"drains once per block; default {DEFAULT_BLOCK})",
+        )
+        parser.add_argument(
+            "--partition-by",
+            choices=("time", "params"),
+            default="time",
+            help="balance the stages by measured time or by parameter count (default time)",
+        )
+
+    def config_from_args(self, args: argparse.Namespace) -> PipelineConfig:
+        """Resolve the defaults and check every value; raises UsageError.
+
+        Args:
+            args: The parsed flags (see :meth:`add_arguments`).
+        """
+        schedules = (
+            parse_names(args.schedules, SCHEDULES, "schedules", "schedule")
+            if args.schedules
+            else SCHEDULES
+        )
+        for flag, value in (("--microbatches", args.microbatches), ("--block", args.block)):
+            if value < 1:
+                raise UsageError(f"{flag} must be >= 1, got {value}")
+        config = PipelineConfig.from_args(
+            args,
+            FLAGS,
+            ranks_reason="a pipeline needs two stages",
+            schedules=tuple(s for s in SCHEDULES if s in schedules),  # table order
+            microbatches=args.microbatches,
+            block=args.block,
+            partition_by=args.partition_by,
+        )
+        if config.batch % config.nprocs:
+            raise UsageError(
+                f"--batch-size {config.batch} does not split into {config.nprocs} equal "
+                f"data-parallel shards; use a multiple of -n {config.nprocs}"
+            )
+        if config.batch % config.microbatches:
+            raise UsageError(
+                f"--batch-size {config.batch} does not split into {config.microbatches} equal "
+                "micro-batches; use a multiple of --microbatches"
+            )
+        trace = Path(config.png_path).with_suffix(".json") if config.png_path else None
+        if config.json_path and trace and Path(config.json_path).resolve() == trace.resolve():
+            raise UsageError(
+                f"--json {config.json_path} is where --png {config.png_path} puts its Chrome "
+                "trace; choose another"
+            )
+        return config
+
+    def check(self, config: PipelineConfig) -> None:
+        """Build each model once here, so a bad model, shape or stage count is one line.
+
+        Args:
+            config: The run.
+        """
+        for model in config.models:
+            blocks = pipeline_blocks(config.pipeline_job(model).module())
+            if len(blocks) < config.nprocs:
+                raise UsageError(
+                    f"{model} has {len(blocks)} pipeline blocks, too few for {config.nprocs} "
+                    "stages; use fewer ranks (-n) or a deeper model"
+                )
+
+    def measure(self, config: PipelineConfig, session: Session) -> list[Row]:
+        """One launch per model; with ``--png`` the first model's timed block as a timeline.
+
+        Args:
+            config: The run.
+            session: Where the launches go.
+        """
+        link_bps = parse_link(config.link) if config.link is not None else None
+        rows: list[Row] = []
+        drawn = False
+        for model in config.models:
+            job = config.pipeline_job(model, timeline=bool(config.png_path) and not drawn)
+            value = session.launch(measure_rank, job, what=model, link=config.link)
+            if value is None:
+                continue
+            value = undilated(value, config.compute.dilation, ("block_s", "cpu_s", "stage_stats"))
+            regime = Regime(
+                model=model,
+                ranks=config.nprocs,
+                link=config.link_text,
+                link_bps=link_bps,
+                batch=config.batch,
+                microbatches=config.microbatches,
+                parameters=value["parameters"],
+                gradient_bytes=value["gradient_bytes"],
+                boundary_bytes=list(value["boundary_bytes"]),
+                plan=value["plan"],
+            )
+            new_rows = [
+                replace(row, compute=config.compute.label())
+                for row in rows_from_value(value, regime, block=config.block)
+            ]
+            rows += new_rows
+            session.note(one_line(new_rows))
+            if job.timeline and config.png_path:
+                written = _write_timeline(value, config, model, config.png_path)
+                if written is not None:
+                    session.wrote(written)
+                    drawn = True
+        if config.png_path and not drawn:
+            session.note(f"{PROG}: no timeline drawn: measure spectrain or gpipe for --png")
+        return rows
+
+    def report(self, config: PipelineConfig, rows: list[Row]) -> None:
+        """The regime of every model and how it was timed, then the table.
+
+        Args:
+            config: The run.
+            rows: Its rows.
+        """
+        regimes = {row.model: row.regime for row in rows if row.regime is not None}
+        print()
+        print(
+            format_header(
+                list(regimes.values()),
+                ranks=config.nprocs,
+                link=config.link_text,
+                batch=config.batch,
+                microbatches=config.microbatches,
+                block=config.block,
+                iters=config.iters,
+                warmup=config.warmup,
+                conditions=describe_conditions(config),
+            )
+        )
+        print()
+        if rows:
+            print(format_table(rows))
+
+
+BENCHMARK = PipelineBenchmark()
+add_arguments = BENCHMARK.add_arguments
+config_from_args = BENCHMARK.config_from_args
+run = BENCHMARK.run
+main = BENCHMARK.main

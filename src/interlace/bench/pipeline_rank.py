@@ -18,13 +18,17 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from torch.nn import functional
 
 from interlace.bench.harness import (
-    NUM_CLASSES,
+    LR,
+    MOMENTUM,
     Contender,
-    max_over_ranks,
-    synthetic_batches,
+    RankJob,
+    event_record,
+    make_optimizer,
+    max_over_ranks_each,
+    rotated,
+    steps_until,
 )
 from interlace.dp import DataParallel
-from interlace.emulate.compute import Compute, ComputeKind
 from interlace.emulate.pipeline import EmulatedPipelineModel
 from interlace.pipeline.partition import pipeline_blocks, stage_module
 from interlace.pipeline.runtime import PipelineStage
@@ -32,7 +36,6 @@ from interlace.pipeline.schedule import schedule_type
 from interlace.pipeline.stages import local_stage
 from interlace.sim.pipeline import INTERLACE_PIPELINE_SCHEDULES, TORCH_PIPELINE_SCHEDULES
 from interlace.timeline import Event
-from interlace.zoo import build_model
 
 #: interlace's schedules, data parallelism, then torch's, in table order (the simulator's names).
 SCHEDULES: tuple[str, ...] = (
@@ -45,51 +48,44 @@ TORCH_BASELINE = "torch-gpipe"
 DP_BASELINE = "dp"
 #: What ``--png`` draws, each in its own group of lanes, when measured.
 TIMELINE_SCHEDULES: tuple[str, ...] = ("spectrain", "gpipe")
-DEFAULT_LR = 0.01
-DEFAULT_MOMENTUM = 0.9
-#: Upper bound on warm-up steps spent waiting for DataParallel's plan (a bug otherwise).
-MAX_PLAN_STEPS = 200
 #: The stream of the job's seed its mini-batches come from: the same on every rank.
 BATCH_STREAM = 7
 
 
-@dataclass(frozen=True)
-class PipelineJob:
-    """What every rank of one launch measures."""
-
-    model: str
-    batch: int
-    microbatches: int
-    input_shape: tuple[int, ...]
-    schedules: tuple[str, ...]
-    block: int
-    iters: int
-    warmup: int
-    seed: int = 0
-    partition_by: str = "time"
-    timeline: bool = False
-    lr: float = DEFAULT_LR
-    momentum: float = DEFAULT_MOMENTUM
-    num_classes: int = NUM_CLASSES
-    #: Real kernels, or a trace's device time (``model`` is then the trace).
-    compute: Compute = field(default_factory=lambda: Compute(ComputeKind.REAL))
-
-
-def build_pipeline_model(
-    model: str, input_shape: tuple[int, ...], compute: Compute, num_classes: int = NUM_CLASSES
-) -> torch.nn.Module:
-    """The model a job cuts into stages: the zoo's, or the trace's emulated block sequence.
+@dataclass(frozen=True, kw_only=True)
+class PipelineJob(RankJob):
+    """What every rank of one launch measures: ``iters`` rounds of one block of ``block``
+    mini-batches of ``batch`` (the global batch) per contender.
 
     Args:
-        model: A zoo name (real compute); for emulated compute the trace names the model.
-        input_shape: One sample's shape (real compute).
-        compute: What the job computes on.
-        num_classes: Classes the model predicts.
+        microbatches: Pieces per mini-batch.
+        schedules: The contenders, in table order.
+        block: Mini-batches per timed block.
+        partition_by: Stages balanced by measured ``time`` or by ``params``.
+        timeline: Whether to record one timed block of :data:`TIMELINE_SCHEDULES`.
+        lr: SGD's learning rate.
+        momentum: SGD's momentum.
     """
-    if compute.emulated:
-        assert compute.trace is not None
-        return EmulatedPipelineModel(compute.trace, compute.dilation, classes=num_classes)
-    return build_model(model, input_shape, num_classes)
+
+    microbatches: int
+    schedules: tuple[str, ...]
+    block: int
+    partition_by: str = "time"
+    timeline: bool = False
+    lr: float = LR
+    momentum: float = MOMENTUM
+
+    #: The emulated pipeline model takes the inputs of ``input_shape`` and predicts classes.
+    emulated_takes_logits = False
+
+    def emulated_module(self, trace: str, dilation: float) -> torch.nn.Module:
+        """The trace's emulated block sequence, predicting ``num_classes`` classes.
+
+        Args:
+            trace: A shipped trace's name or a trace file.
+            dilation: The time-dilation factor.
+        """
+        return EmulatedPipelineModel(trace, dilation, classes=self.num_classes)
 
 
 @dataclass(kw_only=True)
@@ -140,14 +136,10 @@ def _build_contender(
 ) -> PipelineContender:
     """``schedule``'s own copy of ``base`` (identical weights), optimizer and training step."""
     model = copy.deepcopy(base)
-
-    def sgd(parameters: Any) -> torch.optim.Optimizer:
-        return torch.optim.SGD(parameters, lr=job.lr, momentum=job.momentum)
-
     last = rank == ranks - 1
     if schedule == DP_BASELINE:
         wrapper = DataParallel(model, bucketing="merged")
-        optimizer = sgd(wrapper.parameters())
+        optimizer = make_optimizer(model, wrapper.parameters(), lr=job.lr, momentum=job.momentum)
         shard = job.batch // ranks
 
         def train_dp(batches: Sequence[tuple[Any, Any]]) -> float | None:
@@ -165,7 +157,7 @@ def _build_contender(
         return PipelineContender(schedule, wrapper=wrapper, train=train_dp)
 
     module = stage_module(pipeline_blocks(model), plan, rank)
-    optimizer = sgd(module.parameters())
+    optimizer = make_optimizer(module, lr=job.lr, momentum=job.momentum)
     if schedule in INTERLACE_PIPELINE_SCHEDULES:
         schedule_class = schedule_type(schedule)
         stage = PipelineStage(
@@ -207,21 +199,6 @@ def _build_contender(
     return PipelineContender(schedule, train=train_torch)
 
 
-def _event_dicts(events: Sequence[Event]) -> list[dict[str, Any]]:
-    return [
-        {
-            "name": e.name,
-            "category": e.category,
-            "start_s": e.start_s,
-            "end_s": e.end_s,
-            "lane": e.lane,
-            "process": e.process,
-            "args": dict(e.args),
-        }
-        for e in events
-    ]
-
-
 def measure_rank(job: PipelineJob) -> dict[str, Any]:
     """One rank of a launch: build every contender, warm up, time interleaved blocks.
 
@@ -236,10 +213,8 @@ def measure_rank(job: PipelineJob) -> dict[str, Any]:
     """
     rank, ranks = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(job.seed)
-    base = build_pipeline_model(job.model, job.input_shape, job.compute, job.num_classes)
-    batches = synthetic_batches(
-        job.batch, job.input_shape, job.seed, BATCH_STREAM, num_classes=job.num_classes
-    )
+    base = job.module()
+    batches = job.batches(BATCH_STREAM)
     sample = batches[0][0][: max(1, job.batch // job.microbatches)]
     plan = local_stage(base, num_stages=ranks, stage=rank, by=job.partition_by, sample=sample).plan
     boundary = _boundary_bytes(pipeline_blocks(base), plan, sample, job.batch)
@@ -258,27 +233,28 @@ def measure_rank(job: PipelineJob) -> dict[str, Any]:
     def drain(contender: PipelineContender) -> list[Event]:
         return list(contender.stage.take_events()) if contender.stage is not None else []
 
+    def warm_up(contender: PipelineContender) -> None:
+        dist.barrier()
+        contender.train(blocks_from(0, max(job.warmup, 1)))
+        wrapper = contender.wrapper
+        if wrapper is not None and steps_until(
+            lambda _: bool(wrapper.planning_done),
+            lambda step: contender.train(blocks_from(step, 1)),
+            contender.name,
+        ):
+            contender.train(blocks_from(0, 1))  # one step on the final buckets
+        drain(contender)
+
     # Warm-up: every contender ``job.warmup`` mini-batches (at least one: torch's stages infer
     # their shapes on their first step), DataParallel until its plan is final.
     for contender in contenders:
-        dist.barrier()
-        contender.train(blocks_from(0, max(job.warmup, 1)))
-        steps = 0
-        while contender.wrapper is not None and not contender.wrapper.planning_done:
-            if steps >= MAX_PLAN_STEPS:
-                raise RuntimeError(f"dp had no plan after {steps} warm-up steps")
-            contender.train(blocks_from(steps, 1))
-            steps += 1
-        if contender.wrapper is not None and steps:
-            contender.train(blocks_from(0, 1))  # one step on the final buckets
-        drain(contender)
+        warm_up(contender)
 
     events: dict[str, list[dict[str, Any]]] = {}
     origins: dict[str, float] = {}
     for round_index in range(job.iters):
-        shift = round_index % len(contenders)
         data = blocks_from(round_index, job.block)
-        for contender in contenders[shift:] + contenders[:shift]:
+        for contender in rotated(contenders, round_index):
             dist.barrier()
             start, cpu_start = time.perf_counter(), time.process_time()
             loss = contender.train(data)
@@ -293,13 +269,11 @@ def measure_rank(job: PipelineJob) -> dict[str, Any]:
                 contender.comm_s.append(sum(e.duration_s for e in recorded if e.category == "comm"))
             last_round = round_index == job.iters - 1
             if job.timeline and last_round and contender.name in TIMELINE_SCHEDULES:
-                events[contender.name] = _event_dicts(recorded)
+                events[contender.name] = [event_record(event) for event in recorded]
                 origins[contender.name] = start
 
-    maxima = max_over_ranks([t for c in contenders for t in c.times])
-    block_s = {
-        c.name: maxima[i * job.iters : (i + 1) * job.iters] for i, c in enumerate(contenders)
-    }
+    maxima = max_over_ranks_each([c.times for c in contenders])
+    block_s = {c.name: times for c, times in zip(contenders, maxima, strict=True)}
     cpu_flat = torch.tensor([t for c in contenders for t in c.cpu_s], dtype=torch.float64)
     dist.all_reduce(cpu_flat)  # summed over ranks
     cpu_sums: list[float] = cpu_flat.tolist()

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from interlace.bench.harness import quartiles
 from interlace.bench.pipeline_rank import DP_BASELINE, TORCH_BASELINE
+from interlace.bench.tables import Row as BaseRow
+from interlace.bench.tables import markdown_table, number, speedup
 from interlace.pipeline.schedule import schedule_type
 from interlace.sim.pipeline import INTERLACE_PIPELINE_SCHEDULES
 from interlace.timeline import Timeline
@@ -57,7 +59,30 @@ def fill_drain_fraction(schedule: str, num_stages: int, block: int, microbatches
 
 
 @dataclass(frozen=True)
-class Row:
+class Regime(BaseRow):
+    """What decides whether a model is communication-bound here, per mini-batch of ``batch``."""
+
+    model: str
+    ranks: int
+    link: str
+    link_bps: float | None
+    batch: int
+    microbatches: int
+    parameters: int
+    gradient_bytes: int
+    #: Activation bytes of one mini-batch crossing each stage boundary (as many gradient bytes
+    #: cross back).
+    boundary_bytes: list[int]
+    plan: str = ""
+
+    @property
+    def allreduce_bytes_per_rank(self) -> float:
+        """Bytes each rank sends in a ring all-reduce of all gradients: ``2 (N-1)/N * G``."""
+        return 2 * (self.ranks - 1) / self.ranks * self.gradient_bytes
+
+
+@dataclass(frozen=True)
+class Row(BaseRow):
     """One contender on one model: its throughput and how it compares."""
 
     model: str
@@ -86,35 +111,8 @@ class Row:
     cores_busy: float | None = None
     #: ``real``, or the emulated trace and dilation (times and rates are then undilated).
     compute: str = "real"
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class Regime:
-    """What decides whether a model is communication-bound here, per mini-batch of ``batch``."""
-
-    model: str
-    ranks: int
-    link: str
-    link_bps: float | None
-    batch: int
-    microbatches: int
-    parameters: int
-    gradient_bytes: int
-    #: Activation bytes of one mini-batch crossing each stage boundary (as many gradient bytes
-    #: cross back).
-    boundary_bytes: list[int]
-    plan: str = ""
-
-    @property
-    def allreduce_bytes_per_rank(self) -> float:
-        """Bytes each rank sends in a ring all-reduce of all gradients: ``2 (N-1)/N * G``."""
-        return 2 * (self.ranks - 1) / self.ranks * self.gradient_bytes
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    #: The launch's regime (the same for every contender of a model).
+    regime: Regime | None = None
 
 
 def rows_from_value(value: Mapping[str, Any], regime: Regime, *, block: int) -> list[Row]:
@@ -173,17 +171,10 @@ def rows_from_value(value: Mapping[str, Any], regime: Regime, *, block: int) -> 
                         c / t for c, t in zip(cpu_s, seconds[schedule], strict=True) if t > 0
                     )
                 ),
+                regime=regime,
             )
         )
     return rows
-
-
-def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
-
-
-def _number(value: float | None, digits: int) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -192,19 +183,32 @@ def format_table(rows: Sequence[Row]) -> str:
     Args:
         rows: The rows, in order.
     """
+    head = (
+        "model",
+        "schedule",
+        "how",
+        "samples/s",
+        "p25-p75",
+        "vs torch-gpipe",
+        "vs dp",
+        "CPU s per mini-batch",
+        "cores busy",
+    )
     lines = [
-        "| model | schedule | how | samples/s | p25-p75 | vs torch-gpipe | vs dp | "
-        "CPU s per mini-batch | cores busy |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for row in rows:
-        lines.append(
-            f"| {row.model} | {row.schedule} | {row.description} | {row.samples_per_s:.1f} | "
-            f"{row.samples_per_s_p25:.1f}-{row.samples_per_s_p75:.1f} | "
-            f"{_ratio(row.vs_torch_gpipe)} | {_ratio(row.vs_dp)} | "
-            f"{_number(row.cpu_s_per_minibatch, 2)} | {_number(row.cores_busy, 2)} |"
+        (
+            row.model,
+            row.schedule,
+            row.description,
+            number(row.samples_per_s, 1),
+            f"{number(row.samples_per_s_p25, 1)}-{number(row.samples_per_s_p75, 1)}",
+            speedup(row.vs_torch_gpipe),
+            speedup(row.vs_dp),
+            number(row.cpu_s_per_minibatch),
+            number(row.cores_busy),
         )
-    return "\n".join(lines)
+        for row in rows
+    ]
+    return markdown_table(head, "lll" + "r" * 6, lines)
 
 
 def _megabytes(count: float) -> str:

@@ -7,42 +7,38 @@ The comparison itself (rows, table, plot) is :mod:`interlace.sim.validate`.
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import shutil
+import functools
 import statistics
-import sys
-import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
-from interlace.bench.dp import BenchConfig
-from interlace.bench.dp_rank import REAL_COMPUTE, MeasureJob, build_module, measure_rank
-from interlace.bench.dp_report import format_rate, undilated
+from interlace.bench.dp_rank import MeasureJob, measure_rank
 from interlace.bench.harness import (
-    DEFAULT_BATCH,
     DEFAULT_INPUT_SHAPE,
-    FALLBACK_BATCH,
     NUM_CLASSES,
+    REAL_COMPUTE,
     Contender,
-    LaunchFailedError,
-    launch_on_ranks,
+    default_batch,
+    make_optimizer,
     max_over_ranks,
-    parse_names,
-    synthetic_batches,
+    steps_until,
     train_step,
 )
-from interlace.bench.launch_options import LaunchOptions
+from interlace.bench.session import (
+    VALIDATION_NEEDS_ROOT,
+    LaunchOptions,
+    Session,
+    check_netem,
+    shown_link,
+)
+from interlace.bench.skeleton import check_limits, check_models, parse_names
+from interlace.bench.tables import write_json
 from interlace.bench.validate_kfac import kfac_validation_rows
 from interlace.bench.validate_pipeline import pipeline_validation_rows
-from interlace.cliutil import collective_timeout_of
 from interlace.comm.calibrate import fit_cost_model, fit_stream_cost_model, stream_sizes_up_to
 from interlace.comm.links import parse_link
 from interlace.comm.strategies import PLANNED_STRATEGIES, RUNTIME_STRATEGIES
@@ -51,12 +47,10 @@ from interlace.emulate import (
     Compute,
     EmulatedModel,
     compute_from_args,
-    dilate_rate,
     parse_compute,
     undilate_cost,
 )
 from interlace.errors import UsageError
-from interlace.launch import netem
 from interlace.launch.rank import DEFAULT_COLLECTIVE_TIMEOUT_S
 from interlace.profile import layer_forward_times
 from interlace.sim.pipeline import PIPELINE_SCHEDULES
@@ -78,7 +72,7 @@ from interlace.sim.validate import (
     rows_from_sample,
 )
 from interlace.wrapping import wrap_model
-from interlace.zoo import MODEL_NAMES, build_model
+from interlace.zoo import build_model
 
 PROG = "interlace simulate --validate"
 #: Profiling passes of the trace's DataParallel (after its warm-up pass).
@@ -100,22 +94,19 @@ def validate_rank(job: MeasureJob) -> ValidateSample:
     Args:
         job: What to measure; its contention probes are always taken.
     """
-    rank = dist.get_rank()
     torch.manual_seed(job.seed)
-    module = build_model(job.model, job.input_shape, job.num_classes)
+    module = job.module()
     wrapper = wrap_model(module, "single", profile_steps=PROFILE_STEPS)
     assert isinstance(wrapper, DataParallel)
-    optimizer = torch.optim.SGD(wrapper.parameters(), lr=0.01, momentum=0.9)
+    optimizer = make_optimizer(module, wrapper.parameters())
     contender = Contender("single", wrapper, optimizer)
-    batches = synthetic_batches(
-        job.batch, job.input_shape, job.seed, rank, num_classes=job.num_classes
+    batches = job.batches(dist.get_rank())
+    steps_until(
+        lambda _: wrapper.plan is not None,
+        lambda step: train_step(contender, *batches[step % len(batches)]),
+        "the profiling DataParallel",
+        limit=50,
     )
-    count = 0
-    while wrapper.plan is None:
-        if count > 50:
-            raise RuntimeError("the profiling DataParallel never planned")
-        train_step(contender, *batches[count % len(batches)])
-        count += 1
     steps = []
     for index in range(STEP_SAMPLES):
         inputs, targets = batches[index % len(batches)]
@@ -154,14 +145,14 @@ def validate_emulated_rank(job: MeasureJob) -> ValidateSample:
         job: What to measure; ``job.compute`` is emulated.
     """
     compute = job.compute
-    module = build_module(job.model, job.input_shape, compute)
+    module = job.module()
     assert isinstance(module, EmulatedModel)
     cost = undilate_cost(fit_cost_model(use_cache=False), compute.dilation)
     total = sum(p.numel() * p.element_size() for p in module.parameters())
     stream_cost = undilate_cost(
         fit_stream_cost_model(sizes=stream_sizes_up_to(total)), compute.dilation
     )
-    measurement = undilated(measure_rank(replace(job, probe_contention=False)))
+    measurement = measure_rank(replace(job, probe_contention=False)).undilated()
     trace = replace(module.named_trace(), workers=dist.get_world_size())
     return ValidateSample(trace, cost, stream_cost, measurement)
 
@@ -243,51 +234,41 @@ def run_validation(config: ValidateConfig) -> int:
     # A bad model or size is one line, wherever this runs (a trace names an emulated model).
     for model in () if config.compute.emulated else config.models:
         build_model(model, config.input_shape, config.num_classes)
-    netem.require("validation measures on the emulated cluster and needs root")
+    check_netem(VALIDATION_NEEDS_ROOT)
     for link in config.links:
         parse_link(link)
-    cache_dir = tempfile.mkdtemp(prefix="interlace-validate-")
     rows: list[ValidationRow] = []
-    failures: list[str] = []
     launches = _launches(config)
-    try:
-        with tqdm(total=len(launches), unit="launch", desc=PROG, dynamic_ncols=True) as bar:
-            for launch in launches:
-                bar.set_postfix_str(launch.describe() + f", run {launch.run}")
-                try:
-                    new_rows = _launch_rows(config, launch, cache_dir, bar.write)
-                except LaunchFailedError as exc:
-                    failures.append(f"{launch.describe()}: {exc}")
-                    bar.write(f"{PROG}: launch failed: {failures[-1]}")
-                    bar.update(1)
-                    continue
-                new_rows = [replace(row, run=launch.run) for row in new_rows]
-                rows.extend(new_rows)
-                bar.write(
-                    f"{launch.describe()}: "
-                    + ", ".join(
-                        f"{r.strategy} {r.predicted_s * 1e3:.1f}/{r.measured_s * 1e3:.1f} ms "
-                        f"({r.error * 100:+.0f}%)"
-                        for r in new_rows
-                    )
+    with Session(
+        PROG,
+        len(launches),
+        timeout_s=config.timeout_s,
+        collective_timeout_s=config.collective_timeout_s,
+    ) as session:
+        for launch in launches:
+            new_rows = session.attempt(
+                f"{launch.describe()}, run {launch.run}",
+                functools.partial(_launch_rows, config, launch, session),
+            )
+            if new_rows is None:
+                continue
+            new_rows = [replace(row, run=launch.run) for row in new_rows]
+            rows.extend(new_rows)
+            session.note(
+                f"{launch.describe()}: "
+                + ", ".join(
+                    f"{r.strategy} {r.predicted_s * 1e3:.1f}/{r.measured_s * 1e3:.1f} ms "
+                    f"({r.error * 100:+.0f}%)"
+                    for r in new_rows
                 )
-                bar.update(1)
-    finally:
-        shutil.rmtree(cache_dir, ignore_errors=True)
+            )
     if rows:
         _print_rows(config, rows)
     if config.json_path:
-        path = Path(config.json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps([row.to_dict() for row in rows], indent=1) + "\n")
+        write_json(config.json_path, [row.to_dict() for row in rows])
     if rows and config.png_path:
-        print(f"\npredicted against measured: {plot_validation(rows, config.png_path)}")
-    if failures:
-        print(f"\n{PROG}: {len(failures)} launch(es) failed:", file=sys.stderr)
-        for message in failures:
-            print(f"  {message.splitlines()[0]}", file=sys.stderr)
-        return 1
-    return 0 if rows else 1
+        session.wrote(f"\npredicted against measured: {plot_validation(rows, config.png_path)}")
+    return session.finish() or (0 if rows else 1)
 
 
 def _launches(config: ValidateConfig) -> list[_Launch]:
@@ -320,29 +301,15 @@ def _families_of(config: ValidateConfig, compute: Compute) -> list[str]:
     return [family for family in config.families if able[family]]
 
 
-def _launch_rows(
-    config: ValidateConfig, launch: _Launch, cache_dir: str, note: Callable[[str], None]
-) -> list[ValidationRow]:
+def _launch_rows(config: ValidateConfig, launch: _Launch, session: Session) -> list[ValidationRow]:
     """Run one launch and turn what it measured into rows.
 
     Raises:
         LaunchFailedError: When a rank fails or the launch times out.
     """
     compute = launch.compute
-    shown = launch.link
-    run_link = launch.link
-    if compute.emulated:
-        run_link = format_rate(dilate_rate(launch.link, compute.dilation))
-        shown = f"{launch.link} (emulated at {run_link})"
-    options = LaunchOptions(
-        iters=config.iters,
-        warmup=config.warmup,
-        rounds=config.rounds,
-        timeout_s=config.timeout_s,
-        collective_timeout_s=config.collective_timeout_s,
-        cache_dir=cache_dir,
-        note=note,
-    )
+    shown = shown_link(launch.link, compute)
+    options = session.options(iters=config.iters, warmup=config.warmup, rounds=config.rounds)
     if launch.family == "kfac":
         rows = kfac_validation_rows(compute, launch.nprocs, launch.link, options=options)
         return [replace(row, model=launch.model, link=shown) for row in rows]
@@ -351,30 +318,25 @@ def _launch_rows(
             launch.model, compute, launch.nprocs, launch.link, PIPELINE_SCHEDULES, options=options
         )
         return [replace(row, link=shown) for row in rows]
-    batch = config.batch_size or DEFAULT_BATCH.get(launch.model, FALLBACK_BATCH)
     job = MeasureJob(
-        launch.model,
-        batch,
-        config.input_shape,
-        config.strategies,
-        config.iters,
-        config.warmup,
-        config.rounds,
-        probe_contention=not compute.emulated,
+        model=launch.model,
+        batch=config.batch_size or default_batch(launch.model),
+        input_shape=config.input_shape,
+        iters=config.iters,
+        warmup=config.warmup,
         num_classes=config.num_classes,
         compute=compute,
+        strategies=config.strategies,
+        rounds=config.rounds,
+        probe_contention=not compute.emulated,
     )
-    bench = _bench_config(config, launch.nprocs)
-    sample = launch_on_ranks(
+    sample = options.launch(
         validate_emulated_rank if compute.emulated else validate_rank,
         job,
-        nprocs=bench.nprocs,
-        link=run_link,
-        timeout_s=bench.timeout_s,
-        collective_timeout_s=bench.collective_timeout_s,
-        cache_dir=cache_dir,
-        note=note,
-        prog="interlace bench dp",
+        nprocs=launch.nprocs,
+        link=launch.link,
+        compute=compute,
+        prog=PROG,
     )
     if config.trace_dir:
         label = _label(launch.model)
@@ -399,31 +361,6 @@ def _print_rows(config: ValidateConfig, rows: list[ValidationRow]) -> None:
     print(format_table(rows))
     print()
     print(format_summary(rows))
-
-
-def _bench_config(config: ValidateConfig, nprocs: int) -> Any:
-    return BenchConfig(
-        models=config.models,
-        strategies=config.strategies,
-        ratios=(),
-        nprocs=nprocs,
-        iters=config.iters,
-        warmup=config.warmup,
-        rounds=config.rounds,
-        input_shape=config.input_shape,
-        num_classes=config.num_classes,
-        batch_size=config.batch_size,
-        link=None,
-        netem=True,
-        timeout_s=config.timeout_s,
-        collective_timeout_s=config.collective_timeout_s,
-        ref_link="1gbit",
-        min_link="20mbit",
-        max_link="2.5gbit",
-        seed=0,
-        json_path=None,
-        png_path=None,
-    )
 
 
 def _label(model: str) -> str:
@@ -464,12 +401,8 @@ def config_from_args(args: argparse.Namespace, png_path: Path | None) -> Validat
         )
     if args.repeat < 1:
         raise UsageError(f"--repeat must be >= 1, got {args.repeat}")
-    for model in () if compute.emulated else models:
-        if ":" not in model and model not in MODEL_NAMES:
-            raise UsageError(
-                f"--model: unknown model {model!r}; choose from {', '.join(MODEL_NAMES)} or give "
-                "package.module:callable"
-            )
+    if not compute.emulated:
+        check_models(models, "--model")
     strategies = (
         parse_names(
             args.strategy,
@@ -480,16 +413,16 @@ def config_from_args(args: argparse.Namespace, png_path: Path | None) -> Validat
         if args.strategy
         else DEFAULT_STRATEGIES
     )
-    if args.nprocs is not None and args.nprocs < 2:
-        raise UsageError(f"-n must be >= 2 (data parallelism needs ranks), got {args.nprocs}")
+    collective_timeout_s = check_limits(
+        args.nprocs,
+        args.batch_size,
+        args.timeout,
+        args.collective_timeout,
+        ranks_reason="data parallelism needs ranks",
+    )
+    LaunchOptions(iters=args.iters, warmup=args.warmup, rounds=args.rounds).check()
     ranks = (args.nprocs,) if args.nprocs is not None else DEFAULT_RANKS
     links = parse_names(args.link, None, "link", "link") if args.link else DEFAULT_LINKS
-    if args.iters < 1 or args.rounds < 1 or args.warmup < 0:
-        raise UsageError("--iters and --rounds must be >= 1, --warmup >= 0")
-    if args.batch_size is not None and args.batch_size < 1:
-        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if not math.isfinite(args.timeout) or args.timeout <= 0:
-        raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout}")
     return ValidateConfig(
         models=models,
         ranks=ranks,
@@ -500,7 +433,7 @@ def config_from_args(args: argparse.Namespace, png_path: Path | None) -> Validat
         rounds=args.rounds,
         batch_size=args.batch_size,
         timeout_s=float(args.timeout),
-        collective_timeout_s=collective_timeout_of(args.collective_timeout),
+        collective_timeout_s=collective_timeout_s,
         json_path=args.json,
         trace_dir=args.trace_dir,
         png_path=None if png_path is None else str(png_path),

@@ -7,30 +7,25 @@ runtime_strategy`; the prediction's inputs: :meth:`EmulatedKFACModel.kfac_trace`
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from interlace.bench.dp_report import format_rate
-from interlace.bench.harness import launch_on_ranks
-from interlace.bench.kfac import undilated
+from interlace.bench.harness import undilated
 from interlace.bench.kfac_rank import (
     ABLATION_MODES,
     AblationJob,
     measure_ablation_rank,
     mode_policies,
 )
-from interlace.bench.launch_options import LaunchOptions
+from interlace.bench.session import VALIDATION_NEEDS_ROOT, LaunchOptions, check_netem, shown_link
 from interlace.comm.calibrate import fit_cost_model, fit_stream_cost_model, stream_sizes_up_to
 from interlace.comm.cost import CostModel
 from interlace.comm.links import parse_link
-from interlace.emulate import Compute, dilate_rate, undilate_cost
+from interlace.emulate import Compute, undilate_cost
 from interlace.emulate.kfac import EmulatedKFACModel
 from interlace.errors import UsageError
 from interlace.kfac.work_assignment import fit_broadcast_cost_model
-from interlace.launch import netem
 from interlace.sim.kfac import KfacResult, simulate_kfac
 from interlace.sim.kfac_costs import KfacCosts
 from interlace.sim.kfac_runtime import runtime_strategy
@@ -183,84 +178,6 @@ class KfacMeasurement:
     gradient_buckets: dict[str, list[list[str]]]
 
 
-def measure_kfac_modes(
-    compute: Compute,
-    nprocs: int,
-    link: str,
-    modes: Sequence[str] = DEFAULT_KFAC_MODES,
-    *,
-    options: LaunchOptions | None = None,
-    compute_method: str = "eigen",
-) -> KfacMeasurement:
-    """Measure interlace's K-FAC ``modes`` on the emulated trace of ``compute``: one launch of
-    ``nprocs`` ranks on links of ``link`` / dilation.
-
-    The all-reduce and broadcast models are fitted on the live group, then the modes run side
-    by side (:func:`validate_kfac_rank`), factors and decompositions every step,
-    ``iters * rounds`` timed iterations each once every plan is final and ``warmup`` more; a
-    mode's time is the median over them of the slowest rank's iteration.
-
-    Args:
-        compute: Emulated compute: the trace (with K-FAC factor sizes) and the dilation.
-        nprocs: Ranks (>= 2).
-        link: The target link (``"25gbit"``); the ranks run at its rate / dilation.
-        modes: Keys of :data:`ABLATION_MODES`.
-        options: The launch's counts, limits, cache folder and notes (None: the defaults).
-        compute_method: ``"eigen"`` or ``"inverse"``.
-
-    Raises:
-        UsageError: For real compute, a trace without factor sizes, fewer than 2 ranks, an
-            unknown mode, link or method, bad counts, or without root for the emulated cluster.
-        LaunchFailedError: When the launch fails.
-    """
-    options = options or LaunchOptions()
-    model = _check(compute, nprocs, link, modes, options, compute_method=compute_method)
-    netem.require("validation measures on the emulated cluster and needs root")
-    run_link = format_rate(dilate_rate(link, compute.dilation))
-    job = AblationJob(
-        model=compute.name,
-        batch=model.trace.batch_size or 32,
-        input_shape=(),
-        seed=0,
-        iters=options.iters * options.rounds,
-        warmup=options.warmup,
-        compute_method=compute_method,
-        factor_update_steps=1,
-        inv_update_steps=1,
-        modes=tuple(modes),
-        compute=compute,
-    )
-    own_cache = options.cache_dir is None
-    folder = tempfile.mkdtemp(prefix="interlace-validate-kfac-") if own_cache else options.cache_dir
-    try:
-        value = launch_on_ranks(
-            validate_kfac_rank,
-            job,
-            nprocs=nprocs,
-            link=run_link,
-            timeout_s=options.timeout_s,
-            collective_timeout_s=options.collective_timeout_s,
-            cache_dir=folder,
-            note=options.note,
-            prog=PROG,
-        )
-    finally:
-        if own_cache and folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
-    return KfacMeasurement(
-        compute=compute,
-        ranks=nprocs,
-        link=f"{link} (emulated at {run_link})",
-        compute_method=compute_method,
-        modes=tuple(modes),
-        live=live_costs(value, compute.dilation),
-        medians=undilated(value["medians"], compute.dilation),
-        placements=value.get("factor_owners", {}),
-        factor_buckets=value.get("factor_buckets", {}),
-        gradient_buckets=value.get("gradient_buckets", {}),
-    )
-
-
 def rows_from_measurement(
     measurement: KfacMeasurement, note: Callable[[str], None] | None = None
 ) -> list[ValidationRow]:
@@ -313,17 +230,56 @@ def kfac_validation_rows(
     options: LaunchOptions | None = None,
     compute_method: str = "eigen",
 ) -> list[ValidationRow]:
-    """:func:`measure_kfac_modes`, then :func:`rows_from_measurement`: one row per mode,
-    predicted against measured (undilated seconds), ``family="kfac"``; each mode's phases go to
-    the options' ``note``. Args are :func:`measure_kfac_modes`'s.
+    """Measure interlace's K-FAC ``modes`` on the emulated trace of ``compute`` (one launch of
+    ``nprocs`` ranks on links of ``link`` / dilation), then :func:`rows_from_measurement`: one
+    row per mode, predicted against measured (undilated seconds), ``family="kfac"``; each
+    mode's phases go to the options' ``note``.
+
+    The all-reduce and broadcast models are fitted on the live group, then the modes run side
+    by side (:func:`validate_kfac_rank`), factors and decompositions every step,
+    ``iters * rounds`` timed iterations each once every plan is final and ``warmup`` more; a
+    mode's time is the median over them of the slowest rank's iteration.
+
+    Args:
+        compute: Emulated compute: the trace (with K-FAC factor sizes) and the dilation.
+        nprocs: Ranks (>= 2).
+        link: The target link (``"25gbit"``); the ranks run at its rate / dilation.
+        modes: Keys of :data:`ABLATION_MODES`.
+        options: The launch's counts, limits, cache folder and notes (None: the defaults).
+        compute_method: ``"eigen"`` or ``"inverse"``.
 
     Raises:
-        UsageError: As :func:`measure_kfac_modes`.
+        UsageError: For real compute, a trace without factor sizes, fewer than 2 ranks, an
+            unknown mode, link or method, bad counts, or without root for the emulated cluster.
         LaunchFailedError: When the launch fails.
     """
     options = options or LaunchOptions()
-    measurement = measure_kfac_modes(
-        compute, nprocs, link, modes, options=options, compute_method=compute_method
+    model = _check(compute, nprocs, link, modes, options, compute_method=compute_method)
+    check_netem(VALIDATION_NEEDS_ROOT)
+    job = AblationJob(
+        model=compute.name,
+        batch=model.trace.batch_size or 32,
+        input_shape=(),
+        iters=options.iters * options.rounds,
+        warmup=options.warmup,
+        compute=compute,
+        compute_method=compute_method,
+        modes=tuple(modes),
+    )
+    value = options.launch(
+        validate_kfac_rank, job, nprocs=nprocs, link=link, compute=compute, prog=PROG
+    )
+    measurement = KfacMeasurement(
+        compute=compute,
+        ranks=nprocs,
+        link=shown_link(link, compute),
+        compute_method=compute_method,
+        modes=tuple(modes),
+        live=live_costs(value, compute.dilation),
+        medians=undilated(value["medians"], compute.dilation),
+        placements=value.get("factor_owners", {}),
+        factor_buckets=value.get("factor_buckets", {}),
+        gradient_buckets=value.get("gradient_buckets", {}),
     )
     return rows_from_measurement(measurement, options.note)
 
@@ -371,7 +327,7 @@ def describe_mode(mode: str, result: KfacResult, measurement: KfacMeasurement) -
         measurement: The launch it was measured in.
     """
     measured = measurement.medians[mode]
-    phases = " ".join(f"{key} {ms:.2f}" for key, ms in _ms(result.phases).items())
+    phases = " ".join(f"{key} {seconds * 1e3:.2f}" for key, seconds in result.phases.items())
     seen = " ".join(f"{key} {measured[key] * 1e3:.2f}" for key in MEASURED_PHASES)
     placed = ""
     owners = measurement.placements.get(mode)
@@ -391,7 +347,3 @@ def describe_mode(mode: str, result: KfacResult, measurement: KfacMeasurement) -
         f"{int(result.extra['gradient_buckets'])}/{gradient}, factor buckets "
         f"{int(result.extra['factor_buckets'])}/{'-' if factor is None else factor}{placed}"
     )
-
-
-def _ms(phases: Mapping[str, float]) -> dict[str, float]:
-    return {key: seconds * 1e3 for key, seconds in phases.items()}

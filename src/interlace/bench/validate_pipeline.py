@@ -9,18 +9,15 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from dataclasses import fields as dataclass_fields
 from typing import Any
 
-from interlace.bench.dp_report import format_rate
-from interlace.bench.harness import DEFAULT_INPUT_SHAPE, NUM_CLASSES, launch_on_ranks
-from interlace.bench.launch_options import LaunchOptions
+from interlace.bench.harness import DEFAULT_INPUT_SHAPE, undilated
 from interlace.bench.pipeline_rank import PipelineJob
+from interlace.bench.session import VALIDATION_NEEDS_ROOT, LaunchOptions, check_netem, shown_link
 from interlace.bench.validate_pipeline_rank import PipelineValidationJob, validate_pipeline_rank
 from interlace.comm.cost import CostModel
-from interlace.emulate import Compute, dilate_rate
+from interlace.emulate import Compute, undilate_cost
 from interlace.errors import UsageError
-from interlace.launch import netem
 from interlace.sim.pipeline import (
     PIPELINE_SCHEDULES,
     HostCost,
@@ -34,15 +31,6 @@ PROG = "interlace simulate --validate (pipeline)"
 #: The docs' emulated pipeline runs: a mini-batch of 32 in 4 micro-batches (or chunks).
 DEFAULT_BATCH = 32
 DEFAULT_MICROBATCHES = 4
-
-
-def _undilated_host(host: HostCost, dilation: float) -> HostCost:
-    return HostCost(
-        **{
-            name: getattr(host, name) / dilation
-            for name in (f.name for f in dataclass_fields(HostCost))
-        }
-    )
 
 
 def _check_request(
@@ -73,69 +61,6 @@ def _check_request(
     trace = load_trace(compute.trace)
     stage_costs(trace, [(0, len(trace.layers))], batch_size)  # refuses a trace without sizes
     return trace
-
-
-def measure_pipeline_sample(
-    compute: Compute,
-    stages: int,
-    link: str,
-    schedules: Sequence[str],
-    *,
-    options: LaunchOptions,
-    batch_size: int = DEFAULT_BATCH,
-    microbatches: int = DEFAULT_MICROBATCHES,
-) -> PipelineSample:
-    """One launch of ``stages`` ranks on ``link`` run at its rate / dilation: the schedules
-    measured by ``interlace bench pipeline``'s rank code in ``options.rounds`` interleaved
-    blocks of ``options.iters`` mini-batches, the point-to-point cost and each stage's host
-    work.
-
-    Args are :func:`pipeline_validation_rows`'s.
-
-    Raises:
-        UsageError: For real compute, an unknown schedule, bad sizes, a trace without
-            activation sizes, or no root for the emulated cluster.
-        LaunchFailedError: When the launch fails.
-    """
-    _check_request(
-        compute,
-        stages,
-        schedules,
-        options=options,
-        batch_size=batch_size,
-        microbatches=microbatches,
-    )
-    netem.require("validation measures on the emulated cluster and needs root")
-    run_link = format_rate(dilate_rate(link, compute.dilation))
-    block = options.iters
-    job = PipelineValidationJob(
-        PipelineJob(
-            model=str(compute.trace),
-            batch=batch_size,
-            microbatches=microbatches,
-            input_shape=DEFAULT_INPUT_SHAPE,
-            schedules=tuple(schedules),
-            block=block,
-            iters=options.rounds,
-            warmup=options.warmup,
-            num_classes=NUM_CLASSES,
-            compute=compute,
-        )
-    )
-    result = launch_on_ranks(
-        validate_pipeline_rank,
-        job,
-        nprocs=stages,
-        link=run_link,
-        timeout_s=options.timeout_s,
-        collective_timeout_s=options.collective_timeout_s,
-        cache_dir=options.cache_dir,
-        note=options.note,
-        prog=PROG,
-    )
-    return PipelineSample.from_launch(
-        result, compute.dilation, block, link=f"{link} (emulated at {run_link})"
-    )
 
 
 def pipeline_validation_rows(
@@ -178,16 +103,37 @@ def pipeline_validation_rows(
             activation sizes, or no root for the emulated cluster.
         LaunchFailedError: When the launch fails.
     """
-    sample = measure_pipeline_sample(
+    model_trace = _check_request(
         compute,
         stages,
-        link,
         schedules,
         options=options,
         batch_size=batch_size,
         microbatches=microbatches,
     )
-    model_trace = load_trace(str(compute.trace))  # checked by the measurement
+    check_netem(VALIDATION_NEEDS_ROOT)
+    job = PipelineJob(
+        model=compute.name,
+        batch=batch_size,
+        input_shape=DEFAULT_INPUT_SHAPE,
+        iters=options.rounds,
+        warmup=options.warmup,
+        compute=compute,
+        microbatches=microbatches,
+        schedules=tuple(schedules),
+        block=options.iters,
+    )
+    result = options.launch(
+        validate_pipeline_rank,
+        PipelineValidationJob(job),
+        nprocs=stages,
+        link=link,
+        compute=compute,
+        prog=PROG,
+    )
+    sample = PipelineSample.from_launch(
+        result, compute.dilation, job.block, link=shown_link(link, compute)
+    )
     options.note(sample.describe())
     for line in sample.compare(model_trace, batch_size):
         options.note(f"{trace}, {stages} stages, {link}: {line}")
@@ -232,20 +178,17 @@ class PipelineSample:
             link: The link as rows show it.
         """
         value = result["value"]
-        cost: CostModel = result["cost"]
         per_iteration = dilation * block
         return cls(
             bounds=tuple((int(s), int(e)) for s, e in value["bounds"]),
-            cost=CostModel(cost.a / dilation, cost.b / dilation),
-            host=tuple(_undilated_host(h, dilation) for h in result["host"]),
-            measured_s={
-                name: [t / per_iteration for t in times] for name, times in value["block_s"].items()
-            },
+            cost=undilate_cost(result["cost"], dilation),
+            host=tuple(undilated(h, dilation) for h in result["host"]),
+            measured_s=undilated(value["block_s"], per_iteration),
             block=block,
             microbatches=int(result["microbatches"]),
             link=link,
             stage_compute_s={
-                name: [t / per_iteration for t in stats["compute_s"]]
+                name: undilated(stats["compute_s"], per_iteration)
                 for name, stats in value.get("stage_stats", {}).items()
             },
         )

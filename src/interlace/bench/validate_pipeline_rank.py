@@ -16,14 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional
 
-from interlace.bench.harness import synthetic_batches
-from interlace.bench.pipeline_rank import (
-    DEFAULT_LR,
-    DEFAULT_MOMENTUM,
-    PipelineJob,
-    build_pipeline_model,
-    measure_rank,
-)
+from interlace.bench.harness import make_optimizer
+from interlace.bench.pipeline_rank import PipelineJob, measure_rank
 from interlace.comm.cost import CostModel
 from interlace.emulate.device import DeviceClock
 from interlace.emulate.pipeline import EmulatedPipelineModel
@@ -140,7 +134,7 @@ def measure_host_cost(
         cycles: Timed cycles.
     """
     params = [p for p in module.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=DEFAULT_LR, momentum=DEFAULT_MOMENTUM)
+    optimizer = make_optimizer(module, params)
     samples: dict[str, list[float]] = {
         name: [] for name in HostCost.__dataclass_fields__ if name != "send_s"
     }
@@ -210,13 +204,11 @@ def validate_pipeline_rank(job: PipelineValidationJob) -> dict[str, Any]:
     cost, send_s = fit_p2p_cost(job.p2p_sizes, job.p2p_repeats)
     value = measure_rank(job.bench)
     bench = job.bench
-    model = build_pipeline_model(bench.model, bench.input_shape, bench.compute, bench.num_classes)
+    model = bench.module()
     assert isinstance(model, EmulatedPipelineModel)
     bounds = value["bounds"][rank]
     module = pipeline_blocks(model)[bounds[0] : bounds[1]]
-    inputs, targets = synthetic_batches(
-        bench.batch, bench.input_shape, bench.seed, 0, 1, num_classes=bench.num_classes
-    )[0]
+    inputs, targets = bench.batches(0)[0]
     piece = bench.batch // bench.microbatches
     x = _stage_input(model, bounds, inputs[:piece])
     host: HostCost | None = None
