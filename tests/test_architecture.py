@@ -8,6 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from interlace.comm.overlap import Overlap
+from interlace.comm.plan import Bucketing
+from interlace.kfac.enums import ComputeMethod, FactorCommChoice, PlacementChoice
+from interlace.pipeline.schedule import SCHEDULE_TYPES
+
 SRC = Path(__file__).resolve().parents[1] / "src" / "interlace"
 LIBRARIES = (
     "interlace.comm",
@@ -121,3 +126,58 @@ def test_no_source_file_is_a_big_room() -> None:
         str(path.relative_to(SRC)): len(path.read_text().splitlines()) for path in SRC.rglob("*.py")
     }
     assert {name: n for name, n in sizes.items() if n > MAX_LINES} == {}
+
+
+#: Each policy the runtime executes, by the module that defines its objects: the simulator must
+#: price these very objects (imported), never a rule of its own for them.
+POLICY_MODULES = {
+    "a bucketing plan": "interlace.comm.plan",
+    "the forward overlap": "interlace.comm.overlap",
+    "a K-FAC placement": "interlace.kfac.placements",
+    "a decomposition method": "interlace.kfac.methods",
+    "a factor-communication mode": "interlace.kfac.factor_modes",
+    "a pipeline schedule": "interlace.pipeline.schedule",
+}
+
+
+def _policy_names() -> set[str]:
+    """Every name a policy is chosen by: the members of the runtime's choice enums."""
+    enums = (Bucketing, Overlap, ComputeMethod, FactorCommChoice, PlacementChoice)
+    return {str(member.value) for enum in enums for member in enum} | set(SCHEDULE_TYPES)
+
+
+def test_the_simulator_prices_the_runtimes_policy_objects() -> None:
+    imported = set().union(
+        *(targets for name, targets in _graph().items() if _within(name, ("interlace.sim",)))
+    )
+    missing = {policy: name for policy, name in POLICY_MODULES.items() if name not in imported}
+    assert missing == {}, f"the simulator does not import the runtime's objects for {missing}"
+
+
+def test_the_simulator_defines_no_policy_class_of_its_own() -> None:
+    modules = _modules()
+    runtime_classes = {
+        node.name
+        for module in POLICY_MODULES.values()
+        for node in ast.walk(ast.parse(modules[module].read_text()))
+        if isinstance(node, ast.ClassDef)
+    }
+    redefined = {
+        f"{path.name}: {node.name}"
+        for path in (SRC / "sim").rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and node.name in runtime_classes
+    }
+    assert redefined == set()
+
+
+def test_the_simulator_chooses_nothing_by_a_policys_name() -> None:
+    names = _policy_names()
+    compared = set()
+    for path in (SRC / "sim").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                for operand in (node.left, *node.comparators):
+                    if isinstance(operand, ast.Constant) and operand.value in names:
+                        compared.add(f"{path.name}:{node.lineno} {operand.value!r}")
+    assert compared == set()

@@ -4,6 +4,7 @@ are the runtime's own objects."""
 
 from __future__ import annotations
 
+from interlace.comm.plan import Bucketing
 from interlace.errors import UsageError
 from interlace.kfac.factor_modes import FactorCommMode, Pipelined, factor_comm_from
 from interlace.kfac.placements import Placement, placement_from
@@ -58,7 +59,7 @@ def runtime_strategy(
     """
     mode = factor_comm_from(factor_comm)
     chosen = placement_from(placement)
-    if isinstance(mode, Pipelined) and mode.fusion != "merged":
+    if isinstance(mode, Pipelined) and mode.fusion != Bucketing.MERGED:
         raise UsageError(
             f"K-FAC with factor_comm={mode!r}: the simulator models bulk factors, or pipelined "
             "factors in merged buckets"

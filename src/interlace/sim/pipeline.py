@@ -20,7 +20,7 @@ from interlace.sim.pipeline_events import (
     Instruction,
     Message,
     Post,
-    Replay,
+    ProgramReplay,
     Send,
     Wait,
     replay_programs,
@@ -95,7 +95,7 @@ class PipelineResult:
     schedule: str
     block: int
     block_s: float
-    replay: Replay
+    replay: ProgramReplay
 
     @property
     def iteration_s(self) -> float:

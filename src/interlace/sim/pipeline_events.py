@@ -124,7 +124,7 @@ class Span:
 
 
 @dataclass(frozen=True)
-class Replay:
+class ProgramReplay:
     """What :func:`replay_programs` found.
 
     Args:
@@ -303,7 +303,7 @@ def replay_programs(
     cost: CostModel,
     crossing_s: float | None = None,
     buffer_bytes: float = SEND_BUFFER_BYTES,
-) -> Replay:
+) -> ProgramReplay:
     """Run every stage's program together from time 0; when each ends, and what ran when.
 
     Args:
@@ -379,4 +379,4 @@ def replay_programs(
         Span(f"{m.key[0]} {m.src}->{m.dst}", "comm", m.src, network.started[m], t)
         for m, t in network.arrived.items()
     )
-    return Replay(tuple(finish), tuple(computations), transfers)
+    return ProgramReplay(tuple(finish), tuple(computations), transfers)
