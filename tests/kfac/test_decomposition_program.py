@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn import functional
 
 from interlace import KFAC
+from interlace.kfac import work_assignment
 from interlace.kfac.placements import (
     Broadcast,
     CostSource,
@@ -24,7 +25,6 @@ from interlace.kfac.placements import (
     RoundRobin,
     decomposition_program,
 )
-from interlace.kfac import work_assignment
 from interlace.kfac.preconditioned_layer import KFACLayer
 from interlace.testing import run_ranks
 

@@ -355,9 +355,7 @@ class WorkAssignment:
             )
         layer, _ = by_factor[step.factors[0]]
         # A layer's decompositions go to its gradient workers only (none under MEM-OPT).
-        if not self.worker_groups.broadcasts_decompositions or not self.is_grad_worker(
-            layer.name
-        ):
+        if not self.worker_groups.broadcasts_decompositions or not self.is_grad_worker(layer.name):
             return None
         return layer.broadcast_decompositions(
             src=src, group=self.block_group(step.owner), receive=receive, device=device
