@@ -348,6 +348,8 @@ class WorkAssignment:
         src = self.global_ranks[step.owner]
         receive = step.owner != self.rank
         if step.channel is not None:
+            if self.world_size == 1:
+                return None  # one rank already holds everything
             layer, which = by_factor[step.factors[0]]
             group = self.owner_group(step.channel)
             return layer.broadcast_decomposition(
