@@ -536,6 +536,7 @@ class Results:
         handle, temporary = tempfile.mkstemp(dir=self.path.parent, suffix=".json.tmp")
         with os.fdopen(handle, "w") as out:
             out.write(json.dumps(document, indent=1) + "\n")
+        os.chmod(temporary, 0o644)  # mkstemp's 0600 would make the file private
         os.replace(temporary, self.path)
 
 
