@@ -25,8 +25,9 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
+## Test files spread over the cores (a file's tests stay together: they share launched ranks).
 unit: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --dist loadfile
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,8 +1,8 @@
 """The race, MLPerf style: epochs and wall-clock to a fixed accuracy, K-FAC against SGD, MNIST-1D.
 
 Each optimiser gets the same number of configurations, picked by epochs to the target on the
-first seed, then rerun on the other seeds. Resumable: finished runs in ``--out`` are kept.
-See docs/kfac/race.md for the method, the command and the results.
+first seed, then rerun on the other seeds; ``--large-batch`` races at a global batch of 1,024.
+Resumable: finished runs in ``--out`` or ``--json`` are kept. See docs/kfac/race.md.
 """
 
 from __future__ import annotations
@@ -12,10 +12,13 @@ import io
 import itertools
 import json
 import math
+import os
 import statistics
+import sys
+import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -58,6 +61,24 @@ TIMING_SEED = 100
 #: The marker file of a run whose launch failed; it is not tried again.
 FAILED = "FAILED"
 
+#: The large-batch race (``--large-batch``): 4 ranks x 256 (a global batch of 1,024) on 20,000
+#: MNIST-1D training sequences, 19 steps an epoch. Both sides scale the batch-100 race's picks
+#: (SGD 0.2-0.4, K-FAC 0.03-0.1) by x3.2 (square root) to x10.24 (linear) and warm up.
+LARGE_BATCH = 256
+LARGE_TRAIN_SAMPLES = 20_000
+#: SGD with momentum 0.9 (Goyal et al.'s recipe): peak learning rate x warm-up epochs. cnn1d
+#: (no normalisation) collapses to chance at 0.5-4 with either warm-up, so its rates are lower.
+LARGE_SGD_LRS = {"cnn1d": (0.25, 0.5, 0.125, 0.0625), "*": (1.0, 2.0, 0.5, 4.0)}
+LARGE_WARMUPS = (3.0, 1.0)
+#: K-FAC (momentum 0.9, damping 0.03, the batch-100 race's usual pick): learning rate x KL-clip
+#: x warm-up epochs. While the clip binds it, not the learning rate, sizes the step.
+LARGE_KFAC_LRS = (0.3, 1.0)
+LARGE_KFAC_KL_CLIPS = (0.001, 0.01)
+LARGE_KFAC_DAMPING = 0.03
+#: Epoch caps (19 steps an epoch); resnet1d's short cap keeps the race near an hour on 2 cores.
+LARGE_EPOCHS = {"mlp1d": 25, "cnn1d": 20, "resnet1d": 8}
+PAPER_TRAIN_SAMPLES = 4000
+
 
 @dataclass(frozen=True)
 class RaceRun:
@@ -74,6 +95,8 @@ class RaceRun:
         epochs: the epoch cap, which the schedule spans.
         adaptation: K-FAC's damping adaptation, ``"fixed"`` or ``"levenberg-marquardt"``
             (then ``damping`` is where it starts).
+        warmup: epochs of linear learning-rate warm-up (None: the job's default, 1, unnamed).
+        train_samples: MNIST-1D training sequences (None: the paper's 4,000).
     """
 
     model: str
@@ -85,23 +108,31 @@ class RaceRun:
     seed: int
     epochs: int
     adaptation: str = "fixed"
+    warmup: float | None = None
+    train_samples: int | None = None
 
     @property
     def label(self) -> str:
         """The configuration in words, without the seed: ``lr 0.1, momentum 0.9``."""
+        warmup = "" if self.warmup is None else f", warm-up {self.warmup:g} ep"
         if self.optimizer == "sgd":
-            return f"lr {self.lr:g}, momentum {self.momentum:g}"
+            return f"lr {self.lr:g}, momentum {self.momentum:g}{warmup}"
         adaptive = "" if self.adaptation == "fixed" else " adaptive from"
-        return f"lr {self.lr:g}, damping{adaptive} {self.damping:g}, kl_clip {self.kl_clip:g}"
+        return (
+            f"lr {self.lr:g}, damping{adaptive} {self.damping:g}, kl_clip {self.kl_clip:g}{warmup}"
+        )
 
     @property
     def name(self) -> str:
         """The run's folder name, unique within a model: optimiser, configuration, seed."""
+        # The batch-100 race's names carry neither suffix, so its folders stay valid.
+        extra = "" if self.warmup is None else f"-w{self.warmup:g}"
+        extra += "" if self.train_samples is None else f"-n{self.train_samples}"
         if self.optimizer == "sgd":
-            return f"sgd-lr{self.lr:g}-m{self.momentum:g}-e{self.epochs}-seed{self.seed}"
+            return f"sgd-lr{self.lr:g}-m{self.momentum:g}{extra}-e{self.epochs}-seed{self.seed}"
         return (
             f"kfac-lr{self.lr:g}-d{self.damping:g}-kl{self.kl_clip:g}"
-            f"{'' if self.adaptation == 'fixed' else '-lm'}-e{self.epochs}"
+            f"{'' if self.adaptation == 'fixed' else '-lm'}{extra}-e{self.epochs}"
             f"-seed{self.seed}"
         )
 
@@ -119,6 +150,8 @@ class RaceRun:
             batch_size=batch_size,
             lr=self.lr,
             momentum=self.momentum,
+            warmup_epochs=1.0 if self.warmup is None else self.warmup,
+            synthetic_size=self.train_samples,
             seed=self.seed,
             optimizer=self.optimizer,
             deterministic=True,  # fixed buckets: a rerun of a seed gives the same curve
@@ -133,7 +166,14 @@ class RaceRun:
 
 
 def grid(
-    model: str, optimizer: str, epochs: int, configs: int, adaptation: str = "fixed"
+    model: str,
+    optimizer: str,
+    epochs: int,
+    configs: int,
+    adaptation: str = "fixed",
+    *,
+    large: bool = False,
+    train_samples: int | None = None,
 ) -> list[RaceRun]:
     """The first ``configs`` configurations of an optimiser's grid, on seed 0.
 
@@ -143,9 +183,37 @@ def grid(
         epochs: the epoch cap.
         configs: how many configurations to keep (at most the grid's 8).
         adaptation: K-FAC's damping adaptation (its grid then starts from smaller dampings).
+        large: the large-batch grids (scaled learning rates, longer warm-ups).
+        train_samples: MNIST-1D training sequences (None: the paper's 4,000).
     """
     runs: list[RaceRun]
-    if optimizer == "sgd":
+    if large and optimizer == "sgd":
+        runs = [
+            RaceRun(model, "sgd", lr, 0.9, None, None, 0, epochs, "fixed", warmup, train_samples)
+            for warmup, lr in itertools.product(
+                LARGE_WARMUPS, LARGE_SGD_LRS.get(model, LARGE_SGD_LRS["*"])
+            )
+        ]
+    elif large:
+        runs = [
+            RaceRun(
+                model,
+                "kfac",
+                lr,
+                0.9,
+                LARGE_KFAC_DAMPING if adaptation == "fixed" else KFAC_LM_DAMPINGS[0],
+                clip,
+                0,
+                epochs,
+                adaptation,
+                warmup=warmup,
+                train_samples=train_samples,
+            )
+            for warmup, clip, lr in itertools.product(
+                LARGE_WARMUPS, LARGE_KFAC_KL_CLIPS, LARGE_KFAC_LRS
+            )
+        ]
+    elif optimizer == "sgd":
         runs = [
             RaceRun(model, "sgd", lr, momentum, None, None, 0, epochs)
             for momentum, lr in itertools.product(SGD_MOMENTA, SGD_LRS)
@@ -207,6 +275,17 @@ def pick(records: Sequence[dict[str, Any]], target: float) -> dict[str, Any]:
     return min(records, key=key)
 
 
+def steps_per_epoch(train_samples: int | None, nprocs: int, batch: int) -> int:
+    """Optimizer steps an epoch: each rank's shard in whole batches (the job drops the rest).
+
+    Args:
+        train_samples: MNIST-1D training sequences (None: the paper's 4,000).
+        nprocs: ranks.
+        batch: per-rank batch.
+    """
+    return (train_samples or PAPER_TRAIN_SAMPLES) // nprocs // batch
+
+
 def record(run: RaceRun, run_dir: Path, nprocs: int, batch: int) -> dict[str, Any]:
     """One run's entry of race.json: its settings and its per-epoch curve.
 
@@ -226,6 +305,7 @@ def record(run: RaceRun, run_dir: Path, nprocs: int, batch: int) -> dict[str, An
         "nprocs": nprocs,
         "batch_size": batch,
         "global_batch": nprocs * batch,
+        "steps_per_epoch": steps_per_epoch(run.train_samples, nprocs, batch),
         "test_accuracy": [row["test_accuracy"] for row in metrics],
         "train_loss": [row["train_loss"] for row in metrics],
         "epoch_s": [row["epoch_s"] for row in metrics],
@@ -250,11 +330,20 @@ def summarise(finals: Sequence[dict[str, Any]], target: float) -> dict[str, Any]
     ]
     median_epochs = statistics.median(epochs)
     median_s = statistics.median(seconds)
+    per_epoch = finals[0].get("steps_per_epoch")
+    steps = [None if e is None or per_epoch is None else e * per_epoch for e in reached]
     return {
         "config": finals[0]["config"],
         "seeds": [rec["seed"] for rec in finals],
         "epochs_to_target": reached,
         "median_epochs": None if math.isinf(median_epochs) else median_epochs,
+        # Steps, for wall-clock from per-step costs measured elsewhere (an epoch is evaluated
+        # whole, so a run reaches the target at an epoch's last step).
+        "steps_per_epoch": per_epoch,
+        "steps_to_target": steps,
+        "median_steps": (
+            None if math.isinf(median_epochs) or per_epoch is None else median_epochs * per_epoch
+        ),
         "seconds_to_target": [None if math.isinf(s) else s for s in seconds],
         "median_seconds": None if math.isinf(median_s) else median_s,
         "best_accuracy": [_best(rec) for rec in finals],
@@ -326,6 +415,39 @@ def table(models: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def step_table(models: Sequence[dict[str, Any]]) -> str:
+    """The large-batch race's table: epochs and optimizer steps to the target, per model.
+
+    Its last column is left for wall-clock to the target, to be computed from per-step costs
+    measured on an accelerator (K-FAC's steps include a decomposition every
+    ``KFAC_INV_UPDATE_STEPS``).
+
+    Args:
+        models: per model: ``model``, ``target``, ``sgd`` and ``kfac`` summaries.
+    """
+    lines = [
+        "| model | target | optimiser | picked config | seeds reaching it "
+        "| epochs to target, median [min-max] | steps to target, median [min-max] "
+        "| best acc. % (median) | SGD/K-FAC epochs to target "
+        "| wall-clock to target (pending: from per-step costs) |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for entry in models:
+        speedup = ratio(entry["sgd"]["median_epochs"], entry["kfac"]["median_epochs"])
+        for optimizer in ("sgd", "kfac"):
+            row = entry[optimizer]
+            reached = sum(e is not None for e in row["epochs_to_target"])
+            best = 100 * statistics.median(row["best_accuracy"])
+            epochs = "" if optimizer == "sgd" else ("-" if speedup is None else f"{speedup:.2f}x")
+            lines.append(
+                f"| {entry['model']} | {100 * entry['target']:g}% | {NAMES[optimizer]} | "
+                f"{row['config']} | {reached} of {len(row['epochs_to_target'])} | "
+                f"{_span(row['epochs_to_target'], 'g')} | "
+                f"{_span(row['steps_to_target'], 'g')} | {best:.1f} | {epochs} | pending |"
+            )
+    return "\n".join(lines)
+
+
 def timing_runs(bases: dict[str, RaceRun], rounds: int) -> list[RaceRun]:
     """Short runs of both picked configurations, alternated in one launch, to time an epoch.
 
@@ -359,6 +481,71 @@ def epoch_cost(records: Sequence[dict[str, Any]]) -> dict[str, float]:
     return {**cost, "kfac_over_sgd": cost["kfac"] / cost["sgd"]}
 
 
+class Results:
+    """The race's JSON, rewritten (atomically) after every finished run.
+
+    A rerun reads it back and does not train the runs it holds again, even when their folders
+    in ``--out`` are gone.
+
+    Args:
+        path: the JSON file (None: keep nothing).
+        header: the race's settings, written above the runs.
+    """
+
+    def __init__(self, path: Path | None, header: dict[str, Any]) -> None:
+        self.path = path
+        self.header = header
+        self.summary: list[dict[str, Any]] = []
+        self.runs: dict[str, dict[str, Any]] = {}
+        if path is not None and path.is_file():
+            for rec in json.loads(path.read_text()).get("runs", []):
+                self.runs[self._key(rec)] = rec
+
+    @staticmethod
+    def _key(rec: dict[str, Any]) -> str:
+        return f"{rec['model']}/{rec['nprocs']}x{rec['batch_size']}/{_name(rec)}"
+
+    def get(self, run: RaceRun, nprocs: int, batch: int) -> dict[str, Any] | None:
+        """The stored record of a finished run (all its epochs, or failed); None if none.
+
+        Args:
+            run: the run.
+            nprocs: ranks.
+            batch: per-rank batch.
+        """
+        rec = self.runs.get(f"{run.model}/{nprocs}x{batch}/{run.name}")
+        if rec is None or not (rec["failed"] or len(rec["test_accuracy"]) >= run.epochs):
+            return None
+        return rec
+
+    def add(self, rec: dict[str, Any]) -> None:
+        """Keep a finished run's record and write the file.
+
+        Args:
+            rec: the run's record (see :func:`record`).
+        """
+        self.runs[self._key(rec)] = rec
+        self.write()
+
+    def write(self) -> None:
+        """Write the header, the summary so far and every run."""
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        document = {**self.header, "summary": self.summary, "runs": list(self.runs.values())}
+        handle, temporary = tempfile.mkstemp(dir=self.path.parent, suffix=".json.tmp")
+        with os.fdopen(handle, "w") as out:
+            out.write(json.dumps(document, indent=1) + "\n")
+        os.chmod(temporary, 0o644)  # mkstemp's 0600 would make the file private
+        os.replace(temporary, self.path)
+
+
+def _name(rec: dict[str, Any]) -> str:
+    """The folder name of a stored record's run."""
+    fields = {key: rec[key] for key in RaceRun.__dataclass_fields__ if key in rec}
+    return RaceRun(**fields).name
+
+
 def _rank_worker(jobs: list[tuple[TrainConfig, str]]) -> None:
     """Train ``jobs`` one after the other in one process group (one start-up for all)."""
     context = init_distributed()
@@ -381,9 +568,17 @@ def _finished(run: RaceRun, run_dir: Path) -> bool:
 
 
 def _launch(
-    jobs: list[tuple[TrainConfig, str]], nprocs: int, link: str | None, bar: tqdm, counted: int
+    jobs: list[tuple[TrainConfig, str]],
+    nprocs: int,
+    link: str | None,
+    bar: tqdm,
+    counted: int,
+    poll: Callable[[], None] = lambda: None,
 ) -> tuple[Any, int]:
-    """One launch training ``jobs`` in turn; the bar follows their metrics.csv files."""
+    """One launch training ``jobs`` in turn; the bar follows their metrics.csv files.
+
+    ``poll`` is called every 2 s while it runs (to store the runs that have finished).
+    """
     outcome: list[Any] = []
     thread = threading.Thread(
         target=lambda: outcome.append(
@@ -396,6 +591,7 @@ def _launch(
         done = sum(_done_epochs(Path(run_dir)) for _, run_dir in jobs)
         bar.update(max(0, done - counted))
         counted = max(counted, done)
+        poll()
     return outcome[0], counted
 
 
@@ -407,7 +603,14 @@ def _failure(result: Any) -> str:
 
 
 def execute(
-    runs: Sequence[RaceRun], out: Path, *, nprocs: int, batch: int, link: str | None, bar: tqdm
+    runs: Sequence[RaceRun],
+    out: Path,
+    *,
+    nprocs: int,
+    batch: int,
+    link: str | None,
+    bar: tqdm,
+    results: Results | None = None,
 ) -> list[dict[str, Any]]:
     """Train the runs not yet finished in ``out`` (one launch for all), return every record.
 
@@ -422,16 +625,32 @@ def execute(
         batch: per-rank batch.
         link: the emulated link (None: plain loopback).
         bar: the progress bar, in epochs.
+        results: the race's JSON: runs it holds are not trained again, finished ones go in it.
     """
     dirs = {run: out / run.model / run.name for run in runs}
-    pending = [run for run in runs if not _finished(run, dirs[run])]
+    stored: dict[RaceRun, dict[str, Any]] = {}
+    for run in runs:
+        rec = results.get(run, nprocs, batch) if results is not None else None
+        if rec is not None:
+            stored[run] = rec
+
+    def harvest() -> None:
+        for run in runs:
+            if run not in stored and _finished(run, dirs[run]):
+                stored[run] = record(run, dirs[run], nprocs, batch)
+                if results is not None:
+                    results.add(stored[run])
+
+    harvest()
+    pending = [run for run in runs if run not in stored]
     bar.update(sum(run.epochs for run in runs if run not in pending))
     for run in pending:
         for stale in dirs[run].glob("*"):
             stale.unlink()
     while pending:
         jobs = [(run.config(batch), str(dirs[run])) for run in pending]
-        result, _ = _launch(jobs, nprocs, link, bar, 0)
+        result, _ = _launch(jobs, nprocs, link, bar, 0, harvest)
+        harvest()
         if result.ok:
             break
         stopped = next((r for r in pending if not _finished(r, dirs[r])), None)
@@ -439,11 +658,12 @@ def execute(
             break
         dirs[stopped].mkdir(parents=True, exist_ok=True)
         (dirs[stopped] / FAILED).write_text(_failure(result) + "\n")
-        pending = [r for r in pending if not _finished(r, dirs[r])]
+        harvest()
+        pending = [r for r in pending if r not in stored]
         for run in pending:
             for stale in dirs[run].glob("*"):
                 stale.unlink()
-    return [record(run, dirs[run], nprocs, batch) for run in runs]
+    return [stored.get(run) or record(run, dirs[run], nprocs, batch) for run in runs]
 
 
 def _parse_map(text: str, kind: type, what: str) -> dict[str, Any]:
@@ -458,9 +678,41 @@ def _parse_map(text: str, kind: type, what: str) -> dict[str, Any]:
     return result
 
 
-def main() -> int:
-    """Parse the flags, run the race model by model, print the table, write the files."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+#: What ``--large-batch`` changes: a global batch of 1,024 on 20,000 sequences, no second fixed
+#: target, no side-by-side timing (wall-clock comes from per-step costs measured elsewhere).
+LARGE_DEFAULTS: dict[str, Any] = {
+    "batch_size": LARGE_BATCH,
+    "train_samples": LARGE_TRAIN_SAMPLES,
+    "epochs": ",".join(f"{m}={e}" for m, e in LARGE_EPOCHS.items()),
+    "targets": "",
+    "timing_rounds": 0,
+}
+#: What ``--quick`` changes: a smoke test of a few minutes (one model, 2 configurations each,
+#: 3 epochs, 2 seeds, no timing runs).
+QUICK_DEFAULTS: dict[str, Any] = {
+    "models": "mlp1d",
+    "configs": 2,
+    "epochs": "3",
+    "seeds": "0,1",
+    "timing_rounds": 0,
+}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The race's flags; ``--large-batch`` and ``--quick`` change the defaults of others.
+
+    Args:
+        argv: the arguments (None: the command line's).
+    """
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument(
+        "--large-batch",
+        action="store_true",
+        help=f"the large-batch race: {LARGE_DEFAULTS} unless given, scaled grids with warm-up",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help=f"a smoke test of a few minutes: {QUICK_DEFAULTS}"
+    )
     parser.add_argument("--models", default="mlp1d,cnn1d,resnet1d")
     parser.add_argument(
         "--epochs",
@@ -488,7 +740,7 @@ def main() -> int:
         type=int,
         default=3,
         help=f"SGD-then-K-FAC pairs of {TIMING_EPOCHS}-epoch runs timing an epoch side by side "
-        "(default 3)",
+        "(default 3; 0 for none)",
     )
     parser.add_argument(
         "--kfac-damping-adaptation",
@@ -500,28 +752,92 @@ def main() -> int:
     parser.add_argument(
         "--batch-size", type=int, default=25, help="per-rank batch (default 25: 100 in all)"
     )
+    parser.add_argument(
+        "--train-samples",
+        type=int,
+        default=None,
+        help="MNIST-1D training sequences, generated from the package's seed and cached "
+        "(default: the paper's 4,000)",
+    )
     parser.add_argument("--link", default=None, help="emulated link (default: plain loopback)")
     parser.add_argument("--out", default="runs/kfac-race", help="run folders (resumable)")
-    parser.add_argument("--json", metavar="PATH", help="write every run and the table as JSON")
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="every run and the table as JSON, rewritten after each run; runs it holds are "
+        "not trained again",
+    )
     parser.add_argument("--png-dir", metavar="DIR", help="write race-<model>.png there")
-    args = parser.parse_args()
+    presets, _ = parser.parse_known_args(argv)
+    if presets.large_batch:
+        parser.set_defaults(**LARGE_DEFAULTS)
+    if presets.quick:
+        parser.set_defaults(**QUICK_DEFAULTS)
+    args = parser.parse_args(argv)
     if not 1 <= args.configs <= 8:
         parser.error(f"--configs must be 1-8, got {args.configs}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the flags, run the race model by model, print the table, write the files.
+
+    Args:
+        argv: the arguments (None: the command line's).
+    """
+    args = parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     caps = _parse_map(args.epochs, int, "--epochs")
     fixed = {m: [t] for m, t in _parse_map(args.targets, float, "--targets").items()}
     seeds = [int(s) for s in args.seeds.split(",")]
     out = Path(args.out)
     started = time.perf_counter()
+    large = args.large_batch
 
     def cap(model: str) -> int:
-        return int(caps.get(model, caps.get("*", DEFAULT_EPOCHS.get(model, 15))))
+        defaults = LARGE_EPOCHS if large else DEFAULT_EPOCHS
+        return int(caps.get(model, caps.get("*", defaults.get(model, 15))))
 
     adaptation = args.kfac_damping_adaptation
+    if args.train_samples is not None:
+        # Generate (or find) the data once here, not in every rank at once.
+        from interlace.zoo.mnist1d import mnist1d_arrays  # noqa: PLC0415 - needs mnist1d
+
+        mnist1d_arrays(train_samples=args.train_samples)
     sweeps = {
-        m: {o: grid(m, o, cap(m), args.configs, adaptation) for o in ("sgd", "kfac")}
+        m: {
+            o: grid(
+                m,
+                o,
+                cap(m),
+                args.configs,
+                adaptation,
+                large=large,
+                train_samples=args.train_samples,
+            )
+            for o in ("sgd", "kfac")
+        }
         for m in models
     }
+    results = Results(
+        Path(args.json) if args.json else None,
+        {
+            "data": "mnist1d",
+            "train_samples": args.train_samples or PAPER_TRAIN_SAMPLES,
+            "nprocs": args.nprocs,
+            "batch_size": args.batch_size,
+            "global_batch": args.nprocs * args.batch_size,
+            "steps_per_epoch": steps_per_epoch(args.train_samples, args.nprocs, args.batch_size),
+            "link": args.link or "loopback",
+            "grid": "large-batch" if large else "batch-100",
+            "kfac_fixed": KFAC_FIXED,
+            "kfac_damping_adaptation": adaptation,
+            "seeds": seeds,
+            "configs_per_optimizer": args.configs,
+            "epoch_caps": {m: cap(m) for m in models},
+            "command": " ".join(["python", "benchmarks/kfac_race.py", *(sys.argv[1:])]),
+        },
+    )
     total = sum(
         r.epochs * (1 + (len(seeds) - 1) / len(rs))
         for per in sweeps.values()
@@ -529,13 +845,14 @@ def main() -> int:
         for r in rs
     )
     everything: list[dict[str, Any]] = []
-    summaries: list[dict[str, Any]] = []
+    summaries = results.summary
     with tqdm(total=round(total), unit="epoch", desc="kfac race") as bar:
         launching: dict[str, Any] = {
             "nprocs": args.nprocs,
             "batch": args.batch_size,
             "link": args.link,
             "bar": bar,
+            "results": results,
         }
         for model in models:
             bar.set_postfix(model=model, phase="sweep")
@@ -561,11 +878,13 @@ def main() -> int:
                     o: [picked[o], *(rec for rec in others if rec["optimizer"] == o)]
                     for o in ("sgd", "kfac")
                 }
-                bar.set_postfix(model=model, phase="side-by-side timing")
-                clocked = timing_runs(bases, args.timing_rounds)
-                bar.total += sum(r.epochs for r in clocked)
-                bar.refresh()
-                timed = execute(clocked, out, **launching)
+                timed: list[dict[str, Any]] = []
+                if args.timing_rounds > 0:
+                    bar.set_postfix(model=model, phase="side-by-side timing")
+                    clocked = timing_runs(bases, args.timing_rounds)
+                    bar.total += sum(r.epochs for r in clocked)
+                    bar.refresh()
+                    timed = execute(clocked, out, **launching)
                 everything += [rec for rec in [*records, *others, *timed] if rec not in everything]
                 summaries.append(
                     {
@@ -575,37 +894,29 @@ def main() -> int:
                         "sgd_best_first_seed": sgd_best,
                         "epochs": cap(model),
                         **{o: summarise(finals[o], target) for o in ("sgd", "kfac")},
-                        "epoch_s_side_by_side": epoch_cost(timed),
+                        "epoch_s_side_by_side": epoch_cost(timed) if timed else {},
                     }
                 )
+                results.write()
     print(
-        f"\nMNIST-1D, {args.nprocs} ranks x batch {args.batch_size} "
-        f"(global {args.nprocs * args.batch_size}), link {args.link or 'loopback'}, "
-        f"{args.configs} configs per optimiser on seed {seeds[0]}, seeds {args.seeds}\n"
+        f"\nMNIST-1D ({args.train_samples or PAPER_TRAIN_SAMPLES} training sequences), "
+        f"{args.nprocs} ranks x batch {args.batch_size} (global {args.nprocs * args.batch_size}), "
+        f"link {args.link or 'loopback'}, {args.configs} configs per optimiser on seed "
+        f"{seeds[0]}, seeds {args.seeds}\n"
     )
-    print(table(summaries))
+    print(step_table(summaries) if large else table(summaries))
     print(f"\n{len(everything)} runs, {time.perf_counter() - started:.0f} s this time")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        document = {
-            "data": "mnist1d",
-            "nprocs": args.nprocs,
-            "batch_size": args.batch_size,
-            "link": args.link or "loopback",
-            "kfac_fixed": KFAC_FIXED,
-            "kfac_damping_adaptation": adaptation,
-            "seeds": seeds,
-            "configs_per_optimizer": args.configs,
-            "summary": summaries,
-            "runs": everything,
-        }
-        Path(args.json).write_text(json.dumps(document, indent=1) + "\n")
+    if args.json and not large:
+        # The batch-100 race's files keep only this invocation's runs, as they always have.
+        results.runs = {Results._key(rec): rec for rec in everything}
+    results.write()
     if args.png_dir:
         from kfac_race_plot import plot_race  # noqa: PLC0415 - matplotlib only when asked
 
         for entry in summaries:
             suffix = "" if entry["target_rule"] != "fixed" else f"-{100 * entry['target']:g}"
             suffix += "" if adaptation == "fixed" else "-lm"
+            suffix += "-large-batch" if large else ""
             plot_race(entry, everything, Path(args.png_dir) / f"race-{entry['model']}{suffix}.png")
     return 0
 

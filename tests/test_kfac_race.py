@@ -130,3 +130,72 @@ def test_finished_runs_are_read_back_not_trained_again(
     assert records[0]["epoch_s"] == [0.5] * 3 and records[0]["failed"] is None
     assert records[1]["test_accuracy"] == [] and records[1]["failed"] == "rank 0 ended"
     assert race.pick(records, 0.6) is records[0]
+
+
+def test_the_large_batch_grids_have_8_configurations_each_with_warm_up(race: ModuleType) -> None:
+    sgd = race.grid("mlp1d", "sgd", 30, 8, large=True, train_samples=20_000)
+    kfac = race.grid("mlp1d", "kfac", 30, 8, large=True, train_samples=20_000)
+    assert len({r.label for r in sgd}) == len({r.label for r in kfac}) == 8
+    assert len({r.name for r in sgd + kfac}) == 16
+    assert {r.warmup for r in sgd} == {r.warmup for r in kfac} == {1.0, 3.0}
+    assert "warm-up 3 ep" in sgd[0].label and sgd[0].name.endswith("-w3-n20000-e30-seed0")
+    config = kfac[0].config(256)
+    assert (config.warmup_epochs, config.synthetic_size, config.batch_size) == (3.0, 20_000, 256)
+    small = race.grid("mlp1d", "sgd", 30, 8)
+    assert not {r.name for r in small} & {r.name for r in sgd}  # batch-100 folders unchanged
+    assert race.steps_per_epoch(20_000, 4, 256) == 19 and race.steps_per_epoch(None, 4, 25) == 40
+
+
+def test_the_presets_change_defaults_and_explicit_flags_win(race: ModuleType) -> None:
+    args = race.parse_args(["--large-batch", "--quick"])
+    assert (args.batch_size, args.train_samples, args.targets, args.timing_rounds) == (
+        256,
+        20_000,
+        "",
+        0,
+    )
+    assert (args.models, args.configs, args.epochs, args.seeds) == ("mlp1d", 2, "3", "0,1")
+    large = race.parse_args(["--large-batch", "--batch-size", "128"])
+    assert (large.batch_size, large.configs, large.seeds) == (128, 8, "0,1,2")
+    assert race.parse_args([]).batch_size == 25
+
+
+def test_runs_in_the_json_are_not_trained_again_and_finished_ones_go_in(
+    race: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs = race.grid("mlp1d", "kfac", 3, 2, large=True, train_samples=20_000)
+    _write_metrics(tmp_path / "out" / "mlp1d" / runs[0].name, [0.2, 0.4, 0.6])
+    path = tmp_path / "race.json"
+    trained: list[list[str]] = []
+
+    def fake_launch(fn: Any, nprocs: int, *, args: Any, **kwargs: Any) -> Any:
+        for _, run_dir in args[0]:  # train what is pending: write its metrics
+            trained.append([Path(run_dir).name])
+            _write_metrics(Path(run_dir), [0.5, 0.7, 0.8])
+        return type("Result", (), {"ok": True})()
+
+    monkeypatch.setattr(race.launch, "run", fake_launch)
+    results = race.Results(path, {"grid": "large-batch"})
+    with tqdm(total=6, file=io.StringIO()) as bar:
+        records = race.execute(
+            runs, tmp_path / "out", nprocs=4, batch=256, link=None, bar=bar, results=results
+        )
+    assert trained == [[runs[1].name]]  # the run on disk was read back, the other trained
+    assert records[1]["test_accuracy"] == [0.5, 0.7, 0.8] and records[1]["steps_per_epoch"] == 19
+    stored = race.json.loads(path.read_text())
+    assert stored["grid"] == "large-batch" and len(stored["runs"]) == 2
+
+    # A rerun with the run folders gone reads every run from the JSON: nothing is launched.
+    monkeypatch.setattr(race.launch, "run", lambda *a, **k: pytest.fail("launched again"))
+    again = race.Results(path, {"grid": "large-batch"})
+    with tqdm(total=6, file=io.StringIO()) as bar:
+        back = race.execute(
+            runs, tmp_path / "gone", nprocs=4, batch=256, link=None, bar=bar, results=again
+        )
+    assert [r["test_accuracy"] for r in back] == [r["test_accuracy"] for r in records]
+    assert race.Results(path, {}).get(runs[0], 4, 25) is None  # another batch: not the same run
+    row = race.summarise(back, 0.6)
+    assert row["steps_to_target"] == [57, 38] and row["median_steps"] == 47.5
+    assert "| 2 of 2 |" in race.step_table(
+        [{"model": "mlp1d", "target": 0.6, "sgd": row, "kfac": row}]
+    )

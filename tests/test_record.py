@@ -17,7 +17,7 @@ from interlace.dp.iteration import DevicePass
 from interlace.record import example_batch, record_trace
 from interlace.sim.trace import load_trace
 
-SLEEP_S = 0.03
+SLEEP_S = 0.1  # long beside a loaded machine's scheduling delays, so the layers stay apart
 
 
 class _SleepBackward(torch.autograd.Function):

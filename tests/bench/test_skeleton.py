@@ -52,6 +52,8 @@ def test_the_flags_defaults_fill_in_what_was_not_given() -> None:
     assert (loopback.link, loopback.netem, loopback.link_text) == (None, False, "loopback")
     assert (loopback.iters, loopback.batch_for("mlp")) == (3, 16)
     assert _config("--models", "mlp, vgg11,mlp").models == ("mlp", "vgg11")
+    assert (config.png_path, _config("--png", "out/a.png").png_path) == (None, "out/a.png")
+    assert _config("--png", "none").png_path is None  # as interlace simulate spells "no plot"
 
 
 def test_emulated_compute_names_the_trace_and_runs_the_link_dilated() -> None:

@@ -208,7 +208,11 @@ def _checkpointed(
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
-    return [v.clone() for v in saved["model"].values()], str(saved["optimizer"]["state"])
+    state = [
+        [value.clone() for _, value in sorted(per_param.items())]
+        for _, per_param in sorted(saved["optimizer"]["state"].items())
+    ]
+    return [v.clone() for v in saved["model"].values()], state
 
 
 def _accumulated(model: DataParallel, opt: torch.optim.Optimizer, x: Any, y: Any, step: int) -> Any:

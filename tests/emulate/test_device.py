@@ -6,6 +6,8 @@ import copy
 import pickle
 import time
 
+import pytest
+
 from interlace.comm.links import parse_link
 from interlace.emulate.device import MAX_CREDIT_S, DeviceClock, dilate_link
 
@@ -38,6 +40,22 @@ def test_nothing_and_negative_spends_take_no_time() -> None:
     clock.spend(0.0)
     clock.spend(-1.0)
     assert clock.spent_s == 0.0
+
+
+def test_a_sleeps_overshoot_is_paid_when_it_happens_not_when_repaid(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every sleep overruns by exactly 1 ms: the overshoot is credit, paid for already.
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(time, "sleep", lambda s: now.__setitem__(0, now[0] + s + 1e-3))
+    clock = DeviceClock()
+    clock.spend(0.01)
+    assert abs(clock.paid_s - 0.011) < 1e-12 and clock.spent_s == 0.01
+    before = clock.paid_s
+    clock.spend(0.5e-3)  # taken from the credit: spent, but no wall time paid
+    assert clock.spent_s == 0.0105 and clock.paid_s == before
+    assert now[0] == 0.011
 
 
 def test_a_clock_copies_and_pickles_with_its_totals() -> None:

@@ -61,3 +61,20 @@ def test_a_data_seed_makes_another_data_set_and_does_not_touch_numpy_s_state(
 def test_a_data_seed_for_fixed_data_is_refused() -> None:
     with pytest.raises(UsageError, match="data_seed applies only to mnist1d"):
         load_data("digits", data_seed=3)
+
+
+def test_a_larger_data_set_is_generated_reproducibly_and_cached_apart(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from interlace.zoo.mnist1d import mnist1d_num_samples  # noqa: PLC0415 - next to its use
+
+    assert mnist1d_num_samples(20_000) == 25_000 and mnist1d_num_samples(3) == 4
+    monkeypatch.setenv("INTERLACE_CACHE", str(cache))
+    bundle = load_data("mnist1d", synthetic_size=600)
+    assert (len(bundle.train), len(bundle.test)) == (600, 150)
+    assert bundle.source["num_samples"] == 750 and bundle.source["seed"] == 42
+    again, _ = mnist1d_arrays(cache=cache / "mnist1d", train_samples=600)
+    assert torch.equal(again["x"][0], bundle.train[0][0].squeeze(0))  # read back, the same
+    assert len(list((cache / "mnist1d").glob("*.npz"))) >= 2  # apart from the paper's set
+    with pytest.raises(UsageError, match="synthetic_size applies only to"):
+        load_data("digits", synthetic_size=100)

@@ -114,7 +114,7 @@ def add_shared_arguments(parser: argparse.ArgumentParser, flags: Flags) -> None:
     add_timeout_arguments(parser, flags.timeout_s)
     add_compute_arguments(parser)
     parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
-    parser.add_argument("--png", metavar="PATH", help=flags.png_help)
+    parser.add_argument("--png", metavar="PATH", help=f"{flags.png_help} ('none': no plot)")
 
 
 def add_timeout_arguments(
@@ -393,7 +393,7 @@ class BenchConfig:
             timeout_s=float(args.timeout),
             collective_timeout_s=collective_timeout_s,
             json_path=args.json,
-            png_path=args.png,
+            png_path=None if args.png is None or args.png.lower() == "none" else args.png,
             **own,
         )
 

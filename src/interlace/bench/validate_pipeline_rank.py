@@ -115,7 +115,7 @@ def measure_host_cost(
     cycles: int = HOST_CYCLES,
 ) -> HostCost:
     """The host seconds of one stage's operations: each one's wall time less the device time
-    it spent on ``clock``, median over cycles.
+    it paid for on ``clock``, median over cycles.
 
     A cycle does what a mini-batch does on the stage (its sends apart, timed with the
     messages): a copy of the weights (PipeDream's stash), a SpecTrain prediction, ``pieces``
@@ -140,9 +140,11 @@ def measure_host_cost(
     }
 
     def timed(name: str, fn: Callable[[], Any]) -> Any:
-        spent, started = clock.spent_s, time.perf_counter()
+        # Paid, not spent: an overshoot repaid by a later spend belongs to the sleep that made
+        # it, not to the operation that repays it.
+        paid, started = clock.paid_s, time.perf_counter()
         value = fn()
-        samples[name].append(time.perf_counter() - started - (clock.spent_s - spent))
+        samples[name].append(time.perf_counter() - started - (clock.paid_s - paid))
         return value
 
     def forward() -> torch.Tensor:

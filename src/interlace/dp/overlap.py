@@ -43,6 +43,9 @@ class ForwardOverlap:
         self._unapplied: set[int] = set()
         self._wrapped: list[PendingGrad | None] = []
         self._had_none: list[bool] = []
+        #: Each gate's buckets, for the engine and the gate layout they were worked out for.
+        self._due_at: dict[str, set[int]] = {}
+        self._due_for: tuple[BucketEngine, dict[str, list[int]]] | None = None
         self._deferred: list[DeferredStep] = []
         self._hidden: list[tuple[nn.Parameter, torch.Tensor | None]] = []
         self._guard: ParamGuard | None = None
@@ -72,6 +75,14 @@ class ForwardOverlap:
         """
         self._engine = engine
         self._unapplied = set(range(len(engine.groups)))
+        waits = self.gates.waits
+        if self._due_for is None or self._due_for[0] is not engine or self._due_for[1] is not waits:
+            # Once per plan and gate layout, not at every gate of every forward.
+            self._due_at = {
+                name: {engine.bucket_of(index) for index in params}
+                for name, params in waits.items()
+            }
+            self._due_for = (engine, waits)
         self._wrapped = []
         self._had_none = []
         for number, param in enumerate(self.params):
@@ -105,7 +116,7 @@ class ForwardOverlap:
         engine = self._engine
         if engine is None:
             return
-        due = {engine.bucket_of(index) for index in self.gates.waits[name]} & self._unapplied
+        due = self._due_at[name] & self._unapplied
         if due:
             self._apply(sorted(due))
 

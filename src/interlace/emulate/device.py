@@ -44,6 +44,13 @@ class DeviceClock:
         self.spent_s = state["spent_s"]
         self._lock = threading.Lock()
 
+    @property
+    def paid_s(self) -> float:
+        """Device seconds paid for in wall time so far: those spent plus the overshoot carried
+        as credit (paid already, owed to later spends)."""
+        with self._lock:
+            return self.spent_s + self._credit
+
     def spend(self, seconds: float) -> None:
         """Take ``seconds`` x the dilation of device time, sleeping on this thread.
 

@@ -178,11 +178,7 @@ def predicted_makespan(
         decompose_s: Seconds to decompose a dense factor of a side.
         broadcast_s: Seconds to broadcast its decomposition.
     """
-    items = _factor_items(factors)
-    if ranks < 1:
-        raise ValueError(f"ranks must be >= 1, got {ranks}")
-    _check_owners(owners, len(items), ranks)
-    decompose, broadcast = _factor_costs(items, ranks, decompose_s, broadcast_s)
+    decompose, broadcast = _checked_costs(factors, owners, ranks, decompose_s, broadcast_s)
     return _makespan(decompose, broadcast, owners, ranks)
 
 
@@ -207,12 +203,23 @@ def schedule_order(
         decompose_s: Seconds to decompose a dense factor of a side.
         broadcast_s: Seconds to broadcast its decomposition.
     """
+    decompose, broadcast = _checked_costs(factors, owners, ranks, decompose_s, broadcast_s)
+    return _schedule(decompose, broadcast, owners)
+
+
+def _checked_costs(
+    factors: Sequence[FactorItem | int],
+    owners: Sequence[int | None],
+    ranks: int,
+    decompose_s: CostFunction,
+    broadcast_s: CostFunction,
+) -> tuple[list[float], list[float]]:
+    """Each factor's decomposition and broadcast seconds, once the owners are checked."""
     items = _factor_items(factors)
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
     _check_owners(owners, len(items), ranks)
-    decompose, broadcast = _factor_costs(items, ranks, decompose_s, broadcast_s)
-    return _schedule(decompose, broadcast, owners)
+    return _factor_costs(items, ranks, decompose_s, broadcast_s)
 
 
 def _factor_items(factors: Sequence[FactorItem | int]) -> list[FactorItem]:

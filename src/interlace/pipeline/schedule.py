@@ -472,14 +472,26 @@ def _expand(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
     return tuple(stages)
 
 
-def _gpipe_order(num_stages: int, num_batches: int) -> list[list[tuple[Op, int]]]:
+def gpipe_order(num_stages: int, num_batches: int) -> list[list[tuple[Op, int]]]:
+    """Every stage: all forwards, then all backwards, in batch order (torch's ScheduleGPipe too).
+
+    Args:
+        num_stages: The stages.
+        num_batches: The (micro-)batches.
+    """
     order: list[tuple[Op, int]] = [(Op.FORWARD, b) for b in range(num_batches)]
     order += [(Op.BACKWARD, b) for b in range(num_batches)]
     return [list(order) for _ in range(num_stages)]
 
 
-def _one_f_one_b_order(num_stages: int, num_batches: int) -> list[list[tuple[Op, int]]]:
-    """Stage k: ``N - k`` forwards in flight, then alternate one backward, one forward."""
+def one_f_one_b_order(num_stages: int, num_batches: int) -> list[list[tuple[Op, int]]]:
+    """Stage k: ``N - k`` forwards in flight, then alternate one backward, one forward (torch's
+    Schedule1F1B too).
+
+    Args:
+        num_stages: The stages.
+        num_batches: The (micro-)batches.
+    """
     orders = []
     for stage in range(num_stages):
         warmup = min(num_stages - stage, num_batches)
@@ -504,7 +516,7 @@ class GPipe(Schedule):
     description = "flush"
 
     def orders(self) -> list[list[tuple[Op, int]]]:
-        return _gpipe_order(self.num_stages, self.num_batches)
+        return gpipe_order(self.num_stages, self.num_batches)
 
 
 class OneFOneB(Schedule):
@@ -519,7 +531,7 @@ class OneFOneB(Schedule):
     description = "flush"
 
     def orders(self) -> list[list[tuple[Op, int]]]:
-        return _one_f_one_b_order(self.num_stages, self.num_batches)
+        return one_f_one_b_order(self.num_stages, self.num_batches)
 
 
 class AsyncOneFOneB(Schedule):
@@ -536,7 +548,7 @@ class AsyncOneFOneB(Schedule):
     synchronous = False
 
     def orders(self) -> list[list[tuple[Op, int]]]:
-        return _one_f_one_b_order(self.num_stages, self.num_batches)
+        return one_f_one_b_order(self.num_stages, self.num_batches)
 
 
 class Naive(AsyncOneFOneB):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from interlace.comm.cost import CostModel
 from interlace.errors import UsageError
 from interlace.pipeline.balance import balance_stages
-from interlace.pipeline.schedule import SCHEDULE_TYPES, Action, Op, Schedule
+from interlace.pipeline.schedule import SCHEDULE_TYPES, Action, Op, Schedule, one_f_one_b_order
 from interlace.sim.pipeline_events import (
     Compute,
     Instruction,
@@ -191,30 +191,6 @@ def stage_costs(
             )
         )
     return result
-
-
-# ------------------------------------------------------------------------------ torch's orders
-
-
-def torch_gpipe_order(stages: int, microbatches: int) -> list[list[tuple[Op, int]]]:
-    """torch's ``ScheduleGPipe``: on every stage all forwards, then all backwards, in order."""
-    order = [(Op.FORWARD, i) for i in range(microbatches)]
-    return [order + [(Op.BACKWARD, i) for i in range(microbatches)] for _ in range(stages)]
-
-
-def torch_1f1b_order(stages: int, microbatches: int) -> list[list[tuple[Op, int]]]:
-    """torch's ``Schedule1F1B``: stage ``k`` runs ``min(M, N - k)`` forwards, then alternates
-    one backward and one forward, then the remaining backwards."""
-    orders = []
-    for stage in range(stages):
-        warmup = min(microbatches, stages - stage)
-        order = [(Op.FORWARD, i) for i in range(warmup)]
-        for i in range(microbatches):
-            order.append((Op.BACKWARD, i))
-            if warmup + i < microbatches:
-                order.append((Op.FORWARD, warmup + i))
-        orders.append(order)
-    return orders
 
 
 # ------------------------------------------------------------------------------ programs
@@ -399,7 +375,7 @@ def _torch_1f1b_program(
         b.ops += [Post(m) for m in receives]
         b.ops.append(Wait(tuple(sends + receives)))
 
-    order = torch_1f1b_order(len(stages), microbatches)[stage]
+    order = one_f_one_b_order(len(stages), microbatches)[stage]  # torch's Schedule1F1B order
     warmup = order.index((Op.BACKWARD, 0))  # forwards before the first backward
     for step in range(block):
         in_flight: list[Message] = []

@@ -136,7 +136,9 @@ def add_arguments(
     )
     add_model_shape_arguments(parser, defaults_from="the --data set's")
     parser.add_argument(
-        "--synthetic-size", type=int, help="training samples of a synthetic data set"
+        "--synthetic-size",
+        type=int,
+        help="training samples of a generated data set (synthetic-* or mnist1d)",
     )
     parser.add_argument(
         "--max-steps-per-epoch", type=int, help="cut every epoch short (throughput runs)"

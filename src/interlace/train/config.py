@@ -69,7 +69,7 @@ class TrainConfig:
         seed: seeds the model, the shuffle and synthetic data.
         input_shape: the shape the model expects; must match the data's.
         num_classes: the classes the model predicts; must match the data's.
-        synthetic_size: training samples of a synthetic data set.
+        synthetic_size: training samples of a generated data set (synthetic-* or mnist1d).
         max_steps_per_epoch: cut every epoch short (throughput runs).
         runs_dir: where new run folders are made.
         progress: show a progress bar on rank 0 (when stderr is a terminal).

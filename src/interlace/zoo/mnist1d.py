@@ -1,13 +1,15 @@
 """MNIST-1D (Greydanus & Kobak, 2020): generated locally by the ``mnist1d`` package, cached.
 
-4,000 training and 1,000 test sequences of length 40 in 10 classes; small enough to train in
-seconds, built so that model families and optimisers differ on it (docs/kfac/mnist1d.md).
+4,000 training and 1,000 test sequences of length 40 in 10 classes by default (any size on
+request); small enough to train in seconds, built so that model families and optimisers differ
+on it (docs/kfac/mnist1d.md).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -18,7 +20,7 @@ import torch
 
 from interlace.errors import UsageError
 
-__all__ = ["MNIST1D_DEFAULTS", "mnist1d_arrays", "mnist1d_cache_dir"]
+__all__ = ["MNIST1D_DEFAULTS", "mnist1d_arrays", "mnist1d_cache_dir", "mnist1d_num_samples"]
 
 #: The generator's arguments: the package's own defaults (the paper's data set), stated here
 #: so that a run's config records exactly what it trained on.
@@ -66,8 +68,24 @@ def _generate(arguments: dict[str, Any]) -> dict[str, np.ndarray]:
     }
 
 
+def mnist1d_num_samples(train_samples: int, train_split: float = 0.8) -> int:
+    """The generator's ``num_samples`` whose training split has exactly ``train_samples``.
+
+    Args:
+        train_samples: training sequences wanted (the test split gets the rest).
+        train_split: the generator's share of samples that train.
+    """
+    if train_samples < 1:
+        raise UsageError(f"MNIST-1D needs at least one training sequence, got {train_samples}")
+    total = math.ceil(train_samples / train_split)
+    # The generator splits at int(len * train_split); step past any rounding below the target.
+    while int(total * train_split) < train_samples:
+        total += 1
+    return total
+
+
 def mnist1d_arrays(
-    seed: int | None = None, cache: Path | None = None
+    seed: int | None = None, cache: Path | None = None, train_samples: int | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The MNIST-1D splits as tensors, and the generator arguments that made them.
 
@@ -77,6 +95,8 @@ def mnist1d_arrays(
     Args:
         seed: The generator's seed; None keeps the paper's data set (seed 42).
         cache: The cache folder; None takes :func:`mnist1d_cache_dir`.
+        train_samples: training sequences to generate (the test split gets a quarter as many);
+            None keeps the paper's 4,000.
 
     Returns:
         ``({"x", "y", "x_test", "y_test"}, arguments)``: float32 ``[N, 40]`` sequences, int64
@@ -85,6 +105,8 @@ def mnist1d_arrays(
     arguments = dict(MNIST1D_DEFAULTS)
     if seed is not None:
         arguments["seed"] = int(seed)
+    if train_samples is not None:
+        arguments["num_samples"] = mnist1d_num_samples(train_samples, arguments["train_split"])
     key = hashlib.sha256(json.dumps(arguments, sort_keys=True).encode()).hexdigest()[:16]
     folder = cache if cache is not None else mnist1d_cache_dir()
     path = folder / f"mnist1d-{key}.npz"
