@@ -224,7 +224,7 @@ class KfacPytorchPeer:
 
 
 class EmulatedModuleHelper:
-    """kfac-pytorch's module-helper interface (``kfac.module_helpers.modules.ModuleHelper``) over an
+    """kfac-pytorch's module-helper interface (``kfac.layers.modules.ModuleHelper``) over an
     emulated layer's K-FAC helper: the same traced factor sizes and the same device time for
     factors as :class:`interlace.KFAC` gets from it.
 
@@ -303,7 +303,7 @@ class EmulatedModuleHelper:
 def emulated_module_helpers() -> Iterator[None]:
     """While open, kfac-pytorch registers :class:`EmulatedFactorLayer` modules through
     :class:`EmulatedModuleHelper` (it registers only ``nn.Linear`` and ``nn.Conv2d`` itself)."""
-    from kfac.module_helpers import register  # type: ignore[import-not-found]  # noqa: PLC0415 - optional dependency
+    from kfac.layers import register  # type: ignore[import-not-found]  # noqa: PLC0415 - optional dependency
 
     known = register.get_module_helper
 
