@@ -5,16 +5,25 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from interlace.comm.cost import CostModel
 from interlace.kfac import factor_modes, methods, placements
-from interlace.kfac.placements import CostSource, FactorPlacement, Greedy, LayerFactors
+from interlace.kfac.costs import DecompositionCostModel
+from interlace.kfac.placements import (
+    Broadcast,
+    CostSource,
+    FactorPlacement,
+    Greedy,
+    LayerFactors,
+    decomposition_program,
+)
 from interlace.sim.kfac import KFAC_STRATEGIES
 from interlace.sim.kfac_costs import KfacCosts
 from interlace.sim.kfac_runtime import runtime_strategy
-from interlace.sim.kfac_stage import decomposition_stage
+from interlace.sim.kfac_stage import SimulatedCosts, decomposition_stage
 
 SIM = Path(__file__).resolve().parents[2] / "src" / "interlace" / "sim"
 #: The names the policies go by: a simulator module comparing a value with one of them would be
@@ -88,7 +97,6 @@ def test_the_stage_runs_the_placement_it_is_given() -> None:
     stage = decomposition_stage(
         [("a", 3, 4), ("b", 5, 2)],
         placement=Watched(),
-        broadcasts_after=True,
         workers=2,
         costs=KfacCosts(),
         broadcast=CostModel(1e-4, 1e-9),
@@ -113,7 +121,6 @@ def test_a_placement_that_prices_asks_the_simulators_models() -> None:
     decomposition_stage(
         [("a", 64, 32)],
         placement=Asking(),
-        broadcasts_after=False,
         workers=2,
         costs=costs,
         broadcast=broadcast,
@@ -122,3 +129,40 @@ def test_a_placement_that_prices_asks_the_simulators_models() -> None:
     assert priced.decomposition == costs.decomposition_model() and priced.broadcast == broadcast
     # What a decomposition sends is the runtime method's count: the inverse, 64 x 64.
     assert priced.broadcast_s(64) == broadcast.time(64 * 64 * 4)
+
+
+@dataclass(frozen=True)
+class Given:
+    """Places as it was built: the same owners, colocated or not."""
+
+    owners: tuple[int | None, ...]
+    colocated: bool
+    name: ClassVar[str] = "given"
+
+    def place(
+        self, layers: Sequence[LayerFactors], ranks: int, costs: CostSource
+    ) -> FactorPlacement:
+        return FactorPlacement(self.owners, tuple(range(len(self.owners))))
+
+
+def test_when_each_broadcast_starts_is_the_runtimes_program_for_the_object() -> None:
+    # Layer a on rank 0, b on rank 1; 5 ms per decomposition, 1 ms + 0.25 ms per byte to send.
+    # Colocated: one 16-byte message per layer (5 ms) on the shared group once both factors are
+    # made: a's 10..15, b's 15..20. Not colocated: one 8-byte message per factor (3 ms) on its
+    # owner's group as soon as it is made: 5..8 and 10..13 on each rank.
+    costs = KfacCosts(decomposition=DecompositionCostModel(c3=0.0, c2=0.0, c0=5e-3))
+    spans = {}
+    for colocated in (True, False):
+        placement = Given((0, 0, 1, 1), colocated)
+        stage = decomposition_stage(
+            [("a", 1, 1), ("b", 1, 1)],
+            placement=placement,
+            workers=2,
+            costs=costs,
+            broadcast=CostModel(1e-3, 0.25e-3),
+        )
+        placed = placement.place([], 2, SimulatedCosts(costs, CostModel(0.0, 0.0)))
+        sent = [s for s in decomposition_program(placement, placed) if isinstance(s, Broadcast)]
+        assert stage.broadcasts == len(sent)
+        spans[colocated] = round(stage.makespan_s * 1e3, 9)
+    assert spans == {True: 20.0, False: 13.0}

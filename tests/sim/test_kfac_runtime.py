@@ -20,6 +20,7 @@ from interlace.sim.kfac import simulate_kfac
 from interlace.sim.kfac_costs import KfacCosts, log_log_interpolate
 from interlace.sim.kfac_link import bulk_messages
 from interlace.sim.kfac_runtime import RUNTIME_BULK_CAP_BYTES, runtime_strategy
+from interlace.sim.kfac_stage import decomposition_stage
 from interlace.sim.trace import FactorTrace, TensorTrace, Trace
 
 MS = 1e-3
@@ -63,10 +64,9 @@ def test_each_ablation_mode_maps_to_what_the_runtime_does() -> None:
     dkfac = runtime_strategy("dkfac", "bulk", "greedy")
     assert (dkfac.pipelined, dkfac.placement, dkfac.computes_in_passes) == (False, Greedy(), True)
     assert (dkfac.bulk_packed, dkfac.bulk_cap_bytes) == (False, 25 * 2**20)
-    assert dkfac.broadcasts_after and not dkfac.factor_group
+    assert not dkfac.factor_group
     spd = runtime_strategy("spd", "pipelined", "lbp")
     assert (spd.pipelined, spd.placement, spd.factor_group) == (True, LBP(), True)
-    assert not spd.broadcasts_after
     assert runtime_strategy("lbp", "bulk", "lbp").computes_in_passes
     assert runtime_strategy("p", "bulk", "greedy", symmetry_aware=True).bulk_packed
     assert RUNTIME_BULK_CAP_BYTES == 25 * 1024 * 1024
@@ -136,20 +136,32 @@ def test_link_timing_apart_from_planning() -> None:
     assert ms(result.phases)["gradient_comm"] == 3.0
 
 
-def test_broadcasts_after_the_decompositions_cost_what_overlapped_ones_hide() -> None:
-    strategy = runtime_strategy("dkfac", "bulk", "greedy")
-    cost = CostModel(1 * MS, PER_BYTE)
-    after = simulate_kfac(two_layers(), strategy, cost, 2, costs=unit_costs())
-    # Each owner sends its layer as soon as it is made, the two sends at once: 10 + 5.
-    overlapped = simulate_kfac(
-        two_layers(),
-        replace(strategy, broadcasts_after=False),
-        cost,
-        2,
+def test_each_layer_is_sent_as_soon_as_its_owner_has_made_it() -> None:
+    # Three 1 x 1 layers, 10 ms to decompose each (two factors), 5 ms to send one (16 B). Greedy
+    # (equal weights): l0 and l2 on rank 0, l1 on rank 1. On the shared group: l0 10..15 while
+    # rank 0 decomposes l2 (10..20), l1 15..20 (made at 10, behind l0), l2 20..25. Every
+    # decomposition first and then every broadcast would take 20 + 15 = 35 ms.
+    stage = decomposition_stage(
+        [(f"l{i}", 1, 1) for i in range(3)],
+        placement=Greedy(),
+        workers=2,
         costs=unit_costs(),
+        broadcast=CostModel(1 * MS, PER_BYTE),
     )
-    assert ms(overlapped.phases)["decomposition_comm"] == 5.0
-    assert after.iteration_s - overlapped.iteration_s == pytest.approx(5 * MS)
+    assert stage.owners == [0, 1, 0]
+    assert (round(stage.makespan_s / MS, 9), round(stage.decomposition_s / MS, 9)) == (25, 20)
+    assert stage.broadcasts == 3
+    assert [
+        (name, round(start / MS, 9), round(end / MS, 9)) for name, _, start, end in stage.events
+    ] == [
+        ("decompose l0.A", 0, 5),
+        ("decompose l0.G", 5, 10),
+        ("decompose l2.A", 10, 15),
+        ("decompose l2.G", 15, 20),
+        ("broadcast l0 (rank 0)", 10, 15),
+        ("broadcast l1 (rank 1)", 15, 20),
+        ("broadcast l2 (rank 0)", 20, 25),
+    ]
 
 
 def test_pipelined_factors_queue_apart_from_the_gradients() -> None:

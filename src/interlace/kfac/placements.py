@@ -1,15 +1,14 @@
 """Where each factor is decomposed: placements as objects the runtime runs and the simulator prices.
 
-A placement is one object with a small protocol (:class:`Placement`): given the layers' factor
-sizes and the ranks, it names each factor's owner and the order every rank decomposes in.
-:class:`Greedy`, :class:`RoundRobin` and :class:`LBP` are interlace's; a new one is one class.
-No torch here, so the simulator imports these very objects.
+A placement (:class:`Placement`) names each factor's owner and the order every rank decomposes in;
+:func:`decomposition_program` says when each broadcast starts. :class:`Greedy`, :class:`RoundRobin`
+and :class:`LBP` are interlace's. No torch here, so the simulator imports these very objects.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
@@ -29,13 +28,17 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LBP",
+    "Broadcast",
     "CostSource",
+    "Decompose",
     "FactorPlacement",
     "Greedy",
     "LayerFactors",
     "Placement",
     "PlacementCosts",
     "RoundRobin",
+    "Step",
+    "decomposition_program",
     "factor_items",
     "placement_from",
 ]
@@ -183,10 +186,11 @@ class Placement(Protocol):
 
     @property
     def colocated(self) -> bool:
-        """True: a layer's two factors have one owner, which sends both decompositions at once
-        to the layer's gradient workers after every decomposition is made (any
+        """True: a layer's two factors have one owner, which sends both decompositions in one
+        message to the layer's gradient workers as soon as it has made them (any
         ``grad_worker_fraction``). False: each factor is placed on its own, or on every rank,
-        and its owner sends it to every rank as soon as it is made (COMM-OPT only)."""
+        and its owner sends it to every rank as soon as it is made (COMM-OPT only). See
+        :func:`decomposition_program`."""
         ...
 
     def place(
@@ -286,6 +290,76 @@ class LBP:
         )
         order = schedule_order(items, owners, ranks, priced.decompose_s, priced.broadcast_s)
         return FactorPlacement(tuple(owners), tuple(order), priced)
+
+
+@dataclass(frozen=True)
+class Decompose:
+    """A step of :func:`decomposition_program`: ``factor``'s owner (every rank when it has
+    none) decomposes it.
+
+    Args:
+        factor: The factor's index (layer ``i``'s ``A`` is ``2 i``, its ``G`` ``2 i + 1``).
+    """
+
+    factor: int
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    """A step of :func:`decomposition_program`: ``owner`` starts sending the decompositions of
+    ``factors`` (every other rank of the channel posts the matching receive).
+
+    Args:
+        factors: The factors the message carries: one, or a layer's ``A`` and ``G``.
+        owner: The rank that made them.
+        channel: The rank whose own process group carries it, or None: the one group all owners
+            share (a layer's gradient workers; the world under COMM-OPT), which runs its
+            messages one after another in program order.
+    """
+
+    factors: tuple[int, ...]
+    owner: int
+    channel: int | None
+
+
+#: One step of a decomposition program.
+Step = Decompose | Broadcast
+
+
+def decomposition_program(
+    placement: Placement, placed: FactorPlacement, due: Collection[int] | None = None
+) -> tuple[Step, ...]:
+    """The one list of steps every rank walks: the runtime runs it, the simulator prices it.
+
+    The decompositions come in the placement's order, and each broadcast right after the
+    decomposition that completes it, so it starts as soon as its owner has made it and overlaps
+    the decompositions after it (kfac-pytorch's order). A colocated placement sends a layer's
+    two decompositions in one message on the shared group once both are made; any other sends
+    each factor on its owner's own group. Local factors (owner None) are never sent.
+
+    Args:
+        placement: The placement that placed (its ``colocated`` decides the messages).
+        placed: What it decided.
+        due: The factors to decompose this step (None: all); a colocated layer's two are due
+            together.
+    """
+    owners = placed.owners
+    order = [f for f in placed.order if due is None or f in due]
+    made: set[int] = set()
+    steps: list[Step] = []
+    for factor in order:
+        steps.append(Decompose(factor))
+        made.add(factor)
+        owner = owners[factor]
+        if owner is None:
+            continue
+        if not placement.colocated:
+            steps.append(Broadcast((factor,), owner, owner))
+        elif (factor ^ 1) in made:
+            # Both of the layer's factors are made: one message carries them (A first).
+            first = factor & ~1
+            steps.append(Broadcast((first, first + 1), owner, None))
+    return tuple(steps)
 
 
 _BY_CHOICE: dict[PlacementChoice, type[Greedy | RoundRobin | LBP]] = {

@@ -611,12 +611,11 @@ class KFAC:
         work = self.assignment
         ready = [layer for layer in self._layers if layer.a_factor is not None]
         with self._spans.timed(phases, "decomposition", "decomposition", "decompositions"):
-            # Under LBP each owned factor's broadcast starts as soon as it is decomposed.
+            # Each broadcast starts as soon as its owner has made it, beside the later ones.
             decompose = partial(self._decompose, damping=self.damping)
             pending = work.decompose(ready, decompose, self._device())
-        if pending or work.sends_layer_decompositions:
+        if pending:
             with self._spans.timed(phases, "decomposition_comm", "comm", "decomposition broadcast"):
-                pending += work.send_layer_decompositions(ready, self._device())
                 for broadcast in pending:
                     broadcast.wait()
         self._needs_decomposition = False

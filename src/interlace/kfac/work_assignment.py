@@ -19,9 +19,13 @@ from interlace.kfac.costs import DecompositionCostModel
 from interlace.kfac.lbp import predicted_makespan
 from interlace.kfac.methods import DecompositionMethod
 from interlace.kfac.placements import (
+    Broadcast,
+    Decompose,
+    FactorPlacement,
     LayerFactors,
     Placement,
     PlacementCosts,
+    decomposition_program,
     factor_items,
 )
 from interlace.kfac.preconditioned_layer import KFACLayer, PendingBroadcast
@@ -155,11 +159,11 @@ class WorkAssignment:
     """Every factor's owner, from a placement object, and the groups its results travel on.
 
     A colocated placement (greedy, round-robin) gives a layer's two factors one owner, which
-    decomposes both and sends them to the layer's gradient workers (:class:`WorkerGroups`)
-    once every decomposition is made; any other places each factor on its own, or on every
-    rank (owner None), and each owner broadcasts a factor as soon as it is made, on a process
-    group of its own. A placement that prices its choice (LBP) gets the models it was not
-    given measured here on the live group.
+    decomposes both and sends them to the layer's gradient workers (:class:`WorkerGroups`) as
+    soon as both are made; any other places each factor on its own, or on every rank (owner
+    None), and each owner broadcasts a factor as soon as it is made, on a process group of its
+    own. Both run :func:`~interlace.kfac.placements.decomposition_program`. A placement that
+    prices its choice (LBP) gets the models it was not given measured here on the live group.
 
     Args:
         layers: The preconditioned layers, in registration order.
@@ -193,7 +197,8 @@ class WorkAssignment:
         self.device = device
         self._owner: dict[str, int] = {}
         self._factor_owner: dict[tuple[str, str], int | None] = {}
-        self._order: dict[tuple[str, str], int] = {}
+        #: Each layer's index among the placed layers (its factors are ``2 i`` and ``2 i + 1``).
+        self._index = {layer.name: index for index, layer in enumerate(layers)}
         #: The costs the placement priced with (None: it priced nothing).
         self.costs = self._place(layers)
         self._block_groups: dict[int, dist.ProcessGroup | None] = {}
@@ -211,16 +216,15 @@ class WorkAssignment:
 
     def _place(self, layers: Sequence[KFACLayer]) -> PlacementCosts | None:
         """Run the placement: every factor's owner and the one order every rank decomposes
-        (and, factor by factor, sends) in; the same on every rank."""
+        and sends in; the same on every rank."""
         placed = self.placement.place(
             [layer_factors(layer) for layer in layers], self.world_size, _MeasuredCosts(self)
         )
         placed.check(self.placement, 2 * len(layers), self.world_size)
-        position = {factor: index for index, factor in enumerate(placed.order)}
+        self._placed: FactorPlacement = placed
         for index, layer in enumerate(layers):
             for offset, which in enumerate(("A", "G")):
                 self._factor_owner[(layer.name, which)] = placed.owners[2 * index + offset]
-                self._order[(layer.name, which)] = position[2 * index + offset]
             # The layer's owner behind KFAC.layers and its gradient workers: A's, else G's,
             # else 0 (a layer decomposed on every rank).
             owned = [o for o in placed.owners[2 * index : 2 * index + 2] if o is not None]
@@ -299,14 +303,13 @@ class WorkAssignment:
         decompose: Callable[[KFACLayer, str], None],
         device: torch.device,
     ) -> list[PendingBroadcast]:
-        """Decompose the factors this rank is given; factor by factor, start their broadcasts.
+        """Decompose the factors this rank is given, starting each broadcast once it is made.
 
-        Every rank walks the placement's one order and decomposes the factors it owns or keeps
-        local. Colocated: the decompositions are sent afterwards, a layer at a time
-        (:meth:`send_layer_decompositions`). Otherwise an owner starts a factor's broadcast as
-        soon as it is made, while the others post the matching broadcast into a buffer and move
-        on, so collectives are issued in one order everywhere and each owner's sends start as
-        early as its decompositions allow.
+        Every rank walks the same :func:`~interlace.kfac.placements.decomposition_program`:
+        it decomposes the factors it owns or keeps local, and at each broadcast the owner
+        starts sending while the others post the matching receive and move on. So collectives
+        are issued in one order everywhere, and each broadcast overlaps the decompositions
+        after it.
 
         Args:
             ready: The layers with factors, in the same order on every rank.
@@ -314,56 +317,51 @@ class WorkAssignment:
             device: Where receive buffers live.
 
         Returns:
-            The broadcasts started (factor by factor), to be waited for.
+            The broadcasts started, to be waited for.
         """
+        by_factor: dict[int, tuple[KFACLayer, str]] = {}
+        for layer in ready:
+            index = self._index[layer.name]
+            by_factor[2 * index] = (layer, "A")
+            by_factor[2 * index + 1] = (layer, "G")
         pending: list[PendingBroadcast] = []
-        for layer, which in self.factor_schedule(ready):
-            layer.decomposed = True
-            owner = self.factor_owner(layer.name, which)
-            if owner is None or owner == self.rank:
-                decompose(layer, which)
-            if owner is None or self.colocated:
+        for step in decomposition_program(self.placement, self._placed, by_factor.keys()):
+            if isinstance(step, Decompose):
+                layer, which = by_factor[step.factor]
+                layer.decomposed = True
+                owner = self.factor_owner(layer.name, which)
+                if owner is None or owner == self.rank:
+                    decompose(layer, which)
                 continue
-            pending.append(
-                layer.broadcast_decomposition(
-                    which,
-                    src=self.global_ranks[owner],
-                    group=self.owner_group(owner),
-                    receive=owner != self.rank,
-                    device=device,
-                )
-            )
+            started = self._start_broadcast(step, by_factor, device)
+            if started is not None:
+                pending.append(started)
         return pending
 
-    @property
-    def sends_layer_decompositions(self) -> bool:
-        """Whether :meth:`send_layer_decompositions` sends anything (colocated, not MEM-OPT)."""
-        return self.colocated and self.worker_groups.broadcasts_decompositions
-
-    def send_layer_decompositions(
-        self, ready: Sequence[KFACLayer], device: torch.device
-    ) -> list[PendingBroadcast]:
-        """Colocated placements: start one broadcast per layer from its owner to its block.
-
-        Args:
-            ready: The layers decomposed this step, in the same order on every rank.
-            device: Where receive buffers live.
-
-        Returns:
-            The broadcasts started (none factor by factor, or under MEM-OPT), to be waited for.
-        """
-        if not self.sends_layer_decompositions:
-            return []
-        return [
-            layer.broadcast_decompositions(
-                src=self.global_ranks[self._owner[layer.name]],
-                group=self.block_group(self._owner[layer.name]),
-                receive=self._owner[layer.name] != self.rank,
-                device=device,
+    def _start_broadcast(
+        self,
+        step: Broadcast,
+        by_factor: Mapping[int, tuple[KFACLayer, str]],
+        device: torch.device,
+    ) -> PendingBroadcast | None:
+        """Start one broadcast of the program on this rank, or None where it takes no part."""
+        src = self.global_ranks[step.owner]
+        receive = step.owner != self.rank
+        if step.channel is not None:
+            if self.world_size == 1:
+                return None  # one rank already holds everything
+            layer, which = by_factor[step.factors[0]]
+            group = self.owner_group(step.channel)
+            return layer.broadcast_decomposition(
+                which, src=src, group=group, receive=receive, device=device
             )
-            for layer in ready
-            if self.is_grad_worker(layer.name)
-        ]
+        layer, _ = by_factor[step.factors[0]]
+        # A layer's decompositions go to its gradient workers only (none under MEM-OPT).
+        if not self.worker_groups.broadcasts_decompositions or not self.is_grad_worker(layer.name):
+            return None
+        return layer.broadcast_decompositions(
+            src=src, group=self.block_group(step.owner), receive=receive, device=device
+        )
 
     # -- queries -------------------------------------------------------------------------
 
@@ -400,19 +398,6 @@ class WorkAssignment:
         """
         source = self.worker_groups.gradient_source(self._owner[name], self.rank)
         return self.global_ranks[source]
-
-    def factor_schedule(self, layers: Sequence[KFACLayer]) -> list[tuple[KFACLayer, str]]:
-        """Every factor of ``layers`` in the placement's one order, which all ranks decompose
-        (and, factor by factor, send) in.
-
-        Args:
-            layers: The layers whose factors are due.
-        """
-        factors = sorted(
-            [(self._order[(layer.name, w)], layer, w) for w in "AG" for layer in layers],
-            key=lambda entry: entry[0],
-        )
-        return [(layer, which) for _, layer, which in factors]
 
     def share_gradients(
         self,

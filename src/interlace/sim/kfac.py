@@ -58,10 +58,6 @@ class KfacStrategy:
         bulk_cap_bytes: Bulk factors go in buckets of at most this many bytes, in layer order
             (``A`` then ``G``; a factor that would overflow a bucket starts the next one);
             0: one message.
-        broadcasts_after: Colocated placement: every decomposition is made before the first
-            broadcast, then one broadcast per layer in layer order, one after another (as
-            interlace's runtime sends them); otherwise each owner sends a result as soon as it
-            is made.
         factor_group: Pipelined factor all-reduces run on a process group of their own (a
             second queue beside the gradients', sharing the wire), as interlace's do; otherwise
             gradients and factors share one serial queue.
@@ -74,7 +70,6 @@ class KfacStrategy:
     factors_in_passes: bool | None = None
     bulk_packed: bool = True
     bulk_cap_bytes: int = 0
-    broadcasts_after: bool = False
     factor_group: bool = False
 
     def __post_init__(self) -> None:
@@ -460,7 +455,6 @@ def simulate_kfac(
     stage = decomposition_stage(
         [(layer.name, layer.a_dim, layer.g_dim) for layer in layers],
         placement=chosen.placement,
-        broadcasts_after=chosen.broadcasts_after and chosen.placement.colocated,
         workers=workers,
         costs=costs,
         broadcast=broadcast_cost or cost,
@@ -489,7 +483,7 @@ def simulate_kfac(
     extra.update(
         gradient_buckets=gradient_count,
         factor_buckets=len(kinds) - gradient_count,
-        broadcasts=sum(owner is not None for owner in stage.owners) if workers > 1 else 0,
+        broadcasts=stage.broadcasts if workers > 1 else 0,
         local_factors=stage.local_factors,
         single_worker_s=trace.forward_s
         + trace.backward_s

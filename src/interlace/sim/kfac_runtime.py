@@ -37,11 +37,11 @@ def runtime_strategy(
     * ``Pipelined(fusion="merged")`` (``"pipelined"``): SPD-KFAC's buckets, as the simulator's
       ``spd``, on a process group of their own: a second queue beside the gradients', sharing
       the wire.
-    * A colocated placement (greedy, round-robin): an owner decomposes both of a layer's
-      factors; the broadcasts (one per layer, on the world group) start once every
-      decomposition is made and run one after another. Any other (LBP): each owner broadcasts
-      a factor on a group of its own as soon as it is made. The placement object itself places,
-      as the runtime runs it.
+    * Decompositions and broadcasts: the placement object places, and the stage prices
+      :func:`~interlace.kfac.placements.decomposition_program` as the runtime walks it. A
+      colocated placement (greedy, round-robin) sends a layer's two decompositions in one
+      broadcast on the world group as soon as its owner has made them, after the previous
+      layer's; any other (LBP) sends each factor on its owner's group as soon as it is made.
 
     Not modelled: the small all-reduce with which ``step()`` agrees which layers have factors
     (one start-up), and host work beside the device's (folding factors into running averages).
@@ -72,6 +72,5 @@ def runtime_strategy(
         factors_in_passes=True,
         bulk_packed=symmetry_aware,
         bulk_cap_bytes=bucket_cap_bytes,
-        broadcasts_after=chosen.colocated,
         factor_group=mode.pipelined,
     )
