@@ -355,11 +355,12 @@ def summarise(finals: Sequence[dict[str, Any]], target: float) -> dict[str, Any]
 
 
 def ratio(sgd: float | None, kfac: float | None) -> float | None:
-    """SGD's epochs over K-FAC's (above 1: K-FAC is faster); None when either never reached.
+    """SGD's epochs (or seconds) over K-FAC's (above 1: K-FAC is faster); None when either
+    never reached the target.
 
     Args:
-        sgd: SGD's median epochs to the target.
-        kfac: K-FAC's median epochs to the target.
+        sgd: SGD's median epochs (or seconds) to the target.
+        kfac: K-FAC's median epochs (or seconds) to the target.
     """
     if sgd is None or kfac is None:
         return None
@@ -415,35 +416,169 @@ def table(models: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def step_table(models: Sequence[dict[str, Any]]) -> str:
-    """The large-batch race's table: epochs and optimizer steps to the target, per model.
+#: The K-FAC mode of the race's runs as ``interlace bench kfac --ablation`` names it: the
+#: training job's default (pipelined factor all-reduces, merged buckets, greedy placement).
+RACE_KFAC_MODE = "pipelined"
 
-    Its last column is left for wall-clock to the target, to be computed from per-step costs
-    measured on an accelerator (K-FAC's steps include a decomposition every
-    ``KFAC_INV_UPDATE_STEPS``).
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds per optimizer step of each side, from one ``interlace bench kfac`` JSON.
+
+    That bench times, in the same rounds, each K-FAC mode's whole iteration, the plain model's
+    forward + backward and DataParallel's passes; both sides' costs come from those rounds.
+
+    Args:
+        source: the bench JSON they come from.
+        compute: what the bench ran on (``emulated:resnet20-h200 D=16``; times undilated).
+        mode: the K-FAC mode whose row gives K-FAC's step.
+        ranks: the bench's ranks.
+        link: its link.
+        batch: its per-rank batch.
+        sgd_s: an SGD step: median forward + backward, DataParallel's gradient communication
+            beyond it, and the optimizer step.
+        kfac_s: a K-FAC step: the mode's mean iteration over whole cycles of
+            ``KFAC_INV_UPDATE_STEPS`` (one decomposition each), as the race's K-FAC runs.
+    """
+
+    source: str
+    compute: str
+    mode: str
+    ranks: int
+    link: str
+    batch: int
+    sgd_s: float
+    kfac_s: float
+
+    @property
+    def kfac_over_sgd(self) -> float:
+        """A K-FAC step's cost over an SGD step's."""
+        return self.kfac_s / self.sgd_s
+
+    def seconds(self, optimizer: str) -> float:
+        """One step of ``optimizer`` (``"sgd"`` or ``"kfac"``), in seconds.
+
+        Args:
+            optimizer: ``"sgd"`` or ``"kfac"``.
+        """
+        return self.sgd_s if optimizer == "sgd" else self.kfac_s
+
+    @property
+    def label(self) -> str:
+        """Where the costs come from, in one line."""
+        return (
+            f"{self.compute}, {self.ranks} ranks x batch {self.batch}, link {self.link}, "
+            f"K-FAC mode {self.mode}, from {self.source}"
+        )
+
+
+def step_costs(
+    rows: Sequence[dict[str, Any]], source: str, mode: str = RACE_KFAC_MODE
+) -> StepCosts:
+    """Both sides' per-step costs from a bench's rows (``interlace bench kfac --ablation``).
+
+    Args:
+        rows: the bench JSON's rows, one per K-FAC mode.
+        source: where they were read from (for the label).
+        mode: the K-FAC mode the race's runs used.
+
+    Raises:
+        ValueError: no row of ``mode``, no whole-cycle time, or update intervals other than the
+            race's (factors every step, decompositions every ``KFAC_INV_UPDATE_STEPS``).
+    """
+    found = [row for row in rows if row.get("mode") == mode]
+    if len(found) != 1:
+        raise ValueError(f"{source}: expected one row of mode {mode!r}, found {len(found)}")
+    row = found[0]
+    intervals = (row["factor_update_steps"], row["inv_update_steps"])
+    if intervals != (KFAC_FACTOR_UPDATE_STEPS, KFAC_INV_UPDATE_STEPS):
+        raise ValueError(
+            f"{source}: factors every {intervals[0]}, decompositions every {intervals[1]} "
+            f"steps; the race's K-FAC uses {KFAC_FACTOR_UPDATE_STEPS} and "
+            f"{KFAC_INV_UPDATE_STEPS}"
+        )
+    if row.get("cycle_iteration_s") is None:
+        raise ValueError(f"{source}: mode {mode!r} has no whole-cycle iteration time")
+    phases = row["phases_s"]
+    return StepCosts(
+        source=source,
+        compute=row.get("compute", "real"),
+        mode=mode,
+        ranks=row["ranks"],
+        link=row["link"],
+        batch=row["batch"],
+        sgd_s=phases["forward_backward"] + phases["gradient_comm"] + phases["optimizer"],
+        kfac_s=row["cycle_iteration_s"],
+    )
+
+
+def load_step_costs(path: Path, mode: str = RACE_KFAC_MODE) -> StepCosts:
+    """:func:`step_costs` of a bench JSON file (a list of rows).
+
+    Args:
+        path: the JSON, e.g. docs/kfac/h2h-resnet20-h200-10gbit-inv10.json.
+        mode: the K-FAC mode the race's runs used.
+    """
+    return step_costs(json.loads(path.read_text()), str(path), mode)
+
+
+def wall_clock(row: dict[str, Any], step_s: float) -> dict[str, Any]:
+    """Wall-clock to the target of one side's seeds: its steps to the target x ``step_s``.
+
+    A seed that never reached the target counts as never (None), as in :func:`summarise`.
+
+    Args:
+        row: the side's summary (:func:`summarise`), with ``steps_to_target``.
+        step_s: seconds per step of that side.
+    """
+    seconds = [None if steps is None else steps * step_s for steps in row["steps_to_target"]]
+    median = statistics.median([math.inf if s is None else s for s in seconds])
+    return {"seconds": seconds, "median_s": None if math.isinf(median) else median}
+
+
+def step_table(models: Sequence[dict[str, Any]], costs: StepCosts | None = None) -> str:
+    """The large-batch race's table: epochs, steps and wall-clock to the target, per model.
+
+    Wall-clock to the target is each seed's steps to it times its side's per-step cost from
+    ``costs`` (medians over the seeds); without ``costs`` those columns are dashes.
 
     Args:
         models: per model: ``model``, ``target``, ``sgd`` and ``kfac`` summaries.
+        costs: the per-step costs (:func:`load_step_costs`), or None.
     """
     lines = [
         "| model | target | optimiser | picked config | seeds reaching it "
         "| epochs to target, median [min-max] | steps to target, median [min-max] "
-        "| best acc. % (median) | SGD/K-FAC epochs to target "
-        "| wall-clock to target (pending: from per-step costs) |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---|",
+        "| best acc. % (median) | SGD/K-FAC epochs to target | ms per step "
+        "| wall-clock to target, s, median [min-max] | SGD/K-FAC wall-clock to target |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for entry in models:
         speedup = ratio(entry["sgd"]["median_epochs"], entry["kfac"]["median_epochs"])
+        clocks = {
+            o: wall_clock(entry[o], costs.seconds(o)) if costs else None for o in ("sgd", "kfac")
+        }
         for optimizer in ("sgd", "kfac"):
             row = entry[optimizer]
             reached = sum(e is not None for e in row["epochs_to_target"])
             best = 100 * statistics.median(row["best_accuracy"])
             epochs = "" if optimizer == "sgd" else ("-" if speedup is None else f"{speedup:.2f}x")
+            clock = clocks[optimizer]
+            per_step = "-" if costs is None else f"{1e3 * costs.seconds(optimizer):.2f}"
+            seconds = "-" if clock is None else _span(clock["seconds"], ".2f")
+            faster = ""
+            if optimizer == "kfac":
+                sgd_clock, kfac_clock = clocks["sgd"], clocks["kfac"]
+                both = None
+                if sgd_clock is not None and kfac_clock is not None:
+                    both = ratio(sgd_clock["median_s"], kfac_clock["median_s"])
+                faster = "-" if both is None else f"{both:.2f}x"
             lines.append(
                 f"| {entry['model']} | {100 * entry['target']:g}% | {NAMES[optimizer]} | "
                 f"{row['config']} | {reached} of {len(row['epochs_to_target'])} | "
                 f"{_span(row['epochs_to_target'], 'g')} | "
-                f"{_span(row['steps_to_target'], 'g')} | {best:.1f} | {epochs} | pending |"
+                f"{_span(row['steps_to_target'], 'g')} | {best:.1f} | {epochs} | {per_step} | "
+                f"{seconds} | {faster} |"
             )
     return "\n".join(lines)
 
@@ -768,6 +903,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "not trained again",
     )
     parser.add_argument("--png-dir", metavar="DIR", help="write race-<model>.png there")
+    parser.add_argument(
+        "--step-costs",
+        metavar="PATH",
+        help="an `interlace bench kfac --ablation` JSON (decompositions every "
+        f"{KFAC_INV_UPDATE_STEPS} steps, e.g. docs/kfac/h2h-resnet20-h200-10gbit-inv10.json): "
+        "fills the large-batch table's wall-clock to target from each side's per-step cost",
+    )
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help="train nothing: print the table of the race in --json (with --step-costs, its "
+        "wall-clock to target); the JSON is not rewritten",
+    )
     presets, _ = parser.parse_known_args(argv)
     if presets.large_batch:
         parser.set_defaults(**LARGE_DEFAULTS)
@@ -776,7 +924,42 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not 1 <= args.configs <= 8:
         parser.error(f"--configs must be 1-8, got {args.configs}")
+    if args.report and not args.json:
+        parser.error("--report reads the race from --json PATH")
     return args
+
+
+def report(path: Path, costs: StepCosts | None) -> str:
+    """The table of a finished race, from its JSON alone (nothing is trained or rewritten).
+
+    Args:
+        path: the race's JSON (``--json``).
+        costs: per-step costs for the large-batch table's wall-clock columns, or None.
+
+    Raises:
+        SystemExit: no such file, or step costs for the batch-100 race (whose table compares
+            side-by-side CPU epoch times instead).
+    """
+    if not path.is_file():
+        raise SystemExit(f"--report: no race JSON at {path}")
+    document = json.loads(path.read_text())
+    large = document.get("grid") == "large-batch"
+    if costs is not None and not large:
+        raise SystemExit(f"--step-costs applies to the large-batch race; {path} is batch-100")
+    lines = [
+        f"MNIST-1D ({document['train_samples']} training sequences), {document['nprocs']} ranks "
+        f"x batch {document['batch_size']} (global {document['global_batch']}), "
+        f"link {document['link']}, seeds {','.join(map(str, document['seeds']))}; "
+        f"{len(document['runs'])} runs in {path}",
+    ]
+    if costs is not None:
+        lines.append(
+            f"Per-step costs: SGD {1e3 * costs.sgd_s:.2f} ms, K-FAC {1e3 * costs.kfac_s:.2f} ms "
+            f"({costs.kfac_over_sgd:.2f}x), {costs.label}"
+        )
+    summaries = document["summary"]
+    lines += ["", step_table(summaries, costs) if large else table(summaries)]
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -786,6 +969,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments (None: the command line's).
     """
     args = parse_args(argv)
+    costs = load_step_costs(Path(args.step_costs)) if args.step_costs else None
+    if args.report:
+        print(report(Path(args.json), costs))
+        return 0
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     caps = _parse_map(args.epochs, int, "--epochs")
     fixed = {m: [t] for m, t in _parse_map(args.targets, float, "--targets").items()}
@@ -904,7 +1091,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"link {args.link or 'loopback'}, {args.configs} configs per optimiser on seed "
         f"{seeds[0]}, seeds {args.seeds}\n"
     )
-    print(step_table(summaries) if large else table(summaries))
+    if costs is not None:
+        print(f"Per-step costs: {costs.label}\n")
+    print(step_table(summaries, costs) if large else table(summaries))
     print(f"\n{len(everything)} runs, {time.perf_counter() - started:.0f} s this time")
     if args.json and not large:
         # The batch-100 race's files keep only this invocation's runs, as they always have.

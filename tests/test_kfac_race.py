@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import io
+import statistics
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -199,3 +200,77 @@ def test_runs_in_the_json_are_not_trained_again_and_finished_ones_go_in(
     assert "| 2 of 2 |" in race.step_table(
         [{"model": "mlp1d", "target": 0.6, "sgd": row, "kfac": row}]
     )
+
+
+def _bench_row(mode: str, inv_update_steps: int = 10) -> dict[str, Any]:
+    """A row of `interlace bench kfac --ablation`'s JSON, with round numbers."""
+    return {
+        "mode": mode,
+        "ranks": 4,
+        "link": "10gbit",
+        "batch": 32,
+        "factor_update_steps": 1,
+        "inv_update_steps": inv_update_steps,
+        "compute": "emulated:resnet20-h200 D=16",
+        "iteration_s": 0.015,
+        "cycle_iteration_s": 0.02 if mode == "pipelined" else 0.03,
+        "phases_s": {"forward_backward": 0.007, "gradient_comm": 0.0005, "optimizer": 0.0005},
+    }
+
+
+def test_wall_clock_to_target_is_steps_times_each_sides_step_cost(
+    race: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    costs = race.step_costs([_bench_row("dkfac"), _bench_row("pipelined")], "bench.json")
+    # SGD: 7 + 0.5 + 0.5 ms; K-FAC: the pipelined row's whole-cycle iteration, 20 ms.
+    assert costs.sgd_s == pytest.approx(0.008) and costs.kfac_s == pytest.approx(0.02)
+    assert costs.kfac_over_sgd == pytest.approx(2.5)
+    sgd = {"steps_to_target": [190, None, 228]}  # 1.52 s, never, 1.824 s
+    kfac = {"steps_to_target": [95, 114, 133]}  # 1.90, 2.28, 2.66 s
+    sgd_clock = race.wall_clock(sgd, costs.sgd_s)
+    assert sgd_clock["seconds"][1] is None
+    assert sgd_clock["median_s"] == pytest.approx(1.824)  # sorted: 1.52, 1.824, never
+    assert race.wall_clock(kfac, costs.kfac_s)["median_s"] == pytest.approx(2.28)
+    assert race.wall_clock({"steps_to_target": [None, None, 95]}, 0.02)["median_s"] is None
+
+    summary = [
+        {
+            "model": "cnn1d",
+            "target": 0.84,
+            **{
+                side: {
+                    "config": side,
+                    "epochs_to_target": [None if s is None else s // 19 for s in steps],
+                    "median_epochs": statistics.median([s // 19 for s in steps if s]),
+                    "steps_to_target": steps,
+                    "best_accuracy": [0.9, 0.9, 0.9],
+                }
+                for side, steps in (
+                    ("sgd", sgd["steps_to_target"]),
+                    ("kfac", kfac["steps_to_target"]),
+                )
+            },
+        }
+    ]
+    text = race.step_table(summary, costs)
+    assert "| 8.00 | 1.82 [1.52-never] |" in text
+    assert "| 20.00 | 2.28 [1.90-2.66] | 0.80x |" in text  # 1.824 / 2.28
+    assert text.count("| - |") == 0 and "| - | - |" in race.step_table(summary)
+
+    # The report reads the race's JSON and the bench's, trains nothing and rewrites neither.
+    path, bench = tmp_path / "race.json", tmp_path / "bench.json"
+    header = {"train_samples": 20_000, "nprocs": 4, "batch_size": 256, "global_batch": 1024}
+    document = {**header, "link": "loopback", "seeds": [0, 1, 2], "grid": "large-batch"}
+    path.write_text(race.json.dumps({**document, "summary": summary, "runs": []}))
+    bench.write_text(race.json.dumps([_bench_row("pipelined")]))
+    before = path.read_text()
+    argv = ["--report", "--json", str(path), "--step-costs", str(bench)]
+    assert race.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "SGD 8.00 ms, K-FAC 20.00 ms (2.50x)" in printed and "0.80x" in printed
+    assert path.read_text() == before
+
+    with pytest.raises(ValueError, match="decompositions every 1 steps"):
+        race.step_costs([_bench_row("pipelined", inv_update_steps=1)], "inv1.json")
+    with pytest.raises(ValueError, match="one row of mode 'pipelined'"):
+        race.step_costs([_bench_row("dkfac")], "dkfac-only.json")

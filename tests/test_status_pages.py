@@ -564,6 +564,52 @@ def _race_readme() -> list[str]:
     return [*lines, f"met on {NUMBER_WORDS[met]} model of {NUMBER_WORDS[len(rows)]}"]
 
 
+#: The large-batch race and the per-step costs its wall-clock column is priced with.
+LARGE_RACE = ("kfac/race-large-batch.json", "kfac/h2h-resnet20-h200-10gbit-inv10.json")
+
+
+def _large_race() -> tuple[dict[str, float], dict[str, float], float]:
+    """Per model, SGD's median epochs over K-FAC's and SGD's median wall-clock over K-FAC's at a
+    global batch of 1,024, and a K-FAC step's cost over an SGD step's."""
+    race = _script("kfac_race")
+    costs = race.load_step_costs(DOCS / LARGE_RACE[1])
+    epochs, clock = {}, {}
+    for entry in _json(LARGE_RACE[0])["summary"]:
+        sgd, kfac = entry["sgd"], entry["kfac"]
+        epochs[entry["model"]] = race.ratio(sgd["median_epochs"], kfac["median_epochs"])
+        clock[entry["model"]] = race.ratio(
+            race.wall_clock(sgd, costs.sgd_s)["median_s"],
+            race.wall_clock(kfac, costs.kfac_s)["median_s"],
+        )
+    return epochs, clock, costs.kfac_over_sgd
+
+
+def _large_race_says() -> list[str]:
+    epochs, clock, step = _large_race()
+    met = sum(ratio >= 1.3 for ratio in epochs.values())
+    faster = sum(ratio > 1 for ratio in clock.values())
+    slower = "slower on all three" if faster == 0 else f"faster on {NUMBER_WORDS[faster]}"
+    return [
+        f"K-FAC needs {_x(epochs['cnn1d'])} fewer epochs than SGD on cnn1d but "
+        f"{_x(epochs['mlp1d'])} and {_x(epochs['resnet1d'])} on mlp1d and resnet1d",
+        f"so the 1.3x epochs target is met on {NUMBER_WORDS[met]} model of "
+        f"{NUMBER_WORDS[len(epochs)]}",
+        f"a K-FAC step {_x(step)} an SGD step",
+        f"SGD's wall-clock to the target over K-FAC's is {_x(clock['cnn1d'])}, "
+        f"{_x(clock['mlp1d'])} and {_x(clock['resnet1d'])}: K-FAC {slower}",
+    ]
+
+
+@figure(README, *LARGE_RACE)
+def _large_race_readme() -> list[str]:
+    return _large_race_says()
+
+
+@figure(FEATURES, *LARGE_RACE)
+def _large_race_features() -> list[str]:
+    return _large_race_says()
+
+
 @figure(FEATURES, "kfac/convergence.json", "kfac/race-lm.json")
 def _kfac_convergence_features() -> list[str]:
     runs = _json("kfac/convergence.json")

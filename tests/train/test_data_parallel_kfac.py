@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 from pathlib import Path
@@ -17,6 +18,7 @@ from interlace.errors import UsageError
 from interlace.launch import LaunchResult
 from interlace.runlog import read_metrics
 from interlace.train import TrainConfig, WarmupCosine, make_kfac, train_rank
+from interlace.train.config import default_kfac_kl_clip
 
 
 @pytest.mark.slow
@@ -76,7 +78,7 @@ def test_kfac_defaults_are_kfac_pytorchs_and_validate() -> None:
         config.kfac_kl_clip,
         config.kfac_compute_method,
         config.kfac_grad_worker_fraction,
-    ) == (1, 1, 0.001, 0.95, 0.001, "eigen", 1.0)
+    ) == (1, 1, 0.001, 0.95, None, "eigen", 1.0)  # the KL-clip: by global batch, see below
 
 
 def _sgd_with_schedule(model: nn.Module) -> tuple[torch.optim.SGD, Any]:
@@ -101,6 +103,37 @@ def test_kfac_clip_follows_the_scheduled_learning_rate() -> None:
         # K-FAC's KL-clip sees the rate the warm-up + cosine schedule set, not the peak.
         assert precond.lr == pytest.approx(optimizer.param_groups[0]["lr"])
     assert precond.lr != pytest.approx(0.1)
+
+
+def test_the_kl_clip_not_given_follows_the_global_batch() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    optimizer, _ = _sgd_with_schedule(model)
+
+    def clip(world_size: int, **given: Any) -> float | None:
+        config = TrainConfig(optimizer="kfac", **given)
+        return make_kfac(config, model, optimizer, world_size).kl_clip
+
+    # The large-batch race's setting from a global batch of 1,024; KFAC's 0.001 below it.
+    assert default_kfac_kl_clip(1024) == 0.01 and default_kfac_kl_clip(1023) == 0.001
+    assert clip(4, batch_size=256) == 0.01  # the race's 4 x 256
+    assert clip(4, batch_size=25) == 0.001  # the batch-100 race's 4 x 25
+    assert clip(1, batch_size=1024) == 0.01
+    # Given, it is kept at any batch; 0 still turns the clip off.
+    assert clip(4, batch_size=256, kfac_kl_clip=0.001) == 0.001
+    assert clip(4, batch_size=25, kfac_kl_clip=0.01) == 0.01
+    assert clip(4, batch_size=256, kfac_kl_clip=0.0) is None
+    assert TrainConfig().kfac_kl_clip is None
+    shown = " ".join(_subcommand_help("train").split())
+    assert "(default: 0.01 at a global batch of 1,024 or more, else 0.001)" in shown
+
+
+def _subcommand_help(command: str) -> str:
+    """``interlace <command> --help``'s text."""
+    out = io.StringIO()
+    parser = cli.build_parser()
+    with pytest.raises(SystemExit), contextlib.redirect_stdout(out):
+        parser.parse_args([command, "--help"])
+    return out.getvalue()
 
 
 def test_a_worker_fraction_is_rounded_to_whole_workers_as_kfac_pytorch_does() -> None:

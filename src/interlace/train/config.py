@@ -37,6 +37,26 @@ from interlace.wrapping import parse_channels
 
 #: The ``--optimizer`` choices: plain SGD with momentum, or K-FAC in front of it.
 OPTIMIZERS = ("sgd", "kfac")
+#: ``--kfac-kl-clip`` when not given (:func:`default_kfac_kl_clip`): KFAC's own 0.001 below a
+#: global batch of 1,024, 0.01 from there, the settings the MNIST-1D races found safe at each.
+SMALL_BATCH_KL_CLIP = 0.001
+LARGE_BATCH_KL_CLIP = 0.01
+LARGE_GLOBAL_BATCH = 1024
+
+
+def default_kfac_kl_clip(global_batch: int) -> float:
+    """``--kfac-kl-clip``'s default for a job's global batch (per-rank batch x ranks).
+
+    At a global batch of 1,024 the race's KL-clip 0.01 reached the target sooner than 0.001 in 10
+    of 12 paired configurations and none of its runs collapsed; at 100, 0.01 collapsed every MLP
+    and CNN run under fixed damping, so smaller batches keep 0.001 (docs/kfac/race.md).
+
+    Args:
+        global_batch: samples per optimizer step over all ranks.
+    """
+    return LARGE_BATCH_KL_CLIP if global_batch >= LARGE_GLOBAL_BATCH else SMALL_BATCH_KL_CLIP
+
+
 #: The ``--parallel`` choices: the model replicated (data parallel) or cut into stages.
 PARALLELISMS = ("data", "pipeline")
 #: The ``--schedule`` choices of ``--parallel pipeline`` (see interlace.pipeline.schedule).
@@ -77,7 +97,8 @@ class TrainConfig:
         kfac_*: ``interlace.KFAC``'s keyword of the same name, as the command line spells
             it (each field's help says how): e.g. ``kfac_damping``, ``kfac_factor_comm``
             (``"bulk"`` or ``"pipelined"``), ``kfac_inv_dtype`` (``"float32"``),
-            ``kfac_skip_layers`` (comma-separated), ``kfac_kl_clip`` (0: no clip) and
+            ``kfac_skip_layers`` (comma-separated), ``kfac_kl_clip`` (0: no clip; None: by
+            the global batch, :func:`default_kfac_kl_clip`) and
             ``kfac_lr`` (None: the SGD's scheduled rate).
         parallel: one of :data:`PARALLELISMS`.
         schedule: one of :data:`PIPELINE_SCHEDULES`.
@@ -138,8 +159,15 @@ class TrainConfig:
     kfac_factor_decay: float = kfac_option(
         "factor_decay", Real(), "running-average decay of the factors, in [0, 1)"
     )
-    kfac_kl_clip: float = kfac_option(
-        "kl_clip", Real(zero_is_none=True), "KL-clip bound on the preconditioned step (0: no clip)"
+    kfac_kl_clip: float | None = kfac_option(
+        "kl_clip",
+        Real(zero_is_none=True),
+        "KL-clip bound on the preconditioned step (0: no clip); not given, it follows the global "
+        "batch: the MNIST-1D race at 1,024 found 0.01 faster than 0.001 and never collapsing, "
+        "while 0.01 collapsed at batch 100 under fixed damping (docs/kfac/race.md)",
+        default=None,
+        unset=f"{LARGE_BATCH_KL_CLIP:g} at a global batch of {LARGE_GLOBAL_BATCH:,} or more, "
+        f"else {SMALL_BATCH_KL_CLIP:g}",
     )
     kfac_lr: float | None = kfac_option(
         "lr",

@@ -28,7 +28,13 @@ from interlace.dp.plan_state import plan_state_of
 from interlace.errors import OptionError, UsageError
 from interlace.kfac import KFAC, KFACPreconditioner
 from interlace.train.checkpoint import Position, rng_state, set_rng_state
-from interlace.train.config import TrainConfig, TrainResult, sgd_with_schedule, steps_in_epoch
+from interlace.train.config import (
+    TrainConfig,
+    TrainResult,
+    default_kfac_kl_clip,
+    sgd_with_schedule,
+    steps_in_epoch,
+)
 from interlace.train.kfac_options import kfac_keywords, kfac_options, shown_as_flags
 from interlace.train.records import RunRecords, finish_run
 from interlace.wrapping import wrap_model
@@ -92,7 +98,11 @@ def train_data_parallel(
 
     optimizer, schedule = sgd_with_schedule(model.parameters(), config, steps_per_epoch)
     total_steps = config.epochs * steps_per_epoch
-    precond = make_kfac(config, parallel_model, optimizer) if config.optimizer == "kfac" else None
+    precond = (
+        make_kfac(config, parallel_model, optimizer, context.world_size)
+        if config.optimizer == "kfac"
+        else None
+    )
     if resumed is not None:
         saved = resumed.state
         model.load_state_dict(saved["model"])
@@ -374,18 +384,25 @@ def _eval_loader(
 
 
 def make_kfac(
-    config: TrainConfig, parallel_model: nn.Module, optimizer: torch.optim.Optimizer
+    config: TrainConfig,
+    parallel_model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    world_size: int | None = None,
 ) -> KFAC:
     """K-FAC on the wrapped model with the config's ``kfac_*`` options
     (:class:`~interlace.kfac.KFACPreconditioner`, which takes every keyword the flags name).
 
-    Its KL-clip follows the optimiser's scheduled rate unless ``kfac_lr`` fixes one.
+    Its KL-clip follows the optimiser's scheduled rate unless ``kfac_lr`` fixes one; its bound,
+    when ``kfac_kl_clip`` is None, is :func:`~interlace.train.config.default_kfac_kl_clip` of the
+    global batch.
 
     Args:
         config: the ``kfac_*`` options come from here.
         parallel_model: the model as wrapped for data parallelism.
         optimizer: the SGD that applies the preconditioned gradients; K-FAC's KL-clip reads its
             current learning rate at every step.
+        world_size: the job's ranks, for the KL-clip's default by global batch when
+            ``kfac_kl_clip`` is None (None: the process group's, or 1 without one).
 
     Raises:
         UsageError: naming the flag, for what K-FAC refuses only once it sees the job (a
@@ -394,6 +411,10 @@ def make_kfac(
     """
     keywords = kfac_keywords(config)
     keywords.setdefault("lr", _CurrentLr(optimizer))
+    if config.kfac_kl_clip is None:  # not given: the clip the race found safe at this batch
+        if world_size is None:
+            world_size = dist.get_world_size() if dist.is_initialized() else 1
+        keywords["kl_clip"] = default_kfac_kl_clip(config.batch_size * world_size)
     try:
         return KFACPreconditioner(parallel_model, **keywords)
     except OptionError as error:
