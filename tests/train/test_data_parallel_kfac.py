@@ -41,6 +41,8 @@ def test_two_rank_kfac_run_learns_digits_and_records_its_optimizer(tmp_path: Pat
     recorded = json.loads((run_dir / "config.json").read_text())
     assert recorded["optimizer"] == "kfac"
     assert recorded["kfac_damping"] == 0.001 and recorded["kfac_inv_update_steps"] == 1
+    # The clip left to its default is recorded as the one that ran (a small global batch's).
+    assert recorded["kfac_kl_clip"] == default_kfac_kl_clip(2 * config.batch_size) == 0.001
     # The run header names the preconditioner: the first line of KFAC.describe().
     assert "K-FAC (eigen, COMM-OPT) on 2 rank(s): 13 layers" in printed.getvalue()
 

@@ -11,6 +11,7 @@ import math
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -65,6 +66,10 @@ def train_data_parallel(
             f"--classes {config.num_classes} does not match the data '{bundle.name}', "
             f"which has {num_classes} classes"
         )
+    if config.optimizer == "kfac" and config.kfac_kl_clip is None:
+        # Resolved before the run folder is written, so config.json holds the clip that ran.
+        global_batch = config.batch_size * context.world_size
+        config = replace(config, kfac_kl_clip=default_kfac_kl_clip(global_batch))
     records = RunRecords(config, context, run_dir, resume)
     resumed, start = records.resumed, records.start
 
