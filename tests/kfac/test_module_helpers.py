@@ -1,4 +1,5 @@
-"""Per-module K-FAC helpers: convolution patches against ``unfold``."""
+"""Per-module K-FAC helpers: convolution patches against ``unfold``, factors against the
+moments of their rows."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from interlace.kfac.module_helpers import Conv1dHelper, Conv2dHelper, make_helper
+from interlace.kfac.module_helpers import (
+    Conv1dHelper,
+    Conv2dHelper,
+    gram,
+    make_helper,
+    second_moment,
+)
 
 
 @pytest.mark.parametrize(
@@ -74,3 +81,51 @@ def test_conv1d_factors_are_the_moments_of_its_patches_and_output_gradients(
     assert helper.g_dim == 4
     torch.testing.assert_close(helper.a_factor(inputs), expected_a)
     torch.testing.assert_close(helper.g_factor(grad_output), expected_g)
+
+
+@pytest.mark.parametrize("width", [5, 255, 256, 300, 384, 1000])
+@pytest.mark.parametrize("count", [3, 700])
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+def test_gram_is_the_full_product_of_the_rows_with_themselves(
+    width: int, count: int, layout: str
+) -> None:
+    generator = torch.Generator().manual_seed(width + count)
+    if layout == "columns":  # a transposed view, as the convolutions pass their patches
+        rows = torch.randn(width, count, generator=generator).t()
+    else:
+        rows = torch.randn(count, width, generator=generator)
+    expected = rows.double().t() @ rows.double()
+    product = gram(rows)
+    assert product.dtype == rows.dtype and product.shape == (width, width)
+    torch.testing.assert_close(product.double(), expected, rtol=1e-5, atol=1e-4 * count**0.5)
+    assert torch.equal(second_moment(rows), second_moment(rows).t())
+
+
+def test_wide_linear_factors_are_the_moments_with_a_ones_column() -> None:
+    # Wide enough (300 in, 384 out) that the factors' products are cut into blocks.
+    layer = nn.Linear(300, 384)
+    generator = torch.Generator().manual_seed(3)
+    inputs = torch.randn(4, 50, 300, generator=generator)
+    grads = torch.randn(4, 50, 384, generator=generator)
+    helper = make_helper(layer)[0]
+    assert helper is not None
+    rows = torch.cat([inputs.reshape(-1, 300), torch.ones(200, 1)], dim=1).double()
+    torch.testing.assert_close(helper.a_factor(inputs), (rows.t() @ rows / 200).float())
+    g_rows = grads.reshape(-1, 384).double()
+    torch.testing.assert_close(helper.g_factor(grads), (g_rows.t() @ g_rows / 200).float())
+
+
+def test_wide_conv_factors_are_the_spatially_averaged_moments_of_unfold_s_patches() -> None:
+    # 32 channels x 3x3 = 288-wide patches and 260 output channels: both products are cut.
+    conv = nn.Conv2d(32, 260, 3, padding=1)
+    generator = torch.Generator().manual_seed(4)
+    inputs = torch.randn(2, 32, 6, 5, generator=generator)
+    grads = torch.randn(2, 260, 6, 5, generator=generator)
+    helper = make_helper(conv)[0]
+    assert helper is not None
+    positions = 30
+    unfolded = functional.unfold(inputs, 3, padding=1).transpose(1, 2).reshape(-1, 288)
+    rows = torch.cat([unfolded, torch.ones(60, 1)], dim=1).double() / positions
+    torch.testing.assert_close(helper.a_factor(inputs), (rows.t() @ rows / 60).float())
+    g_rows = grads.permute(0, 2, 3, 1).reshape(-1, 260).double() / positions
+    torch.testing.assert_close(helper.g_factor(grads), (g_rows.t() @ g_rows / 60).float())

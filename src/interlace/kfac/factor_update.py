@@ -57,11 +57,13 @@ class FactorUpdate:
         Returns:
             The layers still registered (``layers`` itself when none was dropped).
         """
-        started = time.perf_counter()
         if self._comm.pipelining:
+            started = time.perf_counter()
             ready, averaged = self._comm.finish_pipelined(layers, phases, device, started)
         else:
-            everywhere, anywhere = self._comm.agree_presence(layers, device)
+            # A collective: its time is mostly the wait for the slowest rank's backward.
+            with self._spans.timed(phases, "factor_comm", "comm", "factor presence"):
+                everywhere, anywhere = self._comm.agree_presence(layers, device)
             if not self._hooks_checked:
                 if not any(everywhere.values()):
                     self._wait_for_training_step(step)
@@ -69,7 +71,6 @@ class FactorUpdate:
                 self._hooks_checked = True
                 layers = self._drop_silent_layers(layers, skipped, anywhere)
             ready = [layer for layer in layers if everywhere[layer.name]]
-            phases["factor_compute"] += time.perf_counter() - started
             tensors = [tensor for layer in ready for tensor in layer.batch_factors()]
             with self._spans.timed(phases, "factor_comm", "comm", "factor all-reduce"):
                 averaged = self._comm.all_reduce_mean(tensors)

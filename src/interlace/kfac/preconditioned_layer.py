@@ -136,9 +136,13 @@ class KFACLayer:
         grad_output = grad_output.detach()
         if dtype is not None:
             grad_output = grad_output.to(dtype)
-        g = self.helper.g_factor(grad_output) / float(world_size**2)
+        scale = 1.0 / float(world_size**2)
         if per_example:
-            g = g * float(grad_output.shape[0] * world_size) ** 2
+            scale *= float(grad_output.shape[0] * world_size) ** 2
+        g = self.helper.g_factor(grad_output)
+        # One pass over the factor for both normalisations, none when they cancel.
+        if scale != 1.0:
+            g = g * scale
         self.g_sum = g if self.g_sum is None else self.g_sum + g
         self.g_count += 1
         return g

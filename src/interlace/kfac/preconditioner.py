@@ -70,7 +70,9 @@ from interlace.timeline import Event
 __all__ = ["KFAC", "PHASES", "KFACPreconditioner", "KFACWarning"]
 
 #: The K-FAC phases timed by every :meth:`KFAC.step` (seconds in :attr:`KFAC.last_phase_s`).
-#: ``factor_compute`` is the work done in the forward and backward hooks since the last step.
+#: ``factor_compute`` is the work done in the forward and backward hooks since the last step
+#: and the running averages; the hooks' hand-over of factors to their all-reduce and the step's
+#: agreement on which layers have factors are ``factor_comm``.
 PHASES = (
     "factor_compute",
     "factor_comm",
@@ -250,6 +252,9 @@ class KFAC:
         #: Seconds spent in each of :data:`PHASES` by the last :meth:`step`.
         self.last_phase_s: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self._hook_s = 0.0
+        # The hooks' hand-over of each factor to the factor communication (packing it, starting
+        # a pipelined all-reduce): factor_comm, not factor_compute.
+        self._hook_comm_s = 0.0
         self._spans = SpanLog()
         # Whether a forward hook has checked the sums since the last backward (a new batch).
         self._batch_checked = False
@@ -495,12 +500,15 @@ class KFAC:
             self._drop_non_finite_sums()
         with torch.no_grad():
             a = layer.add_input(inputs[0], self.factor_dtype)
+            computed = time.perf_counter()
             self._comm.factor_ready((layer.name, "A"), a, layer.a_count)
+            handed = time.perf_counter() - computed
         if isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(partial(self._grad_hook, layer))
         ended = time.perf_counter()
-        self._hook_s += ended - started
-        self._spans.add(f"A {layer.name}", "factor", started, ended)
+        self._hook_s += ended - started - handed
+        self._hook_comm_s += handed
+        self._spans.add(f"A {layer.name}", "factor", started, computed)
 
     def _grad_hook(self, layer: KFACLayer, grad: torch.Tensor) -> None:
         started = time.perf_counter()
@@ -513,10 +521,12 @@ class KFAC:
             self._batch_rows = grad.shape[0]
             per_example = self.g_normalization == "per-example"
             g = layer.add_grad_output(grad, self.factor_dtype, self.world_size, per_example)
+            computed = time.perf_counter()
             self._comm.factor_ready((layer.name, "G"), g, layer.g_count)
         ended = time.perf_counter()
-        self._hook_s += ended - started
-        self._spans.add(f"G {layer.name}", "factor", started, ended)
+        self._hook_s += computed - started
+        self._hook_comm_s += ended - computed
+        self._spans.add(f"G {layer.name}", "factor", started, computed)
 
     def _drop_non_finite_sums(self) -> None:
         """Forget the factor sums that are not finite, so that a batch whose step was skipped
@@ -558,7 +568,8 @@ class KFAC:
             return
         phases = dict.fromkeys(PHASES, 0.0)
         phases["factor_compute"] = self._hook_s
-        self._hook_s = 0.0
+        phases["factor_comm"] = self._hook_comm_s
+        self._hook_s = self._hook_comm_s = 0.0
         adaptive = self.adaptive_damping
         if adaptive is not None and loss is not None:
             with self._spans.timed(phases, "precondition", "precondition", "adaptive damping"):
