@@ -188,7 +188,7 @@ def symmetric(matrix: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
 
 #: The narrowest column block :func:`gram` multiplies on its own: narrower blocks would make
 #: products too small to run near a CPU's peak.
-GRAM_BLOCK = 192
+GRAM_BLOCK = 128
 #: The most column blocks :func:`gram` cuts: the saving approaches half the products as the
 #: blocks multiply, while each block adds a product and a copy.
 GRAM_MAX_BLOCKS = 4
