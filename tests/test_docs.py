@@ -16,8 +16,10 @@ A comment on the line before a block changes what happens to it, and says why:
 - ``<!-- test: parse-only (reason) -->`` for commands that train or benchmark for minutes, need
   root, or need files a user brings: each line goes through its program's real argument parser
   (``argparse``'s ``parse_args``, stopped right after it returns), so a renamed or removed option
-  still fails here. ``make TARGET`` lines, which set up a virtual environment, are checked with
-  ``make -n`` (the target exists and its recipe expands); they are accepted only in such blocks.
+  still fails here. A block's programs are parsed one after another in one interpreter, each
+  with its own arguments and environment. ``make TARGET`` lines, which set up a virtual
+  environment, are checked with ``make -n`` (the target exists and its recipe expands); they are
+  accepted only in such blocks.
 - ``<!-- test: file NAME -->`` before a ``python`` block: the block is the script ``NAME`` that
   the page's shell blocks run (for example ``train.py`` under ``interlace launch``); it is written
   to the page's directory and must be used by one of them.
@@ -28,6 +30,7 @@ Identical blocks on several pages run once.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -65,15 +68,22 @@ SHELL = ("bash", "sh", "shell", "console")
 OUTPUT = ("text",)
 MODES = ("run", "parse-only", "file", "skip")
 
-# Run in place of a Python program, this stops it right after its argument parser returns.
+# Run in place of Python programs, this stops each right after its argument parser returns.
+# It runs a block's programs one after another in one interpreter (starting one that imports
+# torch costs seconds): each with its own argv and environment, and a line of JSON after each
+# that says how it ended.
 PARSE_ONLY_RUNNER = """\
-import argparse, runpy, sys
+import argparse, json, os, runpy, sys, traceback
+from pathlib import Path
 
+parsed = False
 parse_args = argparse.ArgumentParser.parse_args
 
 def parse_then_stop(self, args=None, namespace=None):
-    parsed = parse_args(self, args, namespace)
-    print(f"parse-only: {self.prog} accepted {parsed}")
+    global parsed
+    result = parse_args(self, args, namespace)
+    parsed = True
+    print(f"parse-only: {self.prog} accepted {result}")
     raise SystemExit(0)
 
 argparse.ArgumentParser.parse_args = parse_then_stop
@@ -85,20 +95,37 @@ else:
     own_parse_args = OneLineArgumentParser.parse_args
 
     def own_parse_then_stop(self, args=None, namespace=None):
-        parsed = own_parse_args(self, args, namespace)
-        print(f"parse-only: {self.prog} accepted {parsed}")
+        global parsed
+        result = own_parse_args(self, args, namespace)
+        parsed = True
+        print(f"parse-only: {self.prog} accepted {result}")
         raise SystemExit(0)
 
     OneLineArgumentParser.parse_args = own_parse_then_stop
-kind, target, *argv = sys.argv[1:]
-sys.argv = [target, *argv]
-if kind == "-m":
-    runpy.run_module(target, run_name="__main__", alter_sys=True)
-else:
-    sys.path.insert(0, str(__import__("pathlib").Path(target).resolve().parent))
-    runpy.run_path(target, run_name="__main__")
+environ = dict(os.environ)
+for index, (env, kind, target, argv) in enumerate(json.loads(sys.argv[1])):
+    parsed = False
+    os.environ.clear()
+    os.environ.update({**environ, **env})
+    sys.argv = [target, *argv]
+    try:
+        if kind == "-m":
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, str(Path(target).resolve().parent))
+            runpy.run_path(target, run_name="__main__")
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+        if not isinstance(stop.code, int | None):
+            print(stop.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    print(json.dumps({"parse-only command": index, "code": code, "parsed": parsed}), flush=True)
 """
-PARSED = "parse-only: "
 #: Plain file commands a page may show between its own (``ls`` a run folder, ``rm`` a file);
 #: they run in the test's folder for that page.
 FILE_COMMANDS = ("ls", "rm", "cat")
@@ -274,14 +301,48 @@ def run_command(line: list[str], block: Block, cwd: Path) -> None:
         )
     kind, target, args = program
     if block.mode == "parse-only":
-        stdout = run_checked(
-            [sys.executable, "-c", PARSE_ONLY_RUNNER, kind, target, *args], cwd, where, env
-        )
-        assert PARSED in stdout, f"{where}: the program never reached its argument parser"
+        parse_only([(line, env, kind, target, args)], block, cwd)
     elif kind == "-m":
         run_checked([sys.executable, "-m", target, *args], cwd, where, env)
     else:
         run_checked([sys.executable, target, *args], cwd, where, env)
+
+
+def parse_only(
+    programs: list[tuple[list[str], dict[str, str], str, str, list[str]]], block: Block, cwd: Path
+) -> None:
+    """Put each ``(line, env, kind, target, args)`` of ``block`` through its program's argument
+    parser, all in one interpreter; fail naming the first line that did not exit with status 0
+    right after its parser returned."""
+    commands = [[env, kind, target, args] for _, env, kind, target, args in programs]
+    argv = [sys.executable, "-c", PARSE_ONLY_RUNNER, json.dumps(commands)]
+    where = f"{block.where}: parse-only"
+    try:
+        done = subprocess.run(
+            argv,
+            cwd=cwd,
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{where}: {len(programs)} command(s) ran past {TIMEOUT_S} s")
+    ends = [
+        json.loads(text)
+        for text in done.stdout.splitlines()
+        if text.startswith('{"parse-only command"')
+    ]
+    output = f"--- stdout\n{done.stdout[-4000:]}\n--- stderr\n{done.stderr[-4000:]}"
+    for index, (line, *_) in enumerate(programs):
+        command = f"{block.where}: `{shlex.join(line)}`"
+        if index >= len(ends):
+            pytest.fail(f"{command} never finished (the runner exited {done.returncode})\n{output}")
+        if ends[index]["code"] != 0:
+            pytest.fail(f"{command} exited with {ends[index]['code']}\n{output}")
+        assert ends[index]["parsed"], f"{command}: the program never reached its argument parser"
+    assert done.returncode == 0, f"{where}: the runner exited {done.returncode}\n{output}"
 
 
 @pytest.fixture(scope="module")
@@ -330,6 +391,19 @@ def test_code_block_runs(block: Block, page_dirs: Callable[[Path], Path]) -> Non
         return
     lines = command_lines(block)
     assert lines, f"{block.where}: a shell block without commands"
+    if block.mode == "parse-only":
+        # The block's Python programs are parsed in one interpreter, after its other lines.
+        programs = []
+        for line in lines:
+            env, words = split_env(line)
+            program = python_program(words, cwd) if words else None
+            if program is None:
+                run_command(line, block, cwd)
+            else:
+                programs.append((line, env, *program))
+        if programs:
+            parse_only(programs, block, cwd)
+        return
     for line in lines:
         run_command(line, block, cwd)
 
@@ -361,6 +435,14 @@ def test_parse_only_rejects_an_unknown_option(tmp_path: Path) -> None:
             block,
             tmp_path,
         )
+
+
+def test_parse_only_names_the_line_of_a_block_that_fails(tmp_path: Path) -> None:
+    # A block's programs are parsed in one interpreter: the failure still names its own line.
+    text = "interlace train --epochs 3\ninterlace train --no-such-option 3\ninterlace train\n"
+    block = Block(README, 1, "bash", text, "parse-only", "(example)")
+    with pytest.raises(pytest.fail.Exception, match="`interlace train --no-such-option 3` exited"):
+        test_code_block_runs(block, lambda _: tmp_path)
 
 
 def test_parse_only_stops_after_parsing(tmp_path: Path) -> None:

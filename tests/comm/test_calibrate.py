@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -51,19 +54,20 @@ def test_ranks_fit_one_model_and_reuse_the_cache(
     assert list(cached) == ["gloo|3|loopback"]
 
 
-def _fit_stream(_: None) -> CostModel:
+def _fit_stream() -> CostModel:
     return fit_stream_cost_model(
         small_sizes=(256, 4096), sizes=(65536, 1 << 18), count=2, repeats=2
     )
 
 
-def test_streamed_all_reduces_fit_one_model_everywhere() -> None:
-    results = run_ranks(_fit_stream, 2, None, timeout=120)
+def test_streamed_all_reduces_fit_one_model_everywhere(two_ranks: dict[str, list[Any]]) -> None:
+    results = two_ranks["stream"]
     assert len(set(results)) == 1, results  # maxima over ranks: bit-identical
     assert results[0].a > 0 and results[0].b >= 0
 
 
-def _fit_over_bad_entries(_: None) -> tuple[CostModel, list[str]]:
+def _fit_over_bad_entries(cache_dir: str) -> tuple[CostModel, list[str]]:
+    os.environ["INTERLACE_CACHE_DIR"] = cache_dir
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = fit_cost_model(sizes=(4096, 65536), repeats=2, warmup=1)
@@ -72,23 +76,20 @@ def _fit_over_bad_entries(_: None) -> tuple[CostModel, list[str]]:
     return with_terms, [str(w.message) for w in caught]
 
 
-@pytest.mark.parametrize(
-    ("model_entry", "terms_entry"),
-    [([float("nan"), 1e-9], [[1e-4, float("inf")]]), ([-1.0, 1e-9], [[-1e-4, 1.5]])],
-    ids=["non-finite", "negative"],
-)
+#: Unusable cached entries, by kind: (the cost model's, the concurrency terms').
+BAD_ENTRIES = {
+    "non-finite": ([float("nan"), 1e-9], [[1e-4, float("inf")]]),
+    "negative": ([-1.0, 1e-9], [[-1e-4, 1.5]]),
+}
+KEY = "gloo|2|loopback"
+
+
+@pytest.mark.parametrize("kind", list(BAD_ENTRIES))
 def test_unusable_cache_entries_are_measured_again_with_a_warning(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    model_entry: list[float],
-    terms_entry: list[list[float]],
+    kind: str, two_ranks: dict[str, list[Any]], cache_dirs: dict[str, Path]
 ) -> None:
-    monkeypatch.setenv("INTERLACE_CACHE_DIR", str(tmp_path))
-    key = "gloo|2|loopback"
-    entries = {key: model_entry, f"{key}|concurrency": terms_entry}
-    (tmp_path / "cost_models.json").write_text(json.dumps(entries))
-    results = run_ranks(_fit_over_bad_entries, 2, None, timeout=120)
-    (model, messages), (other, other_messages) = results
+    tmp_path, key = cache_dirs[kind], KEY
+    (model, messages), (other, other_messages) = two_ranks[kind]
     assert model == other
     assert all(math.isfinite(v) and v >= 0 for v in (model.a, model.b, *model.concurrency[0]))
     assert len(messages) == 2 and all("measuring again" in m for m in messages), messages
@@ -104,3 +105,37 @@ def test_the_streamed_fit_spans_the_sizes_up_to_the_job_s_largest_message() -> N
     # Fourfold steps from 2 MiB, then the total itself when it is well past the last step.
     assert stream_sizes_up_to(39 * mib) == (mib // 2, 2 * mib, 8 * mib, 32 * mib)
     assert stream_sizes_up_to(100 * mib) == (mib // 2, 2 * mib, 8 * mib, 32 * mib, 100 * mib)
+
+
+@pytest.fixture(scope="module")
+def cache_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A cache folder per kind of unusable entry, holding those entries."""
+    folders = {}
+    for kind, (model_entry, terms_entry) in BAD_ENTRIES.items():
+        folders[kind] = tmp_path_factory.mktemp(kind)
+        entries = {KEY: model_entry, f"{KEY}|concurrency": terms_entry}
+        (folders[kind] / "cost_models.json").write_text(json.dumps(entries))
+    return folders
+
+
+def _every_two_rank_scenario(cache_dirs: dict[str, str]) -> dict[str, Any]:
+    """Each 2-rank scenario's result on this rank; a failure names its scenario."""
+    scenarios: dict[str, Callable[[], Any]] = {"stream": _fit_stream}
+    for kind, folder in cache_dirs.items():
+        scenarios[kind] = lambda folder=folder: _fit_over_bad_entries(folder)
+    results: dict[str, Any] = {}
+    for name, scenario in scenarios.items():
+        try:
+            results[name] = scenario()
+        except Exception as error:
+            raise RuntimeError(f"2-rank scenario {name!r} failed") from error
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks(cache_dirs: dict[str, Path]) -> dict[str, list[Any]]:
+    """Every 2-rank scenario's results by rank, from one launch: starting ranks costs more than
+    the fits do."""
+    folders = {kind: str(folder) for kind, folder in cache_dirs.items()}
+    per_rank = run_ranks(_every_two_rank_scenario, 2, folders, timeout=240)
+    return {name: [results[name] for results in per_rank] for name in per_rank[0]}

@@ -127,14 +127,13 @@ CASES = (
 )
 
 
-def _train_every_case(_: None) -> dict[tuple[str, str], dict[str, Any]]:
-    # One job for every case: starting ranks costs more than the training.
+def _train_every_case() -> dict[tuple[str, str], dict[str, Any]]:
     return {case: _train(*case) for case in CASES}
 
 
 @pytest.mark.timeout(460)  # above the harness's own limit, which reports better
-def test_torch_hooks_train_exactly_as_under_ddp() -> None:
-    results = run_ranks(_train_every_case, 2, None, timeout=400)
+def test_torch_hooks_train_exactly_as_under_ddp(two_ranks: dict[str, list[Any]]) -> None:
+    results = two_ranks["cases"]
     for by_case in results:
         for case, result in by_case.items():
             assert result["grads_equal"], case
@@ -152,7 +151,7 @@ def test_torch_hooks_train_exactly_as_under_ddp() -> None:
         assert ours[case] != plain, case
 
 
-def _misuse(_: None) -> dict[str, str]:
+def _misuse() -> dict[str, str]:
     hook = default_hooks.allreduce_hook
     messages: dict[str, str] = {}
     attempts = {
@@ -174,9 +173,29 @@ def _misuse(_: None) -> dict[str, str]:
     return messages
 
 
-def test_misuse_is_a_clear_error() -> None:
-    messages = run_ranks(_misuse, 1, None, timeout=300)[0]
-    assert "compression='fp16' cannot be combined" in messages["compression"]
-    assert "channels=2 cannot be combined" in messages["channels"]
-    assert "only be called once" in messages["twice"]
-    assert "before the first backward" in messages["late"]
+@pytest.mark.timeout(460)  # it may be the first to ask for the shared launch
+def test_misuse_is_a_clear_error(two_ranks: dict[str, list[Any]]) -> None:
+    for messages in two_ranks["misuse"]:
+        assert "compression='fp16' cannot be combined" in messages["compression"]
+        assert "channels=2 cannot be combined" in messages["channels"]
+        assert "only be called once" in messages["twice"]
+        assert "before the first backward" in messages["late"]
+
+
+def _every_scenario(_: None) -> dict[str, Any]:
+    """Both tests' work on this rank, in one job: starting ranks costs more than the training.
+    A failure names its scenario."""
+    results: dict[str, Any] = {}
+    for name, scenario in (("cases", _train_every_case), ("misuse", _misuse)):
+        try:
+            results[name] = scenario()
+        except Exception as error:
+            raise RuntimeError(f"2-rank scenario {name!r} failed") from error
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[str, list[Any]]:
+    """Each scenario's results by rank, from one 2-rank launch."""
+    per_rank = run_ranks(_every_scenario, 2, None, timeout=400)
+    return {name: [results[name] for results in per_rank] for name in per_rank[0]}

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import os
+import re
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,8 +25,13 @@ from interlace.errors import RankFailedError, UsageError
 from interlace.testing import run_ranks
 from interlace.zoo import build_model
 
+# The 2-rank tests share one launch (the ``two_ranks`` fixture, set up in the first one's time).
+pytestmark = pytest.mark.timeout(460)
+
 #: Every bucketing, by the string a user passes.
 BUCKETINGS = tuple(bucketing.value for bucketing in Bucketing)
+#: The models every bucketing trains against DDP.
+BUCKETING_MODELS = ("mlp", "resnet20", "transformer", "unused", "tied")
 # A cost model that makes "merged" form several buckets on these small models.
 COST = CostModel(a=2e-4, b=1e-9)
 
@@ -106,9 +115,11 @@ def _compare_with_ddp(name: str, steps: int) -> dict[str, Any]:
     return report
 
 
-@pytest.mark.parametrize("name", ["mlp", "resnet20", "transformer", "unused", "tied"])
-def test_every_bucketing_matches_ddp_for_twenty_steps(name: str) -> None:
-    report = run_ranks(_compare_with_ddp, 2, name, 20, timeout=240)[0]
+@pytest.mark.parametrize("name", BUCKETING_MODELS)
+def test_every_bucketing_matches_ddp_for_twenty_steps(
+    name: str, two_ranks: dict[str, list[Any]]
+) -> None:
+    report = two_ranks[f"ddp {name}"][0]
     for bucketing, result in report.items():
         assert result["buckets"] is not None, f"{bucketing}: never planned"
         assert result["worst_grad"] < 1e-6, (bucketing, result["worst_grad"])
@@ -125,7 +136,7 @@ def test_three_ranks_average_like_ddp() -> None:
         assert result["worst_grad"] < 1e-6
 
 
-def _no_sync_accumulates(_: None) -> float:
+def _no_sync_accumulates() -> float:
     torch.manual_seed(0)
     reference = nn.Linear(6, 3)
     ours = DataParallel(copy.deepcopy(reference), bucketing="merged", cost_model=COST)
@@ -143,11 +154,12 @@ def _no_sync_accumulates(_: None) -> float:
     return worst
 
 
-def test_no_sync_accumulates_then_averages_like_ddp() -> None:
-    assert max(run_ranks(_no_sync_accumulates, 2, None, timeout=120)) < 1e-6
+def test_no_sync_accumulates_then_averages_like_ddp(two_ranks: dict[str, list[Any]]) -> None:
+    assert max(two_ranks["no_sync"]) < 1e-6
 
 
-def _plan_is_shared(_: None) -> list[list[int]]:
+def _plan_is_shared(cache_dir: str) -> list[list[int]]:
+    os.environ["INTERLACE_CACHE_DIR"] = cache_dir
     model = DataParallel(build_model("mlp", (1, 8, 8), 10), bucketing="merged", profile_steps=2)
     for _step in range(4):
         model(torch.randn(4, 1, 8, 8)).sum().backward()
@@ -156,34 +168,43 @@ def _plan_is_shared(_: None) -> list[list[int]]:
 
 
 def test_ranks_agree_on_one_plan_with_a_fitted_cost_model(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    two_ranks: dict[str, list[Any]], cache_dir: Path
 ) -> None:
-    monkeypatch.setenv("INTERLACE_CACHE_DIR", str(tmp_path))
-    plans = run_ranks(_plan_is_shared, 2, None, timeout=120)
+    plans = two_ranks["fitted plan"]
     assert plans[0] == plans[1]
     assert sorted(i for group in plans[0] for i in group) == list(range(26))
     # The fitted model was cached for the next start.
-    assert (tmp_path / "cost_models.json").exists()
+    assert (cache_dir / "cost_models.json").exists()
 
 
-def _wrap_mismatched(_: None) -> None:
+def _refused(wrap: Callable[[], Any]) -> str:
+    """The message of the error ``wrap`` raises on this rank (every rank must raise one)."""
+    try:
+        wrap()
+    except Exception as error:  # what a user would see, whatever its class
+        return str(error)
+    return "no error"
+
+
+def _wrap_mismatched() -> str:
     width = 16 if dist.get_rank() == 0 else 17
-    DataParallel(nn.Linear(4, width))
+    return _refused(lambda: DataParallel(nn.Linear(4, width)))
 
 
-def test_a_model_that_differs_across_ranks_is_refused_at_wrap_time() -> None:
-    with pytest.raises(RankFailedError, match=r"on rank 0 but shape \(17, 4\) float32 on rank 1"):
-        run_ranks(_wrap_mismatched, 2, None, timeout=60)
+def test_a_model_that_differs_across_ranks_is_refused_at_wrap_time(
+    two_ranks: dict[str, list[Any]],
+) -> None:
+    # Both ranks returned (the launch has a time limit), each refused with both shapes named.
+    for message in two_ranks["mismatched"]:
+        assert re.search(r"on rank 0 but shape \(17, 4\) float32 on rank 1", message), message
 
 
-def _wrap(kind: str) -> None:
+def _wrap(kind: str) -> str:
     if kind == "frozen":
-        model = nn.Linear(3, 3).requires_grad_(False)
-        DataParallel(model)
-    elif kind == "cap":
-        DataParallel(nn.Linear(3, 3), bucketing="fixed", bucket_cap_mb=0)
-    elif kind == "name":
-        DataParallel(nn.Linear(3, 3), bucketing="fastest")
+        return _refused(lambda: DataParallel(nn.Linear(3, 3).requires_grad_(False)))
+    if kind == "cap":
+        return _refused(lambda: DataParallel(nn.Linear(3, 3), bucketing="fixed", bucket_cap_mb=0))
+    return _refused(lambda: DataParallel(nn.Linear(3, 3), bucketing="fastest"))
 
 
 @pytest.mark.parametrize(
@@ -194,9 +215,11 @@ def _wrap(kind: str) -> None:
         ("name", "fastest"),
     ],
 )
-def test_bad_settings_are_clear_errors(kind: str, needle: str) -> None:
-    with pytest.raises(RankFailedError, match=needle):
-        run_ranks(_wrap, 1, kind, timeout=60)
+def test_bad_settings_are_clear_errors(
+    kind: str, needle: str, two_ranks: dict[str, list[Any]]
+) -> None:
+    for message in two_ranks[f"bad {kind}"]:
+        assert needle in message, message
 
 
 def test_an_uninitialised_process_group_is_a_clear_error() -> None:
@@ -263,8 +286,10 @@ def _trial_iterations(candidates: int) -> int:
     return len(schedule) + 1 + changes
 
 
-def test_candidate_plans_are_tried_and_the_fastest_measured_is_kept_on_every_rank() -> None:
-    first, second = run_ranks(_tuned_run, 2, (1, False), timeout=120)
+def test_candidate_plans_are_tried_and_the_fastest_measured_is_kept_on_every_rank(
+    two_ranks: dict[str, list[Any]],
+) -> None:
+    first, second = two_ranks["tuned"]
     assert first["summary"].startswith("tuned by measured iteration time")
     assert first["summary"] == second["summary"] and first["groups"] == second["groups"]
     labels = [label for label, _, _ in first["results"]]
@@ -282,21 +307,23 @@ def test_candidate_plans_are_tried_and_the_fastest_measured_is_kept_on_every_ran
     assert first["done_after"] == 3 + _trial_iterations(len(labels))
 
 
-def test_evaluation_passes_during_the_trials_are_not_timed_and_break_nothing() -> None:
-    first, second = run_ranks(_tuned_run, 2, (1, True), timeout=120)
+def test_evaluation_passes_during_the_trials_are_not_timed_and_break_nothing(
+    two_ranks: dict[str, list[Any]],
+) -> None:
+    first, second = two_ranks["tuned with evaluation"]
     assert first["summary"].startswith("tuned by measured iteration time")
     assert first["groups"] == second["groups"]
     # A span with an evaluation pass in it is dropped, so the trials take longer.
     assert first["done_after"] > 3 + _trial_iterations(len(first["results"]))
 
 
-def test_tune_steps_zero_keeps_the_cost_models_plan() -> None:
-    (result,) = run_ranks(_tuned_run, 1, (0, False), timeout=60)
-    assert result["summary"] == "" and result["results"] == []
-    assert result["done_after"] == 3
+def test_tune_steps_zero_keeps_the_cost_models_plan(two_ranks: dict[str, list[Any]]) -> None:
+    for result in two_ranks["untuned"]:
+        assert result["summary"] == "" and result["results"] == []
+        assert result["done_after"] == 3
 
 
-def _buffers_like_ddp(_: None) -> dict[str, float]:
+def _buffers_like_ddp() -> dict[str, float]:
     """BatchNorm statistics against DDP's (which re-sends rank 0's buffers before every forward)
     through training steps and an evaluation pass; then, after a training-mode pass without
     gradients on rank-specific data, a training step on the same batch everywhere must leave
@@ -329,7 +356,56 @@ def _buffers_like_ddp(_: None) -> dict[str, float]:
     return {"vs_ddp": worst, "across_ranks": spread}
 
 
-def test_buffers_follow_rank_zero_before_every_training_forward_like_ddp() -> None:
-    for result in run_ranks(_buffers_like_ddp, 2, None, timeout=120):
+def test_buffers_follow_rank_zero_before_every_training_forward_like_ddp(
+    two_ranks: dict[str, list[Any]],
+) -> None:
+    for result in two_ranks["buffers"]:
         assert result["vs_ddp"] < 1e-6
         assert result["across_ranks"] < 1e-12
+
+
+def _two_rank_scenarios(cache_dir: str) -> dict[str, Callable[[], Any]]:
+    """The 2-rank scenarios above, by name. The fitted plan comes first (the others pass their
+    cost model, so this fit is the process's first) and the refusals last."""
+    scenarios: dict[str, Callable[[], Any]] = {"fitted plan": lambda: _plan_is_shared(cache_dir)}
+    for name in BUCKETING_MODELS:
+        scenarios[f"ddp {name}"] = functools.partial(_compare_with_ddp, name, 20)
+    scenarios.update(
+        {
+            "no_sync": _no_sync_accumulates,
+            "tuned": lambda: _tuned_run((1, False)),
+            "tuned with evaluation": lambda: _tuned_run((1, True)),
+            "untuned": lambda: _tuned_run((0, False)),
+            "buffers": _buffers_like_ddp,
+            "bad frozen": lambda: _wrap("frozen"),
+            "bad cap": lambda: _wrap("cap"),
+            "bad name": lambda: _wrap("name"),
+            "mismatched": _wrap_mismatched,
+        }
+    )
+    return scenarios
+
+
+def _every_two_rank_scenario(cache_dir: str) -> dict[str, Any]:
+    """Each scenario's result on this rank; a failure names its scenario."""
+    results: dict[str, Any] = {}
+    for name, scenario in _two_rank_scenarios(cache_dir).items():
+        try:
+            results[name] = scenario()
+        except Exception as error:
+            raise RuntimeError(f"2-rank scenario {name!r} failed") from error
+    return results
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ranks' cost-model cache folder (``INTERLACE_CACHE_DIR``)."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(cache_dir: Path) -> dict[str, list[Any]]:
+    """Every 2-rank scenario's results by rank, from one launch: starting ranks costs more than
+    most scenarios do."""
+    per_rank = run_ranks(_every_two_rank_scenario, 2, str(cache_dir), timeout=400)
+    return {name: [results[name] for results in per_rank] for name in per_rank[0]}

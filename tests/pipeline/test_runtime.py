@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,6 +21,10 @@ from torch.func import functional_call
 from interlace.errors import RankFailedError, UsageError
 from interlace.pipeline.runtime import PipelineStage
 from interlace.testing import run_ranks
+
+# The multi-rank tests share a launch per job size (the ``two_ranks`` and ``four_ranks``
+# fixtures, each set up in the time of the first test that asks for it).
+pytestmark = pytest.mark.timeout(460)
 
 BATCH = 16
 CLASSES = 3
@@ -104,8 +109,10 @@ def _sync_cases_rank(num_stages: int) -> list[list[Tensor]]:
 
 
 @pytest.mark.parametrize("num_stages", [2, 4])
-def test_synchronous_schedules_give_the_unpipelined_gradients(num_stages: int) -> None:
-    per_stage = run_ranks(_sync_cases_rank, num_stages, num_stages, timeout=90)
+def test_synchronous_schedules_give_the_unpipelined_gradients(
+    num_stages: int, request: pytest.FixtureRequest
+) -> None:
+    per_stage = _shared(request, num_stages)["sync"]
     model = nn.Sequential(*_stages(num_stages))
     inputs, targets = _data(1)[0]
     nn.functional.cross_entropy(model(inputs), targets).backward()
@@ -219,6 +226,10 @@ ASYNC_CASES = (
 )
 
 
+#: Mini-batches each asynchronous case trains.
+ASYNC_COUNT = 7
+
+
 def _async_cases_rank(num_stages: int, count: int) -> list[list[Tensor]]:
     return [
         _async_rank(schedule, num_stages, count, how, chunks)
@@ -227,9 +238,11 @@ def _async_cases_rank(num_stages: int, count: int) -> list[list[Tensor]]:
 
 
 @pytest.mark.parametrize("num_stages", [2, 4])
-def test_asynchronous_schedules_match_a_sequential_reference(num_stages: int) -> None:
-    count = 7
-    per_stage = run_ranks(_async_cases_rank, num_stages, num_stages, count, timeout=90)
+def test_asynchronous_schedules_match_a_sequential_reference(
+    num_stages: int, request: pytest.FixtureRequest
+) -> None:
+    count = ASYNC_COUNT
+    per_stage = _shared(request, num_stages)["async"]
     for case, (schedule, how, chunks) in enumerate(ASYNC_CASES):
         got = [t for stage in per_stage for t in stage[case]]
         expected = _reference(schedule, num_stages, count, how)
@@ -258,8 +271,10 @@ def _eval_rank(num_stages: int) -> tuple[int, int, float]:
     return result.correct, result.total, result.mean_loss
 
 
-def test_evaluate_counts_correct_predictions_on_every_rank() -> None:
-    results = run_ranks(_eval_rank, 4, 4, timeout=60)
+def test_evaluate_counts_correct_predictions_on_every_rank(
+    four_ranks: dict[str, list[Any]],
+) -> None:
+    results = four_ranks["evaluate"]
     model = nn.Sequential(*_stages(4))
     with torch.no_grad():
         correct = sum(int((model(x).argmax(-1) == y).sum()) for x, y in _data(3))
@@ -392,8 +407,10 @@ def _mismatch_rank(num_stages: int) -> dict[str, Any]:
     return {"errors": errors, "updates": result.updates}
 
 
-def test_stages_that_disagree_get_one_clear_error_naming_the_setting() -> None:
-    outcome = run_ranks(_mismatch_rank, 2, 2, timeout=60)
+def test_stages_that_disagree_get_one_clear_error_naming_the_setting(
+    two_ranks: dict[str, list[Any]],
+) -> None:
+    outcome = two_ranks["mismatch"]
     for rank in (0, 1):
         errors = outcome[rank]["errors"]
         assert set(errors) == set(MISMATCHES), errors
@@ -418,8 +435,8 @@ def _misplaced_rank(_: None) -> str:
     return ""
 
 
-def test_a_stage_given_to_the_wrong_rank_is_named() -> None:
-    outcome = run_ranks(_misplaced_rank, 2, None, timeout=60)
+def test_a_stage_given_to_the_wrong_rank_is_named(two_ranks: dict[str, list[Any]]) -> None:
+    outcome = two_ranks["misplaced"]
     assert outcome[0] == ""
     assert "rank 1 was given stage 0, which ranks=[0, 1] puts on rank 0" in outcome[1]
 
@@ -429,3 +446,54 @@ def test_a_pipeline_of_several_stages_needs_a_process_group() -> None:
     sgd = torch.optim.SGD(module.parameters(), lr=0.1)
     with pytest.raises(UsageError, match="needs a process group"):
         PipelineStage(module, sgd, stage=0, num_stages=2, schedule="gpipe")
+
+
+def _scenarios(num_stages: int) -> dict[str, Callable[[], Any]]:
+    """The scenarios above for a job of ``num_stages`` ranks, by name. The misplaced stage
+    comes last: rank 0 then holds a stage that rank 1 refused."""
+    scenarios: dict[str, Callable[[], Any]] = {
+        "sync": lambda: _sync_cases_rank(num_stages),
+        "async": lambda: _async_cases_rank(num_stages, ASYNC_COUNT),
+    }
+    if num_stages == 4:
+        scenarios["evaluate"] = lambda: _eval_rank(4)
+    else:
+        scenarios["mismatch"] = lambda: _mismatch_rank(2)
+        scenarios["misplaced"] = lambda: _misplaced_rank(None)
+    return scenarios
+
+
+def _every_scenario(num_stages: int) -> dict[str, Any]:
+    """Each scenario's result on this rank; a failure names its scenario."""
+    results: dict[str, Any] = {}
+    for name, scenario in _scenarios(num_stages).items():
+        try:
+            results[name] = scenario()
+        except Exception as error:
+            raise RuntimeError(f"{num_stages}-rank scenario {name!r} failed") from error
+    return results
+
+
+def _launch(num_stages: int) -> dict[str, list[Any]]:
+    """Every scenario's results by rank, from one launch: starting ranks costs more than the
+    scenarios do."""
+    per_rank = run_ranks(_every_scenario, num_stages, num_stages, timeout=300)
+    return {name: [results[name] for results in per_rank] for name in per_rank[0]}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[str, list[Any]]:
+    return _launch(2)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> dict[str, list[Any]]:
+    return _launch(4)
+
+
+def _shared(request: pytest.FixtureRequest, num_stages: int) -> dict[str, list[Any]]:
+    """The shared launch of ``num_stages`` ranks."""
+    results: dict[str, list[Any]] = request.getfixturevalue(
+        "two_ranks" if num_stages == 2 else "four_ranks"
+    )
+    return results

@@ -82,11 +82,14 @@ def _run_and_resume(cases: list[tuple[str, TrainConfig, int]], root: str) -> lis
     for name, config, step in cases:
         train = train_pipeline if config.parallel == "pipeline" else train_data_parallel
         full, resumed = Path(root, name, "full"), Path(root, name, "resumed")
-        first = train(config, context, str(full))
-        if context.is_main:
-            _cut_back(full, resumed, step)
-        dist.barrier()
-        second = train(config, context, str(resumed), True)
+        try:
+            first = train(config, context, str(full))
+            if context.is_main:
+                _cut_back(full, resumed, step)
+            dist.barrier()
+            second = train(config, context, str(resumed), True)
+        except Exception as error:
+            raise RuntimeError(f"case {name!r} failed") from error
         results.append((first, second))
     dist.destroy_process_group()
     return results
@@ -127,20 +130,57 @@ def _check_exact(root: Path, name: str, pair: tuple[TrainResult, TrainResult]) -
         }
 
 
+#: Data-parallel runs cut back and resumed: (name, config, the step to resume from).
+DATA_PARALLEL_CASES = [
+    # SGD, resumed in the middle of epoch 2 (step 6 of 8; the plan still being measured).
+    ("sgd-mid-epoch", _tiny(save_every="3"), 6),
+    # Buckets fixed up front: the checkpoint carries the plan; resumed at an epoch's start.
+    ("sgd-fixed-plan", _tiny(save_every="1ep", deterministic=True), 4),
+    # K-FAC decomposing every 2nd step: factors and decompositions cross the cut.
+    ("kfac", _tiny(save_every="3", optimizer="kfac", kfac_inv_update_steps=2), 6),
+]
+SCHEDULES = ("gpipe", "1f1b", "pipedream", "spectrain", "naive")
+#: Pipelined runs, one per schedule, resumed at the start of epoch 2.
+PIPELINE_CASES = [
+    (
+        schedule,
+        _tiny(
+            parallel="pipeline",
+            schedule=schedule,
+            microbatches=2,
+            partition_by="params",
+            max_steps_per_epoch=3,
+            save_every="1ep",
+        ),
+        3,
+    )
+    for schedule in SCHEDULES
+]
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[Any]]]:
+    """Every case of both lists run, cut back and resumed in one 2-rank job (starting ranks
+    costs more than a case): the runs' folder and each case's results by rank."""
+    root = tmp_path_factory.mktemp("resumed")
+    cases = DATA_PARALLEL_CASES + PIPELINE_CASES
+    result = launch.run(_run_and_resume, 2, args=(cases, str(root)), timeout=400).check()
+    by_case = {
+        name: [result.values[rank][index] for rank in range(2)]
+        for index, (name, _, _) in enumerate(cases)
+    }
+    return root, by_case
+
+
 @pytest.mark.slow
-def test_resumed_data_parallel_runs_equal_the_uninterrupted_ones(tmp_path: Path) -> None:
-    cases = [
-        # SGD, resumed in the middle of epoch 2 (step 6 of 8; the plan still being measured).
-        ("sgd-mid-epoch", _tiny(save_every="3"), 6),
-        # Buckets fixed up front: the checkpoint carries the plan; resumed at an epoch's start.
-        ("sgd-fixed-plan", _tiny(save_every="1ep", deterministic=True), 4),
-        # K-FAC decomposing every 2nd step: factors and decompositions cross the cut.
-        ("kfac", _tiny(save_every="3", optimizer="kfac", kfac_inv_update_steps=2), 6),
-    ]
-    result = launch.run(_run_and_resume, 2, args=(cases, str(tmp_path)), timeout=240).check()
-    for index, (name, _, _) in enumerate(cases):
+@pytest.mark.timeout(460)  # the first sets up the shared launch
+def test_resumed_data_parallel_runs_equal_the_uninterrupted_ones(
+    resumed: tuple[Path, dict[str, list[Any]]],
+) -> None:
+    tmp_path, by_case = resumed
+    for name, _, _ in DATA_PARALLEL_CASES:
         for rank in range(2):
-            _check_exact(tmp_path, name, result.values[rank][index])
+            _check_exact(tmp_path, name, by_case[name][rank])
     fixed = read_header(latest_checkpoint(tmp_path / "sgd-fixed-plan" / "resumed") or Path())
     # The plan travelled with the checkpoint: both ranks hold it, and it is the fixed one.
     plans = [rank["plan"] for rank in fixed["ranks"]]
@@ -151,27 +191,14 @@ def test_resumed_data_parallel_runs_equal_the_uninterrupted_ones(tmp_path: Path)
 
 
 @pytest.mark.slow
-def test_resumed_pipelines_equal_the_uninterrupted_ones(tmp_path: Path) -> None:
-    schedules = ("gpipe", "1f1b", "pipedream", "spectrain", "naive")
-    cases = [
-        (
-            schedule,
-            _tiny(
-                parallel="pipeline",
-                schedule=schedule,
-                microbatches=2,
-                partition_by="params",
-                max_steps_per_epoch=3,
-                save_every="1ep",
-            ),
-            3,
-        )
-        for schedule in schedules
-    ]
-    result = launch.run(_run_and_resume, 2, args=(cases, str(tmp_path)), timeout=240).check()
-    for index, schedule in enumerate(schedules):
+@pytest.mark.timeout(460)  # it may be the first to ask for the shared launch
+def test_resumed_pipelines_equal_the_uninterrupted_ones(
+    resumed: tuple[Path, dict[str, list[Any]]],
+) -> None:
+    tmp_path, by_case = resumed
+    for schedule in SCHEDULES:
         for rank in range(2):
-            _check_exact(tmp_path, schedule, result.values[rank][index])
+            _check_exact(tmp_path, schedule, by_case[schedule][rank])
     header = read_header(latest_checkpoint(tmp_path / "gpipe" / "full") or Path())
     # Each stage saved its own weights.
     stages = [rank["stage"]["stage"] for rank in header["ranks"]]

@@ -9,14 +9,17 @@ import pytest
 
 from interlace import launch
 from interlace.cli import main
+from interlace.distenv import finish_distributed, init_distributed
 from interlace.errors import UsageError
 from interlace.runlog import read_metrics
-from interlace.train import TrainConfig, TrainResult, train_rank
+from interlace.train import TrainConfig, TrainResult, train_pipeline
+
+#: (schedule, chunks) of the runs that must learn.
+RUNS = (("gpipe", 1), ("spectrain", 1), ("spectrain", 4))
 
 
-@pytest.mark.parametrize(("schedule", "chunks"), [("gpipe", 1), ("spectrain", 1), ("spectrain", 4)])
-def test_a_pipelined_resnet_learns_digits(tmp_path: Path, schedule: str, chunks: int) -> None:
-    config = TrainConfig(
+def _config(schedule: str, chunks: int) -> TrainConfig:
+    return TrainConfig(
         model="resnet20",
         data="digits",
         epochs=2,
@@ -27,9 +30,42 @@ def test_a_pipelined_resnet_learns_digits(tmp_path: Path, schedule: str, chunks:
         partition_by="params",
         progress=False,
     )
-    run_dir = tmp_path / "run"
-    result = launch.run(train_rank, 3, args=(config, str(run_dir)), timeout=180).check()
-    values = result.values
+
+
+def _train_each(root: str) -> list[TrainResult]:
+    """One rank of every run in ``RUNS``, one after another in one process group (starting
+    ranks costs more than a run); a run that fails is named in the error."""
+    context = init_distributed()
+    results = []
+    try:
+        for schedule, chunks in RUNS:
+            config = _config(schedule, chunks)
+            config.validate()
+            try:
+                results.append(train_pipeline(config, context, f"{root}/{schedule}-{chunks}"))
+            except Exception as error:
+                raise RuntimeError(f"the {schedule} run with {chunks} chunk(s) failed") from error
+    finally:
+        finish_distributed()
+    return results
+
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[TrainResult]]]:
+    """The runs' folder and each run's results by rank, from one 3-rank launch."""
+    root = tmp_path_factory.mktemp("runs")
+    values = launch.run(_train_each, 3, args=(str(root),), timeout=400).check().values
+    return root, [[ranks[index] for ranks in values] for index in range(len(RUNS))]
+
+
+@pytest.mark.timeout(460)  # the first sets up the shared launch
+@pytest.mark.parametrize(("schedule", "chunks"), RUNS)
+def test_a_pipelined_resnet_learns_digits(
+    schedule: str, chunks: int, three_ranks: tuple[Path, list[list[TrainResult]]]
+) -> None:
+    root, runs = three_ranks
+    run_dir = root / f"{schedule}-{chunks}"
+    values = runs[RUNS.index((schedule, chunks))]
     assert all(isinstance(v, TrainResult) for v in values)
     # Every stage reports the numbers the last stage measured.
     assert len({v.final_test_accuracy for v in values}) == 1
