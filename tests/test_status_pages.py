@@ -556,12 +556,16 @@ def _race_cell(sgd: float, kfac: float) -> str:
 def _race_readme() -> list[str]:
     rows = _race_rows()
     met = sum(max(sgd / fixed, sgd / adaptive) >= 1.3 for _, _, sgd, fixed, adaptive in rows)
-    lines = [
-        f"| {model}, {target:.0%} | {sgd:.0f}{' epochs' if index == 0 else ''} | "
-        f"{_race_cell(sgd, fixed)} | {_race_cell(sgd, adaptive)} |"
-        for index, (model, target, sgd, fixed, adaptive) in enumerate(rows)
+    cells = ", ".join(
+        f"{model} {_race_cell(sgd, fixed)} / {_race_cell(sgd, adaptive)}"
+        for model, _, sgd, fixed, adaptive in rows
+    )
+    sgd_epochs = [f"{sgd:.0f}" for _, _, sgd, _, _ in rows]
+    return [
+        f"fixed / adaptive damping: {cells} against SGD's "
+        f"{', '.join(sgd_epochs[:-1])} and {sgd_epochs[-1]}",
+        f"met on {NUMBER_WORDS[met]} model of {NUMBER_WORDS[len(rows)]}",
     ]
-    return [*lines, f"met on {NUMBER_WORDS[met]} model of {NUMBER_WORDS[len(rows)]}"]
 
 
 #: The large-batch race and the per-step costs its wall-clock column is priced with.

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from interlace.errors import RankFailedError
-from interlace.testing import run_ranks
+from interlace.testing import run_ranks, run_scenarios
 
 # -- rank targets (run in the worker processes) ---------------------------------------------------
 
@@ -40,3 +42,25 @@ def test_run_ranks_reports_failing_rank_traceback() -> None:
         run_ranks(raise_in_group, 2, timeout=60)
     assert info.value.rank == 1
     assert "deliberate failure inside the process group" in str(info.value)
+
+
+def test_run_scenarios_returns_each_result_and_names_the_one_that_fails() -> None:
+    ran: list[str] = []
+
+    def scenario(name: str, value: int) -> Callable[[], int]:
+        def run() -> int:
+            ran.append(name)
+            return value
+
+        return run
+
+    assert run_scenarios({"a": scenario("a", 1), "b": scenario("b", 2)}) == {"a": 1, "b": 2}
+    assert ran == ["a", "b"]
+
+    def broken() -> int:
+        raise ValueError("bad input")
+
+    with pytest.raises(RuntimeError, match="scenario 'second' failed") as raised:
+        run_scenarios({"first": scenario("c", 3), "second": broken, "third": scenario("d", 4)})
+    assert isinstance(raised.value.__cause__, ValueError)
+    assert ran == ["a", "b", "c"]  # nothing runs after the failure

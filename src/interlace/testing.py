@@ -10,14 +10,16 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from interlace import launch
 from interlace.launch import netem
 
-__all__ = ["netns_available", "run_ranks"]
+__all__ = ["netns_available", "run_ranks", "run_scenarios"]
+
+_T = TypeVar("_T")
 
 #: Upper bound on how long one collective may block inside the harness. A broken collective (a
 #: peer that died or never joined) then raises in the surviving ranks instead of waiting out
@@ -84,6 +86,27 @@ def run_ranks(
         collective_timeout=collective_timeout,
     ).check()
     return result.values
+
+
+def run_scenarios(scenarios: Mapping[str, Callable[[], _T]]) -> dict[str, _T]:
+    """Each scenario's result on this rank, run in order; one that raises is named in the error.
+
+    For several scenarios sharing one launch of ranks (starting ranks costs more than most
+    scenarios do), so that a failure still says which scenario it was.
+
+    Args:
+        scenarios: Each scenario's name and its function of no arguments.
+
+    Raises:
+        RuntimeError: Naming the scenario that raised, with its error chained.
+    """
+    results: dict[str, _T] = {}
+    for name, scenario in scenarios.items():
+        try:
+            results[name] = scenario()
+        except Exception as error:
+            raise RuntimeError(f"scenario {name!r} failed") from error
+    return results
 
 
 @functools.lru_cache(maxsize=1)

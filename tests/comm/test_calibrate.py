@@ -21,7 +21,7 @@ from interlace.comm.calibrate import (
     stream_sizes_up_to,
 )
 from interlace.comm.cost import CostModel
-from interlace.testing import run_ranks
+from interlace.testing import run_ranks, run_scenarios
 
 
 def _fit_twice(_: None) -> tuple[CostModel, CostModel]:
@@ -123,13 +123,7 @@ def _every_two_rank_scenario(cache_dirs: dict[str, str]) -> dict[str, Any]:
     scenarios: dict[str, Callable[[], Any]] = {"stream": _fit_stream}
     for kind, folder in cache_dirs.items():
         scenarios[kind] = lambda folder=folder: _fit_over_bad_entries(folder)
-    results: dict[str, Any] = {}
-    for name, scenario in scenarios.items():
-        try:
-            results[name] = scenario()
-        except Exception as error:
-            raise RuntimeError(f"2-rank scenario {name!r} failed") from error
-    return results
+    return run_scenarios(scenarios)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from interlace.comm.channels import Channels
 from interlace.comm.engine import BucketEngine
 from interlace.comm.plan import Launch
-from interlace.testing import run_ranks
+from interlace.testing import run_ranks, run_scenarios
 
 #: Shapes and dtypes of the test's gradients: a float64 tensor inside a float32 bucket makes the
 #: engine split that bucket by dtype.
@@ -265,13 +265,7 @@ TWO_RANK_SCENARIOS: dict[str, Callable[[], Any]] = {
 
 def _every_two_rank_scenario(_: None) -> dict[str, Any]:
     """Each scenario's result on this rank; a failure names its scenario."""
-    results: dict[str, Any] = {}
-    for name, scenario in TWO_RANK_SCENARIOS.items():
-        try:
-            results[name] = scenario()
-        except Exception as error:
-            raise RuntimeError(f"2-rank scenario {name!r} failed") from error
-    return results
+    return run_scenarios(TWO_RANK_SCENARIOS)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from interlace.comm.channels import Channels
 from interlace.comm.cost import CostModel
 from interlace.dp import DataParallel
 from interlace.errors import UsageError
-from interlace.testing import run_ranks
+from interlace.testing import run_ranks, run_scenarios
 from interlace.zoo import build_model
 
 # The 2-rank tests share one launch (the ``two_ranks`` fixture, set up in the first one's time).
@@ -238,13 +238,7 @@ def _two_rank_scenarios(tmp: str) -> dict[str, Callable[[], Any]]:
 
 def _every_two_rank_scenario(tmp: str) -> dict[str, Any]:
     """Each scenario's result on this rank; a failure names its scenario."""
-    results: dict[str, Any] = {}
-    for name, scenario in _two_rank_scenarios(tmp).items():
-        try:
-            results[name] = scenario()
-        except Exception as error:
-            raise RuntimeError(f"2-rank scenario {name!r} failed") from error
-    return results
+    return run_scenarios(_two_rank_scenarios(tmp))
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from interlace.comm.cost import CostModel
 from interlace.dp import DataParallel
 from interlace.errors import UsageError
-from interlace.testing import run_ranks
+from interlace.testing import run_ranks, run_scenarios
 
 # Prices that make "per-tensor" and "merged" plans of several buckets on the tiny model.
 COST = CostModel(a=2e-4, b=1e-9)
@@ -185,13 +185,7 @@ def test_misuse_is_a_clear_error(two_ranks: dict[str, list[Any]]) -> None:
 def _every_scenario(_: None) -> dict[str, Any]:
     """Both tests' work on this rank, in one job: starting ranks costs more than the training.
     A failure names its scenario."""
-    results: dict[str, Any] = {}
-    for name, scenario in (("cases", _train_every_case), ("misuse", _misuse)):
-        try:
-            results[name] = scenario()
-        except Exception as error:
-            raise RuntimeError(f"2-rank scenario {name!r} failed") from error
-    return results
+    return run_scenarios({"cases": _train_every_case, "misuse": _misuse})
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from interlace.comm.plan import Bucketing
 from interlace.comm.tuning import PlanTrials
 from interlace.dp import DataParallel
 from interlace.errors import RankFailedError, UsageError
-from interlace.testing import run_ranks
+from interlace.testing import run_ranks, run_scenarios
 from interlace.zoo import build_model
 
 # The 2-rank tests share one launch (the ``two_ranks`` fixture, set up in the first one's time).
@@ -388,13 +388,7 @@ def _two_rank_scenarios(cache_dir: str) -> dict[str, Callable[[], Any]]:
 
 def _every_two_rank_scenario(cache_dir: str) -> dict[str, Any]:
     """Each scenario's result on this rank; a failure names its scenario."""
-    results: dict[str, Any] = {}
-    for name, scenario in _two_rank_scenarios(cache_dir).items():
-        try:
-            results[name] = scenario()
-        except Exception as error:
-            raise RuntimeError(f"2-rank scenario {name!r} failed") from error
-    return results
+    return run_scenarios(_two_rank_scenarios(cache_dir))
 
 
 @pytest.fixture(scope="module")

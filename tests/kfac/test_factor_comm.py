@@ -20,7 +20,7 @@ from interlace import KFAC
 from interlace.comm.cost import CostModel
 from interlace.dp import DataParallel
 from interlace.kfac.factor_modes import Pipelined
-from interlace.testing import run_ranks
+from interlace.testing import run_ranks, run_scenarios
 
 DTYPE = torch.float64
 GLOBAL_BATCH = 8
@@ -256,13 +256,7 @@ def test_a_layer_called_twice_falls_back_to_bulk_and_stays_exact(
 def _every_two_rank_scenario() -> dict[str, Any]:
     """Both 2-rank tests' work on this rank, in one job: starting ranks costs more than the
     training. A failure names its scenario."""
-    results: dict[str, Any] = {}
-    for name, scenario in (("data parallel", _rank_data_parallel), ("twice", _rank_twice)):
-        try:
-            results[name] = scenario()
-        except Exception as error:
-            raise RuntimeError(f"2-rank scenario {name!r} failed") from error
-    return results
+    return run_scenarios({"data parallel": _rank_data_parallel, "twice": _rank_twice})
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from torch.func import functional_call
 
 from interlace.errors import RankFailedError, UsageError
 from interlace.pipeline.runtime import PipelineStage
-from interlace.testing import run_ranks
+from interlace.testing import run_ranks, run_scenarios
 
 # The multi-rank tests share a launch per job size (the ``two_ranks`` and ``four_ranks``
 # fixtures, each set up in the time of the first test that asks for it).
@@ -465,13 +465,7 @@ def _scenarios(num_stages: int) -> dict[str, Callable[[], Any]]:
 
 def _every_scenario(num_stages: int) -> dict[str, Any]:
     """Each scenario's result on this rank; a failure names its scenario."""
-    results: dict[str, Any] = {}
-    for name, scenario in _scenarios(num_stages).items():
-        try:
-            results[name] = scenario()
-        except Exception as error:
-            raise RuntimeError(f"{num_stages}-rank scenario {name!r} failed") from error
-    return results
+    return run_scenarios(_scenarios(num_stages))
 
 
 def _launch(num_stages: int) -> dict[str, list[Any]]:
