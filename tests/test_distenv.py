@@ -100,6 +100,9 @@ def _leave_after_a_late_peer(marker: str) -> tuple[float, float]:
     left = time.time()
     assert not torch.distributed.is_initialized()
     # While an exception propagates: no barrier (rank 1 never joins one), only the teardown.
+    # A second group on the first one's port can reach rank 0's old store while it closes
+    # (connection reset), so the second group rendezvous on the next port.
+    os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)
     distenv.init_distributed(timeout_s=30)
     started = time.time()
     try:
