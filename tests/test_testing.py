@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from interlace.errors import RankFailedError
-from interlace.testing import run_ranks, run_scenarios
+from interlace.testing import raised_message, run_ranks, run_scenarios
 
 # -- rank targets (run in the worker processes) ---------------------------------------------------
 
@@ -64,3 +64,11 @@ def test_run_scenarios_returns_each_result_and_names_the_one_that_fails() -> Non
         run_scenarios({"first": scenario("c", 3), "second": broken, "third": scenario("d", 4)})
     assert isinstance(raised.value.__cause__, ValueError)
     assert ran == ["a", "b", "c"]  # nothing runs after the failure
+
+
+def test_raised_message_is_the_errors_text_or_says_there_was_none() -> None:
+    def refuse() -> None:
+        raise ValueError("pass the same value on every rank")
+
+    assert raised_message(refuse) == "pass the same value on every rank"
+    assert raised_message(lambda: None) == "no error"

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from interlace import launch
 from interlace.launch import netem
 
-__all__ = ["netns_available", "run_ranks", "run_scenarios"]
+__all__ = ["netns_available", "raised_message", "run_ranks", "run_scenarios"]
 
 _T = TypeVar("_T")
 
@@ -107,6 +107,20 @@ def run_scenarios(scenarios: Mapping[str, Callable[[], _T]]) -> dict[str, _T]:
         except Exception as error:
             raise RuntimeError(f"scenario {name!r} failed") from error
     return results
+
+
+def raised_message(call: Callable[[], Any]) -> str:
+    """The message of the error ``call`` raises, or ``"no error"``: for checking, on every rank
+    of a shared launch, what a refusal tells the user.
+
+    Args:
+        call: A function of no arguments expected to raise.
+    """
+    try:
+        call()
+    except Exception as error:  # what a user would see, whatever its class
+        return str(error)
+    return "no error"
 
 
 @functools.lru_cache(maxsize=1)

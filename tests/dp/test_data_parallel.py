@@ -22,7 +22,7 @@ from interlace.comm.plan import Bucketing
 from interlace.comm.tuning import PlanTrials
 from interlace.dp import DataParallel
 from interlace.errors import RankFailedError, UsageError
-from interlace.testing import run_ranks, run_scenarios
+from interlace.testing import raised_message, run_ranks, run_scenarios
 from interlace.zoo import build_model
 
 # The 2-rank tests share one launch (the ``two_ranks`` fixture, set up in the first one's time).
@@ -177,18 +177,9 @@ def test_ranks_agree_on_one_plan_with_a_fitted_cost_model(
     assert (cache_dir / "cost_models.json").exists()
 
 
-def _refused(wrap: Callable[[], Any]) -> str:
-    """The message of the error ``wrap`` raises on this rank (every rank must raise one)."""
-    try:
-        wrap()
-    except Exception as error:  # what a user would see, whatever its class
-        return str(error)
-    return "no error"
-
-
 def _wrap_mismatched() -> str:
     width = 16 if dist.get_rank() == 0 else 17
-    return _refused(lambda: DataParallel(nn.Linear(4, width)))
+    return raised_message(lambda: DataParallel(nn.Linear(4, width)))
 
 
 def test_a_model_that_differs_across_ranks_is_refused_at_wrap_time(
@@ -201,10 +192,12 @@ def test_a_model_that_differs_across_ranks_is_refused_at_wrap_time(
 
 def _wrap(kind: str) -> str:
     if kind == "frozen":
-        return _refused(lambda: DataParallel(nn.Linear(3, 3).requires_grad_(False)))
+        return raised_message(lambda: DataParallel(nn.Linear(3, 3).requires_grad_(False)))
     if kind == "cap":
-        return _refused(lambda: DataParallel(nn.Linear(3, 3), bucketing="fixed", bucket_cap_mb=0))
-    return _refused(lambda: DataParallel(nn.Linear(3, 3), bucketing="fastest"))
+        return raised_message(
+            lambda: DataParallel(nn.Linear(3, 3), bucketing="fixed", bucket_cap_mb=0)
+        )
+    return raised_message(lambda: DataParallel(nn.Linear(3, 3), bucketing="fastest"))
 
 
 @pytest.mark.parametrize(

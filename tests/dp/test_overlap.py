@@ -23,7 +23,7 @@ from interlace.comm.cost import CostModel
 from interlace.comm.overlap import Overlap
 from interlace.dp import DataParallel
 from interlace.errors import UsageError
-from interlace.testing import run_ranks
+from interlace.testing import raised_message, run_ranks
 
 #: Several buckets on these small models, and the overlap plan from the first planned step.
 SETTINGS: dict[str, Any] = {
@@ -318,8 +318,8 @@ def _scenarios(_: None) -> dict[str, dict[str, Any]]:
         "two optimizers": _two_optimizers(_pair()),
         "K-FAC step": _kfac(_pair()),
         # Refusals last: the message each rank gets (the tests below).
-        "hook refused": _refused(_hook_refused),
-        "unknown overlap": _refused(_bad_overlap),
+        "hook refused": raised_message(_hook_refused),
+        "unknown overlap": raised_message(_bad_overlap),
     }
 
 
@@ -373,15 +373,6 @@ def test_three_ranks_train_as_without_the_overlap_to_rounding() -> None:
     for result in run_ranks(_three_ranks, 3, None, timeout=200):
         assert result["overlapped"]
         assert result["worst"] < 1e-6
-
-
-def _refused(wrap: Callable[[], Any]) -> str:
-    """The message of the error ``wrap`` raises on this rank (every rank must raise one)."""
-    try:
-        wrap()
-    except Exception as error:  # what a user would see, whatever its class
-        return str(error)
-    return "no error"
 
 
 def _hook_refused() -> None:
