@@ -39,6 +39,16 @@ def memory_cost(a_dim: int, g_dim: int, a_diagonal: bool = False) -> float:
     return float(a_dim if a_diagonal else a_dim**2) + float(g_dim**2)
 
 
+def largest_first(costs: Sequence[float]) -> list[int]:
+    """Item indices by cost, largest first; equal costs keep their order, so the answer depends
+    only on the inputs.
+
+    Args:
+        costs: Each item's cost.
+    """
+    return sorted(range(len(costs)), key=lambda i: -costs[i])
+
+
 def greedy_placement(costs: Sequence[float], ranks: int) -> list[int]:
     """The rank of each item: largest cost first, onto the least-loaded rank (lowest on ties).
 
@@ -50,8 +60,7 @@ def greedy_placement(costs: Sequence[float], ranks: int) -> list[int]:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
     loads = [0.0] * ranks
     owner = [0] * len(costs)
-    # Stable on equal costs (earlier item first), so the answer depends only on the inputs.
-    for index in sorted(range(len(costs)), key=lambda i: -costs[i]):
+    for index in largest_first(costs):
         rank = min(range(ranks), key=lambda r: (loads[r], r))
         owner[index] = rank
         loads[rank] += costs[index]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 from interlace.kfac.balancing import (
     decomposition_cost,
     greedy_placement,
+    largest_first,
     memory_cost,
     round_robin_placement,
 )
@@ -207,16 +208,23 @@ class Placement(Protocol):
         ...
 
 
-def _per_layer(owners: Sequence[int]) -> FactorPlacement:
-    """Layer owners as a factor placement: both factors on the layer's owner, in layer order."""
+def _per_layer(owners: Sequence[int], layer_order: Sequence[int] | None = None) -> FactorPlacement:
+    """Layer owners as a factor placement: both factors on the layer's owner, ``A`` then ``G``,
+    the layers in ``layer_order`` (None: layer order)."""
+    walk = range(len(owners)) if layer_order is None else layer_order
     return FactorPlacement(
-        tuple(owner for owner in owners for _ in "AG"), tuple(range(2 * len(owners)))
+        tuple(owner for owner in owners for _ in "AG"),
+        tuple(factor for layer in walk for factor in (2 * layer, 2 * layer + 1)),
     )
 
 
 @dataclass(frozen=True)
 class Greedy:
     """SC20 / KAISA: layers largest first, each onto the least-loaded rank (colocated).
+
+    Every rank decomposes in that order too, largest first, so the longest broadcasts start
+    first and travel while the smaller layers are decomposed (the reverse of a model whose
+    widest layers come last, as kfac-pytorch walks its layers).
 
     Args:
         balance: What a layer weighs: its decomposition work, ``n^3`` per factor
@@ -239,7 +247,7 @@ class Greedy:
     ) -> FactorPlacement:
         weigh = memory_cost if self.balance is AssignmentStrategy.MEMORY else decomposition_cost
         weights = [weigh(layer.a_dim, layer.g_dim, layer.a_diagonal) for layer in layers]
-        return _per_layer(greedy_placement(weights, ranks))
+        return _per_layer(greedy_placement(weights, ranks), largest_first(weights))
 
 
 @dataclass(frozen=True)
