@@ -6,9 +6,11 @@ so every rank issues the same collectives in the same order (docs/notes/dp.md).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,51 @@ CommRecorder = Callable[[int, int, int, float, float], None]
 all-reduce (one per slice of a partitioned bucket)."""
 
 COMPRESSIONS: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+#: What torch's backward stashes in thread-local state for the duration of the pass.
+_BACKWARD_CONTEXT = "context"
+
+
+@contextlib.contextmanager
+def outside_backward_context() -> Iterator[None]:
+    """Issue collectives without the Python object torch's backward keeps in thread-local state.
+
+    A collective's work keeps a copy of the issuing thread's state, and gloo drops its last
+    reference to a finished work on its own thread. When that happens while the interpreter
+    exits (a script that ends right after its last backward), freeing the Python object there
+    aborts the process ("terminate called without an active exception").
+    """
+    held = (
+        torch._C._get_obj_in_tls(_BACKWARD_CONTEXT)
+        if torch._C._is_key_in_tls(_BACKWARD_CONTEXT)
+        else None
+    )
+    if held is None:
+        yield
+        return
+    torch._C._remove_obj_from_tls(_BACKWARD_CONTEXT)
+    try:
+        yield
+    finally:
+        torch._C._stash_obj_in_tls(_BACKWARD_CONTEXT, held)
+
+
+#: Seconds the interpreter's exit waits for gloo to release the collectives a hook issued.
+HOOK_WORK_SETTLE_S = 0.2
+
+
+@functools.cache
+def _settle_hook_work_at_exit() -> None:
+    """Once a hook runs collectives, let the exit wait briefly before the interpreter finalizes.
+
+    A hook's collectives are its own: the engine holds only their futures. gloo drops its last
+    reference to a finished work on its own thread, a moment after the future completes; the
+    work may hold tensors whose Python objects it then frees, which needs the interpreter. A
+    script that ends right after its last backward can reach finalization first and abort
+    ("terminate called without an active exception"), under DDP as well. atexit callbacks run
+    before finalization begins, while other threads can still take the GIL.
+    """
+    atexit.register(time.sleep, HOOK_WORK_SETTLE_S)
 
 
 @dataclass(frozen=True)
@@ -96,6 +143,8 @@ class BucketEngine:
             raise ValueError("a communication hook and compression cannot be combined")
         self.tensors = list(tensors)
         self.hook = hook
+        if hook is not None:
+            _settle_hook_work_at_exit()
         self.batched_copy = batched_copy
         self.process_group = process_group
         self.channels = list(channels) if channels is not None else [process_group]
@@ -293,7 +342,8 @@ class BucketEngine:
             self._waited[bucket] = True
         # After every hook is done, so that this collective cannot interleave with those a
         # hook issues from its callbacks (PowerSGD does) in a different order on other ranks.
-        dist.all_reduce(self._usage, group=self.process_group)
+        with outside_backward_context():
+            dist.all_reduce(self._usage, group=self.process_group)
 
     def _call_hook(self, bucket: int, hook: HookSpec) -> None:
         group = self.groups[bucket]
@@ -315,6 +365,12 @@ class BucketEngine:
         self._futures[bucket] = future
 
     def _launch(self, position: int) -> None:
+        # Launched from autograd hooks: a hook's collectives, and the callbacks it chains on
+        # their futures, must not hold the backward's Python context either.
+        with outside_backward_context():
+            self._launch_in_order(position)
+
+    def _launch_in_order(self, position: int) -> None:
         send = self.sends[position]
         bucket = send.bucket
         buffer = self.buffers[bucket]
