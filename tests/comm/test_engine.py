@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from interlace.comm.channels import Channels
-from interlace.comm.engine import BucketEngine, outside_backward_context
+from interlace.comm.engine import BucketEngine
 from interlace.comm.hooks import HookSpec
 from interlace.comm.plan import Launch
 from interlace.testing import run_ranks, run_scenarios
@@ -278,10 +278,6 @@ def two_ranks() -> dict[str, list[Any]]:
     return {name: [results[name] for results in per_rank] for name in TWO_RANK_SCENARIOS}
 
 
-#: The key under which torch's backward keeps a Python object in thread-local state.
-BACKWARD_CONTEXT = "context"
-
-
 def _all_reduce_hook(state: Any, bucket: Any) -> Any:
     """A DDP-style hook: the bucket's sum over ranks, through the future's value."""
     return (
@@ -291,63 +287,13 @@ def _all_reduce_hook(state: Any, bucket: Any) -> Any:
     )
 
 
-def _exit_callbacks() -> int:
-    return atexit._ncallbacks()
-
-
-def _context_held_in_backward(_: None) -> dict[str, bool]:
-    """Where, during one backward, torch's Python context is in this thread's state: while
-    the engine's hook issues its collective, and in a gradient hook that runs after it."""
-    seen: dict[str, bool] = {}
-
-    def hook(state: Any, bucket: Any) -> Any:
-        seen["hook"] = torch._C._is_key_in_tls(BACKWARD_CONTEXT)
-        return _all_reduce_hook(state, bucket)
-
-    weight = torch.ones(3, requires_grad=True)
-    engine = BucketEngine([weight], [[0]], hook=HookSpec(None, hook))
-    engine.begin()
-    later = torch.ones(3, requires_grad=True)
-
-    def record_after(grad: torch.Tensor) -> None:
-        seen.setdefault("after", torch._C._is_key_in_tls(BACKWARD_CONTEXT))
-
-    later.register_hook(record_after)
-    weight.register_hook(lambda grad: engine.add(0, grad))
-    # ``weight``'s gradient is ready first (its product is the last op), ``later``'s after it.
-    ((later * 2).sum() + (weight * 3).sum()).backward()
-    seen["outside"] = torch._C._is_key_in_tls(BACKWARD_CONTEXT)
-    engine.finish()
-    return seen
-
-
-def test_collectives_from_backward_leave_torchs_python_context_behind() -> None:
-    # A collective's work copies the thread's state; gloo may free a finished work on its own
-    # thread while the interpreter exits, and a Python object in that copy then aborts it.
-    (seen,) = run_ranks(_context_held_in_backward, 1, None)
-    assert seen == {"hook": False, "after": True, "outside": False}
-
-
-def test_the_context_is_put_back_as_it_was() -> None:
-    marker = object()
-    torch._C._stash_obj_in_tls(BACKWARD_CONTEXT, marker)
-    try:
-        with outside_backward_context():
-            assert not torch._C._is_key_in_tls(BACKWARD_CONTEXT)
-        assert torch._C._get_obj_in_tls(BACKWARD_CONTEXT) is marker
-    finally:
-        torch._C._remove_obj_from_tls(BACKWARD_CONTEXT)
-    with outside_backward_context():  # nothing held: nothing to do
-        assert not torch._C._is_key_in_tls(BACKWARD_CONTEXT)
-
-
 def _exit_waits_registered(_: None) -> list[int]:
     """atexit callbacks after building no hooked engine, one, and a second one."""
     BucketEngine([torch.zeros(3)], [[0]])
-    counts = [_exit_callbacks()]
+    counts = [atexit._ncallbacks()]
     for _second in range(2):
         BucketEngine([torch.zeros(3)], [[0]], hook=HookSpec(None, _all_reduce_hook))
-        counts.append(_exit_callbacks())
+        counts.append(atexit._ncallbacks())
     return counts
 
 

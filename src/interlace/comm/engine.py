@@ -7,10 +7,9 @@ so every rank issues the same collectives in the same order (docs/notes/dp.md).
 from __future__ import annotations
 
 import atexit
-import contextlib
 import functools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,34 +25,6 @@ all-reduce (one per slice of a partitioned bucket)."""
 
 COMPRESSIONS: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
-#: What torch's backward stashes in thread-local state for the duration of the pass.
-_BACKWARD_CONTEXT = "context"
-
-
-@contextlib.contextmanager
-def outside_backward_context() -> Iterator[None]:
-    """Issue collectives without the Python object torch's backward keeps in thread-local state.
-
-    A collective's work keeps a copy of the issuing thread's state, and gloo drops its last
-    reference to a finished work on its own thread. When that happens while the interpreter
-    exits (a script that ends right after its last backward), freeing the Python object there
-    aborts the process ("terminate called without an active exception").
-    """
-    held = (
-        torch._C._get_obj_in_tls(_BACKWARD_CONTEXT)
-        if torch._C._is_key_in_tls(_BACKWARD_CONTEXT)
-        else None
-    )
-    if held is None:
-        yield
-        return
-    torch._C._remove_obj_from_tls(_BACKWARD_CONTEXT)
-    try:
-        yield
-    finally:
-        torch._C._stash_obj_in_tls(_BACKWARD_CONTEXT, held)
-
-
 #: Seconds the interpreter's exit waits for gloo to release the collectives a hook issued.
 HOOK_WORK_SETTLE_S = 0.2
 
@@ -64,7 +35,8 @@ def _settle_hook_work_at_exit() -> None:
 
     A hook's collectives are its own: the engine holds only their futures. gloo drops its last
     reference to a finished work on its own thread, a moment after the future completes; the
-    work may hold tensors whose Python objects it then frees, which needs the interpreter. A
+    work may hold Python objects it then frees (tensors made in the hook, the context torch's
+    backward keeps in thread-local state), which needs the interpreter. A
     script that ends right after its last backward can reach finalization first and abort
     ("terminate called without an active exception"), under DDP as well. atexit callbacks run
     before finalization begins, while other threads can still take the GIL.
@@ -342,8 +314,7 @@ class BucketEngine:
             self._waited[bucket] = True
         # After every hook is done, so that this collective cannot interleave with those a
         # hook issues from its callbacks (PowerSGD does) in a different order on other ranks.
-        with outside_backward_context():
-            dist.all_reduce(self._usage, group=self.process_group)
+        dist.all_reduce(self._usage, group=self.process_group)
 
     def _call_hook(self, bucket: int, hook: HookSpec) -> None:
         group = self.groups[bucket]
@@ -365,12 +336,6 @@ class BucketEngine:
         self._futures[bucket] = future
 
     def _launch(self, position: int) -> None:
-        # Launched from autograd hooks: a hook's collectives, and the callbacks it chains on
-        # their futures, must not hold the backward's Python context either.
-        with outside_backward_context():
-            self._launch_in_order(position)
-
-    def _launch_in_order(self, position: int) -> None:
         send = self.sends[position]
         bucket = send.bucket
         buffer = self.buffers[bucket]
