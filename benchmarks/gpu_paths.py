@@ -11,6 +11,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,21 +93,50 @@ def _train_steps(model_name: str, batch_size: int, steps: int, rounds: int) -> d
         optimizer.step()
 
     # Warm up each (cuDNN autotuning, DataParallel's profiling, planning and plan trials).
-    for config in _CONFIGS:
-        for _ in range(60):
-            step(config)
-    torch.cuda.synchronize()
-    samples: dict[str, list[float]] = {config: [] for config in _CONFIGS}
+    return median_step_s(step, _CONFIGS, device, warmup=60, steps=steps, rounds=rounds)
+
+
+def median_step_s(
+    step: Callable[[str], None],
+    names: Sequence[str],
+    device: torch.device,
+    *,
+    warmup: int,
+    steps: int,
+    rounds: int,
+) -> dict[str, float]:
+    """Each contender's median seconds per ``step(name)``, the device synchronised around each.
+
+    Rounds alternate the contenders' order, so none always runs after the same one.
+
+    Args:
+        step: One training step of the named contender.
+        names: The contenders.
+        device: Where they run (CUDA is synchronised; the host clock times any other).
+        warmup: Untimed steps of each first.
+        steps: Timed steps per contender per round.
+        rounds: Rounds.
+    """
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for name in names:
+        for _ in range(warmup):
+            step(name)
+    sync()
+    samples: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(rounds):
-        order = _CONFIGS if round_index % 2 == 0 else tuple(reversed(_CONFIGS))
-        for config in order:
+        order = names if round_index % 2 == 0 else tuple(reversed(names))
+        for name in order:
             for _ in range(steps):
-                torch.cuda.synchronize()
+                sync()
                 start = time.perf_counter()
-                step(config)
-                torch.cuda.synchronize()
-                samples[config].append(time.perf_counter() - start)
-    return {config: statistics.median(values) for config, values in samples.items()}
+                step(name)
+                sync()
+                samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def main() -> int:

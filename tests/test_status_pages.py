@@ -724,6 +724,16 @@ def _gpu_readme() -> list[str]:
     ]
 
 
+@figure(README, "gpu/kfac-h2h.json")
+def _gpu_kfac_readme() -> list[str]:
+    h2h = _json("gpu/kfac-h2h.json")
+    ratios = [row["kfac-pytorch"] / row["interlace"] for row in h2h["steps"]]
+    return [
+        f"one H200, 1 rank, batch {h2h['batch']}: K-FAC {_span(ratios)} kfac-pytorch's step",
+        f"{len({row['model'] for row in h2h['steps']})} models x decompositions every 1 and 10",
+    ]
+
+
 #: Figures of the two pages with no JSON committed behind them, each with the page that holds its
 #: measurement, which must state it too.
 NO_JSON: list[tuple[Path, str, str]] = [

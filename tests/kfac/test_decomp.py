@@ -12,6 +12,7 @@ from interlace.kfac.decomp import (
     RETRIES,
     DecompositionError,
     FactorDecomposition,
+    all_finite,
     decompose,
     empty_like_decomposition,
     kl_clip_scale,
@@ -105,12 +106,49 @@ def test_a_diagonal_factor_is_kept_as_its_diagonal() -> None:
     torch.testing.assert_close(inverse.values, torch.diagonal(dense))
 
 
-def test_a_non_finite_factor_is_refused() -> None:
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_factor_is_refused(bad: float) -> None:
     factor = _spd(4, seed=4)
-    factor[1, 2] = factor[2, 1] = float("nan")
+    factor[1, 2] = factor[2, 1] = bad
     for method in COMPUTE_METHODS:
-        with pytest.raises(DecompositionError, match="non-finite"):
+        with pytest.raises(DecompositionError, match="factor holds non-finite values"):
             decompose(factor, method, DAMPING, torch.float64)
+
+
+def test_a_non_finite_factor_is_named_when_the_solver_raises_on_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    factor = _spd(4, seed=4)
+    factor[0, 0] = float("nan")
+
+    def refusing(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise torch.linalg.LinAlgError("the algorithm failed to converge")
+
+    monkeypatch.setattr(torch.linalg, "eigh", refusing)
+    with pytest.raises(DecompositionError, match="factor holds non-finite values"):
+        decompose(factor, "eigen", DAMPING, torch.float64)
+
+
+@pytest.mark.parametrize("method", COMPUTE_METHODS)
+def test_decomposing_leaves_the_factor_unchanged(method: str) -> None:
+    factor = _spd(6, seed=6)
+    before = factor.clone()
+    decompose(factor, method, DAMPING, torch.float64)
+    assert torch.equal(factor, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_all_finite_flags_each_tensor_holding_a_nan_or_an_infinity(dtype: torch.dtype) -> None:
+    largest = torch.finfo(dtype).max
+    tensors = [torch.ones(3, 4, dtype=dtype) for _ in range(6)]
+    tensors[1][2, 3] = float("nan")
+    tensors[2][0, 0] = float("inf")
+    tensors[3][1, 1] = -float("inf")
+    tensors[4].fill_(largest)  # finite, however large
+    tensors[5] = torch.full((5,), -largest, dtype=dtype)
+    expected = [bool(torch.isfinite(t).all()) for t in tensors]  # the reference: element by element
+    assert all_finite(tensors) == expected == [True, False, False, False, True, True]
+    assert all_finite([]) == []
 
 
 def test_a_failing_solver_is_retried_with_ten_times_more_damping_each_time(

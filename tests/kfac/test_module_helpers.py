@@ -12,6 +12,7 @@ from interlace.kfac.module_helpers import (
     Conv1dHelper,
     Conv2dHelper,
     gram,
+    input_moment,
     make_helper,
     second_moment,
 )
@@ -99,6 +100,28 @@ def test_gram_is_the_full_product_of_the_rows_with_themselves(
     assert product.dtype == rows.dtype and product.shape == (width, width)
     torch.testing.assert_close(product.double(), expected, rtol=1e-5, atol=1e-4 * count**0.5)
     assert torch.equal(second_moment(rows), second_moment(rows).t())
+
+
+@pytest.mark.parametrize("by_padding", [None, False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+def test_input_moment_is_the_scaled_moment_of_the_rows_with_a_ones_column(
+    by_padding: bool | None, bias: bool, layout: str
+) -> None:
+    # Both ways (the sums, the CPU's default; padded rows, an accelerator's) on one device.
+    generator = torch.Generator().manual_seed(int(bias) + 2 * (by_padding is True))
+    if layout == "columns":
+        rows = torch.randn(260, 90, generator=generator).t()
+    else:
+        rows = torch.randn(90, 260, generator=generator)
+    reference = rows.double()
+    if bias:
+        reference = torch.cat([reference, torch.ones(90, 1, dtype=torch.float64)], dim=1)
+    expected = 0.25 * reference.t() @ reference / 90
+    moment = input_moment(rows, bias, 0.25, by_padding=by_padding)
+    assert moment.dtype == rows.dtype and moment.shape == (260 + int(bias),) * 2
+    torch.testing.assert_close(moment.double(), expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(moment, moment.t())
 
 
 def test_wide_linear_factors_are_the_moments_with_a_ones_column() -> None:

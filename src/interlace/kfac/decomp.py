@@ -18,6 +18,7 @@ __all__ = [
     "COMPUTE_METHODS",
     "DecompositionError",
     "FactorDecomposition",
+    "all_finite",
     "decompose",
     "precondition",
 ]
@@ -68,8 +69,6 @@ def decompose(
     work = factor.to(dtype)
     if work.dim() == 1:
         return chosen.decompose_diagonal(work, damping)
-    if not bool(torch.isfinite(work).all()):
-        raise DecompositionError("the factor holds non-finite values")
     # Extra diagonal on a retry: zero first, then growing multiples of the damping (or of a
     # small floor when damping is zero), which lifts near-singular factors into range.
     extra = [0.0] + [max(damping, 1e-6) * 10.0**k for k in range(1, RETRIES + 1)]
@@ -78,12 +77,36 @@ def decompose(
         try:
             result = chosen.decompose(work, damping, shift)
         except RuntimeError as error:  # torch.linalg.LinAlgError is a RuntimeError
+            if not all_finite([work])[0]:
+                raise DecompositionError("the factor holds non-finite values") from None
             last_error = str(error).splitlines()[0]
             continue
-        if all(bool(torch.isfinite(t).all()) for t in result.tensors()):
+        # The factor is checked with the result, after the decomposition: one read back from
+        # the device for both rather than one before and one after.
+        factor_finite, *results_finite = all_finite([work, *result.tensors()])
+        if not factor_finite:
+            raise DecompositionError("the factor holds non-finite values")
+        if all(results_finite):
             return result
         last_error = "non-finite result"
     raise DecompositionError(f"{chosen.name} decomposition failed: {last_error}")
+
+
+def all_finite(tensors: list[torch.Tensor]) -> list[bool]:
+    """Whether each tensor is all finite, read back from the device once for all of them.
+
+    A tensor's largest magnitude is finite exactly when all of it is (NaN propagates through
+    the maximum), and it takes one reduction per tensor where ``isfinite(t).all()`` takes a
+    comparison per element kind and a reduction.
+
+    Args:
+        tensors: The tensors to check.
+    """
+    if not tensors:
+        return []
+    peaks = [torch.linalg.vector_norm(t, float("inf")) for t in tensors]
+    flags: list[bool] = torch.isfinite(torch.stack(peaks)).tolist()
+    return flags
 
 
 def precondition(

@@ -8,8 +8,8 @@ import warnings
 
 import torch
 
+from interlace.kfac.decomp import all_finite
 from interlace.kfac.factor_comm import FactorComm
-from interlace.kfac.gradients import all_finite
 from interlace.kfac.preconditioned_layer import KFACLayer
 from interlace.kfac.timing import SpanLog
 from interlace.kfac.warning import KFACWarning

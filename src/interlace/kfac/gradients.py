@@ -7,14 +7,14 @@ import warnings
 
 import torch
 
-from interlace.kfac.decomp import kl_clip_scale
+from interlace.kfac.decomp import all_finite, kl_clip_scale
 from interlace.kfac.preconditioned_layer import KFACLayer
 from interlace.kfac.timing import SpanLog
 from interlace.kfac.warning import KFACWarning
 from interlace.kfac.work_assignment import WorkAssignment
 from interlace.kfac.worker_groups import WorkerGroups
 
-__all__ = ["GradientPreconditioning", "Preconditioned", "all_finite"]
+__all__ = ["GradientPreconditioning", "Preconditioned"]
 
 #: Every preconditioned layer with its preconditioned (unscaled) and raw gradient matrices.
 Preconditioned = list[tuple[KFACLayer, torch.Tensor, torch.Tensor]]
@@ -119,15 +119,3 @@ class GradientPreconditioning:
             for layer, result, _ in results:
                 # Zeros, not result * 0: an infinite entry times 0 is NaN.
                 layer.set_grad(torch.zeros_like(result) if scale == 0.0 else result * scale)
-
-
-def all_finite(tensors: list[torch.Tensor]) -> list[bool]:
-    """Whether each tensor is all finite, read back from the device once for all of them.
-
-    Args:
-        tensors: The tensors to check.
-    """
-    if not tensors:
-        return []
-    flags: list[bool] = torch.stack([torch.isfinite(t).all() for t in tensors]).tolist()
-    return flags

@@ -202,8 +202,7 @@ class Eigen:
     def decompose(self, factor: torch.Tensor, damping: float, shift: float) -> FactorDecomposition:
         import torch  # noqa: PLC0415 - the simulator prices this module without torch
 
-        identity = torch.eye(factor.shape[0], dtype=factor.dtype, device=factor.device)
-        values, vectors = torch.linalg.eigh(factor + shift * identity)
+        values, vectors = torch.linalg.eigh(_with_diagonal(factor, shift))
         # Eigenvalues of a second moment are >= 0; rounding can make small ones negative.
         return FactorDecomposition(self, values=values.clamp(min=0.0), vectors=vectors)
 
@@ -265,9 +264,8 @@ class Inverse:
     def decompose(self, factor: torch.Tensor, damping: float, shift: float) -> FactorDecomposition:
         import torch  # noqa: PLC0415 - the simulator prices this module without torch
 
-        identity = torch.eye(factor.shape[0], dtype=factor.dtype, device=factor.device)
         return FactorDecomposition(
-            self, inverse=torch.linalg.inv(factor + (damping + shift) * identity)
+            self, inverse=torch.linalg.inv(_with_diagonal(factor, damping + shift))
         )
 
     def decompose_diagonal(self, diagonal: torch.Tensor, damping: float) -> FactorDecomposition:
@@ -315,6 +313,17 @@ _BY_CHOICE: dict[ComputeMethod, DecompositionMethod] = {
     ComputeMethod.EIGEN: EIGEN,
     ComputeMethod.INVERSE: INVERSE,
 }
+
+
+def _with_diagonal(factor: torch.Tensor, amount: float) -> torch.Tensor:
+    """``factor + amount * I``; ``factor`` itself when ``amount`` is zero (the decompositions
+    leave their input unchanged, and a copy plus an in-place diagonal add takes two kernels
+    where building the identity takes three)."""
+    if amount == 0.0:
+        return factor
+    shifted = factor.clone()
+    shifted.diagonal().add_(amount)
+    return shifted
 
 
 def method_from(value: object, option: str = "compute_method") -> DecompositionMethod:

@@ -22,7 +22,9 @@ __all__ = [
     "EmbeddingHelper",
     "LayerHelper",
     "LinearHelper",
+    "input_moment",
     "make_helper",
+    "second_moment",
 ]
 
 
@@ -156,22 +158,6 @@ class LayerHelper:
                 bias.grad = torch.zeros_like(bias)
             bias.grad.copy_(matrix[:, -1].reshape(bias.shape))
 
-    def _input_moment(
-        self, gram: torch.Tensor, column_sum: torch.Tensor, count: int, scale: float = 1.0
-    ) -> torch.Tensor:
-        """``A`` from the sums over rows ``x^T x`` and ``x``: with a bias, the rows carry an
-        appended one, so ``A = scale * [[x^T x, sum x], [sum x^T, count]] / count``. Built from
-        the sums rather than by appending a ones column, which would copy every row."""
-        if self.bias is None:
-            return symmetric(gram, scale / count)
-        size = gram.shape[0] + 1
-        moment = gram.new_empty(size, size)
-        moment[:-1, :-1] = gram
-        moment[:-1, -1] = column_sum
-        moment[-1, :-1] = column_sum
-        moment[-1, -1] = count
-        return symmetric(moment, scale / count)
-
 
 def symmetric(matrix: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """``scale * (M + M^T) / 2``: exactly symmetric, as the decompositions assume.
@@ -228,6 +214,42 @@ def gram(rows: torch.Tensor) -> torch.Tensor:
     return product
 
 
+def input_moment(
+    rows: torch.Tensor, bias: bool, scale: float = 1.0, by_padding: bool | None = None
+) -> torch.Tensor:
+    """``A`` of a layer's ``(count, n)`` input rows, times ``scale``.
+
+    With a bias each row carries an appended one, so
+    ``A = scale * [[x^T x, sum x], [sum x^T, count]] / count``. It is built either from the
+    sums, which copies no row (the CPU's way), or from the rows padded with a one: on an
+    accelerator these sizes are bound by kernel launches, and padding takes one copy and one
+    product where the sums take a reduction and four block copies besides.
+
+    Args:
+        rows: One sample per row.
+        bias: Whether the layer has a bias (``A`` is then ``(n + 1, n + 1)``).
+        scale: A factor applied to the result.
+        by_padding: Pad the rows (True) or build from the sums (False); None picks by
+            ``rows``' device (padding off the CPU).
+    """
+    count = rows.shape[0]
+    if not bias:
+        return symmetric(gram(rows), scale / count)
+    if by_padding is None:
+        by_padding = rows.device.type != "cpu"
+    if by_padding:
+        return symmetric(gram(functional.pad(rows, (0, 1), value=1.0)), scale / count)
+    product = gram(rows)
+    column_sum = rows.sum(dim=0)
+    size = product.shape[0] + 1
+    moment = product.new_empty(size, size)
+    moment[:-1, :-1] = product
+    moment[:-1, -1] = column_sum
+    moment[-1, :-1] = column_sum
+    moment[-1, -1] = count
+    return symmetric(moment, scale / count)
+
+
 def second_moment(rows: torch.Tensor) -> torch.Tensor:
     """``rows^T rows / len(rows)``, made exactly symmetric.
 
@@ -254,7 +276,7 @@ class LinearHelper(LayerHelper):
 
     def a_factor(self, layer_input: torch.Tensor) -> torch.Tensor:
         rows = layer_input.reshape(-1, layer_input.shape[-1])
-        return self._input_moment(gram(rows), rows.sum(dim=0), rows.shape[0])
+        return input_moment(rows, self.bias is not None)
 
     def g_factor(self, grad_output: torch.Tensor) -> torch.Tensor:
         return second_moment(grad_output.reshape(-1, grad_output.shape[-1]))
@@ -288,9 +310,8 @@ class Conv2dHelper(LayerHelper):
         positions = patches.shape[1] // layer_input.shape[0]
         # One Gram product of the (in*kh*kw, rows) patch matrix. kfac-pytorch divides every
         # patch by the number of positions before the moment, i.e. the moment by its square.
-        rows = patches.shape[1]
         scale = 1.0 / float(positions * positions)
-        return self._input_moment(gram(patches.t()), patches.sum(dim=1), rows, scale)
+        return input_moment(patches.t(), self.bias is not None, scale)
 
     def g_factor(self, grad_output: torch.Tensor) -> torch.Tensor:
         channels = grad_output.shape[1]

@@ -12,7 +12,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from interlace.kfac.decomp import DecompositionError, FactorDecomposition, decompose
+from interlace.kfac.decomp import (
+    DecompositionError,
+    FactorDecomposition,
+    all_finite,
+    decompose,
+)
 from interlace.kfac.methods import DecompositionMethod, method_from
 from interlace.kfac.module_helpers import LayerHelper, make_helper
 
@@ -533,14 +538,13 @@ def restart_non_finite(layers: Iterable[KFACLayer]) -> list[str]:
     held = [layer for layer in layers if layer.a_count or layer.g_count]
     if not held:
         return []
-    per_layer = [
-        torch.stack(
-            [torch.isfinite(t).all() for t in (layer.a_sum, layer.g_sum) if t is not None]
-        ).all()
-        for layer in held
+    sums = [[t for t in (layer.a_sum, layer.g_sum) if t is not None] for layer in held]
+    finite = iter(all_finite([t for layer_sums in sums for t in layer_sums]))
+    bad = [
+        layer
+        for layer, layer_sums in zip(held, sums, strict=True)
+        if not all([next(finite) for _ in layer_sums])
     ]
-    finite: list[bool] = torch.stack(per_layer).tolist()
-    bad = [layer for layer, ok in zip(held, finite, strict=True) if not ok]
     for layer in bad:
         layer.restart_batch()
     return [layer.name for layer in bad]
