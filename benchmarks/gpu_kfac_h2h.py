@@ -197,7 +197,7 @@ def _step_medians(
 
 
 def _profile(model_name: str, batch: int, inv: int, out: str) -> None:
-    """torch.profiler's op tables of ``inv`` steps of each K-FAC contender, written to ``out``."""
+    """torch.profiler's op tables of 10 steps of each K-FAC contender, written to ``out``."""
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -217,12 +217,12 @@ def _profile(model_name: str, batch: int, inv: int, out: str) -> None:
             step()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(inv):
+            for _ in range(10):
                 step()
             torch.cuda.synchronize()
         averages = prof.key_averages()
         for key in ("self_cuda_time_total", "self_cpu_time_total"):
-            text.append(f"## {name}, {model_name} batch {batch}, {inv} steps, by {key}\n")
+            text.append(f"## {name}, {model_name} batch {batch}, inv {inv}, 10 steps, by {key}\n")
             text.append(averages.table(sort_by=key, row_limit=25))
     Path(out).write_text("\n".join(text))
 
@@ -238,7 +238,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--json", type=Path, help="write both tables' rows here")
-    parser.add_argument("--profile", help="write the transformer's op tables here (CUDA only)")
+    parser.add_argument("--profile", help="write op tables of 10 steps here (CUDA only)")
+    parser.add_argument("--profile-model", default="transformer", help="the model profiled")
+    parser.add_argument(
+        "--profile-inv", type=int, default=10, help="its decomposition interval (10 steps)"
+    )
     parser.add_argument(
         "--device",
         choices=("cuda", "cpu"),
@@ -306,9 +310,9 @@ def main() -> int:
         run_ranks(
             _profile,
             1,
-            "transformer",
+            args.profile_model,
             args.batch_size,
-            10,
+            args.profile_inv,
             args.profile,
             backend="nccl",
             timeout=600,

@@ -724,13 +724,15 @@ def _gpu_readme() -> list[str]:
     ]
 
 
-@figure(README, "gpu/kfac-h2h.json")
+@figure(README, "gpu/kfac-h2h.json", "gpu/kfac-h2h-repeat.json")
 def _gpu_kfac_readme() -> list[str]:
-    h2h = _json("gpu/kfac-h2h.json")
-    ratios = [row["kfac-pytorch"] / row["interlace"] for row in h2h["steps"]]
+    runs = [_json("gpu/kfac-h2h.json"), _json("gpu/kfac-h2h-repeat.json")]
+    steps = [row for run in runs for row in run["steps"]]
+    ratios = [row["kfac-pytorch"] / row["interlace"] for row in steps]
     return [
-        f"one H200, 1 rank, batch {h2h['batch']}: K-FAC {_span(ratios)} kfac-pytorch's step",
-        f"{len({row['model'] for row in h2h['steps']})} models x decompositions every 1 and 10",
+        f"one H200, 1 rank, batch {runs[0]['batch']}: K-FAC {_span(ratios)} kfac-pytorch's step "
+        f"({len(runs)} runs, {len({row['model'] for row in steps})} models x decompositions "
+        f"every {' and '.join(str(inv) for inv in sorted({row['inv'] for row in steps}))} steps)",
     ]
 
 
