@@ -75,7 +75,7 @@ def _wrap(model: Any, spec: dict[str, Any]) -> Any:
 def sweep_rank(job: SweepJob) -> list[dict[str, Any]]:
     """Every contender warmed up, then timed in rotating round-robin blocks."""
     batches = synthetic_batches(job.batch, (3, 32, 32), job.seed, dist.get_rank())
-    runs = []
+    runs: list[tuple[str, Any, Any, list[float]]] = []
     for label, spec in _contenders(job.caps_mb):
         torch.manual_seed(job.seed)
         wrapper = _wrap(build_model(job.model, (3, 32, 32), NUM_CLASSES), spec)

@@ -65,8 +65,8 @@ def measure(dims: list[int], rows: list[int], repeats: int) -> dict[str, Any]:
         # Eigen preconditioning of an n x n gradient with both factors' decompositions.
         eigen = decompose(factor, "eigen", damping, torch.float32)
         grad = torch.randn(n, n, device=device)
-        work = partial(precondition, grad, eigen, eigen, damping)
-        result["precondition_s"].append((n, _device_s(work, repeats)))
+        preconditioning = partial(precondition, grad, eigen, eigen, damping)
+        result["precondition_s"].append((n, _device_s(preconditioning, repeats)))
         for count in rows:
             x = torch.randn(count, n, device=device)
             result["factor_s"].append((count, n, _device_s(partial(second_moment, x), repeats)))

@@ -60,7 +60,7 @@ def _slowest_median(times: list[float]) -> float:
     # A round lasts until the slowest rank is done, so take each round's maximum over ranks.
     values = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return statistics.median(values.tolist())
+    return float(statistics.median(values.tolist()))
 
 
 def main() -> None:

@@ -186,11 +186,14 @@ def _out_of_order(_: None) -> dict[str, Any]:
     grads: list[torch.Tensor | None] = list(_gradients(0))
     engine.begin()
     sent_after: list[int] = []
+    stamped_after: list[list[bool]] = []
     for index in reversed(range(len(grads))):
         grad = grads[index]
         assert grad is not None
         engine.add(index, grad)
         sent_after.append(engine.launcher.launched)
+        stamped_after.append([launched is not None for launched in engine.launched_s])
+    launched_s = list(engine.launched_s)
     engine.close()
     engine.wait([2])
     first = [None if value is None else value.clone() for value in engine.averaged([0, 1])]
@@ -199,10 +202,14 @@ def _out_of_order(_: None) -> dict[str, Any]:
     deadline = time.monotonic() + 10.0
     while len(events) < 4 and time.monotonic() < deadline:
         time.sleep(0.01)
+    engine.begin()
     return {
         "worst": _worst(got, expected)[0],
         "first": _worst(first, expected[:2])[0],
         "sent_after": sent_after,
+        "stamped_after": stamped_after,
+        "launched_s": launched_s,
+        "stamped_after_begin": engine.launched_s,
     }
 
 
@@ -215,6 +222,17 @@ def test_slices_go_out_in_the_plans_launch_order_and_average_like_one_all_reduce
         assert report["sent_after"] == [0, 1, 1, 1, 4]
         assert report["worst"] == 0.0
         assert report["first"] == 0.0
+        # Each bucket's launch time is stamped when its first slice goes, and cleared by begin().
+        assert report["stamped_after"] == [
+            [False, False, False],
+            [True, False, False],
+            [True, False, False],
+            [True, False, False],
+            [True, True, True],
+        ]
+        first, second, third = report["launched_s"]
+        assert first <= third <= second  # plan order: bucket 0, bucket 2, bucket 1
+        assert report["stamped_after_begin"] == [None, None, None]
 
 
 def _bad_launches(kind: str) -> str:

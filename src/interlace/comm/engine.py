@@ -198,6 +198,9 @@ class BucketEngine:
         self.launcher.reset()
         self._used = [False] * len(self.tensors)
         self._handles = [None] * len(self.sends)
+        #: When each bucket's first slice was launched this iteration (``time.perf_counter()``),
+        #: None until it is: its all-reduce timed from the waiting side, with no recorder.
+        self.launched_s: list[float | None] = [None] * len(self.groups)
         self._waited = [False] * len(self.groups)
         self._futures = [None] * len(self.groups)
         self._copies = [[] for _ in self.groups]
@@ -350,6 +353,8 @@ class BucketEngine:
                 self._usage.fill_(1)
             else:
                 self._usage.copy_(torch.tensor(self._used, dtype=self._usage.dtype))
+        if self.launched_s[bucket] is None:
+            self.launched_s[bucket] = time.perf_counter()
         if self.hook is not None:
             self._call_hook(bucket, self.hook)
             return

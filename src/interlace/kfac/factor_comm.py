@@ -80,7 +80,7 @@ class FactorPipeline:
         dtypes: Each factor's dtype.
         group: The factor group.
         device: Where the buckets live.
-        spans: Where each bucket's all-reduce is logged.
+        spans: Where each bucket's all-reduce is logged, from its launch to its wait.
     """
 
     def __init__(
@@ -111,23 +111,19 @@ class FactorPipeline:
             torch.empty(n, dtype=d, device="meta") for n, d in zip(numels, dtypes, strict=True)
         ]
         self._engine: BucketEngine | None = None
-        self._events: list[tuple[int, float, float]] = []
         self.reset()
 
     def reset(self) -> None:
         """Forget this step's factors (collectives must have been waited for); take up
         :attr:`groups` if they changed."""
         if self._engine is None or self._engine.groups != self.groups:
+            # No recorder: its completion callback would run on the backend's thread and need
+            # the GIL there, holding up the next bucket's all-reduce while the hooks run Python.
             self._engine = BucketEngine(self._shapes, self.groups, self.group, device=self.device)
-            self._engine.recorder = self._record
         self._engine.begin()
         self._offered: set[int] = set()
         self.ready_s: dict[int, float] = {}
         self.origin: float | None = None
-        self._events = []
-
-    def _record(self, bucket: int, channel: int, nbytes: int, launched: float, done: float) -> None:
-        self._events.append((bucket, launched, done))
 
     def offer(self, key: FactorKey, factor: torch.Tensor) -> None:
         """A factor is ready: pack it into its bucket and launch every bucket now complete.
@@ -157,11 +153,13 @@ class FactorPipeline:
         """Every factor's average across ranks (1-D, packed), by ready position."""
         engine = self._engine
         assert engine is not None
-        engine.wait(range(len(engine.groups)))
-        for bucket, launched, done in sorted(self._events):
-            members = engine.groups[bucket]
-            self.spans.add(f"factor bucket {bucket} ({len(members)})", "comm", launched, done)
-        self._events = []
+        for bucket, members in enumerate(engine.groups):
+            engine.wait([bucket])
+            # From its launch to when the wait saw it done (an upper bound of its end).
+            launched = engine.launched_s[bucket]
+            if launched is not None:
+                name = f"factor bucket {bucket} ({len(members)})"
+                self.spans.add(name, "comm", launched, time.perf_counter())
         views = engine.averaged(range(len(self.numels)))
         return {position: view for position, view in enumerate(views) if view is not None}
 
