@@ -24,9 +24,18 @@ from interlace.kfac.decomp import decompose, precondition
 from interlace.kfac.module_helpers import second_moment
 
 
-def _device_s(work: Callable[[], object], repeats: int) -> float:
-    """Median device seconds of ``work`` over ``repeats`` runs, after two warm-ups."""
-    clock = StreamClock("cuda")
+def device_s(
+    work: Callable[[], object], repeats: int, device: torch.device | str = "cuda"
+) -> float:
+    """Median device seconds of ``work`` over ``repeats`` runs, after two warm-ups (CUDA
+    events on a GPU, the host clock elsewhere).
+
+    Args:
+        work: What is timed.
+        repeats: Timed runs.
+        device: Where ``work`` runs.
+    """
+    clock = StreamClock(device)
     for _ in range(2):
         work()
     times = []
@@ -61,18 +70,18 @@ def measure(dims: list[int], rows: list[int], repeats: int) -> dict[str, Any]:
         factor = random_spd(n, torch.float32, device, generator)
         for method, key in (("eigen", "eigh_s"), ("inverse", "inverse_s")):
             work = partial(decompose, factor, method, damping, torch.float32)
-            result[key].append((n, _device_s(work, repeats)))
+            result[key].append((n, device_s(work, repeats)))
         # Eigen preconditioning of an n x n gradient with both factors' decompositions.
         eigen = decompose(factor, "eigen", damping, torch.float32)
         grad = torch.randn(n, n, device=device)
         preconditioning = partial(precondition, grad, eigen, eigen, damping)
-        result["precondition_s"].append((n, _device_s(preconditioning, repeats)))
+        result["precondition_s"].append((n, device_s(preconditioning, repeats)))
         for count in rows:
             x = torch.randn(count, n, device=device)
-            result["factor_s"].append((count, n, _device_s(partial(second_moment, x), repeats)))
+            result["factor_s"].append((count, n, device_s(partial(second_moment, x), repeats)))
     tiny = torch.zeros(1, device=device)
     launches = 200
-    per_launch = _device_s(lambda: [tiny.add_(1.0) for _ in range(launches)], repeats) / launches
+    per_launch = device_s(lambda: [tiny.add_(1.0) for _ in range(launches)], repeats) / launches
     result["kernel_s"] = per_launch
     return result
 

@@ -2,8 +2,9 @@
 
 ``python benchmarks/gpu_kfac_h2h.py --json h2h.json --profile prof.txt`` (needs CUDA, or
 ``--device cpu``, and kfac-pytorch installed) prints two markdown tables: each
-library's own factor helpers on the zoo transformer's captured layer inputs (CUDA events), and
-median whole-step times of both preconditioners at their defaults on one NCCL rank.
+library's own factor helpers on the zoo transformer's captured layer inputs (CUDA events), with
+interlace's biased ``A`` also built the other device's way (``input_moment``), and median
+whole-step times of both preconditioners at their defaults on one NCCL rank.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -22,10 +24,10 @@ from torch import nn
 from torch.nn import functional
 from torch.nn.parallel import DistributedDataParallel
 
-from gpu_paths import median_step_s
+from gpu_kfac_costs import device_s
+from gpu_paths import median_step_s, sync, train_step
 from interlace import KFAC, DataParallel
-from interlace.clock import StreamClock
-from interlace.kfac.module_helpers import LinearHelper, second_moment
+from interlace.kfac.module_helpers import LinearHelper, input_moment
 from interlace.testing import run_ranks
 from interlace.zoo import build_model
 
@@ -60,35 +62,17 @@ def _captured_linears(batch: int, device: torch.device) -> list[tuple[nn.Module,
     return [(module, tensors[0], tensors[1]) for module, tensors in captured.items()]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _device_ms(work: Callable[[], object], repeats: int, device: torch.device) -> float:
-    """Median device milliseconds of ``work`` after three warm-ups."""
-    clock = StreamClock(device)
-    for _ in range(3):
-        work()
-    times = []
-    for _ in range(repeats):
-        start = clock.mark()
-        work()
-        times.append(clock.seconds(start, clock.mark()) * 1e3)
-    return statistics.median(times)
-
-
 def _host_ms(work: Callable[[], object], repeats: int, device: torch.device) -> float:
     """Median host milliseconds to queue ``work`` (no synchronisation inside)."""
     for _ in range(3):
         work()
     times = []
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         work()
         times.append((time.perf_counter() - start) * 1e3)
-    _sync(device)
+    sync(device)
     return statistics.median(times)
 
 
@@ -113,19 +97,21 @@ def factor_rows(batches: list[int], repeats: int, device: torch.device) -> list[
                 helper.get_a_factor(x.clone())
                 helper.get_g_factor(g)
 
-        def padded_all(helpers: list[tuple[Any, Any, Any]] = ours) -> None:
+        def other_way_all(helpers: list[tuple[Any, Any, Any]] = ours) -> None:
+            # interlace with the other device's way of building a biased A.
             for helper, x, g in helpers:
-                padded_a_factor(x)
+                rows = x.reshape(-1, x.shape[-1])
+                input_moment(rows, helper.bias is not None, by_padding=device.type == "cpu")
                 helper.g_factor(g)
 
         row: dict[str, Any] = {"batch": batch, "layers": len(layers)}
         contenders = (
             ("interlace", interlace_all),
             ("kfac-pytorch", peer_all),
-            ("padded", padded_all),
+            ("other_way", other_way_all),
         )
         for name, work in contenders:
-            row[f"{name}_device_ms"] = _device_ms(work, repeats, device)
+            row[f"{name}_device_ms"] = device_s(work, repeats, device) * 1e3
             row[f"{name}_host_ms"] = _host_ms(work, repeats, device)
         # Each library's factors agree (float32, same rows).
         worst = 0.0
@@ -138,13 +124,6 @@ def factor_rows(batches: list[int], repeats: int, device: torch.device) -> list[
         row["max_relative_difference"] = worst
         rows.append(row)
     return rows
-
-
-def padded_a_factor(layer_input: torch.Tensor) -> torch.Tensor:
-    """A candidate for accelerators: ``A`` of a biased Linear layer from rows padded with a one
-    (one copy and one product, against the column sums and four block copies)."""
-    rows = functional.pad(layer_input.reshape(-1, layer_input.shape[-1]), (0, 1), value=1.0)
-    return second_moment(rows)
 
 
 CONTENDERS = ("sgd-ddp", "interlace", "kfac-pytorch")
@@ -185,12 +164,7 @@ def _step_medians(
     runners = {name: _build(name, model_name, inv, device) for name in CONTENDERS}
 
     def step(name: str) -> None:
-        model, optimizer, precond = runners[name]
-        optimizer.zero_grad(set_to_none=True)
-        functional.cross_entropy(model(inputs), targets).backward()
-        if precond is not None:
-            precond.step()
-        optimizer.step()
+        train_step(runners[name], inputs, targets)
 
     seconds = median_step_s(step, CONTENDERS, device, warmup=warmup, steps=steps, rounds=rounds)
     return {name: value * 1e3 for name, value in seconds.items()}
@@ -205,14 +179,7 @@ def _profile(model_name: str, batch: int, inv: int, out: str) -> None:
     targets = torch.randint(0, CLASSES, (batch,), device=device)
     text = []
     for name in ("interlace", "kfac-pytorch"):
-        model, optimizer, precond = _build(name, model_name, inv, device)
-
-        def step(model: Any = model, optimizer: Any = optimizer, precond: Any = precond) -> None:
-            optimizer.zero_grad(set_to_none=True)
-            functional.cross_entropy(model(inputs), targets).backward()
-            precond.step()
-            optimizer.step()
-
+        step = partial(train_step, _build(name, model_name, inv, device), inputs, targets)
         for _ in range(30):
             step()
         torch.cuda.synchronize()
@@ -265,16 +232,16 @@ def main() -> int:
     factors = factor_rows([int(b) for b in args.factor_batches.split(",")], args.repeats, device)
     print(
         "\nThe zoo transformer's 18 Linear layers, A and G of each, ms per step\n\n"
-        "| batch | interlace device | kfac-pytorch device | padded-A device | interlace host "
-        "| kfac-pytorch host | padded-A host | max rel. diff |\n"
+        "| batch | interlace device | kfac-pytorch device | other-way A device | interlace host "
+        "| kfac-pytorch host | other-way A host | max rel. diff |\n"
         "|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     for row in factors:
         print(
             f"| {row['batch']} | {row['interlace_device_ms']:.3f} | "
-            f"{row['kfac-pytorch_device_ms']:.3f} | {row['padded_device_ms']:.3f} | "
+            f"{row['kfac-pytorch_device_ms']:.3f} | {row['other_way_device_ms']:.3f} | "
             f"{row['interlace_host_ms']:.3f} | {row['kfac-pytorch_host_ms']:.3f} | "
-            f"{row['padded_host_ms']:.3f} | {row['max_relative_difference']:.1e} |",
+            f"{row['other_way_host_ms']:.3f} | {row['max_relative_difference']:.1e} |",
             flush=True,
         )
     steps = []

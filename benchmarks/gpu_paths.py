@@ -85,15 +85,36 @@ def _train_steps(model_name: str, batch_size: int, steps: int, rounds: int) -> d
         runners[config] = (wrapped, optimizer, precond)
 
     def step(config: str) -> None:
-        model, optimizer, precond = runners[config]
-        optimizer.zero_grad(set_to_none=True)
-        functional.cross_entropy(model(inputs), targets).backward()
-        if precond is not None:
-            precond.step()
-        optimizer.step()
+        train_step(runners[config], inputs, targets)
 
     # Warm up each (cuDNN autotuning, DataParallel's profiling, planning and plan trials).
     return median_step_s(step, _CONFIGS, device, warmup=60, steps=steps, rounds=rounds)
+
+
+def train_step(runner: tuple[Any, Any, Any], inputs: torch.Tensor, targets: torch.Tensor) -> None:
+    """One step of a ``(model, optimizer, preconditioner or None)`` on one batch.
+
+    Args:
+        runner: The contender.
+        inputs: The batch.
+        targets: Its classes.
+    """
+    model, optimizer, precond = runner
+    optimizer.zero_grad(set_to_none=True)
+    functional.cross_entropy(model(inputs), targets).backward()
+    if precond is not None:
+        precond.step()
+    optimizer.step()
+
+
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a no-op off CUDA).
+
+    Args:
+        device: The device.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def median_step_s(
@@ -118,23 +139,19 @@ def median_step_s(
         rounds: Rounds.
     """
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     for name in names:
         for _ in range(warmup):
             step(name)
-    sync()
+    sync(device)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(rounds):
         order = names if round_index % 2 == 0 else tuple(reversed(names))
         for name in order:
             for _ in range(steps):
-                sync()
+                sync(device)
                 start = time.perf_counter()
                 step(name)
-                sync()
+                sync(device)
                 samples[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in samples.items()}
 

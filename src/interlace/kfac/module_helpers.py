@@ -180,6 +180,13 @@ GRAM_BLOCK = 128
 GRAM_MAX_BLOCKS = 4
 
 
+def _launch_bound(tensor: torch.Tensor) -> bool:
+    """Whether factor arithmetic on ``tensor``'s device is bound by kernel launches rather than
+    flops at K-FAC's sizes: anywhere but a CPU. :func:`gram` and :func:`input_moment` choose
+    their formulas by it."""
+    return tensor.device.type != "cpu"
+
+
 def gram(rows: torch.Tensor) -> torch.Tensor:
     """``rows^T rows``, with only its upper block triangle multiplied on a CPU.
 
@@ -199,7 +206,7 @@ def gram(rows: torch.Tensor) -> torch.Tensor:
     """
     width = rows.shape[1]
     blocks = min(GRAM_MAX_BLOCKS, width // GRAM_BLOCK)
-    if blocks < 2 or rows.device.type != "cpu":
+    if blocks < 2 or _launch_bound(rows):
         return rows.t() @ rows
     edges = [width * index // blocks for index in range(blocks + 1)]
     spans = list(pairwise(edges))
@@ -236,7 +243,7 @@ def input_moment(
     if not bias:
         return symmetric(gram(rows), scale / count)
     if by_padding is None:
-        by_padding = rows.device.type != "cpu"
+        by_padding = _launch_bound(rows)
     if by_padding:
         return symmetric(gram(functional.pad(rows, (0, 1), value=1.0)), scale / count)
     product = gram(rows)

@@ -540,6 +540,7 @@ def restart_non_finite(layers: Iterable[KFACLayer]) -> list[str]:
         return []
     sums = [[t for t in (layer.a_sum, layer.g_sum) if t is not None] for layer in held]
     finite = iter(all_finite([t for layer_sums in sums for t in layer_sums]))
+    # A list inside all(), not a generator: every layer takes exactly its own flags.
     bad = [
         layer
         for layer, layer_sums in zip(held, sums, strict=True)
