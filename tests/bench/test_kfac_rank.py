@@ -26,7 +26,8 @@ def test_the_default_mode_is_what_kfacs_defaults_select() -> None:
     defaults = inspect.signature(KFAC).parameters
     factor_comm, placement = mode_policies(*ABLATION_MODES[DEFAULT_MODE], {})
     assert factor_comm == factor_comm_from(defaults["factor_comm"].default)
-    assert placement == placement_from(defaults["placement"].default)
+    # The ablation's 4 ranks under COMM-OPT.
+    assert placement == placement_from(defaults["placement"].default, ranks=4, comm_opt=True)
 
 
 def _contender(planning_done: bool, factor_comm: str, steps: int) -> KfacContender:

@@ -175,8 +175,12 @@ def test_flat_spellings_become_the_policy_objects_settings() -> None:
     assert precond.factor_comm == Pipelined(fusion="none", profile_steps=2)
     assert precond.placement == LBP(decomposition_cost=cost)
     assert precond.adaptive_damping is not None  # KFAC's own keywords pass through
+    # A cost model alone asks for the placement it prices.
+    assert KFACPreconditioner(_model(), decomposition_cost=cost).placement == LBP(
+        decomposition_cost=cost
+    )
     with pytest.raises(UsageError, match="decomposition_cost prices LBP's placement"):
-        KFACPreconditioner(_model(), decomposition_cost=cost)
+        KFACPreconditioner(_model(), placement="greedy", decomposition_cost=cost)
 
 
 class _Scaler:
@@ -329,3 +333,15 @@ def test_the_loss_scale_is_read_once_per_backward() -> None:
         torch.testing.assert_close(
             scaled.kfac_layers[name].g_factor, plain.kfac_layers[name].g_factor
         )
+
+
+def test_kfac_pytorchs_colocate_factors_true_keeps_greedy_where_auto_would_pick_lbp() -> None:
+    # On 4 ranks under COMM-OPT the default placement is LBP; kfac-pytorch's explicit
+    # colocate_factors=True asks for a layer's factors on one rank, which is greedy placement.
+    assert KFACPreconditioner.check_options(4).placement == LBP()
+    assert KFACPreconditioner.check_options(4, colocate_factors=True).placement == Greedy()
+    apart = KFACPreconditioner.check_options(
+        4, colocate_factors=False, compute_eigenvalue_outer_product=False
+    )
+    assert apart.placement == LBP()
+    assert KFACPreconditioner.check_options(4, placement="auto").placement == LBP()

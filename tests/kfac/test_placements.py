@@ -3,6 +3,7 @@ class, run by ``KFAC`` on two ranks and priced by the simulator with nothing els
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -20,6 +21,7 @@ from interlace.kfac.costs import DecompositionCostModel
 from interlace.kfac.enums import AssignmentStrategy, PlacementChoice
 from interlace.kfac.methods import EIGEN
 from interlace.kfac.placements import (
+    AUTO_LBP_MAX_RANKS,
     LBP,
     CostSource,
     FactorPlacement,
@@ -28,6 +30,7 @@ from interlace.kfac.placements import (
     Placement,
     PlacementCosts,
     RoundRobin,
+    names_auto,
     placement_from,
 )
 from interlace.sim.kfac import simulate_kfac
@@ -71,9 +74,22 @@ def test_an_option_names_a_placement_by_enum_string_or_object() -> None:
     assert placement_from(PlacementChoice.LBP) == LBP()
     toy = DealtFactors()
     assert placement_from(toy) is toy and isinstance(toy, Placement)
-    with pytest.raises(OptionError, match="placement must be one of 'greedy'") as bad:
+    with pytest.raises(OptionError, match="placement must be one of 'auto', 'greedy'") as bad:
         placement_from("random")
     assert bad.value.option == "placement"
+
+
+def test_auto_is_lbp_under_comm_opt_on_2_to_64_ranks_and_greedy_elsewhere() -> None:
+    assert placement_from("auto", ranks=4) == LBP()
+    assert placement_from(PlacementChoice.AUTO, ranks=2, comm_opt=True) == LBP()
+    assert placement_from("auto", ranks=AUTO_LBP_MAX_RANKS) == LBP()
+    # Greedy where LBP cannot run, costs more than it gains, or has nothing to send:
+    assert placement_from("auto", ranks=4, comm_opt=False) == Greedy()
+    assert placement_from("auto", ranks=AUTO_LBP_MAX_RANKS + 1) == Greedy()
+    assert placement_from("auto", ranks=1) == Greedy()
+    assert placement_from("auto") == Greedy()  # the world not known yet
+    assert names_auto("AUTO") and names_auto(PlacementChoice.AUTO)
+    assert not names_auto("lbp") and not names_auto("random") and not names_auto(LBP())
 
 
 def test_greedy_places_layers_by_their_work_or_their_memory() -> None:
@@ -164,7 +180,12 @@ def _train(placement: Placement | str) -> dict[str, Any]:
         with torch.no_grad():
             for param in model.parameters():
                 param.sub_(0.1 * param.grad)  # type: ignore[operator]
-    return {"grads": grads, "owners": precond.factor_owners, "describe": precond.describe()}
+    return {
+        "grads": grads,
+        "owners": precond.factor_owners,
+        "describe": precond.describe(),
+        "placement": precond.placement,
+    }
 
 
 def _dealt_on_two_ranks() -> dict[str, Any]:
@@ -181,6 +202,27 @@ def test_a_placement_class_defined_here_runs_on_two_ranks_as_greedy_would() -> N
         for ours, theirs in zip(rank_result["grads"], reference["grads"], strict=True):
             for got, expected in zip(ours, theirs, strict=True):
                 torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-12)
+
+
+def _default_on_two_ranks() -> dict[str, Any]:
+    return _train("auto")
+
+
+@pytest.mark.slow
+def test_kfacs_default_runs_lbp_on_two_ranks_as_one_process_would() -> None:
+    reference = _train("greedy")
+    for rank_result in run_ranks(_default_on_two_ranks, 2, timeout=120):
+        assert isinstance(rank_result["placement"], LBP)
+        for ours, theirs in zip(rank_result["grads"], reference["grads"], strict=True):
+            for got, expected in zip(ours, theirs, strict=True):
+                torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-12)
+
+
+def test_kfacs_default_placement_follows_the_world_and_the_gradient_workers() -> None:
+    assert inspect.signature(KFAC).parameters["placement"].default is PlacementChoice.AUTO
+    assert KFAC.check_options(world_size=4).placement == LBP()
+    assert KFAC.check_options(world_size=4, grad_worker_fraction=0.25).placement == Greedy()
+    assert KFAC.check_options(world_size=1).placement == Greedy()
 
 
 def _two_layers() -> Trace:

@@ -447,5 +447,7 @@ def test_four_ranks_precondition_like_one_process(method: str, fraction: float) 
             ):
                 for name, value in theirs.items():
                     _close(ours[name], value, f"{kind} rank {rank} step {step} {name}")
-    # Placement spreads the deep model's four layers over all four ranks.
-    assert sorted(per_rank[0]["deep"]["layers"].values()) == [0, 1, 2, 3]
+    if fraction < 1:
+        # The default placement off COMM-OPT is greedy: the deep model's four layers go to
+        # all four ranks. (Under COMM-OPT it is LBP, which may keep small factors local.)
+        assert sorted(per_rank[0]["deep"]["layers"].values()) == [0, 1, 2, 3]

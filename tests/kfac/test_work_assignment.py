@@ -204,7 +204,7 @@ def test_layer_placements_give_both_factors_one_owner() -> None:
 
 def test_an_unknown_placement_is_rejected() -> None:
     with pytest.raises(
-        ValueError, match=r"placement must be one of 'greedy', 'round-robin', 'lbp'"
+        ValueError, match=r"placement must be one of 'auto', 'greedy', 'round-robin', 'lbp'"
     ):
         KFAC(_build("mlp"), placement="random")
 

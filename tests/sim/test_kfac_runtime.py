@@ -308,3 +308,24 @@ def test_listed_layers_take_their_factor_seconds() -> None:
     assert ms(result.phases)["factor_compute"] == 5.5
     with pytest.raises(ValueError, match="l1"):
         KfacCosts(layer_factor_s=(("l1", -1.0, 0.0),))
+
+
+@pytest.mark.parametrize(("workers", "placement"), [(2, "lbp"), (65, "greedy")])
+def test_auto_is_priced_as_the_placement_the_runtime_picks_on_that_many_ranks(
+    workers: int, placement: str
+) -> None:
+    cost, costs = CostModel(1 * MS, PER_BYTE), unit_costs()
+    auto = simulate_kfac(
+        two_layers(), runtime_strategy("auto", "bulk", "auto"), cost, workers, costs=costs
+    )
+    named = simulate_kfac(
+        two_layers(), runtime_strategy(placement, "bulk", placement), cost, workers, costs=costs
+    )
+    assert "placement='auto'" in runtime_strategy("auto", "bulk", "AUTO").description
+    assert auto.iteration_s == named.iteration_s and auto.owners == named.owners
+    # The two placements price apart here (LBP 42 / 37 ms, greedy 49), so the pick is seen.
+    other = "greedy" if placement == "lbp" else "lbp"
+    apart = simulate_kfac(
+        two_layers(), runtime_strategy(other, "bulk", other), cost, workers, costs=costs
+    )
+    assert apart.iteration_s != auto.iteration_s

@@ -47,8 +47,9 @@ ABLATION_MODES: dict[str, tuple[str, str, str]] = {
     "spd": ("pipelined", "merged", "lbp"),
 }
 BASELINE_MODE = "dkfac"
-#: The mode :class:`interlace.KFAC`'s defaults select (factors pipelined in merged buckets).
-DEFAULT_MODE = "pipelined"
+#: The mode :class:`interlace.KFAC`'s defaults select on the ablation's ranks (COMM-OPT, 2 to
+#: 64 ranks): factors pipelined in merged buckets, LBP placement.
+DEFAULT_MODE = "spd"
 #: ``--compare kfac-pytorch`` adds this contender: kfac-pytorch's ``KFACPreconditioner`` with its
 #: defaults (COMM-OPT, factors all-reduced from its hooks) and the run's update intervals.
 KFAC_PYTORCH_MODE = "kfac-pytorch"

@@ -16,7 +16,7 @@ from interlace.errors import Named, OptionError, Setting
 from interlace.kfac.enums import AssignmentStrategy, ComputeMethod, coerce_choice
 from interlace.kfac.factor_modes import Bulk, FactorCommMode, Pipelined, factor_comm_from
 from interlace.kfac.methods import EIGEN, method_from
-from interlace.kfac.placements import LBP, Greedy, Placement, placement_from
+from interlace.kfac.placements import LBP, Greedy, Placement, names_auto, placement_from
 
 if TYPE_CHECKING:
     from interlace.comm.cost import CostModel
@@ -154,7 +154,8 @@ def _placement(
             " with ",
             Setting("colocate_factors", False),
         )
-    chosen = None if given is None else placement_from(given)
+    # "auto" (KFAC's default) is what the switches below may narrow, as if nothing was given.
+    chosen = None if given is None or names_auto(given) else placement_from(given)
     if colocate_factors is False:
         if chosen is not None and chosen.colocated:
             raise OptionError(
@@ -167,17 +168,19 @@ def _placement(
                 " to place them apart",
             )
         chosen = chosen or LBP()
-    elif colocate_factors is True and chosen is not None and not chosen.colocated:
-        raise OptionError(
-            "colocate_factors",
-            Setting("placement", chosen.name),
-            " places each factor on its own, but ",
-            Setting("colocate_factors", True),
-            " was given; drop ",
-            Named("colocate_factors"),
-            " or use ",
-            Setting("placement", "greedy"),
-        )
+    elif colocate_factors is True:
+        if chosen is not None and not chosen.colocated:
+            raise OptionError(
+                "colocate_factors",
+                Setting("placement", chosen.name),
+                " places each factor on its own, but ",
+                Setting("colocate_factors", True),
+                " was given; drop ",
+                Named("colocate_factors"),
+                " or use ",
+                Setting("placement", "greedy"),
+            )
+        chosen = chosen or Greedy()
     if strategy is AssignmentStrategy.MEMORY:
         chosen = chosen or Greedy()
         if not isinstance(chosen, Greedy):
@@ -192,12 +195,13 @@ def _placement(
         chosen = Greedy(balance=strategy)
     decomposition_cost, broadcast_cost = costs
     if decomposition_cost is not None or broadcast_cost is not None:
+        chosen = chosen or LBP()  # the cost models price LBP's placement
         if not isinstance(chosen, LBP):
             option = "decomposition_cost" if decomposition_cost is not None else "broadcast_cost"
             raise OptionError(
                 option,
                 "prices LBP's placement, but ",
-                Setting("placement", "greedy" if chosen is None else chosen.name),
+                Setting("placement", chosen.name),
                 " was chosen; drop it or use ",
                 Setting("placement", "lbp"),
             )

@@ -52,8 +52,11 @@ class AssignmentStrategy(str, enum.Enum):
 
 
 class PlacementChoice(str, enum.Enum):
-    """The built-in placements of ``KFAC(placement=)`` (see :mod:`interlace.kfac.placements`)."""
+    """The built-in placements of ``KFAC(placement=)`` (see :mod:`interlace.kfac.placements`);
+    ``AUTO`` is LBP where it applies and greedy elsewhere
+    (:func:`~interlace.kfac.placements.auto_placement`)."""
 
+    AUTO = "auto"
     GREEDY = "greedy"
     ROUND_ROBIN = "round-robin"
     LBP = "lbp"

@@ -124,7 +124,9 @@ def settle(
             options that contradict each other.
     """
     method = method_from(compute_method)
-    chosen_placement = placement_from(placement)
+    chosen_placement = placement_from(
+        placement, ranks=world_size, comm_opt=asks_for_comm_opt(grad_worker_fraction)
+    )
     mode = factor_comm_from(factor_comm)
     if g_normalization not in G_NORMALIZATIONS:
         raise OptionError(

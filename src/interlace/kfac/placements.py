@@ -12,6 +12,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
+from interlace.errors import OptionError
 from interlace.kfac.balancing import (
     decomposition_cost,
     greedy_placement,
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from interlace.kfac.methods import DecompositionMethod
 
 __all__ = [
+    "AUTO_LBP_MAX_RANKS",
     "LBP",
     "Broadcast",
     "CostSource",
@@ -39,8 +41,10 @@ __all__ = [
     "PlacementCosts",
     "RoundRobin",
     "Step",
+    "auto_placement",
     "decomposition_program",
     "factor_items",
+    "names_auto",
     "placement_from",
 ]
 
@@ -376,18 +380,63 @@ _BY_CHOICE: dict[PlacementChoice, type[Greedy | RoundRobin | LBP]] = {
     PlacementChoice.LBP: LBP,
 }
 
+#: The most ranks :func:`auto_placement` gives LBP: LBP opens one process group spanning the
+#: world per rank (each a communicator with its own buffers), and SPD-KFAC's measurements go up
+#: to 64 workers.
+AUTO_LBP_MAX_RANKS = 64
 
-def placement_from(value: object, option: str = "placement") -> Placement:
+
+def auto_placement(ranks: int | None, comm_opt: bool) -> Placement:
+    """``KFAC(placement="auto")``, the default: SPD-KFAC's :class:`LBP` where it applies,
+    :class:`Greedy` (SC20 / KAISA) elsewhere.
+
+    LBP balances single factors by their priced decomposition and broadcast, keeps small ones
+    local and lets owners' broadcasts overlap, which shortens the decomposition stage; it needs
+    every rank to receive every decomposition (COMM-OPT) and a process group per rank. One rank
+    sends nothing, so greedy's placement is the same work without the start-up pricing.
+
+    Args:
+        ranks: The ranks K-FAC runs on (None: not known yet; greedy, which runs with any
+            gradient-worker fraction).
+        comm_opt: Whether every rank is a gradient worker (``grad_worker_fraction=1``).
+    """
+    if comm_opt and ranks is not None and 1 < ranks <= AUTO_LBP_MAX_RANKS:
+        return LBP()
+    return Greedy()
+
+
+def names_auto(value: object) -> bool:
+    """Whether ``value`` is ``"auto"`` (any case) or :attr:`PlacementChoice.AUTO`.
+
+    Args:
+        value: What the caller passed for ``placement``.
+    """
+    if not isinstance(value, str | enum.Enum):
+        return False
+    try:
+        return coerce_choice(PlacementChoice, value, "placement") is PlacementChoice.AUTO
+    except OptionError:
+        return False
+
+
+def placement_from(
+    value: object, option: str = "placement", *, ranks: int | None = None, comm_opt: bool = True
+) -> Placement:
     """The placement ``value`` names: a :class:`Placement` as it is, or a
     :class:`~interlace.kfac.enums.PlacementChoice` (or its string) at its defaults.
 
     Args:
         value: What the caller passed.
         option: The option's name, for the error.
+        ranks: The ranks K-FAC runs on, for ``"auto"`` (see :func:`auto_placement`).
+        comm_opt: Whether every rank is a gradient worker, for ``"auto"``.
 
     Raises:
         OptionError: A value that is neither.
     """
     if not isinstance(value, str | enum.Enum) and isinstance(value, Placement):
         return value
-    return _BY_CHOICE[coerce_choice(PlacementChoice, value, option)]()
+    choice = coerce_choice(PlacementChoice, value, option)
+    if choice is PlacementChoice.AUTO:
+        return auto_placement(ranks, comm_opt)
+    return _BY_CHOICE[choice]()

@@ -2,8 +2,8 @@
 
 Per-layer work is in :mod:`~interlace.kfac.preconditioned_layer`, who does what in
 :mod:`~interlace.kfac.work_assignment`, the factor step in :mod:`~interlace.kfac.factor_update`,
-the gradient step in :mod:`~interlace.kfac.gradients` and checkpoints in
-:mod:`~interlace.kfac.state`; this module holds the hooks and the order of a step, and
+the gradient step in :mod:`~interlace.kfac.gradients`, the hooks in :mod:`~interlace.kfac.hooks`
+and checkpoints in :mod:`~interlace.kfac.state`; this module holds the order of a step, and
 :class:`KFACPreconditioner`, which takes kfac-pytorch's arguments.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import partial
@@ -40,7 +39,7 @@ from interlace.kfac.factor_comm import FactorComm
 from interlace.kfac.factor_modes import FactorCommMode
 from interlace.kfac.factor_update import FactorUpdate
 from interlace.kfac.gradients import GradientPreconditioning
-from interlace.kfac.hooks import LayerForwardHook
+from interlace.kfac.hooks import FactorHooks, LayerForwardHook
 from interlace.kfac.methods import DecompositionMethod
 from interlace.kfac.options import Settled, agreement_settings, check_hyperparameters, settle
 from interlace.kfac.placements import Placement
@@ -51,7 +50,6 @@ from interlace.kfac.preconditioned_layer import (
     find_layers,
     gradient_marks,
     gradients_unchanged,
-    restart_non_finite,
     unwrap,
 )
 from interlace.kfac.state import (
@@ -136,10 +134,12 @@ class KFAC:
             all-reduce per factor.
         placement: Where decompositions are computed: a
             :class:`~interlace.kfac.placements.Placement` object, or a :class:`PlacementChoice`
-            (or its string) at its defaults: ``"greedy"`` (SC20 / KAISA), ``"round-robin"`` or
-            ``"lbp"`` (SPD-KFAC, COMM-OPT only; ``LBP(decomposition_cost=...,
+            (or its string) at its defaults: ``"auto"`` (the default: ``"lbp"`` under COMM-OPT
+            on 2 to 64 ranks, ``"greedy"`` otherwise), ``"greedy"`` (SC20 / KAISA),
+            ``"round-robin"`` or ``"lbp"`` (SPD-KFAC, COMM-OPT only; ``LBP(decomposition_cost=...,
             broadcast_cost=...)`` to give its cost models, which it measures at start-up
-            otherwise). See :mod:`interlace.kfac.placements`.
+            otherwise). ``KFAC.placement`` holds the one chosen. See
+            :mod:`interlace.kfac.placements`.
         factor_comm: How factors are averaged across ranks: ``"pipelined"`` (SPD-KFAC, and
             kfac-pytorch's ``update_factors_in_hook=True``: each factor is all-reduced as soon
             as its hook computes it, and ``step()`` waits for them; ``Pipelined(fusion=...,
@@ -188,7 +188,7 @@ class KFAC:
         inv_dtype: torch.dtype = torch.float32,
         process_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float = 25.0,
-        placement: Placement | PlacementChoice | str = PlacementChoice.GREEDY,
+        placement: Placement | PlacementChoice | str = PlacementChoice.AUTO,
         factor_comm: FactorCommMode | FactorCommChoice | str = FactorCommChoice.PIPELINED,
         g_normalization: str = "kfac-pytorch",
         symmetry_aware: bool = False,
@@ -221,8 +221,6 @@ class KFAC:
             damping_adaptation=damping_adaptation,
         )
         self._grad_scale = options.grad_scale
-        # The loss scale, read once per backward: a read is a device sync on an accelerator.
-        self._scale_now: float | None = None
         self.g_normalization = options.g_normalization
         self.symmetry_aware = options.symmetry_aware
         self._factor_update_steps = factor_update_steps
@@ -251,13 +249,7 @@ class KFAC:
 
         #: Seconds spent in each of :data:`PHASES` by the last :meth:`step`.
         self.last_phase_s: dict[str, float] = dict.fromkeys(PHASES, 0.0)
-        self._hook_s = 0.0
-        # The hooks' hand-over of each factor to the factor communication (packing it, starting
-        # a pipelined all-reduce): factor_comm, not factor_compute.
-        self._hook_comm_s = 0.0
         self._spans = SpanLog()
-        # Whether a forward hook has checked the sums since the last backward (a new batch).
-        self._batch_checked = False
         # The preconditioned gradients' (id, version) after the last step: equal at the next
         # step means no backward since, and the step would precondition them twice.
         self._written: list[GradientMark | None] | None = None
@@ -290,9 +282,6 @@ class KFAC:
                 damping_adaptation=repr(options.adaptation) if options.adaptation else "fixed",
             )
             check_agreement("K-FAC", settings, describe_layers(self._layers), self.group)
-        for layer in self._layers:
-            hook = LayerForwardHook(layer, self._forward_hook)
-            layer.handles.append(layer.helper.module.register_forward_hook(hook))
         # The order below is the order of the collectives each part issues at start-up.
         self.assignment = WorkAssignment(
             self._layers,
@@ -312,6 +301,19 @@ class KFAC:
             symmetry_aware=self.symmetry_aware,
         )
         self.assignment.make_owner_groups()
+        self._hooks = FactorHooks(
+            self._comm,
+            self._spans,
+            collecting=self._collecting,
+            layers=lambda: self._layers,
+            factor_dtype=factor_dtype,
+            world_size=self.world_size,
+            per_example=self.g_normalization == "per-example",
+            grad_scale=self._grad_scale,
+        )
+        for layer in self._layers:
+            hook = LayerForwardHook(layer, self._hooks.forward)
+            layer.handles.append(layer.helper.module.register_forward_hook(hook))
         self._factor_update = FactorUpdate(self._comm, self._spans, self.rank)
         self._gradients = GradientPreconditioning(self.assignment, self.worker_groups, self._spans)
         #: The Levenberg-Marquardt damping (None: the ``damping`` given, fixed or scheduled).
@@ -322,7 +324,6 @@ class KFAC:
                 options.adaptation, cast(float, damping), self.world_size, self.group
             )
         )
-        self._batch_rows = 1
         for layer in self._layers:
             _LOG.log(
                 self.loglevel,
@@ -486,61 +487,6 @@ class KFAC:
             and self.steps % self.factor_update_steps == 0
         )
 
-    def _forward_hook(
-        self, layer: KFACLayer, module: nn.Module, inputs: tuple[Any, ...], output: Any
-    ) -> None:
-        if not self._collecting(module) or not inputs:
-            return
-        started = time.perf_counter()
-        self._scale_now = None  # a forward: the scale may have changed since the last backward
-        if layer.g_count and layer.g_count >= layer.a_count and not self._batch_checked:
-            # A backward went through this layer since the last step: a new batch, so either
-            # accumulation or a step the caller skipped (say, on a non-finite loss).
-            self._batch_checked = True
-            self._drop_non_finite_sums()
-        with torch.no_grad():
-            a = layer.add_input(inputs[0], self.factor_dtype)
-            computed = time.perf_counter()
-            self._comm.factor_ready((layer.name, "A"), a, layer.a_count)
-            handed = time.perf_counter() - computed
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(partial(self._grad_hook, layer))
-        ended = time.perf_counter()
-        self._hook_s += ended - started - handed
-        self._hook_comm_s += handed
-        self._spans.add(f"A {layer.name}", "factor", started, computed)
-
-    def _grad_hook(self, layer: KFACLayer, grad: torch.Tensor) -> None:
-        started = time.perf_counter()
-        self._batch_checked = False
-        with torch.no_grad():
-            if self._grad_scale is not None:
-                if self._scale_now is None:
-                    self._scale_now = self._grad_scale()
-                grad = grad / self._scale_now  # G of the unscaled loss, as without AMP
-            self._batch_rows = grad.shape[0]
-            per_example = self.g_normalization == "per-example"
-            g = layer.add_grad_output(grad, self.factor_dtype, self.world_size, per_example)
-            computed = time.perf_counter()
-            self._comm.factor_ready((layer.name, "G"), g, layer.g_count)
-        ended = time.perf_counter()
-        self._hook_s += computed - started
-        self._hook_comm_s += ended - computed
-        self._spans.add(f"G {layer.name}", "factor", started, computed)
-
-    def _drop_non_finite_sums(self) -> None:
-        """Forget the factor sums that are not finite, so that a batch whose step was skipped
-        leaves nothing behind in the next one's."""
-        bad = restart_non_finite(self._layers)
-        if bad:
-            warnings.warn(
-                f"K-FAC: the factors summed since the last step() are not finite in "
-                f"{', '.join(bad)} (a step skipped after a bad batch?); they are dropped and "
-                "this batch's factors start afresh",
-                KFACWarning,
-                stacklevel=4,
-            )
-
     # -- the step -----------------------------------------------------------------------
 
     @torch.no_grad()
@@ -567,9 +513,7 @@ class KFAC:
             )
             return
         phases = dict.fromkeys(PHASES, 0.0)
-        phases["factor_compute"] = self._hook_s
-        phases["factor_comm"] = self._hook_comm_s
-        self._hook_s = self._hook_comm_s = 0.0
+        phases["factor_compute"], phases["factor_comm"] = self._hooks.take_seconds()
         adaptive = self.adaptive_damping
         if adaptive is not None and loss is not None:
             with self._spans.timed(phases, "precondition", "precondition", "adaptive damping"):
@@ -606,7 +550,7 @@ class KFAC:
         mean loss is the per-example one over the squared global batch)."""
         if self.g_normalization == "per-example":
             return 1.0
-        return float(self._batch_rows * self.world_size) ** 2
+        return float(self._hooks.batch_rows * self.world_size) ** 2
 
     def _decompositions_due(self) -> bool:
         """A decomposition step, or the first step after a load that left a rank without one."""

@@ -15,8 +15,9 @@ from interlace.comm.cost import CostModel
 from interlace.comm.plan import ReadyTensor, schedule
 from interlace.comm.strategies import PLANNED_STRATEGIES
 from interlace.errors import UsageError
+from interlace.kfac.enums import PlacementChoice
 from interlace.kfac.fusion import make_groups
-from interlace.kfac.placements import LBP, Greedy, Placement, placement_from
+from interlace.kfac.placements import LBP, Greedy, Placement, names_auto, placement_from
 from interlace.kfac.sizes import packed_size
 from interlace.sim.engine import SimResult
 from interlace.sim.kfac_costs import KfacCosts
@@ -48,7 +49,9 @@ class KfacStrategy:
             message.
         placement: The runtime's placement object (or its name): :class:`Greedy`, a layer's
             two decompositions on one rank by n^3 (D-KFAC); :class:`LBP`, SPD-KFAC's
-            load-balancing placement of single factors; or any other.
+            load-balancing placement of single factors; ``"auto"``, chosen per simulated world
+            size as the runtime chooses it (:func:`~interlace.kfac.placements.auto_placement`);
+            or any other.
         description: One line for people.
         factors_in_passes: Factors computed in the passes (``A`` after its layer's forward,
             ``G`` before its layer's backward) even when sent in bulk, as interlace's hooks do
@@ -65,7 +68,7 @@ class KfacStrategy:
 
     name: str
     pipelined: bool
-    placement: Placement
+    placement: Placement | PlacementChoice
     description: str
     factors_in_passes: bool | None = None
     bulk_packed: bool = True
@@ -73,7 +76,18 @@ class KfacStrategy:
     factor_group: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "placement", placement_from(self.placement))
+        chosen = (
+            PlacementChoice.AUTO if names_auto(self.placement) else placement_from(self.placement)
+        )
+        object.__setattr__(self, "placement", chosen)
+
+    def placement_on(self, workers: int) -> Placement:
+        """The placement the runtime runs on ``workers`` ranks (COMM-OPT, as simulated).
+
+        Args:
+            workers: The simulated world size.
+        """
+        return placement_from(self.placement, ranks=workers, comm_opt=True)
 
     @property
     def computes_in_passes(self) -> bool:
@@ -454,7 +468,7 @@ def simulate_kfac(
     # 3. Decompositions and their broadcasts.
     stage = decomposition_stage(
         [(layer.name, layer.a_dim, layer.g_dim) for layer in layers],
-        placement=chosen.placement,
+        placement=chosen.placement_on(workers),
         workers=workers,
         costs=costs,
         broadcast=broadcast_cost or cost,

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from interlace.comm.plan import Bucketing
 from interlace.errors import UsageError
+from interlace.kfac.enums import PlacementChoice
 from interlace.kfac.factor_modes import FactorCommMode, Pipelined, factor_comm_from
-from interlace.kfac.placements import Placement, placement_from
+from interlace.kfac.placements import Placement, names_auto, placement_from
 from interlace.sim.kfac import KfacStrategy
 
 __all__ = ["RUNTIME_BULK_CAP_BYTES", "runtime_strategy"]
@@ -58,7 +59,10 @@ def runtime_strategy(
             merged buckets) or an unknown name.
     """
     mode = factor_comm_from(factor_comm)
-    chosen = placement_from(placement)
+    chosen: Placement | PlacementChoice = (
+        PlacementChoice.AUTO if names_auto(placement) else placement_from(placement)
+    )
+    label = chosen.value if isinstance(chosen, PlacementChoice) else chosen.name
     if isinstance(mode, Pipelined) and mode.fusion != Bucketing.MERGED:
         raise UsageError(
             f"K-FAC with factor_comm={mode!r}: the simulator models bulk factors, or pipelined "
@@ -68,7 +72,7 @@ def runtime_strategy(
         name,
         mode.pipelined,
         chosen,
-        f"interlace's KFAC(factor_comm={mode.name!r}, placement={chosen.name!r})",
+        f"interlace's KFAC(factor_comm={mode.name!r}, placement={label!r})",
         factors_in_passes=True,
         bulk_packed=symmetry_aware,
         bulk_cap_bytes=bucket_cap_bytes,

@@ -214,10 +214,10 @@ class TrainConfig:
     kfac_placement: str | None = kfac_option(
         "placement",
         Choice(PlacementChoice),
-        "where the factors are decomposed: greedy (SC20 / KAISA), round-robin, or lbp "
-        "(SPD-KFAC; comm-opt only)",
+        "where the factors are decomposed: auto (lbp under comm-opt on 2-64 ranks, greedy "
+        "otherwise), greedy (SC20 / KAISA), round-robin, or lbp (SPD-KFAC; comm-opt only)",
         default=None,
-        unset="greedy; lbp with --kfac-colocate-factors false",
+        unset="auto; greedy with --kfac-colocate-factors true, lbp with false",
     )
     kfac_factor_comm: str | None = kfac_option(
         "factor_comm",
