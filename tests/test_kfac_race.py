@@ -213,7 +213,7 @@ def _bench_row(mode: str, inv_update_steps: int = 10) -> dict[str, Any]:
         "inv_update_steps": inv_update_steps,
         "compute": "emulated:resnet20-h200 D=16",
         "iteration_s": 0.015,
-        "cycle_iteration_s": 0.02 if mode == "pipelined" else 0.03,
+        "cycle_iteration_s": 0.02 if mode == "spd" else 0.03,
         "phases_s": {"forward_backward": 0.007, "gradient_comm": 0.0005, "optimizer": 0.0005},
     }
 
@@ -221,8 +221,10 @@ def _bench_row(mode: str, inv_update_steps: int = 10) -> dict[str, Any]:
 def test_wall_clock_to_target_is_steps_times_each_sides_step_cost(
     race: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    costs = race.step_costs([_bench_row("dkfac"), _bench_row("pipelined")], "bench.json")
-    # SGD: 7 + 0.5 + 0.5 ms; K-FAC: the pipelined row's whole-cycle iteration, 20 ms.
+    assert race.RACE_KFAC_MODE == "spd"  # the training job's K-FAC on the race's 4 ranks
+    rows = [_bench_row("dkfac"), _bench_row("pipelined"), _bench_row("spd")]
+    costs = race.step_costs(rows, "bench.json")
+    # SGD: 7 + 0.5 + 0.5 ms; K-FAC: the spd row's whole-cycle iteration, 20 ms.
     assert costs.sgd_s == pytest.approx(0.008) and costs.kfac_s == pytest.approx(0.02)
     assert costs.kfac_over_sgd == pytest.approx(2.5)
     sgd = {"steps_to_target": [190, None, 228]}  # 1.52 s, never, 1.824 s
@@ -262,7 +264,7 @@ def test_wall_clock_to_target_is_steps_times_each_sides_step_cost(
     header = {"train_samples": 20_000, "nprocs": 4, "batch_size": 256, "global_batch": 1024}
     document = {**header, "link": "loopback", "seeds": [0, 1, 2], "grid": "large-batch"}
     path.write_text(race.json.dumps({**document, "summary": summary, "runs": []}))
-    bench.write_text(race.json.dumps([_bench_row("pipelined")]))
+    bench.write_text(race.json.dumps([_bench_row("spd")]))
     before = path.read_text()
     argv = ["--report", "--json", str(path), "--step-costs", str(bench)]
     assert race.main(argv) == 0
@@ -271,6 +273,6 @@ def test_wall_clock_to_target_is_steps_times_each_sides_step_cost(
     assert path.read_text() == before
 
     with pytest.raises(ValueError, match="decompositions every 1 steps"):
-        race.step_costs([_bench_row("pipelined", inv_update_steps=1)], "inv1.json")
-    with pytest.raises(ValueError, match="one row of mode 'pipelined'"):
+        race.step_costs([_bench_row("spd", inv_update_steps=1)], "inv1.json")
+    with pytest.raises(ValueError, match="one row of mode 'spd'"):
         race.step_costs([_bench_row("dkfac")], "dkfac-only.json")
