@@ -13,10 +13,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from interlace.errors import Named, OptionError, Setting
-from interlace.kfac.enums import AssignmentStrategy, ComputeMethod, coerce_choice
+from interlace.kfac.enums import AssignmentStrategy, ComputeMethod, PlacementChoice, coerce_choice
 from interlace.kfac.factor_modes import Bulk, FactorCommMode, Pipelined, factor_comm_from
 from interlace.kfac.methods import EIGEN, method_from
-from interlace.kfac.placements import LBP, Greedy, Placement, names_auto, placement_from
+from interlace.kfac.placements import LBP, Greedy, Placement, placement_or_auto
 
 if TYPE_CHECKING:
     from interlace.comm.cost import CostModel
@@ -155,7 +155,8 @@ def _placement(
             Setting("colocate_factors", False),
         )
     # "auto" (KFAC's default) is what the switches below may narrow, as if nothing was given.
-    chosen = None if given is None or names_auto(given) else placement_from(given)
+    named = None if given is None else placement_or_auto(given)
+    chosen = None if isinstance(named, PlacementChoice) else named
     if colocate_factors is False:
         if chosen is not None and chosen.colocated:
             raise OptionError(

@@ -12,7 +12,6 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
-from interlace.errors import OptionError
 from interlace.kfac.balancing import (
     decomposition_cost,
     greedy_placement,
@@ -44,8 +43,8 @@ __all__ = [
     "auto_placement",
     "decomposition_program",
     "factor_items",
-    "names_auto",
     "placement_from",
+    "placement_or_auto",
 ]
 
 
@@ -405,18 +404,22 @@ def auto_placement(ranks: int | None, comm_opt: bool) -> Placement:
     return Greedy()
 
 
-def names_auto(value: object) -> bool:
-    """Whether ``value`` is ``"auto"`` (any case) or :attr:`PlacementChoice.AUTO`.
+def placement_or_auto(value: object, option: str = "placement") -> Placement | PlacementChoice:
+    """What ``value`` names, with ``"auto"`` left as :attr:`PlacementChoice.AUTO` for whoever
+    knows the world to resolve (:func:`placement_from` with ``ranks``).
 
     Args:
-        value: What the caller passed for ``placement``.
+        value: What the caller passed.
+        option: The option's name, for the error.
+
+    Raises:
+        OptionError: A value that names no placement.
     """
-    if not isinstance(value, str | enum.Enum):
-        return False
-    try:
-        return coerce_choice(PlacementChoice, value, "placement") is PlacementChoice.AUTO
-    except OptionError:
-        return False
+    if isinstance(value, str | enum.Enum) and (
+        coerce_choice(PlacementChoice, value, option) is PlacementChoice.AUTO
+    ):
+        return PlacementChoice.AUTO
+    return placement_from(value, option)
 
 
 def placement_from(

@@ -17,7 +17,13 @@ from interlace.comm.strategies import PLANNED_STRATEGIES
 from interlace.errors import UsageError
 from interlace.kfac.enums import PlacementChoice
 from interlace.kfac.fusion import make_groups
-from interlace.kfac.placements import LBP, Greedy, Placement, names_auto, placement_from
+from interlace.kfac.placements import (
+    LBP,
+    Greedy,
+    Placement,
+    placement_from,
+    placement_or_auto,
+)
 from interlace.kfac.sizes import packed_size
 from interlace.sim.engine import SimResult
 from interlace.sim.kfac_costs import KfacCosts
@@ -76,10 +82,7 @@ class KfacStrategy:
     factor_group: bool = False
 
     def __post_init__(self) -> None:
-        chosen = (
-            PlacementChoice.AUTO if names_auto(self.placement) else placement_from(self.placement)
-        )
-        object.__setattr__(self, "placement", chosen)
+        object.__setattr__(self, "placement", placement_or_auto(self.placement))
 
     def placement_on(self, workers: int) -> Placement:
         """The placement the runtime runs on ``workers`` ranks (COMM-OPT, as simulated).

@@ -8,7 +8,7 @@ from interlace.comm.plan import Bucketing
 from interlace.errors import UsageError
 from interlace.kfac.enums import PlacementChoice
 from interlace.kfac.factor_modes import FactorCommMode, Pipelined, factor_comm_from
-from interlace.kfac.placements import Placement, names_auto, placement_from
+from interlace.kfac.placements import Placement, placement_or_auto
 from interlace.sim.kfac import KfacStrategy
 
 __all__ = ["RUNTIME_BULK_CAP_BYTES", "runtime_strategy"]
@@ -59,9 +59,7 @@ def runtime_strategy(
             merged buckets) or an unknown name.
     """
     mode = factor_comm_from(factor_comm)
-    chosen: Placement | PlacementChoice = (
-        PlacementChoice.AUTO if names_auto(placement) else placement_from(placement)
-    )
+    chosen = placement_or_auto(placement)
     label = chosen.value if isinstance(chosen, PlacementChoice) else chosen.name
     if isinstance(mode, Pipelined) and mode.fusion != Bucketing.MERGED:
         raise UsageError(
