@@ -30,18 +30,19 @@ def test_the_default_mode_is_what_kfacs_defaults_select() -> None:
     assert placement == placement_from(defaults["placement"].default, ranks=4, comm_opt=True)
 
 
-def _contender(planning_done: bool, factor_comm: str, steps: int) -> KfacContender:
+def _contender(planning_done: bool, factor_comm: str, plan_settled: bool) -> KfacContender:
     mode = Pipelined(profile_steps=3) if factor_comm == "pipelined" else Bulk()
-    precond = SimpleNamespace(factor_comm=mode, steps=steps, factor_update_steps=1)
+    precond = SimpleNamespace(factor_comm=mode, factor_plan_settled=plan_settled)
     return KfacContender("m", SimpleNamespace(planning_done=planning_done), None, precond=precond)
 
 
 def test_warm_up_waits_for_every_plan() -> None:
-    assert not _contender(False, "bulk", 10).settled()
-    assert _contender(True, "bulk", 1).settled()
-    # Pipelined: one bulk factor step, then 3 profiled ones before the merged buckets exist.
-    assert not _contender(True, "pipelined", 3).settled()
-    assert _contender(True, "pipelined", 4).settled()
+    assert not _contender(False, "bulk", True).settled()
+    assert _contender(True, "bulk", False).settled()  # bulk has no factor buckets to plan
+    # Pipelined: until the merged buckets are profiled and their trials are over.
+    assert not _contender(True, "pipelined", False).settled()
+    assert _contender(True, "pipelined", True).settled()
+    assert not _contender(False, "pipelined", True).settled()
 
 
 def test_a_wrapper_without_a_plan_is_settled_at_once() -> None:

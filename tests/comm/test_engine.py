@@ -68,13 +68,16 @@ def _worst(
     return worst, same_none
 
 
-def _run(engine: BucketEngine, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    """One iteration: gradients in reverse registration order (as backward visits them)."""
+def _run(
+    engine: BucketEngine, grads: list[torch.Tensor | None], *, in_place: bool = False
+) -> list[torch.Tensor | None]:
+    """One iteration: gradients in reverse registration order (as backward visits them); with
+    ``in_place`` each is written into its slot first and handed over as that view."""
     engine.begin()
     for index in reversed(range(len(grads))):
         grad = grads[index]
         if grad is not None:
-            engine.add(index, grad)
+            engine.add(index, engine.slot(index).copy_(grad) if in_place else grad)
     return [None if value is None else value.clone() for value in engine.finish()]
 
 
@@ -82,13 +85,15 @@ def _plain_buckets(_: None) -> dict[str, Any]:
     tensors = [torch.zeros(shape, dtype=dtype) for shape, dtype in SHAPES]
     engine = BucketEngine(tensors, [[4, 3], [2, 1, 0]])
     report: dict[str, Any] = {"groups": engine.groups, "worst": [], "none_ok": []}
-    for step in range(3):
+    for step in range(4):
         grads: list[torch.Tensor | None] = list(_gradients(step))
         if step == 2:
             grads[1] = None  # on every rank: no gradient at all for tensor 1
             if dist.get_rank() == 0:
                 grads[3] = None  # on rank 0 only: rank 1's gradient, averaged with zeros
-        worst, none_ok = _worst(_run(engine, grads), _reference(grads))
+        # The last step writes each gradient straight into its slot.
+        got = _run(engine, grads, in_place=step == 3)
+        worst, none_ok = _worst(got, _reference(grads))
         report["worst"].append(worst)
         report["none_ok"].append(none_ok)
     return report
@@ -98,7 +103,7 @@ def test_buckets_average_like_one_all_reduce_per_tensor(two_ranks: dict[str, lis
     for report in two_ranks["plain"]:
         # The float64 tensor split the second bucket: [2] alone, then [1, 0].
         assert report["groups"] == [[4, 3], [2], [1, 0]]
-        assert report["worst"] == [0.0, 0.0, 0.0]
+        assert report["worst"] == [0.0, 0.0, 0.0, 0.0]
         assert all(report["none_ok"])
 
 

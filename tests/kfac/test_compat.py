@@ -168,11 +168,12 @@ def test_flat_spellings_become_the_policy_objects_settings() -> None:
         _model(),
         fusion="none",
         profile_steps=2,
+        tune_steps=0,
         placement="lbp",
         decomposition_cost=cost,
         damping_adaptation="levenberg-marquardt",
     )
-    assert precond.factor_comm == Pipelined(fusion="none", profile_steps=2)
+    assert precond.factor_comm == Pipelined(fusion="none", profile_steps=2, tune_steps=0)
     assert precond.placement == LBP(decomposition_cost=cost)
     assert precond.adaptive_damping is not None  # KFAC's own keywords pass through
     # A cost model alone asks for the placement it prices.

@@ -85,8 +85,10 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return inputs, torch.randint(0, 3, (GLOBAL_BATCH,), generator=generator)
 
 
-def _train(rank: int, world: int, options: dict[str, Any], wrap: bool = False) -> dict[str, Any]:
-    """``STEPS`` K-FAC steps on this rank's share of each global batch, plain SGD between."""
+def _train(
+    rank: int, world: int, options: dict[str, Any], wrap: bool = False, steps: int = STEPS
+) -> dict[str, Any]:
+    """``steps`` K-FAC steps on this rank's share of each global batch, plain SGD between."""
     model = _build()
     wrapped: nn.Module = model
     if wrap:
@@ -103,7 +105,7 @@ def _train(rank: int, world: int, options: dict[str, Any], wrap: bool = False) -
     share = GLOBAL_BATCH // world
     grads = []
     comm_s = []
-    for step in range(STEPS):
+    for step in range(steps):
         inputs, targets = _batch(step)
         local = slice(rank * share, (rank + 1) * share)
         model.zero_grad(set_to_none=True)
@@ -124,6 +126,8 @@ def _train(rank: int, world: int, options: dict[str, Any], wrap: bool = False) -
     return {
         "grads": grads,
         "plan": precond.factor_plan,
+        "settled": precond.factor_plan_settled,
+        "tuning": precond.factor_tuning,
         "factors": len(precond.factor_order),
         "comm_s": comm_s,
         "spans": spans,
@@ -135,8 +139,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "none": {"factor_comm": Pipelined(fusion="none")},
     # 1 KB: the four layers' packed factors (28 to 1088 bytes) fill several buckets.
     "fixed": {"factor_comm": Pipelined(fusion="fixed"), "bucket_cap_mb": 1 / 1024},
+    # No trials: the cost model's plan is the one checked.
     "merged": {
-        "factor_comm": Pipelined(fusion="merged", profile_steps=1, factor_cost=MERGING_COST),
+        "factor_comm": Pipelined(
+            fusion="merged", profile_steps=1, factor_cost=MERGING_COST, tune_steps=0
+        ),
     },
 }
 
@@ -183,6 +190,42 @@ def test_pipelined_fusions_precondition_like_bulk_and_one_process() -> None:
     assert 1 < len(merged) < factors
     assert merged == [[0], list(range(1, factors))]
     assert any(span.startswith("factor bucket") for span in records["merged"]["spans"])
+
+
+#: Start-up of a millisecond, nothing per byte: the cost model's plan sends every factor on its
+#: own, and the larger start-ups of the trials merge them, so there are candidates to weigh.
+TRIAL_COST = CostModel(1e-3, 0.0)
+
+
+def _rank_trials() -> dict[str, Any]:
+    options = {
+        "factor_comm": Pipelined(
+            fusion="merged", profile_steps=1, factor_cost=TRIAL_COST, tune_steps=1
+        ),
+    }
+    # One bulk step, one profiled, then 2 rounds of each candidate (each after a warm-up step).
+    return _train(dist.get_rank(), dist.get_world_size(), options, steps=16)
+
+
+@pytest.mark.slow
+def test_merged_tries_coarser_plans_and_every_rank_keeps_the_same(
+    two_ranks: dict[str, list[Any]],
+) -> None:
+    per_rank = two_ranks["trials"]
+    single = _train(0, 1, {}, steps=16)
+    first, second = per_rank
+    for record in per_rank:
+        # Whatever plan is in use, a step preconditions as one process does.
+        _assert_same(record["grads"], single["grads"])
+        assert record["settled"]
+        assert record["tuning"] is not None
+    assert first["plan"] == second["plan"]
+    assert first["tuning"] == second["tuning"]  # the slowest rank's medians, on every rank
+    tuning = first["tuning"]
+    assert tuning.startswith("tuned by measured iteration time")
+    assert "the cost model's plan" in tuning and "start-up x" in tuning
+    kept = tuning.rsplit("kept ", 1)[1]
+    assert kept in tuning.split("; kept")[0]
 
 
 def _rank_data_parallel() -> dict[str, Any]:
@@ -256,7 +299,9 @@ def test_a_layer_called_twice_falls_back_to_bulk_and_stays_exact(
 def _every_two_rank_scenario() -> dict[str, Any]:
     """Both 2-rank tests' work on this rank, in one job: starting ranks costs more than the
     training. A failure names its scenario."""
-    return run_scenarios({"data parallel": _rank_data_parallel, "twice": _rank_twice})
+    return run_scenarios(
+        {"data parallel": _rank_data_parallel, "twice": _rank_twice, "trials": _rank_trials}
+    )
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,8 @@ def test_anything_else_is_one_error_naming_the_option(value: object, message: st
         ({"profile_steps": 0}, "profile_steps", "profile_steps must be an integer >= 1, got 0"),
         ({"profile_steps": 1.0}, "profile_steps", "must be an integer >= 1, got 1.0"),
         ({"profile_steps": True}, "profile_steps", "must be an integer >= 1, got True"),
+        ({"tune_steps": -1}, "tune_steps", r"must be an integer >= 0 \(0: no trials\), got -1"),
+        ({"tune_steps": 2.5}, "tune_steps", "must be an integer >= 0"),
     ],
 )
 def test_pipelined_settings_are_checked_where_they_are_made(

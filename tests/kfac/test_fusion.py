@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from interlace.comm.cost import CostModel
-from interlace.kfac.fusion import make_groups, merged_groups
+from interlace.kfac.fusion import make_groups, merged_candidates, merged_groups
 
 #: Start-up free, a second per byte: after the first factor's all-reduce the channel stays busy
 #: past any real ready time, so MG-WFBP merges every later factor into one bucket.
@@ -44,3 +44,26 @@ def test_merged_follows_mg_wfbp() -> None:
         make_groups("merged", [1, 2])
     with pytest.raises(ValueError, match="fusion"):
         make_groups("smart", [1])
+
+
+def test_merged_candidates_are_the_cost_models_plan_then_larger_start_ups() -> None:
+    cost = CostModel(a=1.0, b=0.01)
+    # Ready 5 apart: a start-up of 1 merges nothing; x4 (4) still nothing; x16 (16) merges
+    # while the next factor is ready before the first bucket could start plus 16: all of them.
+    ready = [0.0, 5.0, 10.0, 15.0]
+    sizes = [100, 100, 100, 100]
+    assert merged_candidates(sizes, ready, cost) == [
+        ("the cost model's plan", [[0], [1], [2], [3]]),
+        ("start-up x16", [[0, 1, 2, 3]]),
+    ]
+    # Each candidate is the merge rule itself under its start-up, and none repeats another.
+    close = [0.0, 2.0, 4.0, 60.0, 62.0, 200.0]
+    found = merged_candidates([10] * 6, close, CostModel(a=1.0, b=0.0))
+    assert [label for label, _ in found] == [
+        "the cost model's plan",
+        "start-up x4",
+        "start-up x64",
+    ]
+    assert found[0][1] == merged_groups([10] * 6, close, CostModel(a=1.0, b=0.0))
+    assert found[1][1] == [[0, 1, 2], [3, 4], [5]]
+    assert found[2][1] == [[0, 1, 2, 3, 4], [5]]

@@ -98,3 +98,18 @@ def test_indices_are_cached_per_size_and_device() -> None:
     assert packing.symmetric_gather_index(48, device) is packing.symmetric_gather_index(48, device)
     assert packing.upper_flat_index(49, device) is not first
     assert first.dtype == torch.int32  # half the memory of int64 for any realistic factor
+
+
+def test_packing_into_a_given_tensor_writes_the_same_triangle_there() -> None:
+    matrix = _symmetric(37)
+    buffer = torch.full((packed_size(37) + 4,), -1.0)
+    place = buffer[2 : 2 + packed_size(37)]
+    written = pack_upper(matrix, out=place)
+    assert written.data_ptr() == place.data_ptr()
+    assert _bitwise_equal(place, pack_upper(matrix))
+    assert buffer[:2].tolist() == [-1.0, -1.0] and buffer[-2:].tolist() == [-1.0, -1.0]
+    diagonal = torch.rand(5)
+    into = torch.zeros(5)
+    assert pack_upper(diagonal, out=into) is into and torch.equal(into, diagonal)
+    with pytest.raises(ValueError, match="has 703 numbers, got out of shape"):
+        pack_upper(matrix, out=torch.zeros(700))

@@ -114,7 +114,8 @@ def test_the_flags_reach_kfac_as_its_keywords(launched: list[TrainConfig]) -> No
         *("--kfac-factor-dtype", "float64", "--kfac-inv-dtype", "torch.float64"),
         *("--kfac-allreduce-bucket-cap-mb", "0", "--kfac-placement", "round_robin"),
         *("--kfac-update-factors-in-hook", "--kfac-fusion", "merged"),
-        *("--kfac-profile-steps", "5", "--kfac-assignment-strategy", "COMPUTE"),
+        *("--kfac-profile-steps", "5", "--kfac-tune-steps", "0"),
+        *("--kfac-assignment-strategy", "COMPUTE"),
         *("--kfac-colocate-factors", "true", "--kfac-compute-eigenvalue-outer-product", "no"),
         *("--kfac-symmetry-aware", "--kfac-loglevel", "INFO", "--kfac-kl-clip", "0"),
         *("--kfac-grad-worker-fraction", "MEM_OPT", "--kfac-compute-method", "Inverse"),
@@ -139,6 +140,7 @@ def test_the_flags_reach_kfac_as_its_keywords(launched: list[TrainConfig]) -> No
         # --kfac-factor-comm not given: left out, KFAC's default (pipelined, as asked).
         "fusion": "merged",
         "profile_steps": 5,
+        "tune_steps": 0,
         "g_normalization": "kfac-pytorch",
         "assignment_strategy": "compute",
         "colocate_factors": True,

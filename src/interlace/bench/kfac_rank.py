@@ -295,14 +295,15 @@ class KfacContender(Contender):
 
     def settled(self) -> bool:
         """Whether every plan is final: DataParallel's buckets, and for pipelined factors the
-        merged buckets (one bulk factor step, then ``profile_steps`` profiled ones)."""
+        merged buckets (one bulk factor step, ``profile_steps`` profiled ones, then the
+        bucket trials)."""
         if not getattr(self.wrapper, "planning_done", True):
             return False
         precond = self.precond
         mode = precond.factor_comm
         if not isinstance(mode, Pipelined):
             return True
-        return bool(precond.steps > mode.profile_steps * precond.factor_update_steps)
+        return bool(precond.factor_plan_settled)
 
 
 def _contender(

@@ -222,13 +222,22 @@ class BucketEngine:
         self._used[index] = True
         view = self._views[index]
         if grad is view:
-            pass  # the gradient is this view of the bucket already (gradient_as_bucket_view)
+            pass  # written in place already (gradient_as_bucket_view, or through slot())
         elif self.batched_copy:
             self._copies[self.slots[index].bucket].append((view, grad))
         else:
             view.copy_(grad)
         for position in self.launcher.add(index):
             self._launch(position)
+
+    def slot(self, index: int) -> torch.Tensor:
+        """Tensor ``index``'s place in its bucket, shaped like the tensor: a producer that writes
+        its value there and then calls :meth:`add` with this view spares the engine a copy.
+
+        Args:
+            index: the tensor's index.
+        """
+        return self._views[index]
 
     def sent(self, index: int) -> bool:
         """Whether tensor ``index``'s bucket has gone out this iteration (a gradient arriving

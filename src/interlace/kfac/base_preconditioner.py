@@ -198,6 +198,18 @@ class BasePreconditioner:
         return self._comm.factor_plan
 
     @property
+    def factor_plan_settled(self) -> bool:
+        """Whether the pipelined factor buckets are final (no profiling or trials to come);
+        True where factors are not pipelined."""
+        return self._comm.plan_settled
+
+    @property
+    def factor_tuning(self) -> str | None:
+        """One line: each candidate factor plan's measured time and the one kept (None before
+        the trials end, or with none to run)."""
+        return self._comm.tuning
+
+    @property
     def factor_order(self) -> list[tuple[str, str]]:
         """The factors' ready order pipelining uses: ``(layer name, "A" or "G")``."""
         return self._comm.factor_order

@@ -36,6 +36,7 @@ def kfac_keywords(
     fusion: str | None = None,
     profile_steps: int | None = None,
     factor_cost: CostModel | None = None,
+    tune_steps: int | None = None,
     decomposition_cost: DecompositionCostModel | None = None,
     broadcast_cost: CostModel | None = None,
 ) -> dict[str, Any]:
@@ -58,6 +59,7 @@ def kfac_keywords(
         fusion: :class:`~interlace.kfac.factor_modes.Pipelined`'s ``fusion``.
         profile_steps: :class:`~interlace.kfac.factor_modes.Pipelined`'s ``profile_steps``.
         factor_cost: :class:`~interlace.kfac.factor_modes.Pipelined`'s ``factor_cost``.
+        tune_steps: :class:`~interlace.kfac.factor_modes.Pipelined`'s ``tune_steps``.
         decomposition_cost: :class:`~interlace.kfac.placements.LBP`'s ``decomposition_cost``.
         broadcast_cost: :class:`~interlace.kfac.placements.LBP`'s ``broadcast_cost``.
 
@@ -95,8 +97,11 @@ def kfac_keywords(
         fusion=base.fusion if fusion is None else fusion,
         profile_steps=base.profile_steps if profile_steps is None else profile_steps,
         factor_cost=base.factor_cost if factor_cost is None else factor_cost,
+        tune_steps=base.tune_steps if tune_steps is None else tune_steps,
     )
-    flat_given = fusion is not None or profile_steps is not None or factor_cost is not None
+    flat_given = any(
+        value is not None for value in (fusion, profile_steps, factor_cost, tune_steps)
+    )
     if isinstance(mode, Pipelined) or (mode is None and flat_given):
         mode = settings  # KFAC's default mode is pipelined
     if mode is not None:

@@ -16,8 +16,9 @@ from interlace.comm.calibrate import fit_cost_model
 from interlace.comm.cost import CostModel
 from interlace.comm.engine import BucketEngine
 from interlace.comm.plan import pack_by_cap
+from interlace.comm.tuning import PlanTrials, describe_trials, fastest
 from interlace.kfac.factor_modes import FactorCommMode, Pipelined
-from interlace.kfac.fusion import make_groups
+from interlace.kfac.fusion import make_groups, merged_candidates
 from interlace.kfac.packing import pack_upper, packed_size, unpack_upper
 from interlace.kfac.preconditioned_layer import KFACLayer
 from interlace.kfac.timing import SpanLog
@@ -27,6 +28,10 @@ __all__ = ["FactorComm", "FactorPipeline", "all_reduce_mean"]
 
 #: A factor in the pipeline's ready order: ``(layer name, "A" or "G")``.
 FactorKey = tuple[str, str]
+
+#: Rounds of the bucket trials (``Pipelined(tune_steps=)``): fewer than DataParallel's, because
+#: a K-FAC step is dearer; forward then backward still spreads a drift of load evenly.
+FACTOR_TRIAL_ROUNDS = 2
 
 
 def all_reduce_mean(
@@ -141,7 +146,9 @@ class FactorPipeline:
             return
         self._offered.add(position)
         assert self._engine is not None
-        self._engine.add(position, pack_upper(factor))
+        # Packed straight into its place in the bucket: one copy of the triangle, not two.
+        slot = self._engine.slot(position)
+        self._engine.add(position, pack_upper(factor.to(slot.dtype), out=slot))
         self.ready_s[position] = now - self.origin
 
     def flush(self) -> None:
@@ -225,6 +232,14 @@ class FactorComm:
         self.factor_plan: list[list[int]] | None = None
         #: The factors' ready order pipelining uses.
         self.factor_order: list[FactorKey] = []
+        #: The trials' outcome once ``"merged"`` has weighed its candidates (None before, or
+        #: with one candidate or ``tune_steps=0``).
+        self.tuning: str | None = None
+        self._candidates: list[tuple[str, list[list[int]]]] = []
+        self._trials: PlanTrials | None = None
+        # Seconds from the step's first factor to the end of the wait for the last bucket:
+        # what a bucket plan changes (the passes with their launches, and the exposed wait).
+        self._timed_s: float | None = None
         self._pipe: FactorPipeline | None = None
         self._fired: list[FactorKey] = []
         # Pipelined all-reduces start inside the hooks, while a data-parallel wrapper's
@@ -238,6 +253,14 @@ class FactorComm:
     def pipelining(self) -> bool:
         """Whether the hooks launch the factor all-reduces (after the first factor step)."""
         return self._pipe is not None
+
+    @property
+    def plan_settled(self) -> bool:
+        """Whether the factor buckets are final: no profiling or trials to come."""
+        if self.factor_group is None or self.accumulation_steps != 1:
+            return True  # never pipelines
+        pipe = self._pipe
+        return pipe is not None and not pipe.profiling and self._trials is None
 
     def factor_ready(self, key: FactorKey, factor: torch.Tensor, count: int) -> None:
         """A hook computed a factor: send it, or note its ready order before pipelining.
@@ -351,6 +374,8 @@ class FactorComm:
         phases["factor_comm"] += time.perf_counter() - started
         with self.spans.timed(phases, "factor_comm", "comm", "factor all-reduce wait"):
             means = pipe.wait()
+        if pipe.origin is not None:
+            self._timed_s = time.perf_counter() - pipe.origin
         if any_repeated:
             tensors = [tensor for layer in ready for tensor in layer.batch_factors()]
             with self.spans.timed(phases, "factor_comm", "comm", "factor all-reduce"):
@@ -382,6 +407,10 @@ class FactorComm:
             assert isinstance(self.mode, Pipelined)
             if pipe.profiled >= self.mode.profile_steps:
                 self._plan_merged(pipe, device)
+        elif self._trials is not None:
+            # Every rank records every step, so all switch plans together.
+            self._on_trial(self._trials, self._timed_s or 0.0, device)
+        self._timed_s = None
         pipe.reset()
 
     def _start_pipeline(self, layers: Sequence[KFACLayer], device: torch.device) -> None:
@@ -439,6 +468,26 @@ class FactorComm:
         if self.factor_cost is None:
             self.factor_cost = fit_cost_model(self.factor_group, device=device)
         pipe.profiling = False
-        self._set_plan(
-            make_groups("merged", pipe.nbytes, ready_s=ready.cpu().tolist(), cost=self.factor_cost)
-        )
+        self._candidates = merged_candidates(pipe.nbytes, ready.cpu().tolist(), self.factor_cost)
+        assert isinstance(self.mode, Pipelined)
+        if self.mode.tune_steps > 0 and len(self._candidates) > 1:
+            labels = [label for label, _ in self._candidates]
+            self._trials = PlanTrials(labels, self.mode.tune_steps, FACTOR_TRIAL_ROUNDS)
+        self._set_plan(self._candidates[0 if self._trials is None else self._trials.current][1])
+
+    def _on_trial(self, trials: PlanTrials, seconds: float, device: torch.device) -> None:
+        """One timed step of the bucket trials: the next candidate's buckets when its turn
+        comes, and, after the last, the fastest by the slowest rank's medians (every rank
+        keeps the same)."""
+        if not trials.record(seconds):
+            return
+        if not trials.finished:
+            self._set_plan(self._candidates[trials.current][1])
+            return
+        medians = torch.tensor(trials.medians(), dtype=torch.float64, device=device)
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=self.factor_group)
+        slowest = medians.cpu().tolist()
+        chosen = fastest(slowest)
+        self.tuning = describe_trials(trials.labels, slowest, chosen)
+        self._trials = None
+        self._set_plan(self._candidates[chosen][1])

@@ -42,14 +42,18 @@ class Pipelined:
         profile_steps: Factor steps profiled before ``"merged"`` plans its buckets.
         factor_cost: The all-reduce cost model behind ``"merged"``, the same on every rank
             (None: fitted on the factor group).
+        tune_steps: Factor steps timed per candidate and round when ``"merged"`` tries its
+            plan against coarser ones (the merge rule with larger start-ups) and keeps the
+            fastest; 0: the cost model's plan alone.
 
     Raises:
-        OptionError: An unknown fusion, or a step count below 1.
+        OptionError: An unknown fusion, or a step count below 1 (below 0 for ``tune_steps``).
     """
 
     fusion: str = "merged"
     profile_steps: int = 3
     factor_cost: CostModel | None = None
+    tune_steps: int = 2
     name: ClassVar[str] = "pipelined"
     pipelined: ClassVar[bool] = True
 
@@ -59,6 +63,10 @@ class Pipelined:
         if not (is_int(self.profile_steps) and self.profile_steps >= 1):
             raise OptionError(
                 "profile_steps", f"must be an integer >= 1, got {self.profile_steps!r}"
+            )
+        if not (is_int(self.tune_steps) and self.tune_steps >= 0):
+            raise OptionError(
+                "tune_steps", f"must be an integer >= 0 (0: no trials), got {self.tune_steps!r}"
             )
 
 

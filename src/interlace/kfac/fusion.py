@@ -10,8 +10,9 @@ from collections.abc import Sequence
 
 from interlace.comm.cost import CostModel
 from interlace.comm.plan import ReadyTensor, pack_by_cap, plan_merged
+from interlace.comm.tuning import START_UP_SCALES, scale_start_up
 
-__all__ = ["FUSIONS", "make_groups", "merged_groups"]
+__all__ = ["FUSIONS", "make_groups", "merged_candidates", "merged_groups"]
 
 #: Values of ``KFAC(fusion=...)``.
 FUSIONS = ("none", "fixed", "merged")
@@ -38,6 +39,30 @@ def merged_groups(
         latest = max(latest, float(ready))
         tensors.append(ReadyTensor(f"factor {index}", max(int(size), 1), latest))
     return plan_merged(tensors, cost).groups
+
+
+def merged_candidates(
+    sizes: Sequence[int], ready_s: Sequence[float], cost: CostModel
+) -> list[tuple[str, list[list[int]]]]:
+    """The buckets ``"merged"`` tries, labelled: the cost model's own first, then the merge
+    rule with the start-up :data:`~interlace.comm.tuning.START_UP_SCALES` times larger (fewer,
+    larger buckets), each distinct plan once.
+
+    The cost model prices the wire, not the host: every launch also takes the passes' time
+    (packing, the collective's call, its thread), which coarser plans pay less often. Which
+    wins is measured (``Pipelined(tune_steps=)``), as for ``DataParallel``'s buckets.
+
+    Args:
+        sizes: Each factor's bytes, in ready order.
+        ready_s: Each factor's ready time, seconds.
+        cost: The all-reduce cost model.
+    """
+    found = [("the cost model's plan", merged_groups(sizes, ready_s, cost))]
+    for factor in START_UP_SCALES:
+        groups = merged_groups(sizes, ready_s, scale_start_up(cost, factor))
+        if all(groups != seen for _, seen in found):
+            found.append((f"start-up x{factor:g}", groups))
+    return found
 
 
 def make_groups(

@@ -61,21 +61,29 @@ def symmetric_gather_index(n: int, device: torch.device) -> torch.Tensor:
     return index.reshape(-1).to(_index_dtype(n))
 
 
-def pack_upper(matrix: torch.Tensor) -> torch.Tensor:
+def pack_upper(matrix: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The upper triangle of a square matrix, row by row, as a 1-D tensor of ``n(n+1)/2``.
 
-    A 1-D tensor (a diagonal factor) is returned unchanged. Only the upper triangle is read:
-    packing is lossless exactly when ``matrix`` is symmetric.
+    A 1-D tensor (a diagonal factor) is returned unchanged, or copied into ``out``. Only the
+    upper triangle is read: packing is lossless exactly when ``matrix`` is symmetric.
 
     Args:
         matrix: A symmetric ``n x n`` matrix, or a 1-D diagonal factor.
+        out: Where to write the packed triangle (a 1-D tensor of its size; None: a new one).
     """
     if matrix.dim() == 1:
-        return matrix
+        return matrix if out is None else out.copy_(matrix)
     if matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1]:
         raise ValueError(f"packing needs a square matrix or a diagonal, got shape {matrix.shape}")
     n = matrix.shape[0]
-    return matrix.reshape(-1).index_select(0, upper_flat_index(n, matrix.device))
+    index = upper_flat_index(n, matrix.device)
+    if out is None:
+        return matrix.reshape(-1).index_select(0, index)
+    if out.shape != (index.numel(),):
+        raise ValueError(
+            f"a packed {n} x {n} factor has {index.numel()} numbers, got out of shape {out.shape}"
+        )
+    return torch.index_select(matrix.reshape(-1), 0, index, out=out)
 
 
 def unpack_upper(packed: torch.Tensor, n: int, *, diagonal: bool = False) -> torch.Tensor:

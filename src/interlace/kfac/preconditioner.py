@@ -366,6 +366,8 @@ class KFACPreconditioner(KFAC):
             None: its default).
         profile_steps: Factor steps profiled before ``"merged"`` plans (None: the default).
         factor_cost: The all-reduce cost model behind ``"merged"`` (None: fitted).
+        tune_steps: Factor steps timed per candidate bucket plan and round of ``"merged"``'s
+            trials; 0: the cost model's plan alone (None: the default).
         decomposition_cost: LBP's decomposition cost model (None: measured at start-up).
         broadcast_cost: LBP's broadcast cost model (None: measured at start-up).
         damping_adaptation: As :class:`KFAC`'s, ``"fixed"`` unless given.
@@ -385,6 +387,7 @@ class KFACPreconditioner(KFAC):
         fusion: str | None = None,
         profile_steps: int | None = None,
         factor_cost: CostModel | None = None,
+        tune_steps: int | None = None,
         decomposition_cost: DecompositionCostModel | None = None,
         broadcast_cost: CostModel | None = None,
         damping_adaptation: DampingAdaptation | str | LevenbergMarquardt = DampingAdaptation.FIXED,
@@ -401,6 +404,7 @@ class KFACPreconditioner(KFAC):
             fusion=fusion,
             profile_steps=profile_steps,
             factor_cost=factor_cost,
+            tune_steps=tune_steps,
             decomposition_cost=decomposition_cost,
             broadcast_cost=broadcast_cost,
         )

@@ -241,6 +241,13 @@ class TrainConfig:
         "factor steps profiled before --kfac-fusion merged plans",
         default=Pipelined().profile_steps,
     )
+    kfac_tune_steps: int = kfac_option(
+        "tune_steps",
+        Count(minimum=0),
+        "factor steps timed per candidate plan and round when --kfac-fusion merged weighs its "
+        "buckets against coarser ones (0: the cost model's plan alone)",
+        default=Pipelined().tune_steps,
+    )
     kfac_g_normalization: str = kfac_option(
         "g_normalization",
         Choice(values=G_NORMALIZATIONS),

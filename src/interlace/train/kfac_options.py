@@ -104,7 +104,13 @@ class Kind:
 
 @dataclass(frozen=True)
 class Count(Kind):
-    """An integer (the library wants it >= 1)."""
+    """An integer (the library wants it >= ``minimum``).
+
+    Args:
+        minimum: the least value the library takes, for the message.
+    """
+
+    minimum: int = 1
 
     @property
     def metavar(self) -> str:
@@ -114,7 +120,9 @@ class Count(Kind):
         try:
             return int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected an integer >= {self.minimum}, got {text!r}"
+            ) from None
 
 
 @dataclass(frozen=True)
