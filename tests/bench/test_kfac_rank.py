@@ -7,7 +7,14 @@ import inspect
 from types import SimpleNamespace
 
 from interlace import KFAC
-from interlace.bench.kfac_rank import ABLATION_MODES, DEFAULT_MODE, KfacContender, mode_policies
+from interlace.bench.kfac_rank import (
+    ABLATION_MODES,
+    DEFAULT_MODE,
+    KfacContender,
+    factor_bucket_names,
+    mode_policies,
+)
+from interlace.emulate.kfac import EmulatedKFACModel
 from interlace.kfac.factor_modes import Bulk, Pipelined, factor_comm_from
 from interlace.kfac.placements import placement_from
 
@@ -49,3 +56,16 @@ def test_a_wrapper_without_a_plan_is_settled_at_once() -> None:
     # torch's DDP (kfac-pytorch's contender) plans nothing the warm-up must wait for.
     precond = SimpleNamespace(factor_comm="kfac-pytorch")
     assert KfacContender("peer", SimpleNamespace(), None, precond=precond).settled()
+
+
+def test_factor_buckets_are_named_as_the_simulators_trace_names_them() -> None:
+    model = EmulatedKFACModel("resnet20-h200", 1.0)
+    # layers.0 and layers.2 are the trace's stem.0 and stages.0.0.conv1.
+    order = [("layers.0", "A"), ("module.layers.2", "G"), ("layers.0", "G"), ("head", "A")]
+    precond = SimpleNamespace(factor_plan=[[1, 0], [2, 3]], factor_order=order)
+    assert factor_bucket_names(precond, model) == [  # type: ignore[arg-type]
+        ["stages.0.0.conv1.G", "stem.0.A"],
+        ["stem.0.G", "head.A"],  # a module that is no emulated layer keeps its path
+    ]
+    unplanned = SimpleNamespace(factor_plan=None, factor_order=[])
+    assert factor_bucket_names(unplanned, model) is None  # type: ignore[arg-type]

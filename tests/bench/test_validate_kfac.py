@@ -116,6 +116,16 @@ def test_a_mode_is_planned_by_the_fit_timed_by_the_stream_and_broadcast_as_measu
         gradient_buckets={"dkfac": [["l1.weight", "l0.weight"]]},
     )
     assert measured["dkfac"].iteration_s == pytest.approx(46 * MS)
+    # A pipelined mode's kept factor buckets are priced as kept: here all four in one.
+    kept = predict_modes(
+        two_layers(),
+        unit_costs(),
+        ["pipelined"],
+        live,
+        2,
+        factor_buckets={"pipelined": [["l0.A", "l1.A", "l1.G", "l0.G"]]},
+    )
+    assert kept["pipelined"].extra["factor_buckets"] == 1
     with pytest.raises(UsageError, match="unknown K-FAC mode 'kaisa'"):
         predict_modes(two_layers(), unit_costs(), ["kaisa"], live, 2)
 

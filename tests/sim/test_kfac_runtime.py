@@ -242,6 +242,41 @@ def test_measured_gradient_buckets_replace_the_plan() -> None:
         )
 
 
+def test_measured_factor_buckets_replace_the_merge_rule() -> None:
+    # 5 ms start-ups: the merge rule sends A0, A1 and G1 (ready at 4, 8 and 10 ms) together
+    # and G0 (16 ms) alone. The run's kept plan, one bucket of all four once G0 is ready, is
+    # priced instead when given.
+    cost = CostModel(5 * MS, 0.0)
+    strategy = runtime_strategy("pipelined", "pipelined", "greedy")
+    planned = simulate_kfac(two_layers(), strategy, cost, 2, costs=unit_costs())
+    kept = [["l0.A", "l1.A", "l1.G", "l0.G"]]
+    measured = simulate_kfac(
+        two_layers(), strategy, cost, 2, costs=unit_costs(), factor_buckets=kept
+    )
+    names = [t.name for t in planned.plan.tensors]
+    factor_groups = [
+        [names[i] for i in b.indices]
+        for b, kind in zip(planned.plan.buckets, planned.kinds, strict=True)
+        if kind == "factor"
+    ]
+    assert factor_groups == [["l0.A", "l1.A", "l1.G"], ["l0.G"]]
+    assert measured.extra["factor_buckets"] == 1
+    (bucket,) = [
+        b for b, kind in zip(measured.plan.buckets, measured.kinds, strict=True) if kind == "factor"
+    ]
+    assert bucket.ready_s == pytest.approx(16 * MS)
+    starts = [
+        c.start_s
+        for c, kind in zip(measured.replay.comms, measured.kinds, strict=True)
+        if kind == "factor"
+    ]
+    assert starts == [pytest.approx(16 * MS)]  # A0..G1 no longer go out at 10 ms
+    with pytest.raises(ValueError, match="factor buckets name tensors the trace does not have"):
+        simulate_kfac(
+            two_layers(), strategy, cost, 2, costs=unit_costs(), factor_buckets=[["l9.A"]]
+        )
+
+
 # ---------------------------------------------------------------------- bulk buckets
 
 

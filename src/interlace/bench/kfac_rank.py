@@ -28,6 +28,7 @@ from interlace.bench.kfac_peer import KfacPytorchPeer
 from interlace.comm.cost import CostModel
 from interlace.dp import DataParallel
 from interlace.emulate.kfac import EmulatedKFACModel
+from interlace.emulate.model import EmulatedLayer
 from interlace.kfac import KFAC, PHASES
 from interlace.kfac.factor_modes import FactorCommMode, Pipelined, factor_comm_from
 from interlace.kfac.placements import LBP, Placement, placement_from
@@ -344,6 +345,28 @@ def _contender(
     return KfacContender(mode, wrapped, make_optimizer(model), precond=precond)
 
 
+def factor_bucket_names(precond: KFAC, model: torch.nn.Module) -> list[list[str]] | None:
+    """The pipelined factor buckets ``precond`` kept, as the simulator's trace names them:
+    ``"LAYER.A"`` / ``"LAYER.G"``, an emulated layer by its traced name, any other by its
+    module's path (None: no pipelined buckets).
+
+    Args:
+        precond: A contender's preconditioner.
+        model: The model it preconditions a copy of (the same module paths).
+    """
+    plan = precond.factor_plan
+    if plan is None:
+        return None
+    modules = dict(model.named_modules())
+
+    def traced(path: str) -> str:
+        module = modules.get(path, modules.get(path.removeprefix("module.")))
+        return module.name if isinstance(module, EmulatedLayer) else path
+
+    order = precond.factor_order
+    return [[f"{traced(order[i][0])}.{order[i][1]}" for i in bucket] for bucket in plan]
+
+
 def peak_rss_mb() -> float:
     """This process's peak resident set so far, in MiB (``getrusage``'s ``ru_maxrss``)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
@@ -509,6 +532,12 @@ def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
             c.name: [list(pair) for pair in c.precond.factor_owners.values()]
             for c in contenders
             if c.name != KFAC_PYTORCH_MODE
+        },
+        "factor_bucket_names": {
+            c.name: names
+            for c in contenders
+            if isinstance(c.precond, KFAC)
+            and (names := factor_bucket_names(c.precond, plain)) is not None
         },
         # DataParallel's final buckets as parameter names, in launch order.
         "gradient_buckets": {

@@ -8,7 +8,7 @@ runtime_strategy`; the prediction's inputs: :meth:`EmulatedKFACModel.kfac_trace`
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from interlace.bench.harness import undilated
@@ -73,6 +73,7 @@ def predict_modes(
     workers: int,
     *,
     gradient_buckets: Mapping[str, Sequence[Sequence[str]]] | None = None,
+    factor_buckets: Mapping[str, Sequence[Sequence[str]]] | None = None,
     network: str = "",
 ) -> dict[str, KfacResult]:
     """The simulator's iteration of each mode of :data:`ABLATION_MODES` (COMM-OPT, factors and
@@ -86,6 +87,8 @@ def predict_modes(
         workers: The ranks.
         gradient_buckets: Per mode, the gradient buckets its DataParallel ran with (tensor
             names in launch order; a mode left out is planned by MG-WFBP on ``live.plan``).
+        factor_buckets: Per pipelined mode, the factor buckets it kept (``"LAYER.A"`` names
+            in launch order; a mode left out is planned by the merge rule on ``live.plan``).
         network: Recorded in the results.
 
     Raises:
@@ -104,6 +107,7 @@ def predict_modes(
             broadcast_cost=live.broadcast,
             timing_cost=live.stream,
             gradient_buckets=(gradient_buckets or {}).get(mode),
+            factor_buckets=(factor_buckets or {}).get(mode),
         )
     return results
 
@@ -164,6 +168,8 @@ class KfacMeasurement:
         factor_buckets: Per mode, the pipelined factor buckets (None: bulk).
         gradient_buckets: Per mode, the buckets its DataParallel kept (parameter names, in
             launch order).
+        factor_bucket_names: Per pipelined mode, the factor buckets it kept (``"LAYER.A"``
+            names, in launch order).
     """
 
     compute: Compute
@@ -176,6 +182,7 @@ class KfacMeasurement:
     placements: dict[str, list[list[int | None]]]
     factor_buckets: dict[str, int | None]
     gradient_buckets: dict[str, list[list[str]]]
+    factor_bucket_names: dict[str, list[list[str]]] = field(default_factory=dict)
 
 
 def rows_from_measurement(
@@ -200,6 +207,7 @@ def rows_from_measurement(
         measurement.live,
         measurement.ranks,
         gradient_buckets=measurement.gradient_buckets,
+        factor_buckets=measurement.factor_bucket_names,
         network=measurement.link,
     )
     rows = []
@@ -280,6 +288,7 @@ def kfac_validation_rows(
         placements=value.get("factor_owners", {}),
         factor_buckets=value.get("factor_buckets", {}),
         gradient_buckets=value.get("gradient_buckets", {}),
+        factor_bucket_names=value.get("factor_bucket_names", {}),
     )
     return rows_from_measurement(measurement, options.note)
 

@@ -293,6 +293,7 @@ def simulate_kfac(
     broadcast_cost: CostModel | None = None,
     timing_cost: CostModel | None = None,
     gradient_buckets: Sequence[Sequence[str]] | None = None,
+    factor_buckets: Sequence[Sequence[str]] | None = None,
 ) -> KfacResult:
     """One K-FAC iteration of ``trace`` on ``workers`` ranks whose all-reduces cost ``cost``.
 
@@ -314,10 +315,13 @@ def simulate_kfac(
         gradient_buckets: Names per gradient bucket (tensors, or layers with ``per_layer``), in
             launch order: the bucketing a run used (DataParallel keeps whichever candidate plan
             it measured fastest) instead of MG-WFBP's plan on ``cost``.
+        factor_buckets: Pipelined factor names (``"LAYER.A"``, ``"LAYER.G"``) per bucket, in
+            launch order: the buckets a run kept after its trials
+            (``Pipelined(tune_steps=)``) instead of the merge rule's plan on ``cost``.
 
     Raises:
-        ValueError: If ``workers`` is below 1, or for gradient buckets naming what the trace
-            does not send.
+        ValueError: If ``workers`` is below 1, or for gradient or factor buckets naming what
+            the trace does not send.
         UsageError: For an unknown strategy or a trace without factor sizes.
     """
     chosen = strategy if isinstance(strategy, KfacStrategy) else kfac_strategy_named(strategy)
@@ -409,7 +413,9 @@ def simulate_kfac(
             strategy="measured",
         )
     waited = 0.0
-    if chosen.pipelined:
+    if chosen.pipelined and factor_buckets is not None:
+        factor_groups = named_groups(factor_buckets, factors, "factor")
+    elif chosen.pipelined:
         factor_groups = make_groups(
             "merged", [t.nbytes for t in factors], ready_s=[t.ready_s for t in factors], cost=cost
         )

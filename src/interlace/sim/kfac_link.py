@@ -15,13 +15,14 @@ __all__ = ["bulk_messages", "named_groups", "play_link"]
 
 
 def named_groups(
-    buckets: Sequence[Sequence[str]], tensors: Sequence[ReadyTensor]
+    buckets: Sequence[Sequence[str]], tensors: Sequence[ReadyTensor], what: str = "gradient"
 ) -> list[list[int]]:
     """``buckets`` of tensor names as indices into ``tensors``, each bucket in ready order.
 
     Args:
         buckets: Tensor names per bucket, in launch order.
         tensors: The tensors, in ready order.
+        what: What the buckets hold, for the error (``"gradient"``, ``"factor"``).
 
     Raises:
         ValueError: For a name ``tensors`` lacks.
@@ -30,7 +31,7 @@ def named_groups(
     missing = sorted({name for bucket in buckets for name in bucket} - set(position))
     if missing:
         raise ValueError(
-            f"the gradient buckets name tensors the trace does not have: {', '.join(missing[:5])}"
+            f"the {what} buckets name tensors the trace does not have: {', '.join(missing[:5])}"
         )
     return [sorted(position[name] for name in bucket) for bucket in buckets]
 
