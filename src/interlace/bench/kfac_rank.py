@@ -533,6 +533,9 @@ def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
             for c in contenders
             if c.name != KFAC_PYTORCH_MODE
         },
+        "factor_tuning": {
+            c.name: c.precond.factor_tuning for c in contenders if isinstance(c.precond, KFAC)
+        },
         "factor_bucket_names": {
             c.name: names
             for c in contenders

@@ -80,6 +80,9 @@ class AblationRow(Row):
     local_factors: int | None = None
     #: ``real``, or the emulated trace and dilation (times are then undilated).
     compute: str = "real"
+    #: The pipelined factor buckets' trials: each candidate's median and the one kept (None
+    #: for bulk, or with no trials).
+    factor_tuning: str | None = None
     #: Mean iteration over whole cycles of ``inv_update_steps`` (decompositions included).
     cycle_iteration_s: float | None = None
     #: The speed-up over dkfac in whole-cycle throughput.
@@ -181,6 +184,7 @@ def ablation_rows(
                 factor_buckets=value.get("factor_buckets", {}).get(mode),
                 local_factors=value.get("local_factors", {}).get(mode),
                 compute=compute,
+                factor_tuning=value.get("factor_tuning", {}).get(mode),
                 cycle_iteration_s=cycle,
                 cycle_speedup_vs_dkfac=(
                     baseline_cycle / cycle if baseline_cycle and cycle else None
