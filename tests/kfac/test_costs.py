@@ -18,6 +18,7 @@ from interlace.kfac.costs import (
     DecompositionCostModel,
     broadcast_time,
     decomposition_numel,
+    log_log_interpolate,
 )
 
 SIZES = (16, 32, 64, 128, 256, 512, 1024)
@@ -131,3 +132,53 @@ def test_broadcasts_are_priced_by_the_all_reduce_cost_model() -> None:
     model = CostModel(a=1e-4, b=1e-9)
     assert broadcast_time(model, "eigen", 10) == pytest.approx(1e-4 + 1e-9 * 440)
     assert broadcast_time(model, "inverse", 10, element_size=8) == pytest.approx(1e-4 + 8e-7)
+
+
+def test_log_log_interpolation_and_its_end_segments() -> None:
+    points = ((10, 1.0), (100, 100.0))
+    # Slope 2 in log-log: t = (n / 10)^2 between the points, and on past 100 and below 10.
+    assert log_log_interpolate(points, 10) == pytest.approx(1.0)
+    assert log_log_interpolate(points, 32) == pytest.approx((32 / 10) ** 2)
+    assert log_log_interpolate(points, 1000) == pytest.approx(10_000.0)
+    assert log_log_interpolate(points, 5) == pytest.approx(0.25)
+
+
+def test_a_fit_keeps_its_points_and_prices_through_them() -> None:
+    # A solver that is latency-bound at small sizes (as on a GPU): 1 ms at 64, 5 ms at 256,
+    # 10 ms at 1024. No cubic with non-negative coefficients passes near all three.
+    samples = [(64, 1e-3), (64, 1.2e-3), (64, 0.8e-3), (256, 5e-3), (1024, 10e-3)]
+    fitted = DecompositionCostModel.fit(samples)
+    assert fitted.points == ((64, 1e-3), (256, 5e-3), (1024, 10e-3))  # medians per size
+    assert fitted.time(256) == pytest.approx(5e-3)
+    # Between and beyond the points, along the log-log segments.
+    assert fitted.time(128) == pytest.approx(1e-3 * 5**0.5)
+    assert fitted.time(16) == pytest.approx(1e-3 / 5)
+    cubic = DecompositionCostModel(fitted.c3, fitted.c2, fitted.c0)
+    # The cubic alone prices a 16 x 16 factor about as dear as a 64 x 64 one.
+    assert cubic.time(16) > 3 * fitted.time(16)
+    assert fitted.time(64, diagonal=True) == 0.0 and fitted.time(0) == 0.0
+
+
+def test_fitted_points_never_fall_with_size_and_zero_times_keep_the_cubic() -> None:
+    # Noise inverting two close sizes: the larger keeps the smaller's time.
+    fitted = DecompositionCostModel.fit([(32, 2e-4), (64, 1.5e-4), (128, 8e-4)])
+    assert fitted.points == ((32, 2e-4), (64, 2e-4), (128, 8e-4))
+    below_resolution = DecompositionCostModel.fit([(32, 0.0), (64, 1e-4), (128, 8e-4)])
+    assert below_resolution.points == ()
+    assert below_resolution.time(64) == pytest.approx(
+        below_resolution.c0 + below_resolution.c2 * 64**2 + below_resolution.c3 * 64**3
+    )
+
+
+@pytest.mark.parametrize(
+    ("points", "message"),
+    [
+        (((64, 1e-3),), "points need >= 2 sizes"),
+        (((64, 1e-3), (32, 2e-3)), "increasing"),
+        (((32, 2e-3), (64, 1e-3)), "non-decreasing"),
+        (((32, 0.0), (64, 1e-3)), "finite times > 0"),
+    ],
+)
+def test_bad_points_are_refused(points: tuple[tuple[int, float], ...], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DecompositionCostModel(0.0, 0.0, 1e-4, points=points)

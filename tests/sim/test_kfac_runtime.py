@@ -17,7 +17,7 @@ from interlace.kfac.costs import DecompositionCostModel
 from interlace.kfac.factor_modes import Pipelined
 from interlace.kfac.placements import LBP, Greedy
 from interlace.sim.kfac import simulate_kfac
-from interlace.sim.kfac_costs import KfacCosts, log_log_interpolate
+from interlace.sim.kfac_costs import KfacCosts
 from interlace.sim.kfac_link import bulk_messages
 from interlace.sim.kfac_runtime import RUNTIME_BULK_CAP_BYTES, runtime_strategy
 from interlace.sim.kfac_stage import decomposition_stage
@@ -314,14 +314,10 @@ def test_measured_decompositions_price_the_stage_while_the_fit_places_it() -> No
     assert result.extra["single_worker_s"] == pytest.approx((12 + 8 + 20 + 1 + 1) * MS)
 
 
-def test_log_log_interpolation_and_its_end_segments() -> None:
+def test_decomposition_points_price_through_the_log_log_interpolation() -> None:
     points = ((10, 1.0), (100, 100.0))
-    # Slope 2 in log-log: t = (n / 10)^2 between the points, and on past 100 and below 10.
-    assert log_log_interpolate(points, 10) == pytest.approx(1.0)
-    assert log_log_interpolate(points, 32) == pytest.approx((32 / 10) ** 2)
-    assert log_log_interpolate(points, 1000) == pytest.approx(10_000.0)
-    assert log_log_interpolate(points, 5) == pytest.approx(0.25)
     costs = KfacCosts(decomposition_points=points)
+    assert costs.decomposition_s(32) == pytest.approx((32 / 10) ** 2)
     assert costs.decomposition_s(100) == pytest.approx(100.0)
     assert costs.decomposition_s(0) == 0.0
     with pytest.raises(ValueError, match="increasing"):

@@ -20,11 +20,11 @@ from torch import nn
 from interlace.emulate.device import DeviceClock
 from interlace.emulate.dilation import DEFAULT_DILATION
 from interlace.emulate.model import EmulatedLayer, EmulatedModel
-from interlace.kfac.costs import DecompositionCostModel
+from interlace.kfac.costs import DecompositionCostModel, log_log_interpolate
 from interlace.kfac.decomp import COMPUTE_METHODS, FactorDecomposition
 from interlace.kfac.methods import DecompositionMethod, method_from
 from interlace.kfac.module_helpers import LayerHelper
-from interlace.sim.kfac_costs import KfacCosts, log_log_interpolate
+from interlace.sim.kfac_costs import KfacCosts
 from interlace.sim.trace import FactorTrace, Trace
 
 #: ``torch.linalg.eigh`` of a float32 ``n x n`` SPD matrix on one NVIDIA H100 80GB (torch
@@ -138,7 +138,8 @@ class KFACDeviceCosts:
         return log_log_interpolate(self.eigen_s if method == "eigen" else self.inverse_s, n)
 
     def decomposition_model(self, method: str, dilation: float = 1.0) -> DecompositionCostModel:
-        """LBP's ``c0 + c2 n^2 + c3 n^3`` fitted to the measurements, times ``dilation``.
+        """LBP's model of the measurements, times ``dilation``: it interpolates them as
+        :meth:`decomposition_s` does, so the placement balances what the device spends.
 
         Args:
             method: ``"eigen"`` or ``"inverse"``.

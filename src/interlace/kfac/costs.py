@@ -6,6 +6,7 @@ all-reduce model :class:`interlace.comm.cost.CostModel` (:func:`broadcast_time`)
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import statistics
@@ -23,10 +24,12 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "MEASURED_SIZES",
     "BroadcastCostModel",
     "DecompositionCostModel",
     "broadcast_time",
     "decomposition_numel",
+    "log_log_interpolate",
     "random_spd",
     "time_decomposition",
 ]
@@ -34,32 +37,68 @@ __all__ = [
 #: Broadcasts are priced by the all-reduce cost model: a broadcast moves no more data.
 BroadcastCostModel = CostModel
 
+#: The sides :meth:`DecompositionCostModel.measure` times by default.
+MEASURED_SIZES: tuple[int, ...] = (32, 64, 128, 256, 512)
+
+
+def log_log_interpolate(points: Sequence[tuple[int, float]], n: int) -> float:
+    """Seconds at size ``n`` from measured ``(size, seconds)`` points: piecewise linear in
+    ``log(size), log(seconds)``, extended along the end segments.
+
+    Args:
+        points: At least two points of increasing size >= 1 and seconds > 0.
+        n: The size (>= 1).
+    """
+    sizes = [p[0] for p in points]
+    index = min(max(bisect.bisect_left(sizes, n), 1), len(points) - 1)
+    (n0, t0), (n1, t1) = points[index - 1], points[index]
+    slope = math.log(t1 / t0) / math.log(n1 / n0)
+    return t0 * math.exp(slope * math.log(n / n0))
+
 
 @dataclass(frozen=True)
 class DecompositionCostModel:
-    """``time(n) = c0 + c2 n^2 + c3 n^3`` seconds to decompose one dense ``n x n`` factor.
+    """Seconds to decompose one dense ``n x n`` factor: through measured ``points`` when it has
+    them, else ``c0 + c2 n^2 + c3 n^3``.
+
+    A device's solver is far from cubic over the sizes a model has (on an H200 ``eigh`` of
+    64 x 64 takes a fifth of 256 x 256's time, not a sixty-fourth), and a placement balanced by
+    a cubic that misses the small sizes by 10x is off by a decomposition or two per rank; so a
+    measured model keeps its points and interpolates them (:func:`log_log_interpolate`). The
+    coefficients are the cubic fitted to the same points, for reports and for a model given
+    by hand.
 
     Args:
         c3: Seconds per ``n^3``.
         c2: Seconds per ``n^2``.
         c0: Seconds per decomposition.
+        points: Measured ``(n, seconds)``, increasing in ``n`` and non-decreasing in seconds
+            (empty: the cubic alone).
     """
 
     c3: float
     c2: float
     c0: float
+    points: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name, value in (("c3", self.c3), ("c2", self.c2), ("c0", self.c0)):
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be finite and >= 0, got {value}")
+        if self.points:
+            sizes = [n for n, _ in self.points]
+            times = [t for _, t in self.points]
+            if len(sizes) < 2 or sizes != sorted(set(sizes)) or sizes[0] < 1:
+                raise ValueError("points need >= 2 sizes, increasing and >= 1")
+            if any(not (math.isfinite(t) and t > 0) for t in times) or times != sorted(times):
+                raise ValueError("points need finite times > 0, non-decreasing in size")
 
     def time(self, n: int, diagonal: bool = False) -> float:
         """Seconds to decompose an ``n x n`` factor.
 
         A diagonal factor needs no decomposition (its inverse is elementwise), and an empty one
-        nothing at all: both cost zero. Non-negative coefficients make the time non-decreasing
-        in ``n``.
+        nothing at all: both cost zero. Non-negative coefficients, or non-decreasing points,
+        make the time non-decreasing in ``n``.
 
         Args:
             n: The factor's side.
@@ -67,11 +106,14 @@ class DecompositionCostModel:
         """
         if diagonal or n <= 0:
             return 0.0
+        if self.points:
+            return log_log_interpolate(self.points, n)
         return self.c0 + self.c2 * n**2 + self.c3 * n**3
 
     @classmethod
     def fit(cls, samples: Sequence[tuple[int, float]]) -> DecompositionCostModel:
-        """Non-negative least squares through measured ``(n, seconds)`` samples.
+        """The measured model of ``(n, seconds)`` samples: their median per size as its points
+        (made non-decreasing), and the cubic fitted to them by non-negative least squares.
 
         Residuals are relative (each row is divided by its time), so a 32 x 32 factor's fraction
         of a millisecond counts as much as a 512 x 512 factor's tens: the local-or-broadcast
@@ -119,7 +161,7 @@ class DecompositionCostModel:
         # A single column always fits with a non-negative coefficient (targets are >= 0).
         assert best is not None
         c3, c2, c0 = (float(value) for value in best[1] / scale)
-        return cls(c3=c3, c2=c2, c0=c0)
+        return cls(c3=c3, c2=c2, c0=c0, points=_measured_points(samples))
 
     @classmethod
     def measure(
@@ -127,7 +169,7 @@ class DecompositionCostModel:
         method: DecompositionMethod | str,
         device: torch.device | str,
         dtype: torch.dtype | None = None,
-        sizes: Sequence[int] = (32, 64, 128, 256, 512),
+        sizes: Sequence[int] = MEASURED_SIZES,
         repeats: int = 3,
     ) -> DecompositionCostModel:
         """Time ``method``'s kernel (``eigh``, ``inv``) on this device, then fit.
@@ -157,6 +199,22 @@ class DecompositionCostModel:
             timings = [time_decomposition(chosen, matrix) for matrix in matrices]
             samples.append((n, statistics.median(timings[1:])))
         return cls.fit(samples)
+
+
+def _measured_points(samples: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    """Each size's median time, raised where needed so that a larger size never costs less
+    (noise can invert two close sizes); none if a time is 0 (below the clock's resolution)."""
+    by_size: dict[int, list[float]] = {}
+    for n, seconds in samples:
+        by_size.setdefault(int(n), []).append(float(seconds))
+    points = []
+    highest = 0.0
+    for n in sorted(by_size):
+        highest = max(highest, statistics.median(by_size[n]))
+        points.append((n, highest))
+    if highest <= 0 or points[0][1] <= 0:
+        return ()
+    return tuple(points)
 
 
 def random_spd(

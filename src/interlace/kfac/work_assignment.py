@@ -15,7 +15,7 @@ import torch.distributed as dist
 from interlace.comm.calibrate import time_broadcast
 from interlace.comm.cost import CostModel
 from interlace.kfac.balancing import decomposition_cost
-from interlace.kfac.costs import DecompositionCostModel
+from interlace.kfac.costs import MEASURED_SIZES, DecompositionCostModel
 from interlace.kfac.lbp import predicted_makespan
 from interlace.kfac.methods import DecompositionMethod
 from interlace.kfac.placements import (
@@ -239,12 +239,16 @@ class WorkAssignment:
         Collective.
         """
         fitted = DecompositionCostModel.measure(self.method, self.device, self.inv_dtype)
-        coefficients = torch.tensor(
-            [fitted.c3, fitted.c2, fitted.c0], dtype=torch.float64, device=self.device
+        sizes = MEASURED_SIZES
+        # A fixed length on every rank: the points' times, or zeros where rank 0 kept none.
+        times = [t for _, t in fitted.points] if fitted.points else [0.0] * len(sizes)
+        values = torch.tensor(
+            [fitted.c3, fitted.c2, fitted.c0, *times], dtype=torch.float64, device=self.device
         )
-        dist.broadcast(coefficients, src=self.global_ranks[0], group=self.group)
-        c3, c2, c0 = coefficients.cpu().tolist()
-        return DecompositionCostModel(c3=c3, c2=c2, c0=c0)
+        dist.broadcast(values, src=self.global_ranks[0], group=self.group)
+        c3, c2, c0, *taken = values.cpu().tolist()
+        points = tuple(zip(sizes, taken, strict=True)) if all(t > 0 for t in taken) else ()
+        return DecompositionCostModel(c3=c3, c2=c2, c0=c0, points=points)
 
     # -- process groups ------------------------------------------------------------------
 

@@ -5,14 +5,13 @@
 
 from __future__ import annotations
 
-import bisect
 import math
 import statistics
 import time
 from dataclasses import dataclass, replace
 
 from interlace.errors import UsageError
-from interlace.kfac.costs import DecompositionCostModel
+from interlace.kfac.costs import DecompositionCostModel, log_log_interpolate
 from interlace.kfac.methods import DecompositionMethod, method_from
 
 #: ``(c3, c2, c0)`` of the default decomposition model, seconds for an ``n x n`` factor: a
@@ -23,21 +22,6 @@ DEFAULT_DECOMPOSITION: tuple[float, float, float] = (5e-12, 5e-9, 5e-4)
 DEFAULT_GEMM_FLOPS = 10e12
 #: Default fixed cost of preconditioning one layer, seconds (its kernel launches).
 DEFAULT_PRECONDITION_OVERHEAD_S = 20e-6
-
-
-def log_log_interpolate(points: tuple[tuple[int, float], ...], n: int) -> float:
-    """Seconds at size ``n`` from measured ``(size, seconds)`` points: piecewise linear in
-    ``log(size), log(seconds)``, extended along the end segments.
-
-    Args:
-        points: At least two points of increasing size >= 1 and seconds > 0.
-        n: The size (>= 1).
-    """
-    sizes = [p[0] for p in points]
-    index = min(max(bisect.bisect_left(sizes, n), 1), len(points) - 1)
-    (n0, t0), (n1, t1) = points[index - 1], points[index]
-    slope = math.log(t1 / t0) / math.log(n1 / n0)
-    return t0 * math.exp(slope * math.log(n / n0))
 
 
 @dataclass(frozen=True)
