@@ -64,6 +64,20 @@ def test_ties_go_to_the_lowest_rank_and_search_beats_the_paper_rule() -> None:
     assert predicted_makespan(factors, owners, 3, _dim, _constant(1.0)) == 8.0
 
 
+def test_the_rank_that_finishes_last_gives_up_or_swaps_factors() -> None:
+    # Longest first puts 3 and 3 apart, then the 2s where least loaded: 3+2+2 = 7 against
+    # 3+2 = 5. Swapping a 3 for a 2 gives 6 and 6, the optimum, which no move alone reaches.
+    sizes = [3, 3, 2, 2, 2]
+    owners = lbp_placement(sizes, 2, _dim, _constant(0.0))
+    assert owners == [1, 1, 0, 0, 0]
+    assert predicted_makespan(sizes, owners, 2, _dim, _constant(0.0)) == 6.0
+    # Three ranks: longest first gives 4+2+2, 4+2, 3+3 = 8, 6, 6; 20 seconds of integer work
+    # cannot finish before 7 on three ranks, and the refinement gets there.
+    sizes = [4, 4, 3, 3, 2, 2, 2]
+    owners = lbp_placement(sizes, 3, _dim, _constant(0.0))
+    assert predicted_makespan(sizes, owners, 3, _dim, _constant(0.0)) == 7.0
+
+
 def test_many_factors_just_below_the_threshold_are_better_mostly_spread() -> None:
     # Ten factors that take 9 s to decompose and 10 s to send, on 2 ranks. The paper keeps all
     # of them local: 90 s on each rank. Greedy spreads them 5 and 5; sends overlap the next

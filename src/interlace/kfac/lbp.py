@@ -89,10 +89,13 @@ def lbp_placement(
     below the threshold are better spread. With ``search`` (the default) LBP therefore also
     tries every other local set of the form "the ``k`` factors with the smallest
     decomposition-to-broadcast ratio" (``k = 0`` spreads everything, the largest ``k`` keeps
-    everything local), each balanced as above, and :func:`factor_greedy_placement`; it returns
+    everything local), each balanced as above, and :func:`factor_greedy_placement`; it takes
     the candidate with the least :func:`predicted_makespan`, the paper's rule on ties (then the
-    smaller ``k``). Including greedy makes "never worse than greedy under this model" hold by
-    construction. A local set is skipped when a bound on its makespan reaches the best so far
+    smaller ``k``), and then moves single factors off the rank that finishes last, or swaps
+    one of them with another rank's, while that lowers the makespan (longest-first balancing
+    leaves ranks apart by up to its last, smallest factor). Including greedy, and refining
+    only downwards, makes "never worse than greedy under this model" hold by construction. A
+    local set is skipped when a bound on its makespan reaches the best so far
     (some factor's owner decomposes it, then sends it or does the local work), and so is every
     larger set once the local work plus a ``1/R`` share of the rest reaches it; the worst case
     is ``O(F^2 R)`` for ``F`` factors on ``R`` ranks. On one rank nothing is broadcast, so
@@ -142,6 +145,7 @@ def lbp_placement(
         span = _makespan(decompose, broadcast, greedy, ranks)
         if span < best[0]:
             best = (span, greedy)
+        return _refine(decompose, broadcast, best[1], ranks)
     return best[1]
 
 
@@ -301,14 +305,95 @@ def _schedule(
     decompose: Sequence[float], broadcast: Sequence[float], owners: Sequence[int | None]
 ) -> list[int]:
     """Owned factors in Johnson's order, then local ones (see :func:`schedule_order`)."""
-
-    def johnson(index: int) -> tuple[int, float, int]:
-        if decompose[index] < broadcast[index]:
-            return (0, decompose[index], index)
-        return (1, -broadcast[index], index)
-
-    owned = sorted((i for i, owner in enumerate(owners) if owner is not None), key=johnson)
+    owned = sorted(
+        (i for i, owner in enumerate(owners) if owner is not None),
+        key=lambda i: _johnson(decompose, broadcast, i),
+    )
     return owned + [i for i, owner in enumerate(owners) if owner is None]
+
+
+def _johnson(
+    decompose: Sequence[float], broadcast: Sequence[float], index: int
+) -> tuple[int, float, int]:
+    """Johnson's key: sends longer than decompositions first, shortest decomposition first;
+    then longest send first; ties by index."""
+    if decompose[index] < broadcast[index]:
+        return (0, decompose[index], index)
+    return (1, -broadcast[index], index)
+
+
+#: Passes of :func:`_refine` at most: each lowers the makespan, and this bounds the work on
+#: large models.
+REFINE_PASSES = 32
+
+
+def _refine(
+    decompose: Sequence[float],
+    broadcast: Sequence[float],
+    owners: Sequence[int | None],
+    ranks: int,
+) -> list[int | None]:
+    """``owners`` improved by single moves and swaps of placed factors off the rank that
+    finishes last (the lowest such rank), each pass taking the first change, in factor and
+    rank order, that leaves both ranks it touches finishing earlier than that rank did; the
+    makespan never rises. Deterministic, so every rank refines to the same placement."""
+    owners = list(owners)
+    local = [d for d, owner in zip(decompose, owners, strict=True) if owner is None]
+
+    def finish(members: list[int]) -> float:
+        return _rank_finish(decompose, broadcast, members, local)
+
+    members = [[i for i, owner in enumerate(owners) if owner == r] for r in range(ranks)]
+    finishes = [finish(members[r]) for r in range(ranks)]
+    for _ in range(REFINE_PASSES):
+        span = max(finishes)
+        late = finishes.index(span)
+        changed = False
+        for index in members[late]:
+            for other in range(ranks):
+                if other == late:
+                    continue
+                # A move of ``index`` to ``other``, then each swap with one of its factors.
+                for partner in [None, *members[other]]:
+                    kept = [i for i in members[late] if i != index]
+                    taken = [i for i in members[other] if i != partner] + [index]
+                    if partner is not None:
+                        kept.append(partner)
+                    pair = (finish(kept), finish(taken))
+                    # Both below the latest finish: with another rank as late, the makespan
+                    # stays but one rank fewer reaches it, and the next pass takes that one.
+                    if max(pair) < span * (1 - 1e-12):
+                        members[late], members[other] = sorted(kept), sorted(taken)
+                        finishes[late], finishes[other] = pair
+                        changed = True
+                        break
+                if changed:
+                    break
+            if changed:
+                break
+        if not changed:
+            break
+    for rank, indices in enumerate(members):
+        for index in indices:
+            owners[index] = rank
+    return owners
+
+
+def _rank_finish(
+    decompose: Sequence[float],
+    broadcast: Sequence[float],
+    members: Sequence[int],
+    local: Sequence[float],
+) -> float:
+    """When a rank owning ``members`` is done: its decompositions in Johnson's order, each
+    sent once decomposed, and the ``local`` work after its own (as :func:`_makespan`)."""
+    computed = sent = 0.0
+    own = []
+    for index in sorted(members, key=lambda i: _johnson(decompose, broadcast, i)):
+        own.append(decompose[index])
+        computed += decompose[index]
+        sent = max(sent, computed) + broadcast[index]
+    return max(math.fsum([*own, *local]), sent)
 
 
 def _makespan(
