@@ -198,7 +198,6 @@ class KFACDeviceCosts:
             raise ValueError(f"method must be one of {COMPUTE_METHODS}, got {method!r}")
         return KfacCosts(
             decomposition=self.decomposition_model(method),
-            decomposition_points=self.eigen_s if method == "eigen" else self.inverse_s,
             gemm_flops=self.gemm_flops,
             # The simulator prices 4 g a (g + a) flops for eigen and half for inverse, as here.
             precondition_overhead_s=PRECONDITION_KERNELS[method] * self.kernel_s,

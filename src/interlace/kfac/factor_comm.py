@@ -255,10 +255,16 @@ class FactorComm:
         return self._pipe is not None
 
     @property
+    def can_pipeline(self) -> bool:
+        """Whether pipelining will start: several ranks (a factor group) and no micro-batch
+        accumulation."""
+        return self.factor_group is not None and self.accumulation_steps == 1
+
+    @property
     def plan_settled(self) -> bool:
         """Whether the factor buckets are final: no profiling or trials to come."""
-        if self.factor_group is None or self.accumulation_steps != 1:
-            return True  # never pipelines
+        if not self.can_pipeline:
+            return True
         pipe = self._pipe
         return pipe is not None and not pipe.profiling and self._trials is None
 
@@ -398,8 +404,7 @@ class FactorComm:
         """
         pipe = self._pipe
         if pipe is None:
-            # Pipelining needs several ranks (a factor group) and no micro-batch accumulation.
-            if self.factor_group is not None and self.accumulation_steps == 1:
+            if self.can_pipeline:
                 self._start_pipeline(layers, device)
             return
         if pipe.profiling:

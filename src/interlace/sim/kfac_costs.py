@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, replace
 
 from interlace.errors import UsageError
-from interlace.kfac.costs import DecompositionCostModel, log_log_interpolate
+from interlace.kfac.costs import DecompositionCostModel
 from interlace.kfac.methods import DecompositionMethod, method_from
 
 #: ``(c3, c2, c0)`` of the default decomposition model, seconds for an ``n x n`` factor: a
@@ -44,9 +44,6 @@ class KfacCosts:
             ``"inverse"`` (the inverse sent, two products).
         element_bytes: Bytes per number of factors and decompositions on the wire (float32).
         source: Where the numbers come from, for the printed description.
-        decomposition_points: Measured ``(n, seconds)`` of one decomposition, increasing in
-            ``n``; when given, decompositions are priced by :func:`log_log_interpolate` through
-            them, while ``decomposition`` (a fit) still places them, as the runtime's LBP does.
         layer_factor_s: ``(layer, A seconds, G seconds)`` for layers whose factor computation
             is known; they take these instead of the relative model above.
 
@@ -61,7 +58,6 @@ class KfacCosts:
     compute_method: DecompositionMethod | str = "eigen"
     element_bytes: int = 4
     source: str = "defaults for a GPU-class device"
-    decomposition_points: tuple[tuple[int, float], ...] = ()
     layer_factor_s: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
@@ -76,13 +72,6 @@ class KfacCosts:
         method_from(self.compute_method)  # refuses an unknown method
         if self.element_bytes < 1:
             raise ValueError(f"element_bytes must be >= 1, got {self.element_bytes}")
-        points = self.decomposition_points
-        if points:
-            sizes = [n for n, _ in points]
-            if len(points) < 2 or sizes != sorted(set(sizes)) or min(sizes) < 1:
-                raise ValueError("decomposition_points needs >= 2 points of increasing n >= 1")
-            if any(not (math.isfinite(t) and t > 0) for _, t in points):
-                raise ValueError("decomposition_points needs finite times > 0")
         for layer, a_s, g_s in self.layer_factor_s:
             if not all(math.isfinite(t) and t >= 0 for t in (a_s, g_s)):
                 raise ValueError(f"layer_factor_s of {layer!r} must be finite and >= 0")
@@ -100,16 +89,12 @@ class KfacCosts:
         return DecompositionCostModel(c3=c3, c2=c2, c0=c0)
 
     def decomposition_s(self, n: int) -> float:
-        """Seconds to decompose one ``n x n`` factor: through :attr:`decomposition_points` when
-        given, else by :meth:`decomposition_model`.
+        """Seconds to decompose one ``n x n`` factor, by :meth:`decomposition_model`: the model
+        that prices a decomposition also places it, as the runtime's LBP does.
 
         Args:
             n: The factor's side.
         """
-        if n < 1:
-            return 0.0
-        if self.decomposition_points:
-            return log_log_interpolate(self.decomposition_points, n)
         return self.decomposition_model().time(n)
 
     def layer_factors_s(
@@ -172,10 +157,9 @@ class KfacCosts:
             else f"factors {self.factor_scale:g} x the layer's own products"
         )
         decomposition = (
-            f"{self.method.name} decomposition through {len(self.decomposition_points)} "
-            f"measured sizes (placed by {model.c0 * 1e3:.3g} ms + {model.c2:.3g} n^2 + "
-            f"{model.c3:.3g} n^3 s)"
-            if self.decomposition_points
+            f"{self.method.name} decomposition through {len(model.points)} measured sizes "
+            f"(fitted: {model.c0 * 1e3:.3g} ms + {model.c2:.3g} n^2 + {model.c3:.3g} n^3 s)"
+            if model.points
             else f"{self.method.name} decomposition {model.c0 * 1e3:.3g} ms + "
             f"{model.c2:.3g} n^2 + {model.c3:.3g} n^3 s"
         )
