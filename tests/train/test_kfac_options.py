@@ -119,7 +119,8 @@ def test_the_flags_reach_kfac_as_its_keywords(launched: list[TrainConfig]) -> No
         *("--kfac-colocate-factors", "true", "--kfac-compute-eigenvalue-outer-product", "no"),
         *("--kfac-symmetry-aware", "--kfac-loglevel", "INFO", "--kfac-kl-clip", "0"),
         *("--kfac-grad-worker-fraction", "MEM_OPT", "--kfac-compute-method", "Inverse"),
-        *("--kfac-damping-adaptation", "FIXED", "-n", "2"),
+        *("--kfac-damping-adaptation", "FIXED", "--kfac-factor-sync", "EVERY_UPDATE"),
+        *("-n", "2"),
     ]
     assert cli.main(_train(*flags)) == 0
     (config,) = launched
@@ -137,6 +138,7 @@ def test_the_flags_reach_kfac_as_its_keywords(launched: list[TrainConfig]) -> No
         "inv_dtype": torch.float64,
         "bucket_cap_mb": 0.0,
         "placement": "round-robin",
+        "factor_sync": "every-update",
         # --kfac-factor-comm not given: left out, KFAC's default (pipelined, as asked).
         "fusion": "merged",
         "profile_steps": 5,

@@ -39,6 +39,7 @@ from interlace.bench.session import Session
 from interlace.bench.skeleton import BenchConfig, Benchmark, Flags, parse_names
 from interlace.bench.tables import Row, write_timeline
 from interlace.errors import OptionError, UsageError
+from interlace.kfac.enums import FactorSync
 from interlace.kfac.options import check_placement
 from interlace.kfac.placements import placement_from
 from interlace.kfac.worker_groups import worker_count
@@ -100,6 +101,7 @@ class KfacConfig(BenchConfig):
         factor_update_steps: Steps between factor updates.
         inv_update_steps: Steps between decompositions.
         placement: Where the breakdown's decompositions are computed.
+        factor_sync: When interlace's K-FAC averages factors (``KFAC(factor_sync=)``).
         compare: The peer run beside the ablation's modes (None: none).
         memory: The modes whose peak RSS is measured (``--memory``; empty: none).
     """
@@ -109,6 +111,7 @@ class KfacConfig(BenchConfig):
     factor_update_steps: int
     inv_update_steps: int
     placement: str = "greedy"
+    factor_sync: str = FactorSync.AT_DECOMPOSITION.value
     compare: str | None = None
     memory: tuple[str, ...] = ()
 
@@ -136,6 +139,7 @@ class KfacConfig(BenchConfig):
             compute_method=self.compute_method,
             factor_update_steps=self.factor_update_steps,
             inv_update_steps=self.inv_update_steps,
+            factor_sync=self.factor_sync,
             **own,
         )
 
@@ -190,6 +194,14 @@ class KfacBenchmark(Benchmark[KfacConfig, _KfacRow]):
             type=int,
             default=1,
             help="decompose every K steps (default 1, so every phase shows in every iteration)",
+        )
+        parser.add_argument(
+            "--factor-sync",
+            choices=tuple(choice.value for choice in FactorSync),
+            default=FactorSync.AT_DECOMPOSITION.value,
+            help="when interlace's K-FAC averages factors across ranks: at-decomposition "
+            "(default: each rank folds its own between decompositions) or every-update "
+            "(kfac-pytorch's)",
         )
         parser.add_argument(
             "--placement",
@@ -274,6 +286,7 @@ class KfacBenchmark(Benchmark[KfacConfig, _KfacRow]):
             factor_update_steps=args.factor_update_steps,
             inv_update_steps=args.inv_update_steps,
             placement=args.placement or "greedy",
+            factor_sync=args.factor_sync,
             compare=args.compare,
             memory=memory,
         )

@@ -29,7 +29,7 @@ from interlace.comm.cost import CostModel
 from interlace.dp import DataParallel
 from interlace.emulate.kfac import EmulatedKFACModel
 from interlace.emulate.model import EmulatedLayer
-from interlace.kfac import KFAC, PHASES
+from interlace.kfac import KFAC, PHASES, FactorSync
 from interlace.kfac.factor_modes import FactorCommMode, Pipelined, factor_comm_from
 from interlace.kfac.placements import LBP, Placement, placement_from
 from interlace.timeline import Event
@@ -81,11 +81,13 @@ class KfacJob(RankJob):
         compute_method: ``"eigen"`` or ``"inverse"``.
         factor_update_steps: Steps between factor updates.
         inv_update_steps: Steps between decompositions.
+        factor_sync: When interlace's K-FAC averages factors (``KFAC(factor_sync=)``).
     """
 
     compute_method: str
     factor_update_steps: int = 1
     inv_update_steps: int = 1
+    factor_sync: str = FactorSync.AT_DECOMPOSITION.value
 
     def emulated_module(self, trace: str, dilation: float) -> torch.nn.Module:
         """The trace's emulated K-FAC model (its factors' device work included).
@@ -221,6 +223,7 @@ def measure_rank(job: BreakdownJob) -> dict[str, Any]:
         grad_worker_fraction=job.grad_worker_fraction,
         factor_update_steps=job.factor_update_steps,
         inv_update_steps=job.inv_update_steps,
+        factor_sync=job.factor_sync,
         placement=mode_policies(
             "bulk", "none", job.placement, lbp_costs_for(model, job.compute_method)
         )[1],
@@ -341,6 +344,7 @@ def _contender(
         inv_update_steps=job.inv_update_steps,
         placement=placement,
         factor_comm=factor_comm,
+        factor_sync=job.factor_sync,
     )
     return KfacContender(mode, wrapped, make_optimizer(model), precond=precond)
 
@@ -535,6 +539,9 @@ def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
         },
         "factor_tuning": {
             c.name: c.precond.factor_tuning for c in contenders if isinstance(c.precond, KFAC)
+        },
+        "factor_sync": {
+            c.name: c.precond.factor_sync.value for c in contenders if isinstance(c.precond, KFAC)
         },
         "factor_bucket_names": {
             c.name: names

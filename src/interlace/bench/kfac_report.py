@@ -101,6 +101,9 @@ class AblationRow(Row):
     peak_rss_mb: float | None = None
     added_rss_mb: float | None = None
     memory_steps: int | None = None
+    #: When the mode averaged factors across ranks (``KFAC(factor_sync=)``; kfac-pytorch and
+    #: rows measured before the choice existed: ``"every-update"``).
+    factor_sync: str = "every-update"
 
 
 def format_table(rows: Sequence[KfacRow]) -> str:
@@ -185,6 +188,7 @@ def ablation_rows(
                 local_factors=value.get("local_factors", {}).get(mode),
                 compute=compute,
                 factor_tuning=value.get("factor_tuning", {}).get(mode),
+                factor_sync=value.get("factor_sync", {}).get(mode, "every-update"),
                 cycle_iteration_s=cycle,
                 cycle_speedup_vs_dkfac=(
                     baseline_cycle / cycle if baseline_cycle and cycle else None

@@ -17,6 +17,7 @@ from interlace.kfac.enums import (
     ComputeMethod,
     DampingAdaptation,
     DistributedStrategy,
+    FactorSync,
 )
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ __all__ = [
     "ComputeMethod",
     "DampingAdaptation",
     "DistributedStrategy",
+    "FactorSync",
     "KFACPreconditioner",
     "KFACWarning",
     "LevenbergMarquardt",

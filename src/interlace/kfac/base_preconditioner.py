@@ -17,6 +17,7 @@ from torch import nn
 from interlace.comm.cost import CostModel
 from interlace.kfac.costs import DecompositionCostModel
 from interlace.kfac.damping import AdaptiveDamping
+from interlace.kfac.enums import FactorSync
 from interlace.kfac.factor_comm import FactorComm
 from interlace.kfac.factor_modes import FactorCommMode
 from interlace.kfac.factor_update import FactorUpdate
@@ -72,6 +73,7 @@ class BasePreconditioner:
     compute_method: DecompositionMethod
     placement: Placement
     factor_comm: FactorCommMode
+    factor_sync: FactorSync
     factor_dtype: torch.dtype | None
     inv_dtype: torch.dtype
     bucket_bytes: int
@@ -274,6 +276,7 @@ class BasePreconditioner:
                 phases=phases,
             )
         if self._decompositions_due():
+            self._factor_update.sync(self._layers, self.steps, phases)
             self._update_decompositions(phases)
         preconditioned = self._gradients.precondition(
             self._layers, self.damping, self.steps, phases
@@ -340,6 +343,26 @@ class BasePreconditioner:
         # Only the latest step's spans are kept, so memory stays bounded when nobody asks.
         self._spans.end_step()
         self.steps += 1
+        self._plan_factor_step()
+
+    def _plan_factor_step(self) -> None:
+        """Tell the factor communication whether this step's factors stay on this rank (under
+        ``factor_sync="at-decomposition"``: a step that does not decompose, or any step while
+        running averages wait to be averaged), and whether pipelining is of use at all (only
+        when every factor step decomposes)."""
+        held = self.factor_sync is FactorSync.AT_DECOMPOSITION
+        # A bad interval is refused by the next step's check; it must not divide by zero here.
+        inv = max(self.inv_update_steps, 1)
+        self._comm.holding = held and (self._factor_update.pending or self.steps % inv != 0)
+        self._comm.pipeline_wanted = not held or max(self.factor_update_steps, 1) % inv == 0
+
+    def sync_factors(self) -> None:
+        """Average the running averages across ranks now, if some hold this rank's factors
+        only (``factor_sync="at-decomposition"`` between decompositions); a collective, so every
+        rank calls it. Call it before one rank saves :meth:`state_dict` between decomposition
+        steps, so the checkpoint holds every rank's factors."""
+        self._factor_update.sync(self._layers, self.steps, dict.fromkeys(PHASES, 0.0))
+        self._plan_factor_step()
 
     def _device(self) -> torch.device:
         return self._layers[0].helper.weight.device
@@ -363,6 +386,10 @@ class BasePreconditioner:
 
     def state_dict(self, include_factors: bool = True) -> dict[str, Any]:
         """Step count, plain hyperparameters, and per layer its factors and decompositions.
+
+        Between decomposition steps under ``factor_sync="at-decomposition"`` the running
+        averages are this rank's own; :meth:`sync_factors` on every rank first makes them
+        everyone's (a resumed run averages what its ranks loaded before it decomposes).
 
         Args:
             include_factors: Keep the layers' factors and decompositions (kfac-pytorch's
@@ -396,6 +423,9 @@ class BasePreconditioner:
         if load_state(state, self._layers, self.assignment, device, compute_inverses):
             self._needs_decomposition = True
         self._loaded = True
+        # Ranks may have loaded different running averages: average them before decomposing.
+        self._factor_update.pending = self.factor_sync is FactorSync.AT_DECOMPOSITION
+        self._plan_factor_step()
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes this rank holds for K-FAC, by kind, as kfac-pytorch reports them.
@@ -421,6 +451,7 @@ class BasePreconditioner:
             "grad_worker_fraction": self.grad_worker_fraction,
             "placement": self.placement,
             "factor_comm": self.factor_comm,
+            "factor_sync": self.factor_sync,
             "bucket_cap_mb": self.bucket_bytes / 2**20,
             "symmetry_aware": self.symmetry_aware,
             "grad_scaler": self._grad_scale is not None,

@@ -1,6 +1,6 @@
 """The choices ``KFAC`` takes as enums: kfac-pytorch's, with its names, so its scripts switch
 unchanged, and interlace's own (:class:`PlacementChoice`, :class:`FactorCommChoice`,
-:class:`DampingAdaptation`).
+:class:`DampingAdaptation`, :class:`FactorSync`).
 
 Each option accepts a member of these enums, its string (any case, ``-`` or ``_``), or a member
 of kfac-pytorch's enum of the same name (``kfac.enums.ComputeMethod.EIGEN``).
@@ -20,6 +20,7 @@ __all__ = [
     "DampingAdaptation",
     "DistributedStrategy",
     "FactorCommChoice",
+    "FactorSync",
     "PlacementChoice",
     "coerce_choice",
 ]
@@ -69,6 +70,16 @@ class FactorCommChoice(str, enum.Enum):
     PIPELINED = "pipelined"
 
 
+class FactorSync(str, enum.Enum):
+    """When ``KFAC(factor_sync=)`` averages factors across ranks: at every factor update
+    (kfac-pytorch, KAISA), or only when a decomposition needs them (each rank folds its own
+    factors into its running averages in between; the average of those is the same running
+    average, as it is linear in the factors)."""
+
+    EVERY_UPDATE = "every-update"
+    AT_DECOMPOSITION = "at-decomposition"
+
+
 class DampingAdaptation(str, enum.Enum):
     """How the damping changes: fixed (kfac-pytorch), or by the Levenberg-Marquardt rule."""
 
@@ -83,6 +94,7 @@ Choice = TypeVar(
     AssignmentStrategy,
     PlacementChoice,
     FactorCommChoice,
+    FactorSync,
     DampingAdaptation,
 )
 

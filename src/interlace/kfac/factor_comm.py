@@ -17,6 +17,7 @@ from interlace.comm.cost import CostModel
 from interlace.comm.engine import BucketEngine
 from interlace.comm.plan import pack_by_cap
 from interlace.comm.tuning import PlanTrials, describe_trials, fastest
+from interlace.kfac.decomp import all_finite
 from interlace.kfac.factor_modes import FactorCommMode, Pipelined
 from interlace.kfac.fusion import make_groups, merged_candidates
 from interlace.kfac.packing import pack_upper, packed_size, unpack_upper
@@ -242,6 +243,13 @@ class FactorComm:
         self._timed_s: float | None = None
         self._pipe: FactorPipeline | None = None
         self._fired: list[FactorKey] = []
+        #: This step's factors stay on this rank (folded into its own running averages, which
+        #: are averaged when a decomposition needs them): the hooks launch nothing.
+        self.holding = False
+        #: Whether pipelining is to start at all: under ``factor_sync="at-decomposition"`` only
+        #: factor steps that decompose all-reduce, so with decompositions rarer than factor
+        #: steps the pipeline would hold buffers that no step uses.
+        self.pipeline_wanted = True
         # Pipelined all-reduces start inside the hooks, while a data-parallel wrapper's
         # gradient all-reduces run on the default group: a group of their own keeps the two
         # sequences apart (new_group is collective, so every rank creates it here).
@@ -251,8 +259,9 @@ class FactorComm:
 
     @property
     def pipelining(self) -> bool:
-        """Whether the hooks launch the factor all-reduces (after the first factor step)."""
-        return self._pipe is not None
+        """Whether the hooks launch the factor all-reduces this step (after the first factor
+        step, unless the step's factors are held)."""
+        return self._pipe is not None and not self.holding
 
     @property
     def can_pipeline(self) -> bool:
@@ -263,7 +272,7 @@ class FactorComm:
     @property
     def plan_settled(self) -> bool:
         """Whether the factor buckets are final: no profiling or trials to come."""
-        if not self.can_pipeline:
+        if not (self.can_pipeline and self.pipeline_wanted):
             return True
         pipe = self._pipe
         return pipe is not None and not pipe.profiling and self._trials is None
@@ -276,7 +285,8 @@ class FactorComm:
             factor: This batch's factor.
             count: How many batches of it this step holds now.
         """
-        if self._pipe is not None:
+        if self.pipelining:
+            assert self._pipe is not None
             self._pipe.offer(key, factor)
         elif self.mode.pipelined and count == 1:
             self._fired.append(key)
@@ -301,6 +311,41 @@ class FactorComm:
             unpack_upper(mean, tensor.shape[0], diagonal=tensor.dim() == 1)
             for mean, tensor in zip(means, tensors, strict=True)
         ]
+
+    def average_running(self, layers: Sequence[KFACLayer]) -> list[KFACLayer]:
+        """Average the layers' running averages across ranks in place (their packed upper
+        triangles, in bulk): what ``factor_sync="at-decomposition"`` does before decomposing.
+
+        Args:
+            layers: The registered layers; those with running averages on every rank take part
+                (every rank folds the same layers, so all or none of a layer's ranks have them).
+
+        Returns:
+            The layers whose averages were not finite; they keep this rank's own.
+        """
+        held = [layer for layer in layers if layer.a_factor is not None]
+        if self.world_size == 1 or not held:
+            return []
+        tensors: list[torch.Tensor] = []
+        for layer in held:
+            assert layer.a_factor is not None and layer.g_factor is not None
+            tensors += [layer.a_factor, layer.g_factor]
+        packed = [pack_upper(tensor) for tensor in tensors]
+        # A diagonal factor passes through pack_upper as itself; the all-reduce is in place.
+        packed = [p.clone() if p is t else p for p, t in zip(packed, tensors, strict=True)]
+        means = all_reduce_mean(packed, self.world_size, self.group, self.bucket_bytes)
+        finite = all_finite(means)
+        bad: list[KFACLayer] = []
+        for index, layer in enumerate(held):
+            if not (finite[2 * index] and finite[2 * index + 1]):
+                bad.append(layer)
+                continue
+            a, g = (
+                unpack_upper(means[i], tensors[i].shape[0], diagonal=tensors[i].dim() == 1)
+                for i in (2 * index, 2 * index + 1)
+            )
+            layer.a_factor, layer.g_factor = a, g
+        return bad
 
     def agree_presence(
         self, layers: Sequence[KFACLayer], device: torch.device
@@ -404,9 +449,11 @@ class FactorComm:
         """
         pipe = self._pipe
         if pipe is None:
-            if self.can_pipeline:
+            if self.can_pipeline and self.pipeline_wanted:
                 self._start_pipeline(layers, device)
             return
+        if self.holding:
+            return  # the hooks launched nothing: nothing to profile or time
         if pipe.profiling:
             pipe.record_profile()
             assert isinstance(self.mode, Pipelined)

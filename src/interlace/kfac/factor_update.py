@@ -1,5 +1,6 @@
 """K-FAC's factor step: average the factors the hooks summed across ranks and fold them into
-each layer's running averages; at the first training step, drop layers that never ran."""
+each layer's running averages (or fold this rank's own, to be averaged when a decomposition needs
+them); at the first training step, drop layers that never ran."""
 
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ class FactorUpdate:
         self._rank = rank
         self._hooks_checked = False
         self._warned_unregistered = False
+        #: Whether some running averages hold this rank's factors only (steps whose factors
+        #: were held): :meth:`sync` averages them.
+        self.pending = False
 
     def run(
         self,
@@ -72,11 +76,37 @@ class FactorUpdate:
                 layers = self._drop_silent_layers(layers, skipped, anywhere)
             ready = [layer for layer in layers if everywhere[layer.name]]
             tensors = [tensor for layer in ready for tensor in layer.batch_factors()]
-            with self._spans.timed(phases, "factor_comm", "comm", "factor all-reduce"):
-                averaged = self._comm.all_reduce_mean(tensors)
+            if self._comm.holding:
+                averaged = tensors  # folded as they are; sync() averages the running averages
+                self.pending = True
+            else:
+                with self._spans.timed(phases, "factor_comm", "comm", "factor all-reduce"):
+                    averaged = self._comm.all_reduce_mean(tensors)
         self._fold(ready, averaged, decay, step, phases)
         self._comm.end_factor_step(layers, device)
         return layers
+
+    def sync(self, layers: list[KFACLayer], step: int, phases: dict[str, float]) -> None:
+        """Average the running averages across ranks if some hold this rank's factors only.
+
+        Args:
+            layers: The registered layers.
+            step: The step count, for messages.
+            phases: This step's phase times, added to.
+        """
+        if not self.pending:
+            return
+        with self._spans.timed(phases, "factor_comm", "comm", "running-average all-reduce"):
+            bad = self._comm.average_running(layers)
+        self.pending = bool(bad)
+        if bad:
+            warnings.warn(
+                f"K-FAC: the running averages of {', '.join(layer.name for layer in bad)} are "
+                f"not finite on some rank at step {step}; each rank keeps its own until the "
+                "next decomposition step",
+                KFACWarning,
+                stacklevel=4,
+            )
 
     def _fold(
         self,

@@ -14,6 +14,7 @@ import torch
 from interlace.checks import is_int, is_real
 from interlace.errors import OptionError, Setting
 from interlace.kfac.damping import LevenbergMarquardt, check_adaptation, damping_adaptation_from
+from interlace.kfac.enums import FactorSync, coerce_choice
 from interlace.kfac.factor_modes import FactorCommMode, factor_comm_from
 from interlace.kfac.methods import DecompositionMethod, method_from
 from interlace.kfac.placements import Placement, placement_from
@@ -54,6 +55,7 @@ class Settled:
         grad_scale: Reads the current loss scale (None: no AMP scaler).
         adaptation: The Levenberg-Marquardt rule's settings (None: fixed damping).
         skip_layers: The modules left out, as given.
+        factor_sync: When factors are averaged across ranks.
     """
 
     method: DecompositionMethod
@@ -67,6 +69,7 @@ class Settled:
     grad_scale: Callable[[], float] | None
     adaptation: LevenbergMarquardt | None
     skip_layers: tuple[str, ...]
+    factor_sync: FactorSync = FactorSync.AT_DECOMPOSITION
 
 
 def settle(
@@ -91,6 +94,7 @@ def settle(
     symmetry_aware: bool,
     grad_scaler: object,
     damping_adaptation: object,
+    factor_sync: object = FactorSync.AT_DECOMPOSITION,
 ) -> Settled:
     """Check ``KFAC``'s options (its keywords but the model and the process group) and give them
     in the form the runtime uses; what needs no model is refused here, before anything starts.
@@ -117,6 +121,7 @@ def settle(
         symmetry_aware: As ``KFAC``'s.
         grad_scaler: As ``KFAC``'s.
         damping_adaptation: As ``KFAC``'s.
+        factor_sync: As ``KFAC``'s.
 
     Raises:
         OptionError: The first option out of range, in the order of ``KFAC``'s signature's
@@ -128,6 +133,7 @@ def settle(
         placement, ranks=world_size, comm_opt=asks_for_comm_opt(grad_worker_fraction)
     )
     mode = factor_comm_from(factor_comm)
+    sync = coerce_choice(FactorSync, factor_sync, "factor_sync")
     if g_normalization not in G_NORMALIZATIONS:
         raise OptionError(
             "g_normalization",
@@ -176,6 +182,7 @@ def settle(
         grad_scale=grad_scale,
         adaptation=adaptation,
         skip_layers=() if skip_layers is None else tuple(skip_layers),
+        factor_sync=sync,
     )
 
 

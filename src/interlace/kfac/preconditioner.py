@@ -29,6 +29,7 @@ from interlace.kfac.enums import (
     DampingAdaptation,
     DistributedStrategy,
     FactorCommChoice,
+    FactorSync,
     PlacementChoice,
     coerce_choice,
 )
@@ -74,8 +75,9 @@ class KFAC(BasePreconditioner):
         precond.step()                              # gradients preconditioned in place
         optimizer.step()
 
-    Every ``factor_update_steps`` the hooks' factors are averaged across ranks and folded into
-    the running averages; every ``inv_update_steps`` each factor is decomposed where the placement
+    Every ``factor_update_steps`` the hooks' factors are folded into the running averages,
+    which are averaged across ranks when a decomposition needs them (``factor_sync``); every
+    ``inv_update_steps`` each factor is decomposed where the placement
     puts it and sent to the layer's gradient workers, which precondition (and send the result on
     unless every rank is a worker); last, the KL-clip scales every preconditioned gradient by one
     factor. Linear, Conv2d (groups=1) and dense Embedding layers are preconditioned. ``G`` is
@@ -128,6 +130,15 @@ class KFAC(BasePreconditioner):
             (pipelined ones always do).
         grad_scaler: The AMP ``torch.amp.GradScaler`` (or a callable returning the loss scale),
             so that ``G`` is the unscaled loss's; None without AMP.
+        factor_sync: When factors are averaged across ranks (a :class:`FactorSync` or its
+            string): ``"at-decomposition"`` (the default: between decompositions each rank
+            folds its own factors into its running averages, which are averaged, in bulk,
+            only before a decomposition; the same running averages, as they are linear in
+            the factors, for one all-reduce per decomposition instead of one per factor
+            update; pipelining then runs only when every factor step decomposes) or
+            ``"every-update"`` (kfac-pytorch's and KAISA's: every factor update is averaged).
+            Between decompositions, adaptive damping scores steps with this rank's running
+            averages.
         damping_adaptation: ``"levenberg-marquardt"`` (a :class:`DampingAdaptation`, its
             string, or :class:`~interlace.kfac.damping.LevenbergMarquardt` settings): the
             damping follows Martens & Grosse's rule, driven by the loss given to :meth:`step`
@@ -171,6 +182,7 @@ class KFAC(BasePreconditioner):
         damping_adaptation: DampingAdaptation
         | str
         | LevenbergMarquardt = DampingAdaptation.LEVENBERG_MARQUARDT,
+        factor_sync: FactorSync | str = FactorSync.AT_DECOMPOSITION,
     ) -> None:
         ranks = GroupRanks.of(process_group)
         options = settle(
@@ -194,6 +206,7 @@ class KFAC(BasePreconditioner):
             symmetry_aware=symmetry_aware,
             grad_scaler=grad_scaler,
             damping_adaptation=damping_adaptation,
+            factor_sync=factor_sync,
         )
         self._grad_scale = options.grad_scale
         self.g_normalization = options.g_normalization
@@ -209,6 +222,7 @@ class KFAC(BasePreconditioner):
         self.compute_method: DecompositionMethod = options.method
         self.placement: Placement = options.placement
         self.factor_comm: FactorCommMode = options.factor_comm
+        self.factor_sync: FactorSync = options.factor_sync
         self.factor_dtype = factor_dtype
         self.inv_dtype = inv_dtype
         # A cap of 0 (kfac-pytorch: no bucketing) gives every factor an all-reduce of its own.
@@ -253,6 +267,7 @@ class KFAC(BasePreconditioner):
                 symmetry_aware=self.symmetry_aware,
                 grad_scaler=self._grad_scale is not None,
                 factor_comm=self.factor_comm,
+                factor_sync=self.factor_sync,
                 g_normalization=self.g_normalization,
                 damping_adaptation=repr(options.adaptation) if options.adaptation else "fixed",
             )
@@ -290,6 +305,7 @@ class KFAC(BasePreconditioner):
             hook = LayerForwardHook(layer, self._hooks.forward)
             layer.handles.append(layer.helper.module.register_forward_hook(hook))
         self._factor_update = FactorUpdate(self._comm, self._spans, self.rank)
+        self._plan_factor_step()
         self._gradients = GradientPreconditioning(self.assignment, self.worker_groups, self._spans)
         #: The Levenberg-Marquardt damping (None: the ``damping`` given, fixed or scheduled).
         self.adaptive_damping = (

@@ -16,7 +16,7 @@ from interlace.comm.engine import COMPRESSIONS
 from interlace.comm.strategies import RUNTIME_STRATEGIES
 from interlace.errors import UsageError
 from interlace.kfac import AssignmentStrategy, ComputeMethod, DampingAdaptation
-from interlace.kfac.enums import FactorCommChoice, PlacementChoice
+from interlace.kfac.enums import FactorCommChoice, FactorSync, PlacementChoice
 from interlace.kfac.factor_modes import Pipelined
 from interlace.kfac.fusion import FUSIONS
 from interlace.kfac.options import G_NORMALIZATIONS
@@ -226,6 +226,13 @@ class TrainConfig:
         "as soon as its hook computes it)",
         default=None,
         unset="pipelined; bulk with --kfac-update-factors-in-hook false",
+    )
+    kfac_factor_sync: str = kfac_option(
+        "factor_sync",
+        Choice(FactorSync),
+        "when factors are averaged across ranks: at-decomposition (each rank folds its own "
+        "into its running averages, which are averaged before each decomposition: the same "
+        "averages, one all-reduce per decomposition) or every-update (kfac-pytorch's)",
     )
     # Pipelined's settings, spelt flat; their defaults are Pipelined's.
     kfac_fusion: str = kfac_option(
