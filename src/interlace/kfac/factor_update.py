@@ -61,7 +61,12 @@ class FactorUpdate:
         Returns:
             The layers still registered (``layers`` itself when none was dropped).
         """
-        if self._comm.pipelining:
+        if self._comm.holding and self._hooks_checked:
+            # Nothing is sent, so nothing needs the ranks to agree: each folds what it has.
+            ready = [layer for layer in layers if layer.a_count > 0 and layer.g_count > 0]
+            averaged = [tensor for layer in ready for tensor in layer.batch_factors()]
+            self.pending = True
+        elif self._comm.pipelining:
             started = time.perf_counter()
             ready, averaged = self._comm.finish_pipelined(layers, phases, device, started)
         else:
