@@ -269,6 +269,12 @@ def format_ablation_header(
     first = rows[0] if rows else None
     factor_steps = first.factor_update_steps if first else 1
     inv_steps = first.inv_update_steps if first else 1
+    sync = first.factor_sync if first else "every-update"
+    averaged = (
+        "averaged across ranks at every update"
+        if sync == "every-update" or factor_steps % inv_steps == 0
+        else "folded per rank and averaged before each decomposition"
+    )
     batches = ", ".join(
         dict.fromkeys(f"{row.model} {row.batch}" for row in rows)  # first-seen order
     )
@@ -280,7 +286,7 @@ def format_ablation_header(
     )
     lines = [
         f"SPD-KFAC ablation: {ranks} ranks on {link}, per-rank batch ({batches or 'none'}); "
-        f"factors all-reduced every {factor_steps} step(s), decomposed ({compute_method}, "
+        f"factors every {factor_steps} step(s), {averaged}; decomposed ({compute_method}, "
         f"COMM-OPT) every {inv_steps} step(s); medians over {iters} iterations of the maximum "
         "over ranks, the modes interleaved round-robin in one launch per model.",
         f"Modes: {modes}.",
