@@ -101,6 +101,51 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 }
 
 
+class Branchy(nn.Module):
+    """Two Linear layers, and a third (``extra``) only where ``use_extra`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(5, 6)
+        self.extra = nn.Linear(6, 6)
+        self.last = nn.Linear(6, 3)
+        self.use_extra = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.first(x))
+        if self.use_extra:
+            x = torch.tanh(self.extra(x))
+        out: torch.Tensor = self.last(x)
+        return out
+
+
+def _train_branchy(rank: int) -> dict[str, Any]:
+    """``extra`` runs on rank 0 alone, in steps 0 to 2: registered (it ran somewhere) but not
+    folded at step 0 (not everywhere), then folded by rank 0 alone in the held steps 1 and 2;
+    the decomposition at step 3 must agree on the layers, not hang."""
+    torch.manual_seed(5)
+    model = Branchy().to(DTYPE)
+    precond = KFAC(model, inv_update_steps=3, inv_dtype=DTYPE, damping_adaptation="fixed")
+    factors = []
+    for step in range(5):
+        model.use_extra = rank == 0 and step < 3
+        inputs, targets = _batch(step)
+        model.zero_grad(set_to_none=True)
+        functional.cross_entropy(model(inputs), targets).backward()
+        for param in model.parameters():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad)
+        precond.step()
+        factors.append(
+            {name: layer.a_factor is not None for name, layer in precond.kfac_layers.items()}
+        )
+    a_last = precond.kfac_layers["last"].a_factor
+    assert a_last is not None
+    precond.remove_hooks()
+    return {"has_factors": factors, "last_a": a_last.clone()}
+
+
 def _rank_scenarios() -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     scenarios = {
@@ -108,6 +153,7 @@ def _rank_scenarios() -> dict[str, Any]:
         for name, options in SCENARIOS.items()
     }
     scenarios["synced by hand"] = lambda: _train(rank, world, {"inv_update_steps": 4}, sync_at=5)
+    scenarios["branchy"] = lambda: _train_branchy(rank)
     return run_scenarios(scenarios)
 
 
@@ -188,3 +234,15 @@ def test_a_bad_choice_is_refused() -> None:
     with pytest.raises(ValueError, match="factor_sync"):
         KFAC(nn.Linear(3, 2), factor_sync="sometimes")
     assert KFAC(nn.Linear(3, 2)).factor_sync is FactorSync.AT_DECOMPOSITION
+
+
+def test_a_layer_first_run_on_some_ranks_in_a_held_step_is_dropped_everywhere(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    """Rank 0 folds ``extra`` in held steps; at the decomposition the ranks agree to drop it."""
+    first, second = (records["branchy"] for records in two_ranks)
+    assert first["has_factors"][1]["extra"] and not second["has_factors"][1]["extra"]
+    for records in (first, second):
+        assert not records["has_factors"][3]["extra"]
+        assert records["has_factors"][3]["last"]
+    _close(first["last_a"], second["last_a"], "last A on both ranks")

@@ -276,7 +276,7 @@ class BasePreconditioner:
                 phases=phases,
             )
         if self._decompositions_due():
-            self._factor_update.sync(self._layers, self.steps, phases)
+            self._factor_update.sync(self._layers, self.steps, self._device(), phases)
             self._update_decompositions(phases)
         preconditioned = self._gradients.precondition(
             self._layers, self.damping, self.steps, phases
@@ -361,7 +361,8 @@ class BasePreconditioner:
         only (``factor_sync="at-decomposition"`` between decompositions); a collective, so every
         rank calls it. Call it before one rank saves :meth:`state_dict` between decomposition
         steps, so the checkpoint holds every rank's factors."""
-        self._factor_update.sync(self._layers, self.steps, dict.fromkeys(PHASES, 0.0))
+        phases = dict.fromkeys(PHASES, 0.0)
+        self._factor_update.sync(self._layers, self.steps, self._device(), phases)
         self._plan_factor_step()
 
     def _device(self) -> torch.device:

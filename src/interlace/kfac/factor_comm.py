@@ -295,56 +295,69 @@ class FactorComm:
         """Forget the factors noted this step (the step is over)."""
         self._fired = []
 
-    def all_reduce_mean(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def all_reduce_mean(
+        self, tensors: list[torch.Tensor], *, packed: bool | None = None
+    ) -> list[torch.Tensor]:
         """:func:`all_reduce_mean` on the K-FAC group.
 
         Args:
             tensors: The same shapes and dtypes on every rank.
+            packed: Send each (symmetric) tensor's upper triangle only (None: as
+                ``symmetry_aware`` says).
         """
-        if not self.symmetry_aware or self.world_size == 1:
+        if packed is None:
+            packed = self.symmetry_aware
+        if not packed or self.world_size == 1:
             return all_reduce_mean(tensors, self.world_size, self.group, self.bucket_bytes)
-        packed = [pack_upper(tensor) for tensor in tensors]
+        uppers = [pack_upper(tensor) for tensor in tensors]
         # A diagonal factor passes through pack_upper as itself; the all-reduce is in place.
-        packed = [p.clone() if p is t else p for p, t in zip(packed, tensors, strict=True)]
-        means = all_reduce_mean(packed, self.world_size, self.group, self.bucket_bytes)
+        uppers = [p.clone() if p is t else p for p, t in zip(uppers, tensors, strict=True)]
+        means = all_reduce_mean(uppers, self.world_size, self.group, self.bucket_bytes)
         return [
             unpack_upper(mean, tensor.shape[0], diagonal=tensor.dim() == 1)
             for mean, tensor in zip(means, tensors, strict=True)
         ]
 
-    def average_running(self, layers: Sequence[KFACLayer]) -> list[KFACLayer]:
+    def average_running(self, layers: Sequence[KFACLayer], device: torch.device) -> list[KFACLayer]:
         """Average the layers' running averages across ranks in place (their packed upper
         triangles, in bulk): what ``factor_sync="at-decomposition"`` does before decomposing.
 
+        A layer whose running averages some ranks lack (it first ran, in a held step, on some
+        ranks only) has them dropped everywhere, as averaging every update would not have
+        started them: every rank then decomposes the same layers.
+
         Args:
-            layers: The registered layers; those with running averages on every rank take part
-                (every rank folds the same layers, so all or none of a layer's ranks have them).
+            layers: The registered layers.
+            device: Where the collectives' tensors live.
 
         Returns:
             The layers whose averages were not finite; they keep this rank's own.
         """
-        held = [layer for layer in layers if layer.a_factor is not None]
-        if self.world_size == 1 or not held:
+        if self.world_size == 1:
+            return []
+        present = torch.tensor([layer.a_factor is not None for layer in layers], dtype=torch.int32)
+        present = present.to(device)
+        dist.all_reduce(present, op=dist.ReduceOp.MIN, group=self.group)
+        held: list[KFACLayer] = []
+        for layer, everywhere in zip(layers, present.cpu().tolist(), strict=True):
+            if everywhere:
+                held.append(layer)
+            else:
+                layer.a_factor = layer.g_factor = None
+        if not held:
             return []
         tensors: list[torch.Tensor] = []
         for layer in held:
             assert layer.a_factor is not None and layer.g_factor is not None
             tensors += [layer.a_factor, layer.g_factor]
-        packed = [pack_upper(tensor) for tensor in tensors]
-        # A diagonal factor passes through pack_upper as itself; the all-reduce is in place.
-        packed = [p.clone() if p is t else p for p, t in zip(packed, tensors, strict=True)]
-        means = all_reduce_mean(packed, self.world_size, self.group, self.bucket_bytes)
+        means = self.all_reduce_mean(tensors, packed=True)
         finite = all_finite(means)
         bad: list[KFACLayer] = []
         for index, layer in enumerate(held):
-            if not (finite[2 * index] and finite[2 * index + 1]):
+            if finite[2 * index] and finite[2 * index + 1]:
+                layer.a_factor, layer.g_factor = means[2 * index], means[2 * index + 1]
+            else:
                 bad.append(layer)
-                continue
-            a, g = (
-                unpack_upper(means[i], tensors[i].shape[0], diagonal=tensors[i].dim() == 1)
-                for i in (2 * index, 2 * index + 1)
-            )
-            layer.a_factor, layer.g_factor = a, g
         return bad
 
     def agree_presence(

@@ -91,18 +91,25 @@ class FactorUpdate:
         self._comm.end_factor_step(layers, device)
         return layers
 
-    def sync(self, layers: list[KFACLayer], step: int, phases: dict[str, float]) -> None:
+    def sync(
+        self,
+        layers: list[KFACLayer],
+        step: int,
+        device: torch.device,
+        phases: dict[str, float],
+    ) -> None:
         """Average the running averages across ranks if some hold this rank's factors only.
 
         Args:
             layers: The registered layers.
             step: The step count, for messages.
+            device: Where the layers live.
             phases: This step's phase times, added to.
         """
         if not self.pending:
             return
         with self._spans.timed(phases, "factor_comm", "comm", "running-average all-reduce"):
-            bad = self._comm.average_running(layers)
+            bad = self._comm.average_running(layers, device)
         self.pending = bool(bad)
         if bad:
             warnings.warn(
