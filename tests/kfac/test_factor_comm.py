@@ -7,6 +7,7 @@ interlace.DataParallel, whose gradient all-reduces run at the same time as the f
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -59,14 +60,33 @@ def test_pipelined_on_one_process_is_bulk() -> None:
 # -- equal results on several ranks ----------------------------------------------------------
 
 
-class Net(nn.Module):
-    """Embedding (a diagonal ``A``) -> mean over tokens -> three Linear layers."""
+class Pause(nn.Module):
+    """Sleeps ``seconds`` in its forward: spaces the factors' ready times by at least that."""
 
-    def __init__(self) -> None:
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return x
+
+
+class Net(nn.Module):
+    """Embedding (a diagonal ``A``) -> mean over tokens -> three Linear layers (``pause_s``
+    apart in the forward pass)."""
+
+    def __init__(self, pause_s: float = 0.0) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, 6)
         self.body = nn.Sequential(
-            nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 3)
+            nn.Linear(6, 16),
+            nn.ReLU(),
+            Pause(pause_s),
+            nn.Linear(16, 12),
+            nn.ReLU(),
+            Pause(pause_s),
+            nn.Linear(12, 3),
         )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -74,9 +94,9 @@ class Net(nn.Module):
         return out
 
 
-def _build() -> nn.Module:
+def _build(pause_s: float = 0.0) -> nn.Module:
     torch.manual_seed(4321)
-    return Net().to(DTYPE)
+    return Net(pause_s).to(DTYPE)
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,10 +106,15 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train(
-    rank: int, world: int, options: dict[str, Any], wrap: bool = False, steps: int = STEPS
+    rank: int,
+    world: int,
+    options: dict[str, Any],
+    wrap: bool = False,
+    steps: int = STEPS,
+    pause_s: float = 0.0,
 ) -> dict[str, Any]:
     """``steps`` K-FAC steps on this rank's share of each global batch, plain SGD between."""
-    model = _build()
+    model = _build(pause_s)
     wrapped: nn.Module = model
     if wrap:
         wrapped = DataParallel(model)
@@ -192,9 +217,11 @@ def test_pipelined_fusions_precondition_like_bulk_and_one_process() -> None:
     assert any(span.startswith("factor bucket") for span in records["merged"]["spans"])
 
 
-#: Start-up of a millisecond, nothing per byte: the cost model's plan sends every factor on its
-#: own, and the larger start-ups of the trials merge them, so there are candidates to weigh.
+#: Start-up of a millisecond, nothing per byte: the cost model's plan sends the factors that
+#: :data:`TRIAL_PAUSE_S` spaces apart on their own, and the trials' start-ups of 16 and 64 ms merge
+#: them, so there are candidates to weigh whatever the machine's speed.
 TRIAL_COST = CostModel(1e-3, 0.0)
+TRIAL_PAUSE_S = 0.01
 
 
 def _rank_trials() -> dict[str, Any]:
@@ -204,7 +231,7 @@ def _rank_trials() -> dict[str, Any]:
         ),
     }
     # One bulk step, one profiled, then 2 rounds of each candidate (each after a warm-up step).
-    return _train(dist.get_rank(), dist.get_world_size(), options, steps=16)
+    return _train(dist.get_rank(), dist.get_world_size(), options, steps=16, pause_s=TRIAL_PAUSE_S)
 
 
 @pytest.mark.slow
