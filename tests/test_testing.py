@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from interlace.errors import RankFailedError
-from interlace.testing import raised_message, run_ranks, run_scenarios
+from interlace.testing import average_gradients, raised_message, run_ranks, run_scenarios
 
 # -- rank targets (run in the worker processes) ---------------------------------------------------
 
@@ -19,6 +19,19 @@ def allreduce_sum(n: int) -> list[float]:
     tensor = torch.full((n,), float(dist.get_rank() + 1))
     dist.all_reduce(tensor)
     return tensor.tolist()
+
+
+def averaged_gradients() -> list[list[float]]:
+    """Rank r's gradients are r + 1 on the first parameter; the second has none on rank 0."""
+    import torch  # noqa: PLC0415 - a spawned rank's entry point
+    import torch.distributed as dist  # noqa: PLC0415 - a spawned rank's entry point
+
+    model = torch.nn.Linear(2, 1)
+    rank = dist.get_rank()
+    model.weight.grad = torch.full((1, 2), float(rank + 1))
+    model.bias.grad = None if rank == 0 else torch.full((1,), 3.0)
+    average_gradients(model)
+    return [p.grad.reshape(-1).tolist() for p in model.parameters()]  # type: ignore[union-attr]
 
 
 def raise_in_group() -> None:
@@ -35,6 +48,11 @@ def raise_in_group() -> None:
 def test_run_ranks_gloo_allreduce() -> None:
     values = run_ranks(allreduce_sum, 3, 5, timeout=60)
     assert values == [[6.0] * 5] * 3
+
+
+def test_average_gradients_averages_and_counts_a_missing_one_as_zeros() -> None:
+    # Ranks 1, 2, 3: mean 2; the bias 0, 3, 3: mean 2.
+    assert run_ranks(averaged_gradients, 3, timeout=60) == [[[2.0, 2.0], [2.0]]] * 3
 
 
 def test_run_ranks_reports_failing_rank_traceback() -> None:

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from interlace import launch
 from interlace.launch import netem
 
-__all__ = ["netns_available", "raised_message", "run_ranks", "run_scenarios"]
+__all__ = ["average_gradients", "netns_available", "raised_message", "run_ranks", "run_scenarios"]
 
 _T = TypeVar("_T")
 
@@ -107,6 +107,28 @@ def run_scenarios(scenarios: Mapping[str, Callable[[], _T]]) -> dict[str, _T]:
         except Exception as error:
             raise RuntimeError(f"scenario {name!r} failed") from error
     return results
+
+
+def average_gradients(model: Any) -> None:
+    """Average every parameter's gradient across the default group in place, as DDP leaves
+    them after backward: what a test without a data-parallel wrapper does before K-FAC's step.
+    A parameter with no gradient on this rank counts as zeros, so every rank issues the same
+    all-reduces; on one process (or none initialised) nothing changes.
+
+    Args:
+        model: The ``torch.nn.Module`` whose gradients to average.
+    """
+    import torch  # noqa: PLC0415 - run on a rank; importing this module stays torch-free
+    import torch.distributed as dist  # noqa: PLC0415 - as above
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    world = dist.get_world_size()
+    for param in model.parameters():
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        dist.all_reduce(param.grad)
+        param.grad /= world
 
 
 def raised_message(call: Callable[[], Any]) -> str:

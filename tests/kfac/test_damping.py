@@ -22,7 +22,7 @@ from interlace.kfac import (
     LevenbergMarquardt,
 )
 from interlace.kfac.damping import levenberg_marquardt_update
-from interlace.testing import run_ranks
+from interlace.testing import average_gradients, run_ranks
 
 INTERVAL = 2
 
@@ -193,10 +193,7 @@ def _ranks_run(_: None) -> list[float]:
         optimizer.zero_grad()
         loss = functional.cross_entropy(model(inputs), targets)
         loss.backward()
-        for param in model.parameters():
-            assert param.grad is not None
-            dist.all_reduce(param.grad)
-            param.grad /= 2
+        average_gradients(model)
         precond.step(loss=loss)
         optimizer.step()
         dampings.append(precond.damping)

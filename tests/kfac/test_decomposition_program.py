@@ -26,7 +26,7 @@ from interlace.kfac.placements import (
     decomposition_program,
 )
 from interlace.kfac.preconditioned_layer import KFACLayer
-from interlace.testing import run_ranks
+from interlace.testing import average_gradients, run_ranks
 
 D, B = Decompose, Broadcast
 
@@ -130,11 +130,7 @@ def _train(placement: str) -> dict[str, Any]:
         share = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
         model.zero_grad()
         functional.cross_entropy(model(inputs[share]), targets[share]).backward()
-        for param in model.parameters():
-            assert param.grad is not None
-            if world > 1:
-                dist.all_reduce(param.grad)
-                param.grad /= world
+        average_gradients(model)
         if step == 0:
             KFACLayer.decompose = logged_decompose  # type: ignore[method-assign]
             KFACLayer.broadcast_decompositions = logged_send  # type: ignore[method-assign]

@@ -21,7 +21,7 @@ from interlace import KFAC
 from interlace.comm.cost import CostModel
 from interlace.dp import DataParallel
 from interlace.kfac.factor_modes import Pipelined
-from interlace.testing import run_ranks, run_scenarios
+from interlace.testing import average_gradients, run_ranks, run_scenarios
 
 DTYPE = torch.float64
 GLOBAL_BATCH = 8
@@ -135,11 +135,8 @@ def _train(
         local = slice(rank * share, (rank + 1) * share)
         model.zero_grad(set_to_none=True)
         functional.cross_entropy(wrapped(inputs[local]), targets[local]).backward()
-        if world > 1 and not wrap:
-            for param in model.parameters():
-                assert param.grad is not None
-                dist.all_reduce(param.grad)
-                param.grad /= world
+        if not wrap:
+            average_gradients(model)
         precond.step()
         comm_s.append(precond.last_phase_s["factor_comm"])
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})  # type: ignore[union-attr]
@@ -297,11 +294,7 @@ def _train_twice(rank: int, world: int, options: dict[str, Any]) -> list[list[fl
         local = slice(rank * share, (rank + 1) * share)
         model.zero_grad(set_to_none=True)
         functional.cross_entropy(model(inputs[local]), targets[local]).backward()
-        for param in model.parameters():
-            assert param.grad is not None
-            if world > 1:
-                dist.all_reduce(param.grad)
-                param.grad /= world
+        average_gradients(model)
         precond.step()
         grads.append([float(v) for p in model.parameters() for v in p.grad.reshape(-1)])  # type: ignore[union-attr]
     return grads

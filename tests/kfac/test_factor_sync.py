@@ -14,7 +14,7 @@ from torch.nn import functional
 from interlace import KFAC
 from interlace.kfac import FactorSync
 from interlace.kfac.factor_modes import Pipelined
-from interlace.testing import run_ranks, run_scenarios
+from interlace.testing import average_gradients, run_ranks, run_scenarios
 
 DTYPE = torch.float64
 GLOBAL_BATCH = 8
@@ -52,11 +52,7 @@ def _train(rank: int, world: int, options: dict[str, Any], sync_at: int = -1) ->
         local = slice(rank * share, (rank + 1) * share)
         model.zero_grad(set_to_none=True)
         functional.cross_entropy(model(inputs[local]), targets[local]).backward()
-        for param in model.parameters():
-            assert param.grad is not None
-            if world > 1:
-                dist.all_reduce(param.grad)
-                param.grad /= world
+        average_gradients(model)
         precond.step()
         if step == sync_at:
             precond.sync_factors()
@@ -132,10 +128,7 @@ def _train_branchy(rank: int) -> dict[str, Any]:
         inputs, targets = _batch(step)
         model.zero_grad(set_to_none=True)
         functional.cross_entropy(model(inputs), targets).backward()
-        for param in model.parameters():
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad)
+        average_gradients(model)
         precond.step()
         factors.append(
             {name: layer.a_factor is not None for name, layer in precond.kfac_layers.items()}
@@ -246,3 +239,19 @@ def test_a_layer_first_run_on_some_ranks_in_a_held_step_is_dropped_everywhere(
         assert not records["has_factors"][3]["extra"]
         assert records["has_factors"][3]["last"]
     _close(first["last_a"], second["last_a"], "last A on both ranks")
+
+
+@pytest.mark.parametrize(
+    ("sync", "factor_update_steps", "inv_update_steps", "holds"),
+    [
+        ("at-decomposition", 1, 10, True),
+        ("at-decomposition", 2, 3, True),
+        ("at-decomposition", 1, 1, False),
+        ("at-decomposition", 10, 5, False),
+        ("every-update", 1, 10, False),
+    ],
+)
+def test_factors_are_held_where_some_factor_steps_do_not_decompose(
+    sync: str, factor_update_steps: int, inv_update_steps: int, holds: bool
+) -> None:
+    assert FactorSync(sync).holds(factor_update_steps, inv_update_steps) is holds

@@ -37,7 +37,7 @@ from interlace.sim.kfac import simulate_kfac
 from interlace.sim.kfac_costs import KfacCosts
 from interlace.sim.kfac_runtime import runtime_strategy
 from interlace.sim.trace import FactorTrace, TensorTrace, Trace
-from interlace.testing import run_ranks
+from interlace.testing import average_gradients, run_ranks
 
 MS = 1e-3
 
@@ -174,11 +174,7 @@ def _train(placement: Placement | str) -> dict[str, Any]:
         share = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
         model.zero_grad()
         functional.cross_entropy(model(inputs[share]), targets[share]).backward()
-        for param in model.parameters():
-            assert param.grad is not None
-            if world > 1:
-                dist.all_reduce(param.grad)
-                param.grad /= world
+        average_gradients(model)
         precond.step()
         grads.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
         with torch.no_grad():

@@ -21,7 +21,7 @@ from interlace.dp import DataParallel
 from interlace.errors import UsageError
 from interlace.kfac import KFAC, KFACWarning
 from interlace.kfac.factor_modes import Pipelined
-from interlace.testing import run_ranks
+from interlace.testing import average_gradients, run_ranks
 
 
 def _model(width: int = 8) -> nn.Module:
@@ -92,10 +92,7 @@ def _every_case(_: None) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(rank)
     inputs, targets = torch.randn(8, 6, generator=generator), torch.randint(0, 3, (8,))
     functional.cross_entropy(model(inputs), targets).backward()
-    for param in model.parameters():
-        assert param.grad is not None
-        dist.all_reduce(param.grad)
-        param.grad /= 2
+    average_gradients(model)
     precond.step()
     return {
         "errors": errors,

@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn import functional
 
 from interlace import KFAC
-from interlace.testing import run_ranks
+from interlace.testing import average_gradients, run_ranks
 
 DTYPE = torch.float64
 GLOBAL_BATCH = 8
@@ -331,11 +331,7 @@ def _train(
         model.zero_grad(set_to_none=True)
         loss = functional.cross_entropy(model(inputs[local]), targets[local])
         loss.backward()
-        if world > 1:
-            for param in model.parameters():
-                assert param.grad is not None
-                dist.all_reduce(param.grad)
-                param.grad /= world
+        average_gradients(model)
         raw = {name: p.grad.clone() for name, p in model.named_parameters()}  # type: ignore[union-attr]
         expected = dense.expected() if dense is not None else None
         precond.step()

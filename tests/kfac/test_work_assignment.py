@@ -24,7 +24,7 @@ from interlace import KFAC
 from interlace.comm.cost import CostModel
 from interlace.kfac.costs import DecompositionCostModel
 from interlace.kfac.placements import LBP
-from interlace.testing import run_ranks
+from interlace.testing import average_gradients, run_ranks
 
 DTYPE = torch.float64
 GLOBAL_BATCH = 8
@@ -110,11 +110,7 @@ def _step(model: nn.Module, precond: KFAC, kind: str, step: int) -> dict[str, to
     local = slice(rank * share, (rank + 1) * share)
     model.zero_grad(set_to_none=True)
     functional.cross_entropy(model(inputs[local]), targets[local]).backward()
-    if world > 1:
-        for param in model.parameters():
-            assert param.grad is not None
-            dist.all_reduce(param.grad)
-            param.grad /= world
+    average_gradients(model)
     precond.step()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}  # type: ignore[union-attr]
     with torch.no_grad():

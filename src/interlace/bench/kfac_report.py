@@ -17,6 +17,7 @@ from interlace.bench.kfac_rank import (
     mode_settings,
 )
 from interlace.bench.tables import Row, markdown_table, ms, speedup
+from interlace.kfac.enums import FactorSync
 
 #: Columns of the table, in order: (key, heading).
 COLUMNS: tuple[tuple[str, str], ...] = (
@@ -269,11 +270,11 @@ def format_ablation_header(
     first = rows[0] if rows else None
     factor_steps = first.factor_update_steps if first else 1
     inv_steps = first.inv_update_steps if first else 1
-    sync = first.factor_sync if first else "every-update"
+    sync = FactorSync(first.factor_sync if first else FactorSync.EVERY_UPDATE)
     averaged = (
-        "averaged across ranks at every update"
-        if sync == "every-update" or factor_steps % inv_steps == 0
-        else "folded per rank and averaged before each decomposition"
+        "folded per rank and averaged before each decomposition"
+        if sync.holds(factor_steps, inv_steps)
+        else "averaged across ranks at every update"
     )
     batches = ", ".join(
         dict.fromkeys(f"{row.model} {row.batch}" for row in rows)  # first-seen order

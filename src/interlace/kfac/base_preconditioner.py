@@ -354,7 +354,7 @@ class BasePreconditioner:
         # A bad interval is refused by the next step's check; it must not divide by zero here.
         inv = max(self.inv_update_steps, 1)
         self._comm.holding = held and (self._factor_update.pending or self.steps % inv != 0)
-        self._comm.pipeline_wanted = not held or max(self.factor_update_steps, 1) % inv == 0
+        self._comm.pipeline_wanted = not self.factor_sync.holds(self.factor_update_steps, inv)
 
     def sync_factors(self) -> None:
         """Average the running averages across ranks now, if some hold this rank's factors

@@ -79,6 +79,17 @@ class FactorSync(str, enum.Enum):
     EVERY_UPDATE = "every-update"
     AT_DECOMPOSITION = "at-decomposition"
 
+    def holds(self, factor_update_steps: int, inv_update_steps: int) -> bool:
+        """Whether some factor steps keep their factors on each rank: averaged at decompositions
+        only, and some factor steps do not decompose.
+
+        Args:
+            factor_update_steps: Steps between factor updates.
+            inv_update_steps: Steps between decompositions.
+        """
+        every, inv = max(factor_update_steps, 1), max(inv_update_steps, 1)
+        return self is FactorSync.AT_DECOMPOSITION and every % inv != 0
+
 
 class DampingAdaptation(str, enum.Enum):
     """How the damping changes: fixed (kfac-pytorch), or by the Levenberg-Marquardt rule."""

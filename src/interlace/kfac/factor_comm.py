@@ -318,6 +318,14 @@ class FactorComm:
             for mean, tensor in zip(means, tensors, strict=True)
         ]
 
+    def _min_over_ranks(self, values: torch.Tensor, device: torch.device) -> list[int]:
+        """Each of the integer ``values``' minimum over the K-FAC group's ranks (one small
+        all-reduce on the main group; ``values`` as they are on one rank)."""
+        values = values.to(device)
+        if self.world_size > 1:
+            dist.all_reduce(values, op=dist.ReduceOp.MIN, group=self.group)
+        return [int(value) for value in values.cpu().tolist()]
+
     def average_running(self, layers: Sequence[KFACLayer], device: torch.device) -> list[KFACLayer]:
         """Average the layers' running averages across ranks in place (their packed upper
         triangles, in bulk): what ``factor_sync="at-decomposition"`` does before decomposing.
@@ -336,10 +344,8 @@ class FactorComm:
         if self.world_size == 1:
             return []
         present = torch.tensor([layer.a_factor is not None for layer in layers], dtype=torch.int32)
-        present = present.to(device)
-        dist.all_reduce(present, op=dist.ReduceOp.MIN, group=self.group)
         held: list[KFACLayer] = []
-        for layer, everywhere in zip(layers, present.cpu().tolist(), strict=True):
+        for layer, everywhere in zip(layers, self._min_over_ranks(present, device), strict=True):
             if everywhere:
                 held.append(layer)
             else:
@@ -375,20 +381,13 @@ class FactorComm:
         Returns:
             ``everywhere`` and ``anywhere`` by layer name.
         """
-        present = torch.tensor(
-            [[layer.a_count > 0, layer.g_count > 0] for layer in layers], dtype=torch.int32
-        )
-        if self.world_size > 1:
-            both = torch.cat([present, -present]).to(device)
-            dist.all_reduce(both, op=dist.ReduceOp.MIN, group=self.group)
-            both = both.cpu()
-            everywhere, anywhere = both[: len(layers)], -both[len(layers) :]
-        else:
-            everywhere = anywhere = present
-        names = [layer.name for layer in layers]
+        present = [[layer.a_count > 0, layer.g_count > 0] for layer in layers]
+        # The minimum of -x is minus the maximum: "everywhere" and "anywhere" in one collective.
+        flags = torch.tensor([[*both, -both[0]] for both in present], dtype=torch.int32)
+        mins = self._min_over_ranks(flags.reshape(-1), device)
         return (
-            {name: all(flags) for name, flags in zip(names, everywhere.tolist(), strict=True)},
-            {name: bool(flags[0]) for name, flags in zip(names, anywhere.tolist(), strict=True)},
+            {layer.name: bool(mins[3 * i] and mins[3 * i + 1]) for i, layer in enumerate(layers)},
+            {layer.name: mins[3 * i + 2] < 0 for i, layer in enumerate(layers)},
         )
 
     def finish_pipelined(
@@ -425,13 +424,11 @@ class FactorComm:
         present = (counts > 0).to(torch.int64).reshape(-1)
         # A layer seen twice, or restarted after a skipped step: the sums sent are stale.
         repeated = int(bool((counts > 1).any()) or any(layer.restarted for layer in layers))
-        flags = torch.cat([present, torch.tensor([-repeated])]).to(device)
         # On the main group, idle once backward has returned: on the factor group this small
         # all-reduce would queue behind the buckets still in flight and hide their wait here.
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.group)
-        flags = flags.cpu()
-        everywhere = flags[:-1].reshape(-1, 2).tolist()
-        any_repeated = int(flags[-1]) < 0
+        mins = self._min_over_ranks(torch.cat([present, torch.tensor([-repeated])]), device)
+        everywhere = [mins[i : i + 2] for i in range(0, len(mins) - 1, 2)]
+        any_repeated = mins[-1] < 0
         ready = [layer for layer, both in zip(layers, everywhere, strict=True) if all(both)]
         # Launching the last buckets and a collective (mostly the wait for the slowest rank):
         # communication, as kfac-pytorch's all-reduce calls are.

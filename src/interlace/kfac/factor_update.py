@@ -61,32 +61,30 @@ class FactorUpdate:
         Returns:
             The layers still registered (``layers`` itself when none was dropped).
         """
-        if self._comm.holding and self._hooks_checked:
-            # Nothing is sent, so nothing needs the ranks to agree: each folds what it has.
-            ready = [layer for layer in layers if layer.a_count > 0 and layer.g_count > 0]
-            averaged = [tensor for layer in ready for tensor in layer.batch_factors()]
-            self.pending = True
-        elif self._comm.pipelining:
+        if self._comm.pipelining:
             started = time.perf_counter()
             ready, averaged = self._comm.finish_pipelined(layers, phases, device, started)
         else:
-            # A collective: its time is mostly the wait for the slowest rank's backward.
-            with self._spans.timed(phases, "factor_comm", "comm", "factor presence"):
-                everywhere, anywhere = self._comm.agree_presence(layers, device)
-            if not self._hooks_checked:
-                if not any(everywhere.values()):
-                    self._wait_for_training_step(step)
-                    return layers
-                self._hooks_checked = True
-                layers = self._drop_silent_layers(layers, skipped, anywhere)
-            ready = [layer for layer in layers if everywhere[layer.name]]
-            tensors = [tensor for layer in ready for tensor in layer.batch_factors()]
+            if self._comm.holding and self._hooks_checked:
+                # Nothing is sent, so nothing needs the ranks to agree: each folds what it has.
+                ready = [layer for layer in layers if layer.a_count > 0 and layer.g_count > 0]
+            else:
+                # A collective: its time is mostly the wait for the slowest rank's backward.
+                with self._spans.timed(phases, "factor_comm", "comm", "factor presence"):
+                    everywhere, anywhere = self._comm.agree_presence(layers, device)
+                if not self._hooks_checked:
+                    if not any(everywhere.values()):
+                        self._wait_for_training_step(step)
+                        return layers
+                    self._hooks_checked = True
+                    layers = self._drop_silent_layers(layers, skipped, anywhere)
+                ready = [layer for layer in layers if everywhere[layer.name]]
+            averaged = [tensor for layer in ready for tensor in layer.batch_factors()]
             if self._comm.holding:
-                averaged = tensors  # folded as they are; sync() averages the running averages
-                self.pending = True
+                self.pending = True  # folded as they are; sync() averages the running averages
             else:
                 with self._spans.timed(phases, "factor_comm", "comm", "factor all-reduce"):
-                    averaged = self._comm.all_reduce_mean(tensors)
+                    averaged = self._comm.all_reduce_mean(averaged)
         self._fold(ready, averaged, decay, step, phases)
         self._comm.end_factor_step(layers, device)
         return layers
