@@ -329,7 +329,7 @@ def test_closing_leaves_no_hook_and_no_global_registration(
     assert (global_hooks > 0) == (overlap == "forward") == result["pending"]
     assert result["closed"] == (0, 0, 0)
     assert result["freed"] and result["gone"] == (0, 0, 0)
-    assert optimizer_hooks >= 0
+    assert (optimizer_hooks > 0) == (overlap == "forward")  # a checkpoint waits for updates
     message = result["forward_error"]
     assert "this DataParallel was closed" in message and "\n" not in message
 
