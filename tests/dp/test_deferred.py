@@ -65,9 +65,7 @@ def test_a_step_applied_in_parts_in_any_order_is_the_step(name: str) -> None:
         sched.step()
         parts = [params[3:], params[:1], params[1:3]] if step % 2 else [params[::-1]]
         for part in parts:
-            assert not pending.done
             pending.apply(part)
-        assert pending.done
         for mine, theirs in zip(params, reference.parameters(), strict=True):
             assert torch.equal(mine, theirs), (name, step)
     assert opt.state_dict()["param_groups"] == ref_opt.state_dict()["param_groups"]

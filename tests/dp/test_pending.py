@@ -1,12 +1,15 @@
-"""Pending gradients and the parameter guard: reading waits, metadata and zeroing do not."""
+"""Pending gradients and deferred-update marks: reading waits, metadata and zeroing do not."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-from interlace.dp.pending import ParamGuard, PendingGrad
+from interlace.dp.pending import DeferredMarks, PendingGrad
 
 
 class Owner:
@@ -72,32 +75,56 @@ def test_results_of_reads_are_plain_tensors_sharing_the_average() -> None:
     assert owner.completed == 1
 
 
-def test_the_guard_completes_on_a_use_of_a_watched_parameter_only() -> None:
+def test_marks_complete_on_a_use_of_a_marked_parameter_only() -> None:
     watched, other = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
     owner = Owner([watched])
-    guard = ParamGuard(owner, [watched])
-    guard.watch()
-    try:
-        _ = other * 2
-        _ = watched.grad, watched.shape, watched.requires_grad
-        assert owner.completed == 0
-        ema = torch.zeros(2)
-        ema.lerp_(watched, 0.1)  # an EMA update reads the parameter
-        assert owner.completed == 1
-        _ = watched * 2
-        assert owner.completed == 1  # once: the guard is spent
-    finally:
-        assert guard.release()
+    marks = DeferredMarks(owner)
+    marks.mark([watched])
+    assert isinstance(watched, nn.Parameter) and marks.marked
+    _ = other * 2
+    _ = watched.grad, watched.shape, watched.requires_grad
+    watched.grad = None
+    assert owner.completed == 0
+    ema = torch.zeros(2)
+    ema.lerp_(watched, 0.1)  # an EMA update reads the parameter
+    assert owner.completed == 1 and not marks.marked
+    assert type(watched) is nn.Parameter
+    _ = watched * 2
+    assert owner.completed == 1  # once: the marks are cleared
+    assert torch.equal(ema, torch.full((2,), 0.1))
 
 
-def test_a_guard_under_another_mode_is_left_inert_until_it_can_be_released() -> None:
+class Counting(TorchFunctionMode):
+    """A user's mode: counts the torch calls made inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_marks_push_no_mode_and_a_users_mode_around_them_ends_with_its_block() -> None:
     param = nn.Parameter(torch.ones(2))
     owner = Owner([param])
-    guard = ParamGuard(owner, [param])
-    guard.watch()
-    other = ParamGuard(owner, [])
-    other.watch()
-    assert not guard.release()
-    _ = param * 2
-    assert owner.completed == 0
-    assert other.release() and guard.release()
+    marks = DeferredMarks(owner)
+    with Counting() as counting:
+        marks.mark([param])
+        saved = param.detach().clone()  # completes, inside the user's mode
+    assert _get_current_function_mode_stack() == []
+    assert counting.calls >= 1 and owner.completed == 1 and torch.equal(saved, torch.ones(2))
+
+
+def test_marks_are_cleared_without_completing() -> None:
+    params = [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))]
+    owner = Owner(params)
+    marks = DeferredMarks(owner)
+    marks.mark(params)
+    marks.mark(params[:1])  # marked once
+    marks.clear()
+    _ = params[0] * 2
+    assert owner.completed == 0 and all(type(param) is nn.Parameter for param in params)

@@ -50,6 +50,16 @@ class Channels:
     def __len__(self) -> int:
         return len(self.groups)
 
+    def close(self) -> None:
+        """Destroy the process groups created here (channel 0 is the caller's); a second call,
+        or one after the default group was destroyed, does nothing."""
+        created, self.groups = self.groups[1:], self.groups[:1]
+        if not dist.is_initialized():
+            return
+        for group in created:
+            if group is not None and group in dist.distributed_c10d._world.pg_map:
+                dist.destroy_process_group(group)
+
     def __getitem__(self, channel: int) -> dist.ProcessGroup | None:
         return self.groups[channel]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -32,6 +33,7 @@ from interlace.dp.ddp_args import DEFAULT_BUCKET_CAP_MB, DeviceLike, ddp_setting
 from interlace.dp.gradients import Arrivals, write_averages
 from interlace.dp.iteration import CommRecord, DevicePass, iteration_timeline
 from interlace.dp.join import JoinState, sync_buffers
+from interlace.dp.lifetime import Holdings, claim, ensure_unclaimed, unclaim, weak_method
 from interlace.dp.options import cost_model_kind, plan_request, trainable_parameters
 from interlace.dp.overlap import ForwardOverlap
 from interlace.dp.planning import Plans
@@ -50,7 +52,8 @@ class DataParallel(nn.Module, Joinable):
     ``loss.backward()`` returns with gradients averaged over the ranks, ``no_sync()``
     accumulates, ``with Join([model]):`` trains on uneven inputs. With ``overlap="forward"``
     the averages run on into the next forward instead (see ``overlap``). interlace's own
-    arguments, from ``bucketing`` on, are keyword-only.
+    arguments, from ``bucketing`` on, are keyword-only. :meth:`close` (or the end of a ``with``
+    block, or garbage collection) ends the wrapper and leaves the module as it was.
 
     Args:
         module: the model, already on this rank's device.
@@ -116,8 +119,9 @@ class DataParallel(nn.Module, Joinable):
 
     Raises:
         UsageError: for a bad setting, a DDP argument interlace cannot honour, an uninitialised
-            process group, a model without trainable parameters or on several devices, or ranks
-            that differ in model or settings (on every rank, instead of a hang later).
+            process group, a model without trainable parameters or on several devices, a model
+            another live DataParallel wraps, or ranks that differ in model or settings (on
+            every rank, instead of a hang later).
     """
 
     def __init__(
@@ -161,6 +165,7 @@ class DataParallel(nn.Module, Joinable):
                 f"{type(cost_model).__name__}"
             )
         named = trainable_parameters(module)
+        ensure_unclaimed([param for _, param in named])
         ddp = ddp_settings(
             named[0][1].device,
             forward_overlap=overlap == Overlap.FORWARD,
@@ -276,12 +281,47 @@ class DataParallel(nn.Module, Joinable):
         self._device_pass: DevicePass | None = None
         self._record = False
         self._comm_events: list[CommRecord] = []
-        for index, param in enumerate(self._params):
+        # Whatever outlives a forward (the parameters' hooks, the outputs' hooks) holds the
+        # wrapper weakly: dropping it frees it, and the finalizer takes the hooks off.
+        self._on_output_grad = weak_method(self, DataParallel._mark_backward_start)
+        holdings = Holdings(self._channels, self._overlap)
+        holdings.handles = [
             param.register_post_accumulate_grad_hook(self._make_hook(index))
+            for index, param in enumerate(self._params)
+        ]
         if self._overlap is not None:
             self._overlap.timing_steps = True
+        self._ended = weakref.finalize(self, holdings.release_quietly)
+        self._ended.atexit = False  # at exit there is no module left to hand back
+        self._holdings = holdings
+        claim(self._params, self)
 
     # ------------------------------------------------------------------ public API
+
+    def close(self) -> None:
+        """End the wrapper: apply the updates still pending (``overlap="forward"``), take every
+        hook off the module, its parameters and the optimizers, destroy the process groups
+        created for ``channels``. The module is then as before wrapping (wrap it again to go on
+        training data-parallel); closing again does nothing. Also at the end of a ``with``
+        block, and when the wrapper is garbage-collected."""
+        if not self._ended.alive:
+            return
+        self._ended.detach()
+        try:
+            self._holdings.release()
+        finally:
+            unclaim(self._params, self)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ended the wrapper."""
+        return not self._ended.alive
+
+    def __enter__(self) -> DataParallel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; the backward of its output averages the gradients over the ranks."""
@@ -298,6 +338,11 @@ class DataParallel(nn.Module, Joinable):
     ) -> tuple[tuple[Any, ...], dict[str, Any], bool, bool]:
         """The lifecycle, Join and the buffers before the module runs; returns the inputs, whether
         this pass is profiled and whether the buffers are sent after it."""
+        if not self._ended.alive:
+            raise UsageError(
+                "this DataParallel was closed; wrap the module in a new DataParallel to train "
+                "it data-parallel again"
+            )
         entered = time.perf_counter()
         training = torch.is_grad_enabled() and self.module.training
         due = self._plans.lifecycle.at_forward(entered, training=training, sync=self._sync)
@@ -351,7 +396,7 @@ class DataParallel(nn.Module, Joinable):
         if torch.is_grad_enabled() and self._sync:
             for tensor in _tensors_in(output):
                 if tensor.requires_grad:
-                    tensor.register_hook(self._mark_backward_start)
+                    tensor.register_hook(self._on_output_grad)
 
     def _run_module(self, inputs: tuple[Any, ...], kwargs: dict[str, Any], profiling: bool) -> Any:
         """The module's forward; while profiling with ``overlap="forward"``, its gates timed
@@ -474,7 +519,7 @@ class DataParallel(nn.Module, Joinable):
             enabled: whether to record.
         """
         self._record = enabled
-        self._plans.engine.recorder = self._on_comm if enabled else None
+        self._plans.engine.recorder = weak_method(self, DataParallel._on_comm) if enabled else None
 
     @property
     def plan(self) -> Plan | None:
@@ -563,36 +608,41 @@ class DataParallel(nn.Module, Joinable):
     # ------------------------------------------------------------------ hooks
 
     def _make_hook(self, index: int) -> Any:
+        reference = weakref.ref(self)
+
         def hook(param: torch.Tensor) -> None:
-            if param.grad is None:
+            wrapper = reference()
+            if wrapper is None or param.grad is None:
                 return
-            if not self._sync:
-                self._arrivals.accumulated.add(index)
+            if not wrapper._sync:
+                wrapper._arrivals.accumulated.add(index)
                 return
             now = time.perf_counter()
-            if not self._in_backward:
-                self._in_backward = True
-                if self._backward_start is None:
-                    self._backward_start = now
-                if not self._armed:
+            if not wrapper._in_backward:
+                wrapper._in_backward = True
+                if wrapper._backward_start is None:
+                    wrapper._backward_start = now
+                if not wrapper._armed:
                     # Backward did not pass through the output: end with this graph task.
-                    Variable._execution_engine.queue_callback(self._finish_backward)
-            self._ready_times[index] = now
-            if self._device_pass is not None:
-                self._device_pass.tensor_ready(index)
-            if not self._arrivals.complete(index, counting=self._plans.lifecycle.warming_up):
+                    Variable._execution_engine.queue_callback(wrapper._finish_backward)
+            wrapper._ready_times[index] = now
+            if wrapper._device_pass is not None:
+                wrapper._device_pass.tensor_ready(index)
+            if not wrapper._arrivals.complete(index, counting=wrapper._plans.lifecycle.warming_up):
                 return
-            if self._arrivals.overdue(index) and self._plans.engine.sent(index):
+            if wrapper._arrivals.overdue(index) and wrapper._plans.engine.sent(index):
                 raise UsageError(
-                    f"parameter {self._names[index]!r} got more gradients in one backward than "
+                    f"parameter {wrapper._names[index]!r} got more gradients in one backward than "
                     "in the first, after its bucket was sent: keep the graph's reentrant "
                     "checkpoints fixed, or use use_reentrant=False"
                 )
-            self._plans.engine.add(index, param.grad)
+            wrapper._plans.engine.add(index, param.grad)
 
         return hook
 
     def _mark_backward_start(self, grad: torch.Tensor) -> None:
+        if not self._ended.alive:
+            return
         if self._overlap is not None and self._overlap.pending:
             # Before autograd accumulates into the gradients the averages are still owed to.
             self._overlap.complete()

@@ -1,9 +1,10 @@
 """Optimizer steps deferred per parameter: a user's ``optimizer.step()`` applied bucket by bucket.
 
 Any ``torch.optim.Optimizer`` is hooked through torch's global step hooks, so a training loop
-needs no new line. A deferred step remembers the hyperparameters of the moment it was called (a
-scheduler may change them before the update is applied) and later runs the optimizer's own
-update on a subset of its parameters at a time.
+needs no new line; the hooks exist only while a listener does, and an optimizer's step reaches
+only the listeners holding one of its parameters. A deferred step remembers the hyperparameters
+of the moment it was called (a scheduler may change them before the update is applied) and later
+runs the optimizer's own update on a subset of its parameters at a time.
 """
 
 from __future__ import annotations
@@ -19,11 +20,25 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-__all__ = ["DeferredStep", "StepListener", "listen_to_steps", "raw_step", "takes_closure"]
+__all__ = [
+    "DeferredStep",
+    "StepListener",
+    "listen_to_steps",
+    "raw_step",
+    "stop_listening",
+    "takes_closure",
+]
 
 
 class StepListener(Protocol):
-    """Told of every optimizer step in the process (``ForwardOverlap``)."""
+    """Told of the steps of optimizers holding its parameters (``ForwardOverlap``)."""
+
+    def holds(self, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer`` steps any of the listener's parameters.
+
+        Args:
+            optimizer: The optimizer.
+        """
 
     def before_step(self, optimizer: Optimizer, closure: bool) -> None:
         """An optimizer is about to step.
@@ -43,10 +58,15 @@ class StepListener(Protocol):
 
 _listeners: weakref.WeakSet[Any] = weakref.WeakSet()
 _handles: list[Any] = []
+#: Per optimizer: the layout of its groups when the listeners holding it were found, and them.
+_routes: weakref.WeakKeyDictionary[Optimizer, tuple[Any, list[weakref.ref[Any]]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def listen_to_steps(listener: StepListener) -> None:
-    """Tell ``listener`` of every optimizer step from now on (while it lives).
+    """Tell ``listener`` of the steps of every optimizer that holds one of its parameters, until
+    :func:`stop_listening`.
 
     Args:
         listener: What is told.
@@ -55,16 +75,43 @@ def listen_to_steps(listener: StepListener) -> None:
         _handles.append(register_optimizer_step_pre_hook(_before))
         _handles.append(register_optimizer_step_post_hook(_after))
     _listeners.add(listener)
+    _routes.clear()
+
+
+def stop_listening(listener: StepListener) -> None:
+    """Tell ``listener`` nothing more; torch's hooks go once no listener is left.
+
+    Args:
+        listener: What was told.
+    """
+    _listeners.discard(listener)
+    _routes.clear()
+    if not _listeners:
+        for handle in _handles:
+            handle.remove()
+        _handles.clear()
+
+
+def _listeners_of(optimizer: Optimizer) -> list[Any]:
+    layout = [(id(group["params"]), len(group["params"])) for group in optimizer.param_groups]
+    route = _routes.get(optimizer)
+    if route is None or route[0] != layout:
+        route = (layout, [weakref.ref(each) for each in _listeners if each.holds(optimizer)])
+        _routes[optimizer] = route
+    found = [each() for each in route[1]]
+    return [each for each in found if each is not None]
 
 
 def _before(optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    closure = takes_closure(args, kwargs)
-    for listener in list(_listeners):
-        listener.before_step(optimizer, closure)
+    listeners = _listeners_of(optimizer)
+    if listeners:
+        closure = takes_closure(args, kwargs)
+        for listener in listeners:
+            listener.before_step(optimizer, closure)
 
 
 def _after(optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    for listener in list(_listeners):
+    for listener in _listeners_of(optimizer):
         listener.after_step(optimizer)
 
 
@@ -119,11 +166,6 @@ class DeferredStep:
             for group in optimizer.param_groups
         ]
         self._left = set(deferred)
-
-    @property
-    def done(self) -> bool:
-        """Whether every deferred parameter was updated."""
-        return not self._left
 
     def apply(self, params: Sequence[torch.Tensor]) -> None:
         """Update those of ``params`` this step defers, with their gradients as they are now.

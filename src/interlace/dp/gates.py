@@ -112,16 +112,20 @@ class Gates:
             self._marks.append((self._forward_start, self._seen_this_pass))
         self._timing = False
 
-    def offsets(self) -> list[tuple[str, float]]:
-        """The gates reached in the timed forwards, in forward order: each with its median
-        offset (seconds from the forward's start) over the passes that reached it (on a GPU
-        this waits for the timed passes' events: once, when planning)."""
+    def offsets(self) -> list[tuple[str, float | None]]:
+        """Every gate, in module registration order (the same list on every rank, whatever path
+        each rank's forwards took), with its median offset in seconds from the forward's start
+        over the timed passes that reached it, None if none did (on a GPU this waits for the
+        timed passes' events: once, when planning)."""
         seconds: dict[str, list[float]] = {}
         for start, reached in self._marks:
             for name, mark in reached.items():
                 seconds.setdefault(name, []).append(self._clock.seconds(start, mark))
-        medians = [(name, statistics.median(times)) for name, times in seconds.items()]
-        return sorted(medians, key=lambda item: item[1])
+        self._marks = []
+        return [
+            (name, statistics.median(seconds[name]) if name in seconds else None)
+            for name in self._modules
+        ]
 
     def check(self) -> UseCheck:
         """A context manager: the forward run inside it shows where each parameter is used;

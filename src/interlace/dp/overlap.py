@@ -3,7 +3,8 @@ optimizer update) only when the next forward reaches a layer that needs it.
 
 :class:`ForwardOverlap` owns what is pending between one backward and the next forward: the
 bucket engine's all-reduces, the deferred optimizer steps, the pending gradients and the guard
-on the parameters (docs/notes/dp.md).
+on the parameters (docs/notes/dp.md). :meth:`ForwardOverlap.close` applies them and takes every
+hook off.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from torch.optim.optimizer import Optimizer
 
 from interlace.clock import Mark, StreamClock
 from interlace.comm.engine import BucketEngine
-from interlace.dp.deferred import DeferredStep, listen_to_steps
+from interlace.dp.deferred import DeferredStep, listen_to_steps, stop_listening
 from interlace.dp.gates import ROOT, Gates
-from interlace.dp.pending import ParamGuard, PendingGrad
+from interlace.dp.pending import DeferredMarks, PendingGrad
 
 __all__ = ["ForwardOverlap"]
 
@@ -48,8 +49,8 @@ class ForwardOverlap:
         self._due_for: tuple[BucketEngine, dict[str, list[int]]] | None = None
         self._deferred: list[DeferredStep] = []
         self._hidden: list[tuple[nn.Parameter, torch.Tensor | None]] = []
-        self._guard: ParamGuard | None = None
-        self._hooked: weakref.WeakSet[Optimizer] = weakref.WeakSet()
+        self._marks = DeferredMarks(self)
+        self._hooked: weakref.WeakKeyDictionary[Optimizer, list[Any]] = weakref.WeakKeyDictionary()
         #: Whether the optimizer steps over these parameters are timed (while profiling).
         self.timing_steps = False
         self._step_marks: list[tuple[Mark, Mark]] = []
@@ -111,8 +112,9 @@ class ForwardOverlap:
             param.grad = grad.plain
 
     def _at_gate(self, name: str) -> None:
-        if name == ROOT:
-            self._drop_guard()
+        if name == ROOT and self._marks.marked:
+            # The forward has begun: each layer's gate brings its parameters up to date.
+            self._marks.clear()
         engine = self._engine
         if engine is None:
             return
@@ -125,10 +127,10 @@ class ForwardOverlap:
         updates on them."""
         engine = self._engine
         assert engine is not None
-        if self._guard is not None:
-            # Past the window it watches (the parameters are being brought up to date), and the
-            # updates below must not set it off again.
-            self._guard.active = False
+        if self._marks.marked:
+            # The parameters are being brought up to date: the updates below must not set the
+            # marks off again.
+            self._marks.clear()
         engine.wait(buckets)
         members = sorted(index for bucket in buckets for index in engine.groups[bucket])
         averaged = engine.averaged(members)
@@ -171,10 +173,20 @@ class ForwardOverlap:
         self._engine = None
         self._wrapped = []
         self._deferred = []
-        self._drop_guard()
+        self._marks.clear()
         engine.begin()
 
     # ------------------------------------------------------------------ optimizer steps
+
+    def holds(self, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer`` steps any of these parameters.
+
+        Args:
+            optimizer: The optimizer.
+        """
+        return any(
+            id(param) in self._ids for group in optimizer.param_groups for param in group["params"]
+        )
 
     def before_step(self, optimizer: Optimizer, closure: bool) -> None:
         """Defer ``optimizer``'s update of the parameters still waiting for their averages.
@@ -214,7 +226,7 @@ class ForwardOverlap:
             param.grad = None
 
     def after_step(self, optimizer: Optimizer) -> None:
-        """Give back the gradients hidden from the step, and guard the parameters whose update
+        """Give back the gradients hidden from the step, and mark the parameters whose update
         waits.
 
         Args:
@@ -228,9 +240,8 @@ class ForwardOverlap:
         for param, grad in self._hidden:
             param.grad = grad
         self._hidden = []
-        if self._guard is None and self._engine is not None:
-            self._guard = ParamGuard(self, self._waiting_params())
-            self._guard.watch()
+        if self._engine is not None:
+            self._marks.mark(self._waiting_params())
 
     def step_s(self) -> float:
         """The median optimizer step over these parameters while :attr:`timing_steps` was on
@@ -244,15 +255,10 @@ class ForwardOverlap:
         assert engine is not None
         return [self.params[index] for bucket in self._unapplied for index in engine.groups[bucket]]
 
-    def _drop_guard(self) -> None:
-        if self._guard is not None and self._guard.release():
-            self._guard = None
-
     def _watch(self, optimizer: Optimizer) -> None:
         """A checkpoint of ``optimizer`` (or one loaded into it) waits for its deferred updates."""
         if optimizer in self._hooked:
             return
-        self._hooked.add(optimizer)
         reference = weakref.ref(self)
 
         def complete(*_: Any) -> None:
@@ -260,16 +266,25 @@ class ForwardOverlap:
             if owner is not None:
                 owner.complete()
 
-        optimizer.register_state_dict_pre_hook(complete)
-        optimizer.register_load_state_dict_pre_hook(complete)
+        self._hooked[optimizer] = [
+            optimizer.register_state_dict_pre_hook(complete),
+            optimizer.register_load_state_dict_pre_hook(complete),
+        ]
 
     def _complete_hook(self, *_: Any) -> None:
         self.complete()
 
     def close(self) -> None:
-        """Apply what is pending and take every hook off."""
+        """Apply what is pending, then take every hook off (the module's, the optimizers', the
+        step hooks); a second call does nothing."""
         self.complete()
         self.gates.remove()
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        for handles in self._hooked.values():
+            for handle in handles:
+                handle.remove()
+        self._hooked = weakref.WeakKeyDictionary()
+        self._step_marks = []
+        stop_listening(self)

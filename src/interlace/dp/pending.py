@@ -1,21 +1,22 @@
 """What still waits for communication under ``overlap="forward"``, made safe to touch.
 
 A gradient still being averaged is a :class:`PendingGrad`: any read of it waits for every average
-first. A parameter whose update is deferred is watched by :class:`ParamGuard` until the next
-forward: any use of it outside that forward applies the updates first.
+first. A parameter whose update is deferred is marked by :class:`DeferredMarks` until the next
+forward: any use of it outside that forward applies the updates first. Neither leaves anything on
+torch's mode stack, and torch calls on other tensors pay nothing.
 """
 
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["ParamGuard", "PendingGrad", "PendingOwner"]
+__all__ = ["DeferredMarks", "PendingGrad", "PendingOwner"]
 
 
 class PendingOwner(Protocol):
@@ -129,48 +130,84 @@ class PendingGrad(torch.Tensor):
             return func(*args, **kwargs)
 
 
-class ParamGuard(TorchFunctionMode):
-    """Between a deferred optimizer step and the next forward: an operation on one of
-    ``params`` (an EMA update, a norm, a save) first applies the deferred updates.
+class DeferredMarks:
+    """Marks parameters whose optimizer update is deferred: a use of one (an EMA update, a norm,
+    a save) first has ``owner`` apply every deferred update.
+
+    A marked parameter keeps its identity and storage; only its Python class is swapped for a
+    subclass of its own whose ``__torch_function__`` completes first, so the check costs nothing
+    on any other tensor and no mode is pushed. Metadata reads and setting ``.grad`` need no
+    wait.
 
     Args:
-        owner: Who applies them.
-        params: The parameters whose updates are deferred.
+        owner: Who applies the updates (held weakly).
     """
 
-    def __init__(self, owner: PendingOwner, params: Iterable[torch.Tensor]) -> None:
-        super().__init__()
-        self._owner = owner
-        self._ids = {id(param) for param in params}
-        self.active = True
+    def __init__(self, owner: PendingOwner) -> None:
+        self._owner = weakref.ref(owner)
+        self._classes: dict[type, type] = {}
+        self._marked: list[torch.Tensor] = []
 
-    def __torch_function__(
-        self,
+    @property
+    def marked(self) -> bool:
+        """Whether any parameter is marked."""
+        return bool(self._marked)
+
+    def mark(self, params: Iterable[torch.Tensor]) -> None:
+        """Mark ``params`` (those marked already stay marked once).
+
+        Args:
+            params: Parameters whose update waits.
+        """
+        for param in params:
+            kind = type(param)
+            if getattr(kind, "_deferred_marks", None) is not None:
+                continue
+            marked = self._classes.get(kind)
+            if marked is None:
+                marked = _marked_class(kind, self)
+                self._classes[kind] = marked
+            param.__class__ = marked
+            self._marked.append(param)
+
+    def clear(self) -> None:
+        """Give every marked parameter its own class back."""
+        for param in self._marked:
+            param.__class__ = type(param).__mro__[1]
+        self._marked = []
+
+    def complete(self) -> None:
+        """A marked parameter is used: clear the marks and apply the updates."""
+        self.clear()
+        owner = self._owner()
+        if owner is not None:
+            owner.complete()
+
+
+def _marked_class(kind: type, marks: DeferredMarks) -> type:
+    """``kind``'s subclass for a parameter marked by ``marks``."""
+
+    def __torch_function__(  # noqa: N807 - torch's protocol
+        cls: type,
         func: Any,
         types: Any,
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if (
-            self.active
-            and func not in METADATA
-            and any(id(leaf) in self._ids for leaf in tree_leaves((args, kwargs)))
-        ):
-            self.active = False
-            self._owner.complete()
+        if func in METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        for each in types:
+            owner = getattr(each, "_deferred_marks", None)
+            if owner is not None:
+                owner.complete()
+        # Every mark is cleared now: torch dispatches on the parameters' own classes.
         return func(*args, **kwargs)
 
-    def watch(self) -> None:
-        """Start watching (on this thread)."""
-        self.__enter__()  # type: ignore[no-untyped-call]
-
-    def release(self) -> bool:
-        """Stop watching; False when another mode was pushed above this one since (it is then
-        left in place, inert, for a later :meth:`release`)."""
-        self.active = False
-        stack = torch.overrides._get_current_function_mode_stack()
-        if not stack or stack[-1] is not self:
-            return False
-        self.__exit__(None, None, None)
-        return True
+    namespace = {
+        "__torch_function__": classmethod(__torch_function__),
+        "_deferred_marks": marks,
+        "__module__": __name__,
+    }
+    return type(f"Deferred{kind.__name__}", (kind,), namespace)

@@ -168,10 +168,12 @@ class Plans:
         """Take the slowest rank's timings, plan on rank 0, share the candidates, use the first."""
         medians = self.lifecycle.profiled_medians()
         overlap = self.overlap
+        # Every gate, reached or not, so every rank sends as many numbers whatever path its
+        # forwards took; -1: not reached on this rank.
         gates = [] if overlap is None else overlap.gates.offsets()
         step_s = 0.0 if overlap is None else overlap.step_s()
         timings = torch.tensor(
-            [*medians, *(offset for _, offset in gates), step_s],
+            [*medians, *(-1.0 if offset is None else offset for _, offset in gates), step_s],
             dtype=torch.float64,
             device=collective_device(self.process_group),
         )
@@ -180,7 +182,14 @@ class Plans:
         dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=self.process_group)
         forward_s, backward_s, *rest = timings.tolist()
         ready = rest[: len(self.params)]
-        offsets = rest[len(self.params) : -1]
+        # The gates some rank reached, in forward order.
+        reached = sorted(
+            (
+                (offset, name)
+                for (name, _), offset in zip(gates, rest[len(self.params) : -1], strict=True)
+                if offset >= 0.0
+            ),
+        )
         device = self.params[0].device
         if self.cost_model is None:
             self.cost_model = fit_cost_model(self.process_group, device=device)
@@ -196,8 +205,7 @@ class Plans:
                 backward_s,
                 tuple(ready),
                 tuple(
-                    GateTiming(name, tuple(waits.get(name, ())), offset)
-                    for (name, _), offset in zip(gates, offsets, strict=True)
+                    GateTiming(name, tuple(waits.get(name, ())), offset) for offset, name in reached
                 ),
                 rest[-1],
             )
@@ -266,6 +274,9 @@ class Plans:
             )
         if self.cost_model is None:
             self.cost_model = plan.cost
+        if self.overlap is not None:
+            # No profiling will read them: timing the steps now would only pile up marks.
+            self.overlap.timing_steps = False
         candidate = Candidate(plan, tuple(state["order"]), str(state.get("why", "")))
         self.lifecycle.settle(candidate)
         self.candidates = []
