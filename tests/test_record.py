@@ -16,6 +16,7 @@ from interlace.clock import StreamClock
 from interlace.dp.iteration import DevicePass
 from interlace.record import example_batch, record_trace
 from interlace.sim.trace import load_trace
+from interlace.zoo import build_model
 
 SLEEP_S = 0.1  # long beside a loaded machine's scheduling delays, so the layers stay apart
 
@@ -88,6 +89,14 @@ def test_example_batches_give_token_ids_to_an_embedding_first_model() -> None:
     assert targets.shape == (5,) and int(targets.max()) < 2
     dense, _ = example_batch(nn.Linear(3, 2), 5, (3,), 2)
     assert dense.dtype == torch.float32
+
+
+def test_a_language_model_gets_a_target_per_position_and_a_trace(tmp_path: Path) -> None:
+    model = build_model("gpt", (12,), 256)
+    inputs, targets = example_batch(model, 3, (12,), 256)
+    assert inputs.shape == (3, 12) and targets.shape == (3, 12)
+    trace = record_trace(model, inputs, targets, name="gpt", iters=1, warmup=0)
+    assert trace.forward_s > 0 and len(trace.save(tmp_path / "gpt.json").read_text()) > 0
 
 
 def test_record_refuses_no_iterations() -> None:

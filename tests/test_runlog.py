@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from interlace.runlog import METRIC_COLUMNS, RunLog, new_run_dir, read_metrics
+from interlace.runlog import (
+    METRIC_COLUMNS,
+    PERPLEXITY_COLUMNS,
+    RunLog,
+    new_run_dir,
+    read_metrics,
+)
 
 
 def _row(epoch: int) -> dict[str, float]:
@@ -59,3 +65,18 @@ def test_new_run_dir_never_reuses_a_folder(tmp_path: Path) -> None:
     second = new_run_dir(tmp_path, "mlp-digits")
     assert first != second
     assert first.is_dir() and second.is_dir()
+
+
+def test_a_language_models_log_keeps_its_perplexity_columns_across_a_resume(
+    tmp_path: Path,
+) -> None:
+    columns = (*METRIC_COLUMNS, *PERPLEXITY_COLUMNS)
+    log = RunLog(tmp_path, {}, columns)
+    for epoch in (1, 2):
+        log.append({**_row(epoch), "train_perplexity": 9.0 / epoch, "test_perplexity": 8.0})
+    with pytest.raises(KeyError, match="train_perplexity"):
+        log.append(_row(3))
+    assert log.plot("lm", reference=("unigram 25", 25.0)).read_bytes()[:4] == b"\x89PNG"
+    resumed = RunLog.resume(tmp_path, before_epoch=2)
+    assert resumed.columns == columns
+    assert [row["train_perplexity"] for row in read_metrics(resumed.metrics_path)] == [9.0]

@@ -91,7 +91,8 @@ def build_parser() -> OneLineArgumentParser:
         commands,
         "train",
         help="train a model over N ranks with data parallelism (--strategy) or pipeline "
-        "parallelism (--parallel pipeline), SGD or K-FAC",
+        "parallelism (--parallel pipeline), SGD, AdamW or K-FAC; --model gpt --data "
+        "pydoc-topics trains a language model",
         populate=_train_arguments(default_epochs=15, default_nprocs=1),
     )
     _add_command(

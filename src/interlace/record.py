@@ -13,7 +13,6 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F  # noqa: N812 - the conventional alias
 from torch import nn
 
 from interlace.cliutil import add_model_shape_arguments
@@ -22,7 +21,7 @@ from interlace.errors import UsageError
 from interlace.profile import layer_activations, layer_forward_times
 from interlace.sim.profiled import buffer_broadcast_bytes, factor_sizes, from_ready
 from interlace.sim.trace import Trace
-from interlace.zoo import build_model, model_shape
+from interlace.zoo import build_model, model_shape, token_cross_entropy
 
 Progress = Callable[[int], None]
 
@@ -37,7 +36,8 @@ def example_batch(
     seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A random batch for ``model``: token ids where its first layer is an Embedding, else
-    normal inputs; class targets.
+    normal inputs; class targets, one per sample or, for a model that scores every position
+    (a language model's ``[batch, tokens, vocab]``), one per position.
 
     Args:
         model: The model the batch is for.
@@ -56,8 +56,14 @@ def example_batch(
         )
     else:
         inputs = torch.randn(batch_size, *input_shape, generator=generator)
-    targets = torch.randint(0, num_classes, (batch_size,), generator=generator)
-    return inputs.to(device), targets.to(device)
+    inputs = inputs.to(device)
+    shape: tuple[int, ...] = (batch_size,)
+    if isinstance(first, nn.Embedding):
+        with torch.no_grad():
+            shape = tuple(model(inputs[:1]).shape[1:-1])
+        shape = (batch_size, *shape)
+    targets = torch.randint(0, num_classes, shape, generator=generator)
+    return inputs, targets.to(device)
 
 
 class _Marks:
@@ -83,7 +89,7 @@ def record_trace(
     name: str,
     iters: int = 20,
     warmup: int = 5,
-    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = F.cross_entropy,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = token_cross_entropy,
     source: str = "",
     progress: Progress | None = None,
 ) -> Trace:
@@ -103,7 +109,8 @@ def record_trace(
         name: The model's name in the trace.
         iters: Iterations timed.
         warmup: Iterations run first, untimed (allocator, autotuning, lazy initialisation).
-        loss_fn: ``loss_fn(output, targets)`` is the loss.
+        loss_fn: ``loss_fn(output, targets)`` is the loss (default: cross-entropy over every
+            scored position).
         source: Where it was measured, free text (the device's name is added).
         progress: Called with 1 after each iteration, warm-up included (a progress bar).
 

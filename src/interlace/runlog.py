@@ -23,6 +23,8 @@ METRIC_COLUMNS = (
     "epoch_s",
     "lr",
 )
+#: The columns a language model's run adds: ``exp`` of the mean loss per token.
+PERPLEXITY_COLUMNS = ("train_perplexity", "test_perplexity")
 
 
 def new_run_dir(root: str | Path, label: str) -> Path:
@@ -49,11 +51,19 @@ class RunLog:
     Args:
         path: the run folder (made if missing).
         config: written at once as ``config.json``.
+        columns: the metrics' columns (default :data:`METRIC_COLUMNS`; a language model's run
+            adds :data:`PERPLEXITY_COLUMNS`).
     """
 
-    def __init__(self, path: str | Path, config: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        config: Mapping[str, Any],
+        columns: Sequence[str] = METRIC_COLUMNS,
+    ) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
+        self.columns = tuple(columns)
         self.rows: list[dict[str, float]] = []
         (self.path / "config.json").write_text(json.dumps(dict(config), indent=2, default=str))
         self._write_rows()
@@ -73,6 +83,10 @@ class RunLog:
         log.path = Path(path)
         metrics = log.metrics_path
         rows = read_metrics(metrics) if metrics.exists() else []
+        log.columns = METRIC_COLUMNS
+        if metrics.exists():
+            with metrics.open(newline="") as handle:
+                log.columns = tuple(next(csv.reader(handle), METRIC_COLUMNS))
         log.rows = [row for row in rows if row["epoch"] < before_epoch]
         log._write_rows()
         return log
@@ -80,9 +94,9 @@ class RunLog:
     def _write_rows(self) -> None:
         with self.metrics_path.open("w", newline="") as handle:
             writer = csv.writer(handle)
-            writer.writerow(METRIC_COLUMNS)
+            writer.writerow(self.columns)
             for row in self.rows:
-                writer.writerow([_format(row[column]) for column in METRIC_COLUMNS])
+                writer.writerow([_format(row[column]) for column in self.columns])
 
     @property
     def metrics_path(self) -> Path:
@@ -96,26 +110,27 @@ class RunLog:
         """Record one epoch; the CSV is flushed at once so a crash keeps every finished epoch.
 
         Args:
-            row: a value for every column of :data:`METRIC_COLUMNS`.
+            row: a value for every column of the log (:attr:`columns`).
 
         Raises:
             KeyError: when a column is missing.
         """
-        missing = [column for column in METRIC_COLUMNS if column not in row]
+        missing = [column for column in self.columns if column not in row]
         if missing:
             raise KeyError(f"metrics row lacks {missing}")
-        clean = {column: float(row[column]) for column in METRIC_COLUMNS}
+        clean = {column: float(row[column]) for column in self.columns}
         self.rows.append(clean)
         with self.metrics_path.open("a", newline="") as handle:
-            csv.writer(handle).writerow([_format(clean[column]) for column in METRIC_COLUMNS])
+            csv.writer(handle).writerow([_format(clean[column]) for column in self.columns])
 
-    def plot(self, title: str = "") -> Path:
-        """Draw loss and test accuracy against epochs into ``curves.png``.
+    def plot(self, title: str = "", reference: tuple[str, float] | None = None) -> Path:
+        """Draw loss and test accuracy (or perplexity) against epochs into ``curves.png``.
 
         Args:
             title: the figure's title.
+            reference: a labelled level drawn across the perplexity panel (a baseline).
         """
-        plot_curves(self.rows, self.curves_path, title)
+        plot_curves(self.rows, self.curves_path, title, reference)
         return self.curves_path
 
 
@@ -129,13 +144,22 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
         return [{key: float(value) for key, value in row.items()} for row in csv.DictReader(handle)]
 
 
-def plot_curves(rows: Sequence[Mapping[str, float]], path: str | Path, title: str = "") -> None:
+def plot_curves(
+    rows: Sequence[Mapping[str, float]],
+    path: str | Path,
+    title: str = "",
+    reference: tuple[str, float] | None = None,
+) -> None:
     """Loss (train and test) and test accuracy per epoch, side by side, as a PNG.
+
+    Rows with perplexities (:data:`PERPLEXITY_COLUMNS`) show train and test perplexity instead
+    of the accuracy.
 
     Args:
         rows: the epochs' metrics, as :meth:`RunLog.append` takes them.
         path: the PNG to write.
         title: the figure's title.
+        reference: a labelled level drawn as a dashed line across the perplexity panel.
     """
     import matplotlib  # noqa: PLC0415 - heavy import, only when curves are drawn
 
@@ -153,12 +177,21 @@ def plot_curves(rows: Sequence[Mapping[str, float]], path: str | Path, title: st
     loss_axes.set_yscale("log")
     loss_axes.legend()
     loss_axes.grid(alpha=0.3)
-    accuracy_axes.plot(
-        epochs, [100.0 * row["test_accuracy"] for row in rows], marker="o", color="tab:green"
-    )
+    if rows and all(column in rows[0] for column in PERPLEXITY_COLUMNS):
+        for column, label in zip(PERPLEXITY_COLUMNS, ("train", "test"), strict=True):
+            accuracy_axes.plot(epochs, [row[column] for row in rows], marker="o", label=label)
+        if reference is not None:
+            accuracy_axes.axhline(reference[1], color="gray", linestyle="--", label=reference[0])
+        accuracy_axes.set_ylabel("perplexity")
+        accuracy_axes.set_yscale("log")
+        accuracy_axes.legend()
+    else:
+        accuracy_axes.plot(
+            epochs, [100.0 * row["test_accuracy"] for row in rows], marker="o", color="tab:green"
+        )
+        accuracy_axes.set_ylabel("test accuracy (%)")
+        accuracy_axes.set_ylim(0, 100)
     accuracy_axes.set_xlabel("epoch")
-    accuracy_axes.set_ylabel("test accuracy (%)")
-    accuracy_axes.set_ylim(0, 100)
     accuracy_axes.grid(alpha=0.3)
     if title:
         figure.suptitle(title)

@@ -138,6 +138,23 @@ DATA_PARALLEL_CASES = [
     ("sgd-fixed-plan", _tiny(save_every="1ep", deterministic=True), 4),
     # K-FAC decomposing every 2nd step: factors and decompositions cross the cut.
     ("kfac", _tiny(save_every="3", optimizer="kfac", kfac_inv_update_steps=2), 6),
+    # The language model: AdamW, clipping and bf16 autocast, resumed in the middle of epoch 2.
+    (
+        "lm-adamw",
+        _tiny(
+            model="gpt",
+            data="pydoc-topics",
+            seq_len=16,
+            batch_size=4,
+            optimizer="adamw",
+            lr=1e-3,
+            warmup_steps=2,
+            clip_grad_norm=1.0,
+            precision="bf16",
+            save_every="3",
+        ),
+        6,
+    ),
 ]
 SCHEDULES = ("gpipe", "1f1b", "pipedream", "spectrain", "naive")
 #: Pipelined runs, one per schedule, resumed at the start of epoch 2.

@@ -142,3 +142,52 @@ def test_replan_is_refused_where_there_is_no_measured_plan(
     assert stopped.value.code == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0]
+
+
+def test_the_help_lists_every_strategy_the_parser_accepts() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    action = next(a for a in parser._actions if "--strategy" in a.option_strings)
+    assert action.choices  # the parser itself holds the accepted values
+    text = " ".join(parser.format_help().split())
+    for name in action.choices:
+        assert f"{name}: " in text, name
+    for name in ("overlap", "ddp-100mb"):
+        assert name in action.choices
+
+
+def test_adamw_gets_its_own_default_rate(
+    launched: list[tuple[int, tuple[Any, ...]]], tmp_path: Path
+) -> None:
+    common = ["train", "--model", "gpt", "--data", "pydoc-topics", "--out", str(tmp_path)]
+    assert cli.main([*common, "--optimizer", "adamw"]) == 0
+    assert cli.main([*common, "--lr", "0.01"]) == 0
+    (_, (adamw, _, _)), (_, (sgd, _, _)) = launched
+    assert (adamw.optimizer, adamw.lr, sgd.lr) == ("adamw", 1e-3, 0.01)
+
+
+@pytest.mark.parametrize(
+    ("flags", "needles"),
+    [
+        (["--data", "text", "--data-file", "{missing}"], ("{missing}", "does not exist")),
+        (["--data", "text", "--data-file", "{empty}"], ("{empty}", "is empty")),
+        (["--data", "pydoc-topics", "--seq-len", "256"], ("256", "context of 128")),
+        (["--data", "pydoc-topics", "--parallel", "pipeline"], ("drop --parallel pipeline",)),
+    ],
+)
+def test_the_language_models_bad_inputs_are_one_line_errors(
+    flags: list[str],
+    needles: tuple[str, ...],
+    launched: list[tuple[int, tuple[Any, ...]]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    paths = {"missing": str(tmp_path / "missing.txt"), "empty": str(tmp_path / "empty.txt")}
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["train", "--model", "gpt", *(flag.format(**paths) for flag in flags)])
+    assert stopped.value.code == 2 and launched == []
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1
+    for needle in needles:
+        assert needle.format(**paths) in lines[0]

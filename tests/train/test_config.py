@@ -30,6 +30,13 @@ def test_schedule_warms_up_linearly_then_follows_a_cosine() -> None:
         ("lr", -0.1, "--lr"),
         ("momentum", 1.0, "--momentum"),
         ("max_steps_per_epoch", 0, "--max-steps-per-epoch"),
+        ("warmup_steps", -1, "--warmup-steps"),
+        ("clip_grad_norm", 0.0, "--clip-grad-norm"),
+        ("clip_grad_norm", math.inf, "--clip-grad-norm"),
+        ("precision", "fp16", "--precision"),
+        ("seq_len", 16, "--seq-len applies to text data"),
+        ("data_file", "notes.txt", "--data-file is the text file of --data text"),
+        ("data", "text", "add --data-file PATH"),
     ],
 )
 def test_impossible_settings_name_their_flag(field: str, value: float, flag: str) -> None:
@@ -90,3 +97,28 @@ def test_deterministic_runs_need_a_channel_count() -> None:
     with pytest.raises(UsageError, match="--deterministic"):
         TrainConfig(deterministic=True, channels="auto").validate()
     TrainConfig(deterministic=True, channels=2).validate()
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"data": "pydoc-topics"}, "the language-model job (--data pydoc-topics) trains data par"),
+        ({"optimizer": "adamw"}, "--optimizer adamw trains data parallel"),
+        ({"clip_grad_norm": 1.0}, "--clip-grad-norm and --precision bf16 apply to --parallel data"),
+        ({"precision": "bf16"}, "--clip-grad-norm and --precision bf16 apply to --parallel data"),
+    ],
+)
+def test_a_pipeline_refuses_what_it_cannot_train(changes: dict[str, object], needle: str) -> None:
+    config = TrainConfig(parallel="pipeline", **changes)  # type: ignore[arg-type]
+    with pytest.raises(UsageError) as info:
+        config.validate()
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_an_adamw_run_records_no_momentum_and_only_the_text_settings_given() -> None:
+    config = TrainConfig(model="gpt", data="pydoc-topics", optimizer="adamw", seq_len=64)
+    config.validate()
+    record = applicable_settings(config)
+    assert "momentum" not in record and record["seq_len"] == 64
+    assert "data_file" not in record and "clip_grad_norm" not in record
+    assert record["precision"] == "fp32"

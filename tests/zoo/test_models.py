@@ -18,8 +18,9 @@ from interlace.errors import UsageError
 from interlace.zoo import MODEL_NAMES, ModelSummary, build_model, summarize_model
 from interlace.zoo.transformer import PatchTransformer, patch_size_for
 
-#: The zoo's models for images; the 1-D ones (MNIST-1D) have tests/zoo/test_models1d.py.
-IMAGE_MODELS = tuple(name for name in MODEL_NAMES if not name.endswith("1d"))
+#: The zoo's models for images; the 1-D ones (MNIST-1D) have tests/zoo/test_models1d.py, the
+#: language model tests/zoo/test_gpt.py.
+IMAGE_MODELS = tuple(name for name in MODEL_NAMES if not name.endswith("1d") and name != "gpt")
 
 DIGITS = ((1, 8, 8), 10)
 CIFAR = ((3, 32, 32), 10)

@@ -15,22 +15,26 @@ from interlace.cliutil import (
     report_failure,
 )
 from interlace.comm.links import parse_link
+from interlace.comm.strategies import RUNTIME_STRATEGIES, STRATEGIES
 from interlace.distenv import in_launched_job, set_collective_timeout
 from interlace.errors import UsageError
 from interlace.pipeline import SPECTRAIN_BACKWARDS
 from interlace.runlog import new_run_dir
 from interlace.train.checkpoint import latest_checkpoint, read_header
 from interlace.train.config import (
+    DEFAULT_LR,
     OPTIMIZERS,
     PARALLELISMS,
     PARTITION_BY,
     PIPELINE_SCHEDULES,
+    PRECISIONS,
     TrainConfig,
     run_label,
 )
 from interlace.train.job import train_rank
 from interlace.train.kfac_options import add_kfac_arguments, check_kfac_options, kfac_options
 from interlace.zoo import build_model, load_data
+from interlace.zoo.text import DEFAULT_SEQ_LEN, TEXT_FILE, TEXT_NAMES
 
 
 def add_arguments(
@@ -52,14 +56,30 @@ def add_arguments(
     parser.add_argument(
         "--data",
         default=defaults.data,
-        help="digits, mnist1d, synthetic-cifar10, synthetic-imagenet, or a CIFAR-10 python folder "
-        f"(default {defaults.data})",
+        help="digits, mnist1d, synthetic-cifar10, synthetic-imagenet, a CIFAR-10 python folder, "
+        f"or text for --model gpt: {', '.join(TEXT_NAMES)} (packaged) or {TEXT_FILE} (your "
+        f"--data-file) (default {defaults.data})",
+    )
+    parser.add_argument(
+        "--data-file",
+        metavar="PATH",
+        help=f"the text file --data {TEXT_FILE} trains on (its bytes are the tokens; the last "
+        "tenth is held out)",
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        help=f"tokens per sample of text data, at most the model's context "
+        f"(default {DEFAULT_SEQ_LEN})",
     )
     parser.add_argument(
         "--strategy",
+        choices=RUNTIME_STRATEGIES,
+        metavar="STRATEGY",
         default=defaults.strategy,
-        help="how gradients are averaged: ddp (torch DDP), wfbp, fixed, single, mgwfbp or optimal "
-        f"(default {defaults.strategy})",
+        help="how gradients are averaged: "
+        + "; ".join(f"{name}: {STRATEGIES[name].description}" for name in RUNTIME_STRATEGIES)
+        + f" (default {defaults.strategy})",
     )
     parser.add_argument(
         "--bucket-cap-mb",
@@ -99,8 +119,10 @@ def add_arguments(
     parser.add_argument(
         "--lr",
         type=float,
-        default=defaults.lr,
-        help=f"peak learning rate (default {defaults.lr:g})",
+        default=None,
+        help="peak learning rate (default "
+        + ", ".join(f"{rate:g} for {name}" for name, rate in DEFAULT_LR.items())
+        + ")",
     )
     parser.add_argument(
         "--momentum",
@@ -112,7 +134,8 @@ def add_arguments(
         "--weight-decay",
         type=float,
         default=defaults.weight_decay,
-        help=f"SGD weight decay (default {defaults.weight_decay})",
+        help="weight decay: SGD's L2 term, AdamW's decoupled decay, on every parameter "
+        f"(default {defaults.weight_decay})",
     )
     parser.add_argument(
         "--warmup-epochs",
@@ -120,6 +143,27 @@ def add_arguments(
         default=defaults.warmup_epochs,
         help="epochs of linear learning-rate warm-up before the cosine decay "
         f"(default {defaults.warmup_epochs:g})",
+    )
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        help="optimizer steps of linear warm-up instead of --warmup-epochs (the cosine decay "
+        "then runs over the remaining steps)",
+    )
+    parser.add_argument(
+        "--clip-grad-norm",
+        type=float,
+        metavar="MAX",
+        help="clip the averaged gradients' global norm to MAX before each update "
+        "(torch.nn.utils.clip_grad_norm_; after K-FAC's preconditioning; with --strategy "
+        "overlap it waits for every average first); default: no clipping",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default=defaults.precision,
+        help="fp32, or bf16: forward and loss under bfloat16 autocast (CPU and CUDA), weights, "
+        f"gradients and the update in float32 (default {defaults.precision})",
     )
     parser.add_argument(
         "--seed",
@@ -173,8 +217,9 @@ def add_arguments(
         "--optimizer",
         choices=OPTIMIZERS,
         default=defaults.optimizer,
-        help="sgd (SGD with momentum) or kfac (K-FAC preconditioning in front of that same SGD, "
-        f"schedule and all; default {defaults.optimizer})",
+        help="sgd (SGD with momentum), kfac (K-FAC preconditioning in front of that same SGD, "
+        "schedule and all) or adamw (torch's AdamW, default betas); each with the warm-up + "
+        f"cosine schedule (default {defaults.optimizer})",
     )
     pipeline = parser.add_argument_group(
         "pipeline parallelism (with --parallel pipeline: one stage per rank, -n stages)"
@@ -248,16 +293,21 @@ def run(args: argparse.Namespace) -> int:
     config = TrainConfig(
         model=args.model,
         data=args.data,
+        data_file=args.data_file,
+        seq_len=args.seq_len,
         strategy=args.strategy,
         bucket_cap_mb=args.bucket_cap_mb,
         channels=args.channels,
         compression=args.compression,
         epochs=args.epochs,
         batch_size=args.batch_size,
-        lr=args.lr,
+        lr=DEFAULT_LR[args.optimizer] if args.lr is None else args.lr,
         momentum=args.momentum,
         weight_decay=args.weight_decay,
         warmup_epochs=args.warmup_epochs,
+        warmup_steps=args.warmup_steps,
+        clip_grad_norm=args.clip_grad_norm,
+        precision=args.precision,
         seed=args.seed,
         input_shape=args.input_shape,
         num_classes=args.classes,
@@ -309,7 +359,13 @@ def run(args: argparse.Namespace) -> int:
     if config.optimizer == "kfac":
         check_kfac_options(config, nprocs)
     # Check the model and data here, once, so a typo is one line rather than N tracebacks.
-    bundle = load_data(config.data, synthetic_size=config.synthetic_size, seed=config.seed)
+    bundle = load_data(
+        config.data,
+        synthetic_size=config.synthetic_size,
+        seed=config.seed,
+        seq_len=config.seq_len,
+        data_file=config.data_file,
+    )
     build_model(
         config.model,
         config.input_shape or bundle.input_shape,

@@ -7,10 +7,7 @@ folder's opening and closing, and folder-safe labels of model and data specs.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-
-import torch
 
 from interlace.comm.engine import COMPRESSIONS
 from interlace.comm.strategies import RUNTIME_STRATEGIES
@@ -34,9 +31,14 @@ from interlace.train.kfac_options import (
     kfac_option,
 )
 from interlace.wrapping import parse_channels
+from interlace.zoo.text import TEXT_FILE, TEXT_NAMES
 
-#: The ``--optimizer`` choices: plain SGD with momentum, or K-FAC in front of it.
-OPTIMIZERS = ("sgd", "kfac")
+#: The ``--optimizer`` choices: SGD with momentum, K-FAC in front of that SGD, or AdamW.
+OPTIMIZERS = ("sgd", "kfac", "adamw")
+#: ``--lr`` when not given, by optimizer.
+DEFAULT_LR = {"sgd": 0.1, "kfac": 0.1, "adamw": 1e-3}
+#: The ``--precision`` choices: float32 throughout, or the forward under bfloat16 autocast.
+PRECISIONS = ("fp32", "bf16")
 #: ``--kfac-kl-clip`` when not given (:func:`default_kfac_kl_clip`): KFAC's own 0.001 below a
 #: global batch of 1,024, 0.01 from there, the settings the MNIST-1D races found safe at each.
 SMALL_BATCH_KL_CLIP = 0.001
@@ -74,7 +76,10 @@ class TrainConfig:
 
     Args:
         model: a zoo name or ``package.module:callable``.
-        data: digits, synthetic-cifar10, synthetic-imagenet, or a CIFAR-10 folder.
+        data: digits, mnist1d, synthetic-cifar10, synthetic-imagenet, a CIFAR-10 folder, or
+            text: pydoc-topics, or ``text`` for ``data_file``.
+        data_file: the text file of ``data="text"``.
+        seq_len: tokens per sample of text data (None: 128).
         strategy: how gradients are averaged (one of
             ``interlace.comm.strategies.RUNTIME_STRATEGIES``).
         bucket_cap_mb: bucket cap of the ddp and fixed strategies, MB.
@@ -84,8 +89,12 @@ class TrainConfig:
         batch_size: per-rank batch size (data parallel) or the mini-batch (pipeline).
         lr: peak learning rate.
         momentum: SGD momentum.
-        weight_decay: SGD weight decay.
+        weight_decay: weight decay (SGD's L2 term, AdamW's decoupled decay).
         warmup_epochs: epochs of linear warm-up before the cosine decay.
+        warmup_steps: optimizer steps of warm-up instead (None: ``warmup_epochs``).
+        clip_grad_norm: clip the gradients' global norm to this before each update (None:
+            no clipping).
+        precision: ``"fp32"``, or ``"bf16"`` to run forward and loss under bfloat16 autocast.
         seed: seeds the model, the shuffle and synthetic data.
         input_shape: the shape the model expects; must match the data's.
         num_classes: the classes the model predicts; must match the data's.
@@ -117,6 +126,8 @@ class TrainConfig:
 
     model: str = "resnet20"
     data: str = "digits"
+    data_file: str | None = None
+    seq_len: int | None = None
     strategy: str = "mgwfbp"
     bucket_cap_mb: float | None = None
     channels: int | str = 1
@@ -127,6 +138,9 @@ class TrainConfig:
     momentum: float = 0.9
     weight_decay: float = 5e-4
     warmup_epochs: float = 1.0
+    warmup_steps: int | None = None
+    clip_grad_norm: float | None = None
+    precision: str = "fp32"
     seed: int = 0
     input_shape: tuple[int, ...] | None = None
     num_classes: int | None = None
@@ -310,6 +324,41 @@ class TrainConfig:
     replan: bool = False
     extra: dict[str, str] = field(default_factory=dict)
 
+    def _text_and_step_checks(self) -> list[tuple[bool, str]]:
+        """The checks of the text data's flags, and of the update's extras under a pipeline."""
+        text = self.data in (*TEXT_NAMES, TEXT_FILE)
+        return [
+            (
+                self.data_file is None or self.data == TEXT_FILE,
+                f"--data-file is the text file of --data {TEXT_FILE}; add --data {TEXT_FILE} "
+                f"(not --data {self.data})",
+            ),
+            (
+                self.data != TEXT_FILE or self.data_file is not None,
+                f"--data {TEXT_FILE} trains on your own file: add --data-file PATH",
+            ),
+            (
+                self.seq_len is None or text,
+                f"--seq-len applies to text data ({', '.join((*TEXT_NAMES, TEXT_FILE))}), not "
+                f"to --data {self.data}",
+            ),
+            (
+                self.seq_len is None or self.seq_len >= 1,
+                f"--seq-len must be >= 1, got {self.seq_len}",
+            ),
+            (
+                not text or self.parallel != "pipeline",
+                f"--parallel pipeline trains the image models; the language-model job (--data "
+                f"{self.data}) trains data parallel: drop --parallel pipeline",
+            ),
+            (
+                self.parallel != "pipeline"
+                or (self.clip_grad_norm is None and self.precision == "fp32"),
+                "--clip-grad-norm and --precision bf16 apply to --parallel data; drop them or "
+                "--parallel pipeline",
+            ),
+        ]
+
     def validate(self) -> None:
         """Reject impossible settings before any process starts.
 
@@ -338,6 +387,19 @@ class TrainConfig:
             (self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}"),
             (self.warmup_epochs >= 0, "--warmup-epochs must be >= 0"),
             (
+                self.warmup_steps is None or self.warmup_steps >= 0,
+                f"--warmup-steps must be >= 0, got {self.warmup_steps}",
+            ),
+            (
+                self.clip_grad_norm is None
+                or (self.clip_grad_norm > 0 and math.isfinite(self.clip_grad_norm)),
+                f"--clip-grad-norm must be > 0, got {self.clip_grad_norm}",
+            ),
+            (
+                self.precision in PRECISIONS,
+                f"unknown --precision '{self.precision}'; choose one of {', '.join(PRECISIONS)}",
+            ),
+            (
                 self.max_steps_per_epoch is None or self.max_steps_per_epoch >= 1,
                 "--max-steps-per-epoch must be >= 1",
             ),
@@ -346,11 +408,12 @@ class TrainConfig:
                 f"unknown --optimizer '{self.optimizer}'; choose one of {', '.join(OPTIMIZERS)}",
             ),
             (
-                self.optimizer != "kfac" or self.parallel != "pipeline",
-                "--optimizer kfac preconditions data-parallel training; --parallel pipeline "
+                self.optimizer == "sgd" or self.parallel != "pipeline",
+                f"--optimizer {self.optimizer} trains data parallel; --parallel pipeline "
                 "trains with SGD: drop one of the two",
             ),
         ]
+        checks += self._text_and_step_checks()
         checks += [
             (
                 self.parallel in PARALLELISMS,
@@ -435,11 +498,16 @@ class TrainResult:
     """What a finished run reports back: its final numbers and where its folder is.
 
     Args:
-        final_test_accuracy: test accuracy after the last epoch, in [0, 1].
+        final_test_accuracy: test accuracy after the last epoch, in [0, 1] (a language
+            model's: of its next-token predictions).
         final_train_loss: mean training loss of the last epoch.
         samples_per_s: training throughput of the last epoch.
         run_dir: the run folder on rank 0; None on the other ranks.
         epochs: epochs trained.
+        final_test_perplexity: a language model's held-out perplexity after the last epoch
+            (``exp`` of the mean loss per token); None for a classifier.
+        unigram_perplexity: the held-out perplexity of the corpus's unigram model (each
+            byte's training-split frequency); None for a classifier.
     """
 
     final_test_accuracy: float
@@ -447,6 +515,8 @@ class TrainResult:
     samples_per_s: float
     run_dir: str | None
     epochs: int
+    final_test_perplexity: float | None = None
+    unigram_perplexity: float | None = None
 
 
 class WarmupCosine:
@@ -470,48 +540,6 @@ class WarmupCosine:
             return (step + 1) / (self.warmup_steps + 1)
         progress = (step - self.warmup_steps) / max(self.total_steps - self.warmup_steps, 1)
         return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-
-
-def steps_in_epoch(config: TrainConfig, loader_steps: int, too_small: str) -> int:
-    """Steps per epoch: the loader's, cut to ``--max-steps-per-epoch``.
-
-    Args:
-        config: the run's config.
-        loader_steps: batches the training loader yields per epoch.
-        too_small: the error message when not even one batch fits.
-
-    Raises:
-        UsageError: ``too_small``, when the epoch has no step.
-    """
-    steps = loader_steps
-    if config.max_steps_per_epoch is not None:
-        steps = min(steps, config.max_steps_per_epoch)
-    if steps == 0:
-        raise UsageError(too_small)
-    return steps
-
-
-def sgd_with_schedule(
-    parameters: Iterable[torch.nn.Parameter], config: TrainConfig, steps_per_epoch: int
-) -> tuple[torch.optim.SGD, torch.optim.lr_scheduler.LambdaLR]:
-    """The job's SGD with momentum and its warm-up + cosine schedule, stepped once per update.
-
-    Args:
-        parameters: the parameters to train.
-        config: lr, momentum, weight decay, epochs and warm-up epochs come from here.
-        steps_per_epoch: optimizer steps per epoch.
-    """
-    optimizer = torch.optim.SGD(
-        parameters,
-        lr=config.lr,
-        momentum=config.momentum,
-        weight_decay=config.weight_decay,
-    )
-    total_steps = config.epochs * steps_per_epoch
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, WarmupCosine(total_steps, round(config.warmup_epochs * steps_per_epoch))
-    )
-    return optimizer, schedule
 
 
 def run_label(spec: str) -> str:
@@ -557,5 +585,10 @@ def applicable_settings(config: TrainConfig) -> dict[str, object]:
             del record[name]
     if config.optimizer != "kfac":
         for name in [key for key in record if key.startswith("kfac_")]:
+            del record[name]
+    if config.optimizer == "adamw":
+        del record["momentum"]
+    for name in ("data_file", "seq_len", "warmup_steps", "clip_grad_norm"):
+        if record[name] is None:
             del record[name]
     return record

@@ -1,7 +1,8 @@
 """Data-parallel training: the model replicated on every rank, gradients averaged by a strategy.
 
 With ``optimizer="kfac"`` :class:`interlace.KFAC` preconditions the averaged gradients in front
-of the same SGD and schedule, so a K-FAC run and an SGD run of one config differ only there.
+of the same SGD and schedule, so a K-FAC run and an SGD run of one config differ only there. On
+text data the same loop trains a language model: the loss is the mean over every predicted token.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn import functional
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from interlace.comm.cost import CostModel
@@ -28,18 +28,19 @@ from interlace.dp import DataParallel
 from interlace.dp.plan_state import plan_state_of
 from interlace.errors import OptionError, UsageError
 from interlace.kfac import KFAC, KFACPreconditioner
+from interlace.runlog import METRIC_COLUMNS, PERPLEXITY_COLUMNS
 from interlace.train.checkpoint import Position, rng_state, set_rng_state
 from interlace.train.config import (
     TrainConfig,
     TrainResult,
     default_kfac_kl_clip,
-    sgd_with_schedule,
-    steps_in_epoch,
 )
 from interlace.train.kfac_options import kfac_keywords, kfac_options, shown_as_flags
 from interlace.train.records import RunRecords, finish_run
+from interlace.train.schedule import optimizer_with_schedule, steps_in_epoch
 from interlace.wrapping import wrap_model
-from interlace.zoo import build_model, load_data, make_loader
+from interlace.zoo import build_model, load_data, make_loader, token_cross_entropy
+from interlace.zoo.text import TokenWindows, unigram_perplexity
 
 
 def train_data_parallel(
@@ -53,7 +54,14 @@ def train_data_parallel(
         run_dir: where rank 0 writes its records (made fresh when None).
         resume: continue ``run_dir`` from its latest checkpoint.
     """
-    bundle = load_data(config.data, synthetic_size=config.synthetic_size, seed=config.seed)
+    bundle = load_data(
+        config.data,
+        synthetic_size=config.synthetic_size,
+        seed=config.seed,
+        seq_len=config.seq_len,
+        data_file=config.data_file,
+    )
+    text = isinstance(bundle.train, TokenWindows) and isinstance(bundle.test, TokenWindows)
     input_shape = bundle.input_shape
     num_classes = bundle.num_classes
     if config.input_shape is not None and tuple(config.input_shape) != tuple(input_shape):
@@ -101,7 +109,7 @@ def train_data_parallel(
         "--batch-size or -n",
     )
 
-    optimizer, schedule = sgd_with_schedule(model.parameters(), config, steps_per_epoch)
+    optimizer, schedule = optimizer_with_schedule(model.parameters(), config, steps_per_epoch)
     total_steps = config.epochs * steps_per_epoch
     precond = (
         make_kfac(config, parallel_model, optimizer, context.world_size)
@@ -133,6 +141,7 @@ def train_data_parallel(
             f"compression {config.compression or 'none'}, "
             f"global batch {config.batch_size * context.world_size}, run folder {path}"
         ),
+        (*METRIC_COLUMNS, *PERPLEXITY_COLUMNS) if text else METRIC_COLUMNS,
     )
     if log is not None:
         if config.deterministic and isinstance(parallel_model, DataParallel):
@@ -169,6 +178,7 @@ def train_data_parallel(
     global_step = start.global_step
     result_accuracy = 0.0
     result_loss = math.nan
+    result_test_loss = math.nan
     throughput = 0.0
     plan_reported = False
     tuning_reported = False
@@ -195,17 +205,23 @@ def train_data_parallel(
                 inputs = batch_inputs.to(context.device, non_blocking=True)
                 targets = batch_targets.to(context.device, non_blocking=True)
                 optimizer.zero_grad(set_to_none=True)
-                loss = functional.cross_entropy(parallel_model(inputs), targets)
+                with _autocast(config, context.device):
+                    loss = token_cross_entropy(parallel_model(inputs), targets)
                 loss.backward()
                 if precond is not None:
                     precond.step(loss=loss.detach())
+                if config.clip_grad_norm is not None:
+                    # Reads every averaged gradient: under the forward overlap it waits for
+                    # all of them here (docs/training.md).
+                    nn.utils.clip_grad_norm_(model.parameters(), config.clip_grad_norm)
                 optimizer.step()
                 schedule.step()
                 loss_sum[0] += loss.detach().double() * targets.numel()
                 loss_sum[1] += targets.numel()
                 global_step += 1
                 bar.update(1)
-                bar.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}", refresh=False)
+                shown = {"ppl": f"{math.exp(loss.item()):.2f}"} if text else {}
+                bar.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}", **shown, refresh=False)
                 if saves is not None and saves.after_step(global_step):
                     save(Position(epoch, step + 1, global_step), loss_sum)
             if context.device.type == "cuda":
@@ -216,6 +232,7 @@ def train_data_parallel(
             throughput = (steps_per_epoch - skip) * global_batch / epoch_s
             test_loss, test_accuracy = evaluate(model, test_loader, context)
             result_accuracy, result_loss = test_accuracy, train_loss
+            result_test_loss = test_loss
             if log is not None:
                 row = {
                     "epoch": epoch,
@@ -226,6 +243,10 @@ def train_data_parallel(
                     "epoch_s": epoch_s,
                     "lr": optimizer.param_groups[0]["lr"],
                 }
+                if text:
+                    row.update(
+                        train_perplexity=math.exp(train_loss), test_perplexity=math.exp(test_loss)
+                    )
                 log.append(row)
                 choice = getattr(parallel_model, "channel_choice", "")
                 if choice and not plan_reported:
@@ -235,12 +256,7 @@ def train_data_parallel(
                 if tuning and not tuning_reported:
                     bar.write(f"communication plan {tuning}", file=sys.stdout)
                     tuning_reported = True
-                bar.write(
-                    f"epoch {epoch:3d}/{config.epochs}  train loss {train_loss:.4f}  "
-                    f"test loss {test_loss:.4f}  test acc {100 * test_accuracy:6.2f}%  "
-                    f"{throughput:8.1f} samples/s",
-                    file=sys.stdout,
-                )
+                bar.write(_epoch_line(row, config.epochs, text), file=sys.stdout)
                 sys.stdout.flush()
             if saves is not None and (saves.after_epoch(epoch) or epoch == config.epochs):
                 save(Position(epoch + 1, 0, global_step), torch.zeros_like(loss_sum))
@@ -254,6 +270,10 @@ def train_data_parallel(
             flush=True,
         )
 
+    perplexities = None
+    if isinstance(bundle.train, TokenWindows) and isinstance(bundle.test, TokenWindows):
+        unigram = unigram_perplexity(bundle.train.tokens, bundle.test.targets())
+        perplexities = (math.exp(result_test_loss), unigram)
     return finish_run(
         log,
         f"{config.model} on {bundle.name}, {context.world_size} rank(s)",
@@ -261,7 +281,26 @@ def train_data_parallel(
         train_loss=result_loss,
         samples_per_s=throughput,
         epochs=config.epochs,
+        perplexities=perplexities,
     )
+
+
+def _autocast(config: TrainConfig, device: torch.device) -> torch.autocast:
+    """The forward's autocast: bfloat16 under ``--precision bf16``, else off."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16")
+
+
+def _epoch_line(row: dict[str, float], epochs: int, text: bool) -> str:
+    """Rank 0's line after an epoch: losses, then accuracy or perplexities, and throughput."""
+    line = f"epoch {int(row['epoch']):3d}/{epochs}  train loss {row['train_loss']:.4f}  "
+    if text:
+        line += (
+            f"(ppl {row['train_perplexity']:.2f})  test loss {row['test_loss']:.4f} "
+            f"(ppl {row['test_perplexity']:.2f})  next-token acc "
+        )
+    else:
+        line += f"test loss {row['test_loss']:.4f}  test acc "
+    return line + f"{100 * row['test_accuracy']:6.2f}%  {row['samples_per_s']:8.1f} samples/s"
 
 
 def fixed_plan_state(model: DataParallel, config: TrainConfig) -> dict[str, Any]:
@@ -361,7 +400,8 @@ def evaluate(
         context: this rank's place in the job; the sums are all-reduced over it.
 
     Returns:
-        ``(mean loss, accuracy)`` over every rank's samples, the same on every rank.
+        ``(mean loss, accuracy)`` over every rank's samples (a language model's: over every
+        predicted token), the same on every rank.
     """
     was_training = model.training
     model.eval()
@@ -370,8 +410,8 @@ def evaluate(
         inputs = batch_inputs.to(context.device, non_blocking=True)
         targets = batch_targets.to(context.device, non_blocking=True)
         logits = model(inputs)
-        totals[0] += functional.cross_entropy(logits, targets, reduction="sum").double()
-        totals[1] += (logits.argmax(dim=1) == targets).sum().double()
+        totals[0] += token_cross_entropy(logits, targets, reduction="sum").double()
+        totals[1] += (logits.argmax(dim=-1) == targets).sum().double()
         totals[2] += targets.numel()
     dist.all_reduce(totals)
     model.train(was_training)

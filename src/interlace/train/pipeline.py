@@ -20,8 +20,9 @@ from interlace.pipeline.runtime import PipelineStage
 from interlace.pipeline.schedule import SYNCHRONOUS
 from interlace.pipeline.stages import LocalStage, local_stage
 from interlace.train.checkpoint import Position, rng_state, set_rng_state
-from interlace.train.config import TrainConfig, TrainResult, sgd_with_schedule, steps_in_epoch
+from interlace.train.config import TrainConfig, TrainResult
 from interlace.train.records import RunRecords, finish_run
+from interlace.train.schedule import optimizer_with_schedule, steps_in_epoch
 from interlace.zoo import build_model, load_data, make_loader
 
 
@@ -81,7 +82,7 @@ def train_pipeline(
         f"the training split of '{bundle.name}' has {len(bundle.train)} samples, fewer "
         f"than one mini-batch of {config.batch_size}; lower --batch-size",
     )
-    optimizer, schedule = sgd_with_schedule(module.parameters(), config, steps_per_epoch)
+    optimizer, schedule = optimizer_with_schedule(module.parameters(), config, steps_per_epoch)
     total_steps = config.epochs * steps_per_epoch
     bar = records.progress_bar(total_steps)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from interlace.distenv import DistContext
-from interlace.runlog import RunLog, new_run_dir
+from interlace.runlog import METRIC_COLUMNS, RunLog, new_run_dir
 from interlace.train.checkpoint import (
     Position,
     Resumed,
@@ -60,7 +60,11 @@ class RunRecords:
         self._record = asdict(config)
 
     def open_log(
-        self, suffix: str, data_source: Mapping[str, object] | None, header: Callable[[Path], str]
+        self,
+        suffix: str,
+        data_source: Mapping[str, object] | None,
+        header: Callable[[Path], str],
+        columns: Sequence[str] = METRIC_COLUMNS,
     ) -> RunLog | None:
         """Open rank 0's run folder and print the job's header, and where it resumes from.
 
@@ -68,6 +72,7 @@ class RunRecords:
             suffix: the last part of a new folder's name, e.g. ``n4``.
             data_source: how a generated data set was made (see :func:`open_run_log`).
             header: the job's first line, given the run folder.
+            columns: the metrics' columns.
 
         Returns:
             The run log on rank 0; None on the other ranks.
@@ -79,6 +84,7 @@ class RunRecords:
             suffix,
             resume_epoch=self.start.epoch if self.resumed is not None else None,
             data_source=data_source,
+            columns=columns,
         )
         if self.log is not None:
             print(header(self.log.path), flush=True)
@@ -123,6 +129,7 @@ def open_run_log(
     resume_epoch: int | None = None,
     *,
     data_source: Mapping[str, object] | None = None,
+    columns: Sequence[str] = METRIC_COLUMNS,
 ) -> RunLog | None:
     """Rank 0's run folder; None on the other ranks.
 
@@ -135,6 +142,7 @@ def open_run_log(
         resume_epoch: continue ``run_dir`` from this epoch (see :meth:`RunLog.resume`).
         data_source: how a generated data set was made (its generator's arguments and seed),
             recorded as ``data_source``; None or empty for fixed data.
+        columns: the metrics' columns of a new folder (a resumed one keeps its own).
     """
     if not context.is_main:
         return None
@@ -151,11 +159,16 @@ def open_run_log(
     record = _config_record(config, context)
     if data_source:
         record["data_source"] = dict(data_source)
-    return RunLog(path, record)
+    return RunLog(path, record, columns)
 
 
 def finish_run_log(
-    log: RunLog, title: str, accuracy: float, epochs: int, samples_per_s: float
+    log: RunLog,
+    title: str,
+    accuracy: float,
+    epochs: int,
+    samples_per_s: float,
+    perplexities: tuple[float, float] | None = None,
 ) -> None:
     """Draw the curves and print the final line every training job ends with.
 
@@ -165,12 +178,24 @@ def finish_run_log(
         accuracy: the final test accuracy, in [0, 1].
         epochs: epochs trained.
         samples_per_s: the last epoch's throughput.
+        perplexities: a language model's final held-out perplexity and its corpus's unigram
+            perplexity; None for a classifier.
     """
-    log.plot(title)
+    where = f"metrics in {log.metrics_path}, curves in {log.curves_path}"
+    if perplexities is None:
+        log.plot(title)
+        print(
+            f"final test accuracy: {100 * accuracy:.2f}% after {epochs} epochs "
+            f"({samples_per_s:.1f} samples/s); {where}",
+            flush=True,
+        )
+        return
+    held_out, unigram = perplexities
+    log.plot(title, reference=(f"unigram {unigram:.2f}", unigram))
     print(
-        f"final test accuracy: {100 * accuracy:.2f}% after {epochs} epochs "
-        f"({samples_per_s:.1f} samples/s); metrics in {log.metrics_path}, curves in "
-        f"{log.curves_path}",
+        f"final held-out perplexity: {held_out:.3f} after {epochs} epochs (unigram perplexity "
+        f"of the corpus: {unigram:.3f}, ratio {held_out / unigram:.3f}; next-token accuracy "
+        f"{100 * accuracy:.2f}%, {samples_per_s:.1f} samples/s); {where}",
         flush=True,
     )
 
@@ -183,6 +208,7 @@ def finish_run(
     train_loss: float,
     samples_per_s: float,
     epochs: int,
+    perplexities: tuple[float, float] | None = None,
 ) -> TrainResult:
     """End a run: rank 0 closes its run folder (:func:`finish_run_log`); every rank reports.
 
@@ -193,15 +219,19 @@ def finish_run(
         train_loss: the last epoch's mean training loss.
         samples_per_s: the last epoch's throughput.
         epochs: epochs trained.
+        perplexities: a language model's final held-out and unigram perplexities; None for a
+            classifier.
     """
     if log is not None:
-        finish_run_log(log, title, accuracy, epochs, samples_per_s)
+        finish_run_log(log, title, accuracy, epochs, samples_per_s, perplexities)
     return TrainResult(
         final_test_accuracy=accuracy,
         final_train_loss=train_loss,
         samples_per_s=samples_per_s,
         run_dir=str(log.path) if log is not None else None,
         epochs=epochs,
+        final_test_perplexity=perplexities[0] if perplexities else None,
+        unigram_perplexity=perplexities[1] if perplexities else None,
     )
 
 

@@ -2,12 +2,14 @@
 
 :func:`build_model` makes a zoo model (or a user's own, from ``package.module:callable``) for a
 given input shape; :func:`load_data` loads digits, synthetic CIFAR-10/ImageNet stand-ins or a
-CIFAR-10 folder; :func:`make_loader` shards a data set across ranks.
+CIFAR-10 folder, or a text corpus (byte tokens, for ``gpt``); :func:`make_loader` shards a data
+set across ranks.
 """
 
 from __future__ import annotations
 
 from interlace.zoo.data import DATA_NAMES, DataBundle, load_data, make_loader, model_shape
+from interlace.zoo.gpt import token_cross_entropy
 from interlace.zoo.models import MODEL_NAMES, ModelSummary, build_model, summarize_model
 
 __all__ = [
@@ -20,4 +22,5 @@ __all__ = [
     "make_loader",
     "model_shape",
     "summarize_model",
+    "token_cross_entropy",
 ]

@@ -1,15 +1,14 @@
 """Data sets for the zoo and per-rank data loaders.
 
 ``digits`` (packaged), ``mnist1d``, ``synthetic-cifar10`` and ``synthetic-imagenet`` (generated),
-or a path to a CIFAR-10 folder; :func:`make_loader` shards a data set across ranks.
+a path to a CIFAR-10 folder, or text for a language model (``pydoc-topics`` packaged, ``text``
+from a file); :func:`make_loader` shards a data set across ranks.
 """
 
 from __future__ import annotations
 
-import abc
 import io
 import pickle
-from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from interlace.errors import UsageError
 from interlace.zoo.mnist1d import mnist1d_arrays
+from interlace.zoo.samples import DataBundle, Sample, SampleDataset
+from interlace.zoo.text import TEXT_FILE, TEXT_NAMES, TokenWindows, load_text
 
 __all__ = [
     "CIFAR10_MEAN",
@@ -32,12 +33,20 @@ __all__ = [
     "SampleDataset",
     "SyntheticImages",
     "TensorPairs",
+    "TokenWindows",
     "digits_split_indices",
     "load_data",
     "make_loader",
 ]
 
-DATA_NAMES: tuple[str, ...] = ("digits", "mnist1d", "synthetic-cifar10", "synthetic-imagenet")
+DATA_NAMES: tuple[str, ...] = (
+    "digits",
+    "mnist1d",
+    "synthetic-cifar10",
+    "synthetic-imagenet",
+    *TEXT_NAMES,
+    TEXT_FILE,
+)
 
 #: Per-channel mean and standard deviation of the CIFAR-10 training images scaled to [0, 1].
 CIFAR10_MEAN: tuple[float, float, float] = (0.4914, 0.4822, 0.4465)
@@ -56,50 +65,6 @@ _SYNTHETIC: dict[str, tuple[tuple[int, int, int], int, int, int]] = {
     "synthetic-cifar10": ((3, 32, 32), 10, 50_000, 10_000),
     "synthetic-imagenet": ((3, 224, 224), 1000, 12_800, 1_000),
 }
-
-Sample = tuple[Tensor, Tensor]
-
-
-class SampleDataset(Dataset[Sample], abc.ABC):
-    """A map-style data set of ``(input, label)`` pairs with a known length.
-
-    :class:`torch.utils.data.Dataset` itself declares no ``__len__``, so ``len(bundle.train)``
-    would not type-check against it; every data set :func:`load_data` returns is one of these.
-    """
-
-    @abc.abstractmethod
-    def __len__(self) -> int:
-        """Number of samples."""
-
-    @abc.abstractmethod
-    def __getitem__(self, index: int) -> Sample:
-        """Sample ``index``: an input tensor and a 0-d int64 label tensor."""
-
-
-@dataclass(frozen=True)
-class DataBundle:
-    """A data set's train and test splits and the shapes a model needs to be built for it.
-
-    ``input_shape`` is one sample's shape without the batch dimension; every split yields
-    ``(input float32 [*input_shape], label int64 [])`` pairs.
-
-    Args:
-        name: the data set's name.
-        train: the training split.
-        test: the test split.
-        input_shape: the shape of one sample, e.g. (3, 32, 32).
-        num_classes: how many classes the labels run over.
-        source: how a generated data set was made (its generator's arguments), for the run's
-            record; empty for fixed data.
-    """
-
-    name: str
-    train: SampleDataset
-    test: SampleDataset
-    input_shape: tuple[int, ...]
-    num_classes: int
-    source: dict[str, Any] = field(default_factory=dict)
-
 
 # --------------------------------------------------------------------------------------------
 # digits
@@ -409,6 +374,8 @@ def load_data(
     synthetic_size: int | None = None,
     seed: int = 0,
     data_seed: int | None = None,
+    seq_len: int | None = None,
+    data_file: str | None = None,
 ) -> DataBundle:
     """Load the data set named by ``spec``: a name in :data:`DATA_NAMES` or a CIFAR-10 folder.
 
@@ -427,19 +394,36 @@ def load_data(
     :class:`SyntheticImages`. ``synthetic_size`` replaces the training size, and the test size
     becomes ``max(1, synthetic_size // 5)``; ``seed`` selects the samples.
 
+    ``pydoc-topics`` (packaged) and ``text`` (the file ``data_file``): a corpus of byte tokens
+    (256 classes) cut into :class:`TokenWindows` of ``seq_len`` tokens (default 128), the last
+    tenth of its bytes held out as the test split (:func:`interlace.zoo.text.split_tokens`).
+
     Anything else is a path to a CIFAR-10 python-format folder (``data_batch_1`` ..
     ``data_batch_5`` and ``test_batch``) or the folder containing ``cifar-10-batches-py``;
     images are normalised with :data:`CIFAR10_MEAN` / :data:`CIFAR10_STD`.
 
     Args:
-        spec: digits, synthetic-cifar10, synthetic-imagenet, or a CIFAR-10 folder.
+        spec: digits, mnist1d, synthetic-cifar10, synthetic-imagenet, pydoc-topics, text, or a
+            CIFAR-10 folder.
         synthetic_size: training samples of a generated data set (synthetic or mnist1d).
         seed: selects a synthetic data set's samples.
         data_seed: the seed of a generated data set (mnist1d); None keeps its default.
+        seq_len: tokens per sample of a text corpus (None: 128).
+        data_file: the text file of ``spec`` ``"text"``.
 
     Raises :class:`~interlace.errors.UsageError` for a path that does not exist or lacks batch
-    files, and for ``synthetic_size`` given with a data set that is not synthetic.
+    files, for ``synthetic_size`` given with a data set that is not synthetic, for a text file
+    that is missing or empty, and for ``seq_len`` or ``data_file`` given with data that is not
+    text.
     """
+    if spec in (*TEXT_NAMES, TEXT_FILE):
+        if synthetic_size is not None or data_seed is not None:
+            raise UsageError(f"synthetic_size and data_seed do not apply to text data {spec!r}")
+        return load_text(spec, data_file=data_file, seq_len=seq_len)
+    if data_file is not None:
+        raise UsageError(f"--data-file is the file of --data text, not of --data {spec}")
+    if seq_len is not None:
+        raise UsageError(f"--seq-len applies to text data ({', '.join(TEXT_NAMES)}, text)")
     if spec in _SYNTHETIC:
         return _load_synthetic(spec, synthetic_size, seed)
     if data_seed is not None and spec != "mnist1d":

@@ -1,7 +1,8 @@
 """The model zoo: reference networks that span the shapes distributed training cares about.
 
 ``mlp``, ``resnet20/32/56``, ``vgg11`` and ``transformer``, each adapting to the input shape it
-is given, and ``mlp1d``, ``cnn1d`` and ``resnet1d`` for sequences (MNIST-1D);
+is given, ``mlp1d``, ``cnn1d`` and ``resnet1d`` for sequences (MNIST-1D), and ``gpt``, a causal
+language model over token ids;
 :func:`build_model` also accepts a user's ``package.module:callable``.
 """
 
@@ -22,10 +23,12 @@ import torch.nn.functional as F  # noqa: N812 - the conventional alias
 from torch import Tensor, nn
 
 from interlace.errors import UsageError
+from interlace.zoo.gpt import GPT
 from interlace.zoo.models1d import CNN1d, MLP1d, ResNet1d
 from interlace.zoo.transformer import PatchTransformer
 
 __all__ = [
+    "GPT",
     "MLP",
     "MODEL_NAMES",
     "VGG11",
@@ -46,6 +49,7 @@ MODEL_NAMES: tuple[str, ...] = (
     "mlp1d",
     "cnn1d",
     "resnet1d",
+    "gpt",
 )
 
 
@@ -359,6 +363,8 @@ def _build_zoo_model(name: str, input_shape: tuple[int, ...], num_classes: int) 
         return VGG11(input_shape, num_classes)
     if name == "transformer":
         return PatchTransformer(input_shape, num_classes)
+    if name == "gpt":
+        return GPT(input_shape, num_classes)
     raise AssertionError(f"zoo name {name!r} has no builder")  # MODEL_NAMES and this disagree
 
 
