@@ -30,6 +30,8 @@ from interlace.kfac.enums import (
     DistributedStrategy,
     FactorCommChoice,
     FactorSync,
+    LayerKind,
+    LayerRule,
     PlacementChoice,
     coerce_choice,
 )
@@ -41,12 +43,8 @@ from interlace.kfac.hooks import FactorHooks, LayerForwardHook
 from interlace.kfac.methods import DecompositionMethod
 from interlace.kfac.options import Settled, agreement_settings, settle
 from interlace.kfac.placements import Placement
-from interlace.kfac.preconditioned_layer import (
-    GradientMark,
-    describe_layers,
-    find_layers,
-    unwrap,
-)
+from interlace.kfac.preconditioned_layer import GradientMark, describe_layers
+from interlace.kfac.registration import find_layers
 from interlace.kfac.state import PLAIN_HYPERPARAMETERS
 from interlace.kfac.timing import SpanLog
 from interlace.kfac.warning import KFACWarning
@@ -80,7 +78,8 @@ class KFAC(BasePreconditioner):
     ``inv_update_steps`` each factor is decomposed where the placement
     puts it and sent to the layer's gradient workers, which precondition (and send the result on
     unless every rank is a worker); last, the KL-clip scales every preconditioned gradient by one
-    factor. Linear, Conv2d (groups=1) and dense Embedding layers are preconditioned. ``G`` is
+    factor. Linear, Conv1d and Conv2d (groups=1), dense Embedding and ``transformers``' Conv1D
+    layers are preconditioned (``layer_rule``; weights two layers share are not). ``G`` is
     normalised to the *global* batch, so W ranks give exactly the single-process result.
     kfac-pytorch's other arguments (``allreduce_bucket_cap_mb``, ``colocate_factors``, ...) are
     :class:`KFACPreconditioner`'s.
@@ -144,6 +143,16 @@ class KFAC(BasePreconditioner):
             damping follows Martens & Grosse's rule, driven by the loss given to :meth:`step`
             (no loss: it stays as given, kfac-pytorch's behaviour); ``"fixed"``: kfac-pytorch's
             fixed (or scheduled) damping. See docs/kfac/damping.md.
+        layer_rule: Which modules are preconditioned (a :class:`LayerRule` or its string):
+            ``"interlace"`` (every kind of :class:`LayerKind` with a trainable weight, less
+            ``skip_layers``) or ``"kfac-pytorch"`` (kfac-pytorch's rule: leaf Linear and
+            Conv2d modules whose parameters are all trainable, less the modules whose name or
+            class name a ``skip_layers`` regular expression is found in, plus
+            ``extra_layers``). Either way, a layer whose weight another registered layer
+            shares is left to the optimizer. See docs/kfac.md.
+        extra_layers: Kinds added to kfac-pytorch's rule (:class:`LayerKind` members or their
+            strings: ``"embedding"``, ``"conv1d"``, ``"transformers-conv1d"``, ``"custom"``);
+            interlace's extension, refused under ``layer_rule="interlace"``, which has them all.
 
     Raises:
         UsageError: For a bad option or hyperparameter (a ``ValueError``; an
@@ -183,6 +192,8 @@ class KFAC(BasePreconditioner):
         | str
         | LevenbergMarquardt = DampingAdaptation.LEVENBERG_MARQUARDT,
         factor_sync: FactorSync | str = FactorSync.AT_DECOMPOSITION,
+        layer_rule: LayerRule | str = LayerRule.INTERLACE,
+        extra_layers: Iterable[LayerKind | str] = (),
     ) -> None:
         ranks = GroupRanks.of(process_group)
         options = settle(
@@ -207,6 +218,8 @@ class KFAC(BasePreconditioner):
             grad_scaler=grad_scaler,
             damping_adaptation=damping_adaptation,
             factor_sync=factor_sync,
+            layer_rule=layer_rule,
+            extra_layers=extra_layers,
         )
         self._grad_scale = options.grad_scale
         self.g_normalization = options.g_normalization
@@ -247,16 +260,31 @@ class KFAC(BasePreconditioner):
 
         #: Modules left to the optimiser, with the reason: ``{name: reason}``.
         self.skipped: dict[str, str]
-        self._layers, self.skipped = find_layers(
-            unwrap(model), options.skip_layers, self.compute_method, inv_dtype
+        #: Which modules are preconditioned, and the kinds added to kfac-pytorch's rule.
+        self.layer_rule: LayerRule = options.layer_rule
+        self.extra_layers: frozenset[LayerKind] = frozenset(options.extra_layers)
+        found = find_layers(
+            model,
+            options.skip_layers,
+            self.compute_method,
+            inv_dtype,
+            rule=options.layer_rule,
+            extra_layers=options.extra_layers,
         )
+        self._layers, self.skipped = found.layers, found.skipped
         if ranks.distributed and self.world_size > 1:
             # Before the first collective: ranks that disagree here would hang, abort in gloo
             # or drift apart silently later.
             settings = agreement_settings(
                 {key: getattr(self, f"_{key}") for key in PLAIN_HYPERPARAMETERS},
                 self._hyperparameters(),
-                skip_layers=sorted({name.lower() for name in options.skip_layers}),
+                skip_layers=sorted(
+                    {name.lower() for name in options.skip_layers}
+                    if options.layer_rule is LayerRule.INTERLACE
+                    else set(options.skip_layers)
+                ),
+                layer_rule=options.layer_rule.value,
+                extra_layers=[kind.value for kind in options.extra_layers],
                 accumulation_steps=self.accumulation_steps,
                 compute_method=self.compute_method,
                 grad_worker_fraction=self.grad_worker_fraction,
@@ -324,14 +352,29 @@ class KFAC(BasePreconditioner):
                 layer.helper.g_dim,
             )
         _LOG.log(self.loglevel, "K-FAC layer assignment: %s", self.describe().splitlines()[0])
-        if self.skipped and self.rank == 0:
+        self._report_layers(found.notes)
+
+    def _report_layers(self, notes: list[str]) -> None:
+        """Warn (on rank 0) of the modules left to the optimizer and of tied weights kept."""
+        if self.rank != 0:
+            return
+        for note in notes:
+            warnings.warn(f"K-FAC: {note}", KFACWarning, stacklevel=3)
+        if self.skipped:
             listing = ", ".join(f"{name} ({why})" for name, why in self.skipped.items())
             warnings.warn(
                 f"K-FAC preconditions {len(self._layers)} layer(s) and leaves "
                 f"{len(self.skipped)} module(s) with parameters to the optimizer: {listing}",
                 KFACWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
+
+    def describe(self) -> str:
+        """:meth:`BasePreconditioner.describe`'s lines, then one per module left to the optimizer
+        with its reason."""
+        lines = [super().describe()]
+        lines += [f"  left to the optimizer: {n} ({why})" for n, why in self.skipped.items()]
+        return "\n".join(lines)
 
     @classmethod
     def check_options(cls, world_size: int | None = None, **keywords: Any) -> Settled:
@@ -359,8 +402,9 @@ class KFAC(BasePreconditioner):
 
 
 class KFACPreconditioner(KFAC):
-    """kfac-pytorch's ``KFACPreconditioner``: :class:`KFAC` with kfac-pytorch's arguments and its
-    fixed damping by default, so a script switched by its import behaves as before.
+    """kfac-pytorch's ``KFACPreconditioner``: :class:`KFAC` with kfac-pytorch's arguments, its
+    fixed damping and its layer rule by default, so a script switched by its import behaves as
+    before (the same layers, the same numbers).
 
     Takes every keyword of :class:`KFAC` and, besides, kfac-pytorch's own names and the flat
     spellings of settings :class:`KFAC` keeps in its policy objects (``interlace train``'s
@@ -387,7 +431,11 @@ class KFACPreconditioner(KFAC):
         decomposition_cost: LBP's decomposition cost model (None: measured at start-up).
         broadcast_cost: LBP's broadcast cost model (None: measured at start-up).
         damping_adaptation: As :class:`KFAC`'s, ``"fixed"`` unless given.
-        **options: :class:`KFAC`'s other keyword arguments.
+        layer_rule: As :class:`KFAC`'s, ``"kfac-pytorch"`` unless given: leaf Linear and Conv2d
+            modules whose parameters are all trainable, less ``skip_layers`` (regular
+            expressions searched, case-sensitive, in each module's name in the model given and
+            its class name); interlace's other kinds are opt-in through ``extra_layers``.
+        **options: :class:`KFAC`'s other keyword arguments (``extra_layers`` among them).
     """
 
     def __init__(
@@ -407,11 +455,12 @@ class KFACPreconditioner(KFAC):
         decomposition_cost: DecompositionCostModel | None = None,
         broadcast_cost: CostModel | None = None,
         damping_adaptation: DampingAdaptation | str | LevenbergMarquardt = DampingAdaptation.FIXED,
+        layer_rule: LayerRule | str = LayerRule.KFAC_PYTORCH,
         **options: Any,
     ) -> None:
         self.loglevel = loglevel
         keywords = kfac_keywords(
-            {**options, "damping_adaptation": damping_adaptation},
+            {**options, "damping_adaptation": damping_adaptation, "layer_rule": layer_rule},
             allreduce_bucket_cap_mb=allreduce_bucket_cap_mb,
             assignment_strategy=assignment_strategy,
             colocate_factors=colocate_factors,
@@ -451,4 +500,5 @@ class KFACPreconditioner(KFAC):
         for key in ("self", "model", "loglevel"):
             given.pop(key)
         options["damping_adaptation"] = given.pop("damping_adaptation")
+        options["layer_rule"] = given.pop("layer_rule")
         return KFAC.check_options(world_size, **kfac_keywords(options, **given))
