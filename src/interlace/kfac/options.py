@@ -7,18 +7,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields, is_dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from interlace.checks import is_int, is_real
 from interlace.errors import OptionError, Setting
 from interlace.kfac.damping import LevenbergMarquardt, check_adaptation, damping_adaptation_from
-from interlace.kfac.enums import FactorSync, LayerKind, LayerRule, coerce_choice
+from interlace.kfac.enums import FactorSync, coerce_choice
 from interlace.kfac.factor_modes import FactorCommMode, factor_comm_from
 from interlace.kfac.methods import DecompositionMethod, method_from
 from interlace.kfac.placements import Placement, placement_from
-from interlace.kfac.registration import layer_kinds_from, skip_patterns
 from interlace.kfac.worker_groups import (
     asks_for_comm_opt,
     check_grad_worker_fraction,
@@ -57,8 +56,6 @@ class Settled:
         adaptation: The Levenberg-Marquardt rule's settings (None: fixed damping).
         skip_layers: The modules left out, as given.
         factor_sync: When factors are averaged across ranks.
-        layer_rule: Which modules are preconditioned.
-        extra_layers: The kinds added to kfac-pytorch's rule, sorted.
     """
 
     method: DecompositionMethod
@@ -73,8 +70,6 @@ class Settled:
     adaptation: LevenbergMarquardt | None
     skip_layers: tuple[str, ...]
     factor_sync: FactorSync = FactorSync.AT_DECOMPOSITION
-    layer_rule: LayerRule = LayerRule.INTERLACE
-    extra_layers: tuple[LayerKind, ...] = ()
 
 
 def settle(
@@ -100,8 +95,6 @@ def settle(
     grad_scaler: object,
     damping_adaptation: object,
     factor_sync: object = FactorSync.AT_DECOMPOSITION,
-    layer_rule: object = LayerRule.INTERLACE,
-    extra_layers: Iterable[LayerKind | str] | None = (),
 ) -> Settled:
     """Check ``KFAC``'s options (its keywords but the model and the process group) and give them
     in the form the runtime uses; what needs no model is refused here, before anything starts.
@@ -129,8 +122,6 @@ def settle(
         grad_scaler: As ``KFAC``'s.
         damping_adaptation: As ``KFAC``'s.
         factor_sync: As ``KFAC``'s.
-        layer_rule: As ``KFAC``'s.
-        extra_layers: As ``KFAC``'s.
 
     Raises:
         OptionError: The first option out of range, in the order of ``KFAC``'s signature's
@@ -162,7 +153,10 @@ def settle(
             dtype is None and name == "factor_dtype"
         ):
             raise OptionError(name, f"must be a floating-point torch dtype, got {dtype!r}")
-    rule, extra, skip = _layer_options(layer_rule, extra_layers, skip_layers)
+    if isinstance(skip_layers, str):
+        raise OptionError(
+            "skip_layers", f"must be a collection of names, got the string {skip_layers!r}"
+        )
     grad_scale = grad_scale_function(grad_scaler)
     given = {
         "factor_update_steps": factor_update_steps,
@@ -191,35 +185,9 @@ def settle(
         symmetry_aware=symmetry_aware,
         grad_scale=grad_scale,
         adaptation=adaptation,
-        skip_layers=skip,
+        skip_layers=() if skip_layers is None else tuple(skip_layers),
         factor_sync=sync,
-        layer_rule=rule,
-        extra_layers=extra,
     )
-
-
-def _layer_options(
-    layer_rule: object, extra_layers: Iterable[LayerKind | str] | None, skip_layers: object
-) -> tuple[LayerRule, tuple[LayerKind, ...], tuple[str, ...]]:
-    """``layer_rule``, ``extra_layers`` and ``skip_layers`` checked (see
-    :mod:`interlace.kfac.registration`)."""
-    rule = coerce_choice(LayerRule, layer_rule, "layer_rule")
-    extra = tuple(sorted(layer_kinds_from(extra_layers), key=lambda kind: kind.value))
-    if extra and rule is LayerRule.INTERLACE:
-        raise OptionError(
-            "extra_layers",
-            Setting("layer_rule", "interlace"),
-            " registers every kind already; pass ",
-            Setting("layer_rule", "kfac-pytorch"),
-            " with it, or drop it",
-        )
-    if isinstance(skip_layers, str):
-        raise OptionError(
-            "skip_layers", f"must be a collection of names, got the string {skip_layers!r}"
-        )
-    skip = () if skip_layers is None else tuple(cast(Iterable[str], skip_layers))
-    skip_patterns(skip, rule)
-    return rule, extra, skip
 
 
 def check_placement(placement: Placement, grad_worker_fraction: object) -> None:

@@ -44,7 +44,7 @@ from interlace.kfac.methods import DecompositionMethod
 from interlace.kfac.options import Settled, agreement_settings, settle
 from interlace.kfac.placements import Placement
 from interlace.kfac.preconditioned_layer import GradientMark, describe_layers
-from interlace.kfac.registration import find_layers
+from interlace.kfac.registration import check_layer_options, find_layers
 from interlace.kfac.state import PLAIN_HYPERPARAMETERS
 from interlace.kfac.timing import SpanLog
 from interlace.kfac.warning import KFACWarning
@@ -79,7 +79,8 @@ class KFAC(BasePreconditioner):
     puts it and sent to the layer's gradient workers, which precondition (and send the result on
     unless every rank is a worker); last, the KL-clip scales every preconditioned gradient by one
     factor. Linear, Conv1d and Conv2d (groups=1), dense Embedding and ``transformers``' Conv1D
-    layers are preconditioned (``layer_rule``; weights two layers share are not). ``G`` is
+    layers are preconditioned (interlace's rule, :attr:`layer_rule`; a weight two modules share,
+    as tied embeddings are, is left to the optimizer, with the reason). ``G`` is
     normalised to the *global* batch, so W ranks give exactly the single-process result.
     kfac-pytorch's other arguments (``allreduce_bucket_cap_mb``, ``colocate_factors``, ...) are
     :class:`KFACPreconditioner`'s.
@@ -143,17 +144,6 @@ class KFAC(BasePreconditioner):
             damping follows Martens & Grosse's rule, driven by the loss given to :meth:`step`
             (no loss: it stays as given, kfac-pytorch's behaviour); ``"fixed"``: kfac-pytorch's
             fixed (or scheduled) damping. See docs/kfac/damping.md.
-        layer_rule: Which modules are preconditioned (a :class:`LayerRule` or its string):
-            ``"interlace"`` (every kind of :class:`LayerKind` with a trainable weight, less
-            ``skip_layers``) or ``"kfac-pytorch"`` (kfac-pytorch's rule: leaf Linear and
-            Conv2d modules whose parameters are all trainable, less the modules whose name or
-            class name a ``skip_layers`` regular expression is found in, plus
-            ``extra_layers``). Either way, a layer whose weight another registered layer
-            shares is left to the optimizer. See docs/kfac.md.
-        extra_layers: Kinds added to kfac-pytorch's rule (:class:`LayerKind` members or their
-            strings: ``"embedding"``, ``"conv1d"``, ``"transformers-conv1d"``, ``"custom"``);
-            interlace's extension, refused under ``layer_rule="interlace"``, which has them all.
-
     Raises:
         UsageError: For a bad option or hyperparameter (a ``ValueError``; an
             :class:`~interlace.errors.OptionError` naming it), or, on every rank instead of a
@@ -164,6 +154,12 @@ class KFAC(BasePreconditioner):
     #: The level of the messages naming the registered layers and the placement
     #: (kfac-pytorch's ``loglevel``; :class:`KFACPreconditioner` takes it).
     loglevel: int = logging.DEBUG
+    #: Which modules are preconditioned: interlace's rule (every :class:`LayerKind` with a
+    #: trainable weight, less ``skip_layers``); :class:`KFACPreconditioner` takes it, and
+    #: :attr:`extra_layers`, as keywords. See docs/kfac.md.
+    layer_rule: LayerRule = LayerRule.INTERLACE
+    #: The kinds added to kfac-pytorch's Linear and Conv2d under its rule.
+    extra_layers: frozenset[LayerKind] = frozenset()
 
     def __init__(
         self,
@@ -192,8 +188,6 @@ class KFAC(BasePreconditioner):
         | str
         | LevenbergMarquardt = DampingAdaptation.LEVENBERG_MARQUARDT,
         factor_sync: FactorSync | str = FactorSync.AT_DECOMPOSITION,
-        layer_rule: LayerRule | str = LayerRule.INTERLACE,
-        extra_layers: Iterable[LayerKind | str] = (),
     ) -> None:
         ranks = GroupRanks.of(process_group)
         options = settle(
@@ -218,8 +212,6 @@ class KFAC(BasePreconditioner):
             grad_scaler=grad_scaler,
             damping_adaptation=damping_adaptation,
             factor_sync=factor_sync,
-            layer_rule=layer_rule,
-            extra_layers=extra_layers,
         )
         self._grad_scale = options.grad_scale
         self.g_normalization = options.g_normalization
@@ -260,16 +252,13 @@ class KFAC(BasePreconditioner):
 
         #: Modules left to the optimiser, with the reason: ``{name: reason}``.
         self.skipped: dict[str, str]
-        #: Which modules are preconditioned, and the kinds added to kfac-pytorch's rule.
-        self.layer_rule: LayerRule = options.layer_rule
-        self.extra_layers: frozenset[LayerKind] = frozenset(options.extra_layers)
         found = find_layers(
             model,
             options.skip_layers,
             self.compute_method,
             inv_dtype,
-            rule=options.layer_rule,
-            extra_layers=options.extra_layers,
+            rule=self.layer_rule,
+            extra_layers=self.extra_layers,
         )
         self._layers, self.skipped = found.layers, found.skipped
         if ranks.distributed and self.world_size > 1:
@@ -280,11 +269,11 @@ class KFAC(BasePreconditioner):
                 self._hyperparameters(),
                 skip_layers=sorted(
                     {name.lower() for name in options.skip_layers}
-                    if options.layer_rule is LayerRule.INTERLACE
+                    if self.layer_rule is LayerRule.INTERLACE
                     else set(options.skip_layers)
                 ),
-                layer_rule=options.layer_rule.value,
-                extra_layers=[kind.value for kind in options.extra_layers],
+                layer_rule=self.layer_rule.value,
+                extra_layers=sorted(kind.value for kind in self.extra_layers),
                 accumulation_steps=self.accumulation_steps,
                 compute_method=self.compute_method,
                 grad_worker_fraction=self.grad_worker_fraction,
@@ -431,11 +420,17 @@ class KFACPreconditioner(KFAC):
         decomposition_cost: LBP's decomposition cost model (None: measured at start-up).
         broadcast_cost: LBP's broadcast cost model (None: measured at start-up).
         damping_adaptation: As :class:`KFAC`'s, ``"fixed"`` unless given.
-        layer_rule: As :class:`KFAC`'s, ``"kfac-pytorch"`` unless given: leaf Linear and Conv2d
-            modules whose parameters are all trainable, less ``skip_layers`` (regular
-            expressions searched, case-sensitive, in each module's name in the model given and
-            its class name); interlace's other kinds are opt-in through ``extra_layers``.
-        **options: :class:`KFAC`'s other keyword arguments (``extra_layers`` among them).
+        layer_rule: Which modules are preconditioned (a :class:`LayerRule` or its string):
+            ``"kfac-pytorch"`` (the default: kfac-pytorch's rule, leaf Linear and Conv2d
+            modules whose parameters are all trainable, less those whose name in the model
+            given or class name a ``skip_layers`` regular expression is found in,
+            case-sensitive) or ``"interlace"`` (:class:`KFAC`'s rule). A layer whose weight
+            another registered layer shares is left to the optimizer either way.
+        extra_layers: Kinds added to kfac-pytorch's rule, interlace's extension
+            (:class:`LayerKind` members or their strings: ``"conv1d"``, ``"embedding"``,
+            ``"transformers-conv1d"``, ``"custom"``); refused with ``"interlace"``, which
+            has them all.
+        **options: :class:`KFAC`'s other keyword arguments.
     """
 
     def __init__(
@@ -456,11 +451,15 @@ class KFACPreconditioner(KFAC):
         broadcast_cost: CostModel | None = None,
         damping_adaptation: DampingAdaptation | str | LevenbergMarquardt = DampingAdaptation.FIXED,
         layer_rule: LayerRule | str = LayerRule.KFAC_PYTORCH,
+        extra_layers: Iterable[LayerKind | str] = (),
         **options: Any,
     ) -> None:
         self.loglevel = loglevel
+        self.layer_rule, self.extra_layers = check_layer_options(
+            layer_rule, extra_layers, options.get("skip_layers")
+        )
         keywords = kfac_keywords(
-            {**options, "damping_adaptation": damping_adaptation, "layer_rule": layer_rule},
+            {**options, "damping_adaptation": damping_adaptation},
             allreduce_bucket_cap_mb=allreduce_bucket_cap_mb,
             assignment_strategy=assignment_strategy,
             colocate_factors=colocate_factors,
@@ -500,5 +499,7 @@ class KFACPreconditioner(KFAC):
         for key in ("self", "model", "loglevel"):
             given.pop(key)
         options["damping_adaptation"] = given.pop("damping_adaptation")
-        options["layer_rule"] = given.pop("layer_rule")
+        check_layer_options(
+            given.pop("layer_rule"), given.pop("extra_layers"), options.get("skip_layers")
+        )
         return KFAC.check_options(world_size, **kfac_keywords(options, **given))

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from interlace.errors import OptionError
+from interlace.errors import OptionError, Setting
 from interlace.kfac.enums import LayerKind, LayerRule, coerce_choice
 from interlace.kfac.methods import DecompositionMethod
 from interlace.kfac.module_helpers import LayerHelper, layer_kind, make_helper
@@ -19,6 +19,7 @@ from interlace.kfac.preconditioned_layer import KFACLayer, unwrap
 __all__ = [
     "KFAC_PYTORCH_KINDS",
     "FoundLayers",
+    "check_layer_options",
     "find_layers",
     "layer_kinds_from",
     "skip_patterns",
@@ -86,6 +87,38 @@ def skip_patterns(skip_layers: Iterable[str], rule: LayerRule) -> list[re.Patter
                 ) from None
             patterns.append(None)
     return patterns
+
+
+def check_layer_options(
+    layer_rule: object, extra_layers: Iterable[LayerKind | str] | None, skip_layers: object
+) -> tuple[LayerRule, frozenset[LayerKind]]:
+    """``KFACPreconditioner``'s ``layer_rule`` and ``extra_layers`` checked, with the
+    ``skip_layers`` they read (kfac-pytorch's rule needs regular expressions).
+
+    Args:
+        layer_rule: A :class:`LayerRule` or its string.
+        extra_layers: :class:`LayerKind` members or their strings (None: none).
+        skip_layers: The ``skip_layers`` given (None: none).
+
+    Returns:
+        The rule and the extra kinds.
+
+    Raises:
+        OptionError: A bad value, or ``extra_layers`` under interlace's rule.
+    """
+    rule = coerce_choice(LayerRule, layer_rule, "layer_rule")
+    extra = layer_kinds_from(extra_layers)
+    if extra and rule is LayerRule.INTERLACE:
+        raise OptionError(
+            "extra_layers",
+            Setting("layer_rule", "interlace"),
+            " registers every kind already; pass ",
+            Setting("layer_rule", "kfac-pytorch"),
+            " with it, or drop it",
+        )
+    if isinstance(skip_layers, Iterable) and not isinstance(skip_layers, str):
+        skip_patterns([str(entry) for entry in skip_layers], rule)
+    return rule, extra
 
 
 def find_layers(

@@ -195,14 +195,14 @@ class TrainConfig:
         "class name (case-insensitive; under --kfac-layer-rule kfac-pytorch, regular "
         "expressions searched in the name or class name, case-sensitive)",
     )
-    # KFAC's own rule by default (not KFACPreconditioner's kfac-pytorch rule): the job's K-FAC
-    # preconditions Conv1d and Embedding layers, as it always has.
     kfac_layer_rule: str = kfac_option(
         "layer_rule",
         Choice(LayerRule),
         "which modules K-FAC preconditions: interlace (Linear, Conv1d, Conv2d, Embedding, "
-        "transformers' Conv1D) or kfac-pytorch (leaf Linear and Conv2d whose parameters are all "
-        "trainable, plus --kfac-extra-layers)",
+        "transformers' Conv1D; KFAC's rule, the job's default so that its convolutions and "
+        "embeddings stay preconditioned) or kfac-pytorch (leaf Linear and Conv2d whose "
+        "parameters are all trainable, plus --kfac-extra-layers)",
+        default=LayerRule.INTERLACE.value,
     )
     kfac_extra_layers: str = kfac_option(
         "extra_layers",
