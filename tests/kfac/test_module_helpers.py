@@ -152,3 +152,52 @@ def test_wide_conv_factors_are_the_spatially_averaged_moments_of_unfold_s_patche
     torch.testing.assert_close(helper.a_factor(inputs), (rows.t() @ rows / 60).float())
     g_rows = grads.permute(0, 2, 3, 1).reshape(-1, 260).double() / positions
     torch.testing.assert_close(helper.g_factor(grads), (g_rows.t() @ g_rows / 60).float())
+
+
+def _conv1d_and_linear(bias: bool) -> tuple[nn.Module, nn.Module]:
+    """Two GPT-2 style ``Conv1D`` layers and the equivalent Linear layers (weights transposed)."""
+    pytorch_utils = pytest.importorskip("transformers.pytorch_utils")
+    torch.manual_seed(0)
+    ours = nn.Sequential(pytorch_utils.Conv1D(7, 5), nn.Tanh(), pytorch_utils.Conv1D(3, 7))
+    linear = nn.Sequential(nn.Linear(5, 7, bias=bias), nn.Tanh(), nn.Linear(7, 3, bias=bias))
+    with torch.no_grad():
+        for conv, line in ((ours[0], linear[0]), (ours[2], linear[2])):
+            if not bias:
+                conv.bias.requires_grad_(False)  # zeros, frozen: K-FAC sees no bias
+            else:
+                conv.bias.normal_()
+                line.bias.copy_(conv.bias)
+            line.weight.copy_(conv.weight.t())
+    return ours, linear
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_transformers_conv1d_is_preconditioned_as_the_equivalent_linear(bias: bool) -> None:
+    from interlace.kfac import KFAC  # noqa: PLC0415
+
+    conv_model, linear_model = _conv1d_and_linear(bias)
+    assert type(make_helper(conv_model[0])[0]).__name__ == "TransposedLinearHelper"
+    preconds = [KFAC(m, damping_adaptation="fixed") for m in (conv_model, linear_model)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (conv_model, linear_model)]
+    for step in range(3):
+        x = torch.randn(4, 6, 5, generator=torch.Generator().manual_seed(step))
+        for model, precond in zip((conv_model, linear_model), preconds, strict=True):
+            model.zero_grad()
+            model(x).square().mean().backward()
+            precond.step()
+        conv_layers, linear_layers = (p.kfac_layers for p in preconds)
+        for name in ("0", "2"):
+            for which in "AG":
+                torch.testing.assert_close(
+                    conv_layers[name].factor(which), linear_layers[name].factor(which)
+                )
+            conv_grad = conv_model.get_submodule(name).weight.grad
+            linear_grad = linear_model.get_submodule(name).weight.grad
+            torch.testing.assert_close(conv_grad, linear_grad.t())
+            if bias:
+                torch.testing.assert_close(
+                    conv_model.get_submodule(name).bias.grad,
+                    linear_model.get_submodule(name).bias.grad,
+                )
+        for optimizer in optimizers:
+            optimizer.step()

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from interlace.kfac.module_helpers import LinearHelper
-from interlace.kfac.preconditioned_layer import KFACLayer, find_layers, unwrap
+from interlace.kfac.preconditioned_layer import KFACLayer
 
 
 def _layer(method: str = "eigen") -> KFACLayer:
@@ -77,18 +77,3 @@ def test_a_failed_decomposition_falls_back_to_the_diagonal(monkeypatch: pytest.M
     assert fallback.vectors is not None and fallback.values is not None
     torch.testing.assert_close(fallback.vectors, torch.eye(2, dtype=torch.float64))
     torch.testing.assert_close(fallback.values, torch.tensor([2.0, 3.0], dtype=torch.float64))
-
-
-def test_find_layers_unwraps_and_lists_what_it_leaves() -> None:
-    class Wrapper(nn.Module):
-        def __init__(self, module: nn.Module) -> None:
-            super().__init__()
-            self.module = module
-
-    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Linear(2, 1))
-    assert unwrap(Wrapper(Wrapper(model))) is model
-    layers, skipped = find_layers(model, ["2"], "eigen", torch.float32)
-    assert [layer.name for layer in layers] == ["0"]
-    assert skipped == {"1": "BatchNorm1d has no K-FAC factors", "2": "in skip_layers"}
-    with pytest.raises(ValueError, match="no Linear"):
-        find_layers(model, ["linear"], "eigen", torch.float32)

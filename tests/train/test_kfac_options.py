@@ -134,6 +134,9 @@ def test_the_flags_reach_kfac_as_its_keywords(launched: list[TrainConfig]) -> No
         "compute_method": "inverse",
         "grad_worker_fraction": "mem-opt",
         "skip_layers": ("head", "Conv2d"),
+        # Not given: KFAC's own rule, so the job's layers are what they always were.
+        "layer_rule": "interlace",
+        "extra_layers": (),
         "factor_dtype": torch.float64,
         "inv_dtype": torch.float64,
         "bucket_cap_mb": 0.0,

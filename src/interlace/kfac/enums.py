@@ -1,6 +1,6 @@
 """The choices ``KFAC`` takes as enums: kfac-pytorch's, with its names, so its scripts switch
 unchanged, and interlace's own (:class:`PlacementChoice`, :class:`FactorCommChoice`,
-:class:`DampingAdaptation`, :class:`FactorSync`).
+:class:`DampingAdaptation`, :class:`FactorSync`, :class:`LayerRule`, :class:`LayerKind`).
 
 Each option accepts a member of these enums, its string (any case, ``-`` or ``_``), or a member
 of kfac-pytorch's enum of the same name (``kfac.enums.ComputeMethod.EIGEN``).
@@ -21,6 +21,8 @@ __all__ = [
     "DistributedStrategy",
     "FactorCommChoice",
     "FactorSync",
+    "LayerKind",
+    "LayerRule",
     "PlacementChoice",
     "coerce_choice",
 ]
@@ -98,6 +100,41 @@ class DampingAdaptation(str, enum.Enum):
     LEVENBERG_MARQUARDT = "levenberg-marquardt"
 
 
+class LayerRule(str, enum.Enum):
+    """Which modules ``KFAC(layer_rule=)`` preconditions (see docs/kfac.md, "Which layers are
+    preconditioned").
+
+    ``INTERLACE`` (``KFAC``'s default): every module with a trainable weight of a kind in
+    :class:`LayerKind`, less the ``skip_layers`` matches (a module's name, an enclosing module's
+    name or its class name, any case, or a regular expression found in the name or class
+    name). ``KFAC_PYTORCH`` (``KFACPreconditioner``'s default): kfac-pytorch's rule, leaf
+    ``Linear`` and ``Conv2d`` modules all of whose parameters are trainable, less those whose
+    name in the model given or class name a ``skip_layers`` regular expression is found in
+    (case-sensitive), plus the ``extra_layers`` kinds.
+    """
+
+    INTERLACE = "interlace"
+    KFAC_PYTORCH = "kfac-pytorch"
+
+
+class LayerKind(str, enum.Enum):
+    """A kind of module K-FAC can precondition.
+
+    kfac-pytorch's are ``LINEAR`` (``nn.Linear`` and subclasses) and ``CONV2D``; interlace adds
+    ``CONV1D``, ``EMBEDDING`` (dense), ``TRANSFORMERS_CONV1D`` (``transformers``' ``Conv1D``,
+    GPT-2's projection: a Linear with its weight stored transposed) and ``CUSTOM`` (a module
+    whose ``kfac_helper()`` supplies its factors). Under ``layer_rule="kfac-pytorch"`` the added
+    kinds are opt-in through ``extra_layers``.
+    """
+
+    LINEAR = "linear"
+    CONV2D = "conv2d"
+    CONV1D = "conv1d"
+    EMBEDDING = "embedding"
+    TRANSFORMERS_CONV1D = "transformers-conv1d"
+    CUSTOM = "custom"
+
+
 Choice = TypeVar(
     "Choice",
     ComputeMethod,
@@ -107,6 +144,8 @@ Choice = TypeVar(
     FactorCommChoice,
     FactorSync,
     DampingAdaptation,
+    LayerRule,
+    LayerKind,
 )
 
 

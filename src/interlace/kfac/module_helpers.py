@@ -1,11 +1,12 @@
 """What K-FAC needs from each supported module: its two factors and its gradient as one matrix.
 
-One :class:`LayerHelper` per module kind (Linear, Conv1d, Conv2d, Embedding); the state built
-on them lives in :mod:`interlace.kfac.preconditioned_layer`.
+One :class:`LayerHelper` per module kind (Linear, Conv1d, Conv2d, Embedding, ``transformers``'
+Conv1D); the state built on them lives in :mod:`interlace.kfac.preconditioned_layer`.
 """
 
 from __future__ import annotations
 
+import sys
 from itertools import pairwise
 from typing import cast
 
@@ -14,6 +15,7 @@ from torch import nn
 from torch.nn import functional
 
 from interlace.kfac.decomp import FactorDecomposition, decompose, precondition
+from interlace.kfac.enums import LayerKind
 from interlace.kfac.methods import DecompositionMethod
 
 __all__ = [
@@ -22,7 +24,9 @@ __all__ = [
     "EmbeddingHelper",
     "LayerHelper",
     "LinearHelper",
+    "TransposedLinearHelper",
     "input_moment",
+    "layer_kind",
     "make_helper",
     "second_moment",
 ]
@@ -289,6 +293,53 @@ class LinearHelper(LayerHelper):
         return second_moment(grad_output.reshape(-1, grad_output.shape[-1]))
 
 
+class TransposedLinearHelper(LinearHelper):
+    """``transformers``' ``Conv1D`` (GPT-2's projections): ``y = x W + b`` with ``W`` stored
+    ``(in, out)``, i.e. a Linear whose weight is kept transposed.
+
+    The factors are a Linear's; the gradient is seen transposed, so the preconditioned gradient
+    is exactly the equivalent ``nn.Linear``'s, transposed back.
+
+    Args:
+        module: The ``Conv1D`` layer.
+    """
+
+    @property
+    def a_dim(self) -> int:
+        return self.weight.shape[0] + int(self.bias is not None)
+
+    @property
+    def g_dim(self) -> int:
+        return self.weight.shape[1]
+
+    def grad_matrix(self) -> torch.Tensor | None:
+        grad = self.weight.grad
+        if grad is None:
+            return None
+        matrix = grad.t()
+        bias = self.bias
+        if bias is None:
+            return matrix.contiguous()
+        bias_grad = bias.grad if bias.grad is not None else torch.zeros_like(bias)
+        return torch.cat([matrix, bias_grad.reshape(-1, 1)], dim=1)
+
+    def param_matrix(self) -> torch.Tensor:
+        matrix = self.weight.detach().t()
+        bias = self.bias
+        if bias is not None:
+            return torch.cat([matrix, bias.detach().reshape(-1, 1)], dim=1)
+        return matrix.clone()
+
+    def set_grad(self, matrix: torch.Tensor) -> None:
+        bias = self.bias
+        weight_part = matrix[:, :-1] if bias is not None else matrix
+        cast(torch.Tensor, self.weight.grad).copy_(weight_part.t())
+        if bias is not None:
+            if bias.grad is None:
+                bias.grad = torch.zeros_like(bias)
+            bias.grad.copy_(matrix[:, -1].reshape(bias.shape))
+
+
 class Conv2dHelper(LayerHelper):
     """:class:`torch.nn.Conv2d` with ``groups=1``; any stride, padding and dilation.
 
@@ -462,6 +513,45 @@ class EmbeddingHelper(LayerHelper):
         cast(torch.Tensor, self.weight.grad).copy_(matrix.t())
 
 
+def _transformers_conv1d() -> type | None:
+    """``transformers``' ``Conv1D`` class if ``transformers`` has been imported, else None.
+
+    Looked up, never imported: a model holding one has imported it already, and
+    ``transformers`` is optional (and slow to import).
+    """
+    module = sys.modules.get("transformers.pytorch_utils")
+    found = getattr(module, "Conv1D", None)
+    return found if isinstance(found, type) else None
+
+
+def layer_kind(module: nn.Module) -> LayerKind | None:
+    """The kind of ``module`` K-FAC knows, or None (a subclass counts as its base's kind).
+
+    Args:
+        module: Any module.
+    """
+    if callable(getattr(module, "kfac_helper", None)):
+        return LayerKind.CUSTOM
+    return _builtin_kind(module)
+
+
+def _builtin_kind(module: nn.Module) -> LayerKind | None:
+    """The kind of ``module`` by its class alone."""
+    kinds: tuple[tuple[type, LayerKind], ...] = (
+        (nn.Linear, LayerKind.LINEAR),
+        (nn.Conv2d, LayerKind.CONV2D),
+        (nn.Conv1d, LayerKind.CONV1D),
+        (nn.Embedding, LayerKind.EMBEDDING),
+    )
+    for kind_type, kind in kinds:
+        if isinstance(module, kind_type):
+            return kind
+    transposed = _transformers_conv1d()
+    if transposed is not None and isinstance(module, transposed):
+        return LayerKind.TRANSFORMERS_CONV1D
+    return None
+
+
 def make_helper(module: nn.Module) -> tuple[LayerHelper | None, str]:
     """The helper for ``module``, or None and the reason K-FAC leaves it to the optimizer.
 
@@ -472,17 +562,20 @@ def make_helper(module: nn.Module) -> tuple[LayerHelper | None, str]:
     Args:
         module: Any module with parameters.
     """
-    # A module may bring its own helper (an emulated layer whose compute is device time).
-    own = getattr(module, "kfac_helper", None)
-    if callable(own):
-        helper = own()
+    kind = layer_kind(module)
+    if kind is LayerKind.CUSTOM:
+        # A module may bring its own helper (an emulated layer whose compute is device time).
+        helper = module.kfac_helper()  # type: ignore[operator]
         if isinstance(helper, LayerHelper):
             return helper, ""
+        kind = _builtin_kind(module)
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or not weight.requires_grad:
         return None, "no trainable weight"
-    if isinstance(module, nn.Linear):
+    if kind is LayerKind.LINEAR:
         return LinearHelper(module), ""
+    if kind is LayerKind.TRANSFORMERS_CONV1D:
+        return TransposedLinearHelper(module), ""
     if isinstance(module, (nn.Conv1d, nn.Conv2d)):
         if module.groups != 1:
             return None, f"grouped convolution (groups={module.groups}) is not supported"

@@ -153,6 +153,10 @@ def settle(
             dtype is None and name == "factor_dtype"
         ):
             raise OptionError(name, f"must be a floating-point torch dtype, got {dtype!r}")
+    if isinstance(skip_layers, str):
+        raise OptionError(
+            "skip_layers", f"must be a collection of names, got the string {skip_layers!r}"
+        )
     grad_scale = grad_scale_function(grad_scaler)
     given = {
         "factor_update_steps": factor_update_steps,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -19,14 +18,13 @@ from interlace.kfac.decomp import (
     decompose,
 )
 from interlace.kfac.methods import DecompositionMethod, method_from
-from interlace.kfac.module_helpers import LayerHelper, make_helper
+from interlace.kfac.module_helpers import LayerHelper
 
 __all__ = [
     "GradientMark",
     "KFACLayer",
     "PendingBroadcast",
     "describe_layers",
-    "find_layers",
     "gradient_marks",
     "gradients_unchanged",
     "restart_non_finite",
@@ -440,65 +438,6 @@ def unwrap(model: nn.Module) -> nn.Module:
     while isinstance(inner, nn.Module):
         model, inner = inner, getattr(inner, "module", None)
     return model
-
-
-def find_layers(
-    model: nn.Module,
-    skip_layers: Iterable[str],
-    method: DecompositionMethod | str,
-    inv_dtype: torch.dtype,
-) -> tuple[list[KFACLayer], dict[str, str]]:
-    """The layers K-FAC preconditions in ``model``, and the modules with parameters it leaves.
-
-    Args:
-        model: The model (unwrapped, see :func:`unwrap`).
-        skip_layers: Modules to leave out. Each entry matches a module's name, any enclosing
-            module's name or its class name (case-insensitive), or, as kfac-pytorch reads it,
-            is a regular expression found in the module's name or class name.
-        method: The decomposition method, or its name.
-        inv_dtype: The dtype decompositions are kept in.
-
-    Returns:
-        The layers in module order, and ``{name: reason}`` for every module left out.
-
-    Raises:
-        ValueError: No layer is left to precondition.
-    """
-    skip = {s.lower() for s in skip_layers}
-    patterns = [_pattern(s) for s in skip_layers]
-    layers: list[KFACLayer] = []
-    skipped: dict[str, str] = {}
-    for name, module in model.named_modules():
-        own_params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-        if not own_params:
-            continue
-        # The module's own name and every enclosing module's ("block", "block.0", ...).
-        segments = name.lower().split(".")
-        names = {".".join(segments[: i + 1]) for i in range(len(segments))}
-        kind = type(module).__name__
-        found = any(p is not None and (p.search(name) or p.search(kind)) for p in patterns)
-        if names & skip or kind.lower() in skip or found:
-            skipped[name] = "in skip_layers"
-            continue
-        helper, reason = make_helper(module)
-        if helper is None:
-            skipped[name] = reason
-            continue
-        layers.append(KFACLayer(name or type(module).__name__, helper, method, inv_dtype))
-    if not layers:
-        raise ValueError(
-            "K-FAC found no Linear, Conv1d, Conv2d or Embedding layer with a trainable weight to "
-            "precondition in this model (check skip_layers)"
-        )
-    return layers, skipped
-
-
-def _pattern(text: str) -> re.Pattern[str] | None:
-    """``text`` as a regular expression; None when it is not one (it still matches by name)."""
-    try:
-        return re.compile(text)
-    except re.error:
-        return None
 
 
 def describe_layers(layers: Iterable[KFACLayer]) -> dict[str, str]:

@@ -30,6 +30,8 @@ from interlace.kfac.enums import (
     DistributedStrategy,
     FactorCommChoice,
     FactorSync,
+    LayerKind,
+    LayerRule,
     PlacementChoice,
     coerce_choice,
 )
@@ -41,12 +43,8 @@ from interlace.kfac.hooks import FactorHooks, LayerForwardHook
 from interlace.kfac.methods import DecompositionMethod
 from interlace.kfac.options import Settled, agreement_settings, settle
 from interlace.kfac.placements import Placement
-from interlace.kfac.preconditioned_layer import (
-    GradientMark,
-    describe_layers,
-    find_layers,
-    unwrap,
-)
+from interlace.kfac.preconditioned_layer import GradientMark, describe_layers
+from interlace.kfac.registration import check_layer_options, find_layers
 from interlace.kfac.state import PLAIN_HYPERPARAMETERS
 from interlace.kfac.timing import SpanLog
 from interlace.kfac.warning import KFACWarning
@@ -80,7 +78,9 @@ class KFAC(BasePreconditioner):
     ``inv_update_steps`` each factor is decomposed where the placement
     puts it and sent to the layer's gradient workers, which precondition (and send the result on
     unless every rank is a worker); last, the KL-clip scales every preconditioned gradient by one
-    factor. Linear, Conv2d (groups=1) and dense Embedding layers are preconditioned. ``G`` is
+    factor. Linear, Conv1d and Conv2d (groups=1), dense Embedding and ``transformers``' Conv1D
+    layers are preconditioned (interlace's rule, :attr:`layer_rule`; a weight two modules share,
+    as tied embeddings are, is left to the optimizer, with the reason). ``G`` is
     normalised to the *global* batch, so W ranks give exactly the single-process result.
     kfac-pytorch's other arguments (``allreduce_bucket_cap_mb``, ``colocate_factors``, ...) are
     :class:`KFACPreconditioner`'s.
@@ -144,7 +144,6 @@ class KFAC(BasePreconditioner):
             damping follows Martens & Grosse's rule, driven by the loss given to :meth:`step`
             (no loss: it stays as given, kfac-pytorch's behaviour); ``"fixed"``: kfac-pytorch's
             fixed (or scheduled) damping. See docs/kfac/damping.md.
-
     Raises:
         UsageError: For a bad option or hyperparameter (a ``ValueError``; an
             :class:`~interlace.errors.OptionError` naming it), or, on every rank instead of a
@@ -155,6 +154,12 @@ class KFAC(BasePreconditioner):
     #: The level of the messages naming the registered layers and the placement
     #: (kfac-pytorch's ``loglevel``; :class:`KFACPreconditioner` takes it).
     loglevel: int = logging.DEBUG
+    #: Which modules are preconditioned: interlace's rule (every :class:`LayerKind` with a
+    #: trainable weight, less ``skip_layers``); :class:`KFACPreconditioner` takes it, and
+    #: :attr:`extra_layers`, as keywords. See docs/kfac.md.
+    layer_rule: LayerRule = LayerRule.INTERLACE
+    #: The kinds added to kfac-pytorch's Linear and Conv2d under its rule.
+    extra_layers: frozenset[LayerKind] = frozenset()
 
     def __init__(
         self,
@@ -247,16 +252,28 @@ class KFAC(BasePreconditioner):
 
         #: Modules left to the optimiser, with the reason: ``{name: reason}``.
         self.skipped: dict[str, str]
-        self._layers, self.skipped = find_layers(
-            unwrap(model), options.skip_layers, self.compute_method, inv_dtype
+        found = find_layers(
+            model,
+            options.skip_layers,
+            self.compute_method,
+            inv_dtype,
+            rule=self.layer_rule,
+            extra_layers=self.extra_layers,
         )
+        self._layers, self.skipped = found.layers, found.skipped
         if ranks.distributed and self.world_size > 1:
             # Before the first collective: ranks that disagree here would hang, abort in gloo
             # or drift apart silently later.
             settings = agreement_settings(
                 {key: getattr(self, f"_{key}") for key in PLAIN_HYPERPARAMETERS},
                 self._hyperparameters(),
-                skip_layers=sorted({name.lower() for name in options.skip_layers}),
+                skip_layers=sorted(
+                    {name.lower() for name in options.skip_layers}
+                    if self.layer_rule is LayerRule.INTERLACE
+                    else set(options.skip_layers)
+                ),
+                layer_rule=self.layer_rule.value,
+                extra_layers=sorted(kind.value for kind in self.extra_layers),
                 accumulation_steps=self.accumulation_steps,
                 compute_method=self.compute_method,
                 grad_worker_fraction=self.grad_worker_fraction,
@@ -324,14 +341,29 @@ class KFAC(BasePreconditioner):
                 layer.helper.g_dim,
             )
         _LOG.log(self.loglevel, "K-FAC layer assignment: %s", self.describe().splitlines()[0])
-        if self.skipped and self.rank == 0:
+        self._report_layers(found.notes)
+
+    def _report_layers(self, notes: list[str]) -> None:
+        """Warn (on rank 0) of the modules left to the optimizer and of tied weights kept."""
+        if self.rank != 0:
+            return
+        for note in notes:
+            warnings.warn(f"K-FAC: {note}", KFACWarning, stacklevel=3)
+        if self.skipped:
             listing = ", ".join(f"{name} ({why})" for name, why in self.skipped.items())
             warnings.warn(
                 f"K-FAC preconditions {len(self._layers)} layer(s) and leaves "
                 f"{len(self.skipped)} module(s) with parameters to the optimizer: {listing}",
                 KFACWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
+
+    def describe(self) -> str:
+        """:meth:`BasePreconditioner.describe`'s lines, then one per module left to the optimizer
+        with its reason."""
+        lines = [super().describe()]
+        lines += [f"  left to the optimizer: {n} ({why})" for n, why in self.skipped.items()]
+        return "\n".join(lines)
 
     @classmethod
     def check_options(cls, world_size: int | None = None, **keywords: Any) -> Settled:
@@ -359,8 +391,9 @@ class KFAC(BasePreconditioner):
 
 
 class KFACPreconditioner(KFAC):
-    """kfac-pytorch's ``KFACPreconditioner``: :class:`KFAC` with kfac-pytorch's arguments and its
-    fixed damping by default, so a script switched by its import behaves as before.
+    """kfac-pytorch's ``KFACPreconditioner``: :class:`KFAC` with kfac-pytorch's arguments, its
+    fixed damping and its layer rule by default, so a script switched by its import behaves as
+    before (the same layers, the same numbers).
 
     Takes every keyword of :class:`KFAC` and, besides, kfac-pytorch's own names and the flat
     spellings of settings :class:`KFAC` keeps in its policy objects (``interlace train``'s
@@ -387,6 +420,16 @@ class KFACPreconditioner(KFAC):
         decomposition_cost: LBP's decomposition cost model (None: measured at start-up).
         broadcast_cost: LBP's broadcast cost model (None: measured at start-up).
         damping_adaptation: As :class:`KFAC`'s, ``"fixed"`` unless given.
+        layer_rule: Which modules are preconditioned (a :class:`LayerRule` or its string):
+            ``"kfac-pytorch"`` (the default: kfac-pytorch's rule, leaf Linear and Conv2d
+            modules whose parameters are all trainable, less those whose name in the model
+            given or class name a ``skip_layers`` regular expression is found in,
+            case-sensitive) or ``"interlace"`` (:class:`KFAC`'s rule). A layer whose weight
+            another registered layer shares is left to the optimizer either way.
+        extra_layers: Kinds added to kfac-pytorch's rule, interlace's extension
+            (:class:`LayerKind` members or their strings: ``"conv1d"``, ``"embedding"``,
+            ``"transformers-conv1d"``, ``"custom"``); refused with ``"interlace"``, which
+            has them all.
         **options: :class:`KFAC`'s other keyword arguments.
     """
 
@@ -407,9 +450,14 @@ class KFACPreconditioner(KFAC):
         decomposition_cost: DecompositionCostModel | None = None,
         broadcast_cost: CostModel | None = None,
         damping_adaptation: DampingAdaptation | str | LevenbergMarquardt = DampingAdaptation.FIXED,
+        layer_rule: LayerRule | str = LayerRule.KFAC_PYTORCH,
+        extra_layers: Iterable[LayerKind | str] = (),
         **options: Any,
     ) -> None:
         self.loglevel = loglevel
+        self.layer_rule, self.extra_layers = check_layer_options(
+            layer_rule, extra_layers, options.get("skip_layers")
+        )
         keywords = kfac_keywords(
             {**options, "damping_adaptation": damping_adaptation},
             allreduce_bucket_cap_mb=allreduce_bucket_cap_mb,
@@ -451,4 +499,7 @@ class KFACPreconditioner(KFAC):
         for key in ("self", "model", "loglevel"):
             given.pop(key)
         options["damping_adaptation"] = given.pop("damping_adaptation")
+        check_layer_options(
+            given.pop("layer_rule"), given.pop("extra_layers"), options.get("skip_layers")
+        )
         return KFAC.check_options(world_size, **kfac_keywords(options, **given))

@@ -13,7 +13,7 @@ from interlace.comm.engine import COMPRESSIONS
 from interlace.comm.strategies import RUNTIME_STRATEGIES
 from interlace.errors import UsageError
 from interlace.kfac import AssignmentStrategy, ComputeMethod, DampingAdaptation
-from interlace.kfac.enums import FactorCommChoice, FactorSync, PlacementChoice
+from interlace.kfac.enums import FactorCommChoice, FactorSync, LayerRule, PlacementChoice
 from interlace.kfac.factor_modes import Pipelined
 from interlace.kfac.fusion import FUSIONS
 from interlace.kfac.options import G_NORMALIZATIONS
@@ -206,7 +206,23 @@ class TrainConfig:
         "skip_layers",
         Names(),
         "modules left to SGD, by their name in the model, an enclosing module's name or their "
-        "class name (case-insensitive)",
+        "class name (case-insensitive; under --kfac-layer-rule kfac-pytorch, regular "
+        "expressions searched in the name or class name, case-sensitive)",
+    )
+    kfac_layer_rule: str = kfac_option(
+        "layer_rule",
+        Choice(LayerRule),
+        "which modules K-FAC preconditions: interlace (Linear, Conv1d, Conv2d, Embedding, "
+        "transformers' Conv1D; KFAC's rule, the job's default so that its convolutions and "
+        "embeddings stay preconditioned) or kfac-pytorch (leaf Linear and Conv2d whose "
+        "parameters are all trainable, plus --kfac-extra-layers)",
+        default=LayerRule.INTERLACE.value,
+    )
+    kfac_extra_layers: str = kfac_option(
+        "extra_layers",
+        Names(),
+        "layer kinds added to --kfac-layer-rule kfac-pytorch: conv1d, embedding, "
+        "transformers-conv1d, custom",
     )
     kfac_factor_dtype: str | None = kfac_option(
         "factor_dtype", DType(), "dtype the factors are computed in", unset="the layer's"
