@@ -346,3 +346,22 @@ def test_kfac_pytorchs_colocate_factors_true_keeps_greedy_where_auto_would_pick_
     )
     assert apart.placement == LBP()
     assert KFACPreconditioner.check_options(4, placement="auto").placement == LBP()
+
+
+def test_a_warm_up_starting_at_rate_zero_is_taken_and_changes_no_gradient_scale() -> None:
+    # A warm-up schedule's first rate is 0: the KL-clip's bound is then infinite (no clip),
+    # so K-FAC preconditions as with kl_clip=None, and a negative rate is still refused.
+    torch.manual_seed(0)
+    clipped, unclipped = _model(), _model()
+    unclipped.load_state_dict(clipped.state_dict())
+    at_zero = KFAC(clipped, lr=lambda step: 0.0, kl_clip=0.001)
+    no_clip = KFAC(unclipped, lr=0.1, kl_clip=None)
+    for model, precond in ((clipped, at_zero), (unclipped, no_clip)):
+        x, y = _batch()
+        nn.functional.cross_entropy(model(x), y).backward()
+        precond.step()
+    for a, b in zip(clipped.parameters(), unclipped.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+    with pytest.raises(UsageError, match="lr must be >= 0"):
+        KFAC(_model(), lr=-0.1)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import sys
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -401,10 +400,7 @@ class InterlaceTrainer(Trainer):
     def _current_lr(self, _step: int) -> float:
         """The optimizer's learning rate now (K-FAC's KL-clip follows the schedule)."""
         assert self.optimizer is not None  # K-FAC steps only once the Trainer has one
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        # A warm-up starts at 0, which K-FAC refuses; the smallest positive rate gives the
-        # KL-clip's limit at 0 (its lr**2 underflows: no clip), and the step updates nothing.
-        return lr if lr > 0 else sys.float_info.min
+        return float(self.optimizer.param_groups[0]["lr"])
 
 
 def _rank() -> int:

@@ -247,7 +247,7 @@ def check_hyperparameters(values: Mapping[str, Any], step: int) -> None:
         ("damping", values["damping"] >= 0, "must be >= 0"),
         ("factor_decay", 0 <= values["factor_decay"] < 1, "must be in [0, 1)"),
         ("kl_clip", values["kl_clip"] is None or values["kl_clip"] > 0, "must be > 0 or None"),
-        ("lr", values["lr"] > 0, "must be > 0"),
+        ("lr", values["lr"] >= 0, "must be >= 0"),  # 0: a warm-up's first step, no KL-clip
     ]
     for name, ok, problem in ranges:
         if not ok:
