@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from interlace.sim.profiled import from_ready
+from interlace.sim.retime import scaled
 from interlace.sim.trace import (
     ActivationTrace,
     FactorTrace,
@@ -14,7 +15,6 @@ from interlace.sim.trace import (
     Trace,
     TraceFormatError,
     load_trace,
-    scaled,
 )
 from interlace.sim.traces import data_path
 
