@@ -377,6 +377,13 @@ class ChannelClock:
         self.launched = max(self.launched, ready_s)
         if count is None:
             count = slice_count(nbytes, self.channels, self.partition_bytes)
+        if self.channels == 1 and count == 1:
+            # One channel runs one all-reduce at a time: nothing else is ever in flight.
+            start = max(self.launched, self.free[0])
+            end = start + self.cost.time(nbytes)
+            self.free[0] = end
+            self._flights = [(start, end)] if end > self.launched else []
+            return [PlacedSlice(0, nbytes, start, end)]
         chosen = sorted(range(self.channels), key=lambda c: (self.free[c], c))[:count]
         sizes = slice_sizes(nbytes, count)
         starts = [max(self.launched, self.free[c]) for c in chosen]
@@ -745,11 +752,15 @@ def plan_optimal(
         prefix_bytes.append(prefix_bytes[-1] + tensor.nbytes)
     best_end = [0.0] + [float("inf")] * count
     best_cut = [0] * (count + 1)
+    # cost.time(m) of one all-reduce of m >= 1 bytes, inlined: this loop is O(L^2).
+    a, b = cost.a, cost.b
     for end in range(1, count + 1):
         ready = tensors[end - 1].ready_s
+        total = prefix_bytes[end]
         for begin in range(end):
-            finish = max(best_end[begin], ready) + cost.time(
-                prefix_bytes[end] - prefix_bytes[begin]
+            previous = best_end[begin]
+            finish = (
+                (previous if previous > ready else ready) + a + b * (total - prefix_bytes[begin])
             )
             if finish < best_end[end]:
                 best_end[end], best_cut[end] = finish, begin
