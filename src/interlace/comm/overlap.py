@@ -222,10 +222,14 @@ def plan_overlap(
                 piece.end_s,
             )
         )
+    slices: list[list[PlacedSlice]] = [[] for _ in groups]
+    for launch in launches:
+        slices[launch.bucket].append(
+            PlacedSlice(launch.channel, launch.nbytes, launch.start_s, launch.end_s)
+        )
     buckets = []
     for number, group in enumerate(groups):
-        mine = [launch for launch in launches if launch.bucket == number]
-        pieces = [PlacedSlice(u.channel, u.nbytes, u.start_s, u.end_s) for u in mine]
+        pieces = slices[number]
         buckets.append(bucket_of(tuple(group), sizes[number], ready[number], pieces))
     done = [bucket.end_s for bucket in buckets]
     forward_end = gated_forward_end(
