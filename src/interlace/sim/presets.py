@@ -12,7 +12,16 @@ from dataclasses import dataclass
 
 from interlace.errors import UsageError
 from interlace.sim.caffe_log import CaffeMessages
-from interlace.sim.experiments import ScalingRow
+from interlace.sim.experiments import (
+    ScalingRow,
+    parse_strategies,
+    parse_workers,
+    scaling_rows,
+    simulate_scaling,
+)
+from interlace.sim.network import parse_network
+from interlace.sim.retime import with_forward_ratio
+from interlace.sim.trace import Trace, load_trace
 
 
 @dataclass(frozen=True)
@@ -103,6 +112,36 @@ def preset_named(name: str) -> Preset:
         return PRESETS[name.strip().lower()]
     except KeyError:
         raise UsageError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}") from None
+
+
+def preset_trace(preset: Preset) -> Trace:
+    """The preset's trace, read and retimed as the preset says.
+
+    Args:
+        preset: The preset.
+    """
+    trace = load_trace(preset.trace, iteration=preset.iteration, messages=preset.messages)
+    if preset.forward_per_backward is None:
+        return trace
+    return with_forward_ratio(trace, preset.forward_per_backward)
+
+
+def simulate_preset(name: str, network: str | None = None) -> list[ScalingRow]:
+    """The rows ``interlace simulate --preset NAME [--network SPEC]`` prints.
+
+    Args:
+        name: A key of :data:`PRESETS`.
+        network: Another ``--network`` spec than the preset's (None: its own).
+    """
+    preset = preset_named(name)
+    trace = preset_trace(preset)
+    results = simulate_scaling(
+        trace,
+        parse_network(network or preset.network),
+        parse_workers(preset.workers),
+        parse_strategies(",".join(preset.strategies)),
+    )
+    return scaling_rows(trace, results)
 
 
 def format_paper_table(rows: Sequence[ScalingRow], merge: str) -> str:

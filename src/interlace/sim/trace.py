@@ -19,11 +19,11 @@ from interlace.errors import UsageError
 from interlace.sim.caffe_log import (
     CaffeMessages,
     CaffeRecord,
-    TraceFormatError,
     choose_iteration,
     logged_messages,
     parse_caffe_log,
 )
+from interlace.sim.caffe_log import TraceFormatError as TraceFormatError  # noqa: PLC0414
 from interlace.sim.traces import shipped_trace, trace_names
 
 FORMAT = "interlace-trace"
