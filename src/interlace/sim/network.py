@@ -30,8 +30,7 @@ DEFAULT_INTRA_LATENCY_S = 5e-6
 OSU_MIN_BYTES = 0
 #: The links of the MG-WFBP authors' simulator by network (``--network paper:10gbe``): its
 #: ring "lower bound" prices an all-reduce as ``2(n-1) alpha + 2(n-1)/n M beta + (n-1)/n M gamma``
-#: with these constants (a 10 GbE link carrying 9 Gbit/s of payload, derated by 1.2; a
-#: reduction of 160 operations per 16 GFLOP/s over 4-byte elements). docs/simulate.md.
+#: with these ``(alpha, beta, gamma)``, their constants as they wrote them (docs/simulate.md).
 PAPER_LINKS: dict[str, tuple[float, float, float]] = {
     "10gbe": (45.25e-6, 1.2 / (9 * 2**30 / 8), 160 / (16e9 * 4)),
 }
