@@ -286,11 +286,10 @@ def run_scaling(args: argparse.Namespace) -> int:
     if preset is not None:
         print(f"preset {preset.name}: {preset.description}")
     print(trace.describe())
-    print(f"  {trace.notes}" if preset is not None and trace.notes else "", end="")
-    print(
-        ("\n" if preset is not None and trace.notes else "") + f"network: {network.describe()}; "
-        f"{'one message per layer' if args.per_layer else 'one message per tensor'}"
-    )
+    if preset is not None and trace.notes:
+        print(f"  {trace.notes}")
+    unit = "layer" if args.per_layer else "tensor of the trace"
+    print(f"network: {network.describe()}; one message per {unit}")
     if kfac_costs is not None:
         print(kfac_costs.describe())
     print(
