@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from interlace import __version__, launch
+from interlace import __version__
 from interlace.cliutil import (
     OneLineArgumentParser,
     add_model_shape_arguments,
@@ -49,6 +49,8 @@ def _main(argv: Sequence[str] | None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] == "launch":
         # The launcher owns everything after `launch`, including the user's own command line.
+        from interlace import launch  # noqa: PLC0415 - only for `interlace launch`
+
         return launch.main(args_list[1:])
 
     parser = build_parser()
@@ -197,6 +199,8 @@ def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
                     walk(child, [*words, name])
 
     walk(build_parser(), [])
+    from interlace import launch  # noqa: PLC0415 - its modules are not needed to run the others
+
     found["launch"] = launch.build_parser()
     return found
 

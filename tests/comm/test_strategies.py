@@ -43,6 +43,7 @@ def test_the_command_line_and_the_simulator_keep_their_names() -> None:
         "horovod",
         "mgwfbp",
         "optimal",
+        "pairwise",
         "overlap",
         "mgwfbp/k=2",
         "wfbp/k=4",

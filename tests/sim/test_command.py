@@ -96,6 +96,9 @@ def test_a_file_that_is_not_one_trace_is_one_line_saying_what_a_trace_is(
         (("--network", "ring"), "--network 'ring'"),
         (("--workers", "4,x"), "--workers"),
         (("--strategy", "nope"), "unknown strategy 'nope'"),
+        (("--preset", "nope"), "unknown preset 'nope'; choose from mgwfbp-paper"),
+        (("--trace-iteration", "3"), "no iteration 3; the log has 1"),
+        (("--forward-per-backward", "-1"), "forward per backward must be a number >= 0"),
     ],
 )
 def test_bad_flags_are_one_line(tmp_path: Path, args: tuple[str, ...], message: str) -> None:

@@ -81,3 +81,32 @@ def test_osu_logs_give_a_ring_close_to_each_fit() -> None:
     eight = network.cost(8)
     assert 0.3e-3 < eight.a < 1.5e-3
     assert 1e-9 < eight.b < 5e-9
+
+
+def test_the_mgwfbp_authors_ring_prices_an_all_reduce_as_their_formula() -> None:
+    # Their simulator's constants, written out: 45.25 us per step, 1.2 s per 9 GiB-bits of
+    # payload on 10 GbE, 160 operations per 16 GFLOP/s per 4-byte element of reduction.
+    alpha = 45.25e-6
+    beta = 1.2 / (9 * 2**30 / 8)
+    gamma = 2.5e-9
+    network = parse_network("paper:10gbe")
+    for n, numel in ((2, 64), (64, 1_024_000), (2048, 13_365_760)):
+        nbytes = 4 * numel
+        by_hand = (
+            2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes * beta + (n - 1) / n * nbytes * gamma
+        )
+        assert network.cost(n).time(nbytes) == pytest.approx(by_hand, rel=1e-12)
+    # 64 workers, the classifier's 4.096 MB: 5.7015 ms of start-ups, 18.09 ms of bytes and sums.
+    assert network.cost(64).time(4_096_000) == pytest.approx(0.02379236, rel=1e-6)
+    assert network.cost(1).time(4_096_000) == 0.0
+    assert "MG-WFBP's simulator" in network.describe()
+
+
+def test_a_ring_spec_takes_a_reduction_cost_per_byte() -> None:
+    ring = parse_network("ring:10gbit:45us:2.5ns").cost(4)
+    assert ring.a == pytest.approx(2 * 3 * 45e-6)
+    assert ring.b == pytest.approx(2 * 3 / 4 * 8 / 10e9 + 3 / 4 * 2.5e-9)
+    with pytest.raises(UsageError, match="paper takes one of 10gbe"):
+        parse_network("paper:56gbib")
+    with pytest.raises(UsageError, match=r"ring takes RATE\[:LATENCY\[:GAMMA\]\]"):
+        parse_network("ring:10gbit:1us:1ns:1ns")

@@ -14,7 +14,6 @@ from interlace.sim.trace import (
     Trace,
     TraceFormatError,
     load_trace,
-    scaled,
 )
 from interlace.sim.traces import data_path
 
@@ -70,6 +69,50 @@ def test_the_last_complete_iteration_is_used_and_layers_pair_up(tmp_path: Path) 
     assert trace.backward_s == pytest.approx(60e-6)
     assert trace.factors[0] == FactorTrace("layer1", 11, 3)
     assert trace.workers == 2
+
+
+def test_the_authors_reading_keeps_one_message_per_logged_all_reduce() -> None:
+    # Their simulator drops the lines with no backward or no all-reduce time: 63 biases go,
+    # while one bias (index 37, 64 elements) logged an all-reduce of its own and stays, its
+    # layer's 1.47 ms of backward counted a second time.
+    trace = load_trace("googlenet-k80", messages="logged", iteration=2)
+    assert len(trace.tensors) == len(trace.layers) == len(trace.ready_tensors()) == 65
+    assert trace.total_numel == 13_365_760  # 13.37 M
+    assert trace.backward_s == pytest.approx(0.206805002)
+    assert trace.forward_s == pytest.approx(trace.backward_s / 2)
+    assert trace.tensors[0].name == "layer63.weight"
+    assert "layer18.bias" in [t.name for t in trace.tensors]
+    assert trace.factors == ()
+    assert "iteration 2 of 2" in trace.notes
+    # The two logged iterations time backward alike; the first lacks the merged column only.
+    first = load_trace("googlenet-k80", messages="logged", iteration=1)
+    assert [t.layer_backward_s for t in first.tensors] == [
+        t.layer_backward_s for t in trace.tensors
+    ]
+
+
+def test_an_iteration_is_chosen_by_its_number(tmp_path: Path) -> None:
+    path = tmp_path / "tiny_2workers.log"
+    first = [(0, 10, 5.0), (1, 2, 5.0), (2, 30, 1.0), (3, 3, 1.0)]
+    second = [(0, 10, 50.0), (1, 2, 50.0), (2, 30, 10.0), (3, 3, 10.0)]
+    path.write_text(caffe_log(first + second + [(0, 10, 7.0)]))
+    assert load_trace(path, iteration=1).backward_s == pytest.approx(6e-6)
+    assert load_trace(path).backward_s == pytest.approx(60e-6)  # the last complete one
+    with pytest.raises(TraceFormatError, match=r":9: iteration 3 is incomplete \(1 of 4"):
+        load_trace(path, iteration=3)
+    with pytest.raises(TraceFormatError, match="no iteration 4; the log has 3"):
+        load_trace(path, iteration=4)
+    # No all-reduce time is logged in this log: the authors' reading has nothing to keep.
+    with pytest.raises(TraceFormatError, match="no line of the iteration logged both"):
+        load_trace(path, messages="logged")
+
+
+def test_choosing_how_to_read_a_log_is_refused_for_a_json_trace(tmp_path: Path) -> None:
+    path = small_trace().save(tmp_path / "toy.json")
+    with pytest.raises(TraceFormatError, match="reads Caffe logs only"):
+        load_trace(path, iteration=1)
+    with pytest.raises(TraceFormatError, match="reads Caffe logs only"):
+        load_trace(path, messages="logged")
 
 
 @pytest.mark.parametrize(
@@ -132,12 +175,6 @@ def test_broken_json_names_its_line(tmp_path: Path) -> None:
 def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(TraceFormatError, match="cannot read the trace"):
         load_trace(tmp_path / "nope.log")
-
-
-def test_scaled_multiplies_every_compute_time() -> None:
-    trace = scaled(small_trace(), 2.0)
-    assert trace.ready_times() == pytest.approx([0.0024, 0.0024, 0.008])
-    assert (trace.forward_s, trace.backward_s, trace.step_s) == pytest.approx((0.004, 0.01, 0.001))
 
 
 def test_a_backward_shorter_than_its_layers_is_refused() -> None:

@@ -8,6 +8,7 @@ made here (why all-reduces rather than reduce-scatter + all-gather: docs/notes/d
 from __future__ import annotations
 
 import enum
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -192,15 +193,23 @@ def plan_overlap(
     needs = first_needs(groups, gates, count)
     clock = ChannelClock(cost, channels)
     launches: list[Launch] = []
-    pending = [unit for units in units_of(sizes, slice_bytes) for unit in units]
-    while pending:
+    # Units by ready time; those ready are released into a heap ordered by urgency. "Now" never
+    # goes back, so a released unit stays ready.
+    waiting = sorted(
+        (unit for units in units_of(sizes, slice_bytes) for unit in units),
+        key=lambda u: ready[u.bucket],
+    )
+    released: list[tuple[float, float, int, int, Unit]] = []
+    position = 0
+    while position < len(waiting) or released:
         now = max(clock.launched, min(clock.free))
-        ready_now = [u for u in pending if ready[u.bucket] <= now]
-        if not ready_now:
-            soonest = min(ready[u.bucket] for u in pending)
-            ready_now = [u for u in pending if ready[u.bucket] <= soonest]
-        unit = min(ready_now, key=lambda u: (needs[u.bucket], ready[u.bucket], u.bucket, u.part))
-        pending.remove(unit)
+        if position < len(waiting) and not released:
+            now = max(now, ready[waiting[position].bucket])
+        while position < len(waiting) and ready[waiting[position].bucket] <= now:
+            u = waiting[position]
+            heapq.heappush(released, (needs[u.bucket], ready[u.bucket], u.bucket, u.part, u))
+            position += 1
+        unit = heapq.heappop(released)[-1]
         (piece,) = clock.place_slices(unit.nbytes, ready[unit.bucket], count=1)
         launches.append(
             Launch(
@@ -213,10 +222,14 @@ def plan_overlap(
                 piece.end_s,
             )
         )
+    slices: list[list[PlacedSlice]] = [[] for _ in groups]
+    for launch in launches:
+        slices[launch.bucket].append(
+            PlacedSlice(launch.channel, launch.nbytes, launch.start_s, launch.end_s)
+        )
     buckets = []
     for number, group in enumerate(groups):
-        mine = [launch for launch in launches if launch.bucket == number]
-        pieces = [PlacedSlice(u.channel, u.nbytes, u.start_s, u.end_s) for u in mine]
+        pieces = slices[number]
         buckets.append(bucket_of(tuple(group), sizes[number], ready[number], pieces))
     done = [bucket.end_s for bucket in buckets]
     forward_end = gated_forward_end(

@@ -1,6 +1,7 @@
 """Bucket planners: pure functions from (tensors in ready order, cost model) to buckets.
 
-WFBP, DDP/Horovod's fixed caps, SyncEASGD, MG-WFBP's merge and the exact optimum, and
+WFBP, DDP/Horovod's fixed caps, SyncEASGD, MG-WFBP's merge (Theorem 1's, and its authors'
+simulator's pairwise one) and the exact optimum, and
 :func:`schedule`, which prices any bucketing on one or several channels (docs/notes/dp.md).
 """
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from interlace.comm.cost import CostModel
+from interlace.comm.pairwise import pairwise_groups
 
 
 class Bucketing(str, Enum):
@@ -27,6 +29,8 @@ class Bucketing(str, Enum):
     SINGLE = "single"
     #: The exact best contiguous bucketing under the cost model (dynamic programming).
     OPTIMAL = "optimal"
+    #: The greedy pairwise merge of MG-WFBP's published simulator (:mod:`interlace.comm.pairwise`).
+    PAIRWISE = "pairwise"
 
     def __str__(self) -> str:
         return self.value
@@ -373,6 +377,13 @@ class ChannelClock:
         self.launched = max(self.launched, ready_s)
         if count is None:
             count = slice_count(nbytes, self.channels, self.partition_bytes)
+        if self.channels == 1 and count == 1:
+            # One channel runs one all-reduce at a time: nothing else is ever in flight.
+            start = max(self.launched, self.free[0])
+            end = start + self.cost.time(nbytes)
+            self.free[0] = end
+            self._flights = [(start, end)] if end > self.launched else []
+            return [PlacedSlice(0, nbytes, start, end)]
         chosen = sorted(range(self.channels), key=lambda c: (self.free[c], c))[:count]
         sizes = slice_sizes(nbytes, count)
         starts = [max(self.launched, self.free[c]) for c in chosen]
@@ -662,6 +673,43 @@ def _merge_greedily(
     return groups
 
 
+def plan_pairwise(
+    tensors: Sequence[ReadyTensor],
+    cost: CostModel,
+    backward_s: float | None = None,
+    forward_s: float = 0.0,
+    *,
+    channels: int = 1,
+    partition_bytes: float | None = None,
+) -> Plan:
+    """The MG-WFBP authors' simulator's greedy pairwise merge
+    (:func:`~interlace.comm.pairwise.pairwise_groups`), priced by :func:`schedule`.
+
+    The rule decides on one channel's timeline; on several, its groups are priced there as
+    they are.
+
+    Args:
+        tensors: the tensors in ready order.
+        cost: the price of an all-reduce.
+        backward_s: when backward ends (default: when the last tensor is ready).
+        forward_s: the forward pass, added to the predicted iteration time.
+        channels: channels the buckets are priced on.
+        partition_bytes: buckets above this are split across channels (None: never).
+    """
+    _check_tensors(tensors)
+    groups = pairwise_groups([t.nbytes for t in tensors], [t.ready_s for t in tensors], cost)
+    return schedule(
+        groups,
+        tensors,
+        cost,
+        backward_s=backward_s,
+        forward_s=forward_s,
+        strategy=Bucketing.PAIRWISE.value,
+        channels=channels,
+        partition_bytes=partition_bytes,
+    )
+
+
 def plan_optimal(
     tensors: Sequence[ReadyTensor],
     cost: CostModel,
@@ -704,11 +752,15 @@ def plan_optimal(
         prefix_bytes.append(prefix_bytes[-1] + tensor.nbytes)
     best_end = [0.0] + [float("inf")] * count
     best_cut = [0] * (count + 1)
+    # cost.time(m) of one all-reduce of m >= 1 bytes, inlined: this loop is O(L^2).
+    a, b = cost.a, cost.b
     for end in range(1, count + 1):
         ready = tensors[end - 1].ready_s
+        total = prefix_bytes[end]
         for begin in range(end):
-            finish = max(best_end[begin], ready) + cost.time(
-                prefix_bytes[end] - prefix_bytes[begin]
+            previous = best_end[begin]
+            finish = (
+                (previous if previous > ready else ready) + a + b * (total - prefix_bytes[begin])
             )
             if finish < best_end[end]:
                 best_end[end], best_cut[end] = finish, begin
@@ -782,6 +834,7 @@ def make_plan(
         Bucketing.PER_TENSOR: plan_per_tensor,
         Bucketing.SINGLE: plan_single,
         Bucketing.MERGED: plan_merged,
+        Bucketing.PAIRWISE: plan_pairwise,
     }
     return planners[bucketing](
         tensors,

@@ -195,6 +195,11 @@ STRATEGIES: dict[str, Strategy] = {
             runtime=True,
         ),
         Strategy(
+            "pairwise",
+            Bucketing.PAIRWISE,
+            "MG-WFBP's published simulator: greedy pairwise merge (not Theorem 1)",
+        ),
+        Strategy(
             "overlap",
             Bucketing.MERGED,
             "all-reduces on into the next forward, most urgent first (overlap='forward')",

@@ -11,6 +11,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from interlace.cliutil import (
     add_collective_timeout_argument,
@@ -20,7 +21,9 @@ from interlace.cliutil import (
 from interlace.comm.strategies import PLANNED_STRATEGIES
 from interlace.errors import UsageError
 from interlace.sim import validate
+from interlace.sim.caffe_log import CaffeMessages
 from interlace.sim.experiments import (
+    ScalingRow,
     check_claims,
     format_paper_comparison,
     format_phase_table,
@@ -32,13 +35,16 @@ from interlace.sim.experiments import (
     simulate_scaling,
 )
 from interlace.sim.kfac import KFAC_STRATEGIES, check_trace
-from interlace.sim.kfac_costs import KFAC_COSTS_HELP, parse_kfac_costs
-from interlace.sim.network import NETWORK_HELP, parse_network
-from interlace.sim.trace import load_trace
+from interlace.sim.kfac_costs import KFAC_COSTS_HELP, KfacCosts, parse_kfac_costs
+from interlace.sim.network import NETWORK_HELP, Network, parse_network
+from interlace.sim.presets import PRESETS, Preset, check_preset, format_paper_table, preset_named
+from interlace.sim.retime import with_forward_ratio
+from interlace.sim.trace import Trace, load_trace
 from interlace.sim.traces import trace_names
 
 PROG = "interlace simulate"
 DEFAULT_NETWORK = "ring:10gbit"
+DEFAULT_WORKERS = "4..2048"
 DEFAULT_PNG = "simulate/scaling.png"
 DEFAULT_VALIDATION_PNG = "simulate/validation.png"
 
@@ -62,14 +68,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--trace-out) or an MG-WFBP Caffe log",
     )
     parser.add_argument(
+        "--preset",
+        metavar="NAME",
+        help=f"a named set-up ({', '.join(PRESETS)}): trace, its reading, network, workers and "
+        "strategies, with its own table and checks; flags given beside it win",
+    )
+    parser.add_argument(
         "--workers",
-        default="4..2048",
-        help="worker counts: 4,8,16 or LOW..HIGH for the powers of two between (default 4..2048)",
+        help=f"worker counts: 4,8,16 or LOW..HIGH for the powers of two between (default "
+        f"{DEFAULT_WORKERS})",
     )
     parser.add_argument(
         "--network",
-        default=DEFAULT_NETWORK,
         help=f"how an all-reduce is priced: {NETWORK_HELP} (default {DEFAULT_NETWORK})",
+    )
+    parser.add_argument(
+        "--trace-messages",
+        choices=[str(unit) for unit in CaffeMessages],
+        help="Caffe logs: 'tensors' (every line, a layer's weight and bias as two tensors; the "
+        "default) or 'logged' (one message per line that logged an all-reduce, as the MG-WFBP "
+        "authors' simulator read the logs)",
+    )
+    parser.add_argument(
+        "--trace-iteration",
+        type=int,
+        metavar="N",
+        help="Caffe logs: the logged iteration to read, from 1 (default: the last complete one)",
+    )
+    parser.add_argument(
+        "--forward-per-backward",
+        type=float,
+        metavar="R",
+        help="take every layer's forward as R x its backward (the MG-WFBP authors took 0.5; "
+        "default: the trace's own forward)",
     )
     parser.add_argument(
         "--strategy",
@@ -172,7 +203,13 @@ def plot_path(args: argparse.Namespace) -> Path | None:
     Args:
         args: ``interlace simulate``'s parsed flags.
     """
-    chosen = args.png or (DEFAULT_VALIDATION_PNG if args.validate else DEFAULT_PNG)
+    if args.validate:
+        default = DEFAULT_VALIDATION_PNG
+    elif getattr(args, "preset", None):
+        default = f"simulate/{preset_named(args.preset).name}.png"
+    else:
+        default = DEFAULT_PNG
+    chosen = args.png or default
     return None if chosen.lower() == "none" else Path(chosen)
 
 
@@ -192,9 +229,30 @@ def run(args: argparse.Namespace, runner: ValidationRunner | None = None) -> int
         if runner is None:
             raise UsageError("--validate needs a runner that measures on ranks")
         return runner(args, plot_path(args))
-    if not args.trace:
-        raise UsageError("give --trace T (a trace to simulate) or --validate")
+    if not args.trace and not args.preset:
+        raise UsageError("give --trace T (a trace to simulate), --preset NAME or --validate")
     return run_scaling(args)
+
+
+def _setting(args: argparse.Namespace, flag: str, preset: Preset | None, default: object) -> Any:
+    """A flag's value: as given, else the preset's, else ``default``."""
+    given = getattr(args, flag)
+    if given is not None:
+        return given
+    return getattr(preset, flag) if preset is not None else default
+
+
+def _trace(args: argparse.Namespace, preset: Preset | None) -> Trace:
+    """The trace the flags and preset name, read and retimed as they say; the preset's way of
+    reading its trace applies to its own trace only."""
+    own = preset if preset is not None and args.trace is None else None
+    trace = load_trace(
+        args.trace or (preset.trace if preset else ""),
+        iteration=args.trace_iteration or (own.iteration if own else None),
+        messages=args.trace_messages or (own.messages if own else CaffeMessages.TENSORS),
+    )
+    ratio = _setting(args, "forward_per_backward", preset, None)
+    return trace if ratio is None else with_forward_ratio(trace, ratio)
 
 
 def run_scaling(args: argparse.Namespace) -> int:
@@ -203,15 +261,19 @@ def run_scaling(args: argparse.Namespace) -> int:
     Args:
         args: ``interlace simulate``'s parsed flags.
     """
-    workers = parse_workers(args.workers)
+    preset = preset_named(args.preset) if args.preset else None
+    workers = parse_workers(_setting(args, "workers", preset, DEFAULT_WORKERS))
     if args.timelines is not None and args.timelines < 1:
         raise UsageError(f"--timelines: a worker count must be >= 1, got {args.timelines}")
-    strategies = parse_strategies(args.strategy)  # a clear error before any work
+    if args.strategy is None and preset is not None:
+        strategies = parse_strategies(",".join(preset.strategies))
+    else:
+        strategies = parse_strategies(args.strategy)  # a clear error before any work
     kfac = any(name in KFAC_STRATEGIES for name in strategies)
     if args.kfac_costs and not kfac:
         raise UsageError("--kfac-costs prices K-FAC strategies; name one with --strategy")
-    network = parse_network(args.network)
-    trace = load_trace(args.trace)
+    network = parse_network(_setting(args, "network", preset, DEFAULT_NETWORK))
+    trace = _trace(args, preset)
     if kfac:
         check_trace(trace, str(args.trace))
     kfac_costs = parse_kfac_costs(args.kfac_costs) if kfac else None
@@ -221,22 +283,53 @@ def run_scaling(args: argparse.Namespace) -> int:
     )
     elapsed = time.perf_counter() - started
     rows = scaling_rows(trace, results)
+    if preset is not None:
+        print(f"preset {preset.name}: {preset.description}")
     print(trace.describe())
-    print(
-        f"network: {network.describe()}; "
-        f"{'one message per layer' if args.per_layer else 'one message per tensor'}"
-    )
+    if preset is not None and trace.notes:
+        print(f"  {trace.notes}")
+    unit = "layer" if args.per_layer else "tensor of the trace"
+    print(f"network: {network.describe()}; one message per {unit}")
     if kfac_costs is not None:
         print(kfac_costs.describe())
     print(
         f"simulated {len(strategies)} strategies x {len(workers)} worker counts in "
         f"{elapsed:.3f} s\n"
     )
+    own = not any(
+        getattr(args, flag) is not None
+        for flag in (
+            "trace",
+            "network",
+            "trace_messages",
+            "trace_iteration",
+            "forward_per_backward",
+        )
+    )
+    _print_tables(rows, preset, own and not args.per_layer)
+    _write_outputs(args, rows, preset)
+    if args.timelines is not None:
+        _write_timelines(args, trace, network, strategies, kfac_costs)
+    return 0
+
+
+def _print_tables(rows: list[ScalingRow], preset: Preset | None, own: bool = True) -> None:
+    """The preset's own table and checks first (if any; ``own``: in its own set-up), then every
+    row and the K-FAC phases."""
+    if preset is not None:
+        print(
+            "The paper's table (speed-up: throughput over one worker's; the last two columns "
+            f"{preset.merge}'s speed-ups over WFBP and SyncEASGD):\n"
+            + format_paper_table(rows, preset.merge)
+        )
+        for note in check_preset(rows, preset, own=own):
+            print(note)
+        print("\nEvery strategy:")
     print(format_table(rows))
     phases = format_phase_table(rows)
     if phases:
         print("\nK-FAC phases (ms):\n" + phases)
-    comparison = format_paper_comparison(rows)
+    comparison = None if preset is not None else format_paper_comparison(rows)
     notes = check_claims(rows)
     if comparison or notes:
         print()
@@ -244,29 +337,40 @@ def run_scaling(args: argparse.Namespace) -> int:
         print(comparison)
     for note in notes:
         print(note)
+
+
+def _write_outputs(args: argparse.Namespace, rows: list[ScalingRow], preset: Preset | None) -> None:
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps([row.to_dict() for row in rows], indent=1) + "\n")
     png = plot_path(args)
     if png is not None:
-        plot_scaling(rows, png)
+        plot_scaling(rows, png, speedup=preset is not None)
         print(f"\nscaling plot: {png}")
-    if args.timelines is not None:
-        folder = png.parent if png is not None else Path("simulate")
-        count = args.timelines
-        for strategy in strategies:
-            (result,) = simulate_scaling(
-                trace,
-                network,
-                [count],
-                [strategy],
-                per_layer=args.per_layer,
-                kfac_costs=kfac_costs,
-            )
-            timeline = result.timeline()
-            stem = folder / f"timeline-{strategy.replace('/', '-')}-{count}w"
-            timeline.to_png(stem.with_suffix(".png"))
-            timeline.to_chrome_trace(stem.with_suffix(".json"))
-        print(f"timelines at {count} workers: {folder}/timeline-<strategy>-{count}w.png/.json")
-    return 0
+
+
+def _write_timelines(
+    args: argparse.Namespace,
+    trace: Trace,
+    network: Network,
+    strategies: tuple[str, ...],
+    kfac_costs: KfacCosts | None,
+) -> None:
+    png = plot_path(args)
+    folder = png.parent if png is not None else Path("simulate")
+    count = args.timelines
+    for strategy in strategies:
+        (result,) = simulate_scaling(
+            trace,
+            network,
+            [count],
+            [strategy],
+            per_layer=args.per_layer,
+            kfac_costs=kfac_costs,
+        )
+        timeline = result.timeline()
+        stem = folder / f"timeline-{strategy.replace('/', '-')}-{count}w"
+        timeline.to_png(stem.with_suffix(".png"))
+        timeline.to_chrome_trace(stem.with_suffix(".json"))
+    print(f"timelines at {count} workers: {folder}/timeline-<strategy>-{count}w.png/.json")

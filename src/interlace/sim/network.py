@@ -28,6 +28,12 @@ DEFAULT_INTRA_LATENCY_S = 5e-6
 #: OSU messages below this are dominated by per-call software costs that a ring's alpha does not
 #: describe; the fits use the larger ones.
 OSU_MIN_BYTES = 0
+#: The links of the MG-WFBP authors' simulator by network (``--network paper:10gbe``): its
+#: ring "lower bound" prices an all-reduce as ``2(n-1) alpha + 2(n-1)/n M beta + (n-1)/n M gamma``
+#: with these ``(alpha, beta, gamma)``, their constants as they wrote them (docs/simulate.md).
+PAPER_LINKS: dict[str, tuple[float, float, float]] = {
+    "10gbe": (45.25e-6, 1.2 / (9 * 2**30 / 8), 160 / (16e9 * 4)),
+}
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,28 @@ class Ring(Network):
 
     def describe(self) -> str:
         return f"ring all-reduce, {self.link.describe()}"
+
+
+@dataclass(frozen=True)
+class PaperRing(Ring):
+    """The ring all-reduce of the MG-WFBP authors' simulator on ``network``
+    (:data:`PAPER_LINKS`): the same formula as :class:`Ring`, their constants.
+
+    Args:
+        link: Their link.
+        network: The network's name in :data:`PAPER_LINKS`.
+        spec: The ``--network`` spec it was built from.
+    """
+
+    network: str = ""
+
+    def describe(self) -> str:
+        link = self.link
+        return (
+            f"ring all-reduce of MG-WFBP's simulator ({self.network}): alpha "
+            f"{link.alpha * 1e6:g} us, beta {link.beta * 1e9:.4g} ns/B "
+            f"({_rate_text(8.0 / link.beta)}), gamma {link.gamma * 1e9:g} ns/B"
+        )
 
 
 @dataclass(frozen=True)
@@ -285,24 +313,27 @@ _LATENCY = re.compile(r"^(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)\s*(ns|us|ms|s)$")
 _LATENCY_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 NETWORK_HELP = (
-    "ring:RATE[:LATENCY] | tree:RATE[:LATENCY] | hier:G:RATE[:LATENCY[:INTRA_RATE]] | "
-    "osu:NAME|PATH[,PATH...] | fitted:A,B[@N]"
+    "ring:RATE[:LATENCY[:GAMMA]] | tree:RATE[:LATENCY[:GAMMA]] | "
+    "hier:G:RATE[:LATENCY[:INTRA_RATE]] | osu:NAME|PATH[,PATH...] | fitted:A,B[@N] | "
+    f"paper:{'|'.join(PAPER_LINKS)}"
 )
 
 
 def parse_network(text: str) -> Network:
     """A :class:`Network` from a ``--network`` spec.
 
-    - ``ring:10gbit`` / ``ring:10gbit:50us``: ring all-reduce over links of that rate and
-      per-step latency (default :data:`DEFAULT_LATENCY_S`);
-    - ``tree:10gbit[:50us]``: double binary tree over the same links;
+    - ``ring:10gbit`` / ``ring:10gbit:50us`` / ``ring:10gbit:50us:2.5ns``: ring all-reduce
+      over links of that rate, per-step latency (default :data:`DEFAULT_LATENCY_S`) and
+      reduction time per byte (default 0);
+    - ``tree:10gbit[:50us[:2.5ns]]``: double binary tree over the same links;
     - ``hier:8:10gbit[:50us[:100gbit]]``: hierarchical ring, 8 workers per node, the given
       link between nodes and (default :data:`DEFAULT_INTRA_RATE_BPS`) inside a node;
     - ``osu:PATH[,PATH...]``: a ring whose per-link alpha and beta are fitted on OSU all-reduce
       logs at several worker counts (a folder means its ``osu_allreduce*`` files; a shipped
       set's name, such as ``osu:10gbe``, its files);
     - ``fitted:A,B``: ``a = A`` seconds and ``b = B`` seconds/byte at every worker count;
-      ``fitted:A,B@N``: fitted on N workers, extrapolated with the ring formula.
+      ``fitted:A,B@N``: fitted on N workers, extrapolated with the ring formula;
+    - ``paper:10gbe``: the ring of the MG-WFBP authors' simulator (:data:`PAPER_LINKS`).
 
     Rates are as ``--link`` writes them (``100mbit``, ``10gbit``); latencies take ``ns``, ``us``,
     ``ms`` or ``s``.
@@ -318,10 +349,16 @@ def parse_network(text: str) -> Network:
     parts = rest.split(":") if rest else []
     try:
         if kind in ("ring", "tree"):
-            if not 1 <= len(parts) <= 2:
-                raise UsageError(f"{kind} takes RATE[:LATENCY]")
+            if not 1 <= len(parts) <= 3:
+                raise UsageError(f"{kind} takes RATE[:LATENCY[:GAMMA]]")
             link = Link.from_rate(_rate(parts[0]), _latency(parts[1]) if len(parts) > 1 else None)
+            if len(parts) > 2:
+                link = Link(link.alpha, link.beta, _latency(parts[2]))
             return Ring(link, text) if kind == "ring" else Tree(link, text)
+        if kind == "paper":
+            if rest.lower() not in PAPER_LINKS:
+                raise UsageError(f"paper takes one of {', '.join(PAPER_LINKS)}")
+            return PaperRing(Link(*PAPER_LINKS[rest.lower()]), spec=text, network=rest.lower())
         if kind == "hier":
             if not 2 <= len(parts) <= 4:
                 raise UsageError("hier takes G:RATE[:LATENCY[:INTRA_RATE]]")

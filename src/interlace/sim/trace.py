@@ -10,12 +10,20 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from interlace.comm.plan import Gate, ReadyTensor
 from interlace.errors import UsageError
+from interlace.sim.caffe_log import (
+    CaffeMessages,
+    CaffeRecord,
+    choose_iteration,
+    logged_messages,
+    parse_caffe_log,
+)
+from interlace.sim.caffe_log import TraceFormatError as TraceFormatError  # noqa: PLC0414
 from interlace.sim.traces import shipped_trace, trace_names
 
 FORMAT = "interlace-trace"
@@ -27,10 +35,6 @@ FLOAT32_BYTES = 4
 #: The MG-WFBP authors' simulator took the forward pass as half of the backward pass (their
 #: logs time only backward); we follow it for traces read from those logs.
 CAFFE_FORWARD_PER_BACKWARD = 0.5
-
-
-class TraceFormatError(UsageError):
-    """A trace file that cannot be read; the message starts with ``FILE:LINE:`` where known."""
 
 
 @dataclass(frozen=True)
@@ -312,7 +316,12 @@ class Trace:
         return path
 
 
-def load_trace(path: str | Path) -> Trace:
+def load_trace(
+    path: str | Path,
+    *,
+    iteration: int | None = None,
+    messages: CaffeMessages | str = CaffeMessages.TENSORS,
+) -> Trace:
     """A trace from a shipped trace's name, an ``interlace-trace`` JSON file or a Caffe log.
 
     A file's format is told by its content.
@@ -320,6 +329,8 @@ def load_trace(path: str | Path) -> Trace:
     Args:
         path: A shipped trace name (:func:`interlace.sim.traces.trace_names`, such as
             ``googlenet-k80``) or a file.
+        iteration: A Caffe log's iteration to read, from 1 (None: the last complete one).
+        messages: Which lines of a Caffe log are messages (:func:`read_caffe_log`).
 
     Raises:
         TraceFormatError: ``FILE:LINE: what is wrong``, for a file that cannot be read, or an
@@ -341,8 +352,13 @@ def load_trace(path: str | Path) -> Trace:
             "--trace-out) or an MG-WFBP Caffe log"
         ) from None
     if text.lstrip().startswith("{"):
+        if iteration is not None or CaffeMessages(messages) is not CaffeMessages.TENSORS:
+            raise TraceFormatError(
+                f"{path}: an {FORMAT} file holds one iteration of its own tensors; choosing an "
+                "iteration or the logged messages reads Caffe logs only"
+            )
         return _from_json(path, text)
-    return read_caffe_log(path, text)
+    return read_caffe_log(path, text, iteration=iteration, messages=messages)
 
 
 def _from_json(path: Path, text: str) -> Trace:
@@ -466,104 +482,57 @@ def _float(value: Any) -> float:
 
 # ---------------------------------------------------------------------- Caffe logs
 
-#: ``... distributed.cpp:112] [i, numel, backward_us, comm_us, merged_comm_us]``
-_CAFFE_RECORD = re.compile(r"\[([^\[\]]*)\]\s*$")
-_NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
-_CAFFE_FIELDS = re.compile(
-    rf"^\s*(\d+)\s*,\s*(\d+)\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,"
-    rf"\s*({_NUMBER})\s*$"
-)
 
-
-def read_caffe_log(path: str | Path, text: str | None = None, *, model: str = "") -> Trace:
-    """The last complete iteration of an MG-WFBP Caffe log as a :class:`Trace`.
+def read_caffe_log(
+    path: str | Path,
+    text: str | None = None,
+    *,
+    model: str = "",
+    iteration: int | None = None,
+    messages: CaffeMessages | str = CaffeMessages.TENSORS,
+) -> Trace:
+    """One complete iteration of an MG-WFBP Caffe log as a :class:`Trace`.
 
     Each line ends with ``[i, numel, backward_us, comm_us, merged_comm_us]`` (see
-    docs/traces.md): tensor ``i`` counts from the input side, even ``i`` a
-    layer's weight and odd ``i`` its bias, both carrying the layer's backward time; an iteration
-    is the run of lines ``i = 0, 1, ...`` and backward visits it from the highest ``i`` down.
-    Blank lines and ``#`` comments are skipped; any other line that does not end in such a
-    record, or a record out of sequence, is an error naming the file and line.
+    docs/traces.md): tensor ``i`` counts from the input side, even ``i`` a layer's weight and
+    odd ``i`` its bias, both carrying the layer's backward time; an iteration is the run of
+    lines ``i = 0, 1, ...`` and backward visits it from the highest ``i`` down. With
+    ``messages="logged"`` only the lines with a backward and an all-reduce time logged stay,
+    each one message and one layer with its own backward time, as the authors' simulator
+    read the logs (no K-FAC factor sizes then).
 
     Args:
         path: The log (for messages, and read when ``text`` is None).
         text: The log's text.
         model: The model's name (default: the file name up to its first ``_``).
+        iteration: Which iteration, counting from 1 (None: the last complete one).
+        messages: A :class:`~interlace.sim.caffe_log.CaffeMessages` or its string.
 
     Raises:
         TraceFormatError: ``FILE:LINE: what is wrong``.
     """
     path = Path(path)
+    try:
+        unit = CaffeMessages(messages)
+    except ValueError:
+        raise UsageError(
+            f"unknown Caffe messages {messages!r}; choose {', '.join(map(str, CaffeMessages))}"
+        ) from None
     if text is None:
         try:
             text = path.read_text()
         except OSError as error:
             raise TraceFormatError(f"{path}: cannot read the trace ({error.strerror})") from None
-    iterations: list[list[tuple[int, int, float, float]]] = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        stripped = line.strip()
-        if not stripped or stripped.startswith("#"):
-            continue
-        record = _CAFFE_RECORD.search(stripped)
-        fields = _CAFFE_FIELDS.match(record[1]) if record else None
-        if fields is None:
-            raise TraceFormatError(
-                f"{path}:{number}: expected a line ending in "
-                f"'[index, numel, backward_us, comm_us, merged_comm_us]', got {stripped[-80:]!r}"
-            )
-        index, numel = int(fields[1]), int(fields[2])
-        backward_us, comm_us = float(fields[3]), float(fields[4])
-        if numel < 1 or backward_us < 0 or comm_us < 0:
-            raise TraceFormatError(
-                f"{path}:{number}: numel must be >= 1 and times >= 0, got {record and record[0]}"
-            )
-        if index == 0:
-            iterations.append([])
-        elif not iterations or index != len(iterations[-1]):
-            expected = len(iterations[-1]) if iterations else 0
-            raise TraceFormatError(
-                f"{path}:{number}: tensor index {index} out of sequence (expected {expected}, "
-                "or 0 to start an iteration)"
-            )
-        iterations[-1].append((number, numel, backward_us * 1e-6, comm_us * 1e-6))
-    if not iterations:
-        raise TraceFormatError(f"{path}:1: no '[index, numel, backward_us, ...]' records")
-    complete = [it for it in iterations if len(it) == len(iterations[0])]
-    last = complete[-1]
-    if len(last) % 2:
-        raise TraceFormatError(
-            f"{path}:{last[-1][0]}: {len(last)} tensors in an iteration; weights and biases "
-            "come in pairs"
-        )
-    tensors: list[TensorTrace] = []
+    iterations = parse_caffe_log(path, text)
+    number, records = choose_iteration(path, iterations, iteration)
     factors: list[FactorTrace] = []
     inexact: list[int] = []
-    for layer in reversed(range(len(last) // 2)):
-        (w_line, w_numel, w_back, _), (b_line, b_numel, b_back, _) = last[2 * layer : 2 * layer + 2]
-        if not math.isclose(w_back, b_back, rel_tol=1e-6):
-            raise TraceFormatError(
-                f"{path}:{b_line}: a bias's backward time ({b_back * 1e6:g} us) differs from its "
-                f"weight's on line {w_line} ({w_back * 1e6:g} us)"
-            )
-        if w_numel % b_numel:
-            inexact.append(w_line)
-        name = f"layer{layer}"
-        for suffix, numel in (("weight", w_numel), ("bias", b_numel)):
-            tensors.append(
-                TensorTrace(
-                    f"{name}.{suffix}",
-                    name,
-                    numel,
-                    numel * FLOAT32_BYTES,
-                    w_back * CAFFE_FORWARD_PER_BACKWARD,
-                    w_back,
-                )
-            )
-        # A Caffe convolution or inner product: G is out x out (bias length), A is the unfolded
-        # input plus the ones column of the bias. A weight that is not a multiple of its bias
-        # (the log pairs a few tensors of different layers) gets the nearest size, said in notes.
-        factors.append(FactorTrace(name, max(round(w_numel / b_numel), 1) + 1, b_numel))
-    backward_s = sum(t.layer_backward_s for t in tensors[::2])
+    if unit is CaffeMessages.LOGGED:
+        tensors = _logged_tensors(path, records)
+    else:
+        tensors, factors, inexact = _paired_tensors(path, records)
+    layer_s = {t.layer: t.layer_backward_s for t in tensors}
+    backward_s = sum(layer_s.values())
     return Trace(
         model=model or _model_from_name(path),
         tensors=tuple(tensors),
@@ -574,8 +543,10 @@ def read_caffe_log(path: str | Path, text: str | None = None, *, model: str = ""
         source=f"Caffe log {path.name}",
         workers=_workers_from_name(path),
         notes=(
-            f"iteration {len(complete)} of {len(iterations)} in the log; forward taken as "
-            f"{CAFFE_FORWARD_PER_BACKWARD:g} x backward per layer, as the authors' simulator did"
+            f"iteration {number} of {len(iterations)} in the log; "
+            + ("one message per logged all-reduce; " if unit is CaffeMessages.LOGGED else "")
+            + f"forward taken as {CAFFE_FORWARD_PER_BACKWARD:g} x backward per layer, as the "
+            "authors' simulator did"
             + (
                 f"; K-FAC A sizes rounded where a weight is not a multiple of its bias (lines "
                 f"{', '.join(map(str, sorted(inexact)))})"
@@ -583,8 +554,63 @@ def read_caffe_log(path: str | Path, text: str | None = None, *, model: str = ""
                 else ""
             )
         ),
-        extra={"comm_s": [rec[3] for rec in last]},
+        extra={"comm_s": [record.comm_s for record in records]},
     )
+
+
+def _caffe_tensor(name: str, layer: str, numel: int, backward_s: float) -> TensorTrace:
+    return TensorTrace(
+        name,
+        layer,
+        numel,
+        numel * FLOAT32_BYTES,
+        backward_s * CAFFE_FORWARD_PER_BACKWARD,
+        backward_s,
+    )
+
+
+def _logged_tensors(path: Path, records: list[CaffeRecord]) -> list[TensorTrace]:
+    kept = logged_messages(records)
+    if not kept:
+        raise TraceFormatError(
+            f"{path}:{records[0].line}: no line of the iteration logged both a backward and an "
+            "all-reduce time; read it with messages='tensors'"
+        )
+    names = [f"layer{r.index // 2}.{'bias' if r.index % 2 else 'weight'}" for r in kept]
+    return [
+        _caffe_tensor(name, name, record.numel, record.backward_s)
+        for name, record in zip(reversed(names), reversed(kept), strict=True)
+    ]
+
+
+def _paired_tensors(
+    path: Path, records: list[CaffeRecord]
+) -> tuple[list[TensorTrace], list[FactorTrace], list[int]]:
+    if len(records) % 2:
+        raise TraceFormatError(
+            f"{path}:{records[-1].line}: {len(records)} tensors in an iteration; weights and "
+            "biases come in pairs"
+        )
+    tensors: list[TensorTrace] = []
+    factors: list[FactorTrace] = []
+    inexact: list[int] = []
+    for layer in reversed(range(len(records) // 2)):
+        weight, bias = records[2 * layer : 2 * layer + 2]
+        if not math.isclose(weight.backward_s, bias.backward_s, rel_tol=1e-6):
+            raise TraceFormatError(
+                f"{path}:{bias.line}: a bias's backward time ({bias.backward_s * 1e6:g} us) "
+                f"differs from its weight's on line {weight.line} ({weight.backward_s * 1e6:g} us)"
+            )
+        if weight.numel % bias.numel:
+            inexact.append(weight.line)
+        name = f"layer{layer}"
+        for suffix, numel in (("weight", weight.numel), ("bias", bias.numel)):
+            tensors.append(_caffe_tensor(f"{name}.{suffix}", name, numel, weight.backward_s))
+        # A Caffe convolution or inner product: G is out x out (bias length), A is the unfolded
+        # input plus the ones column of the bias. A weight that is not a multiple of its bias
+        # (the log pairs a few tensors of different layers) gets the nearest size, said in notes.
+        factors.append(FactorTrace(name, max(round(weight.numel / bias.numel), 1) + 1, bias.numel))
+    return tensors, factors, inexact
 
 
 def _model_from_name(path: Path) -> str:
@@ -594,61 +620,3 @@ def _model_from_name(path: Path) -> str:
 def _workers_from_name(path: Path) -> int:
     match = re.search(r"(\d+)\s*workers", path.name)
     return int(match[1]) if match else 1
-
-
-def scaled(trace: Trace, compute: float) -> Trace:
-    """``trace`` with every compute time multiplied by ``compute`` (e.g. a faster device).
-
-    Args:
-        trace: The trace.
-        compute: The factor, > 0.
-    """
-    if not compute > 0:
-        raise ValueError(f"a compute scale must be > 0, got {compute}")
-    return replace(
-        trace,
-        tensors=tuple(
-            replace(
-                t,
-                layer_forward_s=t.layer_forward_s * compute,
-                layer_backward_s=t.layer_backward_s * compute,
-            )
-            for t in trace.tensors
-        ),
-        forward_s=trace.forward_s * compute,
-        backward_s=trace.backward_s * compute,
-        step_s=trace.step_s * compute,
-    )
-
-
-def with_totals(trace: Trace, forward_s: float, backward_s: float, step_s: float) -> Trace:
-    """``trace`` with its forward, backward and step lasting the given totals.
-
-    Each layer's forward and backward time is scaled with its pass, so the trace keeps its
-    shape (which layer takes what share, when each tensor is ready) while its totals come from
-    another measurement, e.g. one taken alongside the runs it is compared with.
-
-    Args:
-        trace: The trace.
-        forward_s: The new forward total.
-        backward_s: The new backward total.
-        step_s: The new optimizer step.
-    """
-    if min(forward_s, backward_s, step_s) < 0:
-        raise ValueError("totals must be >= 0")
-    forward = forward_s / trace.forward_s if trace.forward_s > 0 else 1.0
-    backward = backward_s / trace.backward_s if trace.backward_s > 0 else 1.0
-    return replace(
-        trace,
-        tensors=tuple(
-            replace(
-                t,
-                layer_forward_s=t.layer_forward_s * forward,
-                layer_backward_s=t.layer_backward_s * backward,
-            )
-            for t in trace.tensors
-        ),
-        forward_s=trace.forward_s * forward,
-        backward_s=trace.backward_s * backward,
-        step_s=step_s,
-    )

@@ -18,7 +18,8 @@ from interlace.errors import UsageError
 from interlace.sim.contention import calibrate, fit_startup_overlap
 from interlace.sim.engine import simulate
 from interlace.sim.replay import Contention
-from interlace.sim.trace import Trace, with_totals
+from interlace.sim.retime import with_totals
+from interlace.sim.trace import Trace
 
 DEFAULT_MODELS: tuple[str, ...] = ("mlp", "resnet20", "transformer")
 DEFAULT_STRATEGIES: tuple[str, ...] = ("wfbp", "fixed", "single", "mgwfbp")
