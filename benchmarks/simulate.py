@@ -23,22 +23,27 @@ from interlace.sim.experiments import (
 from interlace.sim.network import parse_network
 from interlace.sim.trace import load_trace
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 WORKERS = tuple(2**k for k in range(1, 12))  # 2..2048: 11 counts
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--traces", default=str(TRACES), help="folder of the shared traces")
+    parser.add_argument(
+        "--traces",
+        help="folder with googlenet_k80_8workers.log and OSU logs (default: the shipped ones)",
+    )
     parser.add_argument("--per-layer", action="store_true", help="one message per layer")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs (default 5)")
     parser.add_argument("--png", help="write the scaling-efficiency plot here")
     args = parser.parse_args()
-    folder = Path(args.traces)
+    trace_source = (
+        Path(args.traces) / "googlenet_k80_8workers.log" if args.traces else "googlenet-k80"
+    )
+    network_spec = f"osu:{args.traces}" if args.traces else "osu:10gbe"
 
     def run_once() -> tuple[object, list[object]]:
-        trace = load_trace(folder / "googlenet_k80_8workers.log")
-        network = parse_network(f"osu:{folder}")
+        trace = load_trace(trace_source)
+        network = parse_network(network_spec)
         results = simulate_scaling(
             trace, network, WORKERS, tuple(PLANNED_STRATEGIES), per_layer=args.per_layer
         )
@@ -49,14 +54,14 @@ def main() -> int:
         started = time.perf_counter()
         run_once()
         seconds.append(time.perf_counter() - started)
-    trace = load_trace(folder / "googlenet_k80_8workers.log")
-    network = parse_network(f"osu:{folder}")
+    trace = load_trace(trace_source)
+    network = parse_network(network_spec)
     results = simulate_scaling(
         trace, network, WORKERS, tuple(PLANNED_STRATEGIES), per_layer=args.per_layer
     )
     rows = scaling_rows(trace, results)
     print(trace.describe())
-    print(f"network: {network.describe()} (osu:{folder})")
+    print(f"network: {network.describe()} ({network_spec})")
     print(f"unit: {'one message per layer' if args.per_layer else 'one message per tensor'}\n")
     print(format_table(rows))
     print()
