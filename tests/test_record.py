@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from interlace import record
 from interlace.clock import StreamClock
 from interlace.dp.iteration import DevicePass
 from interlace.record import example_batch, record_trace
@@ -170,3 +172,23 @@ def test_the_trace_command_says_when_no_gpu_is_there(tmp_path: Path) -> None:
     result = _cli("trace", "--model", "mlp", "--out", "x.json", "--device", "cuda", cwd=tmp_path)
     assert result.returncode != 0
     assert "no CUDA GPU is visible" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_trace_command_records_the_language_model_on_its_corpus(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = argparse.ArgumentParser()
+    record.add_arguments(parser)
+    argv = ["--model", "gpt", "--data", "pydoc-topics", "--input-shape", "16", "--device"]
+    argv += ["cpu", "--iters", "1", "--warmup", "0", "--batch-size", "2"]
+    assert record.run(parser.parse_args([*argv, "--out", str(tmp_path / "gpt.json")])) == 0
+    trace = load_trace(tmp_path / "gpt.json")
+    gpt = build_model("gpt", (16,), 256)
+    assert trace.batch_size == 2 and trace.input_shape == (16,)
+    assert trace.total_numel == sum(p.numel() for p in gpt.parameters())
+    # K-FAC factors for the Linear layers only (the blocks' four and the head), as
+    # kfac-pytorch registers them; the embeddings are gradient tensors, not factor layers.
+    linear = [name for name, m in gpt.named_modules() if isinstance(m, nn.Linear)]
+    assert sorted(f.layer for f in trace.factors) == sorted(linear)
+    assert "--data pydoc-topics --batch-size 2" in trace.source
+    assert "gpt.json" in capsys.readouterr().out

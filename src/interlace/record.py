@@ -281,7 +281,10 @@ def run(args: argparse.Namespace) -> int:
             name=args.name or args.model,
             iters=args.iters,
             warmup=args.warmup,
-            source=f"interlace trace --model {args.model} --batch-size {args.batch_size}",
+            source=(
+                f"interlace trace --model {args.model} --data {args.data} "
+                f"--batch-size {args.batch_size}"
+            ),
             progress=bar.update,
         )
     written = trace.save(args.out)

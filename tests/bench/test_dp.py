@@ -248,3 +248,27 @@ def test_the_emulated_link_runs_at_the_target_rate_over_the_dilation() -> None:
     context = dp.launch_context(config)
     assert (context.link, context.emulated_link) == ("10gbit", "2.5gbit")
     assert context.target is not None and context.target.b > 0
+
+
+def test_a_clip_reaches_every_strategy_s_job_and_the_conditions() -> None:
+    parser = argparse.ArgumentParser()
+    dp.add_arguments(parser)
+    argv = ["--compute", "emulated:gpt-cpu", "--dilation", "16", "--link", "25gbit"]
+    config = dp.config_from_args(parser.parse_args([*argv, "--clip-grad-norm", "1"]))
+    assert config.clip_grad_norm == 1.0 and config.models == ("gpt-cpu",)
+    job = config.job(
+        dp_rank.MeasureJob, "gpt-cpu", strategies=("ddp",), rounds=1, clip_grad_norm=1.0
+    )
+    assert job.clip_grad_norm == 1.0
+    assert "clip_grad_norm_ to 1 + SGD step" in dp.describe_conditions(config)
+    plain = dp.config_from_args(parser.parse_args(argv))
+    assert plain.clip_grad_norm is None and "clip" not in dp.describe_conditions(plain)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_a_clip_that_is_not_a_positive_norm_is_one_line(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert dp.main(["--no-netem", "--clip-grad-norm", value]) == 2
+    err = capsys.readouterr().err
+    assert "--clip-grad-norm must be a finite number > 0" in err

@@ -228,3 +228,23 @@ def test_each_model_has_its_batch_and_others_the_fallback() -> None:
     assert default_batch("resnet20") == DEFAULT_BATCH["resnet20"] == 8
     assert default_batch("mlp") == 512
     assert default_batch("pkg.mod:build") == FALLBACK_BATCH == 32
+
+
+def test_a_contender_with_a_clip_scales_its_gradients_to_the_norm_before_its_step() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    weight = model.weight.detach().clone()
+    contender = Contender(
+        "clipped", model, torch.optim.SGD(model.parameters(), lr=1.0), clip_grad_norm=1e-3
+    )
+    inputs, targets = torch.randn(4, 5), torch.tensor([0, 2, 1, 2])
+    reference = torch.nn.Linear(5, 3)
+    reference.load_state_dict(model.state_dict())
+    torch.nn.functional.cross_entropy(reference(inputs), targets).backward()
+    assert reference.weight.grad is not None and reference.bias.grad is not None
+    grads = torch.cat([reference.weight.grad.flatten(), reference.bias.grad])
+    norm = float(torch.sqrt((grads * grads).sum()))
+    assert norm > 1e-3  # the clip is active
+    train_step(contender, inputs, targets)
+    expected = weight - reference.weight.grad * (1e-3 / (norm + 1e-6))
+    assert torch.allclose(model.weight, expected, atol=1e-7)

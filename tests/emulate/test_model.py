@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from interlace.bench.harness import NUM_CLASSES, RankJob
 from interlace.comm.cost import CostModel
 from interlace.comm.plan import Bucketing
 from interlace.dp import DataParallel
-from interlace.emulate import EmulatedModel, gradient_factor, measure_cost
+from interlace.emulate import EmulatedModel, gradient_factor, measure_cost, parse_compute
 from interlace.emulate.device import MAX_CREDIT_S
 from interlace.errors import UsageError
 from interlace.sim.trace import TensorTrace, Trace, load_trace
@@ -275,3 +276,30 @@ def test_each_layer_spends_its_own_share_of_the_forward_so_a_pre_hook_waits_betw
     assert reached[0] - start < 10 * MS  # the first layer is reached at once
     assert reached[1] - start >= 10 * MS  # the second after the first layer's share
     assert took >= 40 * MS
+
+
+def test_the_language_model_trace_emulates_on_the_bench_s_float_batches() -> None:
+    """An Embedding-first model's trace: the emulated layers pass their input through, so the
+    bench's batches stay float logits (never token ids) and every traced tensor gets a gradient."""
+    job = RankJob(
+        model="gpt-cpu",
+        batch=4,
+        input_shape=(128,),
+        iters=1,
+        warmup=0,
+        num_classes=256,
+        compute=parse_compute("emulated:gpt-cpu", 0.01),
+    )
+    model = job.module()
+    assert isinstance(model, EmulatedModel)
+    inputs, targets = job.batches(stream=0)[0]
+    assert inputs.dtype == torch.float32 and inputs.shape == (4, NUM_CLASSES)
+    torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+    trace = load_trace("gpt-cpu")
+    assert sum(p.numel() for p in model.parameters()) == trace.total_numel == 875_264
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    # The embeddings come first in forward order, as in the traced model.
+    assert [layer.name for layer in model.emulated_layers()][:2] in (
+        ["token", "position"],
+        ["position", "token"],
+    )

@@ -14,6 +14,7 @@ from interlace.sim.traces import (
     shipped_trace,
     trace_names,
 )
+from interlace.zoo import build_model
 
 
 def test_every_shipped_trace_loads_by_name() -> None:
@@ -59,3 +60,14 @@ def test_an_unknown_osu_set_names_the_shipped_ones() -> None:
     with pytest.raises(UsageError, match="10gbe") as caught:
         parse_network("osu:40gbe")
     assert "\n" not in str(caught.value)
+
+
+def test_the_language_model_trace_is_the_zoo_gpt_at_one_sequence() -> None:
+    trace = load_trace("gpt-cpu")
+    gpt = build_model("gpt", (128,), 256)
+    params = {name: p.numel() for name, p in gpt.named_parameters()}
+    assert {t.name: t.numel for t in trace.tensors} == params
+    assert trace.batch_size == 1 and trace.input_shape == (128,)
+    assert "CPU" in trace.source and "--data pydoc-topics" in trace.source
+    # Backward ends at the embeddings: their gradients are the last ones ready.
+    assert {t.layer for t in trace.tensors[-2:]} == {"token", "position"}

@@ -111,6 +111,8 @@ class DpConfig(BenchConfig):
         max_link: The fastest link a ratio may pick.
         network: The target cluster (``--network``) whose all-reduce ``a`` and ``b`` the rows
             show.
+        clip_grad_norm: Every strategy clips its gradients to this total norm before its step
+            (``--clip-grad-norm``; None: no clipping).
     """
 
     strategies: tuple[str, ...]
@@ -120,6 +122,7 @@ class DpConfig(BenchConfig):
     min_link: str = MIN_LINK
     max_link: str = MAX_LINK
     network: str | None = None
+    clip_grad_norm: float | None = None
 
     def batch_for(self, model: str) -> int:
         """The per-rank batch of ``model``: ``--batch-size``, else :data:`EMULATED_BATCH` on
@@ -213,8 +216,13 @@ def describe_conditions(config: DpConfig) -> str:
         + f"; per strategy {config.warmup} warm-up "
         f"iterations after its buckets are final, then {config.iters} timed in "
         f"{len(split_blocks(config.iters, config.rounds))} round-robin rounds; iteration = "
-        "forward + backward + SGD step, wall clock, maximum over ranks per iteration, median over "
-        "iterations; "
+        "forward + backward + "
+        + (
+            ""
+            if config.clip_grad_norm is None
+            else f"clip_grad_norm_ to {config.clip_grad_norm:g} + "
+        )
+        + "SGD step, wall clock, maximum over ranks per iteration, median over iterations; "
         + (
             "bound = the trace's forward + max(its backward, one all-reduce of all gradients) + "
             "the measured step (the ideal-bound row)."
@@ -286,6 +294,13 @@ class DpBenchmark(Benchmark[DpConfig, Row]):
         ):
             parser.add_argument(flag, default=default, help=f"{what} (default {default})")
         parser.add_argument(
+            "--clip-grad-norm",
+            type=float,
+            metavar="MAX",
+            help="every strategy clips its gradients to this total norm between backward and "
+            "the step (torch.nn.utils.clip_grad_norm_; default: no clipping)",
+        )
+        parser.add_argument(
             "--network",
             metavar="SPEC",
             help="the target cluster whose all-reduce start-up a and per-byte b the rows show "
@@ -316,6 +331,9 @@ class DpBenchmark(Benchmark[DpConfig, Row]):
         )
         if rounds < 1:
             raise UsageError(f"--rounds must be >= 1, got {rounds}")
+        clip = args.clip_grad_norm
+        if clip is not None and not (math.isfinite(clip) and clip > 0):
+            raise UsageError(f"--clip-grad-norm must be a finite number > 0, got {clip}")
         for value in (args.ref_link, args.min_link, args.max_link):
             parse_link(value)
         if parse_link(args.min_link) > parse_link(args.max_link):
@@ -333,6 +351,7 @@ class DpBenchmark(Benchmark[DpConfig, Row]):
             min_link=args.min_link,
             max_link=args.max_link,
             network=args.network,
+            clip_grad_norm=clip,
         )
         if config.compute.emulated and config.link is None and config.netem:
             raise UsageError(
@@ -385,7 +404,13 @@ class DpBenchmark(Benchmark[DpConfig, Row]):
         rows: list[Row] = []
         for model, context in _launch_plan(config, calibrations):
             ratio = "-" if context.ratio is None else f"{context.ratio:g}"
-            job = config.job(MeasureJob, model, strategies=config.strategies, rounds=config.rounds)
+            job = config.job(
+                MeasureJob,
+                model,
+                strategies=config.strategies,
+                rounds=config.rounds,
+                clip_grad_norm=config.clip_grad_norm,
+            )
             measurement = session.launch(
                 measure_rank,
                 job,
@@ -394,7 +419,10 @@ class DpBenchmark(Benchmark[DpConfig, Row]):
             )
             if measurement is None:
                 continue
-            new_rows = rows_from_measurement(measurement, context)
+            new_rows = [
+                replace(row, clip_grad_norm=config.clip_grad_norm)
+                for row in rows_from_measurement(measurement, context)
+            ]
             rows.extend(new_rows)
             session.note(one_line(new_rows))
             for row in new_rows:

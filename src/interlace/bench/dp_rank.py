@@ -107,11 +107,14 @@ class MeasureJob(RankJob):
         probe_contention: Also take the simulator's contention probes
             (:mod:`interlace.sim.contention`) in every round: the start-up and synchronisation
             probes as a block of their own, the bytes probe in the reference slot.
+        clip_grad_norm: Every strategy clips its gradients to this total norm before its step
+            (None: no clipping).
     """
 
     strategies: tuple[str, ...]
     rounds: int
     probe_contention: bool = False
+    clip_grad_norm: float | None = None
 
 
 @dataclass(frozen=True)
@@ -370,7 +373,10 @@ def measure_rank(job: MeasureJob) -> Measurement:
         torch.manual_seed(job.seed)
         model = job.module()
         wrapper = _wrap(model, strategy)
-        contenders.append(Contender(strategy, wrapper, make_optimizer(model, wrapper.parameters())))
+        optimizer = make_optimizer(model, wrapper.parameters())
+        contenders.append(
+            Contender(strategy, wrapper, optimizer, clip_grad_norm=job.clip_grad_norm)
+        )
     torch.manual_seed(job.seed)
     plain = job.module()
     plain_optimizer = make_optimizer(plain)

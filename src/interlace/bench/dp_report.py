@@ -195,6 +195,8 @@ class Row(BaseRow):
     per_byte_s: float | None = None
     target_startup_s: float | None = None
     target_per_byte_s: float | None = None
+    #: The total norm every strategy clipped its gradients to before its step (None: none).
+    clip_grad_norm: float | None = None
 
 
 def rows_from_measurement(measurement: Measurement, context: LaunchContext) -> list[Row]:

@@ -343,6 +343,8 @@ class Contender:
         optimizer: Its optimizer, None where it has its own way to train.
         times: Seconds of its timed iterations, filled in by the rank code.
         warmup_steps: Untimed steps it took before its timing started.
+        clip_grad_norm: Clip the gradients to this total norm between backward and the step
+            (None: no clipping).
     """
 
     name: str
@@ -350,11 +352,12 @@ class Contender:
     optimizer: Any = None
     times: list[float] = field(default_factory=list)
     warmup_steps: int = 0
+    clip_grad_norm: float | None = None
 
 
 def train_step(contender: Contender, inputs: torch.Tensor, targets: torch.Tensor) -> None:
     """One training step of ``contender``: zero the gradients, forward, cross-entropy,
-    backward, optimizer step.
+    backward, the clip (when it has one), optimizer step.
 
     Args:
         contender: Whose wrapper and optimizer step.
@@ -364,6 +367,8 @@ def train_step(contender: Contender, inputs: torch.Tensor, targets: torch.Tensor
     contender.optimizer.zero_grad()
     loss = functional.cross_entropy(contender.wrapper(inputs), targets)
     loss.backward()
+    if contender.clip_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(contender.wrapper.parameters(), contender.clip_grad_norm)
     contender.optimizer.step()
 
 

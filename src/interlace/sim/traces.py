@@ -18,6 +18,8 @@ TRACES: dict[str, str] = {
     "resnet20-cpu": "resnet20_cpu.json",
     "resnet32-cpu": "resnet32_cpu.json",
     "vgg11-cpu": "vgg11_cpu.json",
+    # The zoo's GPT decoder at one 128-token sequence, `interlace trace` on one CPU thread.
+    "gpt-cpu": "gpt_b1_cpu.json",
     # Recorded with CUDA events on one NVIDIA H200 by `interlace trace` (benchmarks/gpu_traces.sh):
     # torchvision's ResNet-50 and VGG-16 at 3x224x224, a BERT-base-sized encoder at 128 tokens,
     # and the zoo's CIFAR-sized models, each at the batch its name gives.
