@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional
+from torch.nn.parallel import DistributedDataParallel
 
 from interlace import KFAC
 from interlace.comm.cost import CostModel
@@ -392,3 +393,117 @@ def _bad_overlap() -> None:
 def test_an_unknown_overlap_names_the_choices(scenarios: dict[str, Any]) -> None:
     assert "unknown overlap 'sideways'; choose one of backward" in scenarios["unknown overlap"]
     assert issubclass(UsageError, Exception)
+
+
+# ---------------------------------------------------------------------------- against torch DDP
+
+
+class WithUnused(nn.Module):
+    """Layers wide enough for a bucket each under :data:`SPLIT`, and one that never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+        self.unused = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+#: A slow link and cheap start-ups: the overlap plan sends about one bucket per layer.
+SPLIT = {**SETTINGS, "cost_model": CostModel(a=1e-7, b=1e-6)}
+
+
+def _ddp_batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(200 + dist.get_rank())
+    return [
+        (torch.randn(8, 32, generator=generator), torch.randint(0, 10, (8,), generator=generator))
+        for _ in range(count)
+    ]
+
+
+def _train_against_ddp(
+    build: Callable[[], nn.Module], wrap: Callable[[nn.Module], nn.Module], steps: int = STEPS
+) -> tuple[list[torch.Tensor], list[float]]:
+    torch.manual_seed(0)
+    model = wrap(build())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for inputs, targets in _ddp_batches(steps):
+        optimizer.zero_grad()
+        loss = functional.cross_entropy(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    if isinstance(model, DataParallel):
+        model.synchronize()
+    return [param.detach().clone() for param in model.parameters()], losses
+
+
+def _unused_layer(_: None) -> dict[str, Any]:
+    ours, our_losses = _train_against_ddp(
+        WithUnused, lambda m: DataParallel(m, overlap="forward", **SPLIT)
+    )
+    theirs, their_losses = _train_against_ddp(
+        WithUnused, lambda m: DistributedDataParallel(m, find_unused_parameters=True)
+    )
+    # Which buckets each layer's gate has waited for when the layer runs, in a planned step.
+    torch.manual_seed(0)
+    model = DataParallel(WithUnused(), overlap="forward", **SPLIT)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen: dict[str, list[int]] = {}
+    for name, layer in [*model.module.layers.named_children(), ("head", model.module.head)]:
+        layer.register_forward_pre_hook(
+            lambda _m, _i, name=name: seen.__setitem__(name, model.waited_buckets)
+        )
+    for inputs, targets in _ddp_batches(4):
+        optimizer.zero_grad()
+        functional.cross_entropy(model(inputs), targets).backward()
+        optimizer.step()
+    plan = model.plan
+    return {
+        "worst": max(float((a - b).abs().max()) for a, b in zip(ours, theirs, strict=True)),
+        "same_losses": our_losses == their_losses,
+        "overlapped": plan is not None and plan.overlaps_forward,
+        "buckets": model.buckets,
+        "waited": seen,
+    }
+
+
+@pytest.fixture(scope="module")
+def unused() -> list[dict[str, Any]]:
+    return run_ranks(_unused_layer, 2, None, timeout=200)
+
+
+def test_a_model_with_an_unused_layer_trains_as_ddp_with_find_unused_parameters(
+    unused: list[dict[str, Any]],
+) -> None:
+    for result in unused:
+        assert result["overlapped"]
+        assert result["worst"] == 0.0 and result["same_losses"]
+
+
+def test_with_an_unused_layer_each_gate_waits_for_its_own_buckets_only(
+    unused: list[dict[str, Any]],
+) -> None:
+    for result in unused:
+        buckets: list[list[str]] = result["buckets"]
+        assert len(buckets) >= 3, buckets  # else there is nothing to wait for selectively
+        holding: set[int] = set()
+        for layer in ["0", "1", "2", "3", "head"]:
+            prefix = "head." if layer == "head" else f"layers.{layer}."
+            holding |= {
+                number
+                for number, names in enumerate(buckets)
+                if any(name.startswith(prefix) for name in names)
+            }
+            # Up to this layer: the buckets holding its and the earlier layers' parameters.
+            assert result["waited"][layer] == sorted(holding), (layer, result)
+        # Not every bucket before the first layer; the unused layer's, sent last, by no gate.
+        assert len(result["waited"]["0"]) < len(buckets)
+        idle = [n for n, names in enumerate(buckets) if all(x.startswith("unused.") for x in names)]
+        assert not set(idle) & set(result["waited"]["head"]), result

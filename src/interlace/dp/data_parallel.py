@@ -576,6 +576,13 @@ class DataParallel(nn.Module, Joinable):
         """The channel of each slice of each bucket in use (one entry unless partitioned)."""
         return [list(channels) for channels in self._plans.engine.assignment]
 
+    @property
+    def waited_buckets(self) -> list[int]:
+        """The buckets (indices into :attr:`buckets`) of the latest backward whose averages this
+        rank has waited for so far: with ``overlap="forward"``, a layer's forward pre-hook sees
+        the ones the forward has needed up to that layer; empty once all are applied."""
+        return self._plans.engine.waited_buckets()
+
     def gate_layout(self) -> list[GateTiming]:
         """Where the next forward waits with ``overlap="forward"``: each gate (a module's name)
         with the parameters (registration indices) that wait there, in module registration
