@@ -8,6 +8,7 @@ Every scenario trains a reference DataParallel (averages done when backward retu
 from __future__ import annotations
 
 import copy
+import importlib
 import io
 from collections.abc import Callable
 from typing import Any
@@ -427,10 +428,16 @@ def _ddp_batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _train_against_ddp(
-    build: Callable[[], nn.Module], wrap: Callable[[nn.Module], nn.Module], steps: int = STEPS
+    build: Callable[[], nn.Module],
+    wrap: Callable[[nn.Module], nn.Module],
+    steps: int = STEPS,
+    *,
+    compiled: bool = False,
 ) -> tuple[list[torch.Tensor], list[float]]:
     torch.manual_seed(0)
-    model = wrap(build())
+    wrapped = wrap(build())
+    # The wrapper compiled with the default (inductor) backend, as a user would.
+    model = torch.compile(wrapped) if compiled else wrapped
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses = []
     for inputs, targets in _ddp_batches(steps):
@@ -439,8 +446,8 @@ def _train_against_ddp(
         loss.backward()
         optimizer.step()
         losses.append(float(loss.detach()))
-    if isinstance(model, DataParallel):
-        model.synchronize()
+    if isinstance(wrapped, DataParallel):
+        wrapped.synchronize()
     return [param.detach().clone() for param in model.parameters()], losses
 
 
@@ -507,3 +514,45 @@ def test_with_an_unused_layer_each_gate_waits_for_its_own_buckets_only(
         assert len(result["waited"]["0"]) < len(buckets)
         idle = [n for n, names in enumerate(buckets) if all(x.startswith("unused.") for x in names)]
         assert not set(idle) & set(result["waited"]["head"]), result
+
+
+def _compiled(_: None) -> dict[str, Any]:
+    wrappers: list[DataParallel] = []
+
+    def ours(model: nn.Module) -> nn.Module:
+        wrappers.append(DataParallel(model, overlap="forward", **SPLIT))
+        return wrappers[-1]
+
+    torch._dynamo.reset()
+    mine, my_losses = _train_against_ddp(WithUnused, ours, compiled=True)
+    torch._dynamo.reset()
+    theirs, their_losses = _train_against_ddp(
+        WithUnused,
+        lambda m: DistributedDataParallel(m, find_unused_parameters=True),
+        compiled=True,
+    )
+    plan = wrappers[0].plan
+    return {
+        "worst": max(
+            float((a - b).abs().max() / b.abs().max()) for a, b in zip(mine, theirs, strict=True)
+        ),
+        "losses": max(abs(a - b) / abs(b) for a, b in zip(my_losses, their_losses, strict=True)),
+        "overlapped": plan is not None and plan.overlaps_forward,
+    }
+
+
+def _inductor_available() -> bool:
+    """Whether inductor can build CPU kernels here (it needs a C++ compiler)."""
+    try:
+        importlib.import_module("torch._inductor.cpp_builder").get_cpp_compiler()
+    except Exception:  # no compiler, or an inductor without this entry point
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _inductor_available(), reason="torch.compile's inductor needs a compiler")
+def test_compiled_with_inductor_the_overlap_trains_as_compiled_ddp() -> None:
+    for result in run_ranks(_compiled, 2, None, timeout=280):
+        assert result["overlapped"]
+        assert result["worst"] < 1e-5 and result["losses"] < 1e-5, result

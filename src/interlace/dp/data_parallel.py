@@ -410,8 +410,7 @@ class DataParallel(nn.Module, Joinable):
         gates.time_pass()
         try:
             if self._plans.lifecycle.warming_up:
-                with gates.check():
-                    return self.module(*inputs, **kwargs)
+                return gates.checked_call(self.module, inputs, kwargs)
             return self.module(*inputs, **kwargs)
         finally:
             gates.stop_timing()

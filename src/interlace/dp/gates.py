@@ -100,21 +100,27 @@ class Gates:
         self._handles = []
 
     def _hook(self, name: str) -> Callable[..., None]:
+        # Plain Python under torch.compile: a gate waits for collectives and runs optimizer
+        # updates, which a compiled graph cannot hold (the graph breaks at each gate instead).
+        @torch.compiler.disable  # type: ignore[untyped-decorator]
         def hook(_module: nn.Module, _inputs: Any) -> None:
             if self._timing and name not in self._seen_this_pass:
                 self._seen_this_pass[name] = self._clock.mark()
             self._on_gate(name)
 
-        return hook
+        return hook  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------------ profiling
 
+    # Host clocks are no part of a compiled graph: under torch.compile these run as Python.
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def time_pass(self) -> None:
         """Time when each gate is first reached in the forward that starts now."""
         self._timing = True
         self._forward_start = self._clock.mark()
         self._seen_this_pass = {}
 
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def stop_timing(self) -> None:
         """The timed forward is over."""
         if self._timing and self._forward_start is not None:
@@ -140,6 +146,20 @@ class Gates:
         """A context manager: the forward run inside it shows where each parameter is used;
         on exit, :meth:`assign` is called with what it saw."""
         return UseCheck(self, self._modules, self._params)
+
+    # Eager even under torch.compile: the check watches every torch call, which a compiled
+    # graph would fold away. One pass per wrapper.
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def checked_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``module(*args, **kwargs)`` inside :meth:`check`.
+
+        Args:
+            module: The wrapped model.
+            args: Its positional inputs.
+            kwargs: Its keyword inputs.
+        """
+        with self.check():
+            return module(*args, **kwargs)
 
 
 class UseCheck(TorchFunctionMode):
