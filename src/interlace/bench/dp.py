@@ -111,6 +111,7 @@ class DpConfig(BenchConfig):
         max_link: The fastest link a ratio may pick.
         network: The target cluster (``--network``) whose all-reduce ``a`` and ``b`` the rows
             show.
+        unused_layer: Give the model a layer its forward never calls (``--unused-layer``).
     """
 
     strategies: tuple[str, ...]
@@ -120,6 +121,7 @@ class DpConfig(BenchConfig):
     min_link: str = MIN_LINK
     max_link: str = MAX_LINK
     network: str | None = None
+    unused_layer: bool = False
 
     def batch_for(self, model: str) -> int:
         """The per-rank batch of ``model``: ``--batch-size``, else :data:`EMULATED_BATCH` on
@@ -286,6 +288,12 @@ class DpBenchmark(Benchmark[DpConfig, Row]):
         ):
             parser.add_argument(flag, default=default, help=f"{what} (default {default})")
         parser.add_argument(
+            "--unused-layer",
+            action="store_true",
+            help="add a layer the forward never calls (about 1 MB of gradients) to every "
+            "model; DDP then runs with find_unused_parameters=True",
+        )
+        parser.add_argument(
             "--network",
             metavar="SPEC",
             help="the target cluster whose all-reduce start-up a and per-byte b the rows show "
@@ -333,6 +341,7 @@ class DpBenchmark(Benchmark[DpConfig, Row]):
             min_link=args.min_link,
             max_link=args.max_link,
             network=args.network,
+            unused_layer=bool(args.unused_layer),
         )
         if config.compute.emulated and config.link is None and config.netem:
             raise UsageError(
@@ -385,7 +394,13 @@ class DpBenchmark(Benchmark[DpConfig, Row]):
         rows: list[Row] = []
         for model, context in _launch_plan(config, calibrations):
             ratio = "-" if context.ratio is None else f"{context.ratio:g}"
-            job = config.job(MeasureJob, model, strategies=config.strategies, rounds=config.rounds)
+            job = config.job(
+                MeasureJob,
+                model,
+                strategies=config.strategies,
+                rounds=config.rounds,
+                unused_layer=config.unused_layer,
+            )
             measurement = session.launch(
                 measure_rank,
                 job,
