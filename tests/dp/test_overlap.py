@@ -63,11 +63,13 @@ def _batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def _pair(build: Callable[[], nn.Module] = Net) -> tuple[DataParallel, DataParallel]:
+def _pair(
+    build: Callable[[], nn.Module] = Net, settings: dict[str, Any] = SETTINGS
+) -> tuple[DataParallel, DataParallel]:
     torch.manual_seed(0)
     model = build()
-    reference = DataParallel(copy.deepcopy(model), **SETTINGS)
-    overlapped = DataParallel(model, overlap="forward", **SETTINGS)
+    reference = DataParallel(copy.deepcopy(model), **settings)
+    overlapped = DataParallel(model, overlap="forward", **settings)
     return reference, overlapped
 
 
@@ -451,6 +453,29 @@ def _train_against_ddp(
     return [param.detach().clone() for param in model.parameters()], losses
 
 
+class LateUse(nn.Module):
+    """Two layers unused in the first forwards (the ones checked and profiled); later, one's
+    weight is read outside it before any layer runs, and the other runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.borrowed = nn.Linear(12, 12)
+        self.body = nn.Linear(12, 10)
+        self.extra = nn.Linear(10, 10)
+        self.late = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.late:
+            x = x + functional.linear(x, self.borrowed.weight)
+        h: torch.Tensor = torch.tanh(self.body(x))
+        return self.extra(h) if self.late else h
+
+
+def _late_use(model: DataParallel, opt: torch.optim.Optimizer, x: Any, y: Any, step: int) -> Any:
+    model.module.late = step >= 3
+    return _plain_loop(True)(model, opt, x, y, step)
+
+
 def _unused_layer(_: None) -> dict[str, Any]:
     ours, our_losses = _train_against_ddp(
         WithUnused, lambda m: DataParallel(m, overlap="forward", **SPLIT)
@@ -473,6 +498,7 @@ def _unused_layer(_: None) -> dict[str, Any]:
         optimizer.step()
     plan = model.plan
     return {
+        "late use": _train(_pair(LateUse, SPLIT), _sgd, _late_use),
         "worst": max(float((a - b).abs().max()) for a, b in zip(ours, theirs, strict=True)),
         "same_losses": our_losses == their_losses,
         "overlapped": plan is not None and plan.overlaps_forward,
@@ -492,6 +518,15 @@ def test_a_model_with_an_unused_layer_trains_as_ddp_with_find_unused_parameters(
     for result in unused:
         assert result["overlapped"]
         assert result["worst"] == 0.0 and result["same_losses"]
+
+
+def test_layers_unused_while_planning_and_used_later_get_their_updates_first(
+    unused: list[dict[str, Any]],
+) -> None:
+    for result in unused:
+        late = result["late use"]
+        assert late["overlapped"]
+        assert late["worst"] == 0.0 and late["same_outputs"], late
 
 
 def test_with_an_unused_layer_each_gate_waits_for_its_own_buckets_only(
