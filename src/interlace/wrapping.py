@@ -54,6 +54,7 @@ def wrap_model(
     profile_steps: int | None = None,
     channels: int | str = 1,
     compression: str | None = None,
+    find_unused_parameters: bool = False,
 ) -> nn.Module:
     """Wrap ``model`` (already on its device) for data-parallel training with ``strategy``.
 
@@ -68,6 +69,8 @@ def wrap_model(
         channels: DataParallel's ``channels``; ``ddp`` has one channel.
         compression: ``None``, ``"fp16"`` or ``"bf16"``; for ``ddp`` torch's own communication
             hook of that type.
+        find_unused_parameters: DDP's flag, for a model with parameters its forward does not
+            use (DataParallel handles them either way).
 
     Raises:
         UsageError: for an unknown strategy or a setting the strategy cannot take.
@@ -86,7 +89,9 @@ def wrap_model(
     if chosen.torch_wrapper == "ddp":
         if bucket_cap_mb is None and strategy != "ddp":
             bucket_cap_mb = chosen.cap_bytes / 1e6
-        return _wrap_ddp(model, device, bucket_cap_mb, channels, compression)
+        return _wrap_ddp(
+            model, device, bucket_cap_mb, channels, compression, find_unused_parameters
+        )
     if chosen.torch_wrapper == "fsdp2":
         return _wrap_fsdp2(model, channels, compression)
     assert chosen.bucketing is not None
@@ -120,6 +125,7 @@ def _wrap_ddp(
     bucket_cap_mb: float | None,
     channels: int | str,
     compression: str | None,
+    find_unused_parameters: bool = False,
 ) -> DistributedDataParallel:
     if channels != 1:
         raise UsageError(
@@ -128,9 +134,16 @@ def _wrap_ddp(
         )
     device_ids = [device.index] if device is not None and device.type == "cuda" else None
     if bucket_cap_mb is None:
-        ddp = DistributedDataParallel(model, device_ids=device_ids)
+        ddp = DistributedDataParallel(
+            model, device_ids=device_ids, find_unused_parameters=find_unused_parameters
+        )
     else:
-        ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
+        ddp = DistributedDataParallel(
+            model,
+            device_ids=device_ids,
+            bucket_cap_mb=bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+        )
     if compression is not None:
         hook = (
             default_hooks.fp16_compress_hook

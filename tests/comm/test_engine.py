@@ -107,6 +107,38 @@ def test_buckets_average_like_one_all_reduce_per_tensor(two_ranks: dict[str, lis
         assert all(report["none_ok"])
 
 
+def _marks_per_bucket(_: None) -> dict[str, Any]:
+    tensors = [torch.zeros(shape, dtype=dtype) for shape, dtype in SHAPES]
+    engine = BucketEngine(tensors, [[4, 3], [2], [1, 0]])
+    grads: list[torch.Tensor | None] = list(_gradients(0))
+    grads[4] = None  # on every rank
+    if dist.get_rank() == 0:
+        grads[3] = None  # rank 1's only
+    engine.begin()
+    for index in reversed(range(len(grads))):
+        grad = grads[index]
+        if grad is not None:
+            engine.add(index, grad)
+    engine.close()
+    engine.wait([0])
+    first = engine.averaged([3, 4])
+    waited_first = engine.waited_buckets()
+    expected = _reference(grads)
+    worst, none_ok = _worst([None if v is None else v.clone() for v in first], expected[3:])
+    engine.wait([1, 2])
+    return {"worst": worst, "none_ok": none_ok, "waited_first": waited_first}
+
+
+def test_a_bucket_with_unused_tensors_is_usable_without_the_others(
+    two_ranks: dict[str, list[Any]],
+) -> None:
+    for report in two_ranks["marks"]:
+        # Bucket 0 carries its own usage marks: reading which of its tensors some rank used
+        # waits for it alone, though it is not the bucket sent last.
+        assert report["waited_first"] == [0]
+        assert report["worst"] == 0.0 and report["none_ok"]
+
+
 def _compressed(compression: str) -> dict[str, Any]:
     tensors = [torch.zeros(shape, dtype=dtype) for shape, dtype in SHAPES]
     engine = BucketEngine(tensors, [[4, 3, 2, 1, 0]], compression=compression)
@@ -166,9 +198,9 @@ def test_partitioned_buckets_on_two_channels_average_like_one_all_reduce_per_ten
         assert report["worst"] == 0.0 and report["none_ok"]
         assert report["assignment"] == [[0, 1], [1], [0]]
         assert report["slices"] == [(0, 0), (0, 1), (1, 1), (2, 0)]
-        # The 17 float32 elements of bucket 0 (68 bytes) cut 9 + 8; the usage marks ride in the
-        # last bucket and are not counted.
-        assert report["bytes"] == [(0, 0, 36), (0, 1, 32), (1, 1, 32), (2, 0, 64)]
+        # Bucket 0's 17 float32 elements and its 2 usage marks cut 10 + 9: 10 + 7 elements of
+        # gradients (the marks are not counted).
+        assert report["bytes"] == [(0, 0, 40), (0, 1, 28), (1, 1, 32), (2, 0, 64)]
         # Gradients arrived last-first, yet buckets are launched in plan order.
         assert report["launch_order"] == sorted(report["launch_order"])
 
@@ -278,6 +310,7 @@ def test_bad_engines_are_refused_before_any_collective() -> None:
 #: The 2-rank scenarios above, by name; the refusals last.
 TWO_RANK_SCENARIOS: dict[str, Callable[[], Any]] = {
     "plain": lambda: _plain_buckets(None),
+    "marks": lambda: _marks_per_bucket(None),
     "fp16": lambda: _compressed("fp16"),
     "bf16": lambda: _compressed("bf16"),
     "channels": lambda: _on_channels(None),

@@ -1,5 +1,5 @@
 """Gates: each parameter waits at the modules that hold it, or at the forward's start when a
-checked forward saw it used elsewhere."""
+checked forward saw it used elsewhere; one the checked forward did not use is idle."""
 
 from __future__ import annotations
 
@@ -48,11 +48,13 @@ def test_a_checked_forward_moves_parameters_used_elsewhere_to_the_start() -> Non
     waits = {gate: [names[i] for i in indices] for gate, indices in gates.waits.items()}
     assert waits["first"] == ["first.weight", "first.bias"]
     assert waits["second"] == ["second.weight", "second.bias"]
-    # Used outside its module's forward, or held by a module that never ran: the start.
-    assert sorted(waits[ROOT]) == sorted(
-        ["scale", "borrowed.weight", "borrowed.bias", "idle.weight", "idle.bias"]
-    )
-    assert waits["borrowed"] == [] and waits["idle"] == []
+    # Used outside its module's forward: the start.
+    assert sorted(waits[ROOT]) == sorted(["scale", "borrowed.weight", "borrowed.bias"])
+    assert waits["borrowed"] == []
+    # Not used at all: still at its own module (the start would wait for its average before
+    # anything runs), and idle.
+    assert waits["idle"] == ["idle.weight", "idle.bias"]
+    assert [names[i] for i in gates.idle] == ["idle.weight", "idle.bias"]
     # The pre-hooks fire in forward order, the root first.
     assert reached == [ROOT, "first", "second"]
 

@@ -8,6 +8,7 @@ Every scenario trains a reference DataParallel (averages done when backward retu
 from __future__ import annotations
 
 import copy
+import importlib
 import io
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional
+from torch.nn.parallel import DistributedDataParallel
 
 from interlace import KFAC
 from interlace.comm.cost import CostModel
@@ -61,11 +63,13 @@ def _batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def _pair(build: Callable[[], nn.Module] = Net) -> tuple[DataParallel, DataParallel]:
+def _pair(
+    build: Callable[[], nn.Module] = Net, settings: dict[str, Any] = SETTINGS
+) -> tuple[DataParallel, DataParallel]:
     torch.manual_seed(0)
     model = build()
-    reference = DataParallel(copy.deepcopy(model), **SETTINGS)
-    overlapped = DataParallel(model, overlap="forward", **SETTINGS)
+    reference = DataParallel(copy.deepcopy(model), **settings)
+    overlapped = DataParallel(model, overlap="forward", **settings)
     return reference, overlapped
 
 
@@ -392,3 +396,198 @@ def _bad_overlap() -> None:
 def test_an_unknown_overlap_names_the_choices(scenarios: dict[str, Any]) -> None:
     assert "unknown overlap 'sideways'; choose one of backward" in scenarios["unknown overlap"]
     assert issubclass(UsageError, Exception)
+
+
+# ---------------------------------------------------------------------------- against torch DDP
+
+
+class WithUnused(nn.Module):
+    """Layers wide enough for a bucket each under :data:`SPLIT`, and one that never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+        self.unused = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+#: A slow link and cheap start-ups: the overlap plan sends about one bucket per layer.
+SPLIT = {**SETTINGS, "cost_model": CostModel(a=1e-7, b=1e-6)}
+
+
+def _ddp_batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(200 + dist.get_rank())
+    return [
+        (torch.randn(8, 32, generator=generator), torch.randint(0, 10, (8,), generator=generator))
+        for _ in range(count)
+    ]
+
+
+def _train_against_ddp(
+    build: Callable[[], nn.Module],
+    wrap: Callable[[nn.Module], nn.Module],
+    steps: int = STEPS,
+    *,
+    compiled: bool = False,
+) -> tuple[list[torch.Tensor], list[float]]:
+    torch.manual_seed(0)
+    wrapped = wrap(build())
+    # The wrapper compiled with the default (inductor) backend, as a user would.
+    model = torch.compile(wrapped) if compiled else wrapped
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for inputs, targets in _ddp_batches(steps):
+        optimizer.zero_grad()
+        loss = functional.cross_entropy(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    if isinstance(wrapped, DataParallel):
+        wrapped.synchronize()
+    return [param.detach().clone() for param in model.parameters()], losses
+
+
+class LateUse(nn.Module):
+    """Two layers unused in the first forwards (the ones checked and profiled); later, one's
+    weight is read outside it before any layer runs, and the other runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.borrowed = nn.Linear(12, 12)
+        self.body = nn.Linear(12, 10)
+        self.extra = nn.Linear(10, 10)
+        self.late = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.late:
+            x = x + functional.linear(x, self.borrowed.weight)
+        h: torch.Tensor = torch.tanh(self.body(x))
+        return self.extra(h) if self.late else h
+
+
+def _late_use(model: DataParallel, opt: torch.optim.Optimizer, x: Any, y: Any, step: int) -> Any:
+    model.module.late = step >= 3
+    return _plain_loop(True)(model, opt, x, y, step)
+
+
+def _unused_layer(_: None) -> dict[str, Any]:
+    ours, our_losses = _train_against_ddp(
+        WithUnused, lambda m: DataParallel(m, overlap="forward", **SPLIT)
+    )
+    theirs, their_losses = _train_against_ddp(
+        WithUnused, lambda m: DistributedDataParallel(m, find_unused_parameters=True)
+    )
+    # Which buckets each layer's gate has waited for when the layer runs, in a planned step.
+    torch.manual_seed(0)
+    model = DataParallel(WithUnused(), overlap="forward", **SPLIT)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen: dict[str, list[int]] = {}
+    for name, layer in [*model.module.layers.named_children(), ("head", model.module.head)]:
+        layer.register_forward_pre_hook(
+            lambda _m, _i, name=name: seen.__setitem__(name, model.waited_buckets)
+        )
+    for inputs, targets in _ddp_batches(4):
+        optimizer.zero_grad()
+        functional.cross_entropy(model(inputs), targets).backward()
+        optimizer.step()
+    plan = model.plan
+    return {
+        "late use": _train(_pair(LateUse, SPLIT), _sgd, _late_use),
+        "worst": max(float((a - b).abs().max()) for a, b in zip(ours, theirs, strict=True)),
+        "same_losses": our_losses == their_losses,
+        "overlapped": plan is not None and plan.overlaps_forward,
+        "buckets": model.buckets,
+        "waited": seen,
+    }
+
+
+@pytest.fixture(scope="module")
+def unused() -> list[dict[str, Any]]:
+    return run_ranks(_unused_layer, 2, None, timeout=200)
+
+
+def test_a_model_with_an_unused_layer_trains_as_ddp_with_find_unused_parameters(
+    unused: list[dict[str, Any]],
+) -> None:
+    for result in unused:
+        assert result["overlapped"]
+        assert result["worst"] == 0.0 and result["same_losses"]
+
+
+def test_layers_unused_while_planning_and_used_later_get_their_updates_first(
+    unused: list[dict[str, Any]],
+) -> None:
+    for result in unused:
+        late = result["late use"]
+        assert late["overlapped"]
+        assert late["worst"] == 0.0 and late["same_outputs"], late
+
+
+def test_with_an_unused_layer_each_gate_waits_for_its_own_buckets_only(
+    unused: list[dict[str, Any]],
+) -> None:
+    for result in unused:
+        buckets: list[list[str]] = result["buckets"]
+        assert len(buckets) >= 3, buckets  # else there is nothing to wait for selectively
+        holding: set[int] = set()
+        for layer in ["0", "1", "2", "3", "head"]:
+            prefix = "head." if layer == "head" else f"layers.{layer}."
+            holding |= {
+                number
+                for number, names in enumerate(buckets)
+                if any(name.startswith(prefix) for name in names)
+            }
+            # Up to this layer: the buckets holding its and the earlier layers' parameters.
+            assert result["waited"][layer] == sorted(holding), (layer, result)
+        # Not every bucket before the first layer; the unused layer's, sent last, by no gate.
+        assert len(result["waited"]["0"]) < len(buckets)
+        idle = [n for n, names in enumerate(buckets) if all(x.startswith("unused.") for x in names)]
+        assert not set(idle) & set(result["waited"]["head"]), result
+
+
+def _compiled(_: None) -> dict[str, Any]:
+    wrappers: list[DataParallel] = []
+
+    def ours(model: nn.Module) -> nn.Module:
+        wrappers.append(DataParallel(model, overlap="forward", **SPLIT))
+        return wrappers[-1]
+
+    torch._dynamo.reset()
+    mine, my_losses = _train_against_ddp(WithUnused, ours, compiled=True)
+    torch._dynamo.reset()
+    theirs, their_losses = _train_against_ddp(
+        WithUnused,
+        lambda m: DistributedDataParallel(m, find_unused_parameters=True),
+        compiled=True,
+    )
+    plan = wrappers[0].plan
+    return {
+        "worst": max(
+            float((a - b).abs().max() / b.abs().max()) for a, b in zip(mine, theirs, strict=True)
+        ),
+        "losses": max(abs(a - b) / abs(b) for a, b in zip(my_losses, their_losses, strict=True)),
+        "overlapped": plan is not None and plan.overlaps_forward,
+    }
+
+
+def _inductor_available() -> bool:
+    """Whether inductor can build CPU kernels here (it needs a C++ compiler)."""
+    try:
+        importlib.import_module("torch._inductor.cpp_builder").get_cpp_compiler()
+    except Exception:  # no compiler, or an inductor without this entry point
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _inductor_available(), reason="torch.compile's inductor needs a compiler")
+def test_compiled_with_inductor_the_overlap_trains_as_compiled_ddp() -> None:
+    for result in run_ranks(_compiled, 2, None, timeout=280):
+        assert result["overlapped"]
+        assert result["worst"] < 1e-5 and result["losses"] < 1e-5, result

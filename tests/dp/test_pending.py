@@ -128,3 +128,17 @@ def test_marks_are_cleared_without_completing() -> None:
     marks.clear()
     _ = params[0] * 2
     assert owner.completed == 0 and all(type(param) is nn.Parameter for param in params)
+
+
+def test_some_marks_are_lifted_and_the_others_still_complete() -> None:
+    first, second, third = (nn.Parameter(torch.ones(2)) for _ in range(3))
+    owner = Owner([first, second, third])
+    marks = DeferredMarks(owner)
+    marks.mark([first, second, third])
+    marks.keep_only([second, third])  # the forward starts; two layers may not run
+    assert type(first) is nn.Parameter and marks.marked
+    marks.unmark([second, first])  # a gate applies its bucket (first is not marked: no-op)
+    _ = first * 2, second * 2
+    assert owner.completed == 0 and type(second) is nn.Parameter
+    _ = third * 2  # the one still marked: used outside its layer
+    assert owner.completed == 1 and not marks.marked and type(third) is nn.Parameter

@@ -113,6 +113,7 @@ class DpConfig(BenchConfig):
             show.
         clip_grad_norm: Every strategy clips its gradients to this total norm before its step
             (``--clip-grad-norm``; None: no clipping).
+        unused_layer: Give the model a layer its forward never calls (``--unused-layer``).
     """
 
     strategies: tuple[str, ...]
@@ -123,6 +124,7 @@ class DpConfig(BenchConfig):
     max_link: str = MAX_LINK
     network: str | None = None
     clip_grad_norm: float | None = None
+    unused_layer: bool = False
 
     def batch_for(self, model: str) -> int:
         """The per-rank batch of ``model``: ``--batch-size``, else :data:`EMULATED_BATCH` on
@@ -301,6 +303,12 @@ class DpBenchmark(Benchmark[DpConfig, Row]):
             "the step (torch.nn.utils.clip_grad_norm_; default: no clipping)",
         )
         parser.add_argument(
+            "--unused-layer",
+            action="store_true",
+            help="add a layer the forward never calls (about 1 MB of gradients) to every "
+            "model; DDP then runs with find_unused_parameters=True",
+        )
+        parser.add_argument(
             "--network",
             metavar="SPEC",
             help="the target cluster whose all-reduce start-up a and per-byte b the rows show "
@@ -352,6 +360,7 @@ class DpBenchmark(Benchmark[DpConfig, Row]):
             max_link=args.max_link,
             network=args.network,
             clip_grad_norm=clip,
+            unused_layer=bool(args.unused_layer),
         )
         if config.compute.emulated and config.link is None and config.netem:
             raise UsageError(
@@ -410,6 +419,7 @@ class DpBenchmark(Benchmark[DpConfig, Row]):
                 strategies=config.strategies,
                 rounds=config.rounds,
                 clip_grad_norm=config.clip_grad_norm,
+                unused_layer=config.unused_layer,
             )
             measurement = session.launch(
                 measure_rank,

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn import functional
 
 from interlace.bench.harness import (
@@ -37,6 +38,8 @@ from interlace.zoo import build_model
 
 #: DDP rebuilds its buckets in gradient-ready order during its second iteration.
 DDP_REBUILD_STEPS = 2
+#: Width of ``--unused-layer``'s layer: 512 x 512 + 512 parameters, about 1 MB of gradients.
+UNUSED_LAYER_FEATURES = 512
 
 
 def variant_label(strategy: str, channels: int | str = 1, compression: str | None = None) -> str:
@@ -115,6 +118,17 @@ class MeasureJob(RankJob):
     rounds: int
     probe_contention: bool = False
     clip_grad_norm: float | None = None
+    unused_layer: bool = False
+
+    def module(self) -> nn.Module:
+        """The model, with :data:`UNUSED_LAYER_FEATURES` square layer its forward never calls
+        when ``unused_layer`` is set (DDP then runs with ``find_unused_parameters=True``)."""
+        model = super().module()
+        if self.unused_layer:
+            model.add_module(
+                "unused_layer", nn.Linear(UNUSED_LAYER_FEATURES, UNUSED_LAYER_FEATURES)
+            )
+        return model
 
 
 @dataclass(frozen=True)
@@ -312,12 +326,18 @@ def calibrate_rank(job: CalibrationJob) -> list[Calibration]:
     return results
 
 
-def _wrap(model: Any, label: str) -> Any:
+def _wrap(model: Any, label: str, unused: bool = False) -> Any:
     """The wrapper of ``model`` a :func:`variant_label` names; DDP with its own defaults (1 MB
-    first bucket)."""
+    first bucket), and ``find_unused_parameters`` where the model has an ``unused`` layer."""
 
     strategy, channels, compression = parse_variant(label)
-    return wrap_model(model, strategy, channels=channels, compression=compression)
+    return wrap_model(
+        model,
+        strategy,
+        channels=channels,
+        compression=compression,
+        find_unused_parameters=unused,
+    )
 
 
 def _is_final(contender: Contender, steps: int) -> bool:
@@ -372,7 +392,7 @@ def measure_rank(job: MeasureJob) -> Measurement:
     for strategy in job.strategies:
         torch.manual_seed(job.seed)
         model = job.module()
-        wrapper = _wrap(model, strategy)
+        wrapper = _wrap(model, strategy, job.unused_layer)
         optimizer = make_optimizer(model, wrapper.parameters())
         contenders.append(
             Contender(strategy, wrapper, optimizer, clip_grad_norm=job.clip_grad_norm)

@@ -150,26 +150,25 @@ class BucketEngine:
         self._data_numel: list[int] = []
         self._wires: list[torch.Tensor | None] = []
         device = self.tensors[0].device if device is None else device
-        # The "was used" marks ride with the bucket sent last, in its last slice: by then every
-        # tensor is accounted for.
-        self._marks_bucket = self.sends[-1].bucket
+        #: Each bucket's "was used" marks, one per tensor, after its gradients: they travel with
+        #: the bucket, so its averages are usable as soon as it arrives, whatever comes later.
+        self._usage: list[torch.Tensor] = []
         for bucket, group in enumerate(self.groups):
             offset = 0
             for index in group:
                 numel = self.tensors[index].numel()
                 self.slots[index] = _Slot(bucket, offset, numel)
                 offset += numel
-            extra = len(self.tensors) if bucket == self._marks_bucket else 0
             dtype = self.tensors[group[0]].dtype
-            buffer = torch.zeros(offset + extra, dtype=dtype, device=device)
+            buffer = torch.zeros(offset + len(group), dtype=dtype, device=device)
             self.buffers.append(buffer)
             self._data_numel.append(offset)
+            self._usage.append(buffer[offset:])
             wire = None
             if compression is not None and dtype == torch.float32:
                 wire = torch.zeros(buffer.numel(), dtype=COMPRESSIONS[compression], device=device)
             self._wires.append(wire)
-        marks = self.buffers[self._marks_bucket]
-        self._usage = marks[marks.numel() - len(self.tensors) :]
+        self._all_used = [torch.ones_like(marks) for marks in self._usage]
         # Each tensor's place in its bucket, shaped like the tensor: made once, so a gradient
         # costs one copy in the hook (backward runs one hook per tensor; slicing and reshaping
         # there each time cost more than the copy for the small ones).
@@ -183,6 +182,12 @@ class BucketEngine:
             for group, size in zip(self.groups, element, strict=True)
         ]
         """Bytes of gradient data in each bucket (without the usage marks), before compression."""
+        #: Bytes of gradient data in each launch's slice (the marks not counted).
+        self._send_bytes = [
+            _data_in_slice(self.buffers[send.bucket].numel(), self._data_numel[send.bucket], send)
+            * element[send.bucket]
+            for send in self.sends
+        ]
         self._sends_of: list[list[int]] = [[] for _ in self.groups]
         for position, send in enumerate(self.sends):
             self._sends_of[send.bucket].append(position)
@@ -204,11 +209,8 @@ class BucketEngine:
         self._waited = [False] * len(self.groups)
         self._futures = [None] * len(self.groups)
         self._copies = [[] for _ in self.groups]
-
-    @property
-    def all_used(self) -> bool:
-        """Whether this rank produced a gradient for every tensor this iteration."""
-        return all(self._used)
+        # Every tensor used until :meth:`close` finds one that was not: one fill per iteration.
+        torch._foreach_copy_(self._usage, self._all_used)
 
     def add(self, index: int, grad: torch.Tensor) -> None:
         """Copy tensor ``index``'s gradient into its bucket; launch every slice now due.
@@ -251,9 +253,16 @@ class BucketEngine:
     def close(self) -> None:
         """Backward is over: zeros for the tensors this rank has no gradient for, and every
         slice not yet sent goes out."""
+        unused: dict[int, list[int]] = {}
         for index in range(len(self.tensors)):
             if not self.launcher.arrived(index):
                 self._views[index].zero_()
+                unused.setdefault(self.slots[index].bucket, []).append(index)
+        for bucket, members in unused.items():
+            # Only buckets not sent yet can hold a tensor that has not arrived.
+            missing = set(members)
+            marks = [0.0 if index in missing else 1.0 for index in self.groups[bucket]]
+            self._usage[bucket].copy_(torch.tensor(marks, dtype=self._usage[bucket].dtype))
         for position in self.launcher.rest():
             self._launch(position)
 
@@ -276,6 +285,10 @@ class BucketEngine:
                 self.buffers[bucket].copy_(wire)
             self._waited[bucket] = True
 
+    def waited_buckets(self) -> list[int]:
+        """The buckets waited for since :meth:`begin` (their averages are in), in index order."""
+        return [bucket for bucket, waited in enumerate(self._waited) if waited]
+
     def bucket_of(self, index: int) -> int:
         """The bucket tensor ``index`` is in.
 
@@ -288,16 +301,27 @@ class BucketEngine:
         """The averaged gradients of ``indices`` (their buckets waited for), or None for a
         tensor no rank produced a gradient for; a view into the bucket.
 
+        Only the marks of the buckets holding a tensor this rank did not use are read (on a GPU
+        that read waits for those buckets' all-reduces, and for nothing else).
+
         Args:
             indices: tensor indices.
         """
-        if self.all_used:
-            # This rank used every tensor, so every sum of marks is positive: no need to read
-            # them back (on a GPU that read would wait for the whole backward to finish).
-            return [self._views[i] for i in indices]
-        self.wait([self._marks_bucket])
-        usage = self._usage.tolist()
-        return [self._views[i] if usage[i] > 0 else None for i in indices]
+        marks: dict[int, list[float]] = {}
+        found: list[torch.Tensor | None] = []
+        for index in indices:
+            if self._used[index]:
+                # This rank's mark is positive, so is the sum: no need to read it back.
+                found.append(self._views[index])
+                continue
+            bucket = self.slots[index].bucket
+            usage = marks.get(bucket)
+            if usage is None:
+                self.wait([bucket])
+                usage = marks[bucket] = self._usage[bucket].tolist()
+            used = usage[self.groups[bucket].index(index)] > 0
+            found.append(self._views[index] if used else None)
+        return found
 
     def finish(self) -> list[torch.Tensor | None]:
         """Send what is left, wait for every all-reduce, and return the averaged gradients.
@@ -326,7 +350,12 @@ class BucketEngine:
             self._waited[bucket] = True
         # After every hook is done, so that this collective cannot interleave with those a
         # hook issues from its callbacks (PowerSGD does) in a different order on other ranks.
-        dist.all_reduce(self._usage, group=self.process_group)
+        usage = torch.cat([marks.to(torch.float32) for marks in self._usage])
+        dist.all_reduce(usage, group=self.process_group)
+        for marks, summed in zip(
+            self._usage, usage.split([len(m) for m in self._usage]), strict=True
+        ):
+            marks.copy_(summed)
 
     def _call_hook(self, bucket: int, hook: HookSpec) -> None:
         group = self.groups[bucket]
@@ -335,7 +364,7 @@ class BucketEngine:
             self.buffers[bucket][: self._data_numel[bucket]],
             [self._views[i] for i in group],
             [self.tensors[i] for i in group],
-            is_last=bucket == self._marks_bucket,
+            is_last=bucket == self.sends[-1].bucket,
         )
         launched = time.perf_counter()
         future = hook.hook(hook.state, view)
@@ -355,13 +384,6 @@ class BucketEngine:
         if copies:
             torch._foreach_copy_([view for view, _ in copies], [grad for _, grad in copies])
             copies.clear()
-        if position == len(self.sends) - 1:
-            # Every tensor is accounted for once the last launch is due: write all the usage
-            # marks in one copy rather than one tensor write per gradient.
-            if self.all_used:
-                self._usage.fill_(1)
-            else:
-                self._usage.copy_(torch.tensor(self._used, dtype=self._usage.dtype))
         if self.launched_s[bucket] is None:
             self.launched_s[bucket] = time.perf_counter()
         if self.hook is not None:
@@ -378,9 +400,13 @@ class BucketEngine:
         launched = time.perf_counter()
         handle = dist.all_reduce(piece, group=self.channels[send.channel], async_op=True)
         if handle is not None and self.recorder is not None:
-            nbytes = self.bucket_bytes[bucket] * piece.numel() // max(buffer.numel(), 1)
             done = functools.partial(
-                _report_done, self.recorder, bucket, send.channel, nbytes, launched
+                _report_done,
+                self.recorder,
+                bucket,
+                send.channel,
+                self._send_bytes[position],
+                launched,
             )
             handle.get_future().then(done)
         self._handles[position] = handle
@@ -420,6 +446,15 @@ def _report_done(
 ) -> None:
     # Runs on the backend's thread when the all-reduce completes: the true end time.
     recorder(bucket, channel, nbytes, launched, time.perf_counter())
+
+
+def _data_in_slice(numel: int, data: int, send: _Send) -> int:
+    """How many of the first ``data`` of ``numel`` elements fall in ``send``'s slice (cut as
+    ``torch.tensor_split`` cuts)."""
+    size, extra = divmod(numel, send.parts)
+    start = send.part * size + min(send.part, extra)
+    end = start + size + (1 if send.part < extra else 0)
+    return max(min(end, data) - start, 0)
 
 
 def _split_by_dtype(

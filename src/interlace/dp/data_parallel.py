@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -275,7 +276,8 @@ class DataParallel(nn.Module, Joinable):
         self._forward_start = 0.0
         self._forward_s = 0.0
         self._backward_start: float | None = None
-        self._ready_times: list[float] = [0.0] * len(self._params)
+        #: Each gradient's arrival in the current backward (inf: not arrived).
+        self._ready_times: list[float] = [math.inf] * len(self._params)
         # On a GPU, profiled passes read ready times from the stream, not the host clock.
         self._clock = StreamClock(self._params[0].device if self._params else "cpu")
         self._device_pass: DevicePass | None = None
@@ -408,8 +410,7 @@ class DataParallel(nn.Module, Joinable):
         gates.time_pass()
         try:
             if self._plans.lifecycle.warming_up:
-                with gates.check():
-                    return self.module(*inputs, **kwargs)
+                return gates.checked_call(self.module, inputs, kwargs)
             return self.module(*inputs, **kwargs)
         finally:
             gates.stop_timing()
@@ -574,6 +575,13 @@ class DataParallel(nn.Module, Joinable):
         """The channel of each slice of each bucket in use (one entry unless partitioned)."""
         return [list(channels) for channels in self._plans.engine.assignment]
 
+    @property
+    def waited_buckets(self) -> list[int]:
+        """The buckets (indices into :attr:`buckets`) of the latest backward whose averages this
+        rank has waited for so far: with ``overlap="forward"``, a layer's forward pre-hook sees
+        the ones the forward has needed up to that layer; empty once all are applied."""
+        return self._plans.engine.waited_buckets()
+
     def gate_layout(self) -> list[GateTiming]:
         """Where the next forward waits with ``overlap="forward"``: each gate (a module's name)
         with the parameters (registration indices) that wait there, in module registration
@@ -686,12 +694,16 @@ class DataParallel(nn.Module, Joinable):
 
     def _after_backward(self, backward_end: float) -> None:
         start = self._backward_start if self._backward_start is not None else backward_end
+        # A gradient that never came is ready when backward ends: its bucket goes out only then,
+        # so the plan must not put it before the others.
+        ready = [min(t, backward_end) for t in self._ready_times]
+        self._ready_times = [math.inf] * len(ready)
         if self._device_pass is not None:
             # Waits for this pass's last event: profiling passes only, a few per run.
             self._plans.lifecycle.passed(*self._device_pass.seconds())
         else:
             self._plans.lifecycle.passed(
-                self._forward_s, backward_end - start, [t - start for t in self._ready_times]
+                self._forward_s, backward_end - start, [t - start for t in ready]
             )
         self._device_pass = None
         # The iteration that began at this forward synchronised: the next forward ends it.
@@ -704,7 +716,7 @@ class DataParallel(nn.Module, Joinable):
                 forward_s=self._forward_s,
                 backward_start=start,
                 backward_end=backward_end,
-                ready_s=self._ready_times,
+                ready_s=ready,
                 comm_events=self._comm_events,
                 channels=len(self._channels),
             )

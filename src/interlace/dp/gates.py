@@ -2,7 +2,9 @@
 parameters, which waits for those parameters' averages and updates only when the module runs.
 
 A parameter waits at the modules that hold it, unless a checked forward saw it used outside
-their forwards (or saw them not run): then it waits at the start of the forward.
+their forwards: then it waits at the start of the forward. One the checked forward did not use
+at all (its modules did not run) waits at its modules too, and stays marked meanwhile (any other
+use of it applies every update first, :mod:`interlace.dp.pending`).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class Gates:
         self._on_gate = on_gate
         #: Which parameters wait at each gate.
         self.waits: dict[str, list[int]] = {}
+        #: Parameters the checked forward did not use: they wait at modules that did not run.
+        self.idle: list[int] = []
         self.assign(escaped=set(), ran=set(modules))
         self._handles = [
             child.register_forward_pre_hook(self._hook(name)) for name, child in modules.items()
@@ -76,13 +80,18 @@ class Gates:
             ran: Gates whose modules ran.
         """
         self.waits = {name: [] for name in self._modules}
+        self.idle = []
         for number, owners in enumerate(self.owners):
-            mine = [name for name in owners if name in ran and name != ROOT]
+            mine = [name for name in owners if name != ROOT]
             if number in escaped or not mine:
                 self.waits[ROOT].append(number)
-            else:
-                for name in mine:
-                    self.waits[name].append(number)
+                continue
+            running = [name for name in mine if name in ran]
+            if not running:
+                # Unused here (another path may use it): not a reason to wait before the forward.
+                self.idle.append(number)
+            for name in running or mine:
+                self.waits[name].append(number)
 
     def remove(self) -> None:
         """Take the hooks off."""
@@ -91,21 +100,27 @@ class Gates:
         self._handles = []
 
     def _hook(self, name: str) -> Callable[..., None]:
+        # Plain Python under torch.compile: a gate waits for collectives and runs optimizer
+        # updates, which a compiled graph cannot hold (the graph breaks at each gate instead).
+        @torch.compiler.disable  # type: ignore[untyped-decorator]
         def hook(_module: nn.Module, _inputs: Any) -> None:
             if self._timing and name not in self._seen_this_pass:
                 self._seen_this_pass[name] = self._clock.mark()
             self._on_gate(name)
 
-        return hook
+        return hook  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------------ profiling
 
+    # Host clocks are no part of a compiled graph: under torch.compile these run as Python.
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def time_pass(self) -> None:
         """Time when each gate is first reached in the forward that starts now."""
         self._timing = True
         self._forward_start = self._clock.mark()
         self._seen_this_pass = {}
 
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def stop_timing(self) -> None:
         """The timed forward is over."""
         if self._timing and self._forward_start is not None:
@@ -131,6 +146,20 @@ class Gates:
         """A context manager: the forward run inside it shows where each parameter is used;
         on exit, :meth:`assign` is called with what it saw."""
         return UseCheck(self, self._modules, self._params)
+
+    # Eager even under torch.compile: the check watches every torch call, which a compiled
+    # graph would fold away. One pass per wrapper.
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def checked_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``module(*args, **kwargs)`` inside :meth:`check`.
+
+        Args:
+            module: The wrapped model.
+            args: Its positional inputs.
+            kwargs: Its keyword inputs.
+        """
+        with self.check():
+            return module(*args, **kwargs)
 
 
 class UseCheck(TorchFunctionMode):

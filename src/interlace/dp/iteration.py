@@ -94,16 +94,16 @@ class DevicePass:
 
     def seconds(self) -> tuple[float, float, list[float]]:
         """The forward, the backward and each tensor's ready time from the start of backward,
-        in device seconds (a tensor whose gradient never came counts as ready at the start)."""
+        in device seconds (a tensor whose gradient never came counts as ready at the end: its
+        bucket goes out only when backward is over)."""
         forward_end = self.forward_end or self.forward_start
         start = self.backward_start or forward_end
         end = self.backward_end or start
-        ready = [0.0 if mark is None else self.clock.seconds(start, mark) for mark in self.ready]
-        return (
-            self.clock.seconds(self.forward_start, forward_end),
-            self.clock.seconds(start, end),
-            ready,
-        )
+        backward_s = self.clock.seconds(start, end)
+        ready = [
+            backward_s if mark is None else self.clock.seconds(start, mark) for mark in self.ready
+        ]
+        return self.clock.seconds(self.forward_start, forward_end), backward_s, ready
 
 
 def iteration_timeline(

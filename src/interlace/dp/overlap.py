@@ -47,6 +47,8 @@ class ForwardOverlap:
         #: Each gate's buckets, for the engine and the gate layout they were worked out for.
         self._due_at: dict[str, set[int]] = {}
         self._due_for: tuple[BucketEngine, dict[str, list[int]]] | None = None
+        #: The parameters waiting at gates the forward may not reach (unused when checked).
+        self._idle: list[nn.Parameter] = []
         self._deferred: list[DeferredStep] = []
         self._hidden: list[tuple[nn.Parameter, torch.Tensor | None]] = []
         self._marks = DeferredMarks(self)
@@ -84,6 +86,7 @@ class ForwardOverlap:
                 for name, params in waits.items()
             }
             self._due_for = (engine, waits)
+            self._idle = [self.params[index] for index in self.gates.idle]
         self._wrapped = []
         self._had_none = []
         for number, param in enumerate(self.params):
@@ -113,8 +116,9 @@ class ForwardOverlap:
 
     def _at_gate(self, name: str) -> None:
         if name == ROOT and self._marks.marked:
-            # The forward has begun: each layer's gate brings its parameters up to date.
-            self._marks.clear()
+            # The forward has begun: each layer's gate brings its parameters up to date. Those
+            # whose layers may not run stay marked: a use elsewhere still applies them first.
+            self._marks.keep_only(self._idle)
         engine = self._engine
         if engine is None:
             return
@@ -127,12 +131,12 @@ class ForwardOverlap:
         updates on them."""
         engine = self._engine
         assert engine is not None
-        if self._marks.marked:
-            # The parameters are being brought up to date: the updates below must not set the
-            # marks off again.
-            self._marks.clear()
-        engine.wait(buckets)
         members = sorted(index for bucket in buckets for index in engine.groups[bucket])
+        if self._marks.marked:
+            # These parameters are being brought up to date: the updates below must not set
+            # their marks off again.
+            self._marks.unmark([self.params[index] for index in members])
+        engine.wait(buckets)
         averaged = engine.averaged(members)
         keep: list[torch.Tensor | None] = []
         targets: list[torch.Tensor] = []

@@ -146,7 +146,7 @@ class DeferredMarks:
     def __init__(self, owner: PendingOwner) -> None:
         self._owner = weakref.ref(owner)
         self._classes: dict[type, type] = {}
-        self._marked: list[torch.Tensor] = []
+        self._marked: dict[int, torch.Tensor] = {}
 
     @property
     def marked(self) -> bool:
@@ -168,13 +168,32 @@ class DeferredMarks:
                 marked = _marked_class(kind, self)
                 self._classes[kind] = marked
             param.__class__ = marked
-            self._marked.append(param)
+            self._marked[id(param)] = param
+
+    def unmark(self, params: Iterable[torch.Tensor]) -> None:
+        """Give those of ``params`` that are marked their own class back.
+
+        Args:
+            params: Parameters whose update is being applied.
+        """
+        for param in params:
+            if self._marked.pop(id(param), None) is not None:
+                param.__class__ = type(param).__mro__[1]
+
+    def keep_only(self, params: Iterable[torch.Tensor]) -> None:
+        """Unmark every parameter but those of ``params`` (which stay marked if they are).
+
+        Args:
+            params: Parameters to leave marked.
+        """
+        kept = {id(param) for param in params}
+        self.unmark([param for key, param in self._marked.items() if key not in kept])
 
     def clear(self) -> None:
         """Give every marked parameter its own class back."""
-        for param in self._marked:
+        for param in self._marked.values():
             param.__class__ = type(param).__mro__[1]
-        self._marked = []
+        self._marked = {}
 
     def complete(self) -> None:
         """A marked parameter is used: clear the marks and apply the updates."""
