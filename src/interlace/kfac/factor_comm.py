@@ -15,11 +15,10 @@ import torch.distributed as dist
 from interlace.comm.calibrate import fit_cost_model
 from interlace.comm.cost import CostModel
 from interlace.comm.engine import BucketEngine
-from interlace.comm.plan import pack_by_cap
 from interlace.comm.tuning import PlanTrials, describe_trials, fastest
 from interlace.kfac.decomp import all_finite
 from interlace.kfac.factor_modes import FactorCommMode, Pipelined
-from interlace.kfac.fusion import make_groups, merged_candidates
+from interlace.kfac.fusion import bulk_groups, make_groups, merged_candidates
 from interlace.kfac.packing import pack_upper, packed_size, unpack_upper
 from interlace.kfac.preconditioned_layer import KFACLayer
 from interlace.kfac.timing import SpanLog
@@ -41,9 +40,9 @@ def all_reduce_mean(
     group: dist.ProcessGroup | None,
     bucket_bytes: int,
 ) -> list[torch.Tensor]:
-    """Average ``tensors`` across ranks in buckets of :func:`~interlace.comm.plan.pack_by_cap`,
-    on the communication core's bucket engine: every bucket is launched before the first is
-    waited for.
+    """Average ``tensors`` across ranks in the buckets of
+    :func:`~interlace.kfac.fusion.bulk_groups`, on the communication core's bucket engine: every
+    bucket is launched before the first is waited for.
 
     Args:
         tensors: The same shapes and dtypes on every rank.
@@ -56,11 +55,7 @@ def all_reduce_mean(
     """
     if world_size == 1 or not tensors:
         return tensors
-    sizes = [t.numel() * t.element_size() for t in tensors]
-    # A cap of 0 is kfac-pytorch's "no bucketing": every tensor on its own.
-    groups = (
-        pack_by_cap(sizes, bucket_bytes) if bucket_bytes > 0 else [[i] for i in range(len(sizes))]
-    )
+    groups = bulk_groups([t.numel() * t.element_size() for t in tensors], bucket_bytes)
     engine = BucketEngine(tensors, groups, group)
     for index, tensor in enumerate(tensors):
         engine.add(index, tensor)

@@ -1,7 +1,8 @@
-"""Which factors share a pipelined all-reduce bucket (SPD-KFAC's tensor fusion).
+"""Which factors share an all-reduce bucket: the bulk factor step's, and the pipelined ones
+(SPD-KFAC's tensor fusion).
 
-Pure functions of the factors' ready order, packed sizes and (``"merged"``) profiled ready times;
-the buckets are launched by the communication core's bucket engine, as DataParallel's are.
+Pure functions of the factors' order, sizes and (``"merged"``) profiled ready times; the runtime
+launches these buckets on the communication core's bucket engine and the simulator prices them.
 """
 
 from __future__ import annotations
@@ -12,10 +13,30 @@ from interlace.comm.cost import CostModel
 from interlace.comm.plan import ReadyTensor, pack_by_cap, plan_merged
 from interlace.comm.tuning import START_UP_SCALES, scale_start_up
 
-__all__ = ["FUSIONS", "make_groups", "merged_candidates", "merged_groups"]
+__all__ = ["FUSIONS", "bulk_groups", "make_groups", "merged_candidates", "merged_groups"]
 
 #: Values of ``KFAC(fusion=...)``.
 FUSIONS = ("none", "fixed", "merged")
+
+
+def bulk_groups(sizes: Sequence[int], cap_bytes: float) -> list[list[int]]:
+    """The buckets of the bulk factor all-reduce (``KFAC(bucket_cap_mb=)``), as indices into
+    ``sizes``: :func:`~interlace.comm.plan.pack_by_cap` in the order given (the factor that
+    reaches the cap joins its bucket); a cap of 0 is kfac-pytorch's "no bucketing", every factor
+    on its own.
+
+    Args:
+        sizes: Each factor's bytes as sent, in the step's order (each layer's ``A``, then ``G``).
+        cap_bytes: The bucket cap, bytes (0: no buckets).
+
+    Raises:
+        ValueError: For a negative cap.
+    """
+    if cap_bytes < 0:
+        raise ValueError(f"the bulk factor bucket cap must be >= 0 bytes, got {cap_bytes}")
+    if cap_bytes == 0:
+        return [[index] for index in range(len(sizes))]
+    return pack_by_cap(sizes, cap_bytes)
 
 
 def merged_groups(
