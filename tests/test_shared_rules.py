@@ -8,10 +8,18 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from interlace.kfac.factor_comm import all_reduce_mean
+from interlace.pipeline.messages import header_of
+from interlace.pipeline.runtime import PipelineStage
+from interlace.pipeline.schedule import SCHEDULE_TYPES, Op, Schedule
 from interlace.sim.kfac_link import bulk_messages
+from interlace.sim.pipeline import StageCost, stage_programs
+from interlace.sim.pipeline_events import Compute, Send
 from interlace.sim.trace import load_trace
+from interlace.testing import run_ranks
 
 MIB = 2**20
 
@@ -59,3 +67,88 @@ def test_the_simulator_prices_the_runtimes_bulk_factor_buckets(
     dims = [(factor.a_dim, factor.g_dim) for factor in load_trace(trace).factors]
     priced, _ = bulk_messages(dims, 4, 0.0, packed=False, cap_bytes=cap_mib * MIB)
     assert [m.nbytes for m in priced] == _runtime_bulk_bytes(monkeypatch, dims, cap_mib * MIB)
+
+
+# ---------------------------------------------------------------------- the pipeline
+
+#: ``(schedule, microbatches, block)``: each schedule's micro-batches (the asynchronous ones'
+#: chunks, as ``interlace bench pipeline`` sets them) and the mini-batches of one block.
+PIPELINE_CASES = [
+    ("gpipe", 2, 2),
+    ("1f1b", 3, 2),
+    ("pipedream", 2, 3),
+    ("spectrain", 2, 3),
+    ("spectrain-reuse", 1, 2),
+]
+#: What each runtime action is called among the simulator's computations.
+LABELS = {
+    Op.FORWARD: "forward",
+    Op.RECOMPUTE: "recompute",
+    Op.BACKWARD: "backward",
+    Op.SEND_ACT: "send",
+    Op.SEND_GRAD: "send",
+    Op.PREDICT: "predict",
+    Op.STASH: "stash",
+    Op.UPDATE: "update",
+}
+
+
+def _pipeline_rank() -> dict[str, list[str]]:
+    """This rank's stage of a two-stage pipeline running each case's block: the actions of every
+    program the runtime executed, as the simulator labels them."""
+    ran: list[str] = []
+    execute = PipelineStage._execute
+
+    def recording(stage: PipelineStage, schedule: Schedule, *args: Any) -> None:
+        program = schedule.program(stage.stage, stage._pieces_per_unit())
+        ran.extend(LABELS[action.op] for action in program if action.op in LABELS)
+        execute(stage, schedule, *args)
+
+    PipelineStage._execute = recording  # type: ignore[method-assign]
+    found: dict[str, list[str]] = {}
+    rank = dist.get_rank()
+    for name, microbatches, block in PIPELINE_CASES:
+        torch.manual_seed(0)
+        module = nn.Linear(4, 4)
+        schedule, backward = name.split("-") if "-" in name else (name, "recompute")
+        stage = PipelineStage(
+            module,
+            torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9),
+            stage=rank,
+            num_stages=2,
+            schedule=schedule,
+            loss_fn=nn.functional.mse_loss,
+            microbatches=microbatches,
+            chunks=1 if SCHEDULE_TYPES[name].synchronous else microbatches,
+            spectrain_backward=backward,
+        )
+        batches = [(torch.randn(4, 4), torch.randn(4, 4)) for _ in range(block)]
+        ran.clear()
+        stage.run(batches, block)
+        found[name] = list(ran)
+    return found
+
+
+def test_the_simulator_prices_the_programs_the_pipeline_runtime_runs() -> None:
+    ran = run_ranks(_pipeline_rank, 2, timeout=120)
+    stages = [StageCost(1.0, 2.0, 64.0), StageCost(1.0, 2.0, 0.0)]
+    for name, microbatches, block in PIPELINE_CASES:
+        programs = stage_programs(stages, name, microbatches=microbatches, block=block)
+        priced = [
+            [op.label for op in program if isinstance(op, Compute) and op.label in LABELS.values()]
+            for program in programs
+        ]
+        assert priced == [ran[0][name], ran[1][name]], name
+
+
+def test_the_simulator_prices_the_runtimes_header() -> None:
+    programs = stage_programs(
+        [StageCost(1.0, 2.0, 64.0), StageCost(1.0, 2.0, 0.0)], "gpipe", microbatches=2, block=1
+    )
+    headers = {
+        op.message.nbytes
+        for op in programs[0]
+        if isinstance(op, Send) and str(op.message.key[0]).endswith("-header")
+    }
+    header = header_of(torch.zeros(2, 3))
+    assert headers == {header.numel() * header.element_size()}
