@@ -11,7 +11,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from interlace.comm.cost import CostModel
+from interlace.comm.plan import Bucketing, ReadyTensor, plan_fixed, plan_merged, plan_per_tensor
 from interlace.kfac.factor_comm import all_reduce_mean
+from interlace.kfac.factor_modes import Pipelined
+from interlace.kfac.fusion import FUSION_BUCKETINGS, FUSIONS, make_groups
 from interlace.pipeline.messages import header_of
 from interlace.pipeline.runtime import PipelineStage
 from interlace.pipeline.schedule import SCHEDULE_TYPES, Op, Schedule
@@ -152,3 +156,23 @@ def test_the_simulator_prices_the_runtimes_header() -> None:
     }
     header = header_of(torch.zeros(2, 3))
     assert headers == {header.numel() * header.element_size()}
+
+
+# ---------------------------------------------------------------------- K-FAC's fusion
+
+
+def test_kfac_fusion_plans_as_dataparallels_bucketing_of_the_same_name() -> None:
+    sizes = [40, 50, 20, 100, 30, 30, 30]
+    tensors = [ReadyTensor(f"t{i}", size, 0.1 * i) for i, size in enumerate(sizes)]
+    cost = CostModel(0.05, 1e-3)
+    dataparallel = {
+        Bucketing.PER_TENSOR: plan_per_tensor(tensors, cost).groups,
+        Bucketing.FIXED: plan_fixed(tensors, cost, 100).groups,
+        Bucketing.MERGED: plan_merged(tensors, cost).groups,
+    }
+    assert set(dataparallel) == set(FUSION_BUCKETINGS.values())
+    ready = [t.ready_s for t in tensors]
+    for name in FUSIONS:
+        bucketing = Pipelined(fusion=name).fusion
+        groups = make_groups(name, sizes, cap_bytes=100, ready_s=ready, cost=cost)
+        assert groups == dataparallel[bucketing], name

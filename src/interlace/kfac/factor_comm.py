@@ -15,10 +15,11 @@ import torch.distributed as dist
 from interlace.comm.calibrate import fit_cost_model
 from interlace.comm.cost import CostModel
 from interlace.comm.engine import BucketEngine
+from interlace.comm.plan import Bucketing
 from interlace.comm.tuning import PlanTrials, describe_trials, fastest
 from interlace.kfac.decomp import all_finite
 from interlace.kfac.factor_modes import FactorCommMode, Pipelined
-from interlace.kfac.fusion import bulk_groups, make_groups, merged_candidates
+from interlace.kfac.fusion import bulk_groups, fusion_from, make_groups, merged_candidates
 from interlace.kfac.packing import pack_upper, packed_size, unpack_upper
 from interlace.kfac.preconditioned_layer import KFACLayer
 from interlace.kfac.timing import SpanLog
@@ -503,11 +504,11 @@ class FactorComm:
             keys, numels, dtypes, group=self.factor_group, device=device, spans=self.spans
         )
         assert isinstance(self.mode, Pipelined)  # only pipelined modes have a factor group
-        fusion = self.mode.fusion
-        if fusion == "merged":
+        fusion = fusion_from(self.mode.fusion)
+        if fusion is Bucketing.MERGED:
             # Per-factor launches while the ready times are profiled.
             self._pipe.profiling = True
-            self._set_plan(make_groups("none", self._pipe.nbytes))
+            self._set_plan(make_groups(Bucketing.PER_TENSOR, self._pipe.nbytes))
         else:
             self._set_plan(make_groups(fusion, self._pipe.nbytes, cap_bytes=self.bucket_bytes))
 

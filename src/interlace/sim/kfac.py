@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from interlace.comm.cost import CostModel
-from interlace.comm.plan import ReadyTensor, schedule
+from interlace.comm.plan import Bucketing, ReadyTensor, schedule
 from interlace.comm.strategies import PLANNED_STRATEGIES
 from interlace.errors import UsageError
 from interlace.kfac.enums import PlacementChoice
@@ -417,7 +417,10 @@ def simulate_kfac(
         factor_groups = named_groups(factor_buckets, factors, "factor")
     elif chosen.pipelined:
         factor_groups = make_groups(
-            "merged", [t.nbytes for t in factors], ready_s=[t.ready_s for t in factors], cost=cost
+            Bucketing.MERGED,
+            [t.nbytes for t in factors],
+            ready_s=[t.ready_s for t in factors],
+            cost=cost,
         )
     else:
         # Backward returns once the gradients are averaged; factors not computed in the passes
