@@ -13,7 +13,7 @@ from torch import nn
 
 from interlace.comm.cost import CostModel
 from interlace.comm.plan import Bucketing, ReadyTensor, plan_fixed, plan_merged, plan_per_tensor
-from interlace.kfac.factor_comm import all_reduce_mean
+from interlace.kfac.factor_bulk import all_reduce_mean
 from interlace.kfac.factor_modes import Pipelined
 from interlace.kfac.fusion import FUSION_BUCKETINGS, FUSIONS, make_groups
 from interlace.pipeline.messages import header_of
