@@ -20,6 +20,7 @@ from torch.nn import functional
 from interlace import KFAC
 from interlace.comm.cost import CostModel
 from interlace.dp import DataParallel
+from interlace.kfac import factor_bulk, factor_comm, factor_pipeline
 from interlace.kfac.factor_modes import Pipelined
 from interlace.testing import average_gradients, run_ranks, run_scenarios
 
@@ -45,6 +46,12 @@ def test_bad_options_are_refused(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         mode = kwargs["factor_comm"] if "factor_comm" in kwargs else Pipelined(**kwargs)
         KFAC(nn.Linear(3, 2), factor_comm=mode)
+
+
+def test_the_split_modules_names_stay_importable_from_factor_comm() -> None:
+    assert factor_comm.all_reduce_mean is factor_bulk.all_reduce_mean
+    assert factor_comm.FactorPipeline is factor_pipeline.FactorPipeline
+    assert set(factor_comm.__all__) >= {"FactorComm", "FactorPipeline", "all_reduce_mean"}
 
 
 def test_pipelined_on_one_process_is_bulk() -> None:

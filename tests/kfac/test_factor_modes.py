@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from interlace.comm.cost import CostModel
+from interlace.comm.plan import Bucketing
 from interlace.errors import OptionError
 from interlace.kfac.enums import FactorCommChoice
 from interlace.kfac.factor_modes import Bulk, Pipelined, factor_comm_from
@@ -16,6 +17,12 @@ def test_an_option_names_a_mode_by_enum_string_or_object() -> None:
     mine = Pipelined(fusion="fixed", profile_steps=5, factor_cost=CostModel(1e-5, 1e-9))
     assert factor_comm_from(mine) is mine
     assert (Bulk().pipelined, mine.pipelined) == (False, True)
+
+
+def test_a_fusion_is_kept_as_dataparallels_bucketing() -> None:
+    assert Pipelined().fusion is Bucketing.MERGED
+    assert Pipelined(fusion="none").fusion is Bucketing.PER_TENSOR
+    assert Pipelined(fusion="fixed") == Pipelined(fusion=Bucketing.FIXED)
 
 
 @pytest.mark.parametrize(

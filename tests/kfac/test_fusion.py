@@ -5,15 +5,42 @@ from __future__ import annotations
 import pytest
 
 from interlace.comm.cost import CostModel
-from interlace.kfac.fusion import make_groups, merged_candidates, merged_groups
+from interlace.comm.plan import Bucketing
+from interlace.errors import OptionError
+from interlace.kfac.fusion import (
+    bulk_groups,
+    fusion_from,
+    make_groups,
+    merged_candidates,
+    merged_groups,
+)
 
 #: Start-up free, a second per byte: after the first factor's all-reduce the channel stays busy
 #: past any real ready time, so MG-WFBP merges every later factor into one bucket.
 MERGING_COST = CostModel(0.0, 1.0)
 
 
+def test_a_fusion_is_the_bucketing_of_the_same_meaning_by_member_or_string() -> None:
+    assert fusion_from("none") is Bucketing.PER_TENSOR
+    assert fusion_from("per-tensor") is Bucketing.PER_TENSOR
+    assert fusion_from(" Fixed ") is Bucketing.FIXED
+    assert fusion_from(Bucketing.MERGED) is Bucketing.MERGED
+    for other in (Bucketing.SINGLE, "optimal", 3):
+        with pytest.raises(OptionError, match="fusion must be one of none, fixed, merged"):
+            fusion_from(other)
+
+
 def test_none_gives_one_bucket_per_factor() -> None:
     assert make_groups("none", [8, 16, 4]) == [[0], [1], [2]]
+    assert make_groups(Bucketing.PER_TENSOR, [8, 16, 4]) == [[0], [1], [2]]
+
+
+def test_bulk_buckets_close_at_the_cap_and_a_cap_of_zero_keeps_factors_apart() -> None:
+    # 60 + 50 reaches 100 and closes; 120 alone; 10 left over.
+    assert bulk_groups([60, 50, 120, 10], 100) == [[0, 1], [2], [3]]
+    assert bulk_groups([60, 50], 0) == [[0], [1]]
+    with pytest.raises(ValueError, match="cap must be >= 0"):
+        bulk_groups([1], -1)
 
 
 def test_fixed_closes_a_bucket_once_it_holds_the_cap_as_ddp_does() -> None:

@@ -280,16 +280,18 @@ def test_measured_factor_buckets_replace_the_merge_rule() -> None:
 # ---------------------------------------------------------------------- bulk buckets
 
 
-def test_bulk_messages_are_whole_or_packed_factors_in_capped_buckets() -> None:
+def test_bulk_messages_are_whole_or_packed_factors_in_the_runtimes_buckets() -> None:
     # A 3 x 3 and a 2 x 2 factor: 36 and 16 bytes whole, 24 and 12 packed.
-    (one,), groups = bulk_messages([(3, 2)], 4, 7.0, packed=False, cap_bytes=0)
+    (one,), groups = bulk_messages([(3, 2)], 4, 7.0, packed=False, cap_bytes=None)
     assert (one.nbytes, one.ready_s, groups) == (52, 7.0, [[0]])
-    (packed,), _ = bulk_messages([(3, 2)], 4, 7.0, packed=True, cap_bytes=0)
+    (packed,), _ = bulk_messages([(3, 2)], 4, 7.0, packed=True, cap_bytes=None)
     assert packed.nbytes == 36
     capped, groups = bulk_messages([(3, 2), (2, 3)], 4, 0.0, packed=False, cap_bytes=40)
-    # 36 | 16 (52 > 40) | 16 + 36 > 40, so 16 | 36.
-    assert [m.nbytes for m in capped] == [36, 16 + 16, 36]
-    assert groups == [[0], [1], [2]]
+    # 36 + 16 reaches 40 and closes the bucket; so do 16 + 36.
+    assert [m.nbytes for m in capped] == [36 + 16, 16 + 36]
+    assert groups == [[0], [1]]
+    alone, _ = bulk_messages([(3, 2)], 4, 0.0, packed=False, cap_bytes=0)
+    assert [m.nbytes for m in alone] == [36, 16]
 
 
 # ---------------------------------------------------------------------- device costs

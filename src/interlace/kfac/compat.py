@@ -20,6 +20,7 @@ from interlace.kfac.placements import LBP, Greedy, Placement, placement_or_auto
 
 if TYPE_CHECKING:
     from interlace.comm.cost import CostModel
+    from interlace.comm.plan import Bucketing
     from interlace.kfac.costs import DecompositionCostModel
 
 __all__ = ["kfac_keywords"]
@@ -33,7 +34,7 @@ def kfac_keywords(
     colocate_factors: bool | None = None,
     compute_eigenvalue_outer_product: bool = True,
     update_factors_in_hook: bool | None = None,
-    fusion: str | None = None,
+    fusion: Bucketing | str | None = None,
     profile_steps: int | None = None,
     factor_cost: CostModel | None = None,
     tune_steps: int | None = None,

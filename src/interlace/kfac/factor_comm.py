@@ -1,7 +1,7 @@
-"""Averaging K-FAC factors across ranks: in bulk at the step, or pipelined from the hooks.
-
-Pipelined mode (SPD-KFAC) all-reduces each factor's packed upper triangle as soon as its hook
-computes it, in the buckets :mod:`interlace.kfac.fusion` plans, on a process group of its own.
+"""Averaging K-FAC factors across ranks as a mode says: in bulk at the step
+(:mod:`interlace.kfac.factor_bulk`) or pipelined from the hooks
+(:mod:`interlace.kfac.factor_pipeline`), with the first (bulk) step's discovery of the ready
+order and ``"merged"``'s profiling and bucket trials.
 """
 
 from __future__ import annotations
@@ -14,176 +14,23 @@ import torch.distributed as dist
 
 from interlace.comm.calibrate import fit_cost_model
 from interlace.comm.cost import CostModel
-from interlace.comm.engine import BucketEngine
-from interlace.comm.plan import pack_by_cap
+from interlace.comm.plan import Bucketing
 from interlace.comm.tuning import PlanTrials, describe_trials, fastest
 from interlace.kfac.decomp import all_finite
+from interlace.kfac.factor_bulk import all_reduce_mean
 from interlace.kfac.factor_modes import FactorCommMode, Pipelined
-from interlace.kfac.fusion import make_groups, merged_candidates
+from interlace.kfac.factor_pipeline import FactorKey, FactorPipeline
+from interlace.kfac.fusion import fusion_from, make_groups, merged_candidates
 from interlace.kfac.packing import pack_upper, packed_size, unpack_upper
 from interlace.kfac.preconditioned_layer import KFACLayer
 from interlace.kfac.timing import SpanLog
 from interlace.kfac.work_assignment import GroupRanks
 
-__all__ = ["FactorComm", "FactorPipeline", "all_reduce_mean"]
-
-#: A factor in the pipeline's ready order: ``(layer name, "A" or "G")``.
-FactorKey = tuple[str, str]
+__all__ = ["FactorComm", "FactorKey", "FactorPipeline", "all_reduce_mean"]
 
 #: Rounds of the bucket trials (``Pipelined(tune_steps=)``): fewer than DataParallel's, because
 #: a K-FAC step is dearer; forward then backward still spreads a drift of load evenly.
 FACTOR_TRIAL_ROUNDS = 2
-
-
-def all_reduce_mean(
-    tensors: list[torch.Tensor],
-    world_size: int,
-    group: dist.ProcessGroup | None,
-    bucket_bytes: int,
-) -> list[torch.Tensor]:
-    """Average ``tensors`` across ranks in buckets of :func:`~interlace.comm.plan.pack_by_cap`,
-    on the communication core's bucket engine: every bucket is launched before the first is
-    waited for.
-
-    Args:
-        tensors: The same shapes and dtypes on every rank.
-        world_size: The ranks of ``group`` (1: nothing to do).
-        group: The process group.
-        bucket_bytes: The cap of a bucket (0: one all-reduce per tensor).
-
-    Returns:
-        The averages, shaped like ``tensors`` (views of the engine's buffers).
-    """
-    if world_size == 1 or not tensors:
-        return tensors
-    sizes = [t.numel() * t.element_size() for t in tensors]
-    # A cap of 0 is kfac-pytorch's "no bucketing": every tensor on its own.
-    groups = (
-        pack_by_cap(sizes, bucket_bytes) if bucket_bytes > 0 else [[i] for i in range(len(sizes))]
-    )
-    engine = BucketEngine(tensors, groups, group)
-    for index, tensor in enumerate(tensors):
-        engine.add(index, tensor)
-    averaged = engine.finish()
-    return [
-        mean if mean is not None else tensor for mean, tensor in zip(averaged, tensors, strict=True)
-    ]
-
-
-class FactorPipeline:
-    """The in-hook communicator of pipelined factor all-reduces (one factor step at a time).
-
-    Factors are indexed by their position in the ready order (``keys``). :meth:`offer` packs a
-    factor's upper triangle into its bucket of the communication core's bucket engine, which
-    launches every bucket now complete, in plan order, on the factor group; :meth:`flush`
-    launches the rest and :meth:`wait` collects the averages. While profiling it also notes each
-    factor's ready time, seconds since the first factor of the step (about the start of the
-    forward pass).
-
-    Args:
-        keys: The factors in ready order.
-        numels: Each factor's packed size.
-        dtypes: Each factor's dtype.
-        group: The factor group.
-        device: Where the buckets live.
-        spans: Where each bucket's all-reduce is logged, from its launch to its wait.
-    """
-
-    def __init__(
-        self,
-        keys: list[FactorKey],
-        numels: list[int],
-        dtypes: list[torch.dtype],
-        *,
-        group: dist.ProcessGroup | None,
-        device: torch.device,
-        spans: SpanLog,
-    ) -> None:
-        self.index = {key: position for position, key in enumerate(keys)}
-        self.numels = numels
-        self.dtypes = dtypes
-        self.group = group
-        self.device = device
-        self.spans = spans
-        #: Packed bytes of each factor, in ready order.
-        self.nbytes = [n * d.itemsize for n, d in zip(numels, dtypes, strict=True)]
-        self.groups: list[list[int]] = [[i] for i in range(len(keys))]
-        self.profiling = False
-        self.profiled = 0
-        self._ready_sum = [0.0] * len(keys)
-        self._ready_count = [0] * len(keys)
-        # The engine needs the factors' shapes and dtypes only: meta tensors cost no memory.
-        self._shapes = [
-            torch.empty(n, dtype=d, device="meta") for n, d in zip(numels, dtypes, strict=True)
-        ]
-        self._engine: BucketEngine | None = None
-        self.reset()
-
-    def reset(self) -> None:
-        """Forget this step's factors (collectives must have been waited for); take up
-        :attr:`groups` if they changed."""
-        if self._engine is None or self._engine.groups != self.groups:
-            # No recorder: its completion callback would run on the backend's thread and need
-            # the GIL there, holding up the next bucket's all-reduce while the hooks run Python.
-            self._engine = BucketEngine(self._shapes, self.groups, self.group, device=self.device)
-        self._engine.begin()
-        self._offered: set[int] = set()
-        self.ready_s: dict[int, float] = {}
-        self.origin: float | None = None
-
-    def offer(self, key: FactorKey, factor: torch.Tensor) -> None:
-        """A factor is ready: pack it into its bucket and launch every bucket now complete.
-
-        Args:
-            key: Which factor.
-            factor: This batch's factor (this rank's, not yet averaged).
-        """
-        now = time.perf_counter()
-        if self.origin is None:
-            self.origin = now
-        position = self.index.get(key)
-        # A second call of the same module in one step is caught by the step's counts.
-        if position is None or position in self._offered:
-            return
-        self._offered.add(position)
-        assert self._engine is not None
-        # Packed straight into its place in the bucket: one copy of the triangle, not two.
-        slot = self._engine.slot(position)
-        self._engine.add(position, pack_upper(factor.to(slot.dtype), out=slot))
-        self.ready_s[position] = now - self.origin
-
-    def flush(self) -> None:
-        """Launch every bucket not launched yet (zeros for a factor this rank did not make)."""
-        assert self._engine is not None
-        self._engine.close()
-
-    def wait(self) -> dict[int, torch.Tensor]:
-        """Every factor's average across ranks (1-D, packed), by ready position."""
-        engine = self._engine
-        assert engine is not None
-        for bucket, members in enumerate(engine.groups):
-            engine.wait([bucket])
-            # From its launch to when the wait saw it done (an upper bound of its end).
-            launched = engine.launched_s[bucket]
-            if launched is not None:
-                name = f"factor bucket {bucket} ({len(members)})"
-                self.spans.add(name, "comm", launched, time.perf_counter())
-        views = engine.averaged(range(len(self.numels)))
-        return {position: view for position, view in enumerate(views) if view is not None}
-
-    def record_profile(self) -> None:
-        """Add this step's ready times to the profile."""
-        self.profiled += 1
-        for position, ready in self.ready_s.items():
-            self._ready_sum[position] += ready
-            self._ready_count[position] += 1
-
-    def mean_ready_s(self) -> list[float]:
-        """Each factor's mean profiled ready time (0 for one never seen on this rank)."""
-        return [
-            total / count if count else 0.0
-            for total, count in zip(self._ready_sum, self._ready_count, strict=True)
-        ]
 
 
 class FactorComm:
@@ -508,11 +355,11 @@ class FactorComm:
             keys, numels, dtypes, group=self.factor_group, device=device, spans=self.spans
         )
         assert isinstance(self.mode, Pipelined)  # only pipelined modes have a factor group
-        fusion = self.mode.fusion
-        if fusion == "merged":
+        fusion = fusion_from(self.mode.fusion)
+        if fusion is Bucketing.MERGED:
             # Per-factor launches while the ready times are profiled.
             self._pipe.profiling = True
-            self._set_plan(make_groups("none", self._pipe.nbytes))
+            self._set_plan(make_groups(Bucketing.PER_TENSOR, self._pipe.nbytes))
         else:
             self._set_plan(make_groups(fusion, self._pipe.nbytes, cap_bytes=self.bucket_bytes))
 

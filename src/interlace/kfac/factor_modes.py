@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from interlace.checks import is_int
+from interlace.comm.plan import Bucketing
 from interlace.errors import OptionError
 from interlace.kfac.enums import FactorCommChoice, coerce_choice
-from interlace.kfac.fusion import FUSIONS
+from interlace.kfac.fusion import fusion_from
 
 if TYPE_CHECKING:
     from interlace.comm.cost import CostModel
@@ -37,8 +38,10 @@ class Pipelined:
     ``update_factors_in_hook=True``), in fused buckets, and ``step()`` waits for them.
 
     Args:
-        fusion: The buckets: ``"merged"`` (MG-WFBP's rule over measured factor times),
-            ``"none"`` (one per factor) or ``"fixed"`` (up to ``bucket_cap_mb`` in ready order).
+        fusion: The buckets, as DataParallel's :class:`~interlace.comm.plan.Bucketing` (or its
+            string): ``MERGED`` (MG-WFBP's rule over measured factor times), ``PER_TENSOR``
+            (``"none"``: one per factor) or ``FIXED`` (up to ``bucket_cap_mb`` in ready order);
+            kept as the member.
         profile_steps: Factor steps profiled before ``"merged"`` plans its buckets.
         factor_cost: The all-reduce cost model behind ``"merged"``, the same on every rank
             (None: fitted on the factor group).
@@ -50,7 +53,7 @@ class Pipelined:
         OptionError: An unknown fusion, or a step count below 1 (below 0 for ``tune_steps``).
     """
 
-    fusion: str = "merged"
+    fusion: Bucketing | str = Bucketing.MERGED
     profile_steps: int = 3
     factor_cost: CostModel | None = None
     tune_steps: int = 2
@@ -58,8 +61,7 @@ class Pipelined:
     pipelined: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.fusion, str) or self.fusion not in FUSIONS:
-            raise OptionError("fusion", f"must be one of {', '.join(FUSIONS)}, got {self.fusion!r}")
+        object.__setattr__(self, "fusion", fusion_from(self.fusion))
         if not (is_int(self.profile_steps) and self.profile_steps >= 1):
             raise OptionError(
                 "profile_steps", f"must be an integer >= 1, got {self.profile_steps!r}"

@@ -1,7 +1,8 @@
-"""Which factors share a pipelined all-reduce bucket (SPD-KFAC's tensor fusion).
+"""Which factors share an all-reduce bucket: the bulk factor step's, and the pipelined ones
+(SPD-KFAC's tensor fusion).
 
-Pure functions of the factors' ready order, packed sizes and (``"merged"``) profiled ready times;
-the buckets are launched by the communication core's bucket engine, as DataParallel's are.
+Pure functions of the factors' order, sizes and (``"merged"``) profiled ready times; the runtime
+launches these buckets on the communication core's bucket engine and the simulator prices them.
 """
 
 from __future__ import annotations
@@ -9,13 +10,73 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from interlace.comm.cost import CostModel
-from interlace.comm.plan import ReadyTensor, pack_by_cap, plan_merged
+from interlace.comm.plan import Bucketing, ReadyTensor, pack_by_cap, plan_merged
 from interlace.comm.tuning import START_UP_SCALES, scale_start_up
+from interlace.errors import OptionError
 
-__all__ = ["FUSIONS", "make_groups", "merged_candidates", "merged_groups"]
+__all__ = [
+    "FUSIONS",
+    "FUSION_BUCKETINGS",
+    "bulk_groups",
+    "fusion_from",
+    "make_groups",
+    "merged_candidates",
+    "merged_groups",
+]
 
-#: Values of ``KFAC(fusion=...)``.
+#: K-FAC's names of the pipelined buckets (``Pipelined(fusion=...)``, ``--kfac-fusion``).
 FUSIONS = ("none", "fixed", "merged")
+#: The bucketing each of :data:`FUSIONS` is: DataParallel's rule of the same meaning.
+FUSION_BUCKETINGS: dict[str, Bucketing] = {
+    "none": Bucketing.PER_TENSOR,
+    "fixed": Bucketing.FIXED,
+    "merged": Bucketing.MERGED,
+}
+
+
+def fusion_from(value: object, option: str = "fusion") -> Bucketing:
+    """K-FAC's fusion as the :class:`~interlace.comm.plan.Bucketing` it is: one of
+    :data:`FUSION_BUCKETINGS`' members, its string, or one of :data:`FUSIONS` (``"none"`` is
+    ``Bucketing.PER_TENSOR``, a bucket per factor).
+
+    Args:
+        value: What the caller passed.
+        option: The option's name, for the error.
+
+    Raises:
+        OptionError: Any other value (DataParallel's other bucketings included).
+    """
+    allowed = set(FUSION_BUCKETINGS.values())
+    if isinstance(value, Bucketing) and value in allowed:
+        return value
+    if isinstance(value, str) and not isinstance(value, Bucketing):
+        key = value.strip().lower()
+        chosen = FUSION_BUCKETINGS.get(key)
+        if chosen is None and key in {member.value for member in allowed}:
+            chosen = Bucketing(key)
+        if chosen is not None:
+            return chosen
+    raise OptionError(option, f"must be one of {', '.join(FUSIONS)}, got {value!r}")
+
+
+def bulk_groups(sizes: Sequence[int], cap_bytes: float) -> list[list[int]]:
+    """The buckets of the bulk factor all-reduce (``KFAC(bucket_cap_mb=)``), as indices into
+    ``sizes``: :func:`~interlace.comm.plan.pack_by_cap` in the order given (the factor that
+    reaches the cap joins its bucket); a cap of 0 is kfac-pytorch's "no bucketing", every factor
+    on its own.
+
+    Args:
+        sizes: Each factor's bytes as sent, in the step's order (each layer's ``A``, then ``G``).
+        cap_bytes: The bucket cap, bytes (0: no buckets).
+
+    Raises:
+        ValueError: For a negative cap.
+    """
+    if cap_bytes < 0:
+        raise ValueError(f"the bulk factor bucket cap must be >= 0 bytes, got {cap_bytes}")
+    if cap_bytes == 0:
+        return [[index] for index in range(len(sizes))]
+    return pack_by_cap(sizes, cap_bytes)
 
 
 def merged_groups(
@@ -66,28 +127,31 @@ def merged_candidates(
 
 
 def make_groups(
-    fusion: str,
+    fusion: Bucketing | str,
     sizes: Sequence[int],
     *,
     cap_bytes: float = 25 * 1024 * 1024,
     ready_s: Sequence[float] | None = None,
     cost: CostModel | None = None,
 ) -> list[list[int]]:
-    """The buckets for ``fusion`` (one of :data:`FUSIONS`); ``"merged"`` needs times and cost.
+    """The buckets for ``fusion`` (see :func:`fusion_from`); ``MERGED`` needs times and cost.
 
     Args:
-        fusion: One of :data:`FUSIONS`.
+        fusion: ``Bucketing.PER_TENSOR`` (``"none"``), ``FIXED`` or ``MERGED``, or its string.
         sizes: Each factor's bytes, in ready order.
-        cap_bytes: The bucket cap (``"fixed"``: :func:`~interlace.comm.plan.pack_by_cap`).
-        ready_s: Ready times (``"merged"``).
-        cost: The all-reduce cost model (``"merged"``).
+        cap_bytes: The bucket cap (``FIXED``: :func:`~interlace.comm.plan.pack_by_cap`).
+        ready_s: Ready times (``MERGED``).
+        cost: The all-reduce cost model (``MERGED``).
+
+    Raises:
+        OptionError: For another fusion.
+        ValueError: For ``MERGED`` without ready times or a cost model.
     """
-    if fusion == "none":
+    chosen = fusion_from(fusion)
+    if chosen is Bucketing.PER_TENSOR:
         return [[index] for index in range(len(sizes))]
-    if fusion == "fixed":
+    if chosen is Bucketing.FIXED:
         return pack_by_cap(sizes, cap_bytes)
-    if fusion == "merged":
-        if ready_s is None or cost is None:
-            raise ValueError("merged fusion needs the factors' ready times and a cost model")
-        return merged_groups(sizes, ready_s, cost)
-    raise ValueError(f"fusion must be one of {', '.join(FUSIONS)}, got {fusion!r}")
+    if ready_s is None or cost is None:
+        raise ValueError("merged fusion needs the factors' ready times and a cost model")
+    return merged_groups(sizes, ready_s, cost)

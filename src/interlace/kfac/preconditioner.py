@@ -19,6 +19,7 @@ from torch import nn
 
 from interlace.comm.agree import check_agreement
 from interlace.comm.cost import CostModel
+from interlace.comm.plan import Bucketing
 from interlace.kfac.base_preconditioner import PHASES, BasePreconditioner
 from interlace.kfac.compat import kfac_keywords
 from interlace.kfac.costs import DecompositionCostModel
@@ -443,7 +444,7 @@ class KFACPreconditioner(KFAC):
         compute_eigenvalue_outer_product: bool = True,
         update_factors_in_hook: bool | None = None,
         loglevel: int = logging.DEBUG,
-        fusion: str | None = None,
+        fusion: Bucketing | str | None = None,
         profile_steps: int | None = None,
         factor_cost: CostModel | None = None,
         tune_steps: int | None = None,

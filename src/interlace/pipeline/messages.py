@@ -10,13 +10,21 @@ import torch.distributed as dist
 from torch import Tensor
 
 from interlace.errors import UsageError
+from interlace.pipeline.block import HEADER_LEN, HEADER_TAG, MAX_DIMS, PAYLOAD_TAG
 
-#: Tags of the two messages that carry one tensor: its header, then its payload.
-HEADER_TAG = 1
-PAYLOAD_TAG = 2
-#: A header is ``[dtype code, ndim, size_0, ..., size_7]``.
-MAX_DIMS = 8
-HEADER_LEN = 2 + MAX_DIMS
+__all__ = [
+    "DTYPES",
+    "HEADER_LEN",
+    "HEADER_TAG",
+    "MAX_DIMS",
+    "PAYLOAD_TAG",
+    "Inbox",
+    "header_of",
+    "irecv",
+    "send_tensor",
+]
+
+#: The dtypes a header can announce, by code.
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 

@@ -19,6 +19,7 @@ from torch.func import functional_call
 
 from interlace.distenv import collective_device
 from interlace.errors import UsageError
+from interlace.pipeline.block import block_plan, piece_of
 from interlace.pipeline.messages import Inbox, send_tensor
 from interlace.pipeline.predict import check_predictable, predicted_parameters
 from interlace.pipeline.schedule import (
@@ -248,13 +249,15 @@ class PipelineStage:
         result = StepResult()
         source = iter(batches) if batches is not None else None
         self.module.train()
+        plan = block_plan(
+            self.kind, num_batches, microbatches=self.microbatches, chunks=self.chunks
+        )
+        schedule = self._schedule(plan.units)
         if self.asynchronous:
-            schedule = self._schedule(num_batches)
             units = (self._next_batch(source) for _ in range(num_batches))
             self._execute(schedule, _unit_batches(units), result)
         else:
-            schedule = self._schedule(self.microbatches)
-            for _ in range(num_batches):
+            for _ in range(plan.steps):
                 batch = self._next_batch(source)
                 self._execute(schedule, self._split(batch), result)
         result.seconds = time.perf_counter() - started
@@ -431,7 +434,7 @@ class PipelineStage:
                 if op not in inboxes:
                     peer = self.stage - 1 if op is Op.POST_ACT else self.stage + 1
                     inboxes[op] = self._inbox(peer, 0)
-                posted[(op, action.batch, _piece(action))] = inboxes[op].post()
+                posted[(op, action.batch, piece_of(action))] = inboxes[op].post()
             elif op is Op.UPDATE:
                 self._update(action, result)
             elif op is Op.WAIT_SENDS:
@@ -468,10 +471,10 @@ class PipelineStage:
         if op in (Op.PREDICT, Op.STASH):
             state.leaves = self._weights(action)
             return
-        piece = state.pieces[_piece(action)]
+        piece = state.pieces[piece_of(action)]
         if op in (Op.RECV_ACT, Op.RECV_GRAD):
             post = Op.POST_ACT if op is Op.RECV_ACT else Op.POST_GRAD
-            index = posted[(post, action.batch, _piece(action))]
+            index = posted[(post, action.batch, piece_of(action))]
             tensor = self._take(
                 inboxes[post], index, action, "act" if post is Op.POST_ACT else "grad"
             )
@@ -493,7 +496,7 @@ class PipelineStage:
             raise ValueError(f"a pipeline stage cannot run {action}")
 
     def _pieces_per_unit(self) -> int:
-        return self.chunks if self.asynchronous else 1
+        return block_plan(self.kind, 1, microbatches=self.microbatches, chunks=self.chunks).pieces
 
     def _weights(self, action: Action) -> dict[str, Tensor]:
         """The weight tensors a PREDICT or STASH makes, used in place of the parameters.
@@ -659,13 +662,6 @@ def _unit_batches(
 ) -> Iterator[tuple[Batch | None, float]]:
     for batch in batches:
         yield batch, 1.0
-
-
-def _piece(action: Action) -> int:
-    """The piece a lowered program's message or computation carries."""
-    if action.piece is None:
-        raise ValueError(f"{action} names no piece: run a lowered program (Schedule.program)")
-    return action.piece
 
 
 def _schedule_kind(schedule: str | type[Schedule], spectrain_backward: str) -> type[Schedule]:

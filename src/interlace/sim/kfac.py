@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from interlace.comm.cost import CostModel
-from interlace.comm.plan import ReadyTensor, schedule
+from interlace.comm.plan import Bucketing, ReadyTensor, schedule
 from interlace.comm.strategies import PLANNED_STRATEGIES
 from interlace.errors import UsageError
 from interlace.kfac.enums import PlacementChoice
@@ -64,9 +64,9 @@ class KfacStrategy:
             (None: only when ``pipelined``).
         bulk_packed: Bulk factor all-reduces send packed upper triangles (kfac-pytorch's
             ``symmetry_aware``); otherwise whole ``n x n`` factors (interlace's default).
-        bulk_cap_bytes: Bulk factors go in buckets of at most this many bytes, in layer order
-            (``A`` then ``G``; a factor that would overflow a bucket starts the next one);
-            0: one message.
+        bulk_cap_bytes: Bulk factors go in the runtime's buckets of this cap
+            (:func:`~interlace.kfac.fusion.bulk_groups`; 0: a bucket per factor); None: one
+            message.
         factor_group: Pipelined factor all-reduces run on a process group of their own (a
             second queue beside the gradients', sharing the wire), as interlace's do; otherwise
             gradients and factors share one serial queue.
@@ -78,7 +78,7 @@ class KfacStrategy:
     description: str
     factors_in_passes: bool | None = None
     bulk_packed: bool = True
-    bulk_cap_bytes: int = 0
+    bulk_cap_bytes: int | None = None
     factor_group: bool = False
 
     def __post_init__(self) -> None:
@@ -417,7 +417,10 @@ def simulate_kfac(
         factor_groups = named_groups(factor_buckets, factors, "factor")
     elif chosen.pipelined:
         factor_groups = make_groups(
-            "merged", [t.nbytes for t in factors], ready_s=[t.ready_s for t in factors], cost=cost
+            Bucketing.MERGED,
+            [t.nbytes for t in factors],
+            ready_s=[t.ready_s for t in factors],
+            cost=cost,
         )
     else:
         # Backward returns once the gradients are averaged; factors not computed in the passes

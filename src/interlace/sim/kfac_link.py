@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from interlace.comm.cost import CostModel
 from interlace.comm.plan import Plan, ReadyTensor, schedule
+from interlace.kfac.fusion import bulk_groups
 from interlace.kfac.sizes import packed_size
 from interlace.sim.replay import Replay, replay
 
@@ -90,31 +91,26 @@ def bulk_messages(
     ready_s: float,
     *,
     packed: bool,
-    cap_bytes: int,
+    cap_bytes: int | None,
 ) -> tuple[list[ReadyTensor], list[list[int]]]:
     """The bulk factor all-reduce(s), all ready at ``ready_s``, each its own bucket: one message,
-    or the runtime's buckets of at most ``cap_bytes`` in layer order (``A`` then ``G``; a factor
-    that would overflow a bucket starts the next one).
+    or the runtime's own buckets (:func:`~interlace.kfac.fusion.bulk_groups`, the factors in
+    layer order, each layer's ``A`` then ``G``).
 
     Args:
         dims: Each layer's ``(a_dim, g_dim)``.
         element_bytes: Bytes per number.
         ready_s: When the factors are all ready.
         packed: Packed upper triangles; otherwise whole ``n x n`` factors.
-        cap_bytes: The bucket cap (0: one message).
+        cap_bytes: The runtime's bucket cap (0: a bucket per factor); None: one message.
     """
     sizes = [
         (packed_size(dim) if packed else dim * dim) * element_bytes for pair in dims for dim in pair
     ]
-    if cap_bytes <= 0:
+    if cap_bytes is None:
         return [ReadyTensor("factors (all layers)", sum(sizes), ready_s)], [[0]]
-    buckets: list[int] = [0]
-    for nbytes in sizes:
-        if buckets[-1] and buckets[-1] + nbytes > cap_bytes:
-            buckets.append(0)
-        buckets[-1] += nbytes
     messages = [
-        ReadyTensor(f"factors (bucket {number})", nbytes, ready_s)
-        for number, nbytes in enumerate(buckets)
+        ReadyTensor(f"factors (bucket {number})", sum(sizes[i] for i in group), ready_s)
+        for number, group in enumerate(bulk_groups(sizes, cap_bytes))
     ]
     return messages, [[number] for number in range(len(messages))]

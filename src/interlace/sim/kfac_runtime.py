@@ -8,6 +8,7 @@ from interlace.comm.plan import Bucketing
 from interlace.errors import UsageError
 from interlace.kfac.enums import PlacementChoice
 from interlace.kfac.factor_modes import FactorCommMode, Pipelined, factor_comm_from
+from interlace.kfac.fusion import fusion_from
 from interlace.kfac.placements import Placement, placement_or_auto
 from interlace.sim.kfac import KfacStrategy
 
@@ -61,7 +62,7 @@ def runtime_strategy(
     mode = factor_comm_from(factor_comm)
     chosen = placement_or_auto(placement)
     label = chosen.value if isinstance(chosen, PlacementChoice) else chosen.name
-    if isinstance(mode, Pipelined) and mode.fusion != Bucketing.MERGED:
+    if isinstance(mode, Pipelined) and fusion_from(mode.fusion) is not Bucketing.MERGED:
         raise UsageError(
             f"K-FAC with factor_comm={mode!r}: the simulator models bulk factors, or pipelined "
             "factors in merged buckets"

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from interlace.comm.cost import CostModel
 from interlace.errors import UsageError
 from interlace.pipeline.balance import balance_stages
-from interlace.pipeline.schedule import SCHEDULE_TYPES, Action, Op, Schedule, one_f_one_b_order
+from interlace.pipeline.block import HEADER_BYTES, block_plan, piece_of
+from interlace.pipeline.schedule import SCHEDULE_TYPES, Op, Schedule, one_f_one_b_order
 from interlace.sim.pipeline_events import (
     Compute,
     Instruction,
@@ -36,8 +37,6 @@ PIPELINE_SCHEDULES: tuple[str, ...] = (*INTERLACE_PIPELINE_SCHEDULES, *TORCH_PIP
 FALLBACK_TRACE_BATCH = 32
 #: Bytes of one activation element: emulated blocks output float32.
 ACTIVATION_BYTES = 4
-#: Bytes of the header the pipeline runtime sends ahead of each tensor (ten int64).
-HEADER_BYTES = 80
 
 
 @dataclass(frozen=True)
@@ -262,11 +261,10 @@ def _interlace_program(
     tensor is a header and a payload whose receive is posted as its header lands (the
     ``Inbox``).
     """
-    num_stages = len(stages)
-    if kind.synchronous:
-        steps, pieces = [kind(num_stages, microbatches)] * block, 1
-    else:
-        steps, pieces = [kind(num_stages, block)], microbatches
+    # The runtime's chunks are the micro-batch count here (``interlace bench pipeline``'s).
+    plan = block_plan(kind, block, microbatches=microbatches, chunks=microbatches)
+    steps = [kind(len(stages), plan.units)] * plan.steps
+    pieces = plan.pieces
     b = _Builder(stages, stage, microbatches)
     host = b.cost.host
     for step, schedule in enumerate(steps):
@@ -275,13 +273,13 @@ def _interlace_program(
             op = action.op
             if op in (Op.POST_ACT, Op.RECV_ACT, Op.POST_GRAD, Op.RECV_GRAD):
                 kind_of = b.act if op in (Op.POST_ACT, Op.RECV_ACT) else b.grad
-                header, payload = b.headed(kind_of(step, action.batch, _piece(action), stage))
+                header, payload = b.headed(kind_of(step, action.batch, piece_of(action), stage))
                 posting = op in (Op.POST_ACT, Op.POST_GRAD)
                 b.ops.append(Post(header) if posting else Wait((payload,)))
             elif op is Op.SEND_ACT:
-                sends += b.send_headed(b.act(step, action.batch, _piece(action), stage + 1))
+                sends += b.send_headed(b.act(step, action.batch, piece_of(action), stage + 1))
             elif op is Op.SEND_GRAD:
-                sends += b.send_headed(b.grad(step, action.batch, _piece(action), stage - 1))
+                sends += b.send_headed(b.grad(step, action.batch, piece_of(action), stage - 1))
             elif op is Op.WAIT_SENDS:
                 b.ops.append(Wait(tuple(sends)))
                 sends = []
@@ -300,13 +298,6 @@ def _interlace_program(
             else:
                 raise ValueError(f"the simulator cannot price {action}")
     return b.ops
-
-
-def _piece(action: Action) -> int:
-    """The piece a lowered program's message carries."""
-    if action.piece is None:
-        raise ValueError(f"{action} names no piece: price a lowered program (Schedule.program)")
-    return action.piece
 
 
 def _torch_gpipe_program(
