@@ -86,6 +86,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"what K-FAC strategies take beyond the trace: {KFAC_COSTS_HELP}",
     )
     parser.add_argument(
+        "--compression",
+        choices=("none", "fp16", "bf16"),
+        default="none",
+        help="data-parallel strategies send gradients in this type: fp16 and bf16 halve the "
+        "bytes on the wire and the planners plan with them, as DataParallel(compression=...) "
+        "does (default none)",
+    )
+    parser.add_argument(
         "--per-layer",
         action="store_true",
         help="send a layer's tensors as one message (Caffe's unit, as the MG-WFBP paper did)",
@@ -210,6 +218,11 @@ def run_scaling(args: argparse.Namespace) -> int:
     kfac = any(name in KFAC_STRATEGIES for name in strategies)
     if args.kfac_costs and not kfac:
         raise UsageError("--kfac-costs prices K-FAC strategies; name one with --strategy")
+    compression = None if args.compression == "none" else args.compression
+    if compression is not None and kfac:
+        raise UsageError(
+            "--compression prices data-parallel strategies only; drop it or the K-FAC ones"
+        )
     network = parse_network(args.network)
     trace = load_trace(args.trace)
     if kfac:
@@ -217,7 +230,13 @@ def run_scaling(args: argparse.Namespace) -> int:
     kfac_costs = parse_kfac_costs(args.kfac_costs) if kfac else None
     started = time.perf_counter()
     results = simulate_scaling(
-        trace, network, workers, strategies, per_layer=args.per_layer, kfac_costs=kfac_costs
+        trace,
+        network,
+        workers,
+        strategies,
+        per_layer=args.per_layer,
+        kfac_costs=kfac_costs,
+        compression=compression,
     )
     elapsed = time.perf_counter() - started
     rows = scaling_rows(trace, results)
@@ -225,6 +244,7 @@ def run_scaling(args: argparse.Namespace) -> int:
     print(
         f"network: {network.describe()}; "
         f"{'one message per layer' if args.per_layer else 'one message per tensor'}"
+        + (f"; gradients sent as {compression}" if compression else "")
     )
     if kfac_costs is not None:
         print(kfac_costs.describe())
@@ -263,6 +283,7 @@ def run_scaling(args: argparse.Namespace) -> int:
                 [strategy],
                 per_layer=args.per_layer,
                 kfac_costs=kfac_costs,
+                compression=compression,
             )
             timeline = result.timeline()
             stem = folder / f"timeline-{strategy.replace('/', '-')}-{count}w"
