@@ -44,10 +44,10 @@ ROWS: dict[str, list[str]] = {
 }
 #: BERT's iterations take 4 s dilated at 25 Gbit/s: fewer of them keep a row near ten minutes.
 ITERS = {"bert-25g": ("12", "3")}
-#: BERT's contenders on a 23 GB machine: with all six, 4 ranks ran out of memory (each copy
-#: holds 440 MB of weights, as much of gradients, momentum and buckets); DDP's default cap was
-#: the hook's best on both ResNet-50 rows.
-BERT_CONTENDERS = "ddp,ddp/bf16,overlap/bf16"
+#: BERT's contenders: the hook at DDP's default cap (its best on both ResNet-50 rows) and the
+#: overlap. Each copy holds 440 MB of weights and as much of gradients, momentum and buckets;
+#: on a 23 GB machine 4 ranks ran out of memory even with these two (docs/data-parallel.md).
+BERT_CONTENDERS = "ddp/bf16,overlap/bf16"
 COMMON = ["-n", "4", "--warmup", "1", "--timeout", "1500", "--png", "none"]
 
 
@@ -82,7 +82,7 @@ class Line:
     p75_s: float
     versus_best_hook: float
     best_hook: str
-    versus_ddp: float
+    versus_ddp: float | None
     compressed_bound_s: float
     simulated_s: float
     buckets: str
@@ -124,17 +124,18 @@ def summarise(name: str, path: Path) -> list[Line]:
     rows: dict[str, dict[str, Any]] = {
         row["strategy"]: row for row in json.loads(path.read_text()) if row["samples"]
     }
-    ddp = rows["ddp"]
+    ddp = rows.get("ddp")
+    plain = rows[next(iter(rows))]
     hooks = {
         label: rows[label]["iteration_s"]
         for label in rows
         if label.endswith("/bf16") and label.split("/")[0] in DDP_CAPS
     }
     best_hook = min(hooks, key=lambda label: hooks[label])
-    trace = load_trace(ddp["compute"].split(":", 1)[1].split(" ")[0])
+    trace = load_trace(plain["compute"].split(":", 1)[1].split(" ")[0])
     # The bound with every gradient sent in half the bytes: max(forward + backward, all-reduce
     # of everything / 2) + step, from the plain module's measured times.
-    bound = max(ddp["compute_s"], ddp["allreduce_s"] / 2) + ddp["step_s"]
+    bound = max(plain["compute_s"], plain["allreduce_s"] / 2) + plain["step_s"]
     lines = []
     for label, row in rows.items():
         cost = CostModel(row["startup_s"], row["per_byte_s"])
@@ -149,7 +150,7 @@ def summarise(name: str, path: Path) -> list[Line]:
                 row["iteration_p75_s"],
                 hooks[best_hook] / row["iteration_s"],
                 best_hook,
-                ddp["iteration_s"] / row["iteration_s"],
+                None if ddp is None else ddp["iteration_s"] / row["iteration_s"],
                 bound,
                 simulated(trace, label, cost, row["ranks"]),
                 str(row["buckets"]),
@@ -185,7 +186,8 @@ def report(directory: Path) -> list[Line]:
         print(
             f"| {s.model}, {s.link} | {s.contender} | {_ms(s.iteration_s)} "
             f"({_ms(s.p25_s)}-{_ms(s.p75_s)}) | {s.versus_best_hook:.2f}x ({s.best_hook}) | "
-            f"{s.versus_ddp:.2f}x | {s.iteration_s / s.compressed_bound_s:.2f} | "
+            f"{'-' if s.versus_ddp is None else f'{s.versus_ddp:.2f}x'} | "
+            f"{s.iteration_s / s.compressed_bound_s:.2f} | "
             f"{_ms(s.compressed_bound_s)} | {_ms(s.simulated_s)} ({error:+.1%}) | {s.buckets} |"
         )
     errors = [
