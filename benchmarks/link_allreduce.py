@@ -3,7 +3,8 @@
 ``interlace launch -n 4 --link 1gbit -- python benchmarks/link_allreduce.py --mb 16``; rank 0
 prints the median time beside ``2(N-1)/N * M / rate`` for the link in ``INTERLACE_LINK``. With
 ``--split`` it also times the same bytes as a reduce-scatter followed by an all-gather (DeAR's
-and FSDP's decomposition of an all-reduce).
+and FSDP's decomposition of an all-reduce); ``--dtype bfloat16`` sends the bytes as bfloat16
+(what bf16 compression sends: gloo then sums bfloat16 on the CPU).
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from interlace.comm.cost import ring_allreduce_time
 from interlace.comm.links import parse_link
 
 
-def measure(nbytes: int, warmup: int, iters: int) -> list[float]:
-    """Seconds per all-reduce of ``nbytes`` of float32, one entry per timed round (every rank)."""
-    tensor = torch.ones(nbytes // 4, dtype=torch.float32)
+def measure(
+    nbytes: int, warmup: int, iters: int, dtype: torch.dtype = torch.float32
+) -> list[float]:
+    """Seconds per all-reduce of ``nbytes`` of ``dtype``, one entry per timed round (every
+    rank)."""
+    tensor = torch.ones(nbytes // dtype.itemsize, dtype=dtype)
     for _ in range(warmup):
         dist.all_reduce(tensor)
     times = []
@@ -72,6 +76,12 @@ def main() -> None:
     parser.add_argument(
         "--split", action="store_true", help="also time reduce-scatter + all-gather"
     )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="the all-reduced elements' type (default float32)",
+    )
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -82,7 +92,9 @@ def main() -> None:
     rows = []
     for mb in args.mb:
         nbytes = int(mb * 1e6) // 4 * 4
-        median = _slowest_median(measure(nbytes, args.warmup, args.iters))
+        median = _slowest_median(
+            measure(nbytes, args.warmup, args.iters, getattr(torch, args.dtype))
+        )
         split = (
             _slowest_median(measure_split(nbytes, args.warmup, args.iters)) if args.split else None
         )
@@ -92,6 +104,7 @@ def main() -> None:
 
     if rank == 0:
         print(
+            f"{args.dtype}:\n"
             "| size (MB) | ranks | link | measured median (s) | ring model (s) | measured/model "
             "| reduce-scatter + all-gather (s) | split/all-reduce |"
         )

@@ -1,14 +1,17 @@
 """Wrapping a model for data-parallel training by strategy name, as the command line spells it.
 
 ``ddp`` is PyTorch's own DistributedDataParallel (the peer every claim is measured against),
-``ddp-100mb`` the same with 100 MB buckets and ``fsdp2`` torch's FSDP2; the others are
-:class:`interlace.DataParallel` with the planner the strategy table
+``ddp-50mb`` and ``ddp-100mb`` the same with larger buckets and ``fsdp2`` torch's FSDP2; the
+others are :class:`interlace.DataParallel` with the planner the strategy table
 (:mod:`interlace.comm.strategies`) gives them.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.fsdp import fully_shard
@@ -68,7 +71,7 @@ def wrap_model(
         profile_steps: DataParallel's ``profile_steps``.
         channels: DataParallel's ``channels``; ``ddp`` has one channel.
         compression: ``None``, ``"fp16"`` or ``"bf16"``; for ``ddp`` torch's own communication
-            hook of that type.
+            hook of that type (``bf16`` off NCCL: :func:`bf16_hook_any_backend`).
         find_unused_parameters: DDP's flag, for a model with parameters its forward does not
             use (DataParallel handles them either way).
 
@@ -144,11 +147,26 @@ def _wrap_ddp(
             bucket_cap_mb=bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
         )
-    if compression is not None:
-        hook = (
-            default_hooks.fp16_compress_hook
-            if compression == "fp16"
-            else default_hooks.bf16_compress_hook
+    if compression == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif compression == "bf16":
+        on_nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+        ddp.register_comm_hook(
+            None, default_hooks.bf16_compress_hook if on_nccl else bf16_hook_any_backend
         )
-        ddp.register_comm_hook(None, hook)
     return ddp
+
+
+def bf16_hook_any_backend(state, bucket):  # type: ignore[no-untyped-def]
+    """torch's ``bf16_compress_hook`` under another name: DDP refuses that name without CUDA
+    and NCCL, while gloo on CPUs sums bfloat16 as well; the same function runs.
+
+    (Not annotated: DDP compares a hook's annotations with its own classes, and this module's
+    annotations are strings.)
+
+    Args:
+        state: The process group, or None for the default one.
+        bucket: DDP's ``GradBucket``.
+    """
+    future: Any = default_hooks.bf16_compress_hook(state, bucket)
+    return future

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,29 @@ def test_channel_and_compression_variants_are_named_and_parsed_back() -> None:
     assert dp_rank.parse_variant("mgwfbp/k=auto/fp16") == ("mgwfbp", "auto", "fp16")
     assert dp_rank.parse_variant("wfbp/k=3") == ("wfbp", 3, None)
     assert dp_rank.parse_variant("ddp") == ("ddp", 1, None)
+
+
+def test_variants_named_in_strategies_run_as_named() -> None:
+    # Plain names are expanded with --channels and --compression; variants are not.
+    labels = dp.expand_variants(
+        ["ddp", "ddp-50mb/bf16", "overlap/k=auto/bf16", "mgwfbp/bf16"], "1", "none"
+    )
+    assert labels == ("ddp", "ddp-50mb/bf16", "overlap/k=auto/bf16", "mgwfbp/bf16")
+
+
+@pytest.mark.parametrize(
+    ("variant", "message"),
+    [
+        ("nope/bf16", "unknown strategy 'nope' in 'nope/bf16'"),
+        ("ddp/k=2/bf16", "ddp sends on one channel; drop /k= from 'ddp/k=2/bf16'"),
+        ("fsdp2/bf16", "fsdp2 runs uncompressed; drop /bf16"),
+        ("mgwfbp/fp8", "--compression: unknown 'fp8'"),
+        ("mgwfbp/k=x", "cannot read 'mgwfbp/k=x'"),
+    ],
+)
+def test_a_bad_variant_is_one_clear_error(variant: str, message: str) -> None:
+    with pytest.raises(UsageError, match=re.escape(message)):
+        dp.expand_variants([variant], "1", "none")
 
 
 # ---------------------------------------------------------------------------- a real run

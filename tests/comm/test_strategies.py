@@ -27,6 +27,7 @@ TENSORS = [ReadyTensor(f"t{i}", 400_000, i * MS) for i in range(12)]
 def test_the_command_line_and_the_simulator_keep_their_names() -> None:
     assert set(RUNTIME_STRATEGIES) == {
         "ddp",
+        "ddp-50mb",
         "ddp-100mb",
         "wfbp",
         "fixed",
@@ -48,9 +49,10 @@ def test_the_command_line_and_the_simulator_keep_their_names() -> None:
         "mgwfbp/k=2",
         "wfbp/k=4",
     ]
-    for peer in ("ddp", "ddp-100mb", "fsdp2"):
+    for peer in ("ddp", "ddp-50mb", "ddp-100mb", "fsdp2"):
         assert STRATEGIES[peer].bucketing is None and peer not in PLANNED_STRATEGIES
     assert STRATEGIES["ddp-100mb"].cap_bytes == 100e6
+    assert STRATEGIES["ddp-50mb"].cap_bytes == 50e6
 
 
 @pytest.mark.parametrize(

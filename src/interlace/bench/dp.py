@@ -19,6 +19,7 @@ from interlace.bench.dp_rank import (
     MeasureJob,
     calibrate_rank,
     measure_rank,
+    parse_variant,
     variant_label,
 )
 from interlace.bench.dp_report import (
@@ -147,27 +148,61 @@ def expand_variants(
     strategies: Sequence[str], channels_text: str, compression_text: str
 ) -> tuple[str, ...]:
     """Every strategy with every channel setting and compression (torch's wrappers: one channel
-    only; FSDP2 uncompressed).
+    only; FSDP2 uncompressed). A strategy given as a variant label (``ddp/bf16``,
+    ``overlap/k=auto/bf16``) is run as it says, not expanded.
 
     Args:
-        strategies: Strategy names.
+        strategies: Strategy names or variant labels.
         channels_text: The ``--channels`` value (comma-separated).
         compression_text: The ``--compression`` value (comma-separated).
+
+    Raises:
+        UsageError: For an unknown channel setting or compression, or a variant a strategy
+            cannot take.
     """
 
     channel_settings = [parse_channels(part.strip()) for part in channels_text.split(",")]
-    compressions: list[str | None] = []
-    for part in (piece.strip() for piece in compression_text.split(",")):
-        if part not in ("none", "fp16", "bf16"):
-            raise UsageError(f"--compression: unknown {part!r}; choose none, fp16 or bf16")
-        compressions.append(None if part == "none" else part)
+    compressions = [_compression(part.strip()) for part in compression_text.split(",")]
     labels: list[str] = []
     for strategy in strategies:
+        if "/" in strategy:
+            labels.append(_checked_variant(strategy))
+            continue
         torch_wrapper = STRATEGIES[strategy].torch_wrapper
         for compression in compressions if torch_wrapper != "fsdp2" else [None]:
             for channels in channel_settings if torch_wrapper is None else [1]:
                 labels.append(variant_label(strategy, channels, compression))
     return tuple(dict.fromkeys(labels))
+
+
+def _compression(text: str) -> str | None:
+    if text not in ("none", "fp16", "bf16"):
+        raise UsageError(f"--compression: unknown {text!r}; choose none, fp16 or bf16")
+    return None if text == "none" else text
+
+
+def _checked_variant(label: str) -> str:
+    """``label`` as :func:`variant_label` writes it, once its parts are known to go together."""
+    try:
+        strategy, channels, compression = parse_variant(label)
+    except ValueError:
+        raise UsageError(
+            f"--strategies: cannot read {label!r}; write STRATEGY[/k=K][/fp16|/bf16], "
+            "e.g. ddp/bf16 or overlap/k=auto/bf16"
+        ) from None
+    if strategy not in BENCH_STRATEGIES:
+        raise UsageError(
+            f"--strategies: unknown strategy {strategy!r} in {label!r}; choose from "
+            f"{', '.join(BENCH_STRATEGIES)}"
+        )
+    torch_wrapper = STRATEGIES[strategy].torch_wrapper
+    if channels != 1 and torch_wrapper is not None:
+        raise UsageError(f"--strategies: {strategy} sends on one channel; drop /k= from {label!r}")
+    if compression is not None:
+        _compression(compression)
+        if torch_wrapper == "fsdp2":
+            raise UsageError(f"--strategies: fsdp2 runs uncompressed; drop /{compression}")
+    return variant_label(strategy, parse_channels(channels), compression)
 
 
 def launch_context(config: DpConfig) -> LaunchContext:
@@ -258,7 +293,9 @@ class DpBenchmark(Benchmark[DpConfig, Row]):
             "--strategies",
             "--strategy",
             dest="strategies",
-            help=f"comma-separated strategies (default {','.join(DEFAULT_STRATEGIES)})",
+            help="comma-separated strategies, each run with every --channels and --compression, "
+            "or variants run as named: STRATEGY[/k=K][/fp16|/bf16], e.g. ddp/bf16 "
+            f"(default {','.join(DEFAULT_STRATEGIES)})",
         )
         parser.add_argument(
             "--channels",
@@ -325,10 +362,17 @@ class DpBenchmark(Benchmark[DpConfig, Row]):
         if args.network is not None:
             parse_network(args.network)
         strategies = (
-            parse_names(args.strategies, BENCH_STRATEGIES, "strategies", "strategy")
+            parse_names(args.strategies, None, "strategies", "strategy")
             if args.strategies
             else DEFAULT_STRATEGIES
         )
+        for name in strategies:
+            if "/" not in name and name not in BENCH_STRATEGIES:
+                raise UsageError(
+                    f"--strategies: unknown strategy {name!r}; choose from "
+                    f"{', '.join(BENCH_STRATEGIES)}, each optionally as a variant "
+                    "(STRATEGY[/k=K][/fp16|/bf16], e.g. ddp/bf16)"
+                )
         ratios = (
             parse_ratios(args.ratios)
             if args.ratios

@@ -1,8 +1,8 @@
 """The data-parallel strategies by name: one table for DataParallel, training and the simulator.
 
 A name (``mgwfbp``, ``fixed``, ``overlap``, ...) stands for a bucket planner and its arguments;
-``ddp``, ``ddp-100mb`` and ``fsdp2`` are torch's own wrappers, which the runtime runs but does not
-plan.
+``ddp``, ``ddp-50mb``, ``ddp-100mb`` and ``fsdp2`` are torch's own wrappers, which the runtime
+runs but does not plan.
 """
 
 from __future__ import annotations
@@ -145,6 +145,14 @@ STRATEGIES: dict[str, Strategy] = {
             None,
             "torch DistributedDataParallel, 25 MB buckets (1 MB first)",
             first_cap_bytes=1e6,
+            runtime=True,
+            torch_wrapper="ddp",
+        ),
+        Strategy(
+            "ddp-50mb",
+            None,
+            "torch DistributedDataParallel with bucket_cap_mb=50",
+            cap_bytes=50e6,
             runtime=True,
             torch_wrapper="ddp",
         ),

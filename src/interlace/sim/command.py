@@ -117,6 +117,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"what K-FAC strategies take beyond the trace: {KFAC_COSTS_HELP}",
     )
     parser.add_argument(
+        "--compression",
+        choices=("none", "fp16", "bf16"),
+        default="none",
+        help="data-parallel strategies send gradients in this type: fp16 and bf16 halve the "
+        "bytes on the wire and the planners plan with them, as DataParallel(compression=...) "
+        "does (default none)",
+    )
+    parser.add_argument(
         "--per-layer",
         action="store_true",
         help="send a layer's tensors as one message (Caffe's unit, as the MG-WFBP paper did)",
@@ -272,6 +280,11 @@ def run_scaling(args: argparse.Namespace) -> int:
     kfac = any(name in KFAC_STRATEGIES for name in strategies)
     if args.kfac_costs and not kfac:
         raise UsageError("--kfac-costs prices K-FAC strategies; name one with --strategy")
+    compression = None if args.compression == "none" else args.compression
+    if compression is not None and kfac:
+        raise UsageError(
+            "--compression prices data-parallel strategies only; drop it or the K-FAC ones"
+        )
     network = parse_network(_setting(args, "network", preset, DEFAULT_NETWORK))
     trace = _trace(args, preset)
     if kfac:
@@ -279,7 +292,13 @@ def run_scaling(args: argparse.Namespace) -> int:
     kfac_costs = parse_kfac_costs(args.kfac_costs) if kfac else None
     started = time.perf_counter()
     results = simulate_scaling(
-        trace, network, workers, strategies, per_layer=args.per_layer, kfac_costs=kfac_costs
+        trace,
+        network,
+        workers,
+        strategies,
+        per_layer=args.per_layer,
+        kfac_costs=kfac_costs,
+        compression=compression,
     )
     elapsed = time.perf_counter() - started
     rows = scaling_rows(trace, results)
@@ -289,7 +308,8 @@ def run_scaling(args: argparse.Namespace) -> int:
     if preset is not None and trace.notes:
         print(f"  {trace.notes}")
     unit = "layer" if args.per_layer else "tensor of the trace"
-    print(f"network: {network.describe()}; one message per {unit}")
+    sent = f"; gradients sent as {compression}" if compression else ""
+    print(f"network: {network.describe()}; one message per {unit}{sent}")
     if kfac_costs is not None:
         print(kfac_costs.describe())
     print(
@@ -309,7 +329,7 @@ def run_scaling(args: argparse.Namespace) -> int:
     _print_tables(rows, preset, own and not args.per_layer)
     _write_outputs(args, rows, preset)
     if args.timelines is not None:
-        _write_timelines(args, trace, network, strategies, kfac_costs)
+        _write_timelines(args, trace, network, strategies, kfac_costs, compression)
     return 0
 
 
@@ -356,6 +376,7 @@ def _write_timelines(
     network: Network,
     strategies: tuple[str, ...],
     kfac_costs: KfacCosts | None,
+    compression: str | None,
 ) -> None:
     png = plot_path(args)
     folder = png.parent if png is not None else Path("simulate")
@@ -368,6 +389,7 @@ def _write_timelines(
             [strategy],
             per_layer=args.per_layer,
             kfac_costs=kfac_costs,
+            compression=compression,
         )
         timeline = result.timeline()
         stem = folder / f"timeline-{strategy.replace('/', '-')}-{count}w"

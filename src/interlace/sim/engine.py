@@ -8,11 +8,11 @@ buckets exactly as :class:`interlace.DataParallel` does and replays them with
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from interlace.comm.cost import CostModel
 from interlace.comm.overlap import Overlap
-from interlace.comm.plan import Plan, schedule
+from interlace.comm.plan import Plan, ReadyTensor, schedule
 from interlace.comm.strategies import PLANNED_STRATEGIES, Strategy, planned_strategy
 from interlace.errors import UsageError
 from interlace.sim.replay import NO_CONTENTION, Contention, Replay, replay
@@ -126,6 +126,32 @@ class SimResult:
         return timeline
 
 
+#: Bytes on the wire per float32 byte under each gradient compression (the names DataParallel's
+#: ``compression`` takes: float32 buckets travel as 2-byte floats).
+WIRE_SCALES: dict[str, float] = {"fp16": 0.5, "bf16": 0.5}
+
+
+def wire_tensors(tensors: Sequence[ReadyTensor], compression: str | None) -> list[ReadyTensor]:
+    """``tensors`` with the bytes they send under ``compression``, as DataParallel's planner
+    sees them (each at least one byte).
+
+    Args:
+        tensors: The trace's tensors, float32 bytes.
+        compression: None, or a key of :data:`WIRE_SCALES`.
+
+    Raises:
+        UsageError: For an unknown compression.
+    """
+    if compression is None:
+        return list(tensors)
+    if compression not in WIRE_SCALES:
+        raise UsageError(
+            f"unknown compression {compression!r}; choose one of {', '.join(WIRE_SCALES)}"
+        )
+    scale = WIRE_SCALES[compression]
+    return [replace(t, nbytes=max(int(t.nbytes * scale), 1)) for t in tensors]
+
+
 def strategy_named(name: str) -> Strategy:
     """The planned strategy ``name``; a clear error naming the choices otherwise.
 
@@ -157,6 +183,7 @@ def simulate(
     timing_cost: CostModel | None = None,
     buckets: Sequence[Sequence[str]] | None = None,
     sync_s: float = 0.0,
+    compression: str | None = None,
 ) -> SimResult:
     """One iteration of ``trace`` with ``strategy`` when an all-reduce costs ``cost``.
 
@@ -179,9 +206,13 @@ def simulate(
             measured fastest, which the cost model alone cannot foresee).
         sync_s: Seconds added after backward's communication (a measured synchronisation
             cost, :class:`interlace.sim.contention.Calibration`).
+        compression: ``"fp16"`` or ``"bf16"``: gradients travel in half the bytes and are
+            planned so (:func:`wire_tensors`, DataParallel's ``compression``). A planner's caps
+            then count wire bytes: torch DDP's count float32 bytes, so price DDP with a
+            compressing hook with its caps scaled by :data:`WIRE_SCALES`.
     """
     chosen = strategy if isinstance(strategy, Strategy) else strategy_named(strategy)
-    tensors = trace.ready_tensors(per_layer=per_layer)
+    tensors = wire_tensors(trace.ready_tensors(per_layer=per_layer), compression)
     if buckets is None:
         plan = chosen.plan(
             tensors,

@@ -75,6 +75,7 @@ def simulate_scaling(
     *,
     per_layer: bool = False,
     kfac_costs: KfacCosts | None = None,
+    compression: str | None = None,
 ) -> list[SimResult]:
     """Every strategy at every worker count, the network priced at each count.
 
@@ -88,6 +89,8 @@ def simulate_scaling(
         per_layer: Send a layer's tensors as one message.
         kfac_costs: What K-FAC strategies take beyond the trace (default
             :class:`~interlace.sim.kfac_costs.KfacCosts`).
+        compression: The data-parallel strategies' gradient compression (``"fp16"`` or
+            ``"bf16"``: half the bytes on the wire), or None.
 
     Raises:
         UsageError: For an unknown strategy, or K-FAC on a trace without factor sizes.
@@ -120,6 +123,7 @@ def simulate_scaling(
                     workers=count,
                     per_layer=per_layer,
                     network=network.spec,
+                    compression=compression,
                 )
             )
     return results

@@ -1,0 +1,231 @@
+"""bf16 gradient compression: DataParallel (the forward overlap and MG-WFBP) against torch DDP
+with its bf16 hook at 25, 50 and 100 MB buckets, on the emulated H200 traces.
+
+``python benchmarks/dp_bf16.py run`` runs every row (``interlace bench dp`` on the emulated
+cluster, root needed, up to about ten minutes a row) into ``docs/bench-dp/bf16-*.json``;
+``python benchmarks/dp_bf16.py report`` prints the table from those files, with the compressed
+bound and the simulator's price of each contender, and writes ``docs/bench-dp/bf16.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from interlace.comm.cost import CostModel
+from interlace.comm.strategies import STRATEGIES, Strategy
+from interlace.sim.engine import WIRE_SCALES, simulate
+from interlace.sim.trace import Trace, load_trace
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "bench-dp"
+
+#: Plain DDP, DDP with torch's bf16 hook at each cap, and DataParallel's two modes with bf16.
+CONTENDERS = "ddp,ddp/bf16,ddp-50mb/bf16,ddp-100mb/bf16,mgwfbp/bf16,overlap/bf16"
+#: DDP's caps with the hook: (first bucket, every other), float32 bytes. ``ddp`` keeps torch's
+#: 1 MB first bucket; a cap passed explicitly applies to the first bucket too.
+DDP_CAPS: dict[str, tuple[float, float]] = {
+    "ddp": (1e6, 25e6),
+    "ddp-50mb": (50e6, 50e6),
+    "ddp-100mb": (100e6, 100e6),
+}
+
+#: Each row: its name, then ``interlace bench dp`` arguments.
+ROWS: dict[str, list[str]] = {
+    "r50-25g": ["emulated:resnet50-h200", "16", "25gbit"],
+    "bert-25g": ["emulated:bert-base-h200", "16", "25gbit"],
+    "r50-100g": ["emulated:resnet50-h200", "64", "100gbit"],
+    "bert-100g": ["emulated:bert-base-h200", "64", "100gbit"],
+}
+#: BERT's iterations take 4 s dilated at 25 Gbit/s: fewer of them keep a row near ten minutes.
+ITERS = {"bert-25g": ("12", "3")}
+#: BERT's contenders: the hook at DDP's default cap (its best on both ResNet-50 rows) and the
+#: overlap. Each copy holds 440 MB of weights and as much of gradients, momentum and buckets;
+#: on a 23 GB machine 4 ranks ran out of memory even with these two (docs/data-parallel.md).
+BERT_CONTENDERS = "ddp/bf16,overlap/bf16"
+COMMON = ["-n", "4", "--warmup", "1", "--timeout", "1500", "--png", "none"]
+
+
+def command(name: str, directory: Path) -> list[str]:
+    """The ``interlace bench dp`` command line of row ``name``.
+
+    Args:
+        name: A key of :data:`ROWS`.
+        directory: Where its JSON goes.
+    """
+    compute, dilation, link = ROWS[name]
+    iters, rounds = ITERS.get(name, ("20", "4"))
+    return [
+        *("interlace", "bench", "dp", "--compute", compute, "--dilation", dilation),
+        *("--link", link, "--strategies", BERT_CONTENDERS if "bert" in compute else CONTENDERS),
+        *("--iters", iters, "--rounds", rounds),
+        *COMMON,
+        *("--json", str(directory / f"bf16-{name}-n4.json")),
+    ]
+
+
+@dataclass(frozen=True)
+class Line:
+    """One contender of one row (times undilated, in seconds)."""
+
+    row: str
+    model: str
+    link: str
+    contender: str
+    iteration_s: float
+    p25_s: float
+    p75_s: float
+    versus_best_hook: float
+    best_hook: str
+    versus_ddp: float | None
+    compressed_bound_s: float
+    simulated_s: float
+    buckets: str
+    kept: str
+
+
+def simulated(trace: Trace, contender: str, cost: CostModel, ranks: int) -> float:
+    """The simulator's iteration time of ``contender`` (a variant label of :data:`CONTENDERS`).
+
+    DDP's caps count float32 bytes and the simulator's count wire bytes, so DDP with the hook is
+    priced as ``fixed`` with its caps scaled to the wire.
+
+    Args:
+        trace: The row's trace.
+        contender: ``ddp``, ``ddp[-50mb|-100mb]/bf16``, ``mgwfbp/bf16`` or ``overlap/bf16``.
+        cost: The row's measured all-reduce cost (float32 bytes).
+        ranks: The worker count.
+    """
+    base, _, compression = contender.partition("/")
+    strategy: str | Strategy = base
+    if base in DDP_CAPS:
+        scale = WIRE_SCALES[compression] if compression else 1.0
+        first, cap = DDP_CAPS[base]
+        strategy = replace(
+            STRATEGIES["fixed"], cap_bytes=cap * scale, first_cap_bytes=first * scale
+        )
+    return simulate(
+        trace, strategy, cost, workers=ranks, compression=compression or None
+    ).iteration_s
+
+
+def summarise(name: str, path: Path) -> list[Line]:
+    """The table lines of one measured launch.
+
+    Args:
+        name: The row's name.
+        path: Its ``interlace bench dp`` JSON.
+    """
+    rows: dict[str, dict[str, Any]] = {
+        row["strategy"]: row for row in json.loads(path.read_text()) if row["samples"]
+    }
+    ddp = rows.get("ddp")
+    plain = rows[next(iter(rows))]
+    hooks = {
+        label: rows[label]["iteration_s"]
+        for label in rows
+        if label.endswith("/bf16") and label.split("/")[0] in DDP_CAPS
+    }
+    best_hook = min(hooks, key=lambda label: hooks[label])
+    trace = load_trace(plain["compute"].split(":", 1)[1].split(" ")[0])
+    # The bound with every gradient sent in half the bytes: max(forward + backward, all-reduce
+    # of everything / 2) + step, from the plain module's measured times.
+    bound = max(plain["compute_s"], plain["allreduce_s"] / 2) + plain["step_s"]
+    lines = []
+    for label, row in rows.items():
+        cost = CostModel(row["startup_s"], row["per_byte_s"])
+        lines.append(
+            Line(
+                name,
+                row["model"],
+                row["link"],
+                label,
+                row["iteration_s"],
+                row["iteration_p25_s"],
+                row["iteration_p75_s"],
+                hooks[best_hook] / row["iteration_s"],
+                best_hook,
+                None if ddp is None else ddp["iteration_s"] / row["iteration_s"],
+                bound,
+                simulated(trace, label, cost, row["ranks"]),
+                str(row["buckets"]),
+                (row["tuning"] or "").rsplit("kept ", 1)[-1],
+            )
+        )
+    return lines
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def report(directory: Path) -> list[Line]:
+    """Print the table of every measured row and write ``bf16.json`` beside them.
+
+    Args:
+        directory: Where the rows' JSON files are.
+    """
+    lines = [
+        line
+        for name in ROWS
+        if (directory / f"bf16-{name}-n4.json").exists()
+        for line in summarise(name, directory / f"bf16-{name}-n4.json")
+    ]
+    print(
+        "| trace, link | contender | ms (p25-p75) | vs DDP+hook at its best cap | vs plain DDP "
+        "| / compressed bound | compressed bound ms | simulator ms (error) | buckets |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for s in lines:
+        error = (s.simulated_s - s.iteration_s) / s.iteration_s
+        print(
+            f"| {s.model}, {s.link} | {s.contender} | {_ms(s.iteration_s)} "
+            f"({_ms(s.p25_s)}-{_ms(s.p75_s)}) | {s.versus_best_hook:.2f}x ({s.best_hook}) | "
+            f"{'-' if s.versus_ddp is None else f'{s.versus_ddp:.2f}x'} | "
+            f"{s.iteration_s / s.compressed_bound_s:.2f} | "
+            f"{_ms(s.compressed_bound_s)} | {_ms(s.simulated_s)} ({error:+.1%}) | {s.buckets} |"
+        )
+    errors = [
+        abs(s.simulated_s - s.iteration_s) / s.iteration_s for s in lines if "bf16" in s.contender
+    ]
+    if errors:
+        print(
+            f"simulator, compressed contenders: median error {statistics.median(errors):.1%}, "
+            f"max {max(errors):.1%} over {len(errors)}"
+        )
+    (directory / "bf16.json").write_text(json.dumps([asdict(s) for s in lines], indent=1) + "\n")
+    return lines
+
+
+def run(directory: Path, names: list[str]) -> None:
+    """Measure ``names`` one after another (each its own launch), at low priority.
+
+    Args:
+        directory: Where the rows' JSON files go.
+        names: Rows of :data:`ROWS`.
+    """
+    for name in names:
+        argv = command(name, directory)
+        argv[:1] = ["nice", "-n", "5", sys.executable, "-m", "interlace.cli"]
+        subprocess.run(argv, check=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=("run", "report"))
+    parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows to run")
+    parser.add_argument("--dir", type=Path, default=DOCS, help="where the JSON files are")
+    args = parser.parse_args()
+    if args.what == "run":
+        run(args.dir, [name for name in args.rows.split(",") if name])
+    report(args.dir)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
