@@ -235,10 +235,10 @@ class TrainConfig:
     kfac_bucket_cap_mb: float | None = kfac_option(
         "bucket_cap_mb",
         Real(name="MB"),
-        "largest bulk factor all-reduce (and --kfac-fusion fixed bucket), MiB; 0: one "
+        "largest bulk factor all-reduce (and --kfac-fusion fixed bucket), MB; 0: one "
         "all-reduce per factor",
         default=None,
-        unset="25 MiB",
+        unset="25 MB",
         aliases=("allreduce_bucket_cap_mb",),
     )
     kfac_placement: str | None = kfac_option(
@@ -270,7 +270,7 @@ class TrainConfig:
         Choice(values=FUSIONS),
         "pipelined buckets: none (one per factor), fixed (up to --kfac-bucket-cap-mb in ready "
         "order) or merged (MG-WFBP's rule)",
-        default=Pipelined().fusion,
+        default=str(Pipelined().fusion.value),  # a plain string: checkpoints load without pickle
     )
     kfac_profile_steps: int = kfac_option(
         "profile_steps",
