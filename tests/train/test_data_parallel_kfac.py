@@ -149,7 +149,10 @@ def test_a_worker_fraction_is_rounded_to_whole_workers_as_kfac_pytorch_does() ->
     assert precond.grad_worker_fraction == 1.0
 
 
-def test_cli_passes_every_kfac_flag_to_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_passes_every_kfac_flag_to_the_job(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the run folder is written before the (stood-in) launch
     launched: list[TrainConfig] = []
 
     def fake_run(target: object, nprocs: int, **kwargs: Any) -> LaunchResult:

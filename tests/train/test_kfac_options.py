@@ -86,14 +86,16 @@ def test_every_kfac_flag_has_help_that_shows_its_default() -> None:
         action = actions[option.flag]
         assert action.help and "(default" in action.help, option.flag
         assert action.default == option.default
-    assert "(default: 25 MB)" in str(actions["--kfac-bucket-cap-mb"].help)
+    assert "(default: 25 MiB)" in str(actions["--kfac-bucket-cap-mb"].help)
     assert "(default: the SGD's current rate" in str(actions["--kfac-lr"].help)
     assert "--kfac-allreduce-bucket-cap-mb" in actions["--kfac-bucket-cap-mb"].option_strings
 
 
 @pytest.fixture
-def launched(monkeypatch: pytest.MonkeyPatch) -> list[TrainConfig]:
-    """Stand in for the launcher: the config of every job started."""
+def launched(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[TrainConfig]:
+    """Stand in for the launcher: the config of every job started (its run folder, written
+    before the launch, lands in ``tmp_path``)."""
+    monkeypatch.chdir(tmp_path)
     configs: list[TrainConfig] = []
 
     def fake_run(target: object, nprocs: int, **kwargs: Any) -> LaunchResult:
@@ -183,7 +185,7 @@ def test_make_kfac_builds_kfac_with_the_options() -> None:
         "lbp",
         True,
     )
-    assert precond.bucket_bytes == 500_000  # MB as DDP counts them
+    assert precond.bucket_bytes == 512 * 1024
     assert precond.lr == 0.05  # fixed: the KL-clip no longer follows the schedule
 
 

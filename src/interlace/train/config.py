@@ -235,10 +235,10 @@ class TrainConfig:
     kfac_bucket_cap_mb: float | None = kfac_option(
         "bucket_cap_mb",
         Real(name="MB"),
-        "largest bulk factor all-reduce (and --kfac-fusion fixed bucket), MB; 0: one "
+        "largest bulk factor all-reduce (and --kfac-fusion fixed bucket), MiB; 0: one "
         "all-reduce per factor",
         default=None,
-        unset="25 MB",
+        unset="25 MiB",
         aliases=("allreduce_bucket_cap_mb",),
     )
     kfac_placement: str | None = kfac_option(
