@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "dp_overhead.py"
 
 
+@pytest.mark.slow  # three wrappers plan on 1 and then 2 ranks: about 20 s on 2 cores
 def test_tiny_run_prints_a_row_per_contender_and_rank_count(tmp_path: Path) -> None:
     out = tmp_path / "rows.json"
     tiny = ["--ranks", "1,2", "--rounds", "1", "--steps", "2", "--warmup", "0"]
