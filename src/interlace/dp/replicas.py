@@ -51,9 +51,18 @@ class BufferBroadcast:
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
         self.module = module
         self.process_group = process_group
+        # The modules that hold buffers, found once as DDP does (walking every module each
+        # forward cost more than the rest of the step on small layers); a buffer a module
+        # reassigns (``.to()``, a new tensor) is still read from its module each time.
+        self._holders = [m for m in module.modules() if m._buffers]
         self._src = _first_rank(process_group)
         self._rank = dist.get_rank(process_group)
         self._in_flight: tuple[dist.Work | None, list[torch.Tensor], torch.Tensor] | None = None
+
+    def _buffers(self) -> list[torch.Tensor]:
+        """The module's buffers now, in ``module.buffers()``'s order, each once."""
+        found = {id(b): b for m in self._holders for b in m._buffers.values() if b is not None}
+        return list(found.values())
 
     @property
     def in_flight(self) -> bool:
@@ -65,7 +74,7 @@ class BufferBroadcast:
 
         A snapshot travels, so the next forward may update the buffers while it is in flight.
         """
-        buffers = list(self.module.buffers())
+        buffers = self._buffers()
         if not buffers:
             return
         ordered, flat = _pack_bytes(buffers)
@@ -75,7 +84,7 @@ class BufferBroadcast:
     def receive(self) -> None:
         """Rank 0's buffers into this rank's: the snapshot in flight, or a broadcast now."""
         if self._in_flight is None:
-            broadcast_from_first(list(self.module.buffers()), self.process_group)
+            broadcast_from_first(self._buffers(), self.process_group)
             return
         handle, ordered, flat = self._in_flight
         self._in_flight = None
