@@ -15,7 +15,7 @@ from interlace.errors import UsageError
 from interlace.kfac import AssignmentStrategy, ComputeMethod, DampingAdaptation
 from interlace.kfac.enums import FactorCommChoice, FactorSync, LayerRule, PlacementChoice
 from interlace.kfac.factor_modes import Pipelined
-from interlace.kfac.fusion import FUSIONS
+from interlace.kfac.fusion import FUSIONS, fusion_from
 from interlace.kfac.options import G_NORMALIZATIONS
 from interlace.pipeline import ASYNCHRONOUS, PLAN_BY, SCHEDULES, SPECTRAIN_BACKWARDS, SYNCHRONOUS
 from interlace.train.checkpoint import SaveEvery
@@ -270,7 +270,7 @@ class TrainConfig:
         Choice(values=FUSIONS),
         "pipelined buckets: none (one per factor), fixed (up to --kfac-bucket-cap-mb in ready "
         "order) or merged (MG-WFBP's rule)",
-        default=str(Pipelined().fusion.value),  # a plain string: checkpoints load without pickle
+        default=fusion_from(Pipelined().fusion).value,  # a string: checkpoints load unpickled
     )
     kfac_profile_steps: int = kfac_option(
         "profile_steps",
