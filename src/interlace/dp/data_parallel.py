@@ -17,10 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd import Variable
 from torch.distributed.algorithms.join import Joinable, JoinHook
 from torch.distributed.distributed_c10d import _get_default_group
-from torch.utils._pytree import tree_leaves
 
 from interlace.clock import StreamClock
 from interlace.comm.agree import check_agreement, describe_tensors
@@ -30,6 +28,7 @@ from interlace.comm.hooks import CommHook, HookSpec
 from interlace.comm.overlap import GateTiming, Overlap
 from interlace.comm.plan import Bucketing, Plan
 from interlace.distenv import collective_device
+from interlace.dp.backward_pass import BackwardPass, tensors_in
 from interlace.dp.ddp_args import DEFAULT_BUCKET_CAP_MB, DeviceLike, ddp_settings, move_inputs
 from interlace.dp.gradients import Arrivals, write_averages
 from interlace.dp.iteration import CommRecord, DevicePass, iteration_timeline
@@ -270,12 +269,10 @@ class DataParallel(nn.Module, Joinable):
         )
         self._sync = True
         self._buffers_due = True
-        self._in_backward = False
-        self._armed = False
         self._entered = 0.0
         self._forward_start = 0.0
         self._forward_s = 0.0
-        self._backward_start: float | None = None
+        self._backward = BackwardPass(weak_method(self, DataParallel._finish_backward))
         #: Each gradient's arrival in the current backward (inf: not arrived).
         self._ready_times: list[float] = [math.inf] * len(self._params)
         # On a GPU, profiled passes read ready times from the stream, not the host clock.
@@ -394,9 +391,9 @@ class DataParallel(nn.Module, Joinable):
             self._device_pass.forward_ended()
         if sends_buffers:
             self._buffer_sync.send()
-        self._backward_start = None
+        self._backward.forward_ended()
         if torch.is_grad_enabled() and self._sync:
-            for tensor in _tensors_in(output):
+            for tensor in tensors_in(output):
                 if tensor.requires_grad:
                     tensor.register_hook(self._on_output_grad)
 
@@ -626,13 +623,7 @@ class DataParallel(nn.Module, Joinable):
                 wrapper._arrivals.accumulated.add(index)
                 return
             now = time.perf_counter()
-            if not wrapper._in_backward:
-                wrapper._in_backward = True
-                if wrapper._backward_start is None:
-                    wrapper._backward_start = now
-                if not wrapper._armed:
-                    # Backward did not pass through the output: end with this graph task.
-                    Variable._execution_engine.queue_callback(wrapper._finish_backward)
+            wrapper._backward.gradient_arrived(now)
             wrapper._ready_times[index] = now
             if wrapper._device_pass is not None:
                 wrapper._device_pass.tensor_ready(index)
@@ -654,27 +645,13 @@ class DataParallel(nn.Module, Joinable):
         if self._overlap is not None and self._overlap.pending:
             # Before autograd accumulates into the gradients the averages are still owed to.
             self._overlap.complete()
-        if not self._armed:
-            # Queued from the outermost graph task: a reentrant backward (checkpointing) nested
-            # in it must not end the iteration when it ends.
-            self._armed = True
-            Variable._execution_engine.queue_callback(self._end_of_backward)
-        now = time.perf_counter()
-        if self._backward_start is None or now < self._backward_start:
-            self._backward_start = now
+        self._backward.output_reached()
         if self._device_pass is not None:
             self._device_pass.backward_started()
 
-    def _end_of_backward(self) -> None:
-        self._armed = False
-        if self._in_backward:  # else no gradient arrived (torch.autograd.grad, say)
-            self._finish_backward()
-
-    def _finish_backward(self) -> None:
-        backward_end = time.perf_counter()
+    def _finish_backward(self, backward_end: float) -> None:
         if self._device_pass is not None:
             self._device_pass.backward_ended()
-        self._in_backward = False
         self._arrivals.finish(
             self._plans.engine, self._params, counting=self._plans.lifecycle.warming_up
         )
@@ -693,7 +670,7 @@ class DataParallel(nn.Module, Joinable):
         self._plans.engine.begin()
 
     def _after_backward(self, backward_end: float) -> None:
-        start = self._backward_start if self._backward_start is not None else backward_end
+        start = self._backward.start if self._backward.start is not None else backward_end
         # A gradient that never came is ready when backward ends: its bucket goes out only then,
         # so the plan must not put it before the others.
         ready = [min(t, backward_end) for t in self._ready_times]
@@ -726,10 +703,3 @@ class DataParallel(nn.Module, Joinable):
         self, bucket: int, channel: int, nbytes: int, launched: float, done: float
     ) -> None:
         self._comm_events.append((bucket, channel, nbytes, launched, done))
-
-
-def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside a (possibly nested) model output."""
-    for leaf in tree_leaves(value):
-        if isinstance(leaf, torch.Tensor):
-            yield leaf
