@@ -34,7 +34,12 @@ from interlace.dp.gradients import Arrivals, write_averages
 from interlace.dp.iteration import CommRecord, DevicePass, iteration_timeline
 from interlace.dp.join import JoinState, sync_buffers
 from interlace.dp.lifetime import Holdings, claim, ensure_unclaimed, unclaim, weak_method
-from interlace.dp.options import cost_model_kind, plan_request, trainable_parameters
+from interlace.dp.options import (
+    check_comm_hook,
+    cost_model_kind,
+    plan_request,
+    trainable_parameters,
+)
 from interlace.dp.overlap import ForwardOverlap
 from interlace.dp.planning import Plans
 from interlace.dp.replicas import BufferBroadcast, broadcast_from_first
@@ -479,34 +484,14 @@ class DataParallel(nn.Module, Joinable):
                 so interlace's own compression and channels would not apply), or with
                 ``overlap="forward"`` (a hook's future is waited for at the end of backward).
         """
-        if self._plans.hook is not None:
-            raise UsageError(
-                "register_comm_hook can only be called once; build a new DataParallel to "
-                "use another hook"
-            )
-        if not self._plans.lifecycle.fresh:
-            raise UsageError(
-                "register_comm_hook must be called before the first backward pass; register "
-                "the hook right after wrapping the model"
-            )
-        if self.compression is not None:
-            raise UsageError(
-                f"compression={self.compression!r} cannot be combined with a communication "
-                "hook; wrap with compression=None and use fp16_compress_hook or "
-                "bf16_compress_hook instead"
-            )
-        if self.channels_requested != 1:
-            raise UsageError(
-                f"channels={self.channels_requested!r} cannot be combined with a communication "
-                "hook, which sends each bucket itself; wrap with channels=1"
-            )
-        if self.overlap is Overlap.FORWARD:
-            raise UsageError(
-                "a communication hook's future is waited for at the end of backward, so it "
-                "cannot run on into the next forward; wrap with overlap='backward' to use one"
-            )
-        if not callable(hook):
-            raise UsageError(f"hook must be callable as hook(state, bucket), got {hook!r}")
+        check_comm_hook(
+            hook,
+            registered=self._plans.hook is not None,
+            fresh=self._plans.lifecycle.fresh,
+            compression=self.compression,
+            channels=self.channels_requested,
+            overlap=self.overlap,
+        )
         self._plans.attach_hook(HookSpec(state, hook))
 
     def record_timeline(self, enabled: bool = True) -> None:
