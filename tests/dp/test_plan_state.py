@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from interlace.comm.cost import CostModel
-from interlace.comm.overlap import plan_overlap
+from interlace.comm.forward_plan import plan_overlap
 from interlace.comm.plan import Gate, ReadyTensor, plan_fixed
 from interlace.dp import DataParallel
 from interlace.dp.plan_state import plan_from_dict, plan_to_dict

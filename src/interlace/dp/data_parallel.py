@@ -24,8 +24,8 @@ from interlace.clock import StreamClock
 from interlace.comm.agree import check_agreement, describe_tensors
 from interlace.comm.channels import Channels
 from interlace.comm.cost import CostModel
+from interlace.comm.forward_plan import GateTiming, Overlap
 from interlace.comm.hooks import CommHook, HookSpec
-from interlace.comm.overlap import GateTiming, Overlap
 from interlace.comm.plan import Bucketing, Plan
 from interlace.distenv import collective_device
 from interlace.dp.backward_pass import BackwardPass, tensors_in
@@ -110,7 +110,7 @@ class DataParallel(nn.Module, Joinable):
             ``overlap="forward"`` the best overlap plans); the fastest measured is kept. 0
             keeps the cost model's plan untried (with ``overlap="forward"``, its best overlap
             plan).
-        overlap: an :class:`~interlace.comm.overlap.Overlap` or its string. ``"backward"``
+        overlap: an :class:`~interlace.comm.forward_plan.Overlap` or its string. ``"backward"``
             (default): all-reduces overlap backward, which returns with the gradients averaged.
             ``"forward"``: they may also run on into the next forward. ``loss.backward()``
             then returns at once; ``optimizer.step()`` (any ``torch.optim`` optimizer) is
@@ -258,7 +258,7 @@ class DataParallel(nn.Module, Joinable):
         self._batched_copy = ddp.batched_grad_copy
         self._arrivals = Arrivals(len(named))
         self._channels = Channels(self._request.channel_groups, process_group)
-        self._overlap = (
+        self._forward_overlap = (
             ForwardOverlap(module, self._params) if self.overlap is Overlap.FORWARD else None
         )
         self._plans = Plans(
@@ -269,7 +269,7 @@ class DataParallel(nn.Module, Joinable):
             self._channels,
             profile_steps=self.profile_steps,
             cost_model=cost_model,
-            overlap=self._overlap,
+            forward_overlap=self._forward_overlap,
             batched_copy=self._batched_copy,
         )
         self._sync = True
@@ -288,13 +288,13 @@ class DataParallel(nn.Module, Joinable):
         # Whatever outlives a forward (the parameters' hooks, the outputs' hooks) holds the
         # wrapper weakly: dropping it frees it, and the finalizer takes the hooks off.
         self._on_output_grad = weak_method(self, DataParallel._mark_backward_start)
-        holdings = Holdings(self._channels, self._overlap)
+        holdings = Holdings(self._channels, self._forward_overlap)
         holdings.handles = [
             param.register_post_accumulate_grad_hook(self._make_hook(index))
             for index, param in enumerate(self._params)
         ]
-        if self._overlap is not None:
-            self._overlap.timing_steps = True
+        if self._forward_overlap is not None:
+            self._forward_overlap.timing_steps = True
         self._ended = weakref.finalize(self, holdings.release_quietly)
         self._ended.atexit = False  # at exit there is no module left to hand back
         self._holdings = holdings
@@ -389,9 +389,9 @@ class DataParallel(nn.Module, Joinable):
     @torch.compiler.disable  # type: ignore[untyped-decorator]
     def _after_module(self, output: Any, sends_buffers: bool) -> None:
         self._forward_s = time.perf_counter() - self._forward_start
-        if self._overlap is not None:
+        if self._forward_overlap is not None:
             # Parameters no gate waited for (unused in this forward): their averages too.
-            self._overlap.complete()
+            self._forward_overlap.complete()
         if self._device_pass is not None:
             self._device_pass.forward_ended()
         if sends_buffers:
@@ -405,7 +405,7 @@ class DataParallel(nn.Module, Joinable):
     def _run_module(self, inputs: tuple[Any, ...], kwargs: dict[str, Any], profiling: bool) -> Any:
         """The module's forward; while profiling with ``overlap="forward"``, its gates timed
         (and, the first time, where each parameter is used checked)."""
-        overlap = self._overlap
+        overlap = self._forward_overlap
         if overlap is None or not profiling:
             return self.module(*inputs, **kwargs)
         gates = overlap.gates
@@ -422,8 +422,8 @@ class DataParallel(nn.Module, Joinable):
         until then (``overlap="forward"``; nothing to do otherwise). Code that reads gradients
         or parameters gets there by itself; this is for timing a step, or before handing the
         model to code that bypasses torch's operators."""
-        if self._overlap is not None:
-            self._overlap.complete()
+        if self._forward_overlap is not None:
+            self._forward_overlap.complete()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -448,7 +448,7 @@ class DataParallel(nn.Module, Joinable):
         Raises:
             UsageError: with ``overlap="forward"``, whose all-reduces cannot be shadowed.
         """
-        return self._join.hook(self, self._overlap is not None, **kwargs)
+        return self._join.hook(self, self._forward_overlap is not None, **kwargs)
 
     @property
     def join_device(self) -> torch.device:
@@ -572,9 +572,9 @@ class DataParallel(nn.Module, Joinable):
         Raises:
             UsageError: without ``overlap="forward"``.
         """
-        if self._overlap is None:
+        if self._forward_overlap is None:
             raise UsageError("gate_layout() needs overlap='forward': without it nothing waits")
-        waits = self._overlap.gates.waits
+        waits = self._forward_overlap.gates.waits
         return [GateTiming(name, tuple(indices), 0.0) for name, indices in waits.items() if indices]
 
     def plan_state(self) -> dict[str, Any] | None:
@@ -627,9 +627,9 @@ class DataParallel(nn.Module, Joinable):
     def _mark_backward_start(self, grad: torch.Tensor) -> None:
         if not self._ended.alive:
             return
-        if self._overlap is not None and self._overlap.pending:
+        if self._forward_overlap is not None and self._forward_overlap.pending:
             # Before autograd accumulates into the gradients the averages are still owed to.
-            self._overlap.complete()
+            self._forward_overlap.complete()
         self._backward.output_reached()
         if self._device_pass is not None:
             self._device_pass.backward_started()
@@ -641,10 +641,10 @@ class DataParallel(nn.Module, Joinable):
             self._plans.engine, self._params, counting=self._plans.lifecycle.warming_up
         )
         plan = self.plan
-        if plan is not None and plan.overlaps_forward and self._overlap is not None:
+        if plan is not None and plan.overlaps_forward and self._forward_overlap is not None:
             # Everything goes out now; the next forward applies each average where it is needed.
             self._plans.engine.close()
-            self._overlap.begin(self._plans.engine)
+            self._forward_overlap.begin(self._plans.engine)
             self._after_backward(backward_end)
             return
         averaged = self._plans.engine.finish()

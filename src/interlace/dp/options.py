@@ -13,7 +13,7 @@ from interlace.comm.channels import MAX_AUTO_CHANNELS
 from interlace.comm.choose import PlanRequest
 from interlace.comm.cost import CostModel
 from interlace.comm.engine import COMPRESSIONS
-from interlace.comm.overlap import Overlap
+from interlace.comm.forward_plan import Overlap
 from interlace.comm.plan import Bucketing
 from interlace.comm.strategies import bucketing_named
 from interlace.errors import UsageError
