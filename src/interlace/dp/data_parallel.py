@@ -1,7 +1,8 @@
 """``interlace.DataParallel``: DDP's interface, with gradient buckets planned from measured times.
 
-The wrapper owns the hooks and the bucket engine; the plan comes from :mod:`interlace.comm.choose`
-and the replicas are kept alike by :mod:`interlace.dp.replicas` (lifecycle: docs/notes/dp.md).
+The wrapper owns the hooks and the bucket engine; the plan in use is :attr:`DataParallel.plan`
+(chosen by :mod:`interlace.dp.planning`); the replicas are kept alike by
+:mod:`interlace.dp.replicas` (lifecycle: docs/notes/dp.md).
 """
 
 from __future__ import annotations
@@ -506,7 +507,12 @@ class DataParallel(nn.Module, Joinable):
 
     @property
     def plan(self) -> Plan | None:
-        """The plan whose buckets are in use (None while profiling)."""
+        """The plan in use: its buckets, their launch order and channels, and with
+        ``overlap="forward"`` where the next forward waits (a plan with ``overlaps_forward``),
+        whichever planner made it (:mod:`interlace.comm.plan`,
+        :mod:`interlace.comm.forward_plan`) or :meth:`load_plan_state` loaded it; during the
+        trials the candidate being tried (:attr:`planning_done` says when it is final); None
+        while profiling."""
         return self._plans.plan
 
     @property
