@@ -404,19 +404,12 @@ class DataParallel(nn.Module, Joinable):
                     tensor.register_hook(self._on_output_grad)
 
     def _run_module(self, inputs: tuple[Any, ...], kwargs: dict[str, Any], profiling: bool) -> Any:
-        """The module's forward; while profiling with ``overlap="forward"``, its gates timed
-        (and, the first time, where each parameter is used checked)."""
+        """The module's forward; its gates timed while profiling with ``overlap="forward"``."""
         overlap = self._forward_overlap
         if overlap is None or not profiling:
             return self.module(*inputs, **kwargs)
-        gates = overlap.gates
-        gates.time_pass()
-        try:
-            if self._plans.lifecycle.warming_up:
-                return gates.checked_call(self.module, inputs, kwargs)
-            return self.module(*inputs, **kwargs)
-        finally:
-            gates.stop_timing()
+        warming_up = self._plans.lifecycle.warming_up
+        return overlap.profiled_call(self.module, inputs, kwargs, first=warming_up)
 
     def synchronize(self) -> None:
         """Wait for every all-reduce still in flight and apply the optimizer updates deferred
@@ -580,8 +573,7 @@ class DataParallel(nn.Module, Joinable):
         """
         if self._forward_overlap is None:
             raise UsageError("gate_layout() needs overlap='forward': without it nothing waits")
-        waits = self._forward_overlap.gates.waits
-        return [GateTiming(name, tuple(indices), 0.0) for name, indices in waits.items() if indices]
+        return self._forward_overlap.gate_layout()
 
     def plan_state(self) -> dict[str, Any] | None:
         """The final plan as plain data (for a checkpoint); None while profiling or on trial."""
