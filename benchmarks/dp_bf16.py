@@ -20,7 +20,7 @@ from typing import Any
 
 from interlace.comm.cost import CostModel
 from interlace.comm.strategies import STRATEGIES, Strategy
-from interlace.sim.engine import WIRE_SCALES, simulate
+from interlace.sim.simulation import WIRE_SCALES, simulate
 from interlace.sim.trace import Trace, load_trace
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "bench-dp"

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from interlace.comm.cost import CostModel
-from interlace.sim.engine import simulate
+from interlace.sim.simulation import simulate
 from interlace.sim.trace import load_trace
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "bench-dp"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from interlace.comm.overlap import Overlap
+from interlace.comm.forward_plan import Overlap
 from interlace.comm.plan import Bucketing
 from interlace.kfac.enums import ComputeMethod, FactorCommChoice, PlacementChoice
 from interlace.pipeline.schedule import SCHEDULE_TYPES
@@ -132,7 +132,7 @@ def test_no_source_file_is_a_big_room() -> None:
 #: price these very objects (imported), never a rule of its own for them.
 POLICY_MODULES = {
     "a bucketing plan": "interlace.comm.plan",
-    "the forward overlap": "interlace.comm.overlap",
+    "the forward overlap": "interlace.comm.forward_plan",
     "a K-FAC placement": "interlace.kfac.placements",
     "a decomposition method": "interlace.kfac.methods",
     "a factor-communication mode": "interlace.kfac.factor_modes",

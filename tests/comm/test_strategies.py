@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from interlace.comm.cost import CostModel
-from interlace.comm.overlap import Overlap, overlap_candidates
+from interlace.comm.forward_plan import Overlap, overlap_candidates
 from interlace.comm.plan import Bucketing, Gate, ReadyTensor, make_plan, plan_fixed
 from interlace.comm.strategies import (
     BENCH_STRATEGIES,

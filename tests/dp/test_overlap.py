@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from interlace import KFAC
 from interlace.comm.cost import CostModel
-from interlace.comm.overlap import Overlap
+from interlace.comm.forward_plan import Overlap
 from interlace.dp import DataParallel
 from interlace.errors import UsageError
 from interlace.testing import raised_message, run_ranks

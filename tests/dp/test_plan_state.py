@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from interlace.comm.cost import CostModel
-from interlace.comm.overlap import plan_overlap
+from interlace.comm.forward_plan import plan_overlap
 from interlace.comm.plan import Gate, ReadyTensor, plan_fixed
 from interlace.dp import DataParallel
 from interlace.dp.plan_state import plan_from_dict, plan_to_dict
@@ -39,6 +39,7 @@ def _plan_travels() -> dict[str, Any]:
         _net(), bucketing="fixed", bucket_cap_mb=5e-4, first_bucket_cap_mb=2e-4, cost_model=cost
     )
     before = first.plan_state()
+    no_plan_before = first.plan is None
     for seed in range(4):
         _step(first, seed)
     state = first.plan_state()
@@ -47,6 +48,7 @@ def _plan_travels() -> dict[str, Any]:
     second = DataParallel(_net(), bucketing="merged", cost_model=cost)
     second.load_plan_state(state)
     loaded_at_once = second.planning_done
+    plan_in_use = second.plan == plan_from_dict(state["plan"])
     _step(second, 10)
     _step(first, 10)
     same_grads = all(
@@ -66,6 +68,8 @@ def _plan_travels() -> dict[str, Any]:
         "before": before,
         "state": state,
         "loaded_at_once": loaded_at_once,
+        "no_plan_before": no_plan_before,
+        "plan_in_use": plan_in_use,
         "same_buckets": second.buckets == first.buckets,
         "same_grads": same_grads,
         "kept": second.plan_state() == state,
@@ -78,6 +82,8 @@ def test_a_saved_plan_is_loaded_without_profiling() -> None:
         assert report["before"] is None  # nothing to save before the plan is made
         assert len(report["state"]["plan"]["buckets"]) > 1
         assert report["loaded_at_once"]
+        # DataParallel.plan: None while profiling, then the plan in use, loaded or planned.
+        assert report["no_plan_before"] and report["plan_in_use"]
         assert report["same_buckets"] and report["same_grads"]
         # Eight more steps: no profiling, no trials, the loaded plan stays.
         assert report["kept"]

@@ -9,7 +9,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from interlace.comm.cost import CostModel
-from interlace.comm.overlap import overlap_candidates
+from interlace.comm.forward_plan import overlap_candidates
 from interlace.comm.plan import Gate, ReadyTensor, make_plan, schedule
 from interlace.sim.replay import Contention, replay
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from interlace.comm.cost import CostModel
-from interlace.comm.overlap import GateTiming, Overlap, gates_from_timings, overlap_candidates
+from interlace.comm.forward_plan import GateTiming, Overlap, gates_from_timings, overlap_candidates
 from interlace.comm.plan import Bucketing, Plan, ReadyTensor, make_plan
 from interlace.comm.tuning import START_UP_SCALES, describe_trials, fastest, scale_start_up
 

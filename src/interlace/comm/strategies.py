@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from interlace.comm.cost import CostModel
-from interlace.comm.overlap import Overlap, overlap_candidates
+from interlace.comm.forward_plan import Overlap, overlap_candidates
 from interlace.comm.plan import Bucketing, Gate, Plan, ReadyTensor, make_plan
 from interlace.errors import UsageError
 

@@ -1,7 +1,8 @@
 """``interlace.DataParallel``: DDP's interface, with gradient buckets planned from measured times.
 
-The wrapper owns the hooks and the bucket engine; the plan comes from :mod:`interlace.comm.choose`
-and the replicas are kept alike by :mod:`interlace.dp.replicas` (lifecycle: docs/notes/dp.md).
+The wrapper owns the hooks and the bucket engine; the plan in use is :attr:`DataParallel.plan`
+(chosen by :mod:`interlace.dp.planning`); the replicas are kept alike by
+:mod:`interlace.dp.replicas` (lifecycle: docs/notes/dp.md).
 """
 
 from __future__ import annotations
@@ -17,25 +18,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd import Variable
 from torch.distributed.algorithms.join import Joinable, JoinHook
 from torch.distributed.distributed_c10d import _get_default_group
-from torch.utils._pytree import tree_leaves
 
 from interlace.clock import StreamClock
 from interlace.comm.agree import check_agreement, describe_tensors
 from interlace.comm.channels import Channels
 from interlace.comm.cost import CostModel
+from interlace.comm.forward_plan import GateTiming, Overlap
 from interlace.comm.hooks import CommHook, HookSpec
-from interlace.comm.overlap import GateTiming, Overlap
 from interlace.comm.plan import Bucketing, Plan
 from interlace.distenv import collective_device
+from interlace.dp.backward_pass import BackwardPass, tensors_in
 from interlace.dp.ddp_args import DEFAULT_BUCKET_CAP_MB, DeviceLike, ddp_settings, move_inputs
 from interlace.dp.gradients import Arrivals, write_averages
 from interlace.dp.iteration import CommRecord, DevicePass, iteration_timeline
 from interlace.dp.join import JoinState, sync_buffers
 from interlace.dp.lifetime import Holdings, claim, ensure_unclaimed, unclaim, weak_method
-from interlace.dp.options import cost_model_kind, plan_request, trainable_parameters
+from interlace.dp.options import (
+    check_comm_hook,
+    cost_model_kind,
+    plan_request,
+    trainable_parameters,
+)
 from interlace.dp.overlap import ForwardOverlap
 from interlace.dp.planning import Plans
 from interlace.dp.replicas import BufferBroadcast, broadcast_from_first
@@ -106,7 +111,7 @@ class DataParallel(nn.Module, Joinable):
             ``overlap="forward"`` the best overlap plans); the fastest measured is kept. 0
             keeps the cost model's plan untried (with ``overlap="forward"``, its best overlap
             plan).
-        overlap: an :class:`~interlace.comm.overlap.Overlap` or its string. ``"backward"``
+        overlap: an :class:`~interlace.comm.forward_plan.Overlap` or its string. ``"backward"``
             (default): all-reduces overlap backward, which returns with the gradients averaged.
             ``"forward"``: they may also run on into the next forward. ``loss.backward()``
             then returns at once; ``optimizer.step()`` (any ``torch.optim`` optimizer) is
@@ -254,7 +259,7 @@ class DataParallel(nn.Module, Joinable):
         self._batched_copy = ddp.batched_grad_copy
         self._arrivals = Arrivals(len(named))
         self._channels = Channels(self._request.channel_groups, process_group)
-        self._overlap = (
+        self._forward_overlap = (
             ForwardOverlap(module, self._params) if self.overlap is Overlap.FORWARD else None
         )
         self._plans = Plans(
@@ -265,17 +270,15 @@ class DataParallel(nn.Module, Joinable):
             self._channels,
             profile_steps=self.profile_steps,
             cost_model=cost_model,
-            overlap=self._overlap,
+            forward_overlap=self._forward_overlap,
             batched_copy=self._batched_copy,
         )
         self._sync = True
         self._buffers_due = True
-        self._in_backward = False
-        self._armed = False
         self._entered = 0.0
         self._forward_start = 0.0
         self._forward_s = 0.0
-        self._backward_start: float | None = None
+        self._backward = BackwardPass(weak_method(self, DataParallel._finish_backward))
         #: Each gradient's arrival in the current backward (inf: not arrived).
         self._ready_times: list[float] = [math.inf] * len(self._params)
         # On a GPU, profiled passes read ready times from the stream, not the host clock.
@@ -286,13 +289,13 @@ class DataParallel(nn.Module, Joinable):
         # Whatever outlives a forward (the parameters' hooks, the outputs' hooks) holds the
         # wrapper weakly: dropping it frees it, and the finalizer takes the hooks off.
         self._on_output_grad = weak_method(self, DataParallel._mark_backward_start)
-        holdings = Holdings(self._channels, self._overlap)
+        holdings = Holdings(self._channels, self._forward_overlap)
         holdings.handles = [
             param.register_post_accumulate_grad_hook(self._make_hook(index))
             for index, param in enumerate(self._params)
         ]
-        if self._overlap is not None:
-            self._overlap.timing_steps = True
+        if self._forward_overlap is not None:
+            self._forward_overlap.timing_steps = True
         self._ended = weakref.finalize(self, holdings.release_quietly)
         self._ended.atexit = False  # at exit there is no module left to hand back
         self._holdings = holdings
@@ -387,41 +390,34 @@ class DataParallel(nn.Module, Joinable):
     @torch.compiler.disable  # type: ignore[untyped-decorator]
     def _after_module(self, output: Any, sends_buffers: bool) -> None:
         self._forward_s = time.perf_counter() - self._forward_start
-        if self._overlap is not None:
+        if self._forward_overlap is not None:
             # Parameters no gate waited for (unused in this forward): their averages too.
-            self._overlap.complete()
+            self._forward_overlap.complete()
         if self._device_pass is not None:
             self._device_pass.forward_ended()
         if sends_buffers:
             self._buffer_sync.send()
-        self._backward_start = None
+        self._backward.forward_ended()
         if torch.is_grad_enabled() and self._sync:
-            for tensor in _tensors_in(output):
+            for tensor in tensors_in(output):
                 if tensor.requires_grad:
                     tensor.register_hook(self._on_output_grad)
 
     def _run_module(self, inputs: tuple[Any, ...], kwargs: dict[str, Any], profiling: bool) -> Any:
-        """The module's forward; while profiling with ``overlap="forward"``, its gates timed
-        (and, the first time, where each parameter is used checked)."""
-        overlap = self._overlap
+        """The module's forward; its gates timed while profiling with ``overlap="forward"``."""
+        overlap = self._forward_overlap
         if overlap is None or not profiling:
             return self.module(*inputs, **kwargs)
-        gates = overlap.gates
-        gates.time_pass()
-        try:
-            if self._plans.lifecycle.warming_up:
-                return gates.checked_call(self.module, inputs, kwargs)
-            return self.module(*inputs, **kwargs)
-        finally:
-            gates.stop_timing()
+        warming_up = self._plans.lifecycle.warming_up
+        return overlap.profiled_call(self.module, inputs, kwargs, first=warming_up)
 
     def synchronize(self) -> None:
         """Wait for every all-reduce still in flight and apply the optimizer updates deferred
         until then (``overlap="forward"``; nothing to do otherwise). Code that reads gradients
         or parameters gets there by itself; this is for timing a step, or before handing the
         model to code that bypasses torch's operators."""
-        if self._overlap is not None:
-            self._overlap.complete()
+        if self._forward_overlap is not None:
+            self._forward_overlap.complete()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -446,7 +442,7 @@ class DataParallel(nn.Module, Joinable):
         Raises:
             UsageError: with ``overlap="forward"``, whose all-reduces cannot be shadowed.
         """
-        return self._join.hook(self, self._overlap is not None, **kwargs)
+        return self._join.hook(self, self._forward_overlap is not None, **kwargs)
 
     @property
     def join_device(self) -> torch.device:
@@ -482,34 +478,14 @@ class DataParallel(nn.Module, Joinable):
                 so interlace's own compression and channels would not apply), or with
                 ``overlap="forward"`` (a hook's future is waited for at the end of backward).
         """
-        if self._plans.hook is not None:
-            raise UsageError(
-                "register_comm_hook can only be called once; build a new DataParallel to "
-                "use another hook"
-            )
-        if not self._plans.lifecycle.fresh:
-            raise UsageError(
-                "register_comm_hook must be called before the first backward pass; register "
-                "the hook right after wrapping the model"
-            )
-        if self.compression is not None:
-            raise UsageError(
-                f"compression={self.compression!r} cannot be combined with a communication "
-                "hook; wrap with compression=None and use fp16_compress_hook or "
-                "bf16_compress_hook instead"
-            )
-        if self.channels_requested != 1:
-            raise UsageError(
-                f"channels={self.channels_requested!r} cannot be combined with a communication "
-                "hook, which sends each bucket itself; wrap with channels=1"
-            )
-        if self.overlap is Overlap.FORWARD:
-            raise UsageError(
-                "a communication hook's future is waited for at the end of backward, so it "
-                "cannot run on into the next forward; wrap with overlap='backward' to use one"
-            )
-        if not callable(hook):
-            raise UsageError(f"hook must be callable as hook(state, bucket), got {hook!r}")
+        check_comm_hook(
+            hook,
+            registered=self._plans.hook is not None,
+            fresh=self._plans.lifecycle.fresh,
+            compression=self.compression,
+            channels=self.channels_requested,
+            overlap=self.overlap,
+        )
         self._plans.attach_hook(HookSpec(state, hook))
 
     def record_timeline(self, enabled: bool = True) -> None:
@@ -524,7 +500,12 @@ class DataParallel(nn.Module, Joinable):
 
     @property
     def plan(self) -> Plan | None:
-        """The plan whose buckets are in use (None while profiling)."""
+        """The plan in use: its buckets, their launch order and channels, and with
+        ``overlap="forward"`` where the next forward waits (a plan with ``overlaps_forward``),
+        whichever planner made it (:mod:`interlace.comm.plan`,
+        :mod:`interlace.comm.forward_plan`) or :meth:`load_plan_state` loaded it; during the
+        trials the candidate being tried (:attr:`planning_done` says when it is final); None
+        while profiling."""
         return self._plans.plan
 
     @property
@@ -590,10 +571,9 @@ class DataParallel(nn.Module, Joinable):
         Raises:
             UsageError: without ``overlap="forward"``.
         """
-        if self._overlap is None:
+        if self._forward_overlap is None:
             raise UsageError("gate_layout() needs overlap='forward': without it nothing waits")
-        waits = self._overlap.gates.waits
-        return [GateTiming(name, tuple(indices), 0.0) for name, indices in waits.items() if indices]
+        return self._forward_overlap.gate_layout()
 
     def plan_state(self) -> dict[str, Any] | None:
         """The final plan as plain data (for a checkpoint); None while profiling or on trial."""
@@ -626,13 +606,7 @@ class DataParallel(nn.Module, Joinable):
                 wrapper._arrivals.accumulated.add(index)
                 return
             now = time.perf_counter()
-            if not wrapper._in_backward:
-                wrapper._in_backward = True
-                if wrapper._backward_start is None:
-                    wrapper._backward_start = now
-                if not wrapper._armed:
-                    # Backward did not pass through the output: end with this graph task.
-                    Variable._execution_engine.queue_callback(wrapper._finish_backward)
+            wrapper._backward.gradient_arrived(now)
             wrapper._ready_times[index] = now
             if wrapper._device_pass is not None:
                 wrapper._device_pass.tensor_ready(index)
@@ -651,38 +625,24 @@ class DataParallel(nn.Module, Joinable):
     def _mark_backward_start(self, grad: torch.Tensor) -> None:
         if not self._ended.alive:
             return
-        if self._overlap is not None and self._overlap.pending:
+        if self._forward_overlap is not None and self._forward_overlap.pending:
             # Before autograd accumulates into the gradients the averages are still owed to.
-            self._overlap.complete()
-        if not self._armed:
-            # Queued from the outermost graph task: a reentrant backward (checkpointing) nested
-            # in it must not end the iteration when it ends.
-            self._armed = True
-            Variable._execution_engine.queue_callback(self._end_of_backward)
-        now = time.perf_counter()
-        if self._backward_start is None or now < self._backward_start:
-            self._backward_start = now
+            self._forward_overlap.complete()
+        self._backward.output_reached()
         if self._device_pass is not None:
             self._device_pass.backward_started()
 
-    def _end_of_backward(self) -> None:
-        self._armed = False
-        if self._in_backward:  # else no gradient arrived (torch.autograd.grad, say)
-            self._finish_backward()
-
-    def _finish_backward(self) -> None:
-        backward_end = time.perf_counter()
+    def _finish_backward(self, backward_end: float) -> None:
         if self._device_pass is not None:
             self._device_pass.backward_ended()
-        self._in_backward = False
         self._arrivals.finish(
             self._plans.engine, self._params, counting=self._plans.lifecycle.warming_up
         )
         plan = self.plan
-        if plan is not None and plan.overlaps_forward and self._overlap is not None:
+        if plan is not None and plan.overlaps_forward and self._forward_overlap is not None:
             # Everything goes out now; the next forward applies each average where it is needed.
             self._plans.engine.close()
-            self._overlap.begin(self._plans.engine)
+            self._forward_overlap.begin(self._plans.engine)
             self._after_backward(backward_end)
             return
         averaged = self._plans.engine.finish()
@@ -693,7 +653,7 @@ class DataParallel(nn.Module, Joinable):
         self._plans.engine.begin()
 
     def _after_backward(self, backward_end: float) -> None:
-        start = self._backward_start if self._backward_start is not None else backward_end
+        start = self._backward.start if self._backward.start is not None else backward_end
         # A gradient that never came is ready when backward ends: its bucket goes out only then,
         # so the plan must not put it before the others.
         ready = [min(t, backward_end) for t in self._ready_times]
@@ -726,10 +686,3 @@ class DataParallel(nn.Module, Joinable):
         self, bucket: int, channel: int, nbytes: int, launched: float, done: float
     ) -> None:
         self._comm_events.append((bucket, channel, nbytes, launched, done))
-
-
-def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside a (possibly nested) model output."""
-    for leaf in tree_leaves(value):
-        if isinstance(leaf, torch.Tensor):
-            yield leaf

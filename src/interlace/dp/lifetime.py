@@ -91,25 +91,25 @@ class Holdings:
 
     Args:
         channels: The channels (the groups beyond the first were created by the wrapper).
-        overlap: The forward overlap, or None.
+        forward_overlap: The forward overlap's runtime, or None.
     """
 
-    def __init__(self, channels: Channels, overlap: ForwardOverlap | None) -> None:
+    def __init__(self, channels: Channels, forward_overlap: ForwardOverlap | None) -> None:
         self.channels = channels
-        self.overlap = overlap
+        self.forward_overlap = forward_overlap
         #: Removable handles of the hooks put on the parameters.
         self.handles: list[Any] = []
 
     def release(self) -> None:
         """Apply what is pending, take every hook off, destroy the created process groups."""
         try:
-            if self.overlap is not None:
-                self.overlap.close()
+            if self.forward_overlap is not None:
+                self.forward_overlap.close()
         finally:
             for handle in self.handles:
                 handle.remove()
             self.handles = []
-            self.overlap = None
+            self.forward_overlap = None
             self.channels.close()
 
     def release_quietly(self) -> None:

@@ -1,4 +1,5 @@
-"""DataParallel's options checked: the plan request, the trainable parameters, the cost model."""
+"""DataParallel's options checked: the plan request, the trainable parameters, the cost model,
+a communication hook."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from interlace.comm.channels import MAX_AUTO_CHANNELS
 from interlace.comm.choose import PlanRequest
 from interlace.comm.cost import CostModel
 from interlace.comm.engine import COMPRESSIONS
-from interlace.comm.overlap import Overlap
+from interlace.comm.forward_plan import Overlap
 from interlace.comm.plan import Bucketing
 from interlace.comm.strategies import bucketing_named
 from interlace.errors import UsageError
@@ -137,3 +138,55 @@ def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
             f"DataParallel needs every parameter on one device, found {sorted(map(str, devices))}"
         )
     return named
+
+
+def check_comm_hook(
+    hook: object,
+    *,
+    registered: bool,
+    fresh: bool,
+    compression: str | None,
+    channels: int | str,
+    overlap: Overlap,
+) -> None:
+    """Raise where a DataParallel cannot take a communication hook now.
+
+    Args:
+        hook: the hook to register.
+        registered: whether one is registered already.
+        fresh: whether no backward pass has run yet.
+        compression: the wrapper's ``compression``.
+        channels: the wrapper's ``channels``.
+        overlap: the wrapper's overlap.
+
+    Raises:
+        UsageError: naming what stands in the way and what to do.
+    """
+    if registered:
+        raise UsageError(
+            "register_comm_hook can only be called once; build a new DataParallel to "
+            "use another hook"
+        )
+    if not fresh:
+        raise UsageError(
+            "register_comm_hook must be called before the first backward pass; register "
+            "the hook right after wrapping the model"
+        )
+    if compression is not None:
+        raise UsageError(
+            f"compression={compression!r} cannot be combined with a communication "
+            "hook; wrap with compression=None and use fp16_compress_hook or "
+            "bf16_compress_hook instead"
+        )
+    if channels != 1:
+        raise UsageError(
+            f"channels={channels!r} cannot be combined with a communication "
+            "hook, which sends each bucket itself; wrap with channels=1"
+        )
+    if overlap is Overlap.FORWARD:
+        raise UsageError(
+            "a communication hook's future is waited for at the end of backward, so it "
+            "cannot run on into the next forward; wrap with overlap='backward' to use one"
+        )
+    if not callable(hook):
+        raise UsageError(f"hook must be callable as hook(state, bucket), got {hook!r}")

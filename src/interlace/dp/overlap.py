@@ -20,6 +20,7 @@ from torch.optim.optimizer import Optimizer
 
 from interlace.clock import Mark, StreamClock
 from interlace.comm.engine import BucketEngine
+from interlace.comm.forward_plan import GateTiming
 from interlace.dp.deferred import DeferredStep, listen_to_steps, stop_listening
 from interlace.dp.gates import ROOT, Gates
 from interlace.dp.pending import DeferredMarks, PendingGrad
@@ -62,6 +63,30 @@ class ForwardOverlap:
             module.register_load_state_dict_pre_hook(self._complete_hook),
         ]
         listen_to_steps(self)
+
+    def profiled_call(
+        self, module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], *, first: bool
+    ) -> Any:
+        """``module``'s forward with its gates timed (a profiled pass).
+
+        Args:
+            module: the wrapped module.
+            inputs: its positional inputs.
+            kwargs: its keyword inputs.
+            first: the warm-up pass: also check where each parameter is used.
+        """
+        self.gates.time_pass()
+        try:
+            if first:
+                return self.gates.checked_call(module, inputs, kwargs)
+            return module(*inputs, **kwargs)
+        finally:
+            self.gates.stop_timing()
+
+    def gate_layout(self) -> list[GateTiming]:
+        """Each gate (a module's name) with the parameters that wait there, offsets 0."""
+        waits = self.gates.waits
+        return [GateTiming(name, tuple(indices), 0.0) for name, indices in waits.items() if indices]
 
     @property
     def pending(self) -> bool:

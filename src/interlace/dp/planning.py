@@ -19,8 +19,8 @@ from interlace.comm.channels import Channels, check_same_everywhere, layout_of
 from interlace.comm.choose import Candidate, PlanRequest, Timings, candidate_plans, settle_trials
 from interlace.comm.cost import CostModel
 from interlace.comm.engine import BucketEngine
+from interlace.comm.forward_plan import GateTiming
 from interlace.comm.hooks import HookSpec, layout_changed
-from interlace.comm.overlap import GateTiming
 from interlace.comm.plan import Plan
 from interlace.distenv import collective_device
 from interlace.dp.lifecycle import Due, Lifecycle
@@ -44,7 +44,7 @@ class Plans:
         channels: The process groups buckets travel on.
         profile_steps: Timed backward passes before planning.
         cost_model: The all-reduce cost model (None: fitted when planning).
-        overlap: The forward-overlap runtime (``overlap="forward"``), or None.
+        forward_overlap: The forward-overlap runtime (``overlap="forward"``), or None.
         batched_copy: Copy a bucket's gradients in at once when it is complete.
     """
 
@@ -58,7 +58,7 @@ class Plans:
         *,
         profile_steps: int,
         cost_model: CostModel | None,
-        overlap: ForwardOverlap | None,
+        forward_overlap: ForwardOverlap | None,
         batched_copy: bool,
     ) -> None:
         self.request = request
@@ -67,7 +67,7 @@ class Plans:
         self.process_group = process_group
         self.channels = channels
         self.cost_model = cost_model
-        self.overlap = overlap
+        self.forward_overlap = forward_overlap
         self.batched_copy = batched_copy
         self.lifecycle = Lifecycle(profile_steps)
         self.candidates: list[Candidate] = []
@@ -128,9 +128,9 @@ class Plans:
             announce: Log why its channels were chosen.
         """
         assert candidate is not None
-        if self.overlap is not None:
+        if self.forward_overlap is not None:
             # The engine in use may still have averages in flight.
-            self.overlap.complete()
+            self.forward_overlap.complete()
         if self.in_use is None or candidate.plan is not self.in_use.plan:
             plan = candidate.plan
             # The plan came from rank 0, so this holds unless a rank was built differently; if
@@ -167,7 +167,7 @@ class Plans:
     def _plan(self) -> None:
         """Take the slowest rank's timings, plan on rank 0, share the candidates, use the first."""
         medians = self.lifecycle.profiled_medians()
-        overlap = self.overlap
+        overlap = self.forward_overlap
         # Every gate, reached or not, so every rank sends as many numbers whatever path its
         # forwards took; -1: not reached on this rank.
         gates = [] if overlap is None else overlap.gates.offsets()
@@ -267,16 +267,16 @@ class Plans:
                 f"the saved DataParallel plan uses {plan.channels} channels; this wrapper has "
                 f"{len(self.channels)} (pass channels={plan.channels} or 'auto')"
             )
-        if plan.overlaps_forward and self.overlap is None:
+        if plan.overlaps_forward and self.forward_overlap is None:
             raise UsageError(
                 "the saved DataParallel plan runs its all-reduces on into the next forward; "
                 "wrap with overlap='forward' to load it"
             )
         if self.cost_model is None:
             self.cost_model = plan.cost
-        if self.overlap is not None:
+        if self.forward_overlap is not None:
             # No profiling will read them: timing the steps now would only pile up marks.
-            self.overlap.timing_steps = False
+            self.forward_overlap.timing_steps = False
         candidate = Candidate(plan, tuple(state["order"]), str(state.get("why", "")))
         self.lifecycle.settle(candidate)
         self.candidates = []

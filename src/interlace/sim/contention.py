@@ -11,8 +11,8 @@ import statistics
 from dataclasses import dataclass, field, replace
 
 from interlace.comm.cost import CostModel
-from interlace.sim.engine import simulate
 from interlace.sim.replay import Contention
+from interlace.sim.simulation import simulate
 from interlace.sim.trace import Trace
 
 #: Bytes of each all-reduce in the start-up probe: a norm layer's parameter, all start-up.

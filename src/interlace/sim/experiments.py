@@ -14,10 +14,10 @@ from typing import Any
 
 from interlace.comm.strategies import PLANNED_STRATEGIES, planned_strategy
 from interlace.errors import UsageError
-from interlace.sim.engine import SimResult, simulate, strategy_named
 from interlace.sim.kfac import KFAC_STRATEGIES, PHASES, check_trace, simulate_kfac
 from interlace.sim.kfac_costs import KfacCosts
 from interlace.sim.network import Network
+from interlace.sim.simulation import SimResult, simulate, strategy_named
 from interlace.sim.trace import Trace
 
 DEFAULT_WORKERS: tuple[int, ...] = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -32,7 +32,7 @@ def check_strategy(name: str) -> None:
 
     Args:
         name: A key of :data:`~interlace.sim.kfac.KFAC_STRATEGIES`, or a name
-            :func:`~interlace.sim.engine.strategy_named` knows.
+            :func:`~interlace.sim.simulation.strategy_named` knows.
 
     Raises:
         UsageError: Naming every choice, K-FAC strategies included.
@@ -83,7 +83,7 @@ def simulate_scaling(
         trace: The model's iteration.
         network: Prices an all-reduce at each worker count.
         workers: The worker counts.
-        strategies: Data-parallel strategies (:func:`~interlace.sim.engine.simulate`) and K-FAC
+        strategies: Data-parallel strategies (:func:`~interlace.sim.simulation.simulate`) and K-FAC
             ones (:func:`~interlace.sim.kfac.simulate_kfac`, which need the trace's factor
             sizes).
         per_layer: Send a layer's tensors as one message.

@@ -25,11 +25,11 @@ from interlace.kfac.placements import (
     placement_or_auto,
 )
 from interlace.kfac.sizes import packed_size
-from interlace.sim.engine import SimResult
 from interlace.sim.kfac_costs import KfacCosts
 from interlace.sim.kfac_link import bulk_messages, named_groups, play_link
 from interlace.sim.kfac_stage import decomposition_stage
 from interlace.sim.replay import replay
+from interlace.sim.simulation import SimResult
 from interlace.sim.trace import Trace
 from interlace.timeline import Event, Timeline
 

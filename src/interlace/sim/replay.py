@@ -219,7 +219,7 @@ def replay(
     one has ended. A plan with gates plays the next forward too: it starts when backward ends,
     each gate waits for its buckets, then applies their update (``plan.step_s`` by bytes) and
     computes to the next gate. With no contention the times equal the planner's own
-    (:func:`~interlace.comm.plan.schedule`, :func:`~interlace.comm.overlap.plan_overlap`).
+    (:func:`~interlace.comm.plan.schedule`, :func:`~interlace.comm.forward_plan.plan_overlap`).
 
     Args:
         plan: The buckets, with the tensors' ready times and the passes' lengths.

@@ -16,9 +16,9 @@ from typing import Any
 from interlace.comm.cost import CostModel
 from interlace.errors import UsageError
 from interlace.sim.contention import calibrate, fit_startup_overlap
-from interlace.sim.engine import simulate
 from interlace.sim.replay import Contention
 from interlace.sim.retime import with_totals
+from interlace.sim.simulation import simulate
 from interlace.sim.trace import Trace
 
 DEFAULT_MODELS: tuple[str, ...] = ("mlp", "resnet20", "transformer")

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from interlace.comm.cost import CostModel
-from interlace.comm.overlap import Overlap, gates_from_timings, plan_overlap
+from interlace.comm.forward_plan import Overlap, gates_from_timings, plan_overlap
 from interlace.comm.plan import Bucketing, ReadyTensor, make_plan
 from interlace.distenv import DistContext
 from interlace.dp import DataParallel

@@ -1,4 +1,4 @@
-"""The engine: hand-worked iterations, strategy names, a run's own buckets and timelines."""
+"""The simulation: hand-worked iterations, strategy names, a run's own buckets and timelines."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import pytest
 from interlace.comm.cost import CostModel
 from interlace.comm.strategies import PLANNED_STRATEGIES
 from interlace.errors import UsageError
-from interlace.sim.engine import simulate, strategy_named, wire_tensors
 from interlace.sim.network import (
     parse_network,
 )
 from interlace.sim.profiled import from_ready
+from interlace.sim.simulation import simulate, strategy_named, wire_tensors
 from interlace.sim.trace import Trace, load_trace
 from interlace.sim.traces import data_path
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from interlace.comm.cost import CostModel
-from interlace.comm.overlap import (
+from interlace.comm.forward_plan import (
     GateTiming,
     gates_from_timings,
     overlap_candidates,

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from interlace.comm.cost import CostModel
-from interlace.comm.overlap import Overlap
+from interlace.comm.forward_plan import Overlap
 from interlace.comm.plan import Plan, ReadyTensor, schedule
 from interlace.comm.strategies import PLANNED_STRATEGIES, Strategy, planned_strategy
 from interlace.errors import UsageError
