@@ -13,6 +13,7 @@ import torch.nn.functional as F  # noqa: N812 - the conventional alias
 from torch import Tensor, nn
 
 from interlace.errors import UsageError
+from interlace.zoo.transformer import TransformerBlock
 
 __all__ = ["GPT", "token_cross_entropy"]
 
@@ -30,45 +31,6 @@ def token_cross_entropy(logits: Tensor, targets: Tensor, reduction: str = "mean"
         reduction: ``"mean"``, ``"sum"`` or ``"none"``, as cross_entropy takes it.
     """
     return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction=reduction)
-
-
-class _CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention from two plain Linear layers (``qkv`` and ``out``).
-
-    Plain Linear layers rather than :class:`torch.nn.MultiheadAttention`, whose output
-    projection runs functionally: a preconditioner that hooks Linear modules would miss it.
-    """
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.out = nn.Linear(dim, dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        batch, tokens, dim = x.shape
-        qkv = self.qkv(x).reshape(batch, tokens, 3, self.heads, dim // self.heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [batch, heads, tokens, head_dim]
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        out: Tensor = self.out(attended.transpose(1, 2).reshape(batch, tokens, dim))
-        return out
-
-
-class _DecoderBlock(nn.Module):
-    """A pre-LayerNorm decoder block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
-
-    def __init__(self, dim: int, heads: int, mlp_dim: int) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(dim)
-        self.attn = _CausalSelfAttention(dim, heads)
-        self.norm2 = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, mlp_dim)
-        self.fc2 = nn.Linear(mlp_dim, dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.norm1(x))
-        out: Tensor = x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
-        return out
 
 
 class GPT(nn.Module):
@@ -134,7 +96,8 @@ class GPT(nn.Module):
         self.token = nn.Embedding(num_classes, dim)
         self.position = nn.Embedding(context, dim)
         hidden = 4 * dim if mlp_dim is None else mlp_dim
-        self.blocks = nn.Sequential(*(_DecoderBlock(dim, heads, hidden) for _ in range(depth)))
+        blocks = (TransformerBlock(dim, heads, hidden, causal=True) for _ in range(depth))
+        self.blocks = nn.Sequential(*blocks)
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, num_classes, bias=False)
         self._init_weights(depth)
@@ -148,7 +111,7 @@ class GPT(nn.Module):
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
         for block in self.blocks:
-            assert isinstance(block, _DecoderBlock)
+            assert isinstance(block, TransformerBlock)
             # GPT-2: each residual branch's last projection is scaled down, so the residual
             # stream's variance does not grow with depth.
             for projection in (block.attn.out, block.fc2):

@@ -15,16 +15,22 @@ from torch import Tensor, nn
 from interlace.errors import UsageError
 
 
-class _SelfAttention(nn.Module):
+class SelfAttention(nn.Module):
     """Multi-head self-attention from two plain Linear layers (``qkv`` and ``out``).
 
     :class:`torch.nn.MultiheadAttention` is avoided on purpose: its output projection is applied
     functionally, so forward hooks on that Linear never fire and a preconditioner that hooks
     Linear modules (K-FAC) would silently skip it.
+
+    Args:
+        dim: The width.
+        heads: The number of heads (dividing ``dim``).
+        causal: Each position attends to itself and earlier ones only (a decoder).
     """
 
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, causal: bool = False) -> None:
         super().__init__()
+        self.causal = causal
         if dim % heads != 0:
             raise UsageError(f"transformer width {dim} is not divisible by {heads} heads")
         self.heads = heads
@@ -35,18 +41,25 @@ class _SelfAttention(nn.Module):
         batch, tokens, dim = x.shape
         qkv = self.qkv(x).reshape(batch, tokens, 3, self.heads, dim // self.heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [batch, heads, tokens, head_dim]
-        attended = F.scaled_dot_product_attention(q, k, v)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         out: Tensor = self.out(attended.transpose(1, 2).reshape(batch, tokens, dim))
         return out
 
 
-class _EncoderBlock(nn.Module):
-    """A pre-LayerNorm transformer encoder block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
+class TransformerBlock(nn.Module):
+    """A pre-LayerNorm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``.
 
-    def __init__(self, dim: int, heads: int, mlp_dim: int) -> None:
+    Args:
+        dim: The width.
+        heads: The number of attention heads.
+        mlp_dim: The MLP's hidden width.
+        causal: Causal attention (a decoder block) instead of an encoder's.
+    """
+
+    def __init__(self, dim: int, heads: int, mlp_dim: int, causal: bool = False) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = _SelfAttention(dim, heads)
+        self.attn = SelfAttention(dim, heads, causal)
         self.norm2 = nn.LayerNorm(dim)
         self.fc1 = nn.Linear(dim, mlp_dim)
         self.fc2 = nn.Linear(mlp_dim, dim)
@@ -184,7 +197,7 @@ class PatchTransformer(nn.Module):
         # Small initial positional embedding, as in ViT/BERT, so it does not swamp the content.
         self.pos = nn.Parameter(torch.empty(1, tokens, dim))
         nn.init.normal_(self.pos, std=0.02)
-        self.blocks = nn.Sequential(*(_EncoderBlock(dim, heads, mlp_dim) for _ in range(depth)))
+        self.blocks = nn.Sequential(*(TransformerBlock(dim, heads, mlp_dim) for _ in range(depth)))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, num_classes)
 
