@@ -20,20 +20,7 @@ def scaled(trace: Trace, compute: float) -> Trace:
     """
     if not compute > 0:
         raise ValueError(f"a compute scale must be > 0, got {compute}")
-    return replace(
-        trace,
-        tensors=tuple(
-            replace(
-                t,
-                layer_forward_s=t.layer_forward_s * compute,
-                layer_backward_s=t.layer_backward_s * compute,
-            )
-            for t in trace.tensors
-        ),
-        forward_s=trace.forward_s * compute,
-        backward_s=trace.backward_s * compute,
-        step_s=trace.step_s * compute,
-    )
+    return _rescaled(trace, compute, compute, trace.step_s * compute)
 
 
 def with_totals(trace: Trace, forward_s: float, backward_s: float, step_s: float) -> Trace:
@@ -53,6 +40,12 @@ def with_totals(trace: Trace, forward_s: float, backward_s: float, step_s: float
         raise ValueError("totals must be >= 0")
     forward = forward_s / trace.forward_s if trace.forward_s > 0 else 1.0
     backward = backward_s / trace.backward_s if trace.backward_s > 0 else 1.0
+    return _rescaled(trace, forward, backward, step_s)
+
+
+def _rescaled(trace: Trace, forward: float, backward: float, step_s: float) -> Trace:
+    """``trace`` with its forward times (each layer's and the total) multiplied by ``forward``,
+    its backward times by ``backward``, and ``step_s`` as its step."""
     return replace(
         trace,
         tensors=tuple(
