@@ -114,6 +114,7 @@ def _skip_without_peers() -> None:
 def test_kfac_pytorchs_numbers_on_bert_on_one_rank(steps: int) -> None:
     _skip_without_peers()
     result = parity(steps)
+    print(f"kfac-pytorch parity, 1 rank, {steps} step(s): relative {result['relative']:.2g}")
     assert result["ours"] == result["theirs"] and len(result["ours"]) == 14
     assert result["relative"] <= 1e-5, result["relative"]
 
@@ -122,5 +123,6 @@ def test_kfac_pytorchs_numbers_on_bert_on_one_rank(steps: int) -> None:
 def test_kfac_pytorchs_numbers_on_bert_on_two_ranks_under_ddp() -> None:
     _skip_without_peers()
     for result in run_ranks(parity, 2, STEPS, timeout=110):
+        print(f"kfac-pytorch parity, 2 ranks, {STEPS} steps: relative {result['relative']:.2g}")
         assert result["ours"] == result["theirs"] and len(result["ours"]) == 14
         assert result["relative"] <= 1e-5, result["relative"]
