@@ -4,6 +4,7 @@ object, and these tests fail if the two drift apart."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -12,7 +13,17 @@ import torch.distributed as dist
 from torch import nn
 
 from interlace.comm.cost import CostModel
-from interlace.comm.plan import Bucketing, ReadyTensor, plan_fixed, plan_merged, plan_per_tensor
+from interlace.comm.forward_plan import GateDues, GateTiming, gates_from_timings, plan_overlap
+from interlace.comm.plan import (
+    Bucketing,
+    Plan,
+    ReadyTensor,
+    plan_fixed,
+    plan_merged,
+    plan_per_tensor,
+)
+from interlace.dp import DataParallel
+from interlace.dp.plan_state import plan_state_of
 from interlace.kfac.factor_bulk import all_reduce_mean
 from interlace.kfac.factor_modes import Pipelined
 from interlace.kfac.fusion import FUSION_BUCKETINGS, FUSIONS, make_groups
@@ -22,10 +33,12 @@ from interlace.pipeline.schedule import SCHEDULE_TYPES, Op, Schedule
 from interlace.sim.kfac_link import bulk_messages
 from interlace.sim.pipeline import StageCost, stage_programs
 from interlace.sim.pipeline_events import Compute, Send
+from interlace.sim.replay import replay
 from interlace.sim.trace import load_trace
 from interlace.testing import run_ranks
 
 MIB = 2**20
+MS = 1e-3
 
 
 #: The buckets each engine the runtime built was given.
@@ -176,3 +189,131 @@ def test_kfac_fusion_plans_as_dataparallels_bucketing_of_the_same_name() -> None
         bucketing = Pipelined(fusion=name).fusion
         groups = make_groups(name, sizes, cap_bytes=100, ready_s=ready, cost=cost)
         assert groups == dataparallel[bucketing], name
+
+
+# ---------------------------------------------------------------------- the gated forward
+
+#: Buckets in ready order (the last layer's tensors first) that each hold tensors of two layers,
+#: so a gate lands the updates of a later layer's parameters too.
+GATED_BUCKETS = [[0, 1], [2, 3, 4], [5, 6, 7]]
+
+
+class _Recording(torch.optim.SGD):
+    """SGD that records the parameters each of its updates changes."""
+
+    def __init__(self, params: Any, updated: list[int]) -> None:
+        super().__init__(params, lr=0.1)
+        self.updated = updated
+
+    def step(self, closure: Any = None) -> Any:
+        self.updated.extend(
+            id(param)
+            for group in self.param_groups
+            for param in group["params"]
+            if param.grad is not None
+        )
+        return super().step(closure)
+
+
+def _gated_forward_rank() -> dict[str, Any]:
+    """The plan of :data:`GATED_BUCKETS` run with ``overlap="forward"``: per layer of the next
+    forward, the parameters updated (through the optimizer) and the buckets waited for when it
+    is about to run."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 6)]
+    model = DataParallel(nn.Sequential(*layers, nn.Linear(6, 4)), overlap="forward")
+    names = [name for name, _ in model.module.named_parameters()]
+    params = list(model.module.parameters())
+    order = list(reversed(range(len(params))))
+    tensors = [
+        ReadyTensor(names[i], params[i].numel() * 4, 0.1 * MS * (k + 1))
+        for k, i in enumerate(order)
+    ]
+    timings = [
+        GateTiming(gate.name, gate.tensors, 0.1 * MS * k)
+        for k, gate in enumerate(model.gate_layout())
+    ]
+    plan = plan_overlap(
+        tensors,
+        gates_from_timings(timings, [order.index(i) for i in range(len(order))], 0.4 * MS),
+        CostModel(1 * MS, 0.0),
+        groups=GATED_BUCKETS,
+        forward_s=0.4 * MS,
+        step_s=1 * MS,
+    )
+    model.load_plan_state(plan_state_of(names, order, plan))
+    updated: list[int] = []
+    optimizer = _Recording(model.parameters(), updated)
+    name_of = {id(param): name for name, param in model.module.named_parameters()}
+    landed: dict[str, list[str]] = {}
+    waited: dict[str, list[int]] = {}
+
+    def record(layer: str) -> Callable[..., None]:
+        def hook(_module: nn.Module, _inputs: Any) -> None:
+            landed[layer] = sorted(name_of[key] for key in updated)
+            waited[layer] = model.waited_buckets
+
+        return hook
+
+    for layer, module in model.module.named_children():
+        if any(True for _ in module.parameters()):
+            module.register_forward_pre_hook(record(layer))
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(3):
+        inputs, targets = (
+            torch.randn(8, 6, generator=generator),
+            torch.randn(8, 4, generator=generator),
+        )
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(inputs), targets).backward()
+        updated.clear()
+        optimizer.step()
+    model(inputs)  # the forward that lands the last step's updates, recorded
+    return {"plan": model.plan, "buckets": model.buckets, "landed": landed, "waited": waited}
+
+
+def _forward_end_of(plan: Plan, landed: list[set[int]]) -> float:
+    """When the gated forward ends if gate ``k`` lands the tensors ``landed[k]`` (what the
+    runtime did): it waits for their buckets, then updates them (the step by bytes)."""
+    bucket_of = {i: n for n, bucket in enumerate(plan.buckets) for i in bucket.indices}
+    total = sum(t.nbytes for t in plan.tensors)
+    now = plan.backward_s + plan.forward_s - sum(gate.forward_s for gate in plan.gates)
+    for gate, tensors in zip(plan.gates, landed, strict=True):
+        now = max([now, *(plan.buckets[bucket_of[i]].end_s for i in tensors)])
+        now += plan.step_s * sum(plan.tensors[i].nbytes for i in tensors) / total + gate.forward_s
+    return now
+
+
+def test_the_planner_and_the_simulator_price_the_updates_the_runtime_lands_at_each_gate() -> None:
+    for report in run_ranks(_gated_forward_rank, 2, timeout=120):
+        plan: Plan = report["plan"]
+        names = [tensor.name for tensor in plan.tensors]
+        assert report["buckets"] == [[names[i] for i in group] for group in GATED_BUCKETS]
+        # What the runtime landed at each gate, from the updates seen so far at each layer.
+        landed: list[set[int]] = []
+        so_far: set[int] = set()
+        for gate in plan.gates:
+            seen = {names.index(name) for name in report["landed"][gate.name]}
+            landed.append(seen - so_far)
+            so_far = seen
+        assert so_far == set(range(len(names)))  # every update landed inside the forward
+        # The runtime's landings are those of the shared rule...
+        dues = GateDues.of(plan.groups, (gate.tensors for gate in plan.gates)).in_order()
+        assert landed == [set(landing.tensors) for landing in dues[:-1]]
+        assert not dues[-1].buckets
+        waited: set[int] = set()
+        for gate, landing in zip(plan.gates, dues, strict=False):
+            waited |= set(landing.buckets)
+            # The engine starts over (nothing waited for) once every bucket has landed.
+            expected = [] if len(waited) == len(plan.buckets) else sorted(waited)
+            assert report["waited"][gate.name] == expected, gate.name
+        # ...whole buckets, so a gate lands tensors that wait at a later gate...
+        assert any(
+            tensors - set(gate.tensors) for gate, tensors in zip(plan.gates, landed, strict=True)
+        )
+        # (a case that tells the rules apart: a gate's own tensors only would price it otherwise)
+        own = [set(gate.tensors) - set().union(*landed[:k]) for k, gate in enumerate(plan.gates)]
+        assert _forward_end_of(plan, own) != pytest.approx(plan.forward_end_s, rel=1e-6)
+        # ...and both the planner and the simulator price exactly those landings.
+        assert plan.forward_end_s == pytest.approx(_forward_end_of(plan, landed), rel=1e-12)
+        assert replay(plan).forward_end_s == pytest.approx(plan.forward_end_s, rel=1e-12)

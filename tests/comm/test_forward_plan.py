@@ -77,21 +77,25 @@ def _reference_times(plan: Plan, cost: CostModel) -> list[tuple[float, float]]:
 
 
 def _reference_forward_end(plan: Plan) -> float:
-    """The next forward, gate by gate, as a user would write it down."""
+    """The next forward, gate by gate, as a user would write it down: a gate waits for the
+    buckets of its tensors that have not landed, and every member of those buckets is updated
+    there (a bucket's average arrives whole)."""
     done = {number: bucket.end_s for number, bucket in enumerate(plan.buckets)}
     bucket_of = {i: n for n, bucket in enumerate(plan.buckets) for i in bucket.indices}
     total = sum(t.nbytes for t in plan.tensors)
     now = plan.backward_s + plan.forward_s - sum(gate.forward_s for gate in plan.gates)
-    updated: set[int] = set()
+    landed: set[int] = set()
     for gate in plan.gates:
-        new = [i for i in gate.tensors if i not in updated]
-        now = max([now] + [done[bucket_of[i]] for i in new])
-        now += plan.step_s * sum(plan.tensors[i].nbytes for i in new) / total + gate.forward_s
-        updated |= set(new)
-    rest = [i for i in range(len(plan.tensors)) if i not in updated]
+        due = {bucket_of[i] for i in gate.tensors} - landed
+        now = max([now] + [done[n] for n in due])
+        members = [i for n in due for i in plan.buckets[n].indices]
+        now += plan.step_s * sum(plan.tensors[i].nbytes for i in members) / total + gate.forward_s
+        landed |= due
+    rest = set(done) - landed
     if rest:
-        now = max([now] + [done[bucket_of[i]] for i in rest])
-        now += plan.step_s * sum(plan.tensors[i].nbytes for i in rest) / total
+        now = max([now] + [done[n] for n in rest])
+        members = [i for n in rest for i in plan.buckets[n].indices]
+        now += plan.step_s * sum(plan.tensors[i].nbytes for i in members) / total
     return now
 
 

@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from interlace.clock import StreamClock
 from interlace.comm.cost import CostModel
 from interlace.dp import DataParallel
-from interlace.dp.overlap import ForwardOverlap
+from interlace.dp.forward_overlap import ForwardOverlap
 from interlace.testing import raised_message, run_ranks
 
 SETTINGS: dict[str, Any] = {

@@ -1,8 +1,9 @@
 """Forward-overlap plans: all-reduces that run on into the next forward, most urgent first.
 
 Pure functions. A plan's gates are the points of the next forward that wait for parameters (a
-layer about to run); the runtime and the simulator execute the :class:`~interlace.comm.plan.Plan`
-made here (why all-reduces rather than reduce-scatter + all-gather: docs/notes/dp.md).
+layer about to run); :class:`GateDues` says what each gate waits for and applies, the one rule
+the runtime (:mod:`interlace.dp.forward_overlap`) runs and the planner and the simulator price
+(why all-reduces rather than reduce-scatter + all-gather: docs/notes/dp.md).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import enum
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
 
 from interlace.comm.cost import CostModel
@@ -104,20 +105,133 @@ class Unit:
     nbytes: int
 
 
-def first_needs(groups: Sequence[Sequence[int]], gates: Sequence[Gate], count: int) -> list[int]:
-    """For each bucket, the position of the first gate that waits for one of its tensors
-    (``len(gates)`` for a bucket no gate waits for).
+@dataclass(frozen=True)
+class Landing:
+    """What the forward waits for and applies at one gate.
 
     Args:
-        groups: The buckets, as indices into the ready order.
-        gates: The next forward's gates, in forward order.
-        count: How many tensors there are.
+        buckets: The buckets it waits for.
+        tensors: The tensors whose updates land there: every member of those buckets.
     """
-    gate_of = [len(gates)] * count
-    for position, gate in reversed(list(enumerate(gates))):
-        for index in gate.tensors:
-            gate_of[index] = position
-    return [min(gate_of[index] for index in group) for group in groups]
+
+    buckets: tuple[int, ...]
+    tensors: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GateDues:
+    """Which buckets fall due at each gate of the next forward, and whose updates land there.
+
+    A gate waits for every bucket that holds one of its tensors and has not landed yet. A
+    bucket's average arrives whole, so the update of every member lands with it, the tensors of
+    later gates included. The runtime asks :meth:`due` and :meth:`landing` at each gate it
+    reaches; the planner and the simulator price :meth:`in_order` (through
+    :func:`gated_stretches`).
+
+    Args:
+        groups: The buckets, as tensor indices.
+        gates: For each gate, in the caller's numbering, the buckets holding one of its tensors.
+    """
+
+    groups: tuple[tuple[int, ...], ...]
+    gates: tuple[frozenset[int], ...]
+
+    @classmethod
+    def of(cls, groups: Sequence[Sequence[int]], waits: Iterable[Iterable[int]]) -> GateDues:
+        """The dues of ``groups`` at gates where ``waits`` wait.
+
+        Args:
+            groups: The buckets, as tensor indices (every tensor a gate names in one of them).
+            waits: For each gate, the tensors that wait there.
+        """
+        bucket = {index: number for number, group in enumerate(groups) for index in group}
+        return cls(
+            tuple(tuple(group) for group in groups),
+            tuple(frozenset(bucket[index] for index in tensors) for tensors in waits),
+        )
+
+    def due(self, gate: int, pending: Set[int]) -> list[int]:
+        """The buckets the forward waits for at ``gate``: those of its buckets still in
+        ``pending``, in index order.
+
+        Args:
+            gate: The gate's number.
+            pending: The buckets that have not landed.
+        """
+        return sorted(self.gates[gate] & pending)
+
+    def landing(self, buckets: Iterable[int]) -> list[int]:
+        """The tensors whose updates land with ``buckets``: all their members, in index order.
+
+        Args:
+            buckets: Buckets landing together.
+        """
+        return sorted(index for bucket in buckets for index in self.groups[bucket])
+
+    def in_order(self) -> list[Landing]:
+        """A forward that reaches every gate once, in order: what lands at each gate, then one
+        more entry for the buckets no gate waited for (they land at the end of the forward)."""
+        pending = set(range(len(self.groups)))
+        found = []
+        for gate in range(len(self.gates)):
+            due = self.due(gate, pending)
+            pending.difference_update(due)
+            found.append(Landing(tuple(due), tuple(self.landing(due))))
+        rest = sorted(pending)
+        found.append(Landing(tuple(rest), tuple(self.landing(rest))))
+        return found
+
+    def first_due(self) -> list[int]:
+        """For each bucket, the number of the gate it lands at in :meth:`in_order` (the gate
+        count for one no gate waits for)."""
+        first = [len(self.gates)] * len(self.groups)
+        for gate, landing in enumerate(self.in_order()):
+            for bucket in landing.buckets:
+                first[bucket] = min(first[bucket], gate)
+        return first
+
+
+@dataclass(frozen=True)
+class Stretch:
+    """A stretch of the gated forward: it waits for ``waits``, then computes ``work_s``.
+
+    Args:
+        waits: The buckets it waits for.
+        work_s: The updates landing there (the step, shared by bytes), then the forward up to
+            the next gate.
+    """
+
+    waits: tuple[int, ...]
+    work_s: float
+
+
+def gated_stretches(
+    tensors: Sequence[ReadyTensor],
+    gates: Sequence[Gate],
+    groups: Sequence[Sequence[int]],
+    step_s: float,
+) -> list[Stretch]:
+    """The next forward from its first gate on, as :class:`GateDues` lands the updates: per gate,
+    its due buckets, then the update of every tensor landing there (``step_s`` shared by bytes)
+    and its forward; last, the buckets no gate waited for and their update (none when there are
+    none).
+
+    Args:
+        tensors: The tensors in ready order.
+        gates: The gates, in forward order.
+        groups: The buckets, as indices into ``tensors``.
+        step_s: The optimizer step over every tensor.
+    """
+    landings = GateDues.of(groups, (gate.tensors for gate in gates)).in_order()
+    total = sum(t.nbytes for t in tensors) or 1
+    stretches = []
+    for number, landing in enumerate(landings):
+        if number == len(gates) and not landing.buckets:
+            break
+        update = step_s * sum(tensors[i].nbytes for i in landing.tensors) / total
+        forward = gates[number].forward_s if number < len(gates) else 0.0
+        stretches.append(Stretch(landing.buckets, update + forward))
+    return stretches
 
 
 def units_of(nbytes: Sequence[int], slice_bytes: float | None) -> list[list[Unit]]:
@@ -155,8 +269,8 @@ def plan_overlap(
     runtime issues the slices in exactly this order, each once its bucket is complete and the
     one before it is out, so every rank issues the same collectives in the same order.
 
-    The next forward starts when backward ends; each gate waits until every bucket holding
-    one of its tensors has arrived, then applies their update (``step_s`` shared by bytes) and
+    The next forward starts when backward ends; each gate waits for its due buckets and applies
+    the update of all their members (``step_s`` shared by bytes, :class:`GateDues`), then
     computes up to the next gate. Buckets no gate waits for are waited for, and updated, at
     the end of the forward.
 
@@ -190,7 +304,7 @@ def plan_overlap(
     backward_s = end_of_backward if backward_s is None else max(backward_s, end_of_backward)
     ready = [max(tensors[i].ready_s for i in group) for group in groups]
     sizes = [sum(tensors[i].nbytes for i in group) for group in groups]
-    needs = first_needs(groups, gates, count)
+    needs = GateDues.of(groups, (gate.tensors for gate in gates)).first_due()
     clock = ChannelClock(cost, channels)
     launches: list[Launch] = []
     # Units by ready time; those ready are released into a heap ordered by urgency. "Now" never
@@ -268,7 +382,7 @@ def gated_forward_end(
     step_s: float,
 ) -> float:
     """When the next forward ends if it starts at ``backward_end_s`` and bucket ``b`` arrives at
-    ``done_s[b]``: each gate waits for its buckets, applies their update, computes on.
+    ``done_s[b]``: each stretch of :func:`gated_stretches` waits for its buckets, then computes.
 
     Args:
         tensors: The tensors in ready order.
@@ -279,24 +393,9 @@ def gated_forward_end(
         forward_s: The whole forward.
         step_s: The optimizer step over every tensor, spread by bytes.
     """
-    bucket_of_tensor = [0] * len(tensors)
-    for number, group in enumerate(groups):
-        for index in group:
-            bucket_of_tensor[index] = number
-    total = sum(t.nbytes for t in tensors) or 1
-    applied = [False] * len(tensors)
-    head = max(forward_s - sum(gate.forward_s for gate in gates), 0.0)
-    now = backward_end_s + head
-    for gate in gates:
-        fresh = [i for i in gate.tensors if not applied[i]]
-        now = max([now, *(done_s[bucket_of_tensor[i]] for i in fresh)])
-        for index in fresh:
-            applied[index] = True
-        now += step_s * sum(tensors[i].nbytes for i in fresh) / total + gate.forward_s
-    rest = [i for i in range(len(tensors)) if not applied[i]]
-    if rest:
-        now = max([now, *(done_s[bucket_of_tensor[i]] for i in rest)])
-        now += step_s * sum(tensors[i].nbytes for i in rest) / total
+    now = backward_end_s + max(forward_s - sum(gate.forward_s for gate in gates), 0.0)
+    for stretch in gated_stretches(tensors, gates, groups, step_s):
+        now = max([now, *(done_s[bucket] for bucket in stretch.waits)]) + stretch.work_s
     return now
 
 

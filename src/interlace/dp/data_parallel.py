@@ -31,6 +31,7 @@ from interlace.comm.plan import Bucketing, Plan
 from interlace.distenv import collective_device
 from interlace.dp.backward_pass import BackwardPass, tensors_in
 from interlace.dp.ddp_args import DEFAULT_BUCKET_CAP_MB, DeviceLike, ddp_settings, move_inputs
+from interlace.dp.forward_overlap import ForwardOverlap
 from interlace.dp.gradients import Arrivals, write_averages
 from interlace.dp.iteration import CommRecord, DevicePass, iteration_timeline
 from interlace.dp.join import JoinState, sync_buffers
@@ -41,7 +42,6 @@ from interlace.dp.options import (
     plan_request,
     trainable_parameters,
 )
-from interlace.dp.overlap import ForwardOverlap
 from interlace.dp.planning import Plans
 from interlace.dp.replicas import BufferBroadcast, broadcast_from_first
 from interlace.errors import UsageError

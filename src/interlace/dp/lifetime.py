@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from interlace.comm.channels import Channels
-from interlace.dp.overlap import ForwardOverlap
+from interlace.dp.forward_overlap import ForwardOverlap
 from interlace.errors import UsageError
 
 __all__ = ["Holdings", "claim", "ensure_unclaimed", "unclaim", "weak_method"]

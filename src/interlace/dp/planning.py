@@ -23,8 +23,8 @@ from interlace.comm.forward_plan import GateTiming
 from interlace.comm.hooks import HookSpec, layout_changed
 from interlace.comm.plan import Plan
 from interlace.distenv import collective_device
+from interlace.dp.forward_overlap import ForwardOverlap
 from interlace.dp.lifecycle import Due, Lifecycle
-from interlace.dp.overlap import ForwardOverlap
 from interlace.dp.plan_state import plan_from_dict, plan_state_of
 from interlace.errors import UsageError
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from interlace.comm.cost import CostModel
+from interlace.comm.forward_plan import gated_stretches
 from interlace.comm.plan import Plan
 
 
@@ -217,8 +218,9 @@ def replay(
     ``plan.tensors`` (then the rest up to ``plan.backward_s``); all-reduces start in the plan's
     launch order, each once its bucket is complete and (with no start-up overlap) the previous
     one has ended. A plan with gates plays the next forward too: it starts when backward ends,
-    each gate waits for its buckets, then applies their update (``plan.step_s`` by bytes) and
-    computes to the next gate. With no contention the times equal the planner's own
+    each gate waits for its due buckets, then applies the update of all their members
+    (``plan.step_s`` by bytes, :class:`~interlace.comm.forward_plan.GateDues`) and computes to
+    the next gate. With no contention the times equal the planner's own
     (:func:`~interlace.comm.plan.schedule`, :func:`~interlace.comm.forward_plan.plan_overlap`).
 
     Args:
@@ -339,28 +341,14 @@ class _Lane:
 
 
 def _forward_pieces(plan: Plan) -> list[_Piece]:
-    """The gated next forward as compute stretches: the part before the first gate, then per
-    gate its update (``plan.step_s`` by bytes) and stretch, waiting for its buckets; the
-    updates of tensors no gate waits for after the end, once their buckets arrived."""
-    bucket_of = [0] * len(plan.tensors)
-    for number, bucket in enumerate(plan.buckets):
-        for index in bucket.indices:
-            bucket_of[index] = number
-    total = sum(t.nbytes for t in plan.tensors) or 1
-    applied = [False] * len(plan.tensors)
+    """The gated next forward as compute stretches: the part before the first gate, then the
+    stretches of :func:`~interlace.comm.forward_plan.gated_stretches` (each gate's updates, as
+    the runtime lands them, and its forward), each waiting for its buckets."""
     head = max(plan.forward_s - sum(gate.forward_s for gate in plan.gates), 0.0)
-    pieces = [_Piece(head)]
-    for gate in plan.gates:
-        fresh = [i for i in gate.tensors if not applied[i]]
-        for index in fresh:
-            applied[index] = True
-        update = plan.step_s * sum(plan.tensors[i].nbytes for i in fresh) / total
-        pieces.append(_Piece(update + gate.forward_s, waits=frozenset(bucket_of[i] for i in fresh)))
-    rest = [i for i in range(len(plan.tensors)) if not applied[i]]
-    if rest:
-        update = plan.step_s * sum(plan.tensors[i].nbytes for i in rest) / total
-        pieces.append(_Piece(update, waits=frozenset(bucket_of[i] for i in rest)))
-    return pieces
+    stretches = gated_stretches(plan.tensors, plan.gates, plan.groups, plan.step_s)
+    return [_Piece(head)] + [
+        _Piece(stretch.work_s, waits=frozenset(stretch.waits)) for stretch in stretches
+    ]
 
 
 def _replay_one_channel(

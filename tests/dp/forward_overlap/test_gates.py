@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from interlace.dp.gates import ROOT, Gates
+from interlace.dp.forward_overlap.gates import ROOT, Gates
 
 
 class Net(nn.Module):

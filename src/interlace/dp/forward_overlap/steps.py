@@ -1,4 +1,5 @@
-"""Optimizer steps deferred per parameter: a user's ``optimizer.step()`` applied bucket by bucket.
+"""Optimizer steps heard, deferred per parameter and timed: a user's ``optimizer.step()``
+applied bucket by bucket.
 
 Any ``torch.optim.Optimizer`` is hooked through torch's global step hooks, so a training loop
 needs no new line; the hooks exist only while a listener does, and an optimizer's step reaches
@@ -9,6 +10,7 @@ runs the optimizer's own update on a subset of its parameters at a time.
 
 from __future__ import annotations
 
+import statistics
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -20,9 +22,12 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from interlace.clock import Mark, StreamClock
+
 __all__ = [
     "DeferredStep",
     "StepListener",
+    "StepTimes",
     "listen_to_steps",
     "raw_step",
     "stop_listening",
@@ -166,6 +171,25 @@ class DeferredStep:
             for group in optimizer.param_groups
         ]
         self._left = set(deferred)
+        self._hidden: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+    @property
+    def hiding(self) -> bool:
+        """Whether the deferred parameters' gradients are hidden (:meth:`hide`)."""
+        return bool(self._hidden)
+
+    def hide(self) -> None:
+        """Hide the deferred parameters' gradients from the optimizer's own call, running now
+        (an optimizer skips a parameter without a gradient); :meth:`unhide` gives them back."""
+        self._hidden = [(param, param.grad) for group in self.by_group for param in group]
+        for param, _ in self._hidden:
+            param.grad = None
+
+    def unhide(self) -> None:
+        """Give back the gradients :meth:`hide` took."""
+        for param, grad in self._hidden:
+            param.grad = grad
+        self._hidden = []
 
     def apply(self, params: Sequence[torch.Tensor]) -> None:
         """Update those of ``params`` this step defers, with their gradients as they are now.
@@ -191,3 +215,38 @@ class DeferredStep:
             for group, (members, values) in zip(groups, saved, strict=True):
                 group["params"] = members
                 group.update(values)
+
+
+class StepTimes:
+    """The optimizer steps over a wrapper's parameters, timed while profiling (the plans price
+    the step).
+
+    Args:
+        clock: Times them (a GPU's stream: CUDA events, no host wait).
+    """
+
+    def __init__(self, clock: StreamClock) -> None:
+        self._clock = clock
+        self._marks: list[tuple[Mark, Mark]] = []
+        self._started: Mark | None = None
+
+    def start(self) -> None:
+        """A timed step begins."""
+        self._started = self._clock.mark()
+
+    def stop(self) -> None:
+        """The step begun (if any) is over."""
+        if self._started is not None:
+            self._marks.append((self._started, self._clock.mark()))
+            self._started = None
+
+    def median_s(self) -> float:
+        """The median timed step in seconds (0 if none was timed)."""
+        if not self._marks:
+            return 0.0
+        return statistics.median(self._clock.seconds(a, b) for a, b in self._marks)
+
+    def clear(self) -> None:
+        """Forget the steps timed."""
+        self._marks = []
+        self._started = None

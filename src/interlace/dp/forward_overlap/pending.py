@@ -1,26 +1,27 @@
 """What still waits for communication under ``overlap="forward"``, made safe to touch.
 
-A gradient still being averaged is a :class:`PendingGrad`: any read of it waits for every average
-first. A parameter whose update is deferred is marked by :class:`DeferredMarks` until the next
-forward: any use of it outside that forward applies the updates first. Neither leaves anything on
-torch's mode stack, and torch calls on other tensors pay nothing.
+A gradient still being averaged is a :class:`PendingGrad` (:class:`PendingGrads` keeps them):
+any read of it waits for every average first. A parameter whose update is deferred is marked by
+:class:`DeferredMarks` until the next forward: any use of it outside that forward applies the
+updates first. Neither leaves anything on torch's mode stack, and torch calls on other tensors
+pay nothing.
 """
 
 from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["DeferredMarks", "PendingGrad", "PendingOwner"]
+__all__ = ["DeferredMarks", "PendingGrad", "PendingGrads", "PendingOwner"]
 
 
 class PendingOwner(Protocol):
-    """Who resolves pending gradients and updates (:class:`interlace.dp.overlap.ForwardOverlap`)."""
+    """Who resolves pending gradients and updates (the forward overlap's runtime)."""
 
     def complete(self) -> None:
         """Wait for every average in flight and apply every deferred update."""
@@ -128,6 +129,98 @@ class PendingGrad(torch.Tensor):
                     owner.complete()
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+
+class PendingGrads:
+    """The parameters' ``.grad`` from the end of backward until their buckets land.
+
+    Args:
+        params: The parameters, in the engine's numbering.
+        owner: Who resolves a read of a pending gradient.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], owner: PendingOwner) -> None:
+        self._params = params
+        self._owner = owner
+        self._wrapped: list[PendingGrad] = []
+        self._had_none: list[bool] = []
+
+    def wrap(self) -> None:
+        """Backward is over: each ``.grad`` becomes pending, a zero one where this rank made
+        none (another rank may have produced one: a read must still wait for the average)."""
+        self._wrapped = []
+        self._had_none = []
+        for number, param in enumerate(self._params):
+            grad = param.grad
+            self._had_none.append(grad is None)
+            wrapped = PendingGrad.wrap(
+                torch.zeros_like(param) if grad is None else grad, self._owner, number
+            )
+            param.grad = wrapped
+            self._wrapped.append(wrapped)
+
+    def discard(self, grad: PendingGrad) -> None:
+        """The user zeroes ``grad``: its parameter's gradient is the plain tensor again.
+
+        Args:
+            grad: The pending gradient.
+        """
+        param = self._params[grad.param_index]
+        if param.grad is grad:
+            param.grad = grad.plain
+
+    def land(
+        self, members: Sequence[int], averages: Sequence[torch.Tensor | None]
+    ) -> list[torch.Tensor | None]:
+        """Give ``members`` their averaged gradients for the deferred updates; return what each
+        one's ``.grad`` is to be once the updates ran (:meth:`restore`).
+
+        A gradient left as backward made it becomes the average (one no rank produced stays as
+        it was: None, or what earlier passes accumulated); one the user zeroed or dropped since
+        stays the user's, and the update still uses the average.
+
+        Args:
+            members: The parameters landing, by number.
+            averages: Their averages (None: no rank produced a gradient).
+        """
+        after: list[torch.Tensor | None] = []
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        for index, mean in zip(members, averages, strict=True):
+            param = self._params[index]
+            current = param.grad
+            if current is not None and current is self._wrapped[index]:
+                plain = (
+                    None if mean is None and self._had_none[index] else self._wrapped[index].plain
+                )
+                if plain is not None and mean is not None:
+                    targets.append(plain)
+                    sources.append(mean)
+                after.append(plain)
+                param.grad = plain if mean is not None else None
+            else:
+                after.append(current)
+                param.grad = mean
+        if targets:
+            # One batched copy: a copy per parameter costs more than the copying on models of
+            # many small tensors.
+            torch._foreach_copy_(targets, sources)
+        return after
+
+    def restore(self, members: Sequence[int], after: Sequence[torch.Tensor | None]) -> None:
+        """Set the ``.grad`` of ``members`` to what :meth:`land` returned.
+
+        Args:
+            members: The parameters that landed, by number.
+            after: Their gradients from now on.
+        """
+        for index, grad in zip(members, after, strict=True):
+            self._params[index].grad = grad
+
+    def clear(self) -> None:
+        """Every bucket has landed: nothing is pending."""
+        self._wrapped = []
+        self._had_none = []
 
 
 class DeferredMarks:

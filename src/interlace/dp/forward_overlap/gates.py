@@ -4,7 +4,7 @@ parameters, which waits for those parameters' averages and updates only when the
 A parameter waits at the modules that hold it, unless a checked forward saw it used outside
 their forwards: then it waits at the start of the forward. One the checked forward did not use
 at all (its modules did not run) waits at its modules too, and stays marked meanwhile (any other
-use of it applies every update first, :mod:`interlace.dp.pending`).
+use of it applies every update first, :mod:`interlace.dp.forward_overlap.pending`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from interlace.clock import Mark, StreamClock
-from interlace.dp.pending import METADATA
+from interlace.dp.forward_overlap.pending import METADATA
 
 __all__ = ["ROOT", "Gates"]
 

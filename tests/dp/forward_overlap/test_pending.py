@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-from interlace.dp.pending import DeferredMarks, PendingGrad
+from interlace.dp.forward_overlap.pending import DeferredMarks, PendingGrad
 
 
 class Owner:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from interlace.dp.deferred import DeferredStep, takes_closure
+from interlace.dp.forward_overlap.steps import DeferredStep, takes_closure
 
 OptimizerMaker = Callable[[list[dict[str, object]]], torch.optim.Optimizer]
 
