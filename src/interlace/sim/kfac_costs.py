@@ -88,14 +88,15 @@ class KfacCosts:
         c3, c2, c0 = DEFAULT_DECOMPOSITION
         return DecompositionCostModel(c3=c3, c2=c2, c0=c0)
 
-    def decomposition_s(self, n: int) -> float:
+    def decomposition_s(self, n: int, diagonal: bool = False) -> float:
         """Seconds to decompose one ``n x n`` factor, by :meth:`decomposition_model`: the model
         that prices a decomposition also places it, as the runtime's LBP does.
 
         Args:
             n: The factor's side.
+            diagonal: Whether the factor is kept as a diagonal (nothing to decompose).
         """
-        return self.decomposition_model().time(n)
+        return self.decomposition_model().time(n, diagonal)
 
     def layer_factors_s(
         self, layer: str, a_dim: int, g_dim: int, forward_s: float, backward_s: float

@@ -92,6 +92,7 @@ def decomposition_stage(
     workers: int,
     costs: KfacCosts,
     broadcast: CostModel,
+    a_diagonal: Sequence[bool] = (),
 ) -> Stage:
     """Place the decompositions of ``layers`` with ``placement`` and price the stage.
 
@@ -109,14 +110,21 @@ def decomposition_stage(
         workers: The ranks (>= 1).
         costs: Prices decompositions (and gives the model a placement prices with).
         broadcast: Prices a decomposition's broadcast.
+        a_diagonal: Per layer, whether ``A`` is kept as a diagonal (nothing to decompose, ``n``
+            numbers sent); none given: no layer's is.
     """
     method, size = costs.method, costs.element_bytes
+    flags = list(a_diagonal) or [False] * len(layers)
+    if len(flags) != len(layers):
+        raise ValueError(f"a_diagonal has {len(flags)} flags for {len(layers)} layers")
     source = SimulatedCosts(costs, broadcast)
-    placed = placement.place([LayerFactors(a, g) for _, a, g in layers], workers, source)
+    factors = [LayerFactors(a, g, flag) for (_, a, g), flag in zip(layers, flags, strict=True)]
+    placed = placement.place(factors, workers, source)
     placed.check(placement, 2 * len(layers), workers)
     names = [f"{name}.{which}" for name, _, _ in layers for which in ("A", "G")]
     dims = [dim for _, a, g in layers for dim in (a, g)]
-    work = [costs.decomposition_s(dim) for dim in dims]
+    diagonal = [d for flag in flags for d in (flag, False)]
+    work = [costs.decomposition_s(dim, flag) for dim, flag in zip(dims, diagonal, strict=True)]
     clock = [0.0] * workers
     busy: list[list[float]] = [[] for _ in range(workers)]
     made: list[list[StageEvent]] = [[] for _ in range(workers)]
@@ -132,7 +140,7 @@ def decomposition_stage(
                 clock[rank] += seconds
                 busy[rank].append(seconds)
             continue
-        numbers = sum(method.numel(dims[factor]) for factor in step.factors)
+        numbers = sum(method.numel(dims[factor], diagonal[factor]) for factor in step.factors)
         seconds = broadcast.time(numbers * size) if workers > 1 else 0.0
         start = max(clock[step.owner], free.get(step.channel, 0.0))
         free[step.channel] = start + seconds
