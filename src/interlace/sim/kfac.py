@@ -28,6 +28,7 @@ from interlace.sim.kfac_phases import (
     Passes,
     SimLayer,
     factor_messages,
+    factor_seconds,
     gradient_messages,
     gradient_plan,
     link_phase,
@@ -289,15 +290,7 @@ def simulate_kfac(
     check_trace(trace)
     layers = sim_layers(trace)
     timing = cost if timing_cost is None else timing_cost
-    factor_s = {
-        layer.name: costs.layer_factors_s(
-            layer.name, layer.a_dim, layer.g_dim, layer.forward_s, layer.backward_s
-        )
-        for layer in layers
-    }
-    factor_total = math.fsum(a for a, _ in factor_s.values()) + math.fsum(
-        g for _, g in factor_s.values()
-    )
+    factor_s, factor_total = factor_seconds(layers, costs)
     size = costs.element_bytes
     passes = passes_phase(
         trace, layers, factor_s, in_passes=chosen.computes_in_passes, element_bytes=size
@@ -312,7 +305,7 @@ def simulate_kfac(
         in_passes=chosen.computes_in_passes,
         bulk_packed=chosen.bulk_packed,
         bulk_cap_bytes=chosen.bulk_cap_bytes,
-        factor_total=factor_total,
+        factor_total=factor_total + costs.host_hooks_s,
         cost=cost,
         timing=timing,
         element_bytes=size,
@@ -345,6 +338,7 @@ def simulate_kfac(
         decomposition_comm=stage.makespan_s - stage.decomposition_s,
         precondition=precondition_phase(layers, costs),
         step=trace.step_s,
+        host=costs.host_hooks_s + costs.host_step_s,
     )
     return KfacResult(
         strategy=chosen.name,
@@ -359,10 +353,11 @@ def simulate_kfac(
         + link.drained
         + stage.makespan_s
         + breakdown.precondition
-        + breakdown.step,
+        + breakdown.step
+        + costs.host_step_s,
         kinds=link.kinds,
         owners=tuple(stage.owners),
-        events=tuple(_events(breakdown, passes, link, stage)),
+        events=tuple(_events(breakdown, passes, link, stage, costs.host_step_s)),
         breakdown=breakdown,
     )
 
@@ -393,14 +388,18 @@ def _extra(
         + breakdown.factor_compute
         + every_decomposition
         + breakdown.precondition
-        + breakdown.step,
+        + breakdown.step
+        + breakdown.host,
     )
     return extra
 
 
-def _events(breakdown: KfacBreakdown, passes: Passes, link: LinkPhase, stage: Stage) -> list[Event]:
+def _events(
+    breakdown: KfacBreakdown, passes: Passes, link: LinkPhase, stage: Stage, host_step_s: float
+) -> list[Event]:
     """The timeline from the start of the iteration: buffers, the compute stream, the link's
-    all-reduces, the last rank's decomposition stage, preconditioning and the step."""
+    all-reduces, the last rank's decomposition stage, preconditioning, ``step()``'s host work
+    and the optimizer step."""
     process = "simulated"
     pre = breakdown.buffer_comm
     events: list[Event] = []
@@ -427,6 +426,7 @@ def _events(breakdown: KfacBreakdown, passes: Passes, link: LinkPhase, stage: St
     clock = origin + stage.makespan_s
     for name, category, seconds in (
         ("preconditioning", "precondition", breakdown.precondition),
+        ("host work of step()", "other", host_step_s),
         ("optimizer step", "optimizer", breakdown.step),
     ):
         if seconds > 0:

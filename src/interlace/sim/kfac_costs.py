@@ -46,6 +46,11 @@ class KfacCosts:
         source: Where the numbers come from, for the printed description.
         layer_factor_s: ``(layer, A seconds, G seconds)`` for layers whose factor computation
             is known; they take these instead of the relative model above.
+        host_hooks_s: Host seconds of one iteration's factor hooks that the device does not
+            overlap, spread over the factors by their numbers (``n^2``): an emulated device's,
+            whose device time sleeps on the thread that does the host work; 0 on a GPU, whose
+            kernels run while the host goes on.
+        host_step_s: Host seconds of one ``step()`` the device does not overlap (as above).
 
     Raises:
         ValueError: For a negative or non-finite cost, or an unknown method.
@@ -59,11 +64,15 @@ class KfacCosts:
     element_bytes: int = 4
     source: str = "defaults for a GPU-class device"
     layer_factor_s: tuple[tuple[str, float, float], ...] = ()
+    host_hooks_s: float = 0.0
+    host_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name, value in (
             ("factor_scale", self.factor_scale),
             ("precondition_overhead_s", self.precondition_overhead_s),
+            ("host_hooks_s", self.host_hooks_s),
+            ("host_step_s", self.host_step_s),
         ):
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be finite and >= 0, got {value}")

@@ -25,6 +25,7 @@ __all__ = [
     "Passes",
     "SimLayer",
     "factor_messages",
+    "factor_seconds",
     "gradient_messages",
     "gradient_plan",
     "link_phase",
@@ -49,6 +50,8 @@ class KfacBreakdown:
             decompositions.
         precondition: Preconditioning every layer's gradient.
         step: The optimizer step.
+        host: Host work the device does not overlap (the factor hooks' and ``step()``'s:
+            :attr:`KfacCosts.host_hooks_s`, :attr:`KfacCosts.host_step_s`).
     """
 
     buffer_comm: float = 0.0
@@ -60,6 +63,7 @@ class KfacBreakdown:
     decomposition_comm: float = 0.0
     precondition: float = 0.0
     step: float = 0.0
+    host: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         """Seconds per phase, in order."""
@@ -115,6 +119,39 @@ def sim_layers(trace: Trace) -> list[SimLayer]:
         )
         for f in trace.factors
     ]
+
+
+def factor_seconds(
+    layers: Sequence[SimLayer], costs: KfacCosts
+) -> tuple[dict[str, tuple[float, float]], float]:
+    """Per layer, the seconds of its ``A`` and ``G`` on the compute stream (device work, and
+    the hooks' host work spread by each factor's numbers), and the device work alone summed.
+
+    Args:
+        layers: The preconditioned layers.
+        costs: Prices each factor and gives the hooks' host work.
+    """
+    device = {
+        layer.name: costs.layer_factors_s(
+            layer.name, layer.a_dim, layer.g_dim, layer.forward_s, layer.backward_s
+        )
+        for layer in layers
+    }
+    total = math.fsum(a for a, _ in device.values()) + math.fsum(g for _, g in device.values())
+    numbers = {
+        layer.name: (
+            float(layer.a_dim if layer.a_diagonal else layer.a_dim**2),
+            float(layer.g_dim**2),
+        )
+        for layer in layers
+    }
+    every = math.fsum(a + g for a, g in numbers.values())
+    share = costs.host_hooks_s / every if every > 0 else 0.0
+    timed = {
+        name: (a + share * numbers[name][0], g + share * numbers[name][1])
+        for name, (a, g) in device.items()
+    }
+    return timed, total
 
 
 # ---------------------------------------------------------------------- forward and backward
@@ -321,7 +358,7 @@ def factor_messages(
         in_passes: Factors were computed in the passes.
         bulk_packed: Bulk factors as packed upper triangles.
         bulk_cap_bytes: The bulk buckets' cap (None: one message).
-        factor_total: Seconds of every factor's computation.
+        factor_total: Seconds of every factor's computation (host work of the hooks included).
         cost: Plans merged buckets.
         timing: Prices the gradients' all-reduces.
         element_bytes: Bytes per number.

@@ -98,11 +98,11 @@ def decomposition_stage(
 
     The stage is :func:`~interlace.kfac.placements.decomposition_program`, the steps the
     runtime walks, priced step by step: each rank decomposes the factors it owns or keeps
-    local, in order, and each broadcast starts once its owner has made it and its channel is
+    local, in order, and each broadcast starts once every rank has reached it in the program
+    (its owner has made it, and each receiver, having made its own earlier decompositions,
+    has posted the receive: gloo sends nothing until the receiver posts) and its channel is
     free. The shared channel (a colocated placement's) runs its messages one after another;
-    each owner's own channel (any other placement's) overlaps the others'. On the shared
-    channel a receiver is never later than that rule: it posts after its own earlier
-    broadcasts, which end first. Per-owner channels leave receivers out (LBP's model).
+    each owner's own channel (any other placement's) overlaps the others'.
 
     Args:
         layers: ``(name, a_dim, g_dim)`` of each preconditioned layer, in module order.
@@ -142,7 +142,8 @@ def decomposition_stage(
             continue
         numbers = sum(method.numel(dims[factor], diagonal[factor]) for factor in step.factors)
         seconds = broadcast.time(numbers * size) if workers > 1 else 0.0
-        start = max(clock[step.owner], free.get(step.channel, 0.0))
+        # Every rank takes part (COMM-OPT): the broadcast waits for the last to post.
+        start = max(*clock, free.get(step.channel, 0.0))
         free[step.channel] = start + seconds
         sends.append((step, start, start + seconds))
     # Summed exactly, so a rank's work does not depend on the order of additions (LBP's model).
