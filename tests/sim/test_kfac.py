@@ -104,6 +104,7 @@ def test_dkfac_by_hand() -> None:
         "decomposition_comm": 10.0,
         "precondition": 1.0,
         "step": 1.0,
+        "host": 0.0,
     }
     assert result.kinds == ("gradient", "gradient", "factor")
     assert result.owners == (0, 1)
@@ -131,6 +132,7 @@ def test_spd_by_hand() -> None:
         "decomposition_comm": 3.0,
         "precondition": 1.0,
         "step": 1.0,
+        "host": 0.0,
     }
     assert result.kinds == ("factor", "factor", "factor", "gradient", "factor", "gradient")
     assert [round(c.start_s / MS, 9) for c in result.replay.comms] == [4, 8, 10, 14, 16, 20]

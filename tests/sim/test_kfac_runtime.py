@@ -116,6 +116,7 @@ def test_bulk_greedy_by_hand() -> None:
         "decomposition_comm": 10.0,
         "precondition": 1.0,
         "step": 1.0,
+        "host": 0.0,
     }
     assert result.owners == (0, 1)
     assert [round(c.start_s / MS, 9) for c in result.replay.comms] == [14, 20, 22]

@@ -70,6 +70,9 @@ def mode_settings(mode: str) -> tuple[str, str, str]:
 #: The ablation's extra column: the K-FAC model's own forward + backward (DataParallel's gradient
 #: all-reduces, the factor hooks and, when pipelined, the factor all-reduces they launch).
 KFAC_PASSES = ("kfac_passes", "fwd+bwd+hooks")
+#: Host (this thread's CPU) seconds of a K-FAC iteration's passes, of its ``step()``, and of
+#: DataParallel's passes alone (the ablation's keys).
+HOST_PASSES, HOST_STEP, HOST_DATA_PARALLEL = "host_passes", "host_step", "host_data_parallel"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,16 +172,17 @@ def _kfac_iteration(
     contender: KfacContender, batch: tuple[torch.Tensor, torch.Tensor], passes_key: str
 ) -> dict[str, float]:
     """One timed K-FAC iteration behind a barrier: the preconditioner's phases, the passes
-    (forward + backward, under ``passes_key``), the optimizer step and the whole iteration."""
+    (forward + backward, under ``passes_key``), the optimizer step, the whole iteration, and
+    the host (CPU) seconds of the passes and of ``step()``."""
     inputs, targets = batch
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.thread_time()
     contender.optimizer.zero_grad()
     loss = functional.cross_entropy(contender.wrapper(inputs), targets)
     loss.backward()
-    backward_end = time.perf_counter()
+    backward_end, cpu_backward_end = time.perf_counter(), time.thread_time()
     contender.precond.step()
-    precond_end = time.perf_counter()
+    precond_end, cpu_precond_end = time.perf_counter(), time.thread_time()
     contender.optimizer.step()
     optimizer_end = time.perf_counter()
     # A peer that leaves collectives pending past its step waits for them here, in its time.
@@ -188,6 +192,10 @@ def _kfac_iteration(
     end = time.perf_counter()
     sample = dict(contender.precond.last_phase_s)
     sample[passes_key] = backward_end - start
+    # This thread's CPU time: host work, which an emulated device (sleeping on the same
+    # thread) does not overlap; collectives' own threads are left out.
+    sample[HOST_PASSES] = cpu_backward_end - cpu_start
+    sample[HOST_STEP] = cpu_precond_end - cpu_backward_end
     sample["optimizer"] = optimizer_end - precond_end
     sample["iteration"] = end - start
     return sample
@@ -195,12 +203,18 @@ def _kfac_iteration(
 
 def _passes(module: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
     """Seconds of ``module``'s forward and backward behind a barrier (no optimizer step)."""
+    return _timed_passes(module, batch)[0]
+
+
+def _timed_passes(module: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, float]:
+    """Wall and host (this thread's CPU) seconds of ``module``'s forward and backward behind
+    a barrier."""
     inputs, targets = batch
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.thread_time()
     module.zero_grad()
     functional.cross_entropy(module(inputs), targets).backward()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.thread_time() - cpu_start
 
 
 def measure_rank(job: BreakdownJob) -> dict[str, Any]:
@@ -454,12 +468,16 @@ def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
     def passes(module: Any, step: int) -> float:
         return _passes(module, batches[step % len(batches)])
 
+    data_parallel_host: list[float] = []
+
     def one_round(step: int) -> tuple[dict[str, dict[str, float]], float, float]:
         samples = {
             contender.name: kfac_iteration(contender, step)
             for contender in rotated(contenders, step)
         }
-        return samples, passes(plain, step), passes(data_parallel_only, step)
+        wall, host = _timed_passes(data_parallel_only, batches[step % len(batches)])
+        data_parallel_host.append(host)
+        return samples, passes(plain, step), wall
 
     def settled(taken: int) -> bool:
         return (
@@ -474,12 +492,13 @@ def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
     for extra in range(settled_at, step):
         one_round(extra)
 
-    keys = [*PHASES, KFAC_PASSES[0], "optimizer", "iteration"]
+    keys = [*PHASES, KFAC_PASSES[0], "optimizer", HOST_PASSES, HOST_STEP, "iteration"]
     samples: dict[str, dict[str, list[float]]] = {
         mode: {key: [] for key in keys} for mode in job.modes
     }
     plain_s: list[float] = []
     data_parallel_s: list[float] = []
+    data_parallel_host.clear()
     for index in range(job.iters):
         round_samples, plain_sample, data_parallel_sample = one_round(step + index)
         for mode, sample in round_samples.items():
@@ -489,8 +508,9 @@ def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
         data_parallel_s.append(data_parallel_sample)
     # One collective for every series: the maximum over ranks of each sample.
     series = [samples[mode][key] for mode in job.modes for key in keys]
-    maxima = max_over_ranks_each([*series, plain_s, data_parallel_s])
-    plain_max, data_parallel_max = maxima[-2], maxima[-1]
+    maxima = max_over_ranks_each([*series, plain_s, data_parallel_s, data_parallel_host])
+    plain_max, data_parallel_max = maxima[-3], maxima[-2]
+    data_parallel_host_s = statistics.median(maxima[-1])
     forward_backward = statistics.median(plain_max)
     # Data parallelism's share of forward + backward: the wrapped passes beyond the plain ones.
     gradient_comm = statistics.median(
@@ -517,6 +537,7 @@ def measure_ablation_rank(job: AblationJob) -> dict[str, Any]:
             )
         medians[mode]["forward_backward"] = forward_backward
         medians[mode]["gradient_comm"] = gradient_comm
+        medians[mode][HOST_DATA_PARALLEL] = data_parallel_host_s
     return {
         "medians": medians,
         "layers": len(contenders[0].precond.layers),

@@ -10,6 +10,7 @@ import argparse
 import functools
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -64,6 +65,7 @@ from interlace.sim.validate import (
     FAMILIES,
     ValidateSample,
     ValidationRow,
+    error_summary,
     format_prediction_table,
     format_run_summaries,
     format_summary,
@@ -356,11 +358,62 @@ def _print_rows(config: ValidateConfig, rows: list[ValidationRow]) -> None:
         print(format_prediction_table(rows))
         print()
         print(format_run_summaries(rows))
+        runs = len({row.run for row in rows})
+        if runs > 1:
+            medians = median_of_runs(rows)
+            print(f"\neach row the median of its {runs} runs (predicted and measured apart):")
+            print(format_prediction_table(medians))
+            print()
+            print(format_median_summary(medians, runs))
         return
     print(f"\ncompute: {config.compute.label()} (contention calibrated by the probes)")
     print(format_table(rows))
     print()
     print(format_summary(rows))
+
+
+def median_of_runs(rows: Sequence[ValidationRow]) -> list[ValidationRow]:
+    """One row per setting (family, model, ranks, link, strategy), in first-seen order: the
+    median over its runs of the predicted and of the measured iteration, ``run`` 0.
+
+    Args:
+        rows: The rows of every run.
+    """
+    settings: dict[tuple[str, str, int, str, str], list[ValidationRow]] = {}
+    for row in rows:
+        key = (row.family, row.model, row.ranks, row.link, row.strategy)
+        settings.setdefault(key, []).append(row)
+    medians = []
+    for (family, model, ranks, link, strategy), runs in settings.items():
+        row = ValidationRow.of(
+            family=family,
+            model=model,
+            strategy=strategy,
+            ranks=ranks,
+            link=link,
+            predicted_s=statistics.median(r.predicted_s for r in runs),
+            measured_s=statistics.median(r.measured_s for r in runs),
+        )
+        medians.append(replace(row, run=0))
+    return medians
+
+
+def format_median_summary(medians: Sequence[ValidationRow], runs: int) -> str:
+    """One line per family of :func:`median_of_runs`' rows: their error's median and maximum.
+
+    Args:
+        medians: Rows of :func:`median_of_runs`.
+        runs: How many runs each row is the median of.
+    """
+    lines = []
+    for family in dict.fromkeys(row.family for row in medians):
+        part = [row for row in medians if row.family == family]
+        median, worst = error_summary(part)
+        lines.append(
+            f"{family}, medians of {runs} runs: {len(part)} rows, |predicted - measured| / "
+            f"measured median {median * 100:.1f}%, max {worst * 100:.1f}%"
+        )
+    return "\n".join(lines)
 
 
 def _label(model: str) -> str:

@@ -14,6 +14,9 @@ from typing import Any
 from interlace.bench.harness import undilated
 from interlace.bench.kfac_rank import (
     ABLATION_MODES,
+    HOST_DATA_PARALLEL,
+    HOST_PASSES,
+    HOST_STEP,
     AblationJob,
     measure_ablation_rank,
     mode_policies,
@@ -36,15 +39,8 @@ PROG = "interlace simulate --validate (K-FAC)"
 #: interlace's K-FAC modes validated by default: SPD-KFAC's ablation, all four of which the
 #: simulator models (round-robin placement and the kfac-pytorch peer it does not).
 DEFAULT_KFAC_MODES: tuple[str, ...] = tuple(ABLATION_MODES)
-#: The measured phases shown beside the predicted ones (ablation keys, undilated).
-MEASURED_PHASES = (
-    "kfac_passes",
-    "factor_comm",
-    "decomposition",
-    "decomposition_comm",
-    "precondition",
-    "optimizer",
-)
+#: The measured forward, backward and hooks (the ablation's key, undilated).
+KFAC_PASSES = "kfac_passes"
 
 
 @dataclass(frozen=True)
@@ -75,6 +71,7 @@ def predict_modes(
     gradient_buckets: Mapping[str, Sequence[Sequence[str]]] | None = None,
     factor_buckets: Mapping[str, Sequence[Sequence[str]]] | None = None,
     network: str = "",
+    mode_costs: Mapping[str, KfacCosts] | None = None,
 ) -> dict[str, KfacResult]:
     """The simulator's iteration of each mode of :data:`ABLATION_MODES` (COMM-OPT, factors and
     decompositions every step, interlace's default bucket cap and packing).
@@ -90,6 +87,8 @@ def predict_modes(
         factor_buckets: Per pipelined mode, the factor buckets it kept (``"LAYER.A"`` names
             in launch order; a mode left out is planned by the merge rule on ``live.plan``).
         network: Recorded in the results.
+        mode_costs: Per mode, costs to use instead of ``costs`` (a mode left out takes
+            ``costs``): :func:`host_costs`' host work, which differs between modes.
 
     Raises:
         UsageError: For a mode that is not an ablation mode.
@@ -102,7 +101,7 @@ def predict_modes(
             runtime_strategy(mode, *mode_policies(*ABLATION_MODES[mode], {})),
             live.plan,
             workers,
-            costs=costs,
+            costs=(mode_costs or {}).get(mode, costs),
             network=network,
             broadcast_cost=live.broadcast,
             timing_cost=live.stream,
@@ -110,6 +109,22 @@ def predict_modes(
             factor_buckets=(factor_buckets or {}).get(mode),
         )
     return results
+
+
+def host_costs(costs: KfacCosts, measured: Mapping[str, float]) -> KfacCosts:
+    """``costs`` with a mode's measured host work (undilated): its hooks' (the K-FAC passes'
+    host seconds beyond DataParallel's alone) and its ``step()``'s. The emulated device
+    sleeps its time on the thread that does the host work, so the two do not overlap there,
+    as they would on a GPU; a measurement without host times leaves ``costs`` as it is.
+
+    Args:
+        costs: The device work (:meth:`EmulatedKFACModel.kfac_costs`).
+        measured: The mode's medians (:func:`~interlace.bench.kfac_rank.measure_ablation_rank`).
+    """
+    if HOST_STEP not in measured:
+        return costs
+    hooks = max(measured[HOST_PASSES] - measured[HOST_DATA_PARALLEL], 0.0)
+    return replace(costs, host_hooks_s=hooks, host_step_s=measured[HOST_STEP])
 
 
 def validate_kfac_rank(job: AblationJob) -> dict[str, Any]:
@@ -189,9 +204,10 @@ def rows_from_measurement(
     measurement: KfacMeasurement, note: Callable[[str], None] | None = None
 ) -> list[ValidationRow]:
     """Each measured mode against the simulator's prediction of it (:func:`predict_modes`) on
-    the emulated model's own trace and device costs, the live cost models and the gradient
-    buckets the mode's DataParallel kept; nothing is calibrated. Each mode's predicted and
-    measured phases go to ``note``.
+    the emulated model's own trace and device costs, the mode's host work measured on the live
+    ranks (:func:`host_costs`), the live cost models and the gradient buckets the mode's
+    DataParallel kept; nothing is calibrated. Each mode's predicted and measured phases go to
+    ``note``.
 
     Args:
         measurement: One launch's measurement.
@@ -200,15 +216,19 @@ def rows_from_measurement(
     compute = measurement.compute
     assert compute.trace is not None
     model = EmulatedKFACModel(compute.trace, compute.dilation)
+    costs = model.kfac_costs(measurement.compute_method)
     predicted = predict_modes(
         model.kfac_trace(),
-        model.kfac_costs(measurement.compute_method),
+        costs,
         measurement.modes,
         measurement.live,
         measurement.ranks,
         gradient_buckets=measurement.gradient_buckets,
         factor_buckets=measurement.factor_bucket_names,
         network=measurement.link,
+        mode_costs={
+            mode: host_costs(costs, measurement.medians[mode]) for mode in measurement.modes
+        },
     )
     rows = []
     for mode in measurement.modes:
@@ -324,11 +344,58 @@ def _check_mode(mode: str) -> None:
         raise UsageError(f"unknown K-FAC mode {mode!r}; choose from {', '.join(ABLATION_MODES)}")
 
 
-def describe_mode(mode: str, result: KfacResult, measurement: KfacMeasurement) -> str:
-    """One line: a mode's predicted and measured iteration and phases (ms), its buckets
-    (predicted/measured), and how many of the runtime's owners the simulator predicted.
+def phase_pairs(
+    result: KfacResult, measured: Mapping[str, float]
+) -> list[tuple[str, float, float]]:
+    """The iteration split the same way on both sides: ``(phase, predicted, measured)`` seconds.
 
-    Measured phases are each the slowest rank's, so they need not add up to the iteration.
+    The runtime's modes compute factors in the passes, and backward returns once the gradients
+    are averaged, so the passes are forward, backward, factors (with the hooks' host work) and
+    the exposed gradient all-reduces (measured: ``kfac_passes``); ``step()`` holds the factor
+    all-reduce's rest, the decompositions, their broadcasts, preconditioning and its host work;
+    then the optimizer. Indented below ``step()``: its timed phases, predicted without host
+    work, measured with it (each the slowest rank's median, so they need not add up); last,
+    the host work the prediction was given.
+
+    Args:
+        result: The prediction.
+        measured: The mode's measured medians (undilated).
+    """
+    phases = result.breakdown
+    hooks = step_host = 0.0
+    if HOST_STEP in measured:
+        hooks = max(measured[HOST_PASSES] - measured[HOST_DATA_PARALLEL], 0.0)
+        step_host = measured[HOST_STEP]
+    passes = phases.forward_backward + phases.factor_compute + phases.gradient_comm + hooks
+    step = (
+        phases.factor_comm
+        + phases.decomposition
+        + phases.decomposition_comm
+        + phases.precondition
+        + step_host
+    )
+    pairs = [
+        ("passes", passes, measured[KFAC_PASSES]),
+        ("step()", step, measured["iteration"] - measured[KFAC_PASSES] - measured["optimizer"]),
+        ("  factor_comm", phases.factor_comm, measured["factor_comm"]),
+        ("  decomposition", phases.decomposition, measured["decomposition"]),
+        ("  decomposition_comm", phases.decomposition_comm, measured["decomposition_comm"]),
+        (
+            "  precondition",
+            phases.precondition,
+            measured["precondition"] + measured.get("precondition_comm", 0.0),
+        ),
+        ("optimizer", phases.step + phases.buffer_comm, measured["optimizer"]),
+        ("host: hooks", hooks, hooks),
+        ("host: step()", step_host, step_host),
+    ]
+    return pairs
+
+
+def describe_mode(mode: str, result: KfacResult, measurement: KfacMeasurement) -> str:
+    """A mode's predicted and measured iteration, then one line per phase of
+    :func:`phase_pairs` (ms, predicted / measured / difference), its buckets
+    (predicted/measured), and how many of the runtime's owners the simulator predicted.
 
     Args:
         mode: The mode.
@@ -336,8 +403,6 @@ def describe_mode(mode: str, result: KfacResult, measurement: KfacMeasurement) -
         measurement: The launch it was measured in.
     """
     measured = measurement.medians[mode]
-    phases = " ".join(f"{key} {seconds * 1e3:.2f}" for key, seconds in result.phases.items())
-    seen = " ".join(f"{key} {measured[key] * 1e3:.2f}" for key in MEASURED_PHASES)
     placed = ""
     owners = measurement.placements.get(mode)
     if owners is not None:
@@ -350,9 +415,15 @@ def describe_mode(mode: str, result: KfacResult, measurement: KfacMeasurement) -
         placed = f"; owners {same}/{len(result.owners)} as predicted"
     factor = measurement.factor_buckets.get(mode)
     gradient = len(measurement.gradient_buckets.get(mode, []))
-    return (
-        f"{mode}: predicted {result.iteration_s * 1e3:.1f} ms ({phases}); measured "
-        f"{measured['iteration'] * 1e3:.1f} ms ({seen}); gradient buckets "
+    error = (result.iteration_s - measured["iteration"]) / measured["iteration"]
+    lines = [
+        f"{mode}: predicted {result.iteration_s * 1e3:.2f} ms, measured "
+        f"{measured['iteration'] * 1e3:.2f} ms ({error * 100:+.1f}%); gradient buckets "
         f"{int(result.extra['gradient_buckets'])}/{gradient}, factor buckets "
         f"{int(result.extra['factor_buckets'])}/{'-' if factor is None else factor}{placed}"
-    )
+    ]
+    lines.append(f"  {'phase (ms)':<21}{'predicted':>8} {'measured':>8} {'diff':>8}")
+    for phase, predicted, seen in phase_pairs(result, measured):
+        difference = (predicted - seen) * 1e3
+        lines.append(f"  {phase:<21}{predicted * 1e3:8.2f} {seen * 1e3:8.2f} {difference:+8.2f}")
+    return "\n".join(lines)

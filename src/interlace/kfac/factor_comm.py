@@ -21,8 +21,9 @@ from interlace.kfac.factor_bulk import all_reduce_mean
 from interlace.kfac.factor_modes import FactorCommMode, Pipelined
 from interlace.kfac.factor_pipeline import FactorKey, FactorPipeline
 from interlace.kfac.fusion import fusion_from, make_groups, merged_candidates
-from interlace.kfac.packing import pack_upper, packed_size, unpack_upper
+from interlace.kfac.packing import pack_upper, unpack_upper
 from interlace.kfac.preconditioned_layer import KFACLayer
+from interlace.kfac.sizes import factor_numel
 from interlace.kfac.timing import SpanLog
 from interlace.kfac.work_assignment import GroupRanks
 
@@ -346,7 +347,7 @@ class FactorComm:
         for code in order:
             layer, which = layers[code // 2], "G" if code % 2 == 1 else "A"
             dim, diagonal = layer.dims(which)
-            numels.append(dim if diagonal else packed_size(dim))
+            numels.append(factor_numel(dim, diagonal=diagonal))
             factor = layer.factor(which)
             dtypes.append(layer.helper.weight.dtype if factor is None else factor.dtype)
             keys.append((layer.name, which))

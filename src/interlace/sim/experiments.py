@@ -402,6 +402,7 @@ _HEADINGS = {
     "decomposition_comm": "decomp comm",
     "precondition": "precond",
     "step": "step",
+    "host": "host",
 }
 
 

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from interlace.comm.cost import CostModel
-from interlace.comm.plan import Bucketing, ReadyTensor, schedule
-from interlace.comm.strategies import PLANNED_STRATEGIES
 from interlace.errors import UsageError
 from interlace.kfac.enums import PlacementChoice
-from interlace.kfac.fusion import make_groups
 from interlace.kfac.placements import (
     LBP,
     Greedy,
@@ -24,11 +21,22 @@ from interlace.kfac.placements import (
     placement_from,
     placement_or_auto,
 )
-from interlace.kfac.sizes import packed_size
 from interlace.sim.kfac_costs import KfacCosts
-from interlace.sim.kfac_link import bulk_messages, named_groups, play_link
-from interlace.sim.kfac_stage import decomposition_stage
-from interlace.sim.replay import replay
+from interlace.sim.kfac_phases import (
+    KfacBreakdown,
+    LinkPhase,
+    Passes,
+    SimLayer,
+    factor_messages,
+    factor_seconds,
+    gradient_messages,
+    gradient_plan,
+    link_phase,
+    passes_phase,
+    precondition_phase,
+    sim_layers,
+)
+from interlace.sim.kfac_stage import Stage, decomposition_stage
 from interlace.sim.simulation import SimResult
 from interlace.sim.trace import Trace
 from interlace.timeline import Event, Timeline
@@ -36,6 +44,7 @@ from interlace.timeline import Event, Timeline
 __all__ = [
     "KFAC_STRATEGIES",
     "PHASES",
+    "KfacBreakdown",
     "KfacResult",
     "KfacStrategy",
     "check_trace",
@@ -124,17 +133,7 @@ KFAC_STRATEGIES: dict[str, KfacStrategy] = {
 }
 
 #: The phases of a K-FAC iteration, in order; they add up to the iteration time.
-PHASES: tuple[str, ...] = (
-    "buffer_comm",
-    "forward_backward",
-    "factor_compute",
-    "gradient_comm",
-    "factor_comm",
-    "decomposition",
-    "decomposition_comm",
-    "precondition",
-    "step",
-)
+PHASES: tuple[str, ...] = tuple(f.name for f in fields(KfacBreakdown))
 
 
 def kfac_strategy_named(name: str) -> KfacStrategy:
@@ -151,18 +150,7 @@ def kfac_strategy_named(name: str) -> KfacStrategy:
     raise UsageError(f"unknown K-FAC strategy {name!r}; choose from {', '.join(KFAC_STRATEGIES)}")
 
 
-# ---------------------------------------------------------------------- the trace's layers
-
-
-@dataclass(frozen=True)
-class _Layer:
-    """A preconditioned layer: its factor sizes and its own compute times from the trace."""
-
-    name: str
-    a_dim: int
-    g_dim: int
-    forward_s: float
-    backward_s: float
+# ---------------------------------------------------------------------- the trace
 
 
 def check_trace(trace: Trace, source: str = "") -> None:
@@ -194,25 +182,6 @@ def check_trace(trace: Trace, source: str = "") -> None:
         raise UsageError(f"{where}: a layer has K-FAC factor sizes twice")
 
 
-def _layers(trace: Trace) -> list[_Layer]:
-    """The preconditioned layers in the trace's factor order (the runtime's module order)."""
-    check_trace(trace)
-    forward: dict[str, float] = {}
-    backward: dict[str, float] = {}
-    for layer, indices in trace.layers:
-        tensor = trace.tensors[indices[0]]
-        forward.setdefault(layer, tensor.layer_forward_s)
-        backward.setdefault(layer, tensor.layer_backward_s)
-    return [
-        _Layer(f.layer, max(f.a_dim, 1), max(f.g_dim, 1), forward[f.layer], backward[f.layer])
-        for f in trace.factors
-    ]
-
-
-def _packed_bytes(dim: int, element_bytes: int) -> int:
-    return packed_size(dim) * element_bytes
-
-
 # ---------------------------------------------------------------------- the result
 
 
@@ -230,12 +199,14 @@ class KfacResult(SimResult):
         owners: Each placed item's owner (None: decomposed on every rank): a layer for a
             colocated placement (greedy), a factor (each layer's ``A`` then ``G``) otherwise.
         events: The timeline's events.
+        breakdown: Seconds per phase.
     """
 
     total_s: float = 0.0
     kinds: tuple[str, ...] = ()
     owners: tuple[int | None, ...] = ()
     events: tuple[Event, ...] = field(default=(), compare=False)
+    breakdown: KfacBreakdown = field(default_factory=KfacBreakdown)
 
     @property
     def iteration_s(self) -> float:
@@ -243,8 +214,9 @@ class KfacResult(SimResult):
 
     @property
     def phases(self) -> dict[str, float]:
-        """Seconds per phase of :data:`PHASES`; they add up to :attr:`iteration_s`."""
-        return {phase: self.extra[f"{phase}_s"] for phase in PHASES}
+        """Seconds per phase of :data:`PHASES` (:attr:`breakdown`); they add up to
+        :attr:`iteration_s`."""
+        return self.breakdown.as_dict()
 
     def timeline(self, process: str = "simulated") -> Timeline:
         """The iteration on the compute lane (forward, backward, factors, the last rank's
@@ -266,21 +238,6 @@ class KfacResult(SimResult):
 # ---------------------------------------------------------------------- the simulation
 
 
-@dataclass
-class _Compute:
-    """The compute stream being laid out: events and the clock (seconds from forward start)."""
-
-    clock: float = 0.0
-    events: list[tuple[str, str, float, float]] = field(default_factory=list)
-
-    def run(self, name: str, category: str, seconds: float) -> float:
-        start = self.clock
-        self.clock += seconds
-        if seconds > 0:
-            self.events.append((name, category, start, self.clock))
-        return self.clock
-
-
 def simulate_kfac(
     trace: Trace,
     strategy: str | KfacStrategy,
@@ -297,8 +254,10 @@ def simulate_kfac(
 ) -> KfacResult:
     """One K-FAC iteration of ``trace`` on ``workers`` ranks whose all-reduces cost ``cost``.
 
-    The model (what each stage costs and how the stages follow each other) is described in
-    docs/notes/sim.md.
+    The phases run in order (:mod:`interlace.sim.kfac_phases`): the passes with the factors
+    computed in them, the gradient and factor buckets on the link, the decomposition stage,
+    preconditioning and the step; :attr:`KfacResult.breakdown` holds each one's seconds. The
+    model is described in docs/notes/sim.md.
 
     Args:
         trace: The model's iteration, with K-FAC factor sizes.
@@ -328,205 +287,127 @@ def simulate_kfac(
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     costs = KfacCosts() if costs is None else costs
-    layers = _layers(trace)
-    by_name = {layer.name: layer for layer in layers}
+    check_trace(trace)
+    layers = sim_layers(trace)
     timing = cost if timing_cost is None else timing_cost
-    both = {
-        layer.name: costs.layer_factors_s(
-            layer.name, layer.a_dim, layer.g_dim, layer.forward_s, layer.backward_s
-        )
-        for layer in layers
-    }
-    a_s = {name: pair[0] for name, pair in both.items()}
-    g_s = {name: pair[1] for name, pair in both.items()}
-    factor_total = math.fsum(a_s.values()) + math.fsum(g_s.values())
+    factor_s, factor_total = factor_seconds(layers, costs)
     size = costs.element_bytes
-
-    # 1. The compute stream, times from the start of forward.
-    compute = _Compute()
-    factors: list[ReadyTensor] = []
-    runs = trace.layers
-    forward_order = list(dict.fromkeys(layer for layer, _ in reversed(runs)))
-    in_passes = chosen.computes_in_passes
-    if in_passes:
-        own = {layer.name: layer.forward_s for layer in layers}
-        for layer_name, indices in runs:
-            own.setdefault(layer_name, trace.tensors[indices[0]].layer_forward_s)
-        measured = math.fsum(own[layer] for layer in forward_order)
-        for layer in forward_order:
-            share = (
-                own[layer] / measured if measured > 0 else 1.0 / len(forward_order)
-            ) * trace.forward_s
-            compute.run(layer, "forward", share)
-            if layer in by_name:
-                ready = compute.run(f"{layer} A", "factor", a_s[layer])
-                factors.append(
-                    ReadyTensor(f"{layer}.A", _packed_bytes(by_name[layer].a_dim, size), ready)
-                )
-    else:
-        compute.run("forward", "forward", trace.forward_s)
-    backward_start = compute.clock
-    gradient_ready = [0.0] * len(trace.tensors)
-    seen: set[str] = set()
-    for layer, indices in runs:
-        if in_passes and layer in by_name and layer not in seen:
-            ready = compute.run(f"{layer} G", "factor", g_s[layer])
-            factors.append(
-                ReadyTensor(f"{layer}.G", _packed_bytes(by_name[layer].g_dim, size), ready)
-            )
-        seen.add(layer)
-        ready = compute.run(layer, "backward", trace.tensors[indices[0]].layer_backward_s)
-        for index in indices:
-            gradient_ready[index] = ready
-    compute.run(
-        "backward (rest)", "backward", max(trace.backward_s - trace.layer_backward_total_s, 0.0)
+    passes = passes_phase(
+        trace, layers, factor_s, in_passes=chosen.computes_in_passes, element_bytes=size
     )
-    passes_end = compute.clock
-
-    # 2. Gradient and factor all-reduces on one serial link.
-    if per_layer:
-        gradients = [
-            ReadyTensor(
-                layer,
-                sum(trace.tensors[i].nbytes for i in indices),
-                gradient_ready[indices[-1]],
-            )
-            for layer, indices in runs
-        ]
-    else:
-        gradients = [
-            ReadyTensor(tensor.name, tensor.nbytes, gradient_ready[index])
-            for index, tensor in enumerate(trace.tensors)
-        ]
-    relative = [replace(t, ready_s=t.ready_s - backward_start) for t in gradients]
-    if gradient_buckets is None:
-        gradient_plan = PLANNED_STRATEGIES["mgwfbp"].plan(
-            relative, cost, backward_s=passes_end - backward_start, forward_s=backward_start
-        )
-    else:
-        gradient_plan = schedule(
-            named_groups(gradient_buckets, relative),
-            relative,
-            cost,
-            backward_s=passes_end - backward_start,
-            forward_s=backward_start,
-            strategy="measured",
-        )
-    waited = 0.0
-    if chosen.pipelined and factor_buckets is not None:
-        factor_groups = named_groups(factor_buckets, factors, "factor")
-    elif chosen.pipelined:
-        factor_groups = make_groups(
-            Bucketing.MERGED,
-            [t.nbytes for t in factors],
-            ready_s=[t.ready_s for t in factors],
-            cost=cost,
-        )
-    else:
-        # Backward returns once the gradients are averaged; factors not computed in the passes
-        # are computed after that; then all are sent in bulk. Only gradients use the link until
-        # then.
-        gradients_end = replay(
-            schedule(
-                gradient_plan.groups,
-                relative,
-                timing,
-                backward_s=passes_end - backward_start,
-                forward_s=backward_start,
-            )
-        ).comm_end_s
-        waited = max(backward_start + gradients_end - passes_end, 0.0)
-        compute.clock += waited
-        ready = compute.clock
-        if not in_passes:
-            ready = compute.run("factor computation", "factor", factor_total)
-        factors, factor_groups = bulk_messages(
-            [(layer.a_dim, layer.g_dim) for layer in layers],
-            size,
-            ready,
-            packed=chosen.bulk_packed,
-            cap_bytes=chosen.bulk_cap_bytes,
-        )
-    compute_end = compute.clock
-    entries = sorted(
-        [(t.ready_s, 0, i) for i, t in enumerate(gradients)]
-        + [(t.ready_s, 1, i) for i, t in enumerate(factors)]
+    gradients = gradient_messages(trace, passes, per_layer=per_layer)
+    planned = gradient_plan(gradients, passes, cost, gradient_buckets)
+    factors = factor_messages(
+        passes,
+        layers,
+        planned,
+        pipelined=chosen.pipelined,
+        in_passes=chosen.computes_in_passes,
+        bulk_packed=chosen.bulk_packed,
+        bulk_cap_bytes=chosen.bulk_cap_bytes,
+        factor_total=factor_total + costs.host_hooks_s,
+        cost=cost,
+        timing=timing,
+        element_bytes=size,
+        buckets=factor_buckets,
     )
-    position = {(kind, i): number for number, (_, kind, i) in enumerate(entries)}
-    messages = [(gradients if kind == 0 else factors)[i] for _, kind, i in entries]
-    groups = [sorted(position[(0, i)] for i in group) for group in gradient_plan.groups]
-    groups += [sorted(position[(1, i)] for i in group) for group in factor_groups]
-    groups.sort(key=max)
-    kinds = tuple("factor" if entries[group[0]][1] else "gradient" for group in groups)
-    link, replayed = play_link(
-        groups,
-        messages,
-        kinds=kinds,
-        cost=timing,
-        compute_end=compute_end,
+    link = link_phase(
+        gradients,
+        planned[0].groups,
+        factors,
+        compute_end=passes.clock,
+        timing=timing,
         name=chosen.name,
         factor_queue=chosen.pipelined and chosen.factor_group,
     )
-    drained = max(replayed.comm_end_s, compute_end)
-    after = math.fsum(
-        max(comm.end_s - max(comm.start_s, compute_end), 0.0)
-        for comm, kind in zip(replayed.comms, kinds, strict=True)
-        if kind == "gradient"
-    )
-    exposed = drained - compute_end
-    gradient_comm = waited + min(after, exposed)
-    factor_comm = exposed - min(after, exposed)
-
-    # 3. Decompositions and their broadcasts.
     stage = decomposition_stage(
         [(layer.name, layer.a_dim, layer.g_dim) for layer in layers],
         placement=chosen.placement_on(workers),
         workers=workers,
         costs=costs,
         broadcast=broadcast_cost or cost,
+        a_diagonal=[layer.a_diagonal for layer in layers],
+    )
+    breakdown = KfacBreakdown(
+        buffer_comm=math.fsum(timing.time(nbytes) for nbytes in trace.broadcast_bytes),
+        forward_backward=trace.forward_s + trace.backward_s,
+        factor_compute=factor_total,
+        gradient_comm=link.gradient_comm,
+        factor_comm=link.factor_comm,
+        decomposition=stage.decomposition_s,
+        decomposition_comm=stage.makespan_s - stage.decomposition_s,
+        precondition=precondition_phase(layers, costs),
+        step=trace.step_s,
+        host=costs.host_hooks_s + costs.host_step_s,
+    )
+    return KfacResult(
+        strategy=chosen.name,
+        workers=workers,
+        cost=cost,
+        plan=link.plan,
+        replay=link.replayed,
+        model=trace.model,
+        network=network,
+        extra=_extra(breakdown, link, stage, layers, costs, workers),
+        total_s=breakdown.buffer_comm
+        + link.drained
+        + stage.makespan_s
+        + breakdown.precondition
+        + breakdown.step
+        + costs.host_step_s,
+        kinds=link.kinds,
+        owners=tuple(stage.owners),
+        events=tuple(_events(breakdown, passes, link, stage, costs.host_step_s)),
+        breakdown=breakdown,
     )
 
-    # 4. Preconditioning and the step.
-    precondition = math.fsum(costs.precondition_s(layer.a_dim, layer.g_dim) for layer in layers)
-    pre = math.fsum(timing.time(nbytes) for nbytes in trace.broadcast_bytes)
-    phases = {
-        "buffer_comm": pre,
-        "forward_backward": trace.forward_s + trace.backward_s,
-        "factor_compute": factor_total,
-        "gradient_comm": gradient_comm,
-        "factor_comm": factor_comm,
-        "decomposition": stage.decomposition_s,
-        "decomposition_comm": stage.makespan_s - stage.decomposition_s,
-        "precondition": precondition,
-        "step": trace.step_s,
-    }
-    total = pre + drained + stage.makespan_s + precondition + trace.step_s
+
+def _extra(
+    breakdown: KfacBreakdown,
+    link: LinkPhase,
+    stage: Stage,
+    layers: Sequence[SimLayer],
+    costs: KfacCosts,
+    workers: int,
+) -> dict[str, float]:
+    """The result's ``extra``: the phases, bucket counts, broadcasts and one worker's time."""
     every_decomposition = math.fsum(
-        costs.decomposition_s(layer.a_dim) + costs.decomposition_s(layer.g_dim) for layer in layers
+        costs.decomposition_s(layer.a_dim, layer.a_diagonal) + costs.decomposition_s(layer.g_dim)
+        for layer in layers
     )
-    gradient_count = kinds.count("gradient")
-    extra: dict[str, float] = {f"{phase}_s": seconds for phase, seconds in phases.items()}
+    gradient_count = link.kinds.count("gradient")
+    extra: dict[str, float] = {
+        f"{phase}_s": seconds for phase, seconds in breakdown.as_dict().items()
+    }
     extra.update(
         gradient_buckets=gradient_count,
-        factor_buckets=len(kinds) - gradient_count,
+        factor_buckets=len(link.kinds) - gradient_count,
         broadcasts=stage.broadcasts if workers > 1 else 0,
         local_factors=stage.local_factors,
-        single_worker_s=trace.forward_s
-        + trace.backward_s
-        + factor_total
+        single_worker_s=breakdown.forward_backward
+        + breakdown.factor_compute
         + every_decomposition
-        + precondition
-        + trace.step_s,
+        + breakdown.precondition
+        + breakdown.step
+        + breakdown.host,
     )
+    return extra
 
-    # The timeline, from the start of the iteration.
-    events: list[Event] = []
+
+def _events(
+    breakdown: KfacBreakdown, passes: Passes, link: LinkPhase, stage: Stage, host_step_s: float
+) -> list[Event]:
+    """The timeline from the start of the iteration: buffers, the compute stream, the link's
+    all-reduces, the last rank's decomposition stage, preconditioning, ``step()``'s host work
+    and the optimizer step."""
     process = "simulated"
+    pre = breakdown.buffer_comm
+    events: list[Event] = []
     if pre > 0:
         events.append(Event("broadcast buffers", "comm", 0.0, pre, "all-reduce", process))
-    for name, category, start, end in compute.events:
+    for name, category, start, end in passes.events:
         events.append(Event(name, category, pre + start, pre + end, "compute", process))
-    for number, (comm, kind) in enumerate(zip(replayed.comms, kinds, strict=True)):
+    for number, (comm, kind) in enumerate(zip(link.replayed.comms, link.kinds, strict=True)):
         events.append(
             Event(
                 f"{kind} bucket {number} ({comm.nbytes / 1e6:.2f} MB)",
@@ -538,33 +419,17 @@ def simulate_kfac(
                 {"bytes": comm.nbytes, "messages": len(comm.indices)},
             )
         )
-    origin = pre + drained
+    origin = pre + link.drained
     for name, category, start, end in stage.events:
         lane = "broadcast" if category == "comm" else "compute"
         events.append(Event(name, category, origin + start, origin + end, lane, process))
     clock = origin + stage.makespan_s
-    if precondition > 0:
-        events.append(
-            Event(
-                "preconditioning", "precondition", clock, clock + precondition, "compute", process
-            )
-        )
-    clock += precondition
-    if trace.step_s > 0:
-        events.append(
-            Event("optimizer step", "optimizer", clock, clock + trace.step_s, "compute", process)
-        )
-    return KfacResult(
-        strategy=chosen.name,
-        workers=workers,
-        cost=cost,
-        plan=link,
-        replay=replayed,
-        model=trace.model,
-        network=network,
-        extra=extra,
-        total_s=total,
-        kinds=kinds,
-        owners=tuple(stage.owners),
-        events=tuple(events),
-    )
+    for name, category, seconds in (
+        ("preconditioning", "precondition", breakdown.precondition),
+        ("host work of step()", "other", host_step_s),
+        ("optimizer step", "optimizer", breakdown.step),
+    ):
+        if seconds > 0:
+            events.append(Event(name, category, clock, clock + seconds, "compute", process))
+        clock += seconds
+    return events

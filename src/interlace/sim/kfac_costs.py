@@ -46,6 +46,11 @@ class KfacCosts:
         source: Where the numbers come from, for the printed description.
         layer_factor_s: ``(layer, A seconds, G seconds)`` for layers whose factor computation
             is known; they take these instead of the relative model above.
+        host_hooks_s: Host seconds of one iteration's factor hooks that the device does not
+            overlap, spread over the factors by their numbers (``n^2``): an emulated device's,
+            whose device time sleeps on the thread that does the host work; 0 on a GPU, whose
+            kernels run while the host goes on.
+        host_step_s: Host seconds of one ``step()`` the device does not overlap (as above).
 
     Raises:
         ValueError: For a negative or non-finite cost, or an unknown method.
@@ -59,11 +64,15 @@ class KfacCosts:
     element_bytes: int = 4
     source: str = "defaults for a GPU-class device"
     layer_factor_s: tuple[tuple[str, float, float], ...] = ()
+    host_hooks_s: float = 0.0
+    host_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name, value in (
             ("factor_scale", self.factor_scale),
             ("precondition_overhead_s", self.precondition_overhead_s),
+            ("host_hooks_s", self.host_hooks_s),
+            ("host_step_s", self.host_step_s),
         ):
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be finite and >= 0, got {value}")
@@ -88,14 +97,15 @@ class KfacCosts:
         c3, c2, c0 = DEFAULT_DECOMPOSITION
         return DecompositionCostModel(c3=c3, c2=c2, c0=c0)
 
-    def decomposition_s(self, n: int) -> float:
+    def decomposition_s(self, n: int, diagonal: bool = False) -> float:
         """Seconds to decompose one ``n x n`` factor, by :meth:`decomposition_model`: the model
         that prices a decomposition also places it, as the runtime's LBP does.
 
         Args:
             n: The factor's side.
+            diagonal: Whether the factor is kept as a diagonal (nothing to decompose).
         """
-        return self.decomposition_model().time(n)
+        return self.decomposition_model().time(n, diagonal)
 
     def layer_factors_s(
         self, layer: str, a_dim: int, g_dim: int, forward_s: float, backward_s: float

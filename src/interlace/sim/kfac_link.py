@@ -9,7 +9,7 @@ from dataclasses import replace
 from interlace.comm.cost import CostModel
 from interlace.comm.plan import Plan, ReadyTensor, schedule
 from interlace.kfac.fusion import bulk_groups
-from interlace.kfac.sizes import packed_size
+from interlace.kfac.sizes import factor_numel
 from interlace.sim.replay import Replay, replay
 
 __all__ = ["bulk_messages", "named_groups", "play_link"]
@@ -92,6 +92,7 @@ def bulk_messages(
     *,
     packed: bool,
     cap_bytes: int | None,
+    a_diagonal: Sequence[bool] = (),
 ) -> tuple[list[ReadyTensor], list[list[int]]]:
     """The bulk factor all-reduce(s), all ready at ``ready_s``, each its own bucket: one message,
     or the runtime's own buckets (:func:`~interlace.kfac.fusion.bulk_groups`, the factors in
@@ -103,9 +104,16 @@ def bulk_messages(
         ready_s: When the factors are all ready.
         packed: Packed upper triangles; otherwise whole ``n x n`` factors.
         cap_bytes: The runtime's bucket cap (0: a bucket per factor); None: one message.
+        a_diagonal: Per layer, whether ``A`` is kept as a diagonal (sent as its ``n`` values
+            either way); none given: no layer's is.
     """
+    diagonal = list(a_diagonal) or [False] * len(dims)
+    if len(diagonal) != len(dims):
+        raise ValueError(f"a_diagonal has {len(diagonal)} flags for {len(dims)} layers")
     sizes = [
-        (packed_size(dim) if packed else dim * dim) * element_bytes for pair in dims for dim in pair
+        factor_numel(dim, diagonal=which == 0 and flag, packed=packed) * element_bytes
+        for (a_dim, g_dim), flag in zip(dims, diagonal, strict=True)
+        for which, dim in enumerate((a_dim, g_dim))
     ]
     if cap_bytes is None:
         return [ReadyTensor("factors (all layers)", sum(sizes), ready_s)], [[0]]

@@ -92,16 +92,17 @@ def decomposition_stage(
     workers: int,
     costs: KfacCosts,
     broadcast: CostModel,
+    a_diagonal: Sequence[bool] = (),
 ) -> Stage:
     """Place the decompositions of ``layers`` with ``placement`` and price the stage.
 
     The stage is :func:`~interlace.kfac.placements.decomposition_program`, the steps the
     runtime walks, priced step by step: each rank decomposes the factors it owns or keeps
-    local, in order, and each broadcast starts once its owner has made it and its channel is
+    local, in order, and each broadcast starts once every rank has reached it in the program
+    (its owner has made it, and each receiver, having made its own earlier decompositions,
+    has posted the receive: gloo sends nothing until the receiver posts) and its channel is
     free. The shared channel (a colocated placement's) runs its messages one after another;
-    each owner's own channel (any other placement's) overlaps the others'. On the shared
-    channel a receiver is never later than that rule: it posts after its own earlier
-    broadcasts, which end first. Per-owner channels leave receivers out (LBP's model).
+    each owner's own channel (any other placement's) overlaps the others'.
 
     Args:
         layers: ``(name, a_dim, g_dim)`` of each preconditioned layer, in module order.
@@ -109,14 +110,21 @@ def decomposition_stage(
         workers: The ranks (>= 1).
         costs: Prices decompositions (and gives the model a placement prices with).
         broadcast: Prices a decomposition's broadcast.
+        a_diagonal: Per layer, whether ``A`` is kept as a diagonal (nothing to decompose, ``n``
+            numbers sent); none given: no layer's is.
     """
     method, size = costs.method, costs.element_bytes
+    flags = list(a_diagonal) or [False] * len(layers)
+    if len(flags) != len(layers):
+        raise ValueError(f"a_diagonal has {len(flags)} flags for {len(layers)} layers")
     source = SimulatedCosts(costs, broadcast)
-    placed = placement.place([LayerFactors(a, g) for _, a, g in layers], workers, source)
+    factors = [LayerFactors(a, g, flag) for (_, a, g), flag in zip(layers, flags, strict=True)]
+    placed = placement.place(factors, workers, source)
     placed.check(placement, 2 * len(layers), workers)
     names = [f"{name}.{which}" for name, _, _ in layers for which in ("A", "G")]
     dims = [dim for _, a, g in layers for dim in (a, g)]
-    work = [costs.decomposition_s(dim) for dim in dims]
+    diagonal = [d for flag in flags for d in (flag, False)]
+    work = [costs.decomposition_s(dim, flag) for dim, flag in zip(dims, diagonal, strict=True)]
     clock = [0.0] * workers
     busy: list[list[float]] = [[] for _ in range(workers)]
     made: list[list[StageEvent]] = [[] for _ in range(workers)]
@@ -132,9 +140,10 @@ def decomposition_stage(
                 clock[rank] += seconds
                 busy[rank].append(seconds)
             continue
-        numbers = sum(method.numel(dims[factor]) for factor in step.factors)
+        numbers = sum(method.numel(dims[factor], diagonal[factor]) for factor in step.factors)
         seconds = broadcast.time(numbers * size) if workers > 1 else 0.0
-        start = max(clock[step.owner], free.get(step.channel, 0.0))
+        # Every rank takes part (COMM-OPT): the broadcast waits for the last to post.
+        start = max(*clock, free.get(step.channel, 0.0))
         free[step.channel] = start + seconds
         sends.append((step, start, start + seconds))
     # Summed exactly, so a rank's work does not depend on the order of additions (LBP's model).

@@ -67,11 +67,13 @@ class FactorTrace:
         layer: The layer.
         a_dim: ``A`` is ``a_dim x a_dim`` (the layer's input, plus one for a bias).
         g_dim: ``G`` is ``g_dim x g_dim`` (the layer's output).
+        a_diagonal: ``A`` is kept as its diagonal (an embedding's: ``a_dim`` numbers).
     """
 
     layer: str
     a_dim: int
     g_dim: int
+    a_diagonal: bool = False
 
 
 @dataclass(frozen=True)
@@ -288,6 +290,10 @@ class Trace:
     def to_dict(self) -> dict[str, Any]:
         """The trace as a JSON object with its format and version."""
         data = asdict(self)
+        # Only a diagonal factor says so: traces without one read as before.
+        for factor in data["factors"]:
+            if not factor["a_diagonal"]:
+                del factor["a_diagonal"]
         return {"format": FORMAT, "version": VERSION, **data}
 
     def save(self, path: str | Path) -> Path:
@@ -414,7 +420,12 @@ def _from_json(path: Path, text: str) -> Trace:
         cursor = where
         try:
             factors.append(
-                FactorTrace(str(item["layer"]), _int(item["a_dim"]), _int(item["g_dim"]))
+                FactorTrace(
+                    str(item["layer"]),
+                    _int(item["a_dim"]),
+                    _int(item["g_dim"]),
+                    bool(item.get("a_diagonal", False)),
+                )
             )
         except (KeyError, TypeError, ValueError) as error:
             raise TraceFormatError(
