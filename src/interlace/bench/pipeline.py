@@ -245,13 +245,6 @@ class PipelineBenchmark(Benchmark[PipelineConfig, Row]):
             partition_by=args.partition_by,
             stages=args.stages,
         )
-        replicas = config.layout.replicas
-        if config.batch % (replicas * config.microbatches):
-            raise UsageError(
-                f"--batch-size {config.batch} does not split into {replicas} replica shards of "
-                f"{config.microbatches} equal pieces; use a multiple of "
-                f"{replicas * config.microbatches}"
-            )
         if config.batch % config.nprocs:
             raise UsageError(
                 f"--batch-size {config.batch} does not split into {config.nprocs} equal "
@@ -261,6 +254,13 @@ class PipelineBenchmark(Benchmark[PipelineConfig, Row]):
             raise UsageError(
                 f"--batch-size {config.batch} does not split into {config.microbatches} equal "
                 "micro-batches; use a multiple of --microbatches"
+            )
+        replicas = config.layout.replicas
+        if config.batch % (replicas * config.microbatches):
+            raise UsageError(
+                f"--batch-size {config.batch} does not split into {replicas} replica shards of "
+                f"{config.microbatches} equal pieces; use a multiple of "
+                f"{replicas * config.microbatches}"
             )
         trace = Path(config.png_path).with_suffix(".json") if config.png_path else None
         if config.json_path and trace and Path(config.json_path).resolve() == trace.resolve():
