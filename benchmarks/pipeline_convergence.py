@@ -2,7 +2,9 @@
 
 ``python benchmarks/pipeline_convergence.py --json docs/pipeline/convergence.json --png
 docs/pipeline/convergence.png``; prints each schedule's final test accuracy per seed and its gap
-to GPipe, and draws the test-accuracy curves (see docs/notes/bench.md).
+to GPipe (or to ``dp``, data parallelism on the same ranks at the same global batch and rate),
+and draws the test-accuracy curves (see docs/notes/bench.md). ``--stages S`` runs replicated
+pipelines of ``S`` stages.
 """
 
 from __future__ import annotations
@@ -23,12 +25,17 @@ from interlace.runlog import read_metrics
 from interlace.train import PIPELINE_SCHEDULES, TrainConfig, train_rank
 
 DEFAULT_SCHEDULES = ("gpipe", "spectrain", "pipedream", "naive")
+#: Data parallelism over the same ranks, each at 1/-n of the global batch (MG-WFBP buckets).
+DATA_PARALLEL = "dp"
 
 
 def main() -> int:
     """Parse the flags, run every (schedule, seed), print the table, write the files."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-n", "--nprocs", type=int, default=4, help="stages = ranks (default 4)")
+    parser.add_argument("-n", "--nprocs", type=int, default=4, help="ranks (default 4)")
+    parser.add_argument(
+        "--stages", type=int, help="stages per pipeline, -n / --stages replicas (default -n)"
+    )
     parser.add_argument("--model", default="resnet20", help="zoo model (default resnet20)")
     parser.add_argument("--epochs", type=int, default=8, help="epochs per run (default 8)")
     parser.add_argument("--batch-size", type=int, default=32, help="mini-batch (default 32)")
@@ -43,7 +50,8 @@ def main() -> int:
     parser.add_argument(
         "--schedules",
         default=",".join(DEFAULT_SCHEDULES),
-        help=f"comma-separated, of {', '.join(PIPELINE_SCHEDULES)} (default all but 1f1b)",
+        help=f"comma-separated, of {', '.join(PIPELINE_SCHEDULES)} and {DATA_PARALLEL} "
+        "(default all but 1f1b and dp)",
     )
     parser.add_argument("--json", help="write every run's rows here")
     parser.add_argument("--png", help="draw the test-accuracy curves here")
@@ -55,19 +63,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="interlace-pipeline-") as runs:
         jobs = [(seed, schedule) for seed in seeds for schedule in schedules]
         for seed, schedule in tqdm(jobs, desc="runs", unit="run"):
-            config = TrainConfig(
-                model=args.model,
-                data="digits",
-                epochs=args.epochs,
-                batch_size=args.batch_size,
-                lr=args.lr,
-                seed=seed,
-                parallel="pipeline",
-                schedule=schedule,
-                chunks=args.chunks,
-                progress=False,
-                runs_dir=runs,
-            )
+            config = _config(args, seed, schedule, runs)
             config.validate()
             run_dir = Path(runs) / f"{schedule}-seed{seed}"
             run_started = time.perf_counter()
@@ -80,10 +76,11 @@ def main() -> int:
                     "model": args.model,
                     "schedule": schedule,
                     "seed": seed,
-                    "stages": args.nprocs,
+                    "stages": None if schedule == DATA_PARALLEL else args.stages or args.nprocs,
+                    "ranks": args.nprocs,
                     "lr": args.lr,
                     "batch_size": args.batch_size,
-                    "chunks": 1 if schedule in ("gpipe", "1f1b") else args.chunks,
+                    "chunks": 1 if schedule in ("gpipe", "1f1b", DATA_PARALLEL) else args.chunks,
                     "test_accuracy": [m["test_accuracy"] for m in metrics],
                     "final_test_accuracy": metrics[-1]["test_accuracy"],
                     "samples_per_s": metrics[-1]["samples_per_s"],
@@ -91,8 +88,9 @@ def main() -> int:
                 }
             )
     total_s = time.perf_counter() - started
+    layout = f"{args.stages or args.nprocs} stages x {args.nprocs // (args.stages or args.nprocs)}"
     print(
-        f"\n{args.model} on digits pipelined over {args.nprocs} stages, mini-batch "
+        f"\n{args.model} on digits pipelined over {layout} replica(s), mini-batch "
         f"{args.batch_size} (asynchronous: {args.chunks} chunk(s)), {args.epochs} epochs, "
         f"SGD lr {args.lr:g} momentum 0.9 "
         f"wd 5e-4, warm-up + cosine; seeds {', '.join(map(str, seeds))}\n"
@@ -103,8 +101,37 @@ def main() -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     if args.png:
-        _plot(rows, schedules, args.png, f"{args.model}, {args.nprocs} stages, digits")
+        _plot(rows, schedules, args.png, f"{args.model}, {layout} replica(s), digits")
     return 0
+
+
+def _config(args: argparse.Namespace, seed: int, schedule: str, runs: str) -> TrainConfig:
+    """One run's config: a pipeline schedule, or data parallelism at the same global batch."""
+    if schedule == DATA_PARALLEL:
+        return TrainConfig(
+            model=args.model,
+            data="digits",
+            epochs=args.epochs,
+            batch_size=args.batch_size // args.nprocs,
+            lr=args.lr,
+            seed=seed,
+            progress=False,
+            runs_dir=runs,
+        )
+    return TrainConfig(
+        model=args.model,
+        data="digits",
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=seed,
+        parallel="pipeline",
+        schedule=schedule,
+        chunks=args.chunks,
+        stages=args.stages,
+        progress=False,
+        runs_dir=runs,
+    )
 
 
 def _median_final(rows: list[dict[str, Any]], schedule: str) -> float:
@@ -114,8 +141,9 @@ def _median_final(rows: list[dict[str, Any]], schedule: str) -> float:
 
 
 def _table(rows: list[dict[str, Any]], schedules: list[str], seeds: list[int]) -> str:
-    reference = _median_final(rows, "gpipe") if "gpipe" in schedules else None
-    header = "| schedule | " + " | ".join(f"seed {s}" for s in seeds) + " | median | vs gpipe |"
+    base = DATA_PARALLEL if DATA_PARALLEL in schedules else "gpipe"
+    reference = _median_final(rows, base) if base in schedules else None
+    header = "| schedule | " + " | ".join(f"seed {s}" for s in seeds) + f" | median | vs {base} |"
     lines = [header, "|---|" + "---:|" * (len(seeds) + 2)]
     for schedule in schedules:
         by_seed = {r["seed"]: r["final_test_accuracy"] for r in rows if r["schedule"] == schedule}

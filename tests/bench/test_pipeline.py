@@ -84,6 +84,23 @@ def test_flags_are_resolved() -> None:
     )
 
 
+def test_stages_cut_the_ranks_into_replicated_pipelines() -> None:
+    config = config_from_args(_parse("-n", "8", "--stages", "4", "--no-netem"))
+    assert (config.layout.stages, config.layout.replicas) == (4, 2)
+    assert config.pipeline_job("mlp").stages == 4
+    assert config_from_args(_parse("--no-netem")).layout.replicas == 1
+
+
+def test_more_stages_than_blocks_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(
+            ["bench", "pipeline", "--no-netem", "--models", "mlp", "-n", "32", "--stages", "16"]
+        )
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "too few for 16 stages" in err and len(err.strip().splitlines()) == 1
+
+
 def test_the_model_is_built_for_the_given_shape_and_classes() -> None:
     config = config_from_args(_parse("--input-shape", "1,8,8", "--classes", "7"))
     assert (config.input_shape, config.num_classes) == ((1, 8, 8), 7)
@@ -108,6 +125,8 @@ def test_the_model_is_built_for_the_given_shape_and_classes() -> None:
         (["--compute", "emulated:resnet20-cpu", "--dilation", "-1"], "dilation must be"),
         (["--compute", "emulated:resnet20-cpu", "--models", "mlp"], "leave out --model"),
         (["--compute", "real", "--dilation", "2"], "emulated compute only"),
+        (["-n", "4", "--stages", "3"], "4 ranks cannot be cut into pipelines of 3 stages"),
+        (["-n", "4", "--stages", "2", "--batch-size", "12"], "2 replica shards of 4"),
     ],
 )
 def test_bad_flags_are_usage_errors(argv: list[str], needle: str) -> None:
@@ -211,3 +230,22 @@ def test_a_tiny_emulated_run_on_two_ranks_says_its_compute(
         # 4 ms of undilated device time per mini-batch of 4, shared by at most 2 devices.
         assert 0 < row["samples_per_s"] <= 2 * 4 / (4 * ms)
         assert row["regime"]["boundary_bytes"] == [4 * 5 * 4]
+
+
+@pytest.mark.slow
+def test_a_tiny_replicated_run_measures_interlace_and_torch_with_ddp(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows_path = tmp_path / "rows.json"
+    argv = ["bench", "pipeline", "--no-netem", "-n", "4", "--stages", "2", "--models", "mlp"]
+    argv += ["--input-shape", "1,8,8", "--batch-size", "16", "--microbatches", "2"]
+    argv += ["--block", "2", "--iters", "1", "--warmup", "1", "--json", str(rows_path)]
+    argv += ["--schedules", "spectrain,gpipe,dp,torch-gpipe"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "pipeline layout: 2 stages x 2 replicas" in out
+    rows = {row["schedule"]: row for row in json.loads(rows_path.read_text())}
+    assert set(rows) == {"spectrain", "gpipe", "dp", "torch-gpipe"}
+    assert rows["torch-gpipe"]["description"].endswith("+ DDP per stage")
+    for row in rows.values():
+        assert row["stages"] == 2 and row["ranks"] == 4 and row["samples_per_s"] > 0

@@ -31,6 +31,10 @@ def test_fill_and_drain_per_mini_batch_or_per_block() -> None:
     assert "flush" in describe_schedule("1f1b", 4, 4)
     assert "predicted" in describe_schedule("spectrain", 4, 4)
     assert "4 x 1/4" in describe_schedule("dp", 4, 4)
+    assert describe_schedule("spectrain", 4, 8, 4).startswith("4 stages x 2 replicas")
+    assert "MG-WFBP" in describe_schedule("gpipe", 4, 8, 2)
+    assert "DDP per stage" in describe_schedule("torch-1f1b", 4, 8, 2)
+    assert "stages x" not in describe_schedule("torch-1f1b", 4, 4)
 
 
 def _regime(link: str = "100mbit", link_bps: float | None = 100e6) -> Regime:

@@ -92,6 +92,9 @@ def test_a_pipelined_resnet_learns_digits(
         ({"parallel": "pipeline", "chunks": 0}, "--chunks"),
         ({"parallel": "pipeline", "schedule": "gpipe", "chunks": 2}, "--microbatches"),
         ({"parallel": "pipeline", "schedule": "naive", "batch_size": 2, "chunks": 4}, "chunks"),
+        ({"parallel": "pipeline", "stages": 0}, "--stages must be >= 1"),
+        ({"stages": 2}, "--stages applies to --parallel pipeline"),
+        ({"parallel": "pipeline", "stages": 2, "strategy": "ddp"}, "--strategy ddp"),
     ],
 )
 def test_bad_pipeline_settings_name_their_flag(changes: dict[str, object], flag: str) -> None:
@@ -105,3 +108,53 @@ def test_cli_rejects_an_unknown_schedule(capsys: pytest.CaptureFixture[str]) -> 
         main(["train", "--parallel", "pipeline", "--schedule", "zigzag"])
     assert exit_info.value.code == 2
     assert "zigzag" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["-n", "4", "--stages", "3"], "4 ranks cannot be cut into pipelines of 3 stages"),
+        (["-n", "4", "--stages", "2", "--batch-size", "33"], "2 equal replica shards"),
+        (["-n", "40", "--stages", "40"], "40 pipeline stages but the model has 11 blocks"),
+    ],
+)
+def test_replicated_pipelines_refuse_layouts_that_do_not_fit_in_one_line(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--parallel", "pipeline", "--data", "digits", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err
+
+
+def _train_replicated(root: str) -> TrainResult:
+    context = init_distributed()
+    try:
+        config = TrainConfig(
+            model="resnet20",
+            data="digits",
+            epochs=1,
+            batch_size=32,
+            parallel="pipeline",
+            schedule="spectrain",
+            stages=2,
+            strategy="fixed",
+            partition_by="params",
+            max_steps_per_epoch=12,
+            progress=False,
+        )
+        config.validate()
+        return train_pipeline(config, context, f"{root}/replicated")
+    finally:
+        finish_distributed()
+
+
+@pytest.mark.timeout(300)
+def test_two_stages_by_two_replicas_train_and_record_their_layout(tmp_path: Path) -> None:
+    values = launch.run(_train_replicated, 4, args=(str(tmp_path),), timeout=240).check().values
+    assert values[0].run_dir == str(tmp_path / "replicated")
+    rows = read_metrics(tmp_path / "replicated" / "metrics.csv")
+    assert rows[0]["samples_per_s"] > 0
+    recorded = json.loads((tmp_path / "replicated" / "config.json").read_text())
+    assert recorded["stages"] == 2 and recorded["strategy"] == "fixed"

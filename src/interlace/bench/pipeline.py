@@ -36,6 +36,7 @@ from interlace.bench.skeleton import BenchConfig, Benchmark, Flags, parse_names
 from interlace.bench.tables import machine, write_timeline
 from interlace.comm.links import parse_link
 from interlace.errors import UsageError
+from interlace.pipeline.layout import PipelineLayout
 from interlace.pipeline.partition import pipeline_blocks
 
 #: vgg11: 9.8M parameters in a few large tensors against a few MB of activations per mini-batch,
@@ -60,7 +61,7 @@ FLAGS = Flags(
     models_help="comma-separated zoo names or package.module:callable, each an nn.Sequential or "
     f"a model with pipeline_blocks() (default {','.join(DEFAULT_MODELS)})",
     nprocs=DEFAULT_NPROCS,
-    nprocs_help=f"ranks = pipeline stages (default {DEFAULT_NPROCS})",
+    nprocs_help=f"ranks = pipeline stages x replicas (default {DEFAULT_NPROCS}, one replica)",
     link=DEFAULT_LINK,
     link_help=f"emulated link per rank (default {DEFAULT_LINK}, where data parallelism of a "
     "large model is communication-bound)",
@@ -86,12 +87,19 @@ class PipelineConfig(BenchConfig):
         microbatches: Pieces per mini-batch.
         block: Mini-batches per timed block.
         partition_by: Stages balanced by measured ``time`` or by ``params``.
+        stages: Stages per pipeline (None: ``nprocs``, one replica).
     """
 
     schedules: tuple[str, ...]
     microbatches: int
     block: int
     partition_by: str = "time"
+    stages: int | None = None
+
+    @property
+    def layout(self) -> PipelineLayout:
+        """The ranks as pipeline stages x replicas."""
+        return PipelineLayout.for_world(self.nprocs, self.stages or self.nprocs)
 
     @property
     def batch(self) -> int:
@@ -113,6 +121,7 @@ class PipelineConfig(BenchConfig):
             block=self.block,
             partition_by=self.partition_by,
             timeline=timeline,
+            stages=self.stages,
         )
 
 
@@ -145,13 +154,16 @@ def _write_timeline(
     if not events:
         return None
     ordered = {s: events[s] for s in TIMELINE_SCHEDULES if s in events}
-    descriptions = {s: describe_schedule(s, config.microbatches, config.nprocs) for s in ordered}
+    layout = config.layout
+    descriptions = {
+        s: describe_schedule(s, config.microbatches, config.nprocs, layout.stages) for s in ordered
+    }
     timeline = timeline_from_events(
         ordered,
         value["origins"],
         descriptions,
         title=f"{model}: one block of {config.block} mini-batches of {config.batch}, "
-        f"{config.nprocs} stages on {config.link_text}",
+        f"{layout.stages} stages x {layout.replicas} replica(s) on {config.link_text}",
     )
     return write_timeline(timeline, path)
 
@@ -195,6 +207,14 @@ class PipelineBenchmark(Benchmark[PipelineConfig, Row]):
             f"drains once per block; default {DEFAULT_BLOCK})",
         )
         parser.add_argument(
+            "--stages",
+            type=int,
+            default=None,
+            help="stages per pipeline: the -n ranks run -n / --stages replicas, each stage "
+            "averaged over its replicas (interlace's schedules: MG-WFBP buckets during the "
+            "stage's backward; torch's: the stage module under DDP); default -n (one replica)",
+        )
+        parser.add_argument(
             "--partition-by",
             choices=("time", "params"),
             default="time",
@@ -223,6 +243,7 @@ class PipelineBenchmark(Benchmark[PipelineConfig, Row]):
             microbatches=args.microbatches,
             block=args.block,
             partition_by=args.partition_by,
+            stages=args.stages,
         )
         if config.batch % config.nprocs:
             raise UsageError(
@@ -233,6 +254,13 @@ class PipelineBenchmark(Benchmark[PipelineConfig, Row]):
             raise UsageError(
                 f"--batch-size {config.batch} does not split into {config.microbatches} equal "
                 "micro-batches; use a multiple of --microbatches"
+            )
+        replicas = config.layout.replicas
+        if config.batch % (replicas * config.microbatches):
+            raise UsageError(
+                f"--batch-size {config.batch} does not split into {replicas} replica shards of "
+                f"{config.microbatches} equal pieces; use a multiple of "
+                f"{replicas * config.microbatches}"
             )
         trace = Path(config.png_path).with_suffix(".json") if config.png_path else None
         if config.json_path and trace and Path(config.json_path).resolve() == trace.resolve():
@@ -250,10 +278,11 @@ class PipelineBenchmark(Benchmark[PipelineConfig, Row]):
         """
         for model in config.models:
             blocks = pipeline_blocks(config.pipeline_job(model).module())
-            if len(blocks) < config.nprocs:
+            stages = config.layout.stages
+            if len(blocks) < stages:
                 raise UsageError(
-                    f"{model} has {len(blocks)} pipeline blocks, too few for {config.nprocs} "
-                    "stages; use fewer ranks (-n) or a deeper model"
+                    f"{model} has {len(blocks)} pipeline blocks, too few for {stages} "
+                    "stages; use fewer stages (--stages or -n) or a deeper model"
                 )
 
     def measure(self, config: PipelineConfig, session: Session) -> list[Row]:
@@ -283,6 +312,7 @@ class PipelineBenchmark(Benchmark[PipelineConfig, Row]):
                 gradient_bytes=value["gradient_bytes"],
                 boundary_bytes=list(value["boundary_bytes"]),
                 plan=value["plan"],
+                stages=config.layout.stages,
             )
             new_rows = [
                 replace(row, compute=config.compute.label())
@@ -308,10 +338,12 @@ class PipelineBenchmark(Benchmark[PipelineConfig, Row]):
         """
         regimes = {row.model: row.regime for row in rows if row.regime is not None}
         print()
+        print(config.layout.describe())
         print(
             format_header(
                 list(regimes.values()),
                 ranks=config.nprocs,
+                stages=config.layout.stages,
                 link=config.link_text,
                 batch=config.batch,
                 microbatches=config.microbatches,

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage as TorchStage
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from torch.nn import functional
+from torch.nn.parallel import DistributedDataParallel
 
 from interlace.bench.harness import (
     LR,
@@ -31,6 +32,7 @@ from interlace.bench.harness import (
 from interlace.dp import DataParallel
 from interlace.emulate.pipeline import EmulatedPipelineModel
 from interlace.pipeline.partition import pipeline_blocks, stage_module
+from interlace.pipeline.replication import ReplicaGroups, StageDataParallel, replicated
 from interlace.pipeline.runtime import PipelineStage
 from interlace.pipeline.schedule import schedule_type
 from interlace.pipeline.stages import local_stage
@@ -63,6 +65,9 @@ class PipelineJob(RankJob):
         block: Mini-batches per timed block.
         partition_by: Stages balanced by measured ``time`` or by ``params``.
         timeline: Whether to record one timed block of :data:`TIMELINE_SCHEDULES`.
+        stages: Stages per pipeline (None: every rank a stage); the ranks form replicas of it,
+            each stage's gradients averaged over them (interlace: MG-WFBP buckets; torch: the
+            stage module under DDP).
         lr: SGD's learning rate.
         momentum: SGD's momentum.
     """
@@ -72,6 +77,7 @@ class PipelineJob(RankJob):
     block: int
     partition_by: str = "time"
     timeline: bool = False
+    stages: int | None = None
     lr: float = LR
     momentum: float = MOMENTUM
 
@@ -131,12 +137,25 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(finite) / len(finite) if finite else None
 
 
+def _replica_shard(
+    batches: Sequence[tuple[Any, Any]], groups: ReplicaGroups
+) -> list[tuple[Any, Any]]:
+    """This replica's share of each global mini-batch (all of it with one replica)."""
+    replicas = groups.layout.replicas
+    if replicas == 1:
+        return list(batches)
+    shard = len(batches[0][0]) // replicas
+    cut = slice(groups.replica * shard, (groups.replica + 1) * shard)
+    return [(inputs[cut], targets[cut]) for inputs, targets in batches]
+
+
 def _build_contender(
-    schedule: str, base: Any, *, plan: Any, job: PipelineJob, rank: int, ranks: int
+    schedule: str, base: Any, *, plan: Any, job: PipelineJob, groups: ReplicaGroups
 ) -> PipelineContender:
     """``schedule``'s own copy of ``base`` (identical weights), optimizer and training step."""
     model = copy.deepcopy(base)
-    last = rank == ranks - 1
+    rank, ranks = groups.rank, groups.layout.world_size
+    last = groups.is_last
     if schedule == DP_BASELINE:
         wrapper = DataParallel(model, bucketing="merged")
         optimizer = make_optimizer(model, wrapper.parameters(), lr=job.lr, momentum=job.momentum)
@@ -156,38 +175,56 @@ def _build_contender(
 
         return PipelineContender(schedule, wrapper=wrapper, train=train_dp)
 
-    module = stage_module(pipeline_blocks(model), plan, rank)
+    module = stage_module(pipeline_blocks(model), plan, groups.stage)
     optimizer = make_optimizer(module, lr=job.lr, momentum=job.momentum)
+    stages = groups.layout.stages
     if schedule in INTERLACE_PIPELINE_SCHEDULES:
         schedule_class = schedule_type(schedule)
+        averaging = groups.data_parallel
         stage = PipelineStage(
             module,
             optimizer,
-            stage=rank,
-            num_stages=ranks,
+            stage=groups.stage,
+            num_stages=stages,
             schedule=schedule_class,
             loss_fn=functional.cross_entropy,
             microbatches=job.microbatches,
             # The asynchronous schedules stream each mini-batch in as many pieces as the
             # synchronous ones cut it into, so every contender moves the same messages.
             chunks=1 if schedule_class.synchronous else job.microbatches,
+            ranks=groups.ranks,
+            group=groups.pipeline,
+            data_parallel=None if averaging is None else StageDataParallel(averaging),
         )
 
         def train_interlace(batches: Sequence[tuple[Any, Any]]) -> float | None:
-            result = stage.run(list(batches), len(batches))
+            result = stage.run(_replica_shard(batches, groups), len(batches))
             return _mean(result.losses) if last else None
 
         return PipelineContender(schedule, train=train_interlace, stage=stage)
 
-    torch_stage = TorchStage(module, rank, ranks, torch.device("cpu"))
+    # torch's combination: the stage module under DDP over the stage's replicas; torch's stage
+    # runs every micro-batch's backward but the last under DDP's no_sync. With DDP's bucket
+    # rebuild (the default) the second step fails an internal assertion (docs/pipeline.md):
+    # find_unused_parameters=True is the setting without that rebuild.
+    wrapped: torch.nn.Module = (
+        module
+        if groups.data_parallel is None
+        else DistributedDataParallel(
+            module, process_group=groups.data_parallel, find_unused_parameters=True
+        )
+    )
+    torch_stage = TorchStage(
+        wrapped, groups.stage, stages, torch.device("cpu"), group=groups.pipeline
+    )
     kind = ScheduleGPipe if schedule == "torch-gpipe" else Schedule1F1B
     runner = kind(torch_stage, job.microbatches, loss_fn=functional.cross_entropy)
 
     def train_torch(batches: Sequence[tuple[Any, Any]]) -> float | None:
         losses: list[Any] = []
-        for inputs, targets in batches:
+        for inputs, targets in _replica_shard(batches, groups):
             optimizer.zero_grad()
-            if rank == 0:
+            if groups.is_first:
                 runner.step(inputs, return_outputs=False)
             elif last:
                 runner.step(target=targets, losses=losses, return_outputs=False)
@@ -211,19 +248,25 @@ def measure_rank(job: PipelineJob) -> dict[str, Any]:
     Args:
         job: The model, contenders and blocks to time.
     """
-    rank, ranks = dist.get_rank(), dist.get_world_size()
+    ranks = dist.get_world_size()
+    groups = replicated(job.stages or ranks)
+    shard = job.batch // groups.layout.replicas
     torch.manual_seed(job.seed)
     base = job.module()
     batches = job.batches(BATCH_STREAM)
-    sample = batches[0][0][: max(1, job.batch // job.microbatches)]
-    plan = local_stage(base, num_stages=ranks, stage=rank, by=job.partition_by, sample=sample).plan
-    boundary = _boundary_bytes(pipeline_blocks(base), plan, sample, job.batch)
+    sample = batches[0][0][: max(1, shard // job.microbatches)]
+    stages = groups.layout.stages
+    plan = local_stage(
+        base, num_stages=stages, stage=groups.stage, by=job.partition_by, sample=sample
+    ).plan
+    # Per pipeline: each replica's share of the mini-batch crosses its boundaries.
+    boundary = _boundary_bytes(pipeline_blocks(base), plan, sample, shard)
     parameters = sum(p.numel() for p in base.parameters() if p.requires_grad)
     gradient_bytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
     # The same order on every rank: DataParallel builds process groups and fits its cost model
     # with collectives.
     contenders = [
-        _build_contender(s, base, plan=plan, job=job, rank=rank, ranks=ranks) for s in job.schedules
+        _build_contender(s, base, plan=plan, job=job, groups=groups) for s in job.schedules
     ]
     del base
 
@@ -314,6 +357,7 @@ def measure_rank(job: PipelineJob) -> dict[str, Any]:
         "block_s": block_s,
         "cpu_s": cpu_s,
         "plan": plan.describe(),
+        "layout": groups.layout.describe(),
         "bounds": [list(bounds) for bounds in plan.bounds],
         "boundary_bytes": boundary,
         "parameters": parameters,

@@ -19,23 +19,30 @@ from interlace.timeline import Timeline
 PROG = "interlace bench pipeline"
 
 
-def describe_schedule(schedule: str, microbatches: int, ranks: int) -> str:
+def describe_schedule(
+    schedule: str, microbatches: int, ranks: int, stages: int | None = None
+) -> str:
     """How a contender processes one global mini-batch, in a few words.
 
     Args:
         schedule: A contender's name.
-        microbatches: Pieces per mini-batch.
-        ranks: Ranks (= stages).
+        microbatches: Pieces per replica's share of a mini-batch.
+        ranks: Ranks.
+        stages: Stages per pipeline (None: ``ranks``, one replica).
     """
-    if schedule in INTERLACE_PIPELINE_SCHEDULES:
-        kind = schedule_type(schedule)
-        if kind.synchronous:
-            return f"{microbatches} micro-batches, {kind.description}"
-        pieces = f", {microbatches} chunks" if microbatches > 1 else ""
-        return f"{kind.description}{pieces}"
+    replicas = ranks // (stages or ranks)
     if schedule == DP_BASELINE:
         return f"{ranks} x 1/{ranks} batch, merged buckets"
-    return f"{microbatches} micro-batches, torch.distributed.pipelining"
+    layout = f"{stages} stages x {replicas} replicas, " if replicas > 1 else ""
+    if schedule in INTERLACE_PIPELINE_SCHEDULES:
+        kind = schedule_type(schedule)
+        averaged = ", stages averaged in MG-WFBP buckets" if replicas > 1 else ""
+        if kind.synchronous:
+            return f"{layout}{microbatches} micro-batches, {kind.description}{averaged}"
+        pieces = f", {microbatches} chunks" if microbatches > 1 else ""
+        return f"{layout}{kind.description}{pieces}{averaged}"
+    ddp = " + DDP per stage" if replicas > 1 else ""
+    return f"{layout}{microbatches} micro-batches, torch.distributed.pipelining{ddp}"
 
 
 def fill_drain_fraction(schedule: str, num_stages: int, block: int, microbatches: int) -> float:
@@ -74,6 +81,13 @@ class Regime(BaseRow):
     #: cross back).
     boundary_bytes: list[int]
     plan: str = ""
+    #: Stages per pipeline (0: ``ranks``, one replica).
+    stages: int = 0
+
+    @property
+    def num_stages(self) -> int:
+        """Stages per pipeline."""
+        return self.stages or self.ranks
 
     @property
     def allreduce_bytes_per_rank(self) -> float:
@@ -101,6 +115,8 @@ class Row(BaseRow):
     vs_dp: float | None
     fill_drain: float
     mean_loss: float | None = None
+    #: Stages per pipeline (the rest of the ranks are its replicas).
+    stages: int | None = None
     #: Per stage (interlace pipelines only): median seconds per block spent computing (forward,
     #: backward, update) and in communication calls (waiting for receives, posting sends).
     stage_compute_s: list[float] | None = None
@@ -147,7 +163,9 @@ def rows_from_value(value: Mapping[str, Any], regime: Regime, *, block: int) -> 
             Row(
                 model=regime.model,
                 schedule=schedule,
-                description=describe_schedule(schedule, regime.microbatches, regime.ranks),
+                description=describe_schedule(
+                    schedule, regime.microbatches, regime.ranks, regime.num_stages
+                ),
                 samples_per_s=median,
                 samples_per_s_p25=p25,
                 samples_per_s_p75=p75,
@@ -159,8 +177,11 @@ def rows_from_value(value: Mapping[str, Any], regime: Regime, *, block: int) -> 
                 link=regime.link,
                 vs_torch_gpipe=None if not torch_rate else median / torch_rate,
                 vs_dp=None if not dp_rate else median / dp_rate,
-                fill_drain=fill_drain_fraction(schedule, regime.ranks, block, regime.microbatches),
+                fill_drain=fill_drain_fraction(
+                    schedule, regime.num_stages, block, regime.microbatches
+                ),
                 mean_loss=losses.get(schedule),
+                stages=regime.num_stages,
                 stage_compute_s=None if stage is None else list(stage["compute_s"]),
                 stage_comm_s=None if stage is None else list(stage["comm_s"]),
                 cpu_s_per_minibatch=None if not cpu_s else statistics.median(cpu_s) / block,
@@ -252,6 +273,7 @@ def format_header(
     *,
     ranks: int,
     link: str,
+    stages: int | None = None,
     batch: int,
     microbatches: int,
     block: int,
@@ -263,8 +285,9 @@ def format_header(
 
     Args:
         regimes: Each measured model's regime.
-        ranks: Ranks (= stages).
+        ranks: Ranks.
         link: The link, as the header names it.
+        stages: Stages per pipeline (None: ``ranks``, one replica).
         batch: Global batch per mini-batch.
         microbatches: Pieces per mini-batch.
         block: Mini-batches per timed block.
@@ -273,13 +296,21 @@ def format_header(
         conditions: A line on the machine, or empty.
     """
     shard = batch // ranks if ranks else batch
+    num_stages = stages or ranks
+    replicas = max(ranks // max(num_stages, 1), 1)
+    per_pipeline = batch // replicas
+    layout = (
+        f"{num_stages} pipeline stages"
+        if replicas == 1
+        else f"{num_stages} pipeline stages x {replicas} replicas, each pipeline {per_pipeline} "
+        "of every mini-batch and each stage's gradients averaged over its replicas"
+    )
     lines = [
-        f"{PROG}: {ranks} ranks = {ranks} pipeline stages on {link}; global batch {batch} per "
+        f"{PROG}: {ranks} ranks = {layout} on {link}; global batch {batch} per "
         f"mini-batch for every contender (gpipe, 1f1b, torch-*: {microbatches} micro-batches of "
-        f"{batch // max(microbatches, 1)}, one update per mini-batch; naive, pipedream, "
-        f"spectrain: a stream of mini-batches of {batch} in {microbatches} chunks, an update "
-        "per mini-batch; dp: "
-        f"{shard} per rank).",
+        f"{per_pipeline // max(microbatches, 1)} per pipeline, one update per mini-batch; naive, "
+        f"pipedream, spectrain: a stream of mini-batches of {per_pipeline} per pipeline in "
+        f"{microbatches} chunks, an update per mini-batch; dp: {shard} per rank).",
         f"Timing: {warmup} warm-up mini-batches each (dp also until its buckets are final), then "
         f"{iters} rounds of one block of {block} mini-batches per contender, interleaved, the "
         "order rotating; block time = max over ranks; samples/s = median over blocks; CPU s per "

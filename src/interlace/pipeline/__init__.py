@@ -11,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from interlace.pipeline.balance import balance_stages
+from interlace.pipeline.layout import MESH_DIM_NAMES, PipelineLayout
 from interlace.pipeline.schedule import (
     ASYNCHRONOUS,
     SCHEDULE_TYPES,
@@ -52,6 +53,12 @@ if TYPE_CHECKING:
         predict_weights,
         predicted_parameters,
     )
+    from interlace.pipeline.replication import (
+        ReplicaAverager,
+        ReplicaGroups,
+        StageDataParallel,
+        replicated,
+    )
     from interlace.pipeline.runtime import (
         SPECTRAIN_BACKWARDS,
         EvalResult,
@@ -62,6 +69,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ASYNCHRONOUS",
+    "MESH_DIM_NAMES",
     "PLAN_BY",
     "SCHEDULES",
     "SCHEDULE_TYPES",
@@ -76,10 +84,14 @@ __all__ = [
     "OneFOneB",
     "Op",
     "PipeDream",
+    "PipelineLayout",
     "PipelineStage",
+    "ReplicaAverager",
+    "ReplicaGroups",
     "Schedule",
     "SpecTrain",
     "SpecTrainReuse",
+    "StageDataParallel",
     "StagePlan",
     "StepResult",
     "Weights",
@@ -95,6 +107,7 @@ __all__ = [
     "predict_weights",
     "predicted_parameters",
     "profile_block_times",
+    "replicated",
     "reuses_forward_graph",
     "same_weights",
     "schedule_type",
@@ -125,6 +138,10 @@ _LAZY = {
         "interlace.pipeline.runtime",
     ),
     **dict.fromkeys(("LocalStage", "local_stage"), "interlace.pipeline.stages"),
+    **dict.fromkeys(
+        ("ReplicaAverager", "ReplicaGroups", "StageDataParallel", "replicated"),
+        "interlace.pipeline.replication",
+    ),
 }
 
 

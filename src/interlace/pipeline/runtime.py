@@ -22,6 +22,7 @@ from interlace.errors import UsageError
 from interlace.pipeline.block import block_plan, piece_of
 from interlace.pipeline.messages import Inbox, send_tensor
 from interlace.pipeline.predict import check_predictable, predicted_parameters
+from interlace.pipeline.replication import ReplicaAverager, StageDataParallel, stage_data_parallel
 from interlace.pipeline.schedule import (
     ASYNCHRONOUS,
     Action,
@@ -146,6 +147,12 @@ class PipelineStage:
             while the others are in transit, so a round trip stops paying every link's full
             transfer in turn. The update is the same as with one piece, except that BatchNorm
             normalises each piece with its own statistics (as GPipe's micro-batches do).
+        data_parallel: the stage's replicas in a replicated pipeline (a process group, or a
+            :class:`~interlace.pipeline.replication.StageDataParallel` with bucket options):
+            the stage's gradients are averaged over them, each bucket's all-reduce starting as
+            the last backward before an update produces it and waited for at the update, which
+            stays where the schedule puts it. Construction then also copies replica 0's
+            weights to the others. None: one replica.
     """
 
     def __init__(
@@ -164,6 +171,7 @@ class PipelineStage:
         on_update: Callable[[], object] | None = None,
         spectrain_backward: str = "recompute",
         chunks: int = 1,
+        data_parallel: StageDataParallel | dist.ProcessGroup | None = None,
     ) -> None:
         if spectrain_backward not in SPECTRAIN_BACKWARDS:
             raise UsageError(
@@ -209,6 +217,9 @@ class PipelineStage:
         self._sends: list[tuple[list[dist.Work], tuple[Tensor, ...]]] = []
         self._process = f"stage {stage}"
         self._schedules: dict[int, Schedule] = {}  # by number of batches
+        options = stage_data_parallel(data_parallel)
+        #: The gradient average over the stage's replicas, or None with one replica.
+        self.averager = None if options is None else ReplicaAverager(module, options)
         if num_stages > 1:
             check_stages_agree(
                 stage=stage,
@@ -424,6 +435,7 @@ class PipelineStage:
             for position, a in enumerate(program)
             if a.op in (Op.RECOMPUTE, Op.RECV_GRAD, Op.BACKWARD, Op.SEND_GRAD)
         }
+        averaged = _last_backwards(program) if self.averager is not None else set()
         inboxes: dict[Op, Inbox] = {}
         posted: dict[tuple[Op, int, int], int] = {}  # (POST op, batch, piece) -> message index
         unit_iter = iter(units)
@@ -443,7 +455,10 @@ class PipelineStage:
                 state = flight.get(action.batch)
                 if state is None:
                     state = flight[action.batch] = self._start(unit_iter, result)
-                self._run(action, state, keep, inboxes, posted, result)
+                if position in averaged:
+                    self._averaged_backward(action, state, keep, inboxes, posted, result)
+                else:
+                    self._run(action, state, keep, inboxes, posted, result)
                 if backward_ends.get(action.batch) == position:
                     self._end_backward(flight.pop(action.batch))
         for inbox in inboxes.values():
@@ -614,7 +629,32 @@ class PipelineStage:
         if state.graph_leaves is not None:
             self._accumulate(state.graph_leaves)
 
+    def _averaged_backward(
+        self,
+        action: Action,
+        state: _InFlight,
+        keep: bool,
+        inboxes: dict[Op, Inbox],
+        posted: dict[tuple[Op, int, int], int],
+        result: StepResult,
+    ) -> None:
+        """The last backward before an update, each gradient sent to its bucket as it lands
+        (on the parameter, or on the copy of it the batch's graph is over)."""
+        assert self.averager is not None
+        leaves = state.graph_leaves
+        averager = self.averager
+        tensors = averager.params if leaves is None else [leaves[n] for n in averager.names]
+        averager.arm(tensors)
+        try:
+            self._run(action, state, keep, inboxes, posted, result)
+        finally:
+            averager.disarm(tensors)
+
     def _update(self, action: Action, result: StepResult) -> None:
+        if self.averager is not None:
+            waited = time.perf_counter()
+            self.averager.apply()
+            self._record("allreduce wait", "comm", waited, action.batch)
         started = time.perf_counter()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -655,6 +695,20 @@ class PipelineStage:
         self._events.append(
             Event(name, category, started, time.perf_counter(), lane, self._process, args)
         )
+
+
+def _last_backwards(program: Sequence[Action]) -> set[int]:
+    """Positions of the last BACKWARD before each UPDATE: the backward that completes the
+    update's gradients (earlier pieces' and micro-batches' have accumulated already)."""
+    found: set[int] = set()
+    last: int | None = None
+    for position, action in enumerate(program):
+        if action.op is Op.BACKWARD:
+            last = position
+        elif action.op is Op.UPDATE and last is not None:
+            found.add(last)
+            last = None
+    return found
 
 
 def _unit_batches(

@@ -6,6 +6,8 @@ import argparse
 from dataclasses import fields, replace
 from pathlib import Path
 
+from torch import nn
+
 from interlace import launch
 from interlace.cliutil import (
     add_channel_arguments,
@@ -19,6 +21,7 @@ from interlace.comm.strategies import RUNTIME_STRATEGIES, STRATEGIES
 from interlace.distenv import in_launched_job, set_collective_timeout
 from interlace.errors import UsageError
 from interlace.pipeline import SPECTRAIN_BACKWARDS
+from interlace.pipeline.partition import pipeline_blocks
 from interlace.runlog import new_run_dir
 from interlace.train.checkpoint import latest_checkpoint, read_header
 from interlace.train.config import (
@@ -29,6 +32,7 @@ from interlace.train.config import (
     PIPELINE_SCHEDULES,
     PRECISIONS,
     TrainConfig,
+    check_pipeline_ranks,
     run_label,
 )
 from interlace.train.job import train_rank
@@ -222,7 +226,8 @@ def add_arguments(
         f"cosine schedule (default {defaults.optimizer})",
     )
     pipeline = parser.add_argument_group(
-        "pipeline parallelism (with --parallel pipeline: one stage per rank, -n stages)"
+        "pipeline parallelism (with --parallel pipeline: one stage per rank, -n stages, or "
+        "-n / --stages replicas of --stages stages)"
     )
     pipeline.add_argument(
         "--parallel",
@@ -238,6 +243,15 @@ def add_arguments(
         help="gpipe or 1f1b (synchronous, micro-batches, one update per mini-batch); "
         "spectrain, pipedream or naive (asynchronous 1F1B, an update per mini-batch, "
         f"with predicted, stashed or latest weights); default {defaults.schedule}",
+    )
+    pipeline.add_argument(
+        "--stages",
+        type=int,
+        default=defaults.stages,
+        help="stages per pipeline: the -n ranks run -n / --stages replicas of it, each stage's "
+        "gradients averaged over its replicas (--strategy's buckets, --channels, --compression) "
+        "while its backward runs, and applied where the schedule updates; --batch-size stays "
+        "the global mini-batch, split over the replicas (default: -n stages, one replica)",
     )
     pipeline.add_argument(
         "--microbatches",
@@ -323,6 +337,7 @@ def run(args: argparse.Namespace) -> int:
         partition_by=args.partition_by,
         spectrain_backward=args.spectrain_backward,
         chunks=args.chunks,
+        stages=args.stages,
         save_every=args.save_every,
         deterministic=args.deterministic,
         replan=args.replan,
@@ -358,6 +373,8 @@ def run(args: argparse.Namespace) -> int:
         parse_link(args.link)
     if config.optimizer == "kfac":
         check_kfac_options(config, nprocs)
+    if config.parallel == "pipeline":
+        check_pipeline_ranks(config, nprocs)
     # Check the model and data here, once, so a typo is one line rather than N tracebacks.
     bundle = load_data(
         config.data,
@@ -366,11 +383,13 @@ def run(args: argparse.Namespace) -> int:
         seq_len=config.seq_len,
         data_file=config.data_file,
     )
-    build_model(
+    model = build_model(
         config.model,
         config.input_shape or bundle.input_shape,
         config.num_classes or bundle.num_classes,
     )
+    if config.parallel == "pipeline":
+        check_stage_count(model, config.stages or nprocs)
     run_dir = run_dir or str(
         new_run_dir(
             config.runs_dir, f"{run_label(config.model)}-{run_label(config.data)}-n{nprocs}"
@@ -385,6 +404,21 @@ def run(args: argparse.Namespace) -> int:
         collective_timeout=collective_timeout_of(args.collective_timeout),
     )
     return report_failure(f"interlace {args.command}", result, args.timeout)
+
+
+def check_stage_count(model: nn.Module, stages: int) -> None:
+    """Refuse more pipeline stages than the model has blocks, in one line.
+
+    Args:
+        model: the built model.
+        stages: stages per pipeline.
+    """
+    blocks = len(pipeline_blocks(model))
+    if stages > blocks:
+        raise UsageError(
+            f"{stages} pipeline stages but the model has {blocks} blocks; use --stages (or -n) "
+            f"of at most {blocks}"
+        )
 
 
 def _refuse_kfac_flags(config: TrainConfig) -> None:

@@ -10,7 +10,8 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from interlace.comm.engine import COMPRESSIONS
-from interlace.comm.strategies import RUNTIME_STRATEGIES
+from interlace.comm.forward_plan import Overlap
+from interlace.comm.strategies import RUNTIME_STRATEGIES, STRATEGIES
 from interlace.errors import UsageError
 from interlace.kfac import AssignmentStrategy, ComputeMethod, DampingAdaptation
 from interlace.kfac.enums import FactorCommChoice, FactorSync, LayerRule, PlacementChoice
@@ -18,6 +19,7 @@ from interlace.kfac.factor_modes import Pipelined
 from interlace.kfac.fusion import FUSIONS, fusion_from
 from interlace.kfac.options import G_NORMALIZATIONS
 from interlace.pipeline import ASYNCHRONOUS, PLAN_BY, SCHEDULES, SPECTRAIN_BACKWARDS, SYNCHRONOUS
+from interlace.pipeline.layout import PipelineLayout
 from interlace.train.checkpoint import SaveEvery
 from interlace.train.kfac_options import (
     Choice,
@@ -63,6 +65,13 @@ def default_kfac_kl_clip(global_batch: int) -> float:
 PARALLELISMS = ("data", "pipeline")
 #: The ``--schedule`` choices of ``--parallel pipeline`` (see interlace.pipeline.schedule).
 PIPELINE_SCHEDULES = SCHEDULES
+#: The ``--strategy`` choices of a replicated pipeline (``--stages``): interlace's planned buckets
+#: that end inside the stage's backward-to-update span.
+REPLICATED_PIPELINE_STRATEGIES = tuple(
+    name
+    for name in RUNTIME_STRATEGIES
+    if STRATEGIES[name].bucketing is not None and STRATEGIES[name].overlap is Overlap.BACKWARD
+)
 #: How ``--parallel pipeline`` balances its stages (see interlace.pipeline.partition).
 PARTITION_BY = PLAN_BY
 
@@ -115,6 +124,9 @@ class TrainConfig:
         partition_by: one of :data:`PARTITION_BY`.
         spectrain_backward: ``"recompute"`` or ``"reuse"``.
         chunks: pieces each mini-batch travels in through an asynchronous schedule.
+        stages: stages per pipeline under ``parallel="pipeline"``; the ranks form ``-n / stages``
+            replicas, each stage's gradients averaged over them with ``strategy``'s buckets,
+            ``channels`` and ``compression`` (None: one pipeline of ``-n`` stages).
         save_every: save a checkpoint every ``N`` optimizer steps (``"500"``) or epochs
             (``"2ep"``), and at the end; None saves none.
         deterministic: fix DataParallel's buckets before training instead of planning them
@@ -335,6 +347,8 @@ class TrainConfig:
     spectrain_backward: str = "recompute"
     # Pieces each mini-batch travels in through an asynchronous schedule (1: whole).
     chunks: int = 1
+    # Stages per pipeline; the ranks are cut into -n / stages replicas (None: -n stages, one).
+    stages: int | None = None
     save_every: str | None = None
     deterministic: bool = False
     replan: bool = False
@@ -447,6 +461,19 @@ class TrainConfig:
                 or self.batch_size >= self.microbatches,
                 f"--batch-size {self.batch_size} cannot be cut into {self.microbatches} "
                 "micro-batches; raise --batch-size or lower --microbatches",
+            ),
+            (
+                self.stages is None or self.stages >= 1,
+                f"--stages must be >= 1, got {self.stages}",
+            ),
+            (
+                self.stages is None or self.parallel == "pipeline",
+                "--stages applies to --parallel pipeline; add --parallel pipeline or drop it",
+            ),
+            (
+                self.stages is None or self.strategy in REPLICATED_PIPELINE_STRATEGIES,
+                f"--strategy {self.strategy}: a replicated pipeline averages each stage with "
+                f"interlace's buckets; choose one of {', '.join(REPLICATED_PIPELINE_STRATEGIES)}",
             ),
             (self.chunks >= 1, f"--chunks must be >= 1, got {self.chunks}"),
             (
@@ -583,6 +610,47 @@ _PIPELINE_ONLY = {
 }
 
 
+def replicas_of(config: TrainConfig, world_size: int) -> int:
+    """Pipeline replicas of a ``--parallel pipeline`` run on ``world_size`` ranks.
+
+    Args:
+        config: the run's config.
+        world_size: the job's ranks.
+
+    Raises:
+        UsageError: when ``--stages`` does not divide the ranks.
+    """
+    stages = world_size if config.stages is None else config.stages
+    return PipelineLayout.for_world(world_size, stages).replicas
+
+
+def check_pipeline_ranks(config: TrainConfig, world_size: int) -> None:
+    """Check that ``--parallel pipeline``'s stages and mini-batch fit ``world_size`` ranks.
+
+    Args:
+        config: the run's config, with ``parallel="pipeline"``.
+        world_size: the job's ranks.
+
+    Raises:
+        UsageError: when ``--stages`` does not divide the ranks or the mini-batch does not split
+            into equal replica shards that still hold a micro-batch (or chunk) each.
+    """
+    replicas = replicas_of(config, world_size)
+    if replicas == 1:
+        return
+    if config.batch_size % replicas:
+        raise UsageError(
+            f"--batch-size {config.batch_size} does not split into {replicas} equal replica "
+            f"shards (-n {world_size} / --stages {config.stages}); use a multiple of {replicas}"
+        )
+    pieces = config.microbatches if config.schedule in SYNCHRONOUS else config.chunks
+    if config.batch_size // replicas < pieces:
+        raise UsageError(
+            f"--batch-size {config.batch_size} leaves {config.batch_size // replicas} samples "
+            f"per replica, too few for {pieces} pieces; raise --batch-size"
+        )
+
+
 def applicable_settings(config: TrainConfig) -> dict[str, object]:
     """``config``'s settings that apply to its run, as plain data (``config.json``'s part).
 
@@ -596,7 +664,10 @@ def applicable_settings(config: TrainConfig) -> dict[str, object]:
     for name, schedules in _PIPELINE_ONLY.items():
         if config.parallel != "pipeline" or config.schedule not in schedules:
             del record[name]
-    if config.parallel == "pipeline":
+    if config.parallel != "pipeline" or config.stages is None:
+        del record["stages"]
+    if config.parallel == "pipeline" and config.stages is None:
+        # A replicated pipeline averages each stage's gradients with these.
         for name in _DATA_PARALLEL_ONLY:
             del record[name]
     if config.optimizer != "kfac":

@@ -1,29 +1,36 @@
 """Training with the model pipelined over the job's ranks: ``interlace train --parallel pipeline``.
 
-Rank ``k`` holds stage ``k`` of as many stages as ranks; the whole ``--batch-size`` mini-batch goes
-through the pipeline, so it is also the global batch.
+The ranks form ``-n / --stages`` replicas of a pipeline (one by default, of ``-n`` stages); the
+``--batch-size`` mini-batch is the global batch, split evenly over the replicas, and each stage's
+gradients are averaged over its replicas.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 from torch.nn import functional
 
+from interlace.comm.strategies import STRATEGIES
 from interlace.distenv import DistContext, collective_device
 from interlace.errors import UsageError
 from interlace.pipeline.partition import StagePlan, pipeline_blocks, stage_module
+from interlace.pipeline.replication import ReplicaGroups, StageDataParallel, replicated
 from interlace.pipeline.runtime import PipelineStage
 from interlace.pipeline.schedule import SYNCHRONOUS
 from interlace.pipeline.stages import LocalStage, local_stage
 from interlace.train.checkpoint import Position, rng_state, set_rng_state
-from interlace.train.config import TrainConfig, TrainResult
+from interlace.train.config import TrainConfig, TrainResult, check_pipeline_ranks
 from interlace.train.records import RunRecords, finish_run
 from interlace.train.schedule import optimizer_with_schedule, steps_in_epoch
 from interlace.zoo import build_model, load_data, make_loader
+
+Batch = tuple[Tensor, Tensor]
 
 
 def train_pipeline(
@@ -48,6 +55,9 @@ def train_pipeline(
     if config.schedule == "spectrain" and config.momentum <= 0:
         raise UsageError("--schedule spectrain predicts from the momentum: use --momentum > 0")
     bundle = load_data(config.data, synthetic_size=config.synthetic_size, seed=config.seed)
+    check_pipeline_ranks(config, context.world_size)
+    groups = replicated(config.stages or context.world_size)
+    layout = groups.layout
     records = RunRecords(config, context, run_dir, resume)
     resumed, start = records.resumed, records.start
     torch.manual_seed(config.seed)
@@ -61,17 +71,19 @@ def train_pipeline(
         # weights fit only their own stage.
         plan = StagePlan(**resumed.state["partition"])
         local = LocalStage(
-            stage_module(pipeline_blocks(model), plan, context.rank),
+            stage_module(pipeline_blocks(model), plan, groups.stage),
             plan,
-            context.rank,
-            context.world_size,
+            groups.stage,
+            layout.stages,
         )
     else:
-        sample = next(iter(train_loader))[0][: max(1, config.batch_size // config.microbatches)]
+        shard = config.batch_size // layout.replicas
+        sample = next(iter(train_loader))[0][: max(1, shard // config.microbatches)]
+        # Every rank cuts by rank 0's plan, so the replicas of a stage hold the same blocks.
         local = local_stage(
             model,
-            num_stages=context.world_size,
-            stage=context.rank,
+            num_stages=layout.stages,
+            stage=groups.stage,
             by=config.partition_by,
             sample=sample,
         )
@@ -93,8 +105,8 @@ def train_pipeline(
     stage = PipelineStage(
         module,
         optimizer,
-        stage=context.rank,
-        num_stages=context.world_size,
+        stage=groups.stage,
+        num_stages=layout.stages,
         schedule=config.schedule,
         loss_fn=functional.cross_entropy,
         microbatches=config.microbatches,
@@ -102,6 +114,9 @@ def train_pipeline(
         on_update=after_update,
         spectrain_backward=config.spectrain_backward,
         chunks=config.chunks,
+        ranks=groups.ranks,
+        group=groups.pipeline,
+        data_parallel=_stage_data_parallel(config, groups),
     )
     if resumed is not None:
         stage.load_state_dict(resumed.state["stage"])
@@ -112,29 +127,32 @@ def train_pipeline(
         if config.schedule in SYNCHRONOUS
         else (f" in {config.chunks} chunks" if config.chunks > 1 else "")
     )
+    replicas = f" x {layout.replicas} replicas" if layout.replicas > 1 else ""
     log = records.open_log(
-        f"pipe{context.world_size}",
+        f"pipe{layout.stages}" + (f"x{layout.replicas}" if layout.replicas > 1 else ""),
         bundle.source,
         lambda path: (
-            f"training {config.model} on {bundle.name} pipelined over {context.world_size} "
-            f"stage(s), schedule {config.schedule}, mini-batch {config.batch_size}{pieces}, "
-            f"run folder {path}"
+            f"training {config.model} on {bundle.name} pipelined over {layout.stages} "
+            f"stage(s){replicas}, schedule {config.schedule}, mini-batch {config.batch_size}"
+            f"{pieces}, run folder {path}"
         ),
     )
     if log is not None:
+        print(layout.describe(), flush=True)
         print(local.plan.describe(), flush=True)
 
     saves = records.saves
     partition = {"bounds": local.plan.bounds, "costs": local.plan.costs, "by": local.plan.by}
 
     accuracy, train_loss, throughput = 0.0, math.nan, 0.0
-    last = context.world_size - 1
+    last = groups.ranks[-1]
+    shards = _replica_shards(groups, config.batch_size)
     try:
         for epoch in range(start.epoch, config.epochs + 1):
             sampler = train_loader.sampler
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
-            result = stage.run(train_loader, steps_per_epoch)
+            result = stage.run(shards(train_loader), steps_per_epoch)
             test = stage.evaluate(test_loader, len(test_loader))
             # The last stage saw the losses; every rank gets the epoch's mean and wall time.
             stats = torch.tensor(
@@ -142,7 +160,7 @@ def train_pipeline(
                 dtype=torch.float64,
                 device=collective_device(),
             )
-            dist.broadcast(stats, last)
+            dist.broadcast(stats, last, group=groups.pipeline)
             train_loss = float(stats[0])
             throughput = steps_per_epoch * config.batch_size / float(stats[1])
             accuracy = test.accuracy
@@ -178,9 +196,43 @@ def train_pipeline(
         bar.close()
     return finish_run(
         log,
-        f"{config.model} on {bundle.name}, {config.schedule} over {last + 1} stages",
+        f"{config.model} on {bundle.name}, {config.schedule} over {layout.stages} stages{replicas}",
         accuracy=accuracy,
         train_loss=train_loss,
         samples_per_s=throughput,
         epochs=config.epochs,
     )
+
+
+def _stage_data_parallel(config: TrainConfig, groups: ReplicaGroups) -> StageDataParallel | None:
+    """The stage's gradient average over its replicas, by ``--strategy``'s buckets; None with
+    one replica."""
+    if groups.data_parallel is None:
+        return None
+    strategy = STRATEGIES[config.strategy]
+    assert strategy.bucketing is not None  # TrainConfig.validate allows planned ones only
+    cap = config.bucket_cap_mb if config.bucket_cap_mb is not None else strategy.cap_bytes / 1e6
+    first = strategy.first_cap_bytes
+    return StageDataParallel(
+        groups.data_parallel,
+        bucketing=strategy.bucketing,
+        bucket_cap_mb=cap,
+        first_bucket_cap_mb=cap if first is None else first / 1e6,
+        channels=config.channels,
+        compression=config.compression,
+    )
+
+
+def _replica_shards(
+    groups: ReplicaGroups, batch_size: int
+) -> Callable[[Iterable[Batch]], Iterator[Batch]]:
+    """This replica's share of every mini-batch: one data stream, cut evenly by replica."""
+    replicas = groups.layout.replicas
+    shard = batch_size // replicas
+    cut = slice(groups.replica * shard, (groups.replica + 1) * shard)
+
+    def shards(batches: Iterable[Batch]) -> Iterator[Batch]:
+        for inputs, targets in batches:
+            yield (inputs[cut], targets[cut]) if replicas > 1 else (inputs, targets)
+
+    return shards
