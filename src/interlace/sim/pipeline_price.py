@@ -12,9 +12,11 @@ is :mod:`interlace.sim.pipeline_events`; this walk is what the planner can affor
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from interlace.comm.cost import CostModel
 from interlace.comm.forward_plan import Overlap
@@ -33,6 +35,7 @@ __all__ = [
     "PipelineConfig",
     "PipelinePrice",
     "StageWork",
+    "kept",
     "price_pipeline",
     "stage_reduce_s",
     "walk_programs",
@@ -98,7 +101,8 @@ class PipelinePrice:
     Args:
         config: What was priced.
         iteration_s: Seconds per mini-batch (every replica's at once).
-        compute_s: The busiest stage's computing, per mini-batch.
+        compute_s: The critical stage's computing, per mini-batch (the stage that waits least
+            on its neighbours' work; the other terms are its too).
         bubble_s: Its waits on its neighbours' work (fill, drain, imbalance).
         p2p_s: Its waits on messages in flight.
         allreduce_s: Its wait for its gradients' all-reduce before the update.
@@ -139,6 +143,56 @@ class _Stage:
     allreduce: float = 0.0
 
 
+# Compiled instructions: (code, message or neighbour, message).
+_RECV, _SEND, _WAIT_SENDS, _UPDATE, _FORWARD, _BACKWARD, _LAUNCH, _WEIGHTS = range(8)
+_CODES = {
+    Op.RECV_ACT: _RECV,
+    Op.RECV_GRAD: _RECV,
+    Op.SEND_ACT: _SEND,
+    Op.SEND_GRAD: _SEND,
+    Op.WAIT_SENDS: _WAIT_SENDS,
+    Op.UPDATE: _UPDATE,
+    Op.FORWARD: _FORWARD,
+    Op.RECOMPUTE: _FORWARD,
+    Op.BACKWARD: _BACKWARD,
+    Op.PREDICT: _WEIGHTS,
+    Op.STASH: _WEIGHTS,
+}
+
+
+@functools.lru_cache(maxsize=512)
+def _compiled(
+    schedule: str, stages: int, block: int, pieces: int
+) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """Every stage's program of ``block`` mini-batches as small integer triples: the schedule's
+    lowered programs, each message numbered, each launching backward marked."""
+    kind = SCHEDULE_TYPES[schedule]
+    plan = block_plan(kind, block, microbatches=pieces, chunks=pieces)
+    program = kind(stages, plan.units)
+    numbers: dict[tuple[object, ...], int] = {}
+    compiled = []
+    for k in range(stages):
+        actions = program.program(k, plan.pieces)
+        launches = {p.backward for p in averaging_points(actions)}
+        mine = []
+        for step in range(plan.steps):
+            for index, action in enumerate(actions):
+                code = _CODES.get(action.op)
+                if code is None:
+                    continue  # receives are posted up front (the Inbox): nothing to wait for
+                if code in (_RECV, _SEND):
+                    forward = action.op in (Op.RECV_ACT, Op.SEND_ACT)
+                    into = k if code == _RECV else (k + 1 if forward else k - 1)
+                    key = (forward, step, action.batch, piece_of(action), into)
+                    mine.append((code, into, numbers.setdefault(key, len(numbers))))
+                elif code == _BACKWARD and index in launches:
+                    mine.append((_LAUNCH, 0, 0))
+                else:
+                    mine.append((code, 0, 0))
+        compiled.append(tuple(mine))
+    return tuple(compiled)
+
+
 def walk_programs(
     works: Sequence[StageWork],
     schedule: str,
@@ -158,59 +212,43 @@ def walk_programs(
     Raises:
         ValueError: When the programs deadlock.
     """
-    kind = SCHEDULE_TYPES[schedule]
-    plan = block_plan(kind, block, microbatches=pieces, chunks=pieces)
+    programs = _compiled(schedule, len(works), block, pieces)
     count = len(works)
-    program = kind(count, plan.units)
-    programs = [
-        [(step, a) for step in range(plan.steps) for a in program.program(k, plan.pieces)]
-        for k in range(count)
-    ]
-    launches = [
-        {p.backward for p in averaging_points(program.program(k, plan.pieces))}
-        for k in range(count)
-    ]
-    lengths = [len(program.program(k, plan.pieces)) for k in range(count)]
     stages = [_Stage() for _ in range(count)]
-    arrivals: dict[tuple[object, ...], tuple[float, float]] = {}  # key -> (issued, arrival)
-    out_free: dict[tuple[int, Link], float] = {}
+    arrivals: dict[int, tuple[float, float]] = {}  # message -> (issued, arrival)
+    out_free: dict[int, float] = {}
+    # Each boundary's link as a number (a rank's sends on one level share its outgoing link).
+    levels: dict[Link, int] = {}
+    level = [levels.setdefault(w.act_link, len(levels)) if w.act_link else 0 for w in works]
     marks: list[list[tuple[float, float, float, float, float]]] = [[] for _ in range(count)]
 
-    def send(k: int, to: int, key: tuple[object, ...], nbytes: float, link: Link) -> None:
-        me = stages[k]
-        lane = (k, link)  # a rank's sends on one level share its outgoing link
-        start = max(me.clock, out_free.get(lane, 0.0))
-        end = start + link.beta * (nbytes + HEADER_BYTES)
-        out_free[lane] = end
-        arrivals[key] = (me.clock, end + link.alpha)
-        me.pending = max(me.pending, me.clock, end - link.beta * SEND_BUFFER_BYTES)
-
     def advance(k: int) -> bool:
-        me, work, moved = stages[k], works[k], False
-        while me.position < len(programs[k]):
-            step, action = programs[k][me.position]
-            op = action.op
-            if op in (Op.RECV_ACT, Op.RECV_GRAD):
-                key = (op is Op.RECV_ACT, step, action.batch, piece_of(action), k)
-                if key not in arrivals:
+        me, work, program, moved = stages[k], works[k], programs[k], False
+        while me.position < len(program):
+            code, peer, message = program[me.position]
+            if code == _RECV:
+                if message not in arrivals:
                     return moved
-                issued, arrival = arrivals.pop(key)
+                issued, arrival = arrivals.pop(message)
                 if arrival > me.clock:
                     me.bubble += max(0.0, min(issued, arrival) - me.clock)
                     me.p2p += arrival - max(issued, me.clock)
                     me.clock = arrival
-            elif op in (Op.SEND_ACT, Op.SEND_GRAD):
-                forward = op is Op.SEND_ACT
-                to = k + 1 if forward else k - 1
-                boundary = works[min(k, to)]
-                assert boundary.act_link is not None  # a neighbour exists where the schedule sends
-                key = (forward, step, action.batch, piece_of(action), to)
-                send(k, to, key, boundary.act_bytes, boundary.act_link)
-            elif op is Op.WAIT_SENDS:
+            elif code == _SEND:
+                boundary = works[min(k, peer)]
+                link = boundary.act_link
+                assert link is not None  # a neighbour exists where the schedule sends
+                lane = k * count + level[min(k, peer)]
+                start = max(me.clock, out_free.get(lane, 0.0))
+                end = start + link.beta * (boundary.act_bytes + HEADER_BYTES)
+                out_free[lane] = end
+                arrivals[message] = (me.clock, end + link.alpha)
+                me.pending = max(me.pending, me.clock, end - link.beta * SEND_BUFFER_BYTES)
+            elif code == _WAIT_SENDS:
                 if me.pending > me.clock:
                     me.p2p += me.pending - me.clock
                     me.clock = me.pending
-            elif op is Op.UPDATE:
+            elif code == _UPDATE:
                 if me.reduce_done > me.clock:
                     me.allreduce += me.reduce_done - me.clock
                     me.clock = me.reduce_done
@@ -218,15 +256,15 @@ def walk_programs(
                 me.busy += work.update_s
                 marks[k].append((me.clock, me.busy, me.bubble, me.p2p, me.allreduce))
             else:
-                seconds = {
-                    Op.FORWARD: work.forward_s,
-                    Op.RECOMPUTE: work.forward_s,
-                    Op.BACKWARD: work.backward_s,
-                    Op.PREDICT: work.weights_s,
-                    Op.STASH: work.weights_s,
-                }.get(op, 0.0)
-                if op is Op.BACKWARD and me.position % lengths[k] in launches[k]:
+                if code == _LAUNCH:
                     me.reduce_done = me.clock + work.reduce_s
+                seconds = (
+                    work.forward_s
+                    if code == _FORWARD
+                    else work.weights_s
+                    if code == _WEIGHTS
+                    else work.backward_s
+                )
                 me.clock += seconds
                 me.busy += seconds
             me.position += 1
@@ -270,10 +308,11 @@ def stage_reduce_s(
             f"{strategy!r} overlaps the next forward; a stage's all-reduce ends before its "
             "update: use mgwfbp, fixed, wfbp, single or optimal"
         )
-    layers = list(reversed(trace.layers))  # forward order
-    start, end = bounds[stage]
-    _, scale = trace.pass_scales
-    own = [(name, indices) for name, indices in reversed(layers[start:end])]  # backward order
+    memo = kept(trace)
+    if "scales" not in memo:
+        memo["scales"] = trace.pass_scales
+    _, scale = memo["scales"]
+    own = _stage_layers(trace, tuple(bounds))[stage]
     total = math.fsum(trace.tensors[ix[0]].layer_backward_s * scale for _, ix in own)
     factor = backward_s / total if total > 0 else 0.0
     tensors, elapsed = [], 0.0
@@ -281,7 +320,7 @@ def stage_reduce_s(
         elapsed += trace.tensors[indices[0]].layer_backward_s * scale * factor
         for index in indices:
             tensor = trace.tensors[index]
-            tensors.append(ReadyTensor(tensor.name, tensor.nbytes, elapsed))
+            tensors.append(ReadyTensor(tensor.name, tensor.nbytes, min(elapsed, backward_s)))
     if not tensors:
         return 0.0, 0
     plan = chosen.plan(wire_tensors(tensors, compression), cost, backward_s=backward_s, forward_s=0.0)
@@ -299,13 +338,13 @@ def _works(
 ) -> tuple[list[StageWork], int]:
     """Every stage's work in pipeline ``replica`` and the buckets per update."""
     works, buckets = [], 0
-    params = [0.0] * config.stages
-    layers = list(reversed(trace.layers))
-    for stage, (start, end) in enumerate(bounds):
-        params[stage] = sum(trace.tensors[i].nbytes for _, ix in layers[start:end] for i in ix)
+    params = [
+        float(sum(trace.tensors[i].nbytes for _, ix in own for i in ix))
+        for own in _stage_layers(trace, tuple(bounds))
+    ]
     total = sum(params) or 1.0
+    ranks = layout.pipeline_ranks(replica)
     for stage, cost in enumerate(costs):
-        ranks = layout.pipeline_ranks(replica)
         link = None
         if stage + 1 < config.stages:
             link = network.point_to_point(layout.same_node(ranks[stage], ranks[stage + 1]))
@@ -343,6 +382,53 @@ def _works(
     return works, buckets
 
 
+#: Work kept per trace (by identity: hashing a trace costs more than the work), the trace
+#: itself held so that its identity stays its own; the last few traces only.
+_KEPT: dict[int, tuple[Trace, dict[tuple[object, ...], Any]]] = {}
+_KEEP_TRACES = 4
+
+
+def kept(trace: Trace) -> dict[tuple[object, ...], Any]:
+    """A memo for work on ``trace`` that the planner repeats at every worker count.
+
+    Args:
+        trace: The trace.
+    """
+    entry = _KEPT.get(id(trace))
+    if entry is None or entry[0] is not trace:
+        while len(_KEPT) >= _KEEP_TRACES:
+            del _KEPT[next(iter(_KEPT))]
+        entry = _KEPT[id(trace)] = (trace, {})
+    return entry[1]
+
+
+def _cut(
+    trace: Trace, stages: int, batch: int
+) -> tuple[tuple[tuple[int, int], ...], tuple[StageCost, ...]]:
+    """The balanced stages and their costs (the same for every replica count: kept)."""
+    memo = kept(trace)
+    key = ("cut", stages, batch)
+    if key not in memo:
+        bounds = tuple(trace_bounds(trace, stages))
+        memo[key] = bounds, tuple(stage_costs(trace, bounds, batch))
+    return memo[key]  # type: ignore[no-any-return]
+
+
+def _stage_layers(
+    trace: Trace, bounds: tuple[tuple[int, int], ...]
+) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]:
+    """Each stage's layers in backward order, with their tensors' indices."""
+    memo = kept(trace)
+    key = ("layers", bounds)
+    if key not in memo:
+        layers = list(reversed(trace.layers))  # forward order
+        memo[key] = tuple(
+            tuple((name, tuple(ix)) for name, ix in reversed(layers[start:end]))
+            for start, end in bounds
+        )
+    return memo[key]  # type: ignore[no-any-return]
+
+
 def price_pipeline(
     trace: Trace,
     config: PipelineConfig,
@@ -376,12 +462,12 @@ def price_pipeline(
             f"need >= 2 stages and 1 <= pieces <= batch, got {config.stages} stages, "
             f"{config.pieces} pieces of a batch of {config.batch}"
         )
-    bounds = trace_bounds(trace, config.stages)
-    costs = stage_costs(trace, bounds, config.batch)
+    bounds, costs = _cut(trace, config.stages, config.batch)
     layout = PipelineLayout(config.stages, config.replicas, gpus_per_node or network.node_size)
     # Pipelines whose boundaries cross nodes alike run alike: walk one of each.
     patterns: dict[tuple[bool, ...], int] = {}
-    for replica in range(config.replicas):
+    # The placement repeats every node's worth of ranks: the first few replicas show them all.
+    for replica in range(1 if layout.gpus_per_node is None else min(config.replicas, layout.gpus_per_node)):
         ranks = layout.pipeline_ranks(replica)
         pattern = tuple(layout.same_node(a, b) for a, b in zip(ranks, ranks[1:], strict=False))
         patterns.setdefault(pattern, replica)
@@ -396,8 +482,15 @@ def price_pipeline(
         marks = walk_programs(works, config.schedule, pieces=config.pieces, block=block)
         span = high - low
         period = max((m[high][0] - m[low][0]) / span for m in marks)
-        busiest = max(range(config.stages), key=lambda k: marks[k][high][1] - marks[k][low][1])
-        mark_hi, mark_lo = marks[busiest][high], marks[busiest][low]
+        # The critical stage never waits on its neighbours' work: its least bubble, then busiest.
+        critical = min(
+            range(config.stages),
+            key=lambda k: (
+                round((marks[k][high][2] - marks[k][low][2]) / span, 12),
+                -(marks[k][high][1] - marks[k][low][1]),
+            ),
+        )
+        mark_hi, mark_lo = marks[critical][high], marks[critical][low]
         compute, _, p2p, allreduce = ((mark_hi[i] - mark_lo[i]) / span for i in range(1, 5))
         price = PipelinePrice(
             config,
