@@ -1,5 +1,5 @@
-"""The ``interlace`` command: ``launch``, ``train``, ``demo``, ``profile``, ``bench``, ``simulate``
-and ``models``.
+"""The ``interlace`` command: ``launch``, ``train``, ``demo``, ``profile``, ``bench``, ``simulate``,
+``plan`` and ``models``.
 
 Each subcommand's module (and torch with it) is imported only when that subcommand is parsed, so
 ``interlace --help`` and ``interlace launch`` stay cheap; bad input is one line and status 2.
@@ -150,6 +150,14 @@ def build_parser() -> OneLineArgumentParser:
         populate=_simulate_arguments,
     )
 
+    _add_command(
+        commands,
+        "plan",
+        help="rank every configuration the simulator can price for a model on a cluster "
+        "(data parallelism, K-FAC, pipelines x replicas) with the flags that run it",
+        populate=_plan_arguments,
+    )
+
     models = _add_command(commands, "models", help="list the model zoo with parameter counts")
     models.add_argument(
         "--data",
@@ -265,6 +273,14 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
     # --validate's compute: the zoo models' own kernels, or a trace's device time (emulated).
     add_compute_arguments(parser)
     parser.set_defaults(handler=functools.partial(command.run, runner=_run_validation))
+
+
+def _plan_arguments(parser: argparse.ArgumentParser) -> None:
+    # Torch-free, like the simulator it ranks with.
+    from interlace.sim import plan_command  # noqa: PLC0415 - only for this subcommand
+
+    plan_command.add_arguments(parser)
+    parser.set_defaults(handler=plan_command.run)
 
 
 def _run_validation(args: argparse.Namespace, png_path: Path | None) -> int:

@@ -8,11 +8,13 @@ stages sit on neighbouring ranks (inside a node) and a stage's replicas are ``st
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from interlace.errors import UsageError
+from interlace.pipeline.schedule import Action, Op
 
-__all__ = ["MESH_DIM_NAMES", "PipelineLayout"]
+__all__ = ["MESH_DIM_NAMES", "AveragePoint", "PipelineLayout", "averaging_points"]
 
 #: The mesh's dimension names, outer first, as torchtitan names them.
 MESH_DIM_NAMES = ("dp", "pp")
@@ -142,6 +144,22 @@ class PipelineLayout:
         """How many nodes a group of ranks spans."""
         return len({self.node_of(rank) for rank in ranks})
 
+    def spread(self, ranks: list[int]) -> tuple[int, int]:
+        """``(nodes, per_node)``: the nodes a group spans and the most of its ranks on one.
+
+        Args:
+            ranks: The group.
+        """
+        counts: dict[int, int] = {}
+        for rank in ranks:
+            node = self.node_of(rank)
+            counts[node] = counts.get(node, 0) + 1
+        return len(counts), max(counts.values(), default=0)
+
+    def same_node(self, first: int, second: int) -> bool:
+        """Whether two ranks share a node (always, on a flat network)."""
+        return self.node_of(first) == self.node_of(second)
+
     def describe(self) -> str:
         """The layout in a few lines, printed at the start of a run."""
         where = "" if self.gpus_per_node is None else f", {self.gpus_per_node} ranks per node"
@@ -155,3 +173,43 @@ class PipelineLayout:
             )
             lines.append(f"  gradients averaged over: {groups}")
         return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class AveragePoint:
+    """Where a replicated stage averages its gradients over its replicas in one program.
+
+    The all-reduce's buckets start as the launching backward makes their gradients (the
+    earlier backwards since the last update only accumulate), and the update waits for all of
+    them: the stage updates where the single-replica schedule does, with averaged gradients.
+
+    Args:
+        backward: Index in the program of the backward that completes the gradients.
+        update: Index of the update that applies them.
+    """
+
+    backward: int
+    update: int
+
+
+def averaging_points(program: Sequence[Action]) -> tuple[AveragePoint, ...]:
+    """Every update of a stage's lowered program and the backward that launches its average:
+    the last backward before it (the rule the runtime runs and the simulator prices).
+
+    Args:
+        program: A stage's program (:meth:`~interlace.pipeline.schedule.Schedule.program`).
+
+    Raises:
+        ValueError: For an update with no backward since the one before.
+    """
+    points = []
+    last: int | None = None
+    for index, action in enumerate(program):
+        if action.op is Op.BACKWARD:
+            last = index
+        elif action.op is Op.UPDATE:
+            if last is None:
+                raise ValueError(f"update at {index} follows no backward since the last update")
+            points.append(AveragePoint(last, index))
+            last = None
+    return tuple(points)

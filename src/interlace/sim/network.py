@@ -1,7 +1,8 @@
 """Network models for the simulator: the all-reduce cost ``a + b*M`` at any number of workers.
 
 Each :class:`Network` answers :meth:`Network.cost` ``(workers)``: ring, double binary tree,
-hierarchical ring, a fitted model, or a ring fitted on OSU logs. :func:`parse_network` reads
+hierarchical ring (a two-level network), a fitted model, or a ring fitted on OSU logs; pipelines
+also ask for its point-to-point links (:meth:`Network.point_to_point`). :func:`parse_network` reads
 ``--network``.
 """
 
@@ -96,6 +97,31 @@ class Network(ABC):
         """One line saying what the model is and where its numbers come from."""
 
 
+    @property
+    def node_size(self) -> int | None:
+        """Workers per node of a two-level network; None where every link is alike."""
+        return None
+
+    def point_to_point(self, same_node: bool = False) -> Link | None:
+        """The point-to-point link between two workers (inside one node or between nodes), or
+        None where the model prices all-reduces only.
+
+        Args:
+            same_node: The two workers share a node (a two-level network's intra link).
+        """
+        return None
+
+    def group_cost(self, workers: int, per_node: int = 1) -> CostModel:
+        """``a + b*M`` of one all-reduce over a group of ``workers`` spread ``per_node`` to a
+        node (a flat network: :meth:`cost`).
+
+        Args:
+            workers: The group's size, >= 1.
+            per_node: Members of the group on each node it spans.
+        """
+        return self.cost(workers)
+
+
 def _check_workers(workers: int) -> None:
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
@@ -119,6 +145,9 @@ class Ring(Network):
 
     def describe(self) -> str:
         return f"ring all-reduce, {self.link.describe()}"
+
+    def point_to_point(self, same_node: bool = False) -> Link | None:
+        return self.link
 
 
 @dataclass(frozen=True)
@@ -165,12 +194,22 @@ class Tree(Network):
     def describe(self) -> str:
         return f"double binary tree all-reduce, {self.link.describe()}"
 
+    def point_to_point(self, same_node: bool = False) -> Link | None:
+        return self.link
+
 
 @dataclass(frozen=True)
 class HierarchicalRing(Network):
-    """Nodes of ``gpus_per_node`` workers: ring reduce-scatter inside the node, ring all-reduce
-    of each worker's ``1/G`` share across nodes (all ``G`` rings at once, one per NIC lane),
-    ring all-gather inside the node. Fewer workers than a node are one partial node.
+    """A two-level network: nodes of ``gpus_per_node`` workers joined by ``intra`` links, each
+    worker with its own ``inter`` link (NIC lane) to the other nodes.
+
+    An all-reduce is priced hierarchically: ring reduce-scatter inside the node, ring all-reduce
+    of each member's ``1/G`` share across the nodes (the node's ``G`` rings at once, one per
+    lane), ring all-gather inside the node. A ring over every member would carry the whole
+    message over the slowest (inter-node) link on each step and leave the other lanes idle; the
+    hierarchy is what NCCL's and Horovod's multi-node all-reduces do. Fewer workers than a node
+    are one partial node. A point-to-point message uses ``intra`` inside a node, ``inter``
+    between nodes.
 
     Args:
         gpus_per_node: Workers per node, >= 1.
@@ -188,9 +227,17 @@ class HierarchicalRing(Network):
         if self.gpus_per_node < 1:
             raise ValueError(f"gpus per node must be >= 1, got {self.gpus_per_node}")
 
+    @property
+    def node_size(self) -> int | None:
+        return self.gpus_per_node
+
     def cost(self, workers: int) -> CostModel:
         _check_workers(workers)
-        local = min(self.gpus_per_node, workers)
+        return self.group_cost(workers, min(self.gpus_per_node, workers))
+
+    def group_cost(self, workers: int, per_node: int = 1) -> CostModel:
+        _check_workers(workers)
+        local = max(1, min(per_node, workers))
         nodes = math.ceil(workers / local)
         # Reduce-scatter then all-gather inside the node is one intra-node ring all-reduce.
         inside = CostModel.ring(local, self.intra.alpha, self.intra.beta, self.intra.gamma)
@@ -198,10 +245,13 @@ class HierarchicalRing(Network):
         # Across nodes each worker carries only its 1/local share of the message.
         return CostModel(inside.a + across.a, inside.b + across.b / local)
 
+    def point_to_point(self, same_node: bool = False) -> Link | None:
+        return self.intra if same_node else self.inter
+
     def describe(self) -> str:
         return (
-            f"hierarchical ring, {self.gpus_per_node} workers per node; between nodes "
-            f"{self.inter.describe()}; inside a node {self.intra.describe()}"
+            f"two-level, {self.gpus_per_node} workers per node, hierarchical all-reduce; "
+            f"between nodes {self.inter.describe()}; inside a node {self.intra.describe()}"
         )
 
 
@@ -224,6 +274,14 @@ class Fitted(Network):
         if self.fitted_on is None:
             return self.model
         return self.model.scaled_to(workers, self.fitted_on)
+
+    def point_to_point(self, same_node: bool = False) -> Link | None:
+        """The ring link behind a fit made on ``N`` workers (``a = 2(N-1) alpha``,
+        ``b = 2(N-1)/N beta``); None for a fit used as it is at every count."""
+        n = self.fitted_on
+        if n is None or n < 2:
+            return None
+        return Link(self.model.a / (2 * (n - 1)), self.model.b * n / (2 * (n - 1)))
 
     def describe(self) -> str:
         base = f"fitted a={self.model.a * 1e6:.1f} us, b={self.model.b * 1e9:.3f} ns/B"
@@ -314,7 +372,8 @@ _LATENCY_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 NETWORK_HELP = (
     "ring:RATE[:LATENCY[:GAMMA]] | tree:RATE[:LATENCY[:GAMMA]] | "
-    "hier:G:RATE[:LATENCY[:INTRA_RATE]] | osu:NAME|PATH[,PATH...] | fitted:A,B[@N] | "
+    "hier:G:RATE[:LATENCY[:INTRA_RATE]] | two-level:G:INTRA_RATE:INTER_RATE[:INTRA_LATENCY"
+    "[:INTER_LATENCY]] | osu:NAME|PATH[,PATH...] | fitted:A,B[@N] | "
     f"paper:{'|'.join(PAPER_LINKS)}"
 )
 
@@ -328,6 +387,10 @@ def parse_network(text: str) -> Network:
     - ``tree:10gbit[:50us[:2.5ns]]``: double binary tree over the same links;
     - ``hier:8:10gbit[:50us[:100gbit]]``: hierarchical ring, 8 workers per node, the given
       link between nodes and (default :data:`DEFAULT_INTRA_RATE_BPS`) inside a node;
+    - ``two-level:8:100gbit:10gbit[:5us[:25us]]``: the same two-level network
+      (:class:`HierarchicalRing`) with both links named: 8 workers per node, 100 Gbit/s inside
+      a node, 10 Gbit/s between nodes, and their latencies (default
+      :data:`DEFAULT_INTRA_LATENCY_S`, :data:`DEFAULT_LATENCY_S`);
     - ``osu:PATH[,PATH...]``: a ring whose per-link alpha and beta are fitted on OSU all-reduce
       logs at several worker counts (a folder means its ``osu_allreduce*`` files; a shipped
       set's name, such as ``osu:10gbe``, its files);
@@ -359,15 +422,21 @@ def parse_network(text: str) -> Network:
             if rest.lower() not in PAPER_LINKS:
                 raise UsageError(f"paper takes one of {', '.join(PAPER_LINKS)}")
             return PaperRing(Link(*PAPER_LINKS[rest.lower()]), spec=text, network=rest.lower())
+        if kind == "two-level":
+            if not 3 <= len(parts) <= 5:
+                raise UsageError(
+                    "two-level takes G:INTRA_RATE:INTER_RATE[:INTRA_LATENCY[:INTER_LATENCY]]"
+                )
+            gpus = _per_node(parts[0])
+            intra = Link.from_rate(
+                _rate(parts[1]), _latency(parts[3]) if len(parts) > 3 else DEFAULT_INTRA_LATENCY_S
+            )
+            inter = Link.from_rate(_rate(parts[2]), _latency(parts[4]) if len(parts) > 4 else None)
+            return HierarchicalRing(gpus, inter, intra, text)
         if kind == "hier":
             if not 2 <= len(parts) <= 4:
                 raise UsageError("hier takes G:RATE[:LATENCY[:INTRA_RATE]]")
-            try:
-                gpus = int(parts[0])
-            except ValueError:
-                raise UsageError(f"workers per node must be an integer, got {parts[0]!r}") from None
-            if gpus < 1:
-                raise UsageError(f"workers per node must be >= 1, got {gpus}")
+            gpus = _per_node(parts[0])
             inter = Link.from_rate(_rate(parts[1]), _latency(parts[2]) if len(parts) > 2 else None)
             intra_rate = _rate(parts[3]) if len(parts) > 3 else DEFAULT_INTRA_RATE_BPS
             intra = Link.from_rate(intra_rate, DEFAULT_INTRA_LATENCY_S)
@@ -399,6 +468,16 @@ def parse_network(text: str) -> Network:
         raise UsageError(f"unknown kind {kind!r}")
     except UsageError as error:
         raise UsageError(f"--network {text!r}: {error}; accepted: {NETWORK_HELP}") from None
+
+
+def _per_node(text: str) -> int:
+    try:
+        gpus = int(text)
+    except ValueError:
+        raise UsageError(f"workers per node must be an integer, got {text!r}") from None
+    if gpus < 1:
+        raise UsageError(f"workers per node must be >= 1, got {gpus}")
+    return gpus
 
 
 def _rate(text: str) -> float:
