@@ -6,7 +6,9 @@ import pytest
 
 from interlace.comm.cost import CostModel
 from interlace.comm.forward_plan import (
+    GateDues,
     GateTiming,
+    Landing,
     gates_from_timings,
     overlap_candidates,
     per_gate_groups,
@@ -161,3 +163,20 @@ def test_bad_plans_are_refused(
 ) -> None:
     with pytest.raises(ValueError, match=needle):
         plan_overlap(TENSORS, gates, COST, groups=groups, forward_s=1 * MS, slice_bytes=slice_bytes)
+
+
+def test_a_gate_lands_every_member_of_the_buckets_due_there() -> None:
+    # Buckets {0, 1}, {2, 3}, {4}; gates wait for 3, then 1 and 2, then 0; tensor 4 for none.
+    dues = GateDues.of([[0, 1], [2, 3], [4]], [[3], [1, 2], [0]])
+    assert dues.due(1, {0, 1, 2}) == [0, 1]
+    assert dues.due(1, {0, 2}) == [0]
+    assert dues.landing([1, 0]) == [0, 1, 2, 3]
+    # The first gate lands tensor 2 with 3, the second tensor 0 with 1, the third nothing;
+    # bucket {4} only at the end.
+    assert dues.in_order() == [
+        Landing((1,), (2, 3)),
+        Landing((0,), (0, 1)),
+        Landing((), ()),
+        Landing((2,), (4,)),
+    ]
+    assert dues.first_due() == [1, 0, 3]

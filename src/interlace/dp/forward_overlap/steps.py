@@ -171,25 +171,25 @@ class DeferredStep:
             for group in optimizer.param_groups
         ]
         self._left = set(deferred)
-        self._hidden: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._withheld: list[tuple[torch.Tensor, torch.Tensor | None]] = []
 
     @property
     def hiding(self) -> bool:
         """Whether the deferred parameters' gradients are hidden (:meth:`hide`)."""
-        return bool(self._hidden)
+        return bool(self._withheld)
 
     def hide(self) -> None:
         """Hide the deferred parameters' gradients from the optimizer's own call, running now
         (an optimizer skips a parameter without a gradient); :meth:`unhide` gives them back."""
-        self._hidden = [(param, param.grad) for group in self.by_group for param in group]
-        for param, _ in self._hidden:
+        self._withheld = [(param, param.grad) for group in self.by_group for param in group]
+        for param, _ in self._withheld:
             param.grad = None
 
     def unhide(self) -> None:
         """Give back the gradients :meth:`hide` took."""
-        for param, grad in self._hidden:
+        for param, grad in self._withheld:
             param.grad = grad
-        self._hidden = []
+        self._withheld = []
 
     def apply(self, params: Sequence[torch.Tensor]) -> None:
         """Update those of ``params`` this step defers, with their gradients as they are now.
