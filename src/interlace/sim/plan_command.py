@@ -289,7 +289,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"network: {network.describe()}")
     per_node = args.gpus_per_node or network.node_size
     if per_node and network.node_size is None:
-        print(f"  {per_node} GPUs per node place the pipelines; a flat network prices every link alike")
+        print(
+            f"  {per_node} GPUs per node place the pipelines; a flat network prices every "
+            "link alike"
+        )
     priced = sum(len(r.candidates) for r in results)
     print(f"priced {priced} configurations at {len(workers)} worker count(s) in {elapsed:.3f} s")
     print("global batch: the trace's batch per GPU; pipelines: micro-batches of that batch\n")
