@@ -433,6 +433,11 @@ def plan(
             found += kfac(trace, network, workers, model)
         elif workers < 2:
             result.left_out.append("pipeline left out: one worker has no stages to share")
+        elif network.point_to_point() is None:
+            result.left_out.append(
+                f"pipeline left out: --network {network.spec!r} prices all-reduces only (no "
+                "point-to-point link); give ring:RATE, two-level:G:INTRA:INTER or fitted:A,B@N"
+            )
         else:
             found += pipelines(trace, network, workers, model, gpus_per_node)
     if gpu_memory_bytes is not None:
