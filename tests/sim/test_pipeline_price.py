@@ -8,7 +8,7 @@ from interlace.comm.cost import CostModel
 from interlace.errors import UsageError
 from interlace.pipeline.block import HEADER_BYTES
 from interlace.sim.network import HierarchicalRing, Link, Ring, parse_network
-from interlace.sim.pipeline import ACTIVATION_BYTES
+from interlace.sim.pipeline import ACTIVATION_BYTES, simulate_pipeline, stage_costs
 from interlace.sim.pipeline_price import PipelineConfig, price_pipeline, stage_reduce_s
 from interlace.sim.trace import ActivationTrace, TensorTrace, Trace
 
@@ -114,3 +114,20 @@ def test_a_network_without_links_cannot_price_a_pipeline() -> None:
         price_pipeline(two_layers(), config, parse_network("fitted:1e-4,1e-9"))
     with pytest.raises(UsageError, match="unknown schedule"):
         price_pipeline(two_layers(), PipelineConfig(2, 1, "zigzag", 2, 2), Ring(INTRA))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_one_flat_pipeline_walks_close_to_the_gloo_replay(schedule: str) -> None:
+    # The gloo replay of one block (notices, shared links) against the walk's steady state:
+    # a synchronous step flushes, so one block is one period give or take the link's latency.
+    trace = two_layers()
+    bounds = [(0, 1), (1, 2)]
+    replayed = simulate_pipeline(
+        stage_costs(trace, bounds, 4),
+        schedule,
+        CostModel(INTRA.alpha, INTRA.beta),
+        microbatches=4,
+        block=1,
+    )
+    walked = price_pipeline(trace, PipelineConfig(2, 1, schedule, 4, 4), Ring(INTRA))
+    assert walked.iteration_s == pytest.approx(replayed.iteration_s, rel=0.05)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from interlace.errors import UsageError
-from interlace.pipeline.schedule import SCHEDULE_TYPES, Op, Schedule
+from interlace.pipeline.schedule import SCHEDULE_TYPES, SCHEDULES, Op, Schedule
 from interlace.sim.kfac import simulate_kfac
 from interlace.sim.network import Network
 from interlace.sim.pipeline_price import PipelineConfig, kept, price_pipeline
@@ -323,6 +323,19 @@ def _pipeline_memory(
     return peak
 
 
+def schedule_flags(kind: type[Schedule]) -> str:
+    """``interlace train``'s flags for a schedule class: ``--schedule`` takes the schedules of
+    :data:`~interlace.pipeline.schedule.SCHEDULES`; a class derived from one of them is
+    SpecTrain's backward on the forward's prediction (``--spectrain-backward reuse``).
+
+    Args:
+        kind: A schedule class.
+    """
+    own = next(c for c in kind.__mro__ if getattr(c, "name", None) in SCHEDULES)
+    flags = f"--schedule {own.name}"
+    return flags if own is kind else flags + " --spectrain-backward reuse"
+
+
 def pipelines(
     trace: Trace, network: Network, workers: int, model: str, gpus_per_node: int | None
 ) -> list[Candidate]:
@@ -344,10 +357,7 @@ def pipelines(
             config = PipelineConfig(stages, replicas, schedule, batch * stages, pieces)
             price = price_pipeline(trace, config, network, gpus_per_node)
             memory = pipeline_memory(trace, config, price.bounds)
-            own = "spectrain" if schedule == "spectrain-reuse" else schedule
-            flags = f"--parallel pipeline --stages {stages} --schedule {own}"
-            if schedule == "spectrain-reuse":
-                flags += " --spectrain-backward reuse"
+            flags = f"--parallel pipeline --stages {stages} {schedule_flags(kind)}"
             flags += f" --microbatches {pieces}" if kind.synchronous else f" --chunks {pieces}"
             if replicas > 1:
                 flags += f" --strategy {config.strategy}"
