@@ -331,7 +331,9 @@ def schedule_flags(kind: type[Schedule]) -> str:
     Args:
         kind: A schedule class.
     """
-    own = next(c for c in kind.__mro__ if getattr(c, "name", None) in SCHEDULES)
+    own: type[Schedule] = next(
+        c for c in kind.__mro__ if issubclass(c, Schedule) and c.name in SCHEDULES
+    )
     flags = f"--schedule {own.name}"
     return flags if own is kind else flags + " --spectrain-backward reuse"
 
