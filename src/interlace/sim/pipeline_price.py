@@ -480,7 +480,8 @@ def price_pipeline(
     if config.synchronous:
         block, low, high = 3, 1, 2
     else:
-        block, low, high = 3 * config.stages, config.stages, 2 * config.stages
+        # (a longer stream, 6S with the window S..5S, gives the same period on the shipped traces)
+        block, low, high = 2 * config.stages + 2, config.stages, 2 * config.stages
     best: PipelinePrice | None = None
     for replica in patterns.values():
         works, buckets = _works(trace, config, network, layout, replica, costs, bounds)
