@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from interlace.errors import UsageError
-from interlace.pipeline.layout import MESH_DIM_NAMES, PipelineLayout
+from interlace.pipeline.layout import MESH_DIM_NAMES, PipelineLayout, averaging_points
+from interlace.pipeline.schedule import SCHEDULE_TYPES, Op
 
 
 def test_mesh_is_arange_reshaped_replicas_by_stages() -> None:
@@ -51,3 +52,24 @@ def test_bad_layouts_are_one_line(call: object, message: str) -> None:
     with pytest.raises(UsageError, match=message) as info:
         call()  # type: ignore[operator]
     assert "\n" not in str(info.value)
+
+
+def test_spread_and_same_node() -> None:
+    layout = PipelineLayout(stages=2, replicas=8, gpus_per_node=4)
+    assert layout.spread(layout.stage_ranks(0)) == (4, 2)  # ranks 0, 2 | 4, 6 | ...
+    assert layout.same_node(2, 3) and not layout.same_node(3, 4)
+    assert PipelineLayout(stages=2, replicas=2).spread([0, 1, 2, 3]) == (1, 4)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULE_TYPES))
+def test_each_update_averages_after_the_last_backward_before_it(name: str) -> None:
+    program = SCHEDULE_TYPES[name](3, 4).program(1, pieces=2)
+    points = averaging_points(program)
+    updates = [i for i, a in enumerate(program) if a.op is Op.UPDATE]
+    assert [p.update for p in points] == updates
+    for point in points:
+        assert program[point.backward].op is Op.BACKWARD
+        between = program[point.backward + 1 : point.update]
+        assert all(a.op is not Op.BACKWARD for a in between)
+    # One update per mini-batch: after the whole step (synchronous) or each mini-batch.
+    assert len(points) == (1 if SCHEDULE_TYPES[name].synchronous else 4)

@@ -1,5 +1,6 @@
-"""What ``interlace simulate`` and ``interlace --help`` import: no torch, no sympy, and matplotlib
-only when a plot is written (importing them was most of the command's time)."""
+"""What ``interlace simulate``, ``interlace plan`` and ``interlace --help`` import: no torch, no
+sympy, and matplotlib only when a plot is written (importing them was most of the command's
+time)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,12 @@ SIMULATE = [
 #: the import check below is the exact guard, this one catches a slow simulation.
 WALL_LIMIT_S = 5.0
 
+#: The planner's sweep of docs/plan.md: ResNet-50 (the largest trace), every family, 4..2048.
+PLAN = ["plan", "--trace", "resnet50-h200", "--workers", "4..2048", "--gpus-per-node", "8"]
+#: Generous against the 2 s the planner aims at: CPU seconds of the child (wall time on a
+#: shared machine measures the neighbours).
+PLAN_CPU_LIMIT_S = 8.0
+
 
 def _run_in_child(argv: list[str], cwd: Path) -> dict[str, object]:
     """Run ``interlace ARGV`` in a fresh interpreter; what it imported and how long it took."""
@@ -39,8 +46,9 @@ def _run_in_child(argv: list[str], cwd: Path) -> dict[str, object]:
         "except SystemExit as exit:\n"
         "    status = exit.code\n"
         "elapsed = time.perf_counter() - started\n"
+        "cpu = time.process_time()\n"
         f"heavy = sorted({{m.split('.')[0] for m in sys.modules if m.startswith({HEAVY!r})}})\n"
-        "print(json.dumps({'status': status, 'heavy': heavy, 'elapsed': elapsed}))\n"
+        "print(json.dumps({'status': status, 'heavy': heavy, 'elapsed': elapsed, 'cpu': cpu}))\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", code],
@@ -71,7 +79,18 @@ def test_the_default_plot_imports_matplotlib_and_still_no_torch(tmp_path: Path) 
     assert (tmp_path / "simulate" / "scaling.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["simulate", "--help"]], ids=" ".join)
+def test_the_planner_imports_none_of_them_and_answers_the_sweep_fast(tmp_path: Path) -> None:
+    rows = tmp_path / "rows.json"
+    report = _run_in_child([*PLAN, "--json", str(rows)], tmp_path)
+    assert report["status"] == 0
+    assert report["heavy"] == []
+    assert {row["family"] for row in json.loads(rows.read_text())} == {"data", "kfac", "pipeline"}
+    assert isinstance(report["cpu"], float) and report["cpu"] < PLAN_CPU_LIMIT_S
+
+
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["simulate", "--help"], ["plan", "--help"]], ids=" ".join
+)
 def test_help_imports_none_of_them(argv: list[str], tmp_path: Path) -> None:
     report = _run_in_child(argv, tmp_path)
     assert report["status"] == 0

@@ -110,3 +110,39 @@ def test_a_ring_spec_takes_a_reduction_cost_per_byte() -> None:
         parse_network("paper:56gbib")
     with pytest.raises(UsageError, match=r"ring takes RATE\[:LATENCY\[:GAMMA\]\]"):
         parse_network("ring:10gbit:1us:1ns:1ns")
+
+
+def test_two_level_spec_names_both_links_and_prices_groups_hierarchically() -> None:
+    network = parse_network("two-level:8:100gbit:10gbit:2us:30us")
+    assert isinstance(network, HierarchicalRing) and network.node_size == 8
+    intra, inter = network.point_to_point(same_node=True), network.point_to_point(same_node=False)
+    assert intra is not None and inter is not None
+    assert (intra.alpha, intra.beta) == (pytest.approx(2e-6), pytest.approx(8 / 100e9))
+    assert (inter.alpha, inter.beta) == (pytest.approx(30e-6), pytest.approx(8 / 10e9))
+    # A group of 16, 4 on each of 4 nodes: a ring of 4 inside (2 x 3 steps of 2 us), then a
+    # ring of 4 nodes (2 x 3 steps of 30 us) carrying a quarter of the message each.
+    group = network.group_cost(16, per_node=4)
+    assert group.a == pytest.approx(6 * 2e-6 + 6 * 30e-6)
+    assert group.b == pytest.approx(2 * 3 / 4 * 8 / 100e9 + 2 * 3 / 4 * 8 / 10e9 / 4)
+    # One member per node: a plain ring over the links between nodes.
+    ring = CostModel.ring(4, inter.alpha, inter.beta)
+    assert network.group_cost(4, per_node=1) == ring
+    assert network.cost(64) == network.group_cost(64, per_node=8)
+    with pytest.raises(UsageError, match="two-level takes G:INTRA_RATE:INTER_RATE"):
+        parse_network("two-level:8:100gbit")
+    with pytest.raises(UsageError, match="workers per node must be an integer"):
+        parse_network("two-level:eight:100gbit:10gbit")
+
+
+def test_flat_networks_have_one_link_and_fits_theirs_when_they_know_their_size() -> None:
+    ring = parse_network("ring:10gbit:50us")
+    assert ring.node_size is None
+    link = ring.point_to_point(True)
+    assert link is not None and link == ring.point_to_point(False)
+    assert (link.alpha, link.beta) == (pytest.approx(50e-6), pytest.approx(8 / 10e9))
+    assert ring.group_cost(8, per_node=4) == ring.cost(8)
+    # A fit on 4 workers, a = 6 alpha and b = 1.5 beta: the link behind it.
+    fitted = parse_network("fitted:6e-4,1.5e-9@4").point_to_point()
+    assert fitted is not None
+    assert (fitted.alpha, fitted.beta) == (pytest.approx(1e-4), pytest.approx(1e-9))
+    assert parse_network("fitted:6e-4,1.5e-9").point_to_point() is None

@@ -96,7 +96,6 @@ class Network(ABC):
     def describe(self) -> str:
         """One line saying what the model is and where its numbers come from."""
 
-
     @property
     def node_size(self) -> int | None:
         """Workers per node of a two-level network; None where every link is alike."""

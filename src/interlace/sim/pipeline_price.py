@@ -13,8 +13,9 @@ is :mod:`interlace.sim.pipeline_events`; this walk is what the planner can affor
 from __future__ import annotations
 
 import functools
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -323,7 +324,9 @@ def stage_reduce_s(
             tensors.append(ReadyTensor(tensor.name, tensor.nbytes, min(elapsed, backward_s)))
     if not tensors:
         return 0.0, 0
-    plan = chosen.plan(wire_tensors(tensors, compression), cost, backward_s=backward_s, forward_s=0.0)
+    plan = chosen.plan(
+        wire_tensors(tensors, compression), cost, backward_s=backward_s, forward_s=0.0
+    )
     return max(b.end_s for b in plan.buckets), len(plan.buckets)
 
 
@@ -355,7 +358,7 @@ def _works(
                 )
         reduce_s = 0.0
         if config.replicas > 1:
-            nodes, per_node = layout.spread(layout.stage_ranks(stage))
+            _, per_node = layout.spread(layout.stage_ranks(stage))
             group = network.group_cost(config.replicas, per_node)
             reduce_s, mine = stage_reduce_s(
                 trace,
@@ -384,11 +387,11 @@ def _works(
 
 #: Work kept per trace (by identity: hashing a trace costs more than the work), the trace
 #: itself held so that its identity stays its own; the last few traces only.
-_KEPT: dict[int, tuple[Trace, dict[tuple[object, ...], Any]]] = {}
+_KEPT: dict[int, tuple[Trace, dict[Hashable, Any]]] = {}
 _KEEP_TRACES = 4
 
 
-def kept(trace: Trace) -> dict[tuple[object, ...], Any]:
+def kept(trace: Trace) -> dict[Hashable, Any]:
     """A memo for work on ``trace`` that the planner repeats at every worker count.
 
     Args:
@@ -467,15 +470,18 @@ def price_pipeline(
     # Pipelines whose boundaries cross nodes alike run alike: walk one of each.
     patterns: dict[tuple[bool, ...], int] = {}
     # The placement repeats every node's worth of ranks: the first few replicas show them all.
-    for replica in range(1 if layout.gpus_per_node is None else min(config.replicas, layout.gpus_per_node)):
+    for replica in range(
+        1 if layout.gpus_per_node is None else min(config.replicas, layout.gpus_per_node)
+    ):
         ranks = layout.pipeline_ranks(replica)
-        pattern = tuple(layout.same_node(a, b) for a, b in zip(ranks, ranks[1:], strict=False))
+        pattern = tuple(layout.same_node(a, b) for a, b in itertools.pairwise(ranks))
         patterns.setdefault(pattern, replica)
     # A window of mini-batches past the fill and before the drain.
     if config.synchronous:
         block, low, high = 3, 1, 2
     else:
-        block, low, high = 3 * config.stages, config.stages, 2 * config.stages
+        # (a longer stream, 6S with the window S..5S, gives the same period on the shipped traces)
+        block, low, high = 2 * config.stages + 2, config.stages, 2 * config.stages
     best: PipelinePrice | None = None
     for replica in patterns.values():
         works, buckets = _works(trace, config, network, layout, replica, costs, bounds)

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from interlace.errors import UsageError
-from interlace.pipeline.schedule import SCHEDULE_TYPES, Op, Schedule
-from interlace.sim.kfac import KFAC_STRATEGIES, simulate_kfac
+from interlace.pipeline.schedule import SCHEDULE_TYPES, SCHEDULES, Op, Schedule
+from interlace.sim.kfac import simulate_kfac
 from interlace.sim.network import Network
 from interlace.sim.pipeline_price import PipelineConfig, kept, price_pipeline
 from interlace.sim.simulation import simulate
@@ -47,7 +47,10 @@ FAMILIES: tuple[str, ...] = ("data", "kfac", "pipeline")
 #: Bytes of a float32.
 _FLOAT = 4
 #: Data sets of ``interlace train`` by one sample's shape.
-_DATA_BY_SHAPE = {(3, 224, 224): "synthetic-imagenet", (3, 32, 32): "synthetic-cifar10"}
+_DATA_BY_SHAPE: dict[tuple[int, ...], str] = {
+    (3, 224, 224): "synthetic-imagenet",
+    (3, 32, 32): "synthetic-cifar10",
+}
 
 
 @dataclass(frozen=True)
@@ -149,9 +152,7 @@ def _activation_bytes(trace: Trace, start: int = 0, end: int | None = None) -> f
     memo = kept(trace)
     if "activations" not in memo:
         sizes = {a.layer: a.numel for a in trace.activations}
-        memo["activations"] = [
-            sizes.get(name, 0) * _FLOAT for name, _ in reversed(trace.layers)
-        ]
+        memo["activations"] = [sizes.get(name, 0) * _FLOAT for name, _ in reversed(trace.layers)]
     return float(sum(memo["activations"][start:end]))
 
 
@@ -164,9 +165,7 @@ def _dp_memory(trace: Trace, extra: float = 0.0) -> tuple[float, str]:
     return memory + _activation_bytes(trace) * _batch(trace), ""
 
 
-def data_parallel(
-    trace: Trace, network: Network, workers: int, model: str
-) -> list[Candidate]:
+def data_parallel(trace: Trace, network: Network, workers: int, model: str) -> list[Candidate]:
     """Every :data:`DP_OPTIONS` configuration at ``workers``.
 
     Args:
@@ -181,8 +180,7 @@ def data_parallel(
     found = []
     for strategy, compression in DP_OPTIONS:
         result = simulate(trace, strategy, cost, workers=workers, compression=compression)
-        replay = result.replay
-        compute = replay.forward_s + trace.backward_s + replay.step_s
+        compute = trace.forward_s + trace.backward_s + trace.step_s
         base, _, channels = strategy.partition("/k=")
         flags = f"--strategy {base}" + (f" --channels {channels}" if channels else "")
         flags += f" --compression {compression}" if compression else ""
@@ -325,6 +323,21 @@ def _pipeline_memory(
     return peak
 
 
+def schedule_flags(kind: type[Schedule]) -> str:
+    """``interlace train``'s flags for a schedule class: ``--schedule`` takes the schedules of
+    :data:`~interlace.pipeline.schedule.SCHEDULES`; a class derived from one of them is
+    SpecTrain's backward on the forward's prediction (``--spectrain-backward reuse``).
+
+    Args:
+        kind: A schedule class.
+    """
+    own: type[Schedule] = next(
+        c for c in kind.__mro__ if issubclass(c, Schedule) and c.name in SCHEDULES
+    )
+    flags = f"--schedule {own.name}"
+    return flags if own is kind else flags + " --spectrain-backward reuse"
+
+
 def pipelines(
     trace: Trace, network: Network, workers: int, model: str, gpus_per_node: int | None
 ) -> list[Candidate]:
@@ -346,10 +359,7 @@ def pipelines(
             config = PipelineConfig(stages, replicas, schedule, batch * stages, pieces)
             price = price_pipeline(trace, config, network, gpus_per_node)
             memory = pipeline_memory(trace, config, price.bounds)
-            own = "spectrain" if schedule == "spectrain-reuse" else schedule
-            flags = f"--parallel pipeline --stages {stages} --schedule {own}"
-            if schedule == "spectrain-reuse":
-                flags += " --spectrain-backward reuse"
+            flags = f"--parallel pipeline --stages {stages} {schedule_flags(kind)}"
             flags += f" --microbatches {pieces}" if kind.synchronous else f" --chunks {pieces}"
             if replicas > 1:
                 flags += f" --strategy {config.strategy}"
@@ -435,10 +445,17 @@ def plan(
             found += kfac(trace, network, workers, model)
         elif workers < 2:
             result.left_out.append("pipeline left out: one worker has no stages to share")
+        elif network.point_to_point() is None:
+            result.left_out.append(
+                f"pipeline left out: --network {network.spec!r} prices all-reduces only (no "
+                "point-to-point link); give ring:RATE, two-level:G:INTRA:INTER or fitted:A,B@N"
+            )
         else:
             found += pipelines(trace, network, workers, model, gpus_per_node)
     if gpu_memory_bytes is not None:
-        over = [c for c in found if c.memory_bytes is not None and c.memory_bytes > gpu_memory_bytes]
+        over = [
+            c for c in found if c.memory_bytes is not None and c.memory_bytes > gpu_memory_bytes
+        ]
         if over:
             result.left_out.append(
                 f"{len(over)} configuration(s) over {gpu_memory_bytes / 2**30:g} GiB per GPU "

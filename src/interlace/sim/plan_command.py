@@ -100,7 +100,7 @@ def trace_for(args: argparse.Namespace) -> Trace:
         models = sorted({n.rsplit("-", 1)[0] for n in TRACES if "-b" not in n})
         raise UsageError(
             f"--model {args.model!r} has no shipped trace; choose from {', '.join(models)}, or "
-            "record one (interlace trace --model M --trace-out T) and give --trace T"
+            "record one (interlace trace --model M --out T) and give --trace T"
         )
     return load_trace(next((n for n in names if n.endswith("-h200")), names[0]))
 
@@ -204,13 +204,16 @@ def format_summary(results: Sequence[PlanResult]) -> str:
     return "\n".join(lines)
 
 
-def plot_plan(results: Sequence[PlanResult], path: str | Path, title: str) -> Path:
-    """Each family's best throughput against workers (log-log), beside the ideal.
+def plot_plan(
+    results: Sequence[PlanResult], path: str | Path, title: str, per_gpu: float = 0.0
+) -> Path:
+    """Each family's best throughput against workers (log-log), beside the compute bound.
 
     Args:
         results: One per worker count.
         path: The PNG (folders are made).
         title: The plot's title.
+        per_gpu: One GPU's samples per second computing alone (0: no bound drawn).
     """
     from matplotlib.figure import Figure  # noqa: PLC0415 - heavy import, only for a plot
 
@@ -223,9 +226,7 @@ def plot_plan(results: Sequence[PlanResult], path: str | Path, title: str) -> Pa
         if points:
             axes.plot(*zip(*points, strict=True), marker=marker, label=key, markersize=4)
     counts = [r.workers for r in results if r.candidates]
-    if len(counts) > 1:
-        first = results[0].candidates[0]
-        per_gpu = first.global_batch / first.workers / (first.terms.get("compute") or 1.0)
+    if len(counts) > 1 and per_gpu > 0:
         axes.plot(counts, [n * per_gpu for n in counts], ":", color="grey", label="compute bound")
     axes.set_xscale("log", base=2)
     axes.set_yscale("log")
@@ -289,7 +290,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"network: {network.describe()}")
     per_node = args.gpus_per_node or network.node_size
     if per_node and network.node_size is None:
-        print(f"  {per_node} GPUs per node place the pipelines; a flat network prices every link alike")
+        print(
+            f"  {per_node} GPUs per node place the pipelines; a flat network prices every "
+            "link alike"
+        )
     priced = sum(len(r.candidates) for r in results)
     print(f"priced {priced} configurations at {len(workers)} worker count(s) in {elapsed:.3f} s")
     print("global batch: the trace's batch per GPU; pipelines: micro-batches of that batch\n")
@@ -315,5 +319,7 @@ def run(args: argparse.Namespace) -> int:
         path.write_text(json.dumps(_rows(results), indent=1) + "\n")
     if args.png:
         title = f"{trace.model}, {network.spec or network.describe()}: planned"
-        print(f"\nplot: {plot_plan(results, args.png, title)}")
+        compute = trace.forward_s + trace.backward_s + trace.step_s
+        per_gpu = (trace.batch_size or 32) / compute if compute > 0 else 0.0
+        print(f"\nplot: {plot_plan(results, args.png, title, per_gpu)}")
     return 0
