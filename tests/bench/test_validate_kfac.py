@@ -17,8 +17,10 @@ from interlace.bench.session import LaunchOptions
 from interlace.bench.validate_kfac import (
     KfacMeasurement,
     LiveCosts,
+    host_costs,
     kfac_validation_rows,
     live_costs,
+    phase_pairs,
     predict_modes,
     rows_from_measurement,
 )
@@ -170,6 +172,43 @@ def test_rows_compare_each_mode_with_its_measurement(tmp_path: Path) -> None:
         assert row.error == pytest.approx((row.predicted_s - measured) / measured)
     assert [line.split(":")[0] for line in notes] == ["dkfac", "spd"]
     assert "factor buckets 1/-" in notes[0] and "owners" in notes[0]
+
+
+def test_a_modes_host_work_is_priced_and_its_phases_line_up(tmp_path: Path) -> None:
+    # Hooks: the K-FAC passes' host seconds beyond DataParallel's alone (3 - 1 ms); step():
+    # 4 ms. The prediction grows by both (the toy's factors are computed in the passes).
+    live = LiveCosts(CostModel(1e-4, 1e-9), CostModel(2e-4, 1e-9), CostModel(1e-4, 3e-9))
+    measured = {
+        "iteration": 0.05,
+        "kfac_passes": 0.02,
+        "factor_comm": 1e-3,
+        "decomposition": 2e-3,
+        "decomposition_comm": 1e-3,
+        "precondition": 1e-3,
+        "optimizer": 1e-3,
+        "host_passes": 3e-3,
+        "host_data_parallel": 1e-3,
+        "host_step": 4e-3,
+    }
+    costs = host_costs(unit_costs(), measured)
+    assert (costs.host_hooks_s, costs.host_step_s) == pytest.approx((2e-3, 4e-3))
+    assert host_costs(unit_costs(), {"iteration": 0.05}) == unit_costs()
+    plain = predict_modes(two_layers(), unit_costs(), ["dkfac"], live, 2)["dkfac"]
+    hosted = predict_modes(
+        two_layers(), unit_costs(), ["dkfac"], live, 2, mode_costs={"dkfac": costs}
+    )["dkfac"]
+    assert hosted.iteration_s == pytest.approx(plain.iteration_s + 6e-3)
+    assert hosted.phases["host"] == pytest.approx(6e-3)
+    pairs = {phase: (p, m) for phase, p, m in phase_pairs(hosted, measured)}
+    # The passes predicted with the hooks' host work; step() measured as what is left.
+    phases = hosted.breakdown
+    assert pairs["passes"] == pytest.approx(
+        (phases.forward_backward + phases.factor_compute + phases.gradient_comm + 2e-3, 0.02)
+    )
+    assert pairs["step()"][1] == pytest.approx(0.05 - 0.02 - 1e-3)
+    assert pairs["step()"][0] + pairs["passes"][0] + pairs["optimizer"][0] == pytest.approx(
+        hosted.iteration_s
+    )
 
 
 @pytest.mark.parametrize(

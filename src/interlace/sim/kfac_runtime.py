@@ -43,10 +43,12 @@ def runtime_strategy(
       :func:`~interlace.kfac.placements.decomposition_program` as the runtime walks it. A
       colocated placement (greedy, round-robin) sends a layer's two decompositions in one
       broadcast on the world group as soon as its owner has made them, after the previous
-      layer's; any other (LBP) sends each factor on its owner's group as soon as it is made.
+      layer's; any other (LBP) sends each factor on its owner's group as soon as it is made
+      and every receiver has posted it.
 
     Not modelled: the small all-reduce with which ``step()`` agrees which layers have factors
-    (one start-up), and host work beside the device's (folding factors into running averages).
+    (one start-up). Host work beside the device's (folding factors into running averages) is
+    priced only as the costs give it (:attr:`KfacCosts.host_hooks_s`, ``host_step_s``).
 
     Args:
         name: The strategy's name in rows.
