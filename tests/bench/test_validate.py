@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from interlace import cli
+from interlace.bench.validate import format_median_summary, median_of_runs
 from interlace.sim.trace import TensorTrace, Trace
+from interlace.sim.validate import ValidationRow
 
 
 def interlace(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -160,3 +162,35 @@ def test_bad_emulated_validation_flags_are_one_line(
     assert stopped.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err
+
+
+def test_each_setting_is_the_median_of_its_runs_predicted_and_measured_apart() -> None:
+    def row(strategy: str, predicted: float, measured: float, run: int) -> ValidationRow:
+        made = ValidationRow.of(
+            family="kfac",
+            model="m",
+            strategy=strategy,
+            ranks=4,
+            link="25gbit",
+            predicted_s=predicted,
+            measured_s=measured,
+        )
+        return ValidationRow(**{**made.to_dict(), "run": run})
+
+    rows = [
+        row("dkfac", 10.0, 11.0, 1),
+        row("spd", 8.0, 8.0, 1),
+        row("dkfac", 12.0, 10.0, 2),
+        row("spd", 9.0, 10.0, 2),
+        row("dkfac", 11.0, 30.0, 3),
+        row("spd", 7.0, 9.0, 3),
+    ]
+    medians = median_of_runs(rows)
+    assert [(r.strategy, r.predicted_s, r.measured_s, r.run) for r in medians] == [
+        ("dkfac", 11.0, 11.0, 0),
+        ("spd", 8.0, 9.0, 0),
+    ]
+    assert medians[1].error == pytest.approx(-1 / 9)
+    assert format_median_summary(medians, 3) == (
+        "kfac, medians of 3 runs: 2 rows, |predicted - measured| / measured median 5.6%, max 11.1%"
+    )

@@ -17,8 +17,10 @@ from interlace.bench.session import LaunchOptions
 from interlace.bench.validate_kfac import (
     KfacMeasurement,
     LiveCosts,
+    host_costs,
     kfac_validation_rows,
     live_costs,
+    phase_pairs,
     predict_modes,
     rows_from_measurement,
 )
@@ -94,17 +96,18 @@ def test_fitted_models_are_undilated_by_dividing_both_terms() -> None:
 
 def test_a_mode_is_planned_by_the_fit_timed_by_the_stream_and_broadcast_as_measured() -> None:
     # dkfac: factors in the passes (forward 0..8, backward 8..20). The plan's a = 1 ms keeps
-    # the gradients apart; the stream's a = 2 ms times them: 14..17 and 20..23, then the bulk
-    # all-reduce of four 4-byte factors 23..29. Greedy: 10 ms of decompositions on each rank,
-    # then two broadcasts of 16 bytes at 0.5 ms per 4 bytes: 10 + 2 + 2. Preconditioning 1 ms, the
-    # step 1 ms: 29 + 14 + 2 = 45 ms.
+    # the gradients apart; the stream's a = 2 ms times them: 14..17 and 20..23, then the
+    # agreement on which layers have factors (24 B) 23..31 and the bulk all-reduce of four
+    # 4-byte factors 31..37. Greedy: 10 ms of decompositions on each rank, then two broadcasts
+    # of 16 bytes at 0.5 ms per 4 bytes: 10 + 2 + 2. Preconditioning 1 ms, the step 1 ms:
+    # 37 + 14 + 2 = 53 ms.
     live = LiveCosts(
         plan=CostModel(1 * MS, PER_BYTE),
         stream=CostModel(2 * MS, PER_BYTE),
         broadcast=CostModel(0.0, PER_BYTE / 2),
     )
     results = predict_modes(two_layers(), unit_costs(), ["dkfac"], live, 2)
-    assert results["dkfac"].iteration_s == pytest.approx(45 * MS)
+    assert results["dkfac"].iteration_s == pytest.approx(53 * MS)
     assert results["dkfac"].phases["decomposition_comm"] == pytest.approx(4 * MS)
     # The run's own buckets: both gradients at once once l0's is ready, 20..24.
     measured = predict_modes(
@@ -115,7 +118,7 @@ def test_a_mode_is_planned_by_the_fit_timed_by_the_stream_and_broadcast_as_measu
         2,
         gradient_buckets={"dkfac": [["l1.weight", "l0.weight"]]},
     )
-    assert measured["dkfac"].iteration_s == pytest.approx(46 * MS)
+    assert measured["dkfac"].iteration_s == pytest.approx(54 * MS)
     # A pipelined mode's kept factor buckets are priced as kept: here all four in one.
     kept = predict_modes(
         two_layers(),
@@ -170,6 +173,43 @@ def test_rows_compare_each_mode_with_its_measurement(tmp_path: Path) -> None:
         assert row.error == pytest.approx((row.predicted_s - measured) / measured)
     assert [line.split(":")[0] for line in notes] == ["dkfac", "spd"]
     assert "factor buckets 1/-" in notes[0] and "owners" in notes[0]
+
+
+def test_a_modes_host_work_is_priced_and_its_phases_line_up(tmp_path: Path) -> None:
+    # Hooks: the K-FAC passes' host seconds beyond DataParallel's alone (3 - 1 ms); step():
+    # 4 ms. The prediction grows by both (the toy's factors are computed in the passes).
+    live = LiveCosts(CostModel(1e-4, 1e-9), CostModel(2e-4, 1e-9), CostModel(1e-4, 3e-9))
+    measured = {
+        "iteration": 0.05,
+        "kfac_passes": 0.02,
+        "factor_comm": 1e-3,
+        "decomposition": 2e-3,
+        "decomposition_comm": 1e-3,
+        "precondition": 1e-3,
+        "optimizer": 1e-3,
+        "host_passes": 3e-3,
+        "host_data_parallel": 1e-3,
+        "host_step": 4e-3,
+    }
+    costs = host_costs(unit_costs(), measured)
+    assert (costs.host_hooks_s, costs.host_step_s) == pytest.approx((2e-3, 4e-3))
+    assert host_costs(unit_costs(), {"iteration": 0.05}) == unit_costs()
+    plain = predict_modes(two_layers(), unit_costs(), ["dkfac"], live, 2)["dkfac"]
+    hosted = predict_modes(
+        two_layers(), unit_costs(), ["dkfac"], live, 2, mode_costs={"dkfac": costs}
+    )["dkfac"]
+    assert hosted.iteration_s == pytest.approx(plain.iteration_s + 6e-3)
+    assert hosted.phases["host"] == pytest.approx(6e-3)
+    pairs = {phase: (p, m) for phase, p, m in phase_pairs(hosted, measured)}
+    # The passes predicted with the hooks' host work; step() measured as what is left.
+    phases = hosted.breakdown
+    assert pairs["passes"] == pytest.approx(
+        (phases.forward_backward + phases.factor_compute + phases.gradient_comm + 2e-3, 0.02)
+    )
+    assert pairs["step()"][1] == pytest.approx(0.05 - 0.02 - 1e-3)
+    assert pairs["step()"][0] + pairs["passes"][0] + pairs["optimizer"][0] == pytest.approx(
+        hosted.iteration_s
+    )
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -458,3 +459,19 @@ def test_simulate_refuses_kfac_on_a_trace_without_factors(
     assert len(err.splitlines()) == 1
     assert "need a trace with K-FAC factor sizes" in err
     assert "--trace-out" in err
+
+
+def test_host_work_adds_up_with_the_phases_and_factors_stay_device_time() -> None:
+    # The hooks' 4 ms of host work go with the four 1 x 1 factors, 1 ms each; step()'s 3 ms
+    # after preconditioning. The bulk strategy computes factors after backward, all serial: 7 ms.
+    hosted = replace(unit_costs(), host_hooks_s=4 * MS, host_step_s=3 * MS)
+    cost = CostModel(1 * MS, PER_BYTE)
+    for strategy in KFAC_STRATEGIES:
+        plain = simulate_kfac(two_layers(), strategy, cost, 2, costs=unit_costs())
+        result = simulate_kfac(two_layers(), strategy, cost, 2, costs=hosted)
+        assert result.breakdown.total_s == pytest.approx(result.iteration_s, rel=1e-12)
+        assert ms(result.phases)["host"] == 7.0
+        assert result.phases["factor_compute"] == plain.phases["factor_compute"]
+        assert result.iteration_s >= plain.iteration_s + 3 * MS
+    dkfac = simulate_kfac(two_layers(), "dkfac", cost, 2, costs=hosted)
+    assert dkfac.iteration_s == pytest.approx((49 + 7) * MS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -245,3 +246,18 @@ def test_an_empty_activation_shape_is_refused() -> None:
             backward_s=0.005,
             activations=(ActivationTrace("conv", (4, 0)),),
         )
+
+
+def test_a_diagonal_factor_is_saved_and_loaded_and_others_read_as_before(tmp_path: Path) -> None:
+    trace = Trace(
+        "embedded",
+        (TensorTrace("embed.weight", "embed", 400, 1600, 1e-3, 1e-3),),
+        1e-3,
+        1e-3,
+        factors=(FactorTrace("embed", 50, 8, a_diagonal=True),),
+    )
+    path = trace.save(tmp_path / "embedded.json")
+    assert load_trace(path).factors == trace.factors
+    dense = replace(trace, factors=(FactorTrace("embed", 50, 8),))
+    assert "a_diagonal" not in dense.save(tmp_path / "dense.json").read_text()
+    assert load_trace(tmp_path / "dense.json").factors == dense.factors

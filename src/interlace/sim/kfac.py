@@ -79,6 +79,9 @@ class KfacStrategy:
         factor_group: Pipelined factor all-reduces run on a process group of their own (a
             second queue beside the gradients', sharing the wire), as interlace's do; otherwise
             gradients and factors share one serial queue.
+        presence_bytes: Bytes per layer of the all-reduce before bulk factors with which the
+            ranks agree which layers have factors (interlace's ``step()``: three int32 flags);
+            0: none.
     """
 
     name: str
@@ -89,6 +92,7 @@ class KfacStrategy:
     bulk_packed: bool = True
     bulk_cap_bytes: int | None = None
     factor_group: bool = False
+    presence_bytes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "placement", placement_or_auto(self.placement))
@@ -310,6 +314,7 @@ def simulate_kfac(
         timing=timing,
         element_bytes=size,
         buckets=factor_buckets,
+        presence_bytes=chosen.presence_bytes * len(layers),
     )
     link = link_phase(
         gradients,
@@ -348,7 +353,7 @@ def simulate_kfac(
         replay=link.replayed,
         model=trace.model,
         network=network,
-        extra=_extra(breakdown, link, stage, layers, costs, workers),
+        extra=_extra(breakdown, link, stage, layers, costs, workers, factors.presence),
         total_s=breakdown.buffer_comm
         + link.drained
         + stage.makespan_s
@@ -369,8 +374,10 @@ def _extra(
     layers: Sequence[SimLayer],
     costs: KfacCosts,
     workers: int,
+    presence: bool,
 ) -> dict[str, float]:
-    """The result's ``extra``: the phases, bucket counts, broadcasts and one worker's time."""
+    """The result's ``extra``: the phases, bucket counts (the agreement on which layers have
+    factors is no factor bucket), broadcasts and one worker's time."""
     every_decomposition = math.fsum(
         costs.decomposition_s(layer.a_dim, layer.a_diagonal) + costs.decomposition_s(layer.g_dim)
         for layer in layers
@@ -381,7 +388,7 @@ def _extra(
     }
     extra.update(
         gradient_buckets=gradient_count,
-        factor_buckets=len(link.kinds) - gradient_count,
+        factor_buckets=len(link.kinds) - gradient_count - int(presence),
         broadcasts=stage.broadcasts if workers > 1 else 0,
         local_factors=stage.local_factors,
         single_worker_s=breakdown.forward_backward

@@ -324,11 +324,14 @@ class FactorMessages:
         factors: The messages, in ready order.
         groups: The buckets, as indices into ``factors``, in launch order.
         waited: Seconds the compute stream waited for the gradients' all-reduces.
+        presence: The first message is the agreement on which layers have factors, not a
+            factor bucket.
     """
 
     factors: list[ReadyTensor]
     groups: list[list[int]]
     waited: float = 0.0
+    presence: bool = False
 
 
 def factor_messages(
@@ -345,6 +348,7 @@ def factor_messages(
     timing: CostModel,
     element_bytes: int,
     buckets: Sequence[Sequence[str]] | None,
+    presence_bytes: int = 0,
 ) -> FactorMessages:
     """Pipelined factors in merged buckets (or the run's ``buckets``); or bulk factors, sent
     once backward has returned with averaged gradients (the compute stream waits for them,
@@ -363,6 +367,8 @@ def factor_messages(
         timing: Prices the gradients' all-reduces.
         element_bytes: Bytes per number.
         buckets: Pipelined factor names per bucket (None: the merge rule plans).
+        presence_bytes: Bulk factors follow one all-reduce of this many bytes, with which the
+            ranks agree which layers have factors (interlace's ``step()``; 0: none).
     """
     if pipelined and buckets is not None:
         return FactorMessages(passes.factors, named_groups(buckets, passes.factors, "factor"))
@@ -393,7 +399,10 @@ def factor_messages(
         cap_bytes=bulk_cap_bytes,
         a_diagonal=[layer.a_diagonal for layer in layers],
     )
-    return FactorMessages(factors, groups, waited)
+    if presence_bytes > 0:
+        factors = [ReadyTensor("factor presence", presence_bytes, ready), *factors]
+        groups = [[0]] + [[index + 1 for index in group] for group in groups]
+    return FactorMessages(factors, groups, waited, presence=presence_bytes > 0)
 
 
 @dataclass(frozen=True)

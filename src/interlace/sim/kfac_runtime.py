@@ -12,11 +12,14 @@ from interlace.kfac.fusion import fusion_from
 from interlace.kfac.placements import Placement, placement_or_auto
 from interlace.sim.kfac import KfacStrategy
 
-__all__ = ["RUNTIME_BULK_CAP_BYTES", "runtime_strategy"]
+__all__ = ["PRESENCE_BYTES_PER_LAYER", "RUNTIME_BULK_CAP_BYTES", "runtime_strategy"]
 
 
 #: interlace's bulk factor all-reduce cap (``KFAC(bucket_cap_mb=25)``, MiB), in bytes.
 RUNTIME_BULK_CAP_BYTES = 25 * 1024 * 1024
+#: What ``step()``'s agreement on which layers have factors sends per layer before bulk factors:
+#: three int32 flags (``FactorComm.agree_presence``).
+PRESENCE_BYTES_PER_LAYER = 3 * 4
 
 
 def runtime_strategy(
@@ -43,10 +46,13 @@ def runtime_strategy(
       :func:`~interlace.kfac.placements.decomposition_program` as the runtime walks it. A
       colocated placement (greedy, round-robin) sends a layer's two decompositions in one
       broadcast on the world group as soon as its owner has made them, after the previous
-      layer's; any other (LBP) sends each factor on its owner's group as soon as it is made.
+      layer's; any other (LBP) sends each factor on its owner's group as soon as it is made
+      and every receiver has posted it.
 
-    Not modelled: the small all-reduce with which ``step()`` agrees which layers have factors
-    (one start-up), and host work beside the device's (folding factors into running averages).
+    Bulk factors follow the small all-reduce with which ``step()`` agrees which layers have
+    factors (three int32 flags per layer). Host work beside the device's (folding factors into
+    running averages) is priced only as the costs give it (:attr:`KfacCosts.host_hooks_s`,
+    ``host_step_s``).
 
     Args:
         name: The strategy's name in rows.
@@ -76,4 +82,5 @@ def runtime_strategy(
         bulk_packed=symmetry_aware,
         bulk_cap_bytes=bucket_cap_bytes,
         factor_group=mode.pipelined,
+        presence_bytes=0 if mode.pipelined else PRESENCE_BYTES_PER_LAYER,
     )
