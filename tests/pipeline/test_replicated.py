@@ -129,6 +129,31 @@ def _async_case(schedule: str, count: int) -> dict[str, list[Tensor]]:
     return {"alone": _weights(alone), "same": _weights(same), "halves": _weights(halves)}
 
 
+def _one_stage_case() -> dict[str, Any]:
+    """Four replicas of a one-stage pipeline (data parallelism): the whole-batch gradient, and
+    an evaluation that each replica scores on its own."""
+    groups = replicated(1)
+    module = nn.Sequential(*_blocks())
+    optimizer = _RecordingSGD(module.parameters(), lr=LR, momentum=MOMENTUM)
+    stage = PipelineStage(
+        module,
+        optimizer,
+        stage=0,
+        num_stages=1,
+        schedule="gpipe",
+        loss_fn=nn.functional.cross_entropy,
+        microbatches=2,
+        ranks=groups.ranks,
+        group=groups.pipeline,
+        data_parallel=StageDataParallel(groups.data_parallel, cost_model=COST),
+    )
+    quarter = BATCH // 4
+    cut = slice(groups.replica * quarter, (groups.replica + 1) * quarter)
+    stage.run([(x[cut], y[cut]) for x, y in _data(1)], 1)
+    score = stage.evaluate(_data(1), 1)
+    return {"grads": optimizer.seen[0], "total": score.total}
+
+
 def _bad_input() -> list[str]:
     errors = []
     for bad in (3, PipelineLayout(2, 3)):
@@ -151,6 +176,7 @@ def _rank_main() -> dict[str, Any]:
     )
     cases: dict[str, Any] = {f"sync-{s}": (lambda s=s: _sync_case(s)) for s in ("gpipe", "1f1b")}
     cases.update({f"async-{s}": (lambda s=s: _async_case(s, 4)) for s in ASYNC})
+    cases["one-stage"] = _one_stage_case
     results: dict[str, Any] = run_scenarios(cases)
     results["errors"] = errors
     results["layout"] = layout
@@ -205,6 +231,15 @@ def test_asynchronous_replicas_average_their_updates(
             assert torch.equal(mine, theirs)
     moved = four_ranks[0][f"async-{schedule}"]["halves"][0]
     assert not torch.equal(moved, next(_blocks()[0].parameters()).detach())
+
+
+def test_one_stage_replicas_are_data_parallelism(four_ranks: list[dict[str, Any]]) -> None:
+    expected = _full_batch_gradients()
+    for values in four_ranks:
+        case = values["one-stage"]
+        assert case["total"] == BATCH
+        for g, e in zip(case["grads"], expected, strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-12)
 
 
 def test_the_layout_is_the_mesh_convention(four_ranks: list[dict[str, Any]]) -> None:

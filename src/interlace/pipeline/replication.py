@@ -37,8 +37,8 @@ class ReplicaGroups:
     Args:
         layout: The stages x replicas of the job.
         rank: This rank (global).
-        pipeline: The group of this rank's pipeline (its stages' messages); None for the
-            default group (one replica).
+        pipeline: The group of this rank's pipeline (its stages' messages, its scores); None
+            for the default group (one replica).
         data_parallel: The group of this stage's replicas (its gradient all-reduces); None with
             one replica.
         mesh: The torch ``DeviceMesh`` the groups come from, or None when made by hand.
@@ -119,8 +119,7 @@ def replicated(
             (layout.replicas, layout.stages),
             mesh_dim_names=MESH_DIM_NAMES,
         )
-        pipeline = None if layout.stages == 1 else mesh.get_group("pp")
-        return ReplicaGroups(layout, rank, pipeline, mesh.get_group("dp"), mesh)
+        return ReplicaGroups(layout, rank, mesh.get_group("pp"), mesh.get_group("dp"), mesh)
     pipeline_group: dist.ProcessGroup | None = None
     stage_group: dist.ProcessGroup | None = None
     # Every rank creates every group, in the same order: new_group is collective over the job.
@@ -132,7 +131,7 @@ def replicated(
         made = dist.new_group(layout.stage_ranks(stage))
         if stage == layout.stage_of(rank):
             stage_group = made
-    return ReplicaGroups(layout, rank, None if layout.stages == 1 else pipeline_group, stage_group)
+    return ReplicaGroups(layout, rank, pipeline_group, stage_group)
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,11 @@ from interlace.train.config import (
     PIPELINE_SCHEDULES,
     PRECISIONS,
     TrainConfig,
-    check_pipeline_ranks,
     run_label,
 )
 from interlace.train.job import train_rank
 from interlace.train.kfac_options import add_kfac_arguments, check_kfac_options, kfac_options
+from interlace.train.pipeline import check_pipeline_ranks
 from interlace.zoo import build_model, load_data
 from interlace.zoo.text import DEFAULT_SEQ_LEN, TEXT_FILE, TEXT_NAMES
 

@@ -19,7 +19,6 @@ from interlace.kfac.factor_modes import Pipelined
 from interlace.kfac.fusion import FUSIONS, fusion_from
 from interlace.kfac.options import G_NORMALIZATIONS
 from interlace.pipeline import ASYNCHRONOUS, PLAN_BY, SCHEDULES, SPECTRAIN_BACKWARDS, SYNCHRONOUS
-from interlace.pipeline.layout import PipelineLayout
 from interlace.train.checkpoint import SaveEvery
 from interlace.train.kfac_options import (
     Choice,
@@ -608,47 +607,6 @@ _PIPELINE_ONLY = {
     "chunks": ASYNCHRONOUS,
     "spectrain_backward": ("spectrain",),
 }
-
-
-def replicas_of(config: TrainConfig, world_size: int) -> int:
-    """Pipeline replicas of a ``--parallel pipeline`` run on ``world_size`` ranks.
-
-    Args:
-        config: the run's config.
-        world_size: the job's ranks.
-
-    Raises:
-        UsageError: when ``--stages`` does not divide the ranks.
-    """
-    stages = world_size if config.stages is None else config.stages
-    return PipelineLayout.for_world(world_size, stages).replicas
-
-
-def check_pipeline_ranks(config: TrainConfig, world_size: int) -> None:
-    """Check that ``--parallel pipeline``'s stages and mini-batch fit ``world_size`` ranks.
-
-    Args:
-        config: the run's config, with ``parallel="pipeline"``.
-        world_size: the job's ranks.
-
-    Raises:
-        UsageError: when ``--stages`` does not divide the ranks or the mini-batch does not split
-            into equal replica shards that still hold a micro-batch (or chunk) each.
-    """
-    replicas = replicas_of(config, world_size)
-    if replicas == 1:
-        return
-    if config.batch_size % replicas:
-        raise UsageError(
-            f"--batch-size {config.batch_size} does not split into {replicas} equal replica "
-            f"shards (-n {world_size} / --stages {config.stages}); use a multiple of {replicas}"
-        )
-    pieces = config.microbatches if config.schedule in SYNCHRONOUS else config.chunks
-    if config.batch_size // replicas < pieces:
-        raise UsageError(
-            f"--batch-size {config.batch_size} leaves {config.batch_size // replicas} samples "
-            f"per replica, too few for {pieces} pieces; raise --batch-size"
-        )
 
 
 def applicable_settings(config: TrainConfig) -> dict[str, object]:

@@ -19,13 +19,14 @@ from torch.nn import functional
 from interlace.comm.strategies import STRATEGIES
 from interlace.distenv import DistContext, collective_device
 from interlace.errors import UsageError
+from interlace.pipeline.layout import PipelineLayout
 from interlace.pipeline.partition import StagePlan, pipeline_blocks, stage_module
 from interlace.pipeline.replication import ReplicaGroups, StageDataParallel, replicated
 from interlace.pipeline.runtime import PipelineStage
 from interlace.pipeline.schedule import SYNCHRONOUS
 from interlace.pipeline.stages import LocalStage, local_stage
 from interlace.train.checkpoint import Position, rng_state, set_rng_state
-from interlace.train.config import TrainConfig, TrainResult, check_pipeline_ranks
+from interlace.train.config import TrainConfig, TrainResult
 from interlace.train.records import RunRecords, finish_run
 from interlace.train.schedule import optimizer_with_schedule, steps_in_epoch
 from interlace.zoo import build_model, load_data, make_loader
@@ -236,3 +237,44 @@ def _replica_shards(
             yield (inputs[cut], targets[cut]) if replicas > 1 else (inputs, targets)
 
     return shards
+
+
+def replicas_of(config: TrainConfig, world_size: int) -> int:
+    """Pipeline replicas of a ``--parallel pipeline`` run on ``world_size`` ranks.
+
+    Args:
+        config: the run's config.
+        world_size: the job's ranks.
+
+    Raises:
+        UsageError: when ``--stages`` does not divide the ranks.
+    """
+    stages = world_size if config.stages is None else config.stages
+    return PipelineLayout.for_world(world_size, stages).replicas
+
+
+def check_pipeline_ranks(config: TrainConfig, world_size: int) -> None:
+    """Check that ``--parallel pipeline``'s stages and mini-batch fit ``world_size`` ranks.
+
+    Args:
+        config: the run's config, with ``parallel="pipeline"``.
+        world_size: the job's ranks.
+
+    Raises:
+        UsageError: when ``--stages`` does not divide the ranks or the mini-batch does not split
+            into equal replica shards that still hold a micro-batch (or chunk) each.
+    """
+    replicas = replicas_of(config, world_size)
+    if replicas == 1:
+        return
+    if config.batch_size % replicas:
+        raise UsageError(
+            f"--batch-size {config.batch_size} does not split into {replicas} equal replica "
+            f"shards (-n {world_size} / --stages {config.stages}); use a multiple of {replicas}"
+        )
+    pieces = config.microbatches if config.schedule in SYNCHRONOUS else config.chunks
+    if config.batch_size // replicas < pieces:
+        raise UsageError(
+            f"--batch-size {config.batch_size} leaves {config.batch_size // replicas} samples "
+            f"per replica, too few for {pieces} pieces; raise --batch-size"
+        )
