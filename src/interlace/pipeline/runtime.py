@@ -20,6 +20,7 @@ from torch.func import functional_call
 from interlace.distenv import collective_device
 from interlace.errors import UsageError
 from interlace.pipeline.block import block_plan, piece_of
+from interlace.pipeline.layout import averaging_points
 from interlace.pipeline.messages import Inbox, send_tensor
 from interlace.pipeline.predict import check_predictable, predicted_parameters
 from interlace.pipeline.replication import ReplicaAverager, StageDataParallel, stage_data_parallel
@@ -435,7 +436,11 @@ class PipelineStage:
             for position, a in enumerate(program)
             if a.op in (Op.RECOMPUTE, Op.RECV_GRAD, Op.BACKWARD, Op.SEND_GRAD)
         }
-        averaged = _last_backwards(program) if self.averager is not None else set()
+        averaged = (
+            {point.backward for point in averaging_points(program)}
+            if self.averager is not None
+            else set()
+        )
         inboxes: dict[Op, Inbox] = {}
         posted: dict[tuple[Op, int, int], int] = {}  # (POST op, batch, piece) -> message index
         unit_iter = iter(units)
@@ -695,20 +700,6 @@ class PipelineStage:
         self._events.append(
             Event(name, category, started, time.perf_counter(), lane, self._process, args)
         )
-
-
-def _last_backwards(program: Sequence[Action]) -> set[int]:
-    """Positions of the last BACKWARD before each UPDATE: the backward that completes the
-    update's gradients (earlier pieces' and micro-batches' have accumulated already)."""
-    found: set[int] = set()
-    last: int | None = None
-    for position, action in enumerate(program):
-        if action.op is Op.BACKWARD:
-            last = position
-        elif action.op is Op.UPDATE and last is not None:
-            found.add(last)
-            last = None
-    return found
 
 
 def _unit_batches(
