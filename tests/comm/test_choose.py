@@ -142,5 +142,5 @@ def test_a_partition_threshold_that_is_given_is_the_only_one_weighed(
 ) -> None:
     request = PlanRequest(Bucketing.SINGLE, channels=2, channel_groups=2, partition_mb=partition_mb)
     plan = best_plan(request, TIMINGS, CONCURRENT).plan
-    expected = None if partition_mb is None else partition_mb * 1e6
+    expected = None if partition_mb is None else partition_mb * 2**20  # MiB, as bucket caps
     assert plan.partition_bytes == expected
