@@ -70,7 +70,7 @@ def test_merged_weighs_larger_start_ups_ddps_and_even_buckets_each_plan_once() -
     candidates = candidate_plans(PlanRequest(Bucketing.MERGED), TIMINGS, COST)
     labels = " | ".join(_labels(candidates))
     assert labels.startswith("the cost model's plan")
-    for needle in ("start-up x4", "start-up x64", "DDP's buckets (1 MB first, 25 MB)"):
+    for needle in ("start-up x4", "start-up x64", "DDP's buckets (1 MiB first, 25 MiB)"):
         assert needle in labels
     assert "4 even buckets" in labels and "8 even buckets" in labels
     keys = [(tuple(map(tuple, c.plan.groups)), c.plan.partition_bytes) for c in candidates]

@@ -288,7 +288,7 @@ def test_candidate_plans_are_tried_and_the_fastest_measured_is_kept_on_every_ran
     assert first["summary"] == second["summary"] and first["groups"] == second["groups"]
     labels = [label for label, _, _ in first["results"]]
     assert labels[0].startswith("the cost model's plan")
-    assert any(label.endswith("DDP's buckets (1 MB first, 25 MB)") for label in labels)
+    assert any(label.endswith("DDP's buckets (1 MiB first, 25 MiB)") for label in labels)
     assert any("even buckets" in label for label in labels)
     assert len(labels) >= 2
     # The plan kept is the candidate with the least median, and its buckets are in use.
