@@ -2,8 +2,9 @@
 latency-bound model (48 blocks of Linear(32, 32) + ReLU, AdamW, gloo), in interleaved rounds.
 
 ``python benchmarks/dp_overhead.py --ranks 1,2`` prints, per rank count, each contender's median
-milliseconds per step in wall and CPU time, the p25-p75 spread and the ratio to DDP (slowest
-rank per step, after planning and a warm-up); ``--json PATH`` also writes the rows.
+milliseconds per step in wall and CPU time, the p25-p75 spread, the ratio to DDP (slowest rank
+per step, after planning and a warm-up) and the buckets each all-reduces per step (the plan the
+trials kept; DDP's own, from its reducer); ``--json PATH`` also writes the rows.
 """
 
 from __future__ import annotations
@@ -77,6 +78,15 @@ def _all_planned(wrappers: list[nn.Module]) -> bool:
     return bool(flag.item())
 
 
+def _bucket_count(wrapped: nn.Module) -> int:
+    """How many buckets ``wrapped`` all-reduces per step (0: none, on one rank)."""
+    if isinstance(wrapped, DistributedDataParallel):
+        sizes = str(wrapped._get_ddp_logging_data().get("bucket_sizes", ""))
+        return len(sizes.split(",")) if sizes else 0
+    assert isinstance(wrapped, DataParallel)
+    return len(wrapped.buckets)
+
+
 def measure(rounds: int, steps: int, warmup: int) -> dict[str, dict[str, list[float]]]:
     """On one rank: every contender's seconds per step, ``rounds`` rounds of ``steps`` each.
 
@@ -87,7 +97,7 @@ def measure(rounds: int, steps: int, warmup: int) -> dict[str, dict[str, list[fl
 
     Returns:
         Per contender and clock (wall, and the process's CPU time, all its threads), its step
-        times in seconds, in the order they ran.
+        times in seconds, in the order they ran; under ``"buckets"``, its bucket count.
     """
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(dist.get_rank())
@@ -103,7 +113,10 @@ def measure(rounds: int, steps: int, warmup: int) -> dict[str, dict[str, list[fl
     for _, step in built.values():
         for _ in range(warmup):
             step(inputs)
-    times: dict[str, dict[str, list[float]]] = {k: {c: [] for c in CLOCKS} for k in CONTENDERS}
+    times: dict[str, dict[str, list[float]]] = {
+        k: {"buckets": [float(_bucket_count(built[k][0]))], **{c: [] for c in CLOCKS}}
+        for k in CONTENDERS
+    }
     for index in range(rounds):
         shift = index % len(CONTENDERS)
         for kind in CONTENDERS[shift:] + CONTENDERS[:shift]:
@@ -127,7 +140,8 @@ def summarise(
     """
     rows: list[dict[str, Any]] = []
     for kind in CONTENDERS:
-        row: dict[str, Any] = {"ranks": ranks, "contender": kind}
+        buckets = {int(r[kind]["buckets"][0]) for r in per_rank}
+        row: dict[str, Any] = {"ranks": ranks, "contender": kind, "buckets": max(buckets)}
         for clock in CLOCKS:
             by_step = zip(*(r[kind][clock] for r in per_rank), strict=True)
             slowest = [max(times) * 1e3 for times in by_step]
@@ -150,12 +164,12 @@ def table(rows: list[dict[str, Any]]) -> str:
         rows: As :func:`summarise` returns them, any rank counts.
     """
     lines = [
-        "| ranks | contender | wall ms/step | wall p25-p75 | wall vs DDP "
+        "| ranks | contender | buckets | wall ms/step | wall p25-p75 | wall vs DDP "
         "| CPU ms/step | CPU p25-p75 | CPU vs DDP |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
-        cells = [str(row["ranks"]), row["contender"]]
+        cells = [str(row["ranks"]), row["contender"], str(row["buckets"])]
         for clock in CLOCKS:
             cells += [
                 f"{row[f'{clock}_median_ms']:.2f}",
