@@ -52,14 +52,18 @@ def build_model(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def _stepper(kind: str) -> tuple[nn.Module, Callable[[torch.Tensor], None]]:
-    """One contender's wrapped model and its training step."""
+def _stepper(
+    kind: str, plan: dict[str, Any] | None = None
+) -> tuple[nn.Module, Callable[[torch.Tensor], None]]:
+    """One contender's wrapped model and its training step; ``plan``: DataParallel's
+    ``bucketing`` and ``tune_steps`` (default: its own defaults)."""
     model = build_model()
     wrapped: nn.Module
     if kind == "ddp":
         wrapped = DistributedDataParallel(model)
     else:
-        wrapped = DataParallel(model, overlap="forward" if kind == "overlap" else "backward")
+        overlap = "forward" if kind == "overlap" else "backward"
+        wrapped = DataParallel(model, overlap=overlap, **(plan or {}))
     optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
 
     def step(inputs: torch.Tensor) -> None:
@@ -87,13 +91,16 @@ def _bucket_count(wrapped: nn.Module) -> int:
     return len(wrapped.buckets)
 
 
-def measure(rounds: int, steps: int, warmup: int) -> dict[str, dict[str, list[float]]]:
+def measure(
+    rounds: int, steps: int, warmup: int, plan: dict[str, Any] | None = None
+) -> dict[str, dict[str, list[float]]]:
     """On one rank: every contender's seconds per step, ``rounds`` rounds of ``steps`` each.
 
     Args:
         rounds: Interleaved rounds; round ``r`` starts with contender ``r mod 3``.
         steps: Timed steps per contender and round.
         warmup: Untimed steps per contender after planning.
+        plan: DataParallel's ``bucketing`` and ``tune_steps``, if not its defaults.
 
     Returns:
         Per contender and clock (wall, and the process's CPU time, all its threads), its step
@@ -102,7 +109,7 @@ def measure(rounds: int, steps: int, warmup: int) -> dict[str, dict[str, list[fl
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(dist.get_rank())
     inputs = torch.randn(BATCH, WIDTH, generator=generator)
-    built = {kind: _stepper(kind) for kind in CONTENDERS}
+    built = {kind: _stepper(kind, plan) for kind in CONTENDERS}
     for _ in range(PLANNING_LIMIT):
         if _all_planned([wrapped for wrapped, _ in built.values()]):
             break
@@ -203,13 +210,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps after planning")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per rank count")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument(
+        "--bucketing",
+        default=None,
+        help="DataParallel's bucketing (default: its own); 'fixed' with --tune-steps 0 pins "
+        "DDP's buckets, so that both send the same all-reduces",
+    )
+    parser.add_argument("--tune-steps", type=int, default=None, help="DataParallel's tune_steps")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
         parser.error("--rounds and --steps must be >= 1, --warmup >= 0")
+    plan: dict[str, Any] = {}
+    if args.bucketing is not None:
+        plan["bucketing"] = args.bucketing
+    if args.tune_steps is not None:
+        plan["tune_steps"] = args.tune_steps
     rows: list[dict[str, Any]] = []
     for ranks in args.ranks:
         per_rank = run_ranks(
-            measure, ranks, args.rounds, args.steps, args.warmup, timeout=args.timeout
+            measure, ranks, args.rounds, args.steps, args.warmup, plan, timeout=args.timeout
         )
         rows += summarise(per_rank, ranks)
     print(table(rows))
