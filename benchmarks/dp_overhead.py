@@ -2,8 +2,9 @@
 latency-bound model (48 blocks of Linear(32, 32) + ReLU, AdamW, gloo), in interleaved rounds.
 
 ``python benchmarks/dp_overhead.py --ranks 1,2`` prints, per rank count, each contender's median
-milliseconds per step in wall and CPU time, the p25-p75 spread and the ratio to DDP (slowest
-rank per step, after planning and a warm-up); ``--json PATH`` also writes the rows.
+milliseconds per step in wall and CPU time, the p25-p75 spread, the ratio to DDP (slowest rank
+per step, after planning and a warm-up) and the buckets each all-reduces per step (the plan the
+trials kept; DDP's own, from its reducer); ``--json PATH`` also writes the rows.
 """
 
 from __future__ import annotations
@@ -51,14 +52,18 @@ def build_model(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def _stepper(kind: str) -> tuple[nn.Module, Callable[[torch.Tensor], None]]:
-    """One contender's wrapped model and its training step."""
+def _stepper(
+    kind: str, plan: dict[str, Any] | None = None
+) -> tuple[nn.Module, Callable[[torch.Tensor], None]]:
+    """One contender's wrapped model and its training step; ``plan``: DataParallel's
+    ``bucketing`` and ``tune_steps`` (default: its own defaults)."""
     model = build_model()
     wrapped: nn.Module
     if kind == "ddp":
         wrapped = DistributedDataParallel(model)
     else:
-        wrapped = DataParallel(model, overlap="forward" if kind == "overlap" else "backward")
+        overlap = "forward" if kind == "overlap" else "backward"
+        wrapped = DataParallel(model, overlap=overlap, **(plan or {}))
     optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
 
     def step(inputs: torch.Tensor) -> None:
@@ -77,22 +82,34 @@ def _all_planned(wrappers: list[nn.Module]) -> bool:
     return bool(flag.item())
 
 
-def measure(rounds: int, steps: int, warmup: int) -> dict[str, dict[str, list[float]]]:
+def _bucket_count(wrapped: nn.Module) -> int:
+    """How many buckets ``wrapped`` all-reduces per step (0: none, on one rank)."""
+    if isinstance(wrapped, DistributedDataParallel):
+        sizes = str(wrapped._get_ddp_logging_data().get("bucket_sizes", ""))
+        return len(sizes.split(",")) if sizes else 0
+    assert isinstance(wrapped, DataParallel)
+    return len(wrapped.buckets)
+
+
+def measure(
+    rounds: int, steps: int, warmup: int, plan: dict[str, Any] | None = None
+) -> dict[str, dict[str, list[float]]]:
     """On one rank: every contender's seconds per step, ``rounds`` rounds of ``steps`` each.
 
     Args:
         rounds: Interleaved rounds; round ``r`` starts with contender ``r mod 3``.
         steps: Timed steps per contender and round.
         warmup: Untimed steps per contender after planning.
+        plan: DataParallel's ``bucketing`` and ``tune_steps``, if not its defaults.
 
     Returns:
         Per contender and clock (wall, and the process's CPU time, all its threads), its step
-        times in seconds, in the order they ran.
+        times in seconds, in the order they ran; under ``"buckets"``, its bucket count.
     """
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(dist.get_rank())
     inputs = torch.randn(BATCH, WIDTH, generator=generator)
-    built = {kind: _stepper(kind) for kind in CONTENDERS}
+    built = {kind: _stepper(kind, plan) for kind in CONTENDERS}
     for _ in range(PLANNING_LIMIT):
         if _all_planned([wrapped for wrapped, _ in built.values()]):
             break
@@ -103,7 +120,10 @@ def measure(rounds: int, steps: int, warmup: int) -> dict[str, dict[str, list[fl
     for _, step in built.values():
         for _ in range(warmup):
             step(inputs)
-    times: dict[str, dict[str, list[float]]] = {k: {c: [] for c in CLOCKS} for k in CONTENDERS}
+    times: dict[str, dict[str, list[float]]] = {
+        k: {"buckets": [float(_bucket_count(built[k][0]))], **{c: [] for c in CLOCKS}}
+        for k in CONTENDERS
+    }
     for index in range(rounds):
         shift = index % len(CONTENDERS)
         for kind in CONTENDERS[shift:] + CONTENDERS[:shift]:
@@ -127,7 +147,8 @@ def summarise(
     """
     rows: list[dict[str, Any]] = []
     for kind in CONTENDERS:
-        row: dict[str, Any] = {"ranks": ranks, "contender": kind}
+        buckets = {int(r[kind]["buckets"][0]) for r in per_rank}
+        row: dict[str, Any] = {"ranks": ranks, "contender": kind, "buckets": max(buckets)}
         for clock in CLOCKS:
             by_step = zip(*(r[kind][clock] for r in per_rank), strict=True)
             slowest = [max(times) * 1e3 for times in by_step]
@@ -150,12 +171,12 @@ def table(rows: list[dict[str, Any]]) -> str:
         rows: As :func:`summarise` returns them, any rank counts.
     """
     lines = [
-        "| ranks | contender | wall ms/step | wall p25-p75 | wall vs DDP "
+        "| ranks | contender | buckets | wall ms/step | wall p25-p75 | wall vs DDP "
         "| CPU ms/step | CPU p25-p75 | CPU vs DDP |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
-        cells = [str(row["ranks"]), row["contender"]]
+        cells = [str(row["ranks"]), row["contender"], str(row["buckets"])]
         for clock in CLOCKS:
             cells += [
                 f"{row[f'{clock}_median_ms']:.2f}",
@@ -189,13 +210,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps after planning")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per rank count")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument(
+        "--bucketing",
+        default=None,
+        help="DataParallel's bucketing (default: its own); 'fixed' with --tune-steps 0 pins "
+        "DDP's buckets, so that both send the same all-reduces",
+    )
+    parser.add_argument("--tune-steps", type=int, default=None, help="DataParallel's tune_steps")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
         parser.error("--rounds and --steps must be >= 1, --warmup >= 0")
+    plan: dict[str, Any] = {}
+    if args.bucketing is not None:
+        plan["bucketing"] = args.bucketing
+    if args.tune_steps is not None:
+        plan["tune_steps"] = args.tune_steps
     rows: list[dict[str, Any]] = []
     for ranks in args.ranks:
         per_rank = run_ranks(
-            measure, ranks, args.rounds, args.steps, args.warmup, timeout=args.timeout
+            measure, ranks, args.rounds, args.steps, args.warmup, plan, timeout=args.timeout
         )
         rows += summarise(per_rank, ranks)
     print(table(rows))

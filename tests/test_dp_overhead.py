@@ -32,6 +32,7 @@ def test_tiny_run_prints_a_row_per_contender_and_rank_count(tmp_path: Path) -> N
     assert header == [
         "ranks",
         "contender",
+        "buckets",
         "wall ms/step",
         "wall p25-p75",
         "wall vs DDP",
@@ -43,7 +44,10 @@ def test_tiny_run_prints_a_row_per_contender_and_rank_count(tmp_path: Path) -> N
     assert [(cells[0], cells[1]) for cells in body] == [
         (str(ranks), kind) for ranks in (1, 2) for kind in ("ddp", "default", "overlap")
     ]
-    assert [(cells[4], cells[7]) for cells in body if cells[1] == "ddp"] == [("1.00x", "1.00x")] * 2
+    assert [(cells[5], cells[8]) for cells in body if cells[1] == "ddp"] == [("1.00x", "1.00x")] * 2
+    # One rank: DataParallel takes the shortcut (no buckets); DDP keeps its reducer's.
+    assert [cells[2] for cells in body if cells[0] == "1"] == ["1", "0", "0"]
+    assert all(int(cells[2]) >= 1 for cells in body if cells[0] == "2")
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 6
     for row in rows:

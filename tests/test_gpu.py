@@ -64,7 +64,10 @@ def _data_parallel_against_ddp(settings: list[dict[str, Any]]) -> list[dict[str,
         reference = build_model("resnet20", (1, 8, 8), 10).to(device)
         ours_model = copy.deepcopy(reference)
         ddp = DistributedDataParallel(reference, device_ids=[device.index])
-        ours = DataParallel(ours_model, profile_steps=2, cost_model=COST, **setting)
+        # One GPU: the whole machinery, which the one-rank shortcut would skip.
+        ours = DataParallel(
+            ours_model, profile_steps=2, cost_model=COST, single_rank_shortcut=False, **setting
+        )
         # Compressed runs keep the weights (lr 0): rounding is then the only difference, not
         # rounding amplified through training by a deep network.
         lr = 0.0 if setting.get("compression") else 0.05
@@ -308,7 +311,7 @@ def _profiled_forward_on_cuda() -> dict[str, float]:
     model = _HeavyForward().to(device)
     inputs = torch.randn(2048, 2048, device=device)
     targets = torch.randint(0, 10, (2048,), device=device)
-    ours = DataParallel(model, profile_steps=3, cost_model=COST)
+    ours = DataParallel(model, profile_steps=3, cost_model=COST, single_rank_shortcut=False)
     for _ in range(6):
         functional.cross_entropy(ours(inputs), targets).backward()
     assert ours.plan is not None

@@ -18,6 +18,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from interlace.comm.engine import COMPRESSIONS
+from interlace.comm.plan import MIB
 from interlace.comm.strategies import BENCH_STRATEGIES
 from interlace.comm.strategies import STRATEGIES as TABLE
 from interlace.dp import DataParallel
@@ -65,7 +66,7 @@ def wrap_model(
         model: the model to wrap.
         strategy: one of :data:`~interlace.comm.strategies.BENCH_STRATEGIES`.
         device: the rank's device (DDP's ``device_ids`` on a GPU).
-        bucket_cap_mb: None keeps each implementation's default (25 MB, first bucket 1 MB). For
+        bucket_cap_mb: None keeps each implementation's default (25 MiB, first bucket 1 MiB). For
             ``ddp`` a cap is passed on only when given: torch then applies it to the first
             bucket too, so passing the default explicitly would drop DDP's small first bucket.
         profile_steps: DataParallel's ``profile_steps``.
@@ -91,7 +92,7 @@ def wrap_model(
         )
     if chosen.torch_wrapper == "ddp":
         if bucket_cap_mb is None and strategy != "ddp":
-            bucket_cap_mb = chosen.cap_bytes / 1e6
+            bucket_cap_mb = chosen.cap_bytes / MIB
         return _wrap_ddp(
             model, device, bucket_cap_mb, channels, compression, find_unused_parameters
         )

@@ -70,7 +70,7 @@ def test_merged_weighs_larger_start_ups_ddps_and_even_buckets_each_plan_once() -
     candidates = candidate_plans(PlanRequest(Bucketing.MERGED), TIMINGS, COST)
     labels = " | ".join(_labels(candidates))
     assert labels.startswith("the cost model's plan")
-    for needle in ("start-up x4", "start-up x64", "DDP's buckets (1 MB first, 25 MB)"):
+    for needle in ("start-up x4", "start-up x64", "DDP's buckets (1 MiB first, 25 MiB)"):
         assert needle in labels
     assert "4 even buckets" in labels and "8 even buckets" in labels
     keys = [(tuple(map(tuple, c.plan.groups)), c.plan.partition_bytes) for c in candidates]
@@ -142,5 +142,5 @@ def test_a_partition_threshold_that_is_given_is_the_only_one_weighed(
 ) -> None:
     request = PlanRequest(Bucketing.SINGLE, channels=2, channel_groups=2, partition_mb=partition_mb)
     plan = best_plan(request, TIMINGS, CONCURRENT).plan
-    expected = None if partition_mb is None else partition_mb * 1e6
+    expected = None if partition_mb is None else partition_mb * 2**20  # MiB, as bucket caps
     assert plan.partition_bytes == expected

@@ -51,8 +51,9 @@ def test_the_command_line_and_the_simulator_keep_their_names() -> None:
     ]
     for peer in ("ddp", "ddp-50mb", "ddp-100mb", "fsdp2"):
         assert STRATEGIES[peer].bucketing is None and peer not in PLANNED_STRATEGIES
-    assert STRATEGIES["ddp-100mb"].cap_bytes == 100e6
-    assert STRATEGIES["ddp-50mb"].cap_bytes == 50e6
+    # MiB, as torch DDP counts bucket_cap_mb.
+    assert STRATEGIES["ddp-100mb"].cap_bytes == 100 * 2**20
+    assert STRATEGIES["ddp-50mb"].cap_bytes == 50 * 2**20
 
 
 @pytest.mark.parametrize(

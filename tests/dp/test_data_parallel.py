@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import itertools
@@ -287,7 +288,7 @@ def test_candidate_plans_are_tried_and_the_fastest_measured_is_kept_on_every_ran
     assert first["summary"] == second["summary"] and first["groups"] == second["groups"]
     labels = [label for label, _, _ in first["results"]]
     assert labels[0].startswith("the cost model's plan")
-    assert any(label.endswith("DDP's buckets (1 MB first, 25 MB)") for label in labels)
+    assert any(label.endswith("DDP's buckets (1 MiB first, 25 MiB)") for label in labels)
     assert any("even buckets" in label for label in labels)
     assert len(labels) >= 2
     # The plan kept is the candidate with the least median, and its buckets are in use.
@@ -396,3 +397,66 @@ def two_ranks(cache_dir: Path) -> dict[str, list[Any]]:
     most scenarios do."""
     per_rank = run_ranks(_every_two_rank_scenario, 2, str(cache_dir), timeout=400)
     return {name: [results[name] for results in per_rank] for name in per_rank[0]}
+
+
+def _one_rank() -> dict[str, Any]:
+    torch.manual_seed(0)
+    net = build_model("mlp", (1, 8, 8), 10)
+    generator = torch.Generator().manual_seed(3)
+    batches = [torch.randn(4, 1, 8, 8, generator=generator) for _ in range(5)]
+    report: dict[str, Any] = {}
+    for overlap in ("backward", "forward"):
+        ddp = DistributedDataParallel(copy.deepcopy(net))
+        ours = DataParallel(copy.deepcopy(net), bucket_cap_mb=2, overlap=overlap)
+        for model in (ddp, ours):
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            for step, inputs in enumerate(batches):
+                context = model.no_sync() if step == 1 else contextlib.nullcontext()
+                with context:
+                    model(inputs).square().mean().backward()
+                if step != 1:
+                    optimizer.step()
+                    optimizer.zero_grad()
+        inner = ours.module
+        report[overlap] = {
+            "same": all(
+                torch.equal(a, b) for a, b in zip(ddp.parameters(), ours.parameters(), strict=True)
+            ),
+            "plan": ours.plan,
+            "buckets": ours.buckets,
+            "planning_done": ours.planning_done,
+            "cap_bytes": ours.bucket_cap_bytes,
+            "hooks": sum(len(p._post_accumulate_grad_hooks or {}) for p in inner.parameters())
+            + sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in inner.modules()),
+        }
+        ours.close()
+        report[overlap]["closed_forward"] = raised_message(functools.partial(ours, batches[0]))
+    full = DataParallel(
+        copy.deepcopy(net),
+        single_rank_shortcut=False,
+        cost_model=COST,
+        tune_steps=0,
+        profile_steps=1,
+    )
+    for inputs in batches:
+        full(inputs).sum().backward()
+    alone = DataParallel(copy.deepcopy(net))
+    state = full.plan_state()
+    assert state is not None
+    alone.load_plan_state(state)
+    report["full_buckets"] = len(full.buckets)
+    report["alone_state"] = alone.plan_state()
+    return report
+
+
+def test_one_rank_takes_the_shortcut_with_ddps_numbers_and_no_hooks() -> None:
+    report = run_ranks(_one_rank, 1, timeout=120)[0]
+    for overlap in ("backward", "forward"):
+        mode = report[overlap]
+        assert mode["same"], overlap  # bit for bit, no_sync included
+        assert mode["plan"] is None and mode["buckets"] == [] and mode["planning_done"]
+        assert mode["cap_bytes"] == 2 * 2**20  # MiB, as torch DDP
+        assert mode["hooks"] == 0
+        assert "closed" in mode["closed_forward"]
+    assert report["full_buckets"] >= 1  # single_rank_shortcut=False plans on one rank
+    assert report["alone_state"] is None

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from interlace.comm.cost import CostModel
 from interlace.comm.forward_plan import GateTiming, Overlap, gates_from_timings, overlap_candidates
-from interlace.comm.plan import Bucketing, Plan, ReadyTensor, make_plan
+from interlace.comm.plan import MIB, Bucketing, Plan, ReadyTensor, make_plan
 from interlace.comm.tuning import START_UP_SCALES, describe_trials, fastest, scale_start_up
 
 #: With ``merged``/``optimal``, the trials also weigh gradients cut into about this many buckets
@@ -35,7 +35,7 @@ class PlanRequest:
         first_cap_bytes: the first ``fixed`` bucket's cap, in bytes.
         channels: as asked: a count ``k >= 1`` or ``"auto"``.
         channel_groups: the channels that exist (``k``, or the most ``"auto"`` tries).
-        partition_mb: buckets above this many MB are split across channels; None never splits,
+        partition_mb: buckets above this many MiB are split across channels; None never splits,
             ``"auto"`` weighs :data:`PARTITION_CANDIDATES_MB`.
         compression: ``None``, ``"fp16"`` or ``"bf16"``: half the bytes on the wire.
         tune_steps: timed iterations per candidate and round; 0 weighs no candidates.
@@ -44,8 +44,8 @@ class PlanRequest:
     """
 
     bucketing: Bucketing
-    cap_bytes: float = 25e6
-    first_cap_bytes: float = 1e6
+    cap_bytes: float = 25 * MIB
+    first_cap_bytes: float = MIB
     channels: int | str = 1
     channel_groups: int = 1
     partition_mb: float | str | None = "auto"
@@ -163,9 +163,9 @@ def best_plan(
     else:
         counts = [request.channel_groups]
     if request.partition_mb == "auto":
-        partitions: list[float | None] = [None, *(mb * 1e6 for mb in PARTITION_CANDIDATES_MB)]
+        partitions: list[float | None] = [None, *(mb * MIB for mb in PARTITION_CANDIDATES_MB)]
     else:
-        partitions = [None if request.partition_mb is None else float(request.partition_mb) * 1e6]
+        partitions = [None if request.partition_mb is None else float(request.partition_mb) * MIB]
     candidates = [
         make_plan(
             bucketing or request.bucketing,
@@ -267,8 +267,8 @@ def candidate_plans(request: PlanRequest, timings: Timings, cost: CostModel) -> 
                     timings,
                     cost,
                     bucketing=Bucketing.FIXED,
-                    label=f"DDP's buckets ({request.first_cap_bytes / 1e6:g} MB first, "
-                    f"{request.cap_bytes / 1e6:g} MB)",
+                    label=f"DDP's buckets ({request.first_cap_bytes / MIB:g} MiB first, "
+                    f"{request.cap_bytes / MIB:g} MiB)",
                 )
             )
             total = sum(timings.nbytes)
@@ -329,7 +329,7 @@ def explain_choice(plan: Plan, candidates: Sequence[Plan], requested: int | str)
         requested: the channels asked for (``"auto"`` explains the weighing; a count says
             nothing about one channel).
     """
-    split = "off" if plan.partition_bytes is None else f"{plan.partition_bytes / 1e6:g} MB"
+    split = "off" if plan.partition_bytes is None else f"{plan.partition_bytes / MIB:g} MiB"
     chosen = (
         f"{plan.channels} channel(s), partition {split}: predicted "
         f"{plan.predicted_s * 1e3:.2f} ms per iteration with {len(plan.buckets)} bucket(s)"

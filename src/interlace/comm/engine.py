@@ -254,10 +254,9 @@ class BucketEngine:
         """Backward is over: zeros for the tensors this rank has no gradient for, and every
         slice not yet sent goes out."""
         unused: dict[int, list[int]] = {}
-        for index in range(len(self.tensors)):
-            if not self.launcher.arrived(index):
-                self._views[index].zero_()
-                unused.setdefault(self.slots[index].bucket, []).append(index)
+        for index in self.launcher.missing():
+            self._views[index].zero_()
+            unused.setdefault(self.slots[index].bucket, []).append(index)
         for bucket, members in unused.items():
             # Only buckets not sent yet can hold a tensor that has not arrived.
             missing = set(members)

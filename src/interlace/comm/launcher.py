@@ -87,8 +87,14 @@ class LaunchOrder:
         if self._arrived[member]:
             return []
         self._arrived[member] = True
-        self._missing[self._bucket_of[member]] -= 1
-        return self._due()
+        bucket = self._bucket_of[member]
+        left = self._missing[bucket] = self._missing[bucket] - 1
+        # Only a bucket just completed can let launches go (its members arrive once per step).
+        return [] if left else self._due()
+
+    def missing(self) -> list[int]:
+        """The members that have not arrived, in index order."""
+        return [member for member, arrived in enumerate(self._arrived) if not arrived]
 
     def rest(self) -> list[int]:
         """Every launch not out yet, as if every member had arrived (the flush)."""

@@ -15,6 +15,10 @@ from enum import Enum
 from interlace.comm.cost import CostModel
 from interlace.comm.pairwise import pairwise_groups
 
+#: The unit of every bucket cap given in "MB" (``bucket_cap_mb`` and its kin): a MiB, as torch
+#: DDP counts its ``bucket_cap_mb``.
+MIB = 1024 * 1024
+
 
 class Bucketing(str, Enum):
     """The bucket planners by name; wherever a bucketing is named, a member or its string works."""

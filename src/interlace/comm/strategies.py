@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from interlace.comm.cost import CostModel
 from interlace.comm.forward_plan import Overlap, overlap_candidates
-from interlace.comm.plan import Bucketing, Gate, Plan, ReadyTensor, make_plan
+from interlace.comm.plan import MIB, Bucketing, Gate, Plan, ReadyTensor, make_plan
 from interlace.errors import UsageError
 
 #: Other names DataParallel accepts for a bucketing: the strategies' names and the papers'.
@@ -68,7 +68,7 @@ class Strategy:
     name: str
     bucketing: Bucketing | None
     description: str
-    cap_bytes: float = 25e6
+    cap_bytes: float = 25 * MIB
     first_cap_bytes: float | None = None
     channels: int = 1
     partition_bytes: float | None = None
@@ -135,7 +135,7 @@ class Strategy:
 
 
 #: Every strategy by name. ``fixed`` is DDP's rule as :class:`interlace.DataParallel` runs it
-#: (25 MB, the first bucket 1 MB); ``horovod`` is Horovod's 128 MB fusion buffer (its 1 ms fusion
+#: (25 MiB, the first bucket 1 MiB); ``horovod`` is Horovod's 128 MiB fusion buffer (its 1 ms fusion
 #: cycle is not modelled: a bucket is sent when full or at the end of backward).
 STRATEGIES: dict[str, Strategy] = {
     strategy.name: strategy
@@ -143,8 +143,8 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy(
             "ddp",
             None,
-            "torch DistributedDataParallel, 25 MB buckets (1 MB first)",
-            first_cap_bytes=1e6,
+            "torch DistributedDataParallel, 25 MiB buckets (1 MiB first)",
+            first_cap_bytes=MIB,
             runtime=True,
             torch_wrapper="ddp",
         ),
@@ -152,7 +152,7 @@ STRATEGIES: dict[str, Strategy] = {
             "ddp-50mb",
             None,
             "torch DistributedDataParallel with bucket_cap_mb=50",
-            cap_bytes=50e6,
+            cap_bytes=50 * MIB,
             runtime=True,
             torch_wrapper="ddp",
         ),
@@ -160,7 +160,7 @@ STRATEGIES: dict[str, Strategy] = {
             "ddp-100mb",
             None,
             "torch DistributedDataParallel with bucket_cap_mb=100",
-            cap_bytes=100e6,
+            cap_bytes=100 * MIB,
             runtime=True,
             torch_wrapper="ddp",
         ),
@@ -185,11 +185,13 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy(
             "fixed",
             Bucketing.FIXED,
-            "DDP: 25 MB buckets, the first 1 MB",
-            first_cap_bytes=1e6,
+            "DDP: 25 MiB buckets, the first 1 MiB",
+            first_cap_bytes=MIB,
             runtime=True,
         ),
-        Strategy("horovod", Bucketing.FIXED, "Horovod: 128 MB fusion buckets", cap_bytes=128e6),
+        Strategy(
+            "horovod", Bucketing.FIXED, "Horovod: 128 MiB fusion buckets", cap_bytes=128 * MIB
+        ),
         Strategy(
             "mgwfbp",
             Bucketing.MERGED,

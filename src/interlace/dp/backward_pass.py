@@ -31,7 +31,8 @@ class BackwardPass:
     def __init__(self, on_end: Callable[[float], Any]) -> None:
         self._on_end = on_end
         self._armed = False  # an end callback is queued on the outermost graph task
-        self._running = False  # a parameter gradient arrived and the pass has not ended
+        #: Whether a parameter gradient arrived and the pass has not ended.
+        self.running = False
         self.start: float | None = None
         """``time.perf_counter()`` at the start of the current pass, None before it starts."""
 
@@ -56,9 +57,9 @@ class BackwardPass:
         Args:
             now: ``time.perf_counter()`` at its arrival.
         """
-        if self._running:
+        if self.running:
             return
-        self._running = True
+        self.running = True
         if self.start is None:
             self.start = now
         if not self._armed:
@@ -67,12 +68,12 @@ class BackwardPass:
 
     def _outermost_ended(self) -> None:
         self._armed = False
-        if self._running:  # else no gradient arrived (torch.autograd.grad, say)
+        if self.running:  # else no gradient arrived (torch.autograd.grad, say)
             self._ended()
 
     def _ended(self) -> None:
         end = time.perf_counter()
-        self._running = False
+        self.running = False
         self._on_end(end)
 
 

@@ -14,7 +14,7 @@ from interlace.comm.choose import PlanRequest
 from interlace.comm.cost import CostModel
 from interlace.comm.engine import COMPRESSIONS
 from interlace.comm.forward_plan import Overlap
-from interlace.comm.plan import Bucketing
+from interlace.comm.plan import MIB, Bucketing
 from interlace.comm.strategies import bucketing_named
 from interlace.errors import UsageError
 
@@ -35,10 +35,10 @@ def plan_request(
 
     Args:
         bucketing: The bucketing rule or its name.
-        bucket_cap_mb: The largest bucket, MB.
-        first_bucket_cap_mb: The first bucket's cap, MB.
+        bucket_cap_mb: The largest bucket, MiB (as torch DDP).
+        first_bucket_cap_mb: The first bucket's cap, MiB.
         channels: Concurrent channels, or ``"auto"``.
-        partition_mb: Split tensors above this size (MB), ``"auto"`` or None.
+        partition_mb: Split tensors above this size (MiB), ``"auto"`` or None.
         compression: A name of :data:`~interlace.comm.engine.COMPRESSIONS`, or None.
         tune_steps: Iterations spent measuring candidate plans.
         profile_steps: Profiling iterations, or None for the default.
@@ -51,7 +51,7 @@ def plan_request(
     caps = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb}
     for name, cap in caps.items():
         if not is_real(cap) or not 0 < cap < math.inf:
-            raise UsageError(f"bucket caps must be > 0 MB and finite, got {name}={cap!r}")
+            raise UsageError(f"bucket caps must be > 0 MiB and finite, got {name}={cap!r}")
     if channels != "auto" and not (is_int(channels) and channels >= 1):
         raise UsageError(f"channels must be an integer >= 1 or 'auto', got {channels!r}")
     if partition_mb not in ("auto", None) and not (
@@ -93,8 +93,8 @@ def plan_request(
         )
     return PlanRequest(
         chosen,
-        cap_bytes=bucket_cap_mb * 1e6,
-        first_cap_bytes=first_bucket_cap_mb * 1e6,
+        cap_bytes=bucket_cap_mb * MIB,
+        first_cap_bytes=first_bucket_cap_mb * MIB,
         channels=channels,
         channel_groups=MAX_AUTO_CHANNELS if channels == "auto" else int(channels),
         partition_mb=partition_mb,

@@ -53,7 +53,7 @@ _DDP_TYPES = frozenset(
 #: DataParallel arguments the accelerator sets itself.
 _SET_BY_ACCELERATOR = ("module", "device_ids", "output_device")
 #: DDP arguments accelerate's ``DistributedDataParallelKwargs`` (and the Trainer's ``ddp_*``)
-#: may give, all of which DataParallel takes; ``bucket_cap_mb`` is converted from MiB to MB.
+#: may give, all of which DataParallel takes (``bucket_cap_mb`` in MiB in both).
 _DDP_KWARGS = (
     "dim",
     "broadcast_buffers",
@@ -130,8 +130,8 @@ class InterlaceAccelerator(Accelerator):  # type: ignore[misc]
     ``prepare`` places the model, applies mixed precision and ``torch.compile`` as Accelerate
     does (its ``prepare_model(..., evaluation_mode=True)``), then wraps it in DataParallel on
     more than one process (on one process nothing is wrapped, as with DDP). The DDP options
-    of a ``DistributedDataParallelKwargs`` handler go to DataParallel (``bucket_cap_mb`` from
-    MiB to MB), its communication hook is registered on it; ``no_sync``, ``accumulate``,
+    of a ``DistributedDataParallelKwargs`` handler go to DataParallel (``bucket_cap_mb`` in
+    MiB in both), its communication hook is registered on it; ``no_sync``, ``accumulate``,
     ``clip_grad_norm_``, ``save_state`` work unchanged and ``unwrap_model`` returns the user's
     module.
 
@@ -198,8 +198,6 @@ class InterlaceAccelerator(Accelerator):  # type: ignore[misc]
         differently is refused."""
         handler = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
         merged = {key: handler[key] for key in _DDP_KWARGS if key in handler}
-        if "bucket_cap_mb" in merged:
-            merged["bucket_cap_mb"] = merged["bucket_cap_mb"] * 2**20 / 1e6  # MiB to MB
         for key, value in options.items():
             if key in merged and key != "find_unused_parameters" and merged[key] != value:
                 raise UsageError(

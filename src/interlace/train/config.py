@@ -90,7 +90,7 @@ class TrainConfig:
         seq_len: tokens per sample of text data (None: 128).
         strategy: how gradients are averaged (one of
             ``interlace.comm.strategies.RUNTIME_STRATEGIES``).
-        bucket_cap_mb: bucket cap of the ddp and fixed strategies, MB.
+        bucket_cap_mb: bucket cap of the ddp and fixed strategies, MiB (as torch DDP).
         channels: communication channels, an integer >= 1 or ``"auto"``.
         compression: ``"fp16"`` or ``"bf16"`` gradient buckets, or None.
         epochs: epochs to train.

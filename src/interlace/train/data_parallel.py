@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from interlace.comm.cost import CostModel
 from interlace.comm.forward_plan import Overlap, gates_from_timings, plan_overlap
-from interlace.comm.plan import Bucketing, ReadyTensor, make_plan
+from interlace.comm.plan import MIB, Bucketing, ReadyTensor, make_plan
 from interlace.distenv import DistContext
 from interlace.dp import DataParallel
 from interlace.dp.plan_state import plan_state_of
@@ -332,8 +332,8 @@ def fixed_plan_state(model: DataParallel, config: TrainConfig) -> dict[str, Any]
         bucketing,
         tensors,
         CostModel(0.0, 0.0),
-        cap_bytes=(25.0 if config.bucket_cap_mb is None else config.bucket_cap_mb) * 1e6,
-        first_cap_bytes=1e6,
+        cap_bytes=(25.0 if config.bucket_cap_mb is None else config.bucket_cap_mb) * MIB,
+        first_cap_bytes=MIB,
         channels=int(config.channels),
     )
     if model.overlap is Overlap.FORWARD:
