@@ -320,7 +320,8 @@ def _scenarios(_: None) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def scenarios() -> dict[str, Any]:
     results = run_ranks(_scenarios, 2, None, timeout=200)
-    assert results[0] == results[1]
+    differ = {key: (results[0][key], results[1][key]) for key in results[0]}
+    assert results[0] == results[1], {k: v for k, v in differ.items() if v[0] != v[1]}
     return results[0]
 
 
