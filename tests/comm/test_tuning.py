@@ -51,3 +51,14 @@ def test_trials_need_two_candidates_and_positive_counts() -> None:
         PlanTrials(["only"], steps=2)
     with pytest.raises(ValueError, match="steps >= 1"):
         PlanTrials(["a", "b"], steps=0)
+
+
+def test_fastest_breaks_near_ties_by_fewer_buckets() -> None:
+    medians = [10.0, 10.05, 9.9, 12.0]
+    assert fastest(medians) == 2
+    # 10.05 is within 2% of 9.9 and sends one bucket: it wins the tie.
+    assert fastest(medians, buckets=[8, 1, 4, 1]) == 1
+    # Outside the margin time decides, whatever the buckets.
+    assert fastest(medians, buckets=[8, 1, 4, 1], margin=0.001) == 2
+    with pytest.raises(ValueError, match="2 bucket counts for 4 medians"):
+        fastest(medians, buckets=[1, 2])

@@ -367,7 +367,7 @@ def settle_trials(
         requested: the channels asked for (``"auto"``: the kept plan's ``why`` says so).
     """
     labels = [candidate.label for candidate in candidates]
-    chosen = fastest(medians)
+    chosen = fastest(medians, [len(candidate.plan.buckets) for candidate in candidates])
     results = [
         (candidate.label, len(candidate.plan.buckets), median)
         for candidate, median in zip(candidates, medians, strict=True)

@@ -101,14 +101,30 @@ class PlanTrials:
         return [statistics.median(samples) for samples in self.samples]
 
 
-def fastest(medians: Sequence[float]) -> int:
+#: Measured medians within this fraction of the fastest count as a tie, which the candidate with
+#: fewer buckets wins: every bucket costs host work per step, and the trials' noise can hide it.
+TIE_MARGIN = 0.02
+
+
+def fastest(
+    medians: Sequence[float], buckets: Sequence[int] | None = None, margin: float = TIE_MARGIN
+) -> int:
     """The candidate with the least median time; the earlier one on a tie (the fitted model's
-    own plan comes first).
+    own plan comes first). Given bucket counts, the fewest buckets among those within
+    ``margin`` of the least median.
 
     Args:
         medians: each candidate's median time.
+        buckets: each candidate's bucket count (None: time alone decides).
+        margin: the fraction of the least median within which candidates tie.
     """
-    return min(range(len(medians)), key=lambda index: (medians[index], index))
+    if buckets is None:
+        return min(range(len(medians)), key=lambda index: (medians[index], index))
+    if len(buckets) != len(medians):
+        raise ValueError(f"{len(buckets)} bucket counts for {len(medians)} medians")
+    best = min(medians)
+    close = [index for index, median in enumerate(medians) if median <= best * (1 + margin)]
+    return min(close, key=lambda index: (buckets[index], medians[index], index))
 
 
 def describe_trials(labels: Sequence[str], medians: Sequence[float], chosen: int) -> str:
