@@ -22,6 +22,7 @@ from typing import Any
 from interlace.comm.cost import CostModel
 from interlace.comm.forward_plan import Overlap
 from interlace.comm.plan import ReadyTensor
+from interlace.comm.strategies import Strategy
 from interlace.errors import UsageError
 from interlace.pipeline.block import HEADER_BYTES, block_plan, piece_of
 from interlace.pipeline.layout import PipelineLayout, averaging_points
@@ -312,7 +313,25 @@ def stage_reduce_s(
     memo = kept(trace)
     if "scales" not in memo:
         memo["scales"] = trace.pass_scales
-    _, scale = memo["scales"]
+    # Every schedule and replica of one cut asks for the same plans: price each once.
+    key = ("stage reduce", tuple(bounds), stage, backward_s, cost, strategy, compression)
+    if key not in memo:
+        memo[key] = _plan_stage_reduce(trace, bounds, stage, backward_s, cost, chosen, compression)
+    result: tuple[float, int] = memo[key]
+    return result
+
+
+def _plan_stage_reduce(
+    trace: Trace,
+    bounds: Sequence[tuple[int, int]],
+    stage: int,
+    backward_s: float,
+    cost: CostModel,
+    chosen: Strategy,
+    compression: str | None,
+) -> tuple[float, int]:
+    """:func:`stage_reduce_s` without the memo."""
+    _, scale = kept(trace)["scales"]
     own = _stage_layers(trace, tuple(bounds))[stage]
     total = math.fsum(trace.tensors[ix[0]].layer_backward_s * scale for _, ix in own)
     factor = backward_s / total if total > 0 else 0.0
