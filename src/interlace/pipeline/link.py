@@ -13,7 +13,7 @@ from torch import Tensor
 from interlace.pipeline.messages import Inbox, send_tensor
 
 #: Records a timed action: ``(name, category, started, batch)``.
-Recorder = Callable[[str, str, float, "int | None"], None]
+Recorder = Callable[[str, str, float, int | None], None]
 
 
 class StageLink:
