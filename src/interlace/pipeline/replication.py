@@ -9,7 +9,8 @@ over its replicas by the comm core's bucket engine while the stage's backward ru
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,8 +188,8 @@ class ReplicaAverager:
     :class:`~interlace.pipeline.runtime.PipelineStage` calls :meth:`arm` before the last
     backward ahead of an update (hooks on the tensors that backward's gradients land on: the
     parameters, or the weight copies a prediction or a stash made), :meth:`disarm` after it
-    (every bucket not yet sent goes out), and :meth:`apply` at the update, which waits for the
-    averages and puts them in the parameters' ``.grad``.
+    (every bucket not yet sent goes out), both through :meth:`armed`, and :meth:`apply` at the
+    update, which waits for the averages and puts them in the parameters' ``.grad``.
 
     Args:
         module: The stage's module.
@@ -246,6 +247,21 @@ class ReplicaAverager:
         self._armed_at = time.perf_counter()
         for index, tensor in enumerate(tensors):
             self._handles.append(tensor.register_post_accumulate_grad_hook(self._hook(index)))
+
+    @contextmanager
+    def armed(self, leaves: dict[str, Tensor] | None) -> Iterator[None]:
+        """:meth:`arm` for the backward run inside the block, :meth:`disarm` after it.
+
+        Args:
+            leaves: the weight copies that backward's graph is over, by parameter name (None:
+                the parameters themselves).
+        """
+        tensors = self.params if leaves is None else [leaves[n] for n in self.names]
+        self.arm(tensors)
+        try:
+            yield
+        finally:
+            self.disarm(tensors)
 
     def _hook(self, index: int) -> Any:
         def hook(tensor: Tensor) -> None:

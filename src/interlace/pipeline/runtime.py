@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,9 +20,21 @@ from interlace.distenv import collective_device
 from interlace.errors import UsageError
 from interlace.pipeline.block import block_plan, piece_of
 from interlace.pipeline.layout import averaging_points
-from interlace.pipeline.messages import Inbox, send_tensor
+from interlace.pipeline.link import StageLink
+from interlace.pipeline.messages import Inbox
+from interlace.pipeline.pieces import (
+    Batch,
+    InFlight,
+    Piece,
+    cut_pieces,
+    end_backward,
+    next_batch,
+    split_microbatches,
+    unit_batches,
+)
 from interlace.pipeline.predict import check_predictable, predicted_parameters
 from interlace.pipeline.replication import ReplicaAverager, StageDataParallel, stage_data_parallel
+from interlace.pipeline.results import EvalResult, StepResult
 from interlace.pipeline.schedule import (
     ASYNCHRONOUS,
     Action,
@@ -38,72 +49,9 @@ from interlace.timeline import Event
 #: Values of ``PipelineStage(spectrain_backward=...)``: which weights SpecTrain's backward uses.
 SPECTRAIN_BACKWARDS = ("recompute", "reuse")
 
+__all__ = ["SPECTRAIN_BACKWARDS", "EvalResult", "PipelineStage", "StepResult"]
+
 LossFn = Callable[[Tensor, Tensor], Tensor]
-Batch = tuple[Tensor, Tensor]
-
-
-@dataclass
-class StepResult:
-    """What one call of :meth:`PipelineStage.run` did on this rank.
-
-    Args:
-        losses: the loss of every (micro-)batch, on the last stage only (empty elsewhere).
-        samples: samples that went through the pipeline.
-        updates: weight updates made on this stage.
-        seconds: wall time of the call.
-    """
-
-    #: Loss of every (micro-)batch, on the last stage only (empty elsewhere).
-    losses: list[float] = field(default_factory=list)
-    #: Samples that went through the pipeline.
-    samples: int = 0
-    #: Weight updates made on this stage.
-    updates: int = 0
-    #: Wall time of the call.
-    seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class EvalResult:
-    """A forward-only pass's score, the same on every stage.
-
-    Args:
-        correct: samples whose arg-max prediction was the target.
-        total: samples scored.
-        mean_loss: the loss averaged over the samples.
-    """
-
-    correct: int
-    total: int
-    mean_loss: float
-
-    @property
-    def accuracy(self) -> float:
-        return self.correct / max(self.total, 1)
-
-
-@dataclass
-class _Piece:
-    """One piece of a batch between its forward and its backward on this stage."""
-
-    input: Tensor | None = None
-    output: Tensor | None = None  # the graph's root, from a kept forward or a recomputation
-    outgoing: Tensor | None = None  # computed, to be sent by the next SEND action
-    grad: Tensor | None = None  # the output's gradient, received
-    rng_state: Tensor | None = None
-    target: Tensor | None = None
-    scale: float = 1.0  # its share of the mini-batch's samples (scales the last stage's loss)
-
-
-@dataclass
-class _InFlight:
-    """What a stage keeps of one batch between its forward and its backward: its pieces (one,
-    or ``chunks`` for a streamed asynchronous mini-batch) and the weight copies they use."""
-
-    pieces: list[_Piece]
-    leaves: dict[str, Tensor] | None = None  # weights a PREDICT or STASH made for the batch
-    graph_leaves: dict[str, Tensor] | None = None  # the weights the backward's graph is over
-    saved_buffers: list[Tensor] | None = None  # the buffers before a recomputation
 
 
 class PipelineStage:
@@ -215,8 +163,8 @@ class PipelineStage:
         self.is_first = stage == 0
         self.is_last = stage == num_stages - 1
         self._events: list[Event] = []
-        self._sends: list[tuple[list[dist.Work], tuple[Tensor, ...]]] = []
         self._process = f"stage {stage}"
+        self._link = StageLink(stage, self.ranks, group, self.device, self._record)
         self._schedules: dict[int, Schedule] = {}  # by number of batches
         options = stage_data_parallel(data_parallel)
         #: The gradient average over the stage's replicas, or None with one replica.
@@ -266,12 +214,12 @@ class PipelineStage:
         )
         schedule = self._schedule(plan.units)
         if self.asynchronous:
-            units = (self._next_batch(source) for _ in range(num_batches))
-            self._execute(schedule, _unit_batches(units), result)
+            units = (next_batch(source, self.stage) for _ in range(num_batches))
+            self._execute(schedule, unit_batches(units), result)
         else:
             for _ in range(plan.steps):
-                batch = self._next_batch(source)
-                self._execute(schedule, self._split(batch), result)
+                batch = next_batch(source, self.stage)
+                self._execute(schedule, split_microbatches(batch, self.microbatches), result)
         result.seconds = time.perf_counter() - started
         return result
 
@@ -288,11 +236,11 @@ class PipelineStage:
         """
         source = iter(batches) if batches is not None else None
         self.module.eval()
-        inbox = self._inbox(self.stage - 1, num_batches) if not self.is_first else None
+        inbox = self._link.inbox(self.stage - 1, num_batches) if not self.is_first else None
         correct = total = 0
         loss_sum = 0.0
         for index in range(num_batches):
-            batch = self._next_batch(source)
+            batch = next_batch(source, self.stage)
             x = batch[0] if self.is_first and batch is not None else None
             if inbox is not None:
                 x = inbox.take(index)
@@ -305,8 +253,8 @@ class PipelineStage:
                 total += int(target.numel())
                 loss_sum += float(self.loss_fn(out, target)) * int(target.numel())
             else:
-                self._send(out.detach(), self.stage + 1)
-        self._finish_sends()
+                self._link.send(out.detach(), self.stage + 1)
+        self._link.finish_sends()
         if inbox is not None:
             inbox.check_drained()
         counts = torch.tensor(
@@ -366,62 +314,6 @@ class PipelineStage:
             self._schedules[num_batches] = self.kind(self.num_stages, num_batches)
         return self._schedules[num_batches]
 
-    def _next_batch(self, source: Iterator[Batch] | None) -> Batch | None:
-        if source is None:
-            return None
-        try:
-            return next(source)
-        except StopIteration:
-            raise UsageError(
-                f"pipeline stage {self.stage} ran out of batches: pass num_batches no larger "
-                "than the number of batches"
-            ) from None
-
-    def _split(self, batch: Batch | None) -> list[tuple[Batch | None, float]]:
-        """Micro-batches of a mini-batch, each with its share of the mini-batch's samples."""
-        if batch is None:
-            return [(None, 1.0)] * self.microbatches
-        inputs, targets = batch
-        if inputs.shape[0] < self.microbatches:
-            raise UsageError(
-                f"a mini-batch of {inputs.shape[0]} samples cannot be cut into "
-                f"{self.microbatches} micro-batches; use a larger batch or fewer micro-batches"
-            )
-        total = inputs.shape[0]
-        xs = torch.tensor_split(inputs, self.microbatches)
-        ys = torch.tensor_split(targets, self.microbatches)
-        return [((x, y), x.shape[0] / total) for x, y in zip(xs, ys, strict=True)]
-
-    def _inbox(self, peer_stage: int, count: int) -> Inbox:
-        return Inbox(self.ranks[peer_stage], count, self.group, self.device)
-
-    def _pieces(self, batch: Batch | None, scale: float) -> list[_Piece]:
-        """A unit's pieces: the whole unit, or its ``chunks`` parts for an asynchronous stream.
-
-        Stage 0 holds their inputs and the last stage their targets; the pieces' scales split
-        the unit's share of the mini-batch by sample count.
-        """
-        count = self._pieces_per_unit()
-        if batch is None:
-            return [_Piece(scale=scale / count) for _ in range(count)]
-        inputs, targets = batch
-        if inputs.shape[0] < count:
-            raise UsageError(
-                f"a mini-batch of {inputs.shape[0]} samples cannot be cut into {count} chunks; "
-                "use a larger batch or fewer chunks"
-            )
-        total = inputs.shape[0]
-        xs = torch.tensor_split(inputs, count)
-        ys = torch.tensor_split(targets, count)
-        return [
-            _Piece(
-                input=x.to(self.device) if self.is_first else None,
-                target=y.to(self.device) if self.is_last else None,
-                scale=scale * x.shape[0] / total,
-            )
-            for x, y in zip(xs, ys, strict=True)
-        ]
-
     def _execute(
         self,
         schedule: Schedule,
@@ -444,43 +336,55 @@ class PipelineStage:
         inboxes: dict[Op, Inbox] = {}
         posted: dict[tuple[Op, int, int], int] = {}  # (POST op, batch, piece) -> message index
         unit_iter = iter(units)
-        flight: dict[int, _InFlight] = {}
+        flight: dict[int, InFlight] = {}
         for position, action in enumerate(program):
             op = action.op
             if op in (Op.POST_ACT, Op.POST_GRAD):
                 if op not in inboxes:
                     peer = self.stage - 1 if op is Op.POST_ACT else self.stage + 1
-                    inboxes[op] = self._inbox(peer, 0)
+                    inboxes[op] = self._link.inbox(peer, 0)
                 posted[(op, action.batch, piece_of(action))] = inboxes[op].post()
             elif op is Op.UPDATE:
                 self._update(action, result)
             elif op is Op.WAIT_SENDS:
-                self._finish_sends()
+                self._link.finish_sends()
             else:
                 state = flight.get(action.batch)
                 if state is None:
                     state = flight[action.batch] = self._start(unit_iter, result)
                 if position in averaged:
-                    self._averaged_backward(action, state, keep, inboxes, posted, result)
+                    # The last backward before an update: each gradient goes to its bucket
+                    # as it lands (on the parameter, or on the copy the graph is over).
+                    assert self.averager is not None
+                    with self.averager.armed(state.graph_leaves):
+                        self._run(action, state, keep, inboxes, posted, result)
                 else:
                     self._run(action, state, keep, inboxes, posted, result)
                 if backward_ends.get(action.batch) == position:
-                    self._end_backward(flight.pop(action.batch))
+                    end_backward(self.module, flight.pop(action.batch))
         for inbox in inboxes.values():
             inbox.check_drained()
 
-    def _start(self, units: Iterator[tuple[Batch | None, float]], result: StepResult) -> _InFlight:
+    def _start(self, units: Iterator[tuple[Batch | None, float]], result: StepResult) -> InFlight:
         """The next unit's pieces, as its first forward-side action needs them."""
         batch, scale = next(units)
         if self.is_last:
             assert batch is not None
             result.samples += int(batch[1].shape[0])
-        return _InFlight(self._pieces(batch, scale))
+        pieces = cut_pieces(
+            batch,
+            scale,
+            self._pieces_per_unit(),
+            self.device,
+            is_first=self.is_first,
+            is_last=self.is_last,
+        )
+        return InFlight(pieces)
 
     def _run(
         self,
         action: Action,
-        state: _InFlight,
+        state: InFlight,
         keep: bool,
         inboxes: dict[Op, Inbox],
         posted: dict[tuple[Op, int, int], int],
@@ -495,9 +399,8 @@ class PipelineStage:
         if op in (Op.RECV_ACT, Op.RECV_GRAD):
             post = Op.POST_ACT if op is Op.RECV_ACT else Op.POST_GRAD
             index = posted[(post, action.batch, piece_of(action))]
-            tensor = self._take(
-                inboxes[post], index, action, "act" if post is Op.POST_ACT else "grad"
-            )
+            what = "act" if post is Op.POST_ACT else "grad"
+            tensor = self._link.take(inboxes[post], index, action.batch, what)
             if op is Op.RECV_ACT:
                 piece.input = tensor
             else:
@@ -510,7 +413,7 @@ class PipelineStage:
             self._backward(action, piece)
         elif op in (Op.SEND_ACT, Op.SEND_GRAD):
             assert piece.outgoing is not None
-            self._send(piece.outgoing, self.stage + (1 if op is Op.SEND_ACT else -1))
+            self._link.send(piece.outgoing, self.stage + (1 if op is Op.SEND_ACT else -1))
             piece.outgoing = None
         else:
             raise ValueError(f"a pipeline stage cannot run {action}")
@@ -543,15 +446,8 @@ class PipelineStage:
             )
         return out
 
-    def _take(self, inbox: Inbox, index: int, action: Action, what: str) -> Tensor:
-        """Message ``index`` from ``inbox``, the wait timed."""
-        started = time.perf_counter()
-        tensor = inbox.take(index)
-        self._record(f"recv {what}", "comm", started, action.batch)
-        return tensor
-
     def _forward(
-        self, action: Action, state: _InFlight, piece: _Piece, keep: bool, result: StepResult
+        self, action: Action, state: InFlight, piece: Piece, keep: bool, result: StepResult
     ) -> None:
         """One piece's forward with the batch's weights; with a graph when ``keep``."""
         started = time.perf_counter()
@@ -575,7 +471,7 @@ class PipelineStage:
         if not self.is_last:
             piece.outgoing = out.detach()
 
-    def _recompute(self, action: Action, state: _InFlight, piece: _Piece) -> None:
+    def _recompute(self, action: Action, state: InFlight, piece: Piece) -> None:
         """One piece's output again on its saved input with the backward's weights, with a
         graph, drawing the forward's random numbers; ahead of its gradient, which may still be
         in transit."""
@@ -601,7 +497,7 @@ class PipelineStage:
         piece.output = out
         self._record("recompute", "forward", started, action.batch)
 
-    def _backward(self, action: Action, piece: _Piece) -> None:
+    def _backward(self, action: Action, piece: Piece) -> None:
         """One piece's backward; the input's gradient is then ready to send back."""
         out = piece.output
         assert out is not None
@@ -623,38 +519,6 @@ class PipelineStage:
                 )
             piece.outgoing = grad_in
 
-    def _end_backward(self, state: _InFlight) -> None:
-        """After a batch's last backward action: the forward's buffers back, gradients summed."""
-        if state.saved_buffers:
-            # The recomputation moved BatchNorm's running statistics a second time for this
-            # batch; put back the forward's. Only after backward: autograd saved them.
-            with torch.no_grad():
-                for buffer, saved in zip(self.module.buffers(), state.saved_buffers, strict=True):
-                    buffer.copy_(saved)
-        if state.graph_leaves is not None:
-            self._accumulate(state.graph_leaves)
-
-    def _averaged_backward(
-        self,
-        action: Action,
-        state: _InFlight,
-        keep: bool,
-        inboxes: dict[Op, Inbox],
-        posted: dict[tuple[Op, int, int], int],
-        result: StepResult,
-    ) -> None:
-        """The last backward before an update, each gradient sent to its bucket as it lands
-        (on the parameter, or on the copy of it the batch's graph is over)."""
-        assert self.averager is not None
-        leaves = state.graph_leaves
-        averager = self.averager
-        tensors = averager.params if leaves is None else [leaves[n] for n in averager.names]
-        averager.arm(tensors)
-        try:
-            self._run(action, state, keep, inboxes, posted, result)
-        finally:
-            averager.disarm(tensors)
-
     def _update(self, action: Action, result: StepResult) -> None:
         if self.averager is not None:
             waited = time.perf_counter()
@@ -668,45 +532,12 @@ class PipelineStage:
             self.on_update()
         self._record("update", "optimizer", started, action.batch)
 
-    def _accumulate(self, leaves: dict[str, Tensor]) -> None:
-        """Add the gradients that landed on weight copies to the real parameters' ``.grad``."""
-        for name, param in self.module.named_parameters():
-            grad = leaves[name].grad
-            if grad is None:
-                continue
-            param.grad = grad if param.grad is None else param.grad + grad
-
-    # ---------------------------------------------------------------------------------------
-    # messages and events
-    # ---------------------------------------------------------------------------------------
-
-    def _send(self, tensor: Tensor, peer_stage: int) -> None:
-        started = time.perf_counter()
-        works, buffers = send_tensor(tensor, self.ranks[peer_stage], self.group)
-        self._sends.append((works, buffers))
-        # Completed sends release their buffers; the rest are waited on at the end.
-        self._sends = [(w, t) for w, t in self._sends if not all(x.is_completed() for x in w)]
-        self._record("send " + ("act" if peer_stage > self.stage else "grad"), "comm", started)
-
-    def _finish_sends(self) -> None:
-        for works, _ in self._sends:
-            for work in works:
-                work.wait()
-        self._sends = []
-
     def _record(self, name: str, category: str, started: float, batch: int | None = None) -> None:
         args: dict[str, object] = {} if batch is None else {"batch": batch}
         lane = "comm" if category == "comm" else "compute"
         self._events.append(
             Event(name, category, started, time.perf_counter(), lane, self._process, args)
         )
-
-
-def _unit_batches(
-    batches: Iterable[Batch | None],
-) -> Iterator[tuple[Batch | None, float]]:
-    for batch in batches:
-        yield batch, 1.0
 
 
 def _schedule_kind(schedule: str | type[Schedule], spectrain_backward: str) -> type[Schedule]:

@@ -24,19 +24,12 @@ from interlace.pipeline import SPECTRAIN_BACKWARDS
 from interlace.pipeline.partition import pipeline_blocks
 from interlace.runlog import new_run_dir
 from interlace.train.checkpoint import latest_checkpoint, read_header
-from interlace.train.config import (
-    DEFAULT_LR,
-    OPTIMIZERS,
-    PARALLELISMS,
-    PARTITION_BY,
-    PIPELINE_SCHEDULES,
-    PRECISIONS,
-    TrainConfig,
-    run_label,
-)
+from interlace.train.config import DEFAULT_LR, OPTIMIZERS, PRECISIONS, TrainConfig
 from interlace.train.job import train_rank
 from interlace.train.kfac_options import add_kfac_arguments, check_kfac_options, kfac_options
 from interlace.train.pipeline import check_pipeline_ranks
+from interlace.train.pipeline_config import PARALLELISMS, PARTITION_BY, PIPELINE_SCHEDULES
+from interlace.train.shared import run_label
 from interlace.zoo import build_model, load_data
 from interlace.zoo.text import DEFAULT_SEQ_LEN, TEXT_FILE, TEXT_NAMES
 

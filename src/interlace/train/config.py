@@ -1,7 +1,7 @@
-"""What a training run is asked to do and what it reports, and the pieces every job shares.
+"""What a training run is asked to do: the config, its checks, and the settings that apply.
 
-The config and its checks, the result, the warm-up + cosine learning-rate schedule, the run
-folder's opening and closing, and folder-safe labels of model and data specs.
+The pipeline flags' choices and checks live in :mod:`interlace.train.pipeline_config`, the result,
+learning-rate shape and run labels in :mod:`interlace.train.shared`; both are importable from here.
 """
 
 from __future__ import annotations
@@ -10,15 +10,14 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from interlace.comm.engine import COMPRESSIONS
-from interlace.comm.forward_plan import Overlap
-from interlace.comm.strategies import RUNTIME_STRATEGIES, STRATEGIES
+from interlace.comm.strategies import RUNTIME_STRATEGIES
 from interlace.errors import UsageError
 from interlace.kfac import AssignmentStrategy, ComputeMethod, DampingAdaptation
 from interlace.kfac.enums import FactorCommChoice, FactorSync, LayerRule, PlacementChoice
 from interlace.kfac.factor_modes import Pipelined
 from interlace.kfac.fusion import FUSIONS, fusion_from
 from interlace.kfac.options import G_NORMALIZATIONS
-from interlace.pipeline import ASYNCHRONOUS, PLAN_BY, SCHEDULES, SPECTRAIN_BACKWARDS, SYNCHRONOUS
+from interlace.pipeline import ASYNCHRONOUS, SCHEDULES, SYNCHRONOUS
 from interlace.train.checkpoint import SaveEvery
 from interlace.train.kfac_options import (
     Choice,
@@ -31,8 +30,35 @@ from interlace.train.kfac_options import (
     check_kfac_options,
     kfac_option,
 )
+from interlace.train.pipeline_config import (
+    PARALLELISMS,
+    PARTITION_BY,
+    PIPELINE_SCHEDULES,
+    REPLICATED_PIPELINE_STRATEGIES,
+    pipeline_checks,
+)
+from interlace.train.shared import TrainResult, WarmupCosine, run_label
 from interlace.wrapping import parse_channels
 from interlace.zoo.text import TEXT_FILE, TEXT_NAMES
+
+__all__ = [
+    "DEFAULT_LR",
+    "LARGE_BATCH_KL_CLIP",
+    "LARGE_GLOBAL_BATCH",
+    "OPTIMIZERS",
+    "PARALLELISMS",
+    "PARTITION_BY",
+    "PIPELINE_SCHEDULES",
+    "PRECISIONS",
+    "REPLICATED_PIPELINE_STRATEGIES",
+    "SMALL_BATCH_KL_CLIP",
+    "TrainConfig",
+    "TrainResult",
+    "WarmupCosine",
+    "applicable_settings",
+    "default_kfac_kl_clip",
+    "run_label",
+]
 
 #: The ``--optimizer`` choices: SGD with momentum, K-FAC in front of that SGD, or AdamW.
 OPTIMIZERS = ("sgd", "kfac", "adamw")
@@ -58,21 +84,6 @@ def default_kfac_kl_clip(global_batch: int) -> float:
         global_batch: samples per optimizer step over all ranks.
     """
     return LARGE_BATCH_KL_CLIP if global_batch >= LARGE_GLOBAL_BATCH else SMALL_BATCH_KL_CLIP
-
-
-#: The ``--parallel`` choices: the model replicated (data parallel) or cut into stages.
-PARALLELISMS = ("data", "pipeline")
-#: The ``--schedule`` choices of ``--parallel pipeline`` (see interlace.pipeline.schedule).
-PIPELINE_SCHEDULES = SCHEDULES
-#: The ``--strategy`` choices of a replicated pipeline (``--stages``): interlace's planned buckets
-#: that end inside the stage's backward-to-update span.
-REPLICATED_PIPELINE_STRATEGIES = tuple(
-    name
-    for name in RUNTIME_STRATEGIES
-    if STRATEGIES[name].bucketing is not None and STRATEGIES[name].overlap is Overlap.BACKWARD
-)
-#: How ``--parallel pipeline`` balances its stages (see interlace.pipeline.partition).
-PARTITION_BY = PLAN_BY
 
 
 @dataclass
@@ -388,6 +399,42 @@ class TrainConfig:
             ),
         ]
 
+    def _channel_and_save_checks(self) -> list[tuple[bool, str]]:
+        """The checks of the channels, the saves and the plan's flags (``--channels`` is
+        written in its parsed form first)."""
+        self.channels = parse_channels(self.channels)
+        checks = [
+            (
+                self.channels == 1 or self.strategy not in ("ddp", "optimal"),
+                f"--strategy {self.strategy} sends on one channel; --channels needs mgwfbp, "
+                "wfbp, fixed or single",
+            )
+        ]
+        saves = None if self.save_every is None else SaveEvery.parse(self.save_every)
+        checks += [
+            (
+                saves is None or saves.epochs or self.parallel != "pipeline",
+                "--parallel pipeline saves between epochs (a pipeline drains only there): give "
+                f"--save-every in epochs, e.g. {saves.count if saves else 1}ep",
+            ),
+            (
+                not self.deterministic or self.channels != "auto",
+                "--deterministic fixes the plan before training, and --channels auto chooses "
+                "the channels by measuring: give --channels a number",
+            ),
+            (
+                not self.replan or (self.parallel == "data" and self.strategy != "ddp"),
+                "--replan plans DataParallel's buckets again; this run has none to plan "
+                f"(--parallel {self.parallel}, --strategy {self.strategy})",
+            ),
+            (
+                not (self.replan and self.deterministic),
+                "--replan measures a new plan, and this run is --deterministic (its plan is "
+                "fixed, not measured): drop --replan",
+            ),
+        ]
+        return checks
+
     def validate(self) -> None:
         """Reject impossible settings before any process starts.
 
@@ -443,158 +490,12 @@ class TrainConfig:
             ),
         ]
         checks += self._text_and_step_checks()
-        checks += [
-            (
-                self.parallel in PARALLELISMS,
-                f"unknown --parallel '{self.parallel}'; choose one of {', '.join(PARALLELISMS)}",
-            ),
-            (
-                self.schedule in PIPELINE_SCHEDULES,
-                f"unknown --schedule '{self.schedule}'; choose one of "
-                f"{', '.join(PIPELINE_SCHEDULES)}",
-            ),
-            (self.microbatches >= 1, f"--microbatches must be >= 1, got {self.microbatches}"),
-            (
-                self.parallel != "pipeline"
-                or self.schedule not in SYNCHRONOUS
-                or self.batch_size >= self.microbatches,
-                f"--batch-size {self.batch_size} cannot be cut into {self.microbatches} "
-                "micro-batches; raise --batch-size or lower --microbatches",
-            ),
-            (
-                self.stages is None or self.stages >= 1,
-                f"--stages must be >= 1, got {self.stages}",
-            ),
-            (
-                self.stages is None or self.parallel == "pipeline",
-                "--stages applies to --parallel pipeline; add --parallel pipeline or drop it",
-            ),
-            (
-                self.stages is None or self.strategy in REPLICATED_PIPELINE_STRATEGIES,
-                f"--strategy {self.strategy}: a replicated pipeline averages each stage with "
-                f"interlace's buckets; choose one of {', '.join(REPLICATED_PIPELINE_STRATEGIES)}",
-            ),
-            (self.chunks >= 1, f"--chunks must be >= 1, got {self.chunks}"),
-            (
-                self.chunks == 1 or self.schedule not in SYNCHRONOUS,
-                f"--chunks applies to {', '.join(ASYNCHRONOUS)}; {self.schedule} cuts a "
-                "mini-batch with --microbatches",
-            ),
-            (
-                self.parallel != "pipeline"
-                or self.schedule in SYNCHRONOUS
-                or self.batch_size >= self.chunks,
-                f"--batch-size {self.batch_size} cannot be cut into {self.chunks} chunks; raise "
-                "--batch-size or lower --chunks",
-            ),
-            (
-                self.spectrain_backward in SPECTRAIN_BACKWARDS,
-                f"unknown --spectrain-backward '{self.spectrain_backward}'; choose recompute or "
-                "reuse",
-            ),
-            (
-                self.partition_by in PARTITION_BY,
-                f"unknown --partition-by '{self.partition_by}'; choose one of "
-                f"{', '.join(PARTITION_BY)}",
-            ),
-        ]
-        self.channels = parse_channels(self.channels)
-        checks.append(
-            (
-                self.channels == 1 or self.strategy not in ("ddp", "optimal"),
-                f"--strategy {self.strategy} sends on one channel; --channels needs mgwfbp, "
-                "wfbp, fixed or single",
-            )
-        )
-        saves = None if self.save_every is None else SaveEvery.parse(self.save_every)
-        checks += [
-            (
-                saves is None or saves.epochs or self.parallel != "pipeline",
-                "--parallel pipeline saves between epochs (a pipeline drains only there): give "
-                f"--save-every in epochs, e.g. {saves.count if saves else 1}ep",
-            ),
-            (
-                not self.deterministic or self.channels != "auto",
-                "--deterministic fixes the plan before training, and --channels auto chooses "
-                "the channels by measuring: give --channels a number",
-            ),
-            (
-                not self.replan or (self.parallel == "data" and self.strategy != "ddp"),
-                "--replan plans DataParallel's buckets again; this run has none to plan "
-                f"(--parallel {self.parallel}, --strategy {self.strategy})",
-            ),
-            (
-                not (self.replan and self.deterministic),
-                "--replan measures a new plan, and this run is --deterministic (its plan is "
-                "fixed, not measured): drop --replan",
-            ),
-        ]
+        checks += pipeline_checks(self)
+        checks += self._channel_and_save_checks()
         for ok, message in checks:
             if not ok:
                 raise UsageError(message)
         check_kfac_options(self)
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    """What a finished run reports back: its final numbers and where its folder is.
-
-    Args:
-        final_test_accuracy: test accuracy after the last epoch, in [0, 1] (a language
-            model's: of its next-token predictions).
-        final_train_loss: mean training loss of the last epoch.
-        samples_per_s: training throughput of the last epoch.
-        run_dir: the run folder on rank 0; None on the other ranks.
-        epochs: epochs trained.
-        final_test_perplexity: a language model's held-out perplexity after the last epoch
-            (``exp`` of the mean loss per token); None for a classifier.
-        unigram_perplexity: the held-out perplexity of the corpus's unigram model (each
-            byte's training-split frequency); None for a classifier.
-    """
-
-    final_test_accuracy: float
-    final_train_loss: float
-    samples_per_s: float
-    run_dir: str | None
-    epochs: int
-    final_test_perplexity: float | None = None
-    unigram_perplexity: float | None = None
-
-
-class WarmupCosine:
-    """Linear warm-up then cosine decay to zero: the usual recipe for SGD with momentum.
-
-    A multiplier of the peak rate for :class:`torch.optim.lr_scheduler.LambdaLR`. A class rather
-    than a closure so the config and schedule pickle across processes.
-
-    Args:
-        total_steps: optimizer steps of the whole run.
-        warmup_steps: steps of the linear warm-up (cut to leave at least one cosine step).
-    """
-
-    def __init__(self, total_steps: int, warmup_steps: int) -> None:
-        self.total_steps = max(total_steps, 1)
-        self.warmup_steps = max(min(warmup_steps, self.total_steps - 1), 0)
-
-    def __call__(self, step: int) -> float:
-        """The multiplier of the peak learning rate at optimizer step ``step`` (from 0)."""
-        if step < self.warmup_steps:
-            return (step + 1) / (self.warmup_steps + 1)
-        progress = (step - self.warmup_steps) / max(self.total_steps - self.warmup_steps, 1)
-        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-
-
-def run_label(spec: str) -> str:
-    """A folder-name-safe short form of a model or data spec.
-
-    Args:
-        spec: a zoo or data name, a ``package.module:callable`` or a folder path.
-
-    Returns:
-        Its last path part, with ``:`` as ``.`` and any other unsafe character as ``_``.
-    """
-    tail = spec.rstrip("/").replace(":", ".").split("/")[-1]
-    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in tail) or "run"
 
 
 #: Settings that only a data-parallel run uses.

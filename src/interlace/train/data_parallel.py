@@ -30,14 +30,11 @@ from interlace.errors import OptionError, UsageError
 from interlace.kfac import KFAC, KFACPreconditioner
 from interlace.runlog import METRIC_COLUMNS, PERPLEXITY_COLUMNS
 from interlace.train.checkpoint import Position, rng_state, set_rng_state
-from interlace.train.config import (
-    TrainConfig,
-    TrainResult,
-    default_kfac_kl_clip,
-)
+from interlace.train.config import TrainConfig, default_kfac_kl_clip
 from interlace.train.kfac_options import kfac_keywords, kfac_options, shown_as_flags
 from interlace.train.records import RunRecords, finish_run
 from interlace.train.schedule import optimizer_with_schedule, steps_in_epoch
+from interlace.train.shared import TrainResult
 from interlace.wrapping import wrap_model
 from interlace.zoo import build_model, load_data, make_loader, token_cross_entropy
 from interlace.zoo.text import TokenWindows, unigram_perplexity

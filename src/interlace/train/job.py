@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from interlace.distenv import finish_distributed, init_distributed
-from interlace.train.config import TrainConfig, TrainResult
+from interlace.train.config import TrainConfig
 from interlace.train.data_parallel import train_data_parallel
 from interlace.train.pipeline import train_pipeline
+from interlace.train.shared import TrainResult
 
 
 def train_rank(

@@ -26,9 +26,10 @@ from interlace.pipeline.runtime import PipelineStage
 from interlace.pipeline.schedule import SYNCHRONOUS
 from interlace.pipeline.stages import LocalStage, local_stage
 from interlace.train.checkpoint import Position, rng_state, set_rng_state
-from interlace.train.config import TrainConfig, TrainResult
+from interlace.train.config import TrainConfig
 from interlace.train.records import RunRecords, finish_run
 from interlace.train.schedule import optimizer_with_schedule, steps_in_epoch
+from interlace.train.shared import TrainResult
 from interlace.zoo import build_model, load_data, make_loader
 
 Batch = tuple[Tensor, Tensor]

@@ -27,7 +27,8 @@ from interlace.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from interlace.train.config import TrainConfig, TrainResult, applicable_settings, run_label
+from interlace.train.config import TrainConfig, applicable_settings
+from interlace.train.shared import TrainResult, run_label
 
 
 class RunRecords:

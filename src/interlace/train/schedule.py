@@ -7,7 +7,8 @@ from collections.abc import Iterable
 import torch
 
 from interlace.errors import UsageError
-from interlace.train.config import TrainConfig, WarmupCosine
+from interlace.train.config import TrainConfig
+from interlace.train.shared import WarmupCosine
 
 __all__ = ["optimizer_with_schedule", "steps_in_epoch", "warmup_steps_of"]
 
