@@ -43,20 +43,20 @@ DDP_CAPS: dict[str, tuple[float, float]] = {
 #: dilation at which that work stays a small share of the cores (the ``host`` column of the
 #: report); at D = 16 it took most of a 2-core machine (docs/data-parallel.md).
 ROWS: dict[str, tuple[str, str, str, str, str, str]] = {
-    "r50-25g": ("emulated:resnet50-h200", "32", "25gbit", CONTENDERS, "12", "3"),
-    "r50-25g-d64": (
+    "r50-25g": ("emulated:resnet50-h200", "64", "25gbit", "ddp,ddp/bf16,overlap/bf16", "12", "3"),
+    "r50-25g-d32": ("emulated:resnet50-h200", "32", "25gbit", CONTENDERS, "12", "3"),
+    "r50-100g": (
         "emulated:resnet50-h200",
         "64",
-        "25gbit",
-        "ddp,ddp/bf16,overlap/bf16",
-        "12",
-        "3",
+        "100gbit",
+        "ddp,ddp/bf16,ddp-50mb/bf16,ddp-100mb/bf16,mgwfbp/bf16,overlap/bf16",
+        "20",
+        "4",
     ),
-    "r50-100g": ("emulated:resnet50-h200", "64", "100gbit", CONTENDERS, "12", "3"),
     # BERT-base: each copy holds 440 MB of weights and as much of gradients and of buckets, so
     # one contender a launch (4 ranks of two contenders ran out of memory on a 23 GB machine).
-    "bert-25g": ("emulated:bert-base-h200", "32", "25gbit", "overlap/bf16", "8", "2"),
-    "bert-25g-hook": ("emulated:bert-base-h200", "32", "25gbit", "ddp/bf16", "8", "2"),
+    "bert-25g": ("emulated:bert-base-h200", "64", "25gbit", "overlap/bf16", "8", "2"),
+    "bert-25g-hook": ("emulated:bert-base-h200", "64", "25gbit", "ddp/bf16", "8", "2"),
 }
 COMMON = ["-n", "4", "--warmup", "1", "--timeout", "1800", "--png", "none"]
 
