@@ -2,9 +2,10 @@
 with its bf16 hook at 25, 50 and 100 MB buckets, on the emulated H200 traces.
 
 ``python benchmarks/dp_bf16.py run`` runs every row (``interlace bench dp`` on the emulated
-cluster, root needed, up to about ten minutes a row) into ``docs/bench-dp/bf16-*.json``;
+cluster, root needed, 10-20 minutes a launch) into ``docs/bench-dp/bf16-*.json``;
 ``python benchmarks/dp_bf16.py report`` prints the table from those files, with the compressed
-bound and the simulator's price of each contender, and writes ``docs/bench-dp/bf16.json``.
+bound, the simulator's price and the host's share of the cores of each contender, and writes
+``docs/bench-dp/bf16.json``.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from interlace.sim.trace import Trace, load_trace
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "bench-dp"
 
-#: Plain DDP, DDP with torch's bf16 hook at each cap, and DataParallel's two modes with bf16.
-CONTENDERS = "ddp,ddp/bf16,ddp-50mb/bf16,ddp-100mb/bf16,mgwfbp/bf16,overlap/bf16"
+#: Plain DDP, DDP with torch's bf16 hook at each cap, and the forward overlap with bf16.
+CONTENDERS = "ddp,ddp/bf16,ddp-50mb/bf16,ddp-100mb/bf16,overlap/bf16"
 #: DDP's caps with the hook: (first bucket, every other), float32 bytes. ``ddp`` keeps torch's
 #: 1 MB first bucket; a cap passed explicitly applies to the first bucket too.
 DDP_CAPS: dict[str, tuple[float, float]] = {
@@ -35,20 +36,29 @@ DDP_CAPS: dict[str, tuple[float, float]] = {
     "ddp-100mb": (100e6, 100e6),
 }
 
-#: Each row: its name, then ``interlace bench dp`` arguments.
-ROWS: dict[str, list[str]] = {
-    "r50-25g": ["emulated:resnet50-h200", "16", "25gbit"],
-    "bert-25g": ["emulated:bert-base-h200", "16", "25gbit"],
-    "r50-100g": ["emulated:resnet50-h200", "64", "100gbit"],
-    "bert-100g": ["emulated:bert-base-h200", "64", "100gbit"],
+#: Each row: its name, then trace, dilation, link, contenders, iterations and rounds. The
+#: ranks' host work (gradient writes, bucket copies, casts, gloo's sums, the kernel's network
+#: stack) is real CPU time, not dilated: about 0.6 s a ResNet-50 iteration over 4 ranks with or
+#: without bf16. Halving the bytes halves the dilated iteration, so the compressed rows need a
+#: dilation at which that work stays a small share of the cores (the ``host`` column of the
+#: report); at D = 16 it took most of a 2-core machine (docs/data-parallel.md).
+ROWS: dict[str, tuple[str, str, str, str, str, str]] = {
+    "r50-25g": ("emulated:resnet50-h200", "64", "25gbit", "ddp,ddp/bf16,overlap/bf16", "12", "3"),
+    "r50-25g-d32": ("emulated:resnet50-h200", "32", "25gbit", CONTENDERS, "12", "3"),
+    "r50-100g": (
+        "emulated:resnet50-h200",
+        "64",
+        "100gbit",
+        "ddp,ddp/bf16,ddp-50mb/bf16,ddp-100mb/bf16,mgwfbp/bf16,overlap/bf16",
+        "20",
+        "4",
+    ),
+    # BERT-base: each copy holds 440 MB of weights and as much of gradients and of buckets, so
+    # one contender a launch (4 ranks of two contenders ran out of memory on a 23 GB machine).
+    "bert-25g": ("emulated:bert-base-h200", "64", "25gbit", "overlap/bf16", "8", "2"),
+    "bert-25g-hook": ("emulated:bert-base-h200", "64", "25gbit", "ddp/bf16", "8", "2"),
 }
-#: BERT's iterations take 4 s dilated at 25 Gbit/s: fewer of them keep a row near ten minutes.
-ITERS = {"bert-25g": ("12", "3")}
-#: BERT's contenders: the hook at DDP's default cap (its best on both ResNet-50 rows) and the
-#: overlap. Each copy holds 440 MB of weights and as much of gradients, momentum and buckets;
-#: on a 23 GB machine 4 ranks ran out of memory even with these two (docs/data-parallel.md).
-BERT_CONTENDERS = "ddp/bf16,overlap/bf16"
-COMMON = ["-n", "4", "--warmup", "1", "--timeout", "1500", "--png", "none"]
+COMMON = ["-n", "4", "--warmup", "1", "--timeout", "1800", "--png", "none"]
 
 
 def command(name: str, directory: Path) -> list[str]:
@@ -58,12 +68,10 @@ def command(name: str, directory: Path) -> list[str]:
         name: A key of :data:`ROWS`.
         directory: Where its JSON goes.
     """
-    compute, dilation, link = ROWS[name]
-    iters, rounds = ITERS.get(name, ("20", "4"))
+    compute, dilation, link, contenders, iters, rounds = ROWS[name]
     return [
         *("interlace", "bench", "dp", "--compute", compute, "--dilation", dilation),
-        *("--link", link, "--strategies", BERT_CONTENDERS if "bert" in compute else CONTENDERS),
-        *("--iters", iters, "--rounds", rounds),
+        *("--link", link, "--strategies", contenders, "--iters", iters, "--rounds", rounds),
         *COMMON,
         *("--json", str(directory / f"bf16-{name}-n4.json")),
     ]
@@ -87,6 +95,8 @@ class Line:
     simulated_s: float
     buckets: str
     kept: str
+    dilation: str
+    host_share: float | None
 
 
 def simulated(trace: Trace, contender: str, cost: CostModel, ranks: int) -> float:
@@ -131,7 +141,7 @@ def summarise(name: str, path: Path) -> list[Line]:
         for label in rows
         if label.endswith("/bf16") and label.split("/")[0] in DDP_CAPS
     }
-    best_hook = min(hooks, key=lambda label: hooks[label])
+    best_hook = min(hooks, key=lambda label: hooks[label]) if hooks else ""
     trace = load_trace(plain["compute"].split(":", 1)[1].split(" ")[0])
     # The bound with every gradient sent in half the bytes: max(forward + backward, all-reduce
     # of everything / 2) + step, from the plain module's measured times.
@@ -148,13 +158,15 @@ def summarise(name: str, path: Path) -> list[Line]:
                 row["iteration_s"],
                 row["iteration_p25_s"],
                 row["iteration_p75_s"],
-                hooks[best_hook] / row["iteration_s"],
+                hooks[best_hook] / row["iteration_s"] if hooks else float("nan"),
                 best_hook,
                 None if ddp is None else ddp["iteration_s"] / row["iteration_s"],
                 bound,
                 simulated(trace, label, cost, row["ranks"]),
                 str(row["buckets"]),
                 (row["tuning"] or "").rsplit("kept ", 1)[-1],
+                ROWS[name][1] if name in ROWS else "-",
+                row.get("host_cpu_share"),
             )
         )
     return lines
@@ -177,18 +189,22 @@ def report(directory: Path) -> list[Line]:
         for line in summarise(name, directory / f"bf16-{name}-n4.json")
     ]
     print(
-        "| trace, link | contender | ms (p25-p75) | vs DDP+hook at its best cap | vs plain DDP "
-        "| / compressed bound | compressed bound ms | simulator ms (error) | buckets |"
+        "| trace, link, D | contender | ms (p25-p75) | vs DDP+hook at its best cap "
+        "| vs plain DDP | / compressed bound | compressed bound ms | simulator ms (error) "
+        "| buckets | host |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for s in lines:
         error = (s.simulated_s - s.iteration_s) / s.iteration_s
+        hook = f"{s.versus_best_hook:.2f}x ({s.best_hook})" if s.best_hook else "-"
+        host = "-" if s.host_share is None else f"{s.host_share:.0%}"
         print(
-            f"| {s.model}, {s.link} | {s.contender} | {_ms(s.iteration_s)} "
-            f"({_ms(s.p25_s)}-{_ms(s.p75_s)}) | {s.versus_best_hook:.2f}x ({s.best_hook}) | "
+            f"| {s.model}, {s.link}, {s.dilation} | {s.contender} | {_ms(s.iteration_s)} "
+            f"({_ms(s.p25_s)}-{_ms(s.p75_s)}) | {hook} | "
             f"{'-' if s.versus_ddp is None else f'{s.versus_ddp:.2f}x'} | "
             f"{s.iteration_s / s.compressed_bound_s:.2f} | "
-            f"{_ms(s.compressed_bound_s)} | {_ms(s.simulated_s)} ({error:+.1%}) | {s.buckets} |"
+            f"{_ms(s.compressed_bound_s)} | {_ms(s.simulated_s)} ({error:+.1%}) | {s.buckets} "
+            f"| {host} |"
         )
     errors = [
         abs(s.simulated_s - s.iteration_s) / s.iteration_s for s in lines if "bf16" in s.contender

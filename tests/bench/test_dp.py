@@ -230,6 +230,9 @@ def test_an_emulated_run_reports_undilated_times_the_compute_and_the_bound(
         assert row["iteration_s"] >= traced_s and row["samples"] == 3
         # Far below the dilated time: the times were divided by the dilation.
         assert row["iteration_s"] < dilation * traced_s + 1.0
+        # The ranks' own CPU (hooks, copies, gloo) took some share of the cores, not more.
+        assert 0 < row["host_cpu_share"] <= 1
+    assert bound["host_cpu_share"] is None and ahead["host_cpu_share"] is None
     # The bound row: the trace's forward + max(backward, all-reduce) + the measured step.
     expected = 4e-3 + max(8e-3, bound["allreduce_s"]) + bound["step_s"]
     assert bound["iteration_s"] == pytest.approx(expected)

@@ -133,3 +133,15 @@ def test_tables_show_every_row_and_a_clamped_link(tmp_path: Path) -> None:
     assert len(summary) == 3 and "mgwfbp vs DDP" in summary[0]
     dp_report.plot_speedups(rows, tmp_path / "speedups.png")
     assert (tmp_path / "speedups.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_host_share_is_the_ranks_cpu_over_the_cores_times_the_iteration() -> None:
+    measurement = _measurement()
+    ddp = dp_rank.StrategySamples("ddp", [0.2, 0.4, 0.3], 2, 4, host_cpu_s=[0.12, 0.3, 0.18])
+    shared = dp_rank.Measurement(**{**measurement.__dict__, "strategies": [ddp], "cores": 2})
+    (row,) = dp_report.rows_from_measurement(shared, dp_report.LaunchContext(None, "loopback"))
+    # Median CPU 0.18 s of all ranks against 2 cores for the median 0.3 s iteration.
+    assert row.host_cpu_share == pytest.approx(0.18 / (2 * 0.3))
+    unknown = dp_rank.Measurement(**{**shared.__dict__, "cores": 0})
+    (row,) = dp_report.rows_from_measurement(unknown, dp_report.LaunchContext(None, "loopback"))
+    assert row.host_cpu_share is None

@@ -6,6 +6,7 @@ maximum over ranks.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -153,6 +154,9 @@ class StrategySamples:
     #: its trials of candidate plans measured.
     bucket_tensors: list[list[str]] | None = None
     tuning: str | None = None
+    #: CPU seconds of every rank's process (all its threads, kernel time included) per timed
+    #: iteration, summed over ranks: the host work the emulated device time does not cover.
+    host_cpu_s: list[float] | None = None
 
 
 @dataclass(frozen=True)
@@ -185,6 +189,8 @@ class Measurement:
     #: Emulated compute: the trace's forward and backward device time (dilated), seconds.
     device_forward_s: float | None = None
     device_backward_s: float | None = None
+    #: The cores the ranks could run on (their CPU affinity), for the host's share of them.
+    cores: int = 0
 
     #: The fields that hold times (every float of the strategies' samples is one).
     TIMES: ClassVar[tuple[str, ...]] = (
@@ -401,7 +407,10 @@ def measure_rank(job: MeasureJob) -> Measurement:
     plain = job.module()
     plain_optimizer = make_optimizer(plain)
     flat = _flat_gradients(plain)
-    alongside = _flat_gradients(plain)
+    # On emulated compute nothing contends for the cores, so the contended bound is not taken
+    # (and its second copy of every gradient, 440 MB a rank on BERT-base, is not allocated).
+    contended = not emulated
+    alongside = _flat_gradients(plain) if contended else flat
     tiny = torch.zeros(1)
 
     counter = 0
@@ -417,8 +426,6 @@ def measure_rank(job: MeasureJob) -> Measurement:
         _compute_sample(plain, plain_optimizer, *next_batch())
     _allreduce_sample(flat)
     _allreduce_sample(tiny)
-    # On emulated compute nothing contends for the cores, so the contended bound is not taken.
-    contended = not emulated
     if contended:
         _overlapped_sample(plain, plain_optimizer, *next_batch(), alongside)
 
@@ -430,6 +437,7 @@ def measure_rank(job: MeasureJob) -> Measurement:
     allreduces: list[float] = []
     latencies: list[float] = []
     overlapped: list[float] = []
+    host_cpu: dict[str, list[float]] = {contender.name: [] for contender in contenders}
     # None: the reference measurements; the probe: its own block, timed like a strategy's.
     slots: list[Contender | ContentionProbe | None] = [*contenders, None]
     if probe is not None:
@@ -465,9 +473,11 @@ def measure_rank(job: MeasureJob) -> Measurement:
             train_step(slot, *next_batch())
             for _ in range(block):
                 inputs, targets = next_batch()
+                cpu_start = time.process_time()
                 start = time.perf_counter()
                 train_step(slot, inputs, targets)
                 slot.times.append(time.perf_counter() - start)
+                host_cpu[slot.name].append(time.process_time() - cpu_start)
             # The next contender starts on an idle network.
             settle(slot.wrapper)
 
@@ -475,8 +485,11 @@ def measure_rank(job: MeasureJob) -> Measurement:
     iterations = [contender.times for contender in contenders]
     measured = [forwards, backwards, steps_s, allreduces, overlapped, latencies]
     maxima = max_over_ranks_each([*iterations, *measured])
+    cpu_sums = _sum_over_ranks([host_cpu[contender.name] for contender in contenders])
     samples = []
-    for contender, slowest in zip(contenders, maxima[: len(contenders)], strict=True):
+    for contender, slowest, cpu in zip(
+        contenders, maxima[: len(contenders)], cpu_sums, strict=True
+    ):
         plan = getattr(contender.wrapper, "plan", None)
         cost = getattr(contender.wrapper, "cost_model", None)
         samples.append(
@@ -502,6 +515,7 @@ def measure_rank(job: MeasureJob) -> Measurement:
                     else [[plan.tensors[i].name for i in bucket.indices] for bucket in plan.buckets]
                 ),
                 tuning=getattr(contender.wrapper, "tuning_summary", None) or None,
+                host_cpu_s=cpu,
             )
         )
     forwards, backwards, steps_s, allreduces, overlapped, latencies = maxima[len(contenders) :]
@@ -524,4 +538,17 @@ def measure_rank(job: MeasureJob) -> Measurement:
         dilation=job.compute.dilation,
         device_forward_s=None if layers is None else sum(layer.forward_s for layer in layers),
         device_backward_s=None if layers is None else sum(layer.backward_s for layer in layers),
+        cores=len(os.sched_getaffinity(0)),
     )
+
+
+def _sum_over_ranks(series: list[list[float]]) -> list[list[float]]:
+    """Each sample of each series summed over ranks, in one collective (every rank calls it
+    with series as long)."""
+    flat = torch.tensor([value for values in series for value in values], dtype=torch.float64)
+    dist.all_reduce(flat)
+    sums, start = [], 0
+    for values in series:
+        sums.append(flat[start : start + len(values)].tolist())
+        start += len(values)
+    return sums

@@ -197,6 +197,9 @@ class Row(BaseRow):
     target_per_byte_s: float | None = None
     #: The total norm every strategy clipped its gradients to before its step (None: none).
     clip_grad_norm: float | None = None
+    #: The ranks' host CPU per iteration (median, summed over ranks) over the cores times the
+    #: median iteration: near 1 the row times the host's cores, not the emulated cluster.
+    host_cpu_share: float | None = None
 
 
 def rows_from_measurement(measurement: Measurement, context: LaunchContext) -> list[Row]:
@@ -282,6 +285,7 @@ def rows_from_measurement(measurement: Measurement, context: LaunchContext) -> l
                 per_byte_s=per_byte,
                 target_startup_s=None if target is None else target.a,
                 target_per_byte_s=None if target is None else target.b,
+                host_cpu_share=_host_share(samples.host_cpu_s, median, measurement.cores),
             )
         )
     if emulated and rows:
@@ -309,9 +313,17 @@ def rows_from_measurement(measurement: Measurement, context: LaunchContext) -> l
                     channel_choice=None,
                     tuning=None,
                     speedup_vs_one_channel=None,
+                    host_cpu_share=None,
                 )
             )
     return rows
+
+
+def _host_share(cpu_s: list[float] | None, iteration_s: float, cores: int) -> float | None:
+    """The ranks' median host CPU per iteration over ``cores`` times ``iteration_s``."""
+    if not cpu_s or cores <= 0 or iteration_s <= 0:
+        return None
+    return statistics.median(cpu_s) / (cores * iteration_s)
 
 
 def _ratio_text(row: Row) -> str:

@@ -188,6 +188,13 @@ class BucketEngine:
             * element[send.bucket]
             for send in self.sends
         ]
+        # Each launch's slice of its bucket and of the bucket's wire, cut once: cutting them in
+        # every launch cost as much host time as the launch itself for the small slices.
+        self._pieces = [_slice(self.buffers[send.bucket], send) for send in self.sends]
+        self._wire_pieces = [
+            None if wire is None else _slice(wire, send)
+            for wire, send in ((self._wires[send.bucket], send) for send in self.sends)
+        ]
         self._sends_of: list[list[int]] = [[] for _ in self.groups]
         for position, send in enumerate(self.sends):
             self._sends_of[send.bucket].append(position)
@@ -378,7 +385,6 @@ class BucketEngine:
     def _launch(self, position: int) -> None:
         send = self.sends[position]
         bucket = send.bucket
-        buffer = self.buffers[bucket]
         copies = self._copies[bucket]
         if copies:
             torch._foreach_copy_([view for view, _ in copies], [grad for _, grad in copies])
@@ -388,12 +394,11 @@ class BucketEngine:
         if self.hook is not None:
             self._call_hook(bucket, self.hook)
             return
-        piece = buffer if send.parts == 1 else torch.tensor_split(buffer, send.parts)[send.part]
+        piece = self._pieces[position]
         # Divide before summing, as DDP does: the average without risking overflow.
         piece.div_(self.world_size)
-        wire = self._wires[bucket]
-        if wire is not None:
-            wired = wire if send.parts == 1 else torch.tensor_split(wire, send.parts)[send.part]
+        wired = self._wire_pieces[position]
+        if wired is not None:
             wired.copy_(piece)
             piece = wired
         launched = time.perf_counter()
@@ -445,6 +450,12 @@ def _report_done(
 ) -> None:
     # Runs on the backend's thread when the all-reduce completes: the true end time.
     recorder(bucket, channel, nbytes, launched, time.perf_counter())
+
+
+def _slice(buffer: torch.Tensor, send: _Send) -> torch.Tensor:
+    """``send``'s slice of ``buffer`` (all of it for a whole-bucket launch), as
+    ``torch.tensor_split`` cuts it."""
+    return buffer if send.parts == 1 else torch.tensor_split(buffer, send.parts)[send.part]
 
 
 def _data_in_slice(numel: int, data: int, send: _Send) -> int:
