@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from interlace.comm.cost import CostModel
-from interlace.comm.tuning import PlanTrials, describe_trials, fastest, scale_start_up
+from interlace.comm.tuning import (
+    TIE_MARGIN,
+    PlanTrials,
+    describe_trials,
+    fastest,
+    scale_start_up,
+    tie_margin,
+)
 
 
 def test_the_schedule_runs_the_candidates_forward_then_back() -> None:
@@ -62,3 +71,13 @@ def test_fastest_breaks_near_ties_by_fewer_buckets() -> None:
     assert fastest(medians, buckets=[8, 1, 4, 1], margin=0.001) == 2
     with pytest.raises(ValueError, match="2 bucket counts for 4 medians"):
         fastest(medians, buckets=[1, 2])
+
+
+def test_noise_is_the_worst_relative_standard_error_of_a_median() -> None:
+    trials = PlanTrials(["a", "b"], steps=1, rounds=1)
+    trials.samples = [[1.0, 2.0, 3.0, 4.0, 5.0], [10.0, 10.0, 10.0, 10.0]]
+    # a: quartiles (exclusive method) 1.5 and 4.5, sigma 3 / 1.349, median 3, 5 samples.
+    expected = 1.2533 * (3.0 / 1.349) / math.sqrt(5) / 3.0
+    assert trials.noise() == pytest.approx(expected)
+    assert tie_margin(0.0) == TIE_MARGIN
+    assert tie_margin(expected) == pytest.approx(2 * expected)

@@ -12,7 +12,13 @@ from dataclasses import dataclass, replace
 from interlace.comm.cost import CostModel
 from interlace.comm.forward_plan import GateTiming, Overlap, gates_from_timings, overlap_candidates
 from interlace.comm.plan import MIB, Bucketing, Plan, ReadyTensor, make_plan
-from interlace.comm.tuning import START_UP_SCALES, describe_trials, fastest, scale_start_up
+from interlace.comm.tuning import (
+    START_UP_SCALES,
+    TIE_MARGIN,
+    describe_trials,
+    fastest,
+    scale_start_up,
+)
 
 #: With ``merged``/``optimal``, the trials also weigh gradients cut into about this many buckets
 #: of equal bytes (DDP-style caps of total/count).
@@ -357,17 +363,24 @@ def explain_choice(plan: Plan, candidates: Sequence[Plan], requested: int | str)
 
 
 def settle_trials(
-    candidates: Sequence[Candidate], medians: Sequence[float], requested: int | str
+    candidates: Sequence[Candidate],
+    medians: Sequence[float],
+    requested: int | str,
+    margin: float = TIE_MARGIN,
 ) -> TrialOutcome:
-    """The candidate measured fastest, and the trials' summary.
+    """The candidate measured fastest (the fewest buckets among those within ``margin`` of the
+    fastest median), and the trials' summary.
 
     Args:
         candidates: the candidates tried, in trial order.
         medians: each one's median iteration seconds (on the slowest rank).
         requested: the channels asked for (``"auto"``: the kept plan's ``why`` says so).
+        margin: the fraction of the least median within which candidates tie
+            (:func:`~interlace.comm.tuning.tie_margin`).
     """
     labels = [candidate.label for candidate in candidates]
-    chosen = fastest(medians, [len(candidate.plan.buckets) for candidate in candidates])
+    buckets = [len(candidate.plan.buckets) for candidate in candidates]
+    chosen = fastest(medians, buckets, margin)
     results = [
         (candidate.label, len(candidate.plan.buckets), median)
         for candidate, median in zip(candidates, medians, strict=True)
@@ -379,4 +392,4 @@ def settle_trials(
             why=f"channels='auto' kept {kept.plan.channels} channel(s) by measured iteration "
             f"time (the planner's prediction: {kept.why or 'one channel'})",
         )
-    return TrialOutcome(kept, describe_trials(labels, medians, chosen), results)
+    return TrialOutcome(kept, describe_trials(labels, medians, chosen, margin), results)

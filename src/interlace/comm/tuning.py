@@ -6,6 +6,7 @@ buckets when it says so (why trials at all: docs/notes/dp.md).
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 
@@ -100,10 +101,34 @@ class PlanTrials:
         """Each candidate's median iteration time (all rounds together)."""
         return [statistics.median(samples) for samples in self.samples]
 
+    def noise(self) -> float:
+        """The largest relative standard error of a candidate's median: the spread (p25-p75,
+        as a normal sigma) times 1.2533 over the square root of the samples, over the median."""
+        worst = 0.0
+        for samples in self.samples:
+            if len(samples) < 2:
+                continue
+            q1, _, q3 = statistics.quantiles(samples, n=4)
+            median = statistics.median(samples)
+            if median > 0:
+                sigma = (q3 - q1) / 1.349
+                worst = max(worst, 1.2533 * sigma / math.sqrt(len(samples)) / median)
+        return worst
+
 
 #: Measured medians within this fraction of the fastest count as a tie, which the candidate with
 #: fewer buckets wins: every bucket costs host work per step, and the trials' noise can hide it.
 TIE_MARGIN = 0.02
+
+
+def tie_margin(noise: float) -> float:
+    """The margin within which candidates tie: :data:`TIE_MARGIN`, or two standard errors of
+    the trials' medians where they are noisier (a difference inside it is not measured).
+
+    Args:
+        noise: :meth:`PlanTrials.noise`, the slowest rank's.
+    """
+    return max(TIE_MARGIN, 2.0 * noise)
 
 
 def fastest(
@@ -127,17 +152,22 @@ def fastest(
     return min(close, key=lambda index: (buckets[index], medians[index], index))
 
 
-def describe_trials(labels: Sequence[str], medians: Sequence[float], chosen: int) -> str:
+def describe_trials(
+    labels: Sequence[str], medians: Sequence[float], chosen: int, margin: float | None = None
+) -> str:
     """One line: every candidate's measured median, and which was kept.
 
     Args:
         labels: the candidates' names.
         medians: their median times, in seconds.
         chosen: the index of the one kept.
+        margin: the tie margin the choice used (None: time alone decided).
     """
     weighed = ", ".join(
         f"{label} {median * 1e3:.1f} ms" for label, median in zip(labels, medians, strict=True)
     )
+    ties = "" if margin is None else f"; ties within {margin:.1%} go to the fewest buckets"
     return (
-        f"tuned by measured iteration time (slowest rank, median): {weighed}; kept {labels[chosen]}"
+        f"tuned by measured iteration time (slowest rank, median): {weighed}{ties}; "
+        f"kept {labels[chosen]}"
     )

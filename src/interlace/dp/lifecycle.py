@@ -213,6 +213,11 @@ class Lifecycle:
         assert isinstance(self.phase, Trials)
         return self.phase.schedule.medians()
 
+    def trial_noise(self) -> float:
+        """The relative standard error of this rank's noisiest trial median."""
+        assert isinstance(self.phase, Trials)
+        return self.phase.schedule.noise()
+
     def settle(self, candidate: Candidate) -> None:
         """Keep ``candidate`` from now on.
 

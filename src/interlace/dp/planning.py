@@ -22,6 +22,7 @@ from interlace.comm.engine import BucketEngine
 from interlace.comm.forward_plan import GateTiming
 from interlace.comm.hooks import HookSpec, layout_changed
 from interlace.comm.plan import Plan
+from interlace.comm.tuning import tie_margin
 from interlace.distenv import collective_device
 from interlace.dp.forward_overlap import ForwardOverlap
 from interlace.dp.lifecycle import Due, Lifecycle
@@ -221,13 +222,17 @@ class Plans:
     def _decide(self) -> None:
         """The trials are over: keep the candidate the slowest rank measured fastest."""
         # The slowest rank's medians: an iteration is over only when every rank is done.
+        # The noise of the medians rides along: the slowest rank's and the noisiest rank's.
         medians = torch.tensor(
-            self.lifecycle.trial_medians(),
+            [*self.lifecycle.trial_medians(), self.lifecycle.trial_noise()],
             dtype=torch.float64,
             device=collective_device(self.process_group),
         )
         dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=self.process_group)
-        outcome = settle_trials(self.candidates, medians.tolist(), self.request.channels)
+        *slowest, noise = medians.tolist()
+        outcome = settle_trials(
+            self.candidates, slowest, self.request.channels, margin=tie_margin(noise)
+        )
         self.tuning_summary = outcome.summary
         self.tuning_results = outcome.results
         self.lifecycle.settle(outcome.kept)
