@@ -159,6 +159,7 @@ def _measured_choice() -> dict[str, Any]:
         "assignment": model.bucket_channels,
         "why": model.channel_choice,
         "results": model.tuning_results,
+        "summary": model.tuning_summary,
     }
 
 
