@@ -135,7 +135,8 @@ def _one_stage_case() -> dict[str, Any]:
     groups = replicated(1)
     module = nn.Sequential(*_blocks())
     optimizer = _RecordingSGD(module.parameters(), lr=LR, momentum=MOMENTUM)
-    stage = PipelineStage(
+    before = len(dist.distributed_c10d._world.pg_map)
+    with PipelineStage(
         module,
         optimizer,
         stage=0,
@@ -145,13 +146,21 @@ def _one_stage_case() -> dict[str, Any]:
         microbatches=2,
         ranks=groups.ranks,
         group=groups.pipeline,
-        data_parallel=StageDataParallel(groups.data_parallel, cost_model=COST),
-    )
-    quarter = BATCH // 4
-    cut = slice(groups.replica * quarter, (groups.replica + 1) * quarter)
-    stage.run([(x[cut], y[cut]) for x, y in _data(1)], 1)
-    score = stage.evaluate(_data(1), 1)
-    return {"grads": optimizer.seen[0], "total": score.total}
+        data_parallel=StageDataParallel(groups.data_parallel, channels=2, cost_model=COST),
+    ) as stage:
+        made = len(dist.distributed_c10d._world.pg_map) - before
+        quarter = BATCH // 4
+        cut = slice(groups.replica * quarter, (groups.replica + 1) * quarter)
+        stage.run([(x[cut], y[cut]) for x, y in _data(1)], 1)
+        score = stage.evaluate(_data(1), 1)
+        hooks = sum(len(p._post_accumulate_grad_hooks or {}) for p in module.parameters())
+    left = len(dist.distributed_c10d._world.pg_map) - before
+    return {
+        "grads": optimizer.seen[0],
+        "total": score.total,
+        "groups": (made, left),
+        "hooks": hooks,
+    }
 
 
 def _bad_input() -> list[str]:
@@ -238,6 +247,10 @@ def test_one_stage_replicas_are_data_parallelism(four_ranks: list[dict[str, Any]
     for values in four_ranks:
         case = values["one-stage"]
         assert case["total"] == BATCH
+        # Its second channel's group exists while the stage lives, and is gone after close;
+        # no gradient hook stays on a parameter between backwards.
+        assert case["groups"] == (1, 0)
+        assert case["hooks"] == 0
         for g, e in zip(case["grads"], expected, strict=True):
             torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-12)
 

@@ -185,6 +185,18 @@ class PipelineStage:
     # public API
     # ---------------------------------------------------------------------------------------
 
+    def close(self) -> None:
+        """Destroy the process groups this stage made for its replicas' channels (a second call
+        does nothing). The groups it was given stay the caller's."""
+        if self.averager is not None:
+            self.averager.close()
+
+    def __enter__(self) -> PipelineStage:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def asynchronous(self) -> bool:
         """True for the schedules that update after every backward (no flush)."""

@@ -196,6 +196,7 @@ def train_pipeline(
                 records.save(position, state)
     finally:
         bar.close()
+        stage.close()
     return finish_run(
         log,
         f"{config.model} on {bundle.name}, {config.schedule} over {layout.stages} stages{replicas}",
