@@ -6,6 +6,7 @@ boundaries (:mod:`interlace.sim.pipeline_events`), as ``interlace bench pipeline
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -14,14 +15,17 @@ from dataclasses import dataclass, field
 from interlace.comm.cost import CostModel
 from interlace.errors import UsageError
 from interlace.pipeline.balance import balance_stages
-from interlace.pipeline.block import HEADER_BYTES, block_plan, piece_of
+from interlace.pipeline.block import HEADER_BYTES, BlockPlan, block_plan, piece_of
+from interlace.pipeline.layout import averaging_points
 from interlace.pipeline.schedule import SCHEDULE_TYPES, Op, Schedule, one_f_one_b_order
 from interlace.sim.pipeline_events import (
     Compute,
     Instruction,
+    Join,
     Message,
     Post,
     ProgramReplay,
+    Reduce,
     Send,
     Wait,
     replay_programs,
@@ -72,12 +76,16 @@ class StageCost:
         output_bytes: Bytes of its output over the mini-batch, sent to the next stage (as many
             gradient bytes come back); 0 on the last stage.
         host: Host work around the device time.
+        reduce_s: With replicas, from the start of the backward that launches the stage's
+            gradient all-reduce to its end (:func:`interlace.sim.pipeline_price.stage_reduce_s`);
+            the update waits for it. 0: one replica.
     """
 
     forward_s: float
     backward_s: float
     output_bytes: float
     host: HostCost = field(default_factory=HostCost)
+    reduce_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -248,28 +256,50 @@ class _Builder:
     def host(self, seconds: float, label: str) -> None:
         self.ops.append(Compute(seconds, label, "optimizer"))
 
+    def launch(self) -> None:
+        """The stage's gradient all-reduce starts (replicated stages only)."""
+        if self.cost.reduce_s > 0:
+            self.ops.append(Reduce(self.cost.reduce_s))
+
+    def join(self) -> None:
+        """The update waits for the stage's all-reduce (replicated stages only)."""
+        if self.cost.reduce_s > 0:
+            self.ops.append(Join())
+
+
+@functools.lru_cache(maxsize=256)
+def _lowered(
+    kind: type[Schedule], stages: int, block: int, microbatches: int
+) -> tuple[BlockPlan, Schedule]:
+    """The block's plan and the one schedule every stage lowers its program from (a schedule
+    keeps what it expanded: share it)."""
+    # The runtime's chunks are the micro-batch count here (``interlace bench pipeline``'s).
+    plan = block_plan(kind, block, microbatches=microbatches, chunks=microbatches)
+    return plan, kind(stages, plan.units)
+
 
 def _interlace_program(
     stages: Sequence[StageCost], stage: int, kind: type[Schedule], microbatches: int, block: int
 ) -> list[Instruction]:
     """What :class:`interlace.pipeline.runtime.PipelineStage` runs on ``stage`` for one block:
     the schedule's lowered program (:meth:`~interlace.pipeline.schedule.Schedule.program`),
-    priced action by action.
+    priced action by action; a replicated stage launches its all-reduce where
+    :func:`~interlace.pipeline.layout.averaging_points` says and updates once it has ended.
 
     A synchronous schedule runs one step per mini-batch, of ``microbatches`` micro-batches; an
     asynchronous one streams the block once, each mini-batch in ``microbatches`` chunks. Each
     tensor is a header and a payload whose receive is posted as its header lands (the
     ``Inbox``).
     """
-    # The runtime's chunks are the micro-batch count here (``interlace bench pipeline``'s).
-    plan = block_plan(kind, block, microbatches=microbatches, chunks=microbatches)
-    steps = [kind(len(stages), plan.units)] * plan.steps
-    pieces = plan.pieces
+    plan, schedule = _lowered(kind, len(stages), block, microbatches)
+    # Every step runs the same lowered program.
+    actions = schedule.program(stage, plan.pieces)
+    launches = {point.backward for point in averaging_points(actions)}
     b = _Builder(stages, stage, microbatches)
     host = b.cost.host
-    for step, schedule in enumerate(steps):
+    for step in range(plan.steps):
         sends: list[Message] = []
-        for action in schedule.program(stage, pieces):
+        for index, action in enumerate(actions):
             op = action.op
             if op in (Op.POST_ACT, Op.RECV_ACT, Op.POST_GRAD, Op.RECV_GRAD):
                 kind_of = b.act if op in (Op.POST_ACT, Op.RECV_ACT) else b.grad
@@ -288,12 +318,15 @@ def _interlace_program(
             elif op is Op.RECOMPUTE:
                 b.forward("recompute")
             elif op is Op.BACKWARD:
+                if index in launches:
+                    b.launch()
                 b.backward()
             elif op is Op.PREDICT:
                 b.host(host.predict_s, "predict")
             elif op is Op.STASH:
                 b.host(host.copy_s, "stash")
             elif op is Op.UPDATE:
+                b.join()
                 b.host(host.update_s, "update")
             else:
                 raise ValueError(f"the simulator cannot price {action}")
@@ -322,6 +355,8 @@ def _torch_gpipe_program(
                     b.forward()
                     outgoing = b.act(step, i, 0, stage + 1) if not b.last else None
                 else:
+                    if i == microbatches - 1:
+                        b.launch()  # DDP all-reduces during the last micro-batch's backward
                     b.backward()
                     outgoing = b.grad(step, i, 0, stage - 1) if not b.first else None
                 if outgoing is not None:
@@ -329,6 +364,7 @@ def _torch_gpipe_program(
                     b.sending()
                     b.ops.append(Send(outgoing))
             b.ops.append(Wait(tuple(sends)))
+        b.join()
         b.host(b.cost.host.scale_s, "scale")
         b.host(b.cost.host.update_s, "update")
     return b.ops
@@ -382,6 +418,8 @@ def _torch_1f1b_program(
         pending_sends = act_out(step, warmup - 1)
         while True:
             batch(pending_sends, grad_in(step, backward))
+            if backward == microbatches - 1:
+                b.launch()
             b.backward()
             pending_sends = grad_out(step, backward)
             backward += 1
@@ -395,12 +433,15 @@ def _torch_1f1b_program(
         in_flight = pending_sends
         while backward < microbatches:
             batch([], grad_in(step, backward))
+            if backward == microbatches - 1:
+                b.launch()
             b.backward()
             b.ops.append(Wait(tuple(in_flight)))
             in_flight = grad_out(step, backward)
             fire(in_flight)
             backward += 1
         b.ops.append(Wait(tuple(in_flight)))
+        b.join()
         b.host(b.cost.host.scale_s, "scale")
         b.host(b.cost.host.update_s, "update")
     return b.ops

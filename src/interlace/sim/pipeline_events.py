@@ -100,8 +100,25 @@ class Wait:
     messages: tuple[Message, ...]
 
 
+@dataclass(frozen=True)
+class Reduce:
+    """Start the stage's gradient all-reduce over its replicas (non-blocking): it ends
+    ``seconds`` later, on links of its own (a replicated stage's buckets, priced apart).
+
+    Args:
+        seconds: From now (the start of the backward that launches it) to its last bucket's end.
+    """
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Join:
+    """Block until the stage's last :class:`Reduce` has ended (the update waits for it)."""
+
+
 #: One step of a stage program.
-Instruction = Compute | Send | Post | Wait
+Instruction = Compute | Send | Post | Wait | Reduce | Join
 
 
 @dataclass(frozen=True)
@@ -323,6 +340,7 @@ def replay_programs(
     position = [0] * stages
     busy_until: list[float | None] = [None] * stages
     busy_from = [0.0] * stages
+    reduced = [0.0] * stages  # when each stage's last all-reduce ends
     finish = [math.nan] * stages
     computations: list[Span] = []
     now = 0.0
@@ -343,6 +361,11 @@ def replay_programs(
                 else:
                     computations.append(Span(op.label, op.category, stage, busy_from[stage], until))
                     busy_until[stage] = None
+            elif isinstance(op, Reduce):
+                reduced[stage] = now + op.seconds
+            elif isinstance(op, Join):
+                if reduced[stage] > now + _TOLERANCE:
+                    return moved
             elif isinstance(op, Send | Post):
                 sending = isinstance(op, Send)
                 if (op.message.src if sending else op.message.dst) != stage:
@@ -367,6 +390,7 @@ def replay_programs(
         if all(not math.isnan(f) for f in finish):
             break
         pending = [t for t in busy_until if t is not None]
+        pending += [t for t in reduced if t > now + _TOLERANCE]
         upcoming = min([*pending, network.next_event(now)])
         if upcoming == math.inf:
             stuck = [s for s in range(stages) if math.isnan(finish[s])]

@@ -16,7 +16,7 @@ import functools
 import itertools
 import math
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from interlace.comm.cost import CostModel
@@ -24,12 +24,20 @@ from interlace.comm.forward_plan import Overlap
 from interlace.comm.plan import ReadyTensor
 from interlace.comm.strategies import Strategy
 from interlace.errors import UsageError
-from interlace.pipeline.block import HEADER_BYTES, block_plan, piece_of
-from interlace.pipeline.layout import PipelineLayout, averaging_points
-from interlace.pipeline.schedule import SCHEDULE_TYPES, Op
+from interlace.pipeline.block import HEADER_BYTES
+from interlace.pipeline.layout import PipelineLayout
+from interlace.pipeline.schedule import SCHEDULE_TYPES
 from interlace.sim.network import Link, Network
-from interlace.sim.pipeline import StageCost, stage_costs, trace_bounds
-from interlace.sim.pipeline_events import SEND_BUFFER_BYTES
+from interlace.sim.pipeline import StageCost, stage_costs, stage_programs, trace_bounds
+from interlace.sim.pipeline_events import (
+    SEND_BUFFER_BYTES,
+    Compute,
+    Join,
+    Message,
+    Reduce,
+    Send,
+    Wait,
+)
 from interlace.sim.simulation import strategy_named, wire_tensors
 from interlace.sim.trace import Trace
 
@@ -40,6 +48,7 @@ __all__ = [
     "kept",
     "price_pipeline",
     "stage_reduce_s",
+    "walk_block_s",
     "walk_programs",
 ]
 
@@ -85,6 +94,8 @@ class StageWork:
             all-reduce (0: one replica).
         act_bytes: Bytes of one piece's output sent to the next stage (0 on the last).
         act_link: The link that output crosses (None on the last stage).
+        scale_s: Dividing the accumulated gradients (torch's schedules).
+        send_s: The host call that starts a send.
     """
 
     forward_s: float
@@ -94,6 +105,8 @@ class StageWork:
     reduce_s: float
     act_bytes: float
     act_link: Link | None
+    scale_s: float = 0.0
+    send_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -145,52 +158,62 @@ class _Stage:
     allreduce: float = 0.0
 
 
-# Compiled instructions: (code, message or neighbour, message).
-_RECV, _SEND, _WAIT_SENDS, _UPDATE, _FORWARD, _BACKWARD, _LAUNCH, _WEIGHTS = range(8)
-_CODES = {
-    Op.RECV_ACT: _RECV,
-    Op.RECV_GRAD: _RECV,
-    Op.SEND_ACT: _SEND,
-    Op.SEND_GRAD: _SEND,
-    Op.WAIT_SENDS: _WAIT_SENDS,
-    Op.UPDATE: _UPDATE,
-    Op.FORWARD: _FORWARD,
-    Op.RECOMPUTE: _FORWARD,
-    Op.BACKWARD: _BACKWARD,
-    Op.PREDICT: _WEIGHTS,
-    Op.STASH: _WEIGHTS,
+# Compiled instructions: (code, boundary or kind, message number).
+_WORK, _SEND, _SEND_HEADED, _WAIT_SENT, _WAIT_ARRIVED, _REDUCE, _JOIN = range(7)
+#: The kinds of work, by the label :mod:`interlace.sim.pipeline` gives its computations.
+_FORWARD, _BACKWARD, _WEIGHTS, _UPDATE, _SCALE, _SEND_CALL = range(6)
+_KINDS = {
+    "forward": _FORWARD,
+    "recompute": _FORWARD,
+    "backward": _BACKWARD,
+    "predict": _WEIGHTS,
+    "stash": _WEIGHTS,
+    "update": _UPDATE,
+    "scale": _SCALE,
+    "send": _SEND_CALL,
 }
+#: Placeholder costs the programs are built on: only their structure is compiled.
+_SHAPE = StageCost(1.0, 1.0, 1.0, reduce_s=1.0)
 
 
 @functools.lru_cache(maxsize=512)
 def _compiled(
-    schedule: str, stages: int, block: int, pieces: int
+    schedule: str, stages: int, block: int, pieces: int, replicated: bool, hosted: bool
 ) -> tuple[tuple[tuple[int, int, int], ...], ...]:
-    """Every stage's program of ``block`` mini-batches as small integer triples: the schedule's
-    lowered programs, each message numbered, each launching backward marked."""
-    kind = SCHEDULE_TYPES[schedule]
-    plan = block_plan(kind, block, microbatches=pieces, chunks=pieces)
-    program = kind(stages, plan.units)
+    """Every stage's program of ``block`` mini-batches, as :func:`interlace.sim.pipeline.
+    stage_programs` writes it (the one rule for what each stage runs), in small integer
+    triples: each message numbered, each computation by kind. A header goes out with its
+    payload (nothing waits on it alone); without host costs (``hosted`` False) the host's send
+    calls and gradient scaling, which take no time, are left out."""
+    shape = [_SHAPE if replicated else replace(_SHAPE, reduce_s=0.0)] * stages
+    programs = stage_programs(shape, schedule, microbatches=pieces, block=block)
     numbers: dict[tuple[object, ...], int] = {}
     compiled = []
-    for k in range(stages):
-        actions = program.program(k, plan.pieces)
-        launches = {p.backward for p in averaging_points(actions)}
+    for k, program in enumerate(programs):
         mine = []
-        for step in range(plan.steps):
-            for index, action in enumerate(actions):
-                code = _CODES.get(action.op)
-                if code is None:
-                    continue  # receives are posted up front (the Inbox): nothing to wait for
-                if code in (_RECV, _SEND):
-                    forward = action.op in (Op.RECV_ACT, Op.SEND_ACT)
-                    into = k if code == _RECV else (k + 1 if forward else k - 1)
-                    key = (forward, step, action.batch, piece_of(action), into)
-                    mine.append((code, into, numbers.setdefault(key, len(numbers))))
-                elif code == _BACKWARD and index in launches:
-                    mine.append((_LAUNCH, 0, 0))
-                else:
-                    mine.append((code, 0, 0))
+        for op in program:
+            if isinstance(op, Compute):
+                kind = _KINDS[op.label]
+                if hosted or kind not in (_SCALE, _SEND_CALL):
+                    mine.append((_WORK, kind, 0))
+            elif isinstance(op, Send):
+                message = op.message
+                if message.after is None and str(message.key[0]).endswith("-header"):
+                    continue
+                number = numbers.setdefault(message.key, len(numbers))
+                code = _SEND_HEADED if message.after is not None else _SEND
+                mine.append((code, min(message.src, message.dst), number))
+            elif isinstance(op, Wait):
+                for message in op.messages:
+                    if str(message.key[0]).endswith("-header"):
+                        continue
+                    number = numbers.setdefault(message.key, len(numbers))
+                    mine.append((_WAIT_SENT if message.src == k else _WAIT_ARRIVED, 0, number))
+            elif isinstance(op, Reduce):
+                mine.append((_REDUCE, 0, 0))
+            elif isinstance(op, Join):
+                mine.append((_JOIN, 0, 0))
+            # A Post does nothing here: receives are taken as posted up front (the Inbox).
         compiled.append(tuple(mine))
     return tuple(compiled)
 
@@ -207,17 +230,51 @@ def walk_programs(
 
     Args:
         works: Each stage's work and the link to the next stage.
-        schedule: A key of :data:`~interlace.pipeline.schedule.SCHEDULE_TYPES`.
+        schedule: One of :data:`interlace.sim.pipeline.PIPELINE_SCHEDULES`.
         pieces: Micro-batches (synchronous) or chunks (asynchronous) per mini-batch.
         block: Mini-batches.
 
     Raises:
         ValueError: When the programs deadlock.
     """
-    programs = _compiled(schedule, len(works), block, pieces)
+    return _walk(works, schedule, pieces=pieces, block=block)[0]
+
+
+def walk_block_s(
+    works: Sequence[StageWork],
+    schedule: str,
+    *,
+    pieces: int,
+    block: int,
+) -> float:
+    """When the last stage ends its program of ``block`` mini-batches, all starting at 0 (the
+    walk's counterpart of :attr:`interlace.sim.pipeline.PipelineResult.block_s`).
+
+    Args:
+        works: Each stage's work and the link to the next stage.
+        schedule: One of :data:`interlace.sim.pipeline.PIPELINE_SCHEDULES`.
+        pieces: Micro-batches (synchronous) or chunks (asynchronous) per mini-batch.
+        block: Mini-batches.
+    """
+    return max(_walk(works, schedule, pieces=pieces, block=block)[1])
+
+
+def _walk(
+    works: Sequence[StageWork], schedule: str, *, pieces: int, block: int
+) -> tuple[list[list[tuple[float, float, float, float, float]]], list[float]]:
+    """:func:`walk_programs`'s marks, and each stage's clock at its program's end."""
+    programs = _compiled(
+        schedule,
+        len(works),
+        block,
+        pieces,
+        any(w.reduce_s > 0 for w in works),
+        any(w.scale_s > 0 or w.send_s > 0 for w in works),
+    )
     count = len(works)
     stages = [_Stage() for _ in range(count)]
     arrivals: dict[int, tuple[float, float]] = {}  # message -> (issued, arrival)
+    complete: dict[int, float] = {}  # message -> when its send is complete
     out_free: dict[int, float] = {}
     # Each boundary's link as a number (a rank's sends on one level share its outgoing link).
     levels: dict[Link, int] = {}
@@ -226,49 +283,52 @@ def walk_programs(
 
     def advance(k: int) -> bool:
         me, work, program, moved = stages[k], works[k], programs[k], False
+        seconds = (
+            work.forward_s,
+            work.backward_s,
+            work.weights_s,
+            work.update_s,
+            work.scale_s,
+            work.send_s,
+        )
         while me.position < len(program):
-            code, peer, message = program[me.position]
-            if code == _RECV:
+            code, arg, message = program[me.position]
+            if code == _WAIT_ARRIVED:
                 if message not in arrivals:
                     return moved
-                issued, arrival = arrivals.pop(message)
+                issued, arrival = arrivals[message]
                 if arrival > me.clock:
                     me.bubble += max(0.0, min(issued, arrival) - me.clock)
                     me.p2p += arrival - max(issued, me.clock)
                     me.clock = arrival
-            elif code == _SEND:
-                boundary = works[min(k, peer)]
+            elif code == _SEND or code == _SEND_HEADED:
+                boundary = works[arg]
                 link = boundary.act_link
                 assert link is not None  # a neighbour exists where the schedule sends
-                lane = k * count + level[min(k, peer)]
+                lane = k * count + level[arg]
                 start = max(me.clock, out_free.get(lane, 0.0))
-                end = start + link.beta * (boundary.act_bytes + HEADER_BYTES)
+                # The runtime's header goes out just before its payload.
+                nbytes = boundary.act_bytes + (HEADER_BYTES if code == _SEND_HEADED else 0)
+                end = start + link.beta * nbytes
                 out_free[lane] = end
                 arrivals[message] = (me.clock, end + link.alpha)
-                me.pending = max(me.pending, me.clock, end - link.beta * SEND_BUFFER_BYTES)
-            elif code == _WAIT_SENDS:
-                if me.pending > me.clock:
-                    me.p2p += me.pending - me.clock
-                    me.clock = me.pending
-            elif code == _UPDATE:
+                complete[message] = max(me.clock, end - link.beta * SEND_BUFFER_BYTES)
+            elif code == _WAIT_SENT:
+                done = complete[message]
+                if done > me.clock:
+                    me.p2p += done - me.clock
+                    me.clock = done
+            elif code == _REDUCE:
+                me.reduce_done = me.clock + work.reduce_s
+            elif code == _JOIN:
                 if me.reduce_done > me.clock:
                     me.allreduce += me.reduce_done - me.clock
                     me.clock = me.reduce_done
-                me.clock += work.update_s
-                me.busy += work.update_s
-                marks[k].append((me.clock, me.busy, me.bubble, me.p2p, me.allreduce))
             else:
-                if code == _LAUNCH:
-                    me.reduce_done = me.clock + work.reduce_s
-                seconds = (
-                    work.forward_s
-                    if code == _FORWARD
-                    else work.weights_s
-                    if code == _WEIGHTS
-                    else work.backward_s
-                )
-                me.clock += seconds
-                me.busy += seconds
+                me.clock += seconds[arg]
+                me.busy += seconds[arg]
+                if arg == _UPDATE:
+                    marks[k].append((me.clock, me.busy, me.bubble, me.p2p, me.allreduce))
             me.position += 1
             moved = True
         return moved
@@ -276,7 +336,7 @@ def walk_programs(
     while not all(s.position == len(p) for s, p in zip(stages, programs, strict=True)):
         if not any([advance(k) for k in range(count)]):
             raise ValueError(f"the {schedule} programs deadlock on {count} stages")
-    return marks
+    return marks, [s.clock for s in stages]
 
 
 def stage_reduce_s(
