@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from interlace.bench.validate_pipeline import PipelineSample
 from interlace.comm.cost import CostModel
 from interlace.comm.forward_plan import GateDues, GateTiming, gates_from_timings, plan_overlap
 from interlace.comm.plan import (
@@ -31,10 +32,12 @@ from interlace.pipeline.messages import header_of
 from interlace.pipeline.runtime import PipelineStage
 from interlace.pipeline.schedule import SCHEDULE_TYPES, Op, Schedule
 from interlace.sim.kfac_link import bulk_messages
-from interlace.sim.pipeline import StageCost, stage_programs
+from interlace.sim.network import Link, Ring
+from interlace.sim.pipeline import HostCost, StageCost, stage_programs
 from interlace.sim.pipeline_events import Compute, Send
+from interlace.sim.pipeline_price import PipelineConfig, price_block
 from interlace.sim.replay import replay
-from interlace.sim.trace import load_trace
+from interlace.sim.trace import ActivationTrace, TensorTrace, Trace, load_trace
 from interlace.testing import run_ranks
 
 MIB = 2**20
@@ -169,6 +172,44 @@ def test_the_simulator_prices_the_runtimes_header() -> None:
     }
     header = header_of(torch.zeros(2, 3))
     assert headers == {header.numel() * header.element_size()}
+
+
+def _two_layer_trace() -> Trace:
+    """Two layers of a sample each: forward 1 s, backward 2 s, 1000 bytes between them."""
+    tensors = (
+        TensorTrace("l1.w", "l1", 100, 400, 1.0, 2.0),
+        TensorTrace("l0.w", "l0", 250, 1000, 1.0, 2.0),
+    )
+    return Trace(
+        "two",
+        tensors,
+        forward_s=2.0,
+        backward_s=4.0,
+        activations=(ActivationTrace("l0", (230,)), ActivationTrace("l1", (1,))),
+        batch_size=1,
+    )
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "spectrain"])
+def test_the_planner_and_the_validation_price_one_pipeline_model(schedule: str) -> None:
+    # The validation's prediction (its replay) and the planner's (its walk) start from the same
+    # stage costs and the same programs (sim/pipeline.py's stage_programs): where no link is
+    # shared they agree to rounding, so a rule changed in one and not the other fails here.
+    trace = _two_layer_trace()
+    bounds = ((0, 1), (1, 2))
+    wire = Link(alpha=0.3, beta=0.001)
+    sample = PipelineSample(
+        bounds=bounds,
+        cost=CostModel(wire.alpha, wire.beta),
+        host=(HostCost(), HostCost()),
+        measured_s={schedule: [1.0]},
+        block=3,
+        microbatches=1,
+    )
+    validated = sample.predict(trace, schedule, 1)
+    config = PipelineConfig(2, 1, schedule, batch=1, pieces=1)
+    planned = price_block(trace, config, Ring(wire), 3, bounds)
+    assert planned == pytest.approx(validated.iteration_s, rel=1e-12)
 
 
 # ---------------------------------------------------------------------- K-FAC's fusion

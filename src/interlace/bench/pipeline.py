@@ -313,6 +313,7 @@ class PipelineBenchmark(Benchmark[PipelineConfig, Row]):
                 boundary_bytes=list(value["boundary_bytes"]),
                 plan=value["plan"],
                 stages=config.layout.stages,
+                bounds=[list(b) for b in value["bounds"]],
             )
             new_rows = [
                 replace(row, compute=config.compute.label())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from interlace.bench.harness import quartiles
@@ -83,6 +83,9 @@ class Regime(BaseRow):
     plan: str = ""
     #: Stages per pipeline (0: ``ranks``, one replica).
     stages: int = 0
+    #: Each stage's ``[start, end)`` block range as the run cut the model (what a prediction of
+    #: the rows cuts by; empty in runs recorded before it was written: ``plan`` has them).
+    bounds: list[list[int]] = field(default_factory=list)
 
     @property
     def num_stages(self) -> int:

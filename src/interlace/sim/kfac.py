@@ -37,6 +37,7 @@ from interlace.sim.kfac_phases import (
     sim_layers,
 )
 from interlace.sim.kfac_stage import Stage, decomposition_stage
+from interlace.sim.memo import kept
 from interlace.sim.simulation import SimResult
 from interlace.sim.trace import Trace
 from interlace.timeline import Event, Timeline
@@ -239,6 +240,35 @@ class KfacResult(SimResult):
         )
 
 
+def _decomposition_stage(
+    trace: Trace,
+    layers: Sequence[SimLayer],
+    chosen: KfacStrategy,
+    workers: int,
+    costs: KfacCosts,
+    broadcast: CostModel,
+) -> Stage:
+    """:func:`~interlace.sim.kfac_stage.decomposition_stage` of ``layers``, kept per trace: a
+    sweep asks for the same placement again (modes sharing a placement at one worker count)."""
+    names = tuple((layer.name, layer.a_dim, layer.g_dim) for layer in layers)
+    diagonal = tuple(layer.a_diagonal for layer in layers)
+    placement = chosen.placement_on(workers)
+    key = ("decomposition", names, diagonal, placement, workers, costs, broadcast)
+    memo = kept(trace)
+    try:
+        stage: Stage = memo[key]
+    except KeyError:
+        stage = memo[key] = decomposition_stage(
+            list(names),
+            placement=placement,
+            workers=workers,
+            costs=costs,
+            broadcast=broadcast,
+            a_diagonal=list(diagonal),
+        )
+    return stage
+
+
 # ---------------------------------------------------------------------- the simulation
 
 
@@ -325,14 +355,7 @@ def simulate_kfac(
         name=chosen.name,
         factor_queue=chosen.pipelined and chosen.factor_group,
     )
-    stage = decomposition_stage(
-        [(layer.name, layer.a_dim, layer.g_dim) for layer in layers],
-        placement=chosen.placement_on(workers),
-        workers=workers,
-        costs=costs,
-        broadcast=broadcast_cost or cost,
-        a_diagonal=[layer.a_diagonal for layer in layers],
-    )
+    stage = _decomposition_stage(trace, layers, chosen, workers, costs, broadcast_cost or cost)
     breakdown = KfacBreakdown(
         buffer_comm=math.fsum(timing.time(nbytes) for nbytes in trace.broadcast_bytes),
         forward_backward=trace.forward_s + trace.backward_s,

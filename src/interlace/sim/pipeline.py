@@ -6,7 +6,6 @@ boundaries (:mod:`interlace.sim.pipeline_events`), as ``interlace bench pipeline
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -261,25 +260,38 @@ class _Builder:
         if self.cost.reduce_s > 0:
             self.ops.append(Reduce(self.cost.reduce_s))
 
+    def ddp_backward(self, *, last: bool) -> None:
+        """A backward of torch's stage module under DDP: every micro-batch's but the last runs
+        under ``no_sync``; the last launches the all-reduce and, as DDP's reducer waits for its
+        buckets at the end of the backward that launched them, returns once it has ended (before
+        the stage sends that micro-batch's gradient on)."""
+        if last:
+            self.launch()
+        self.backward()
+        if last:
+            self.join()
+
     def join(self) -> None:
         """The update waits for the stage's all-reduce (replicated stages only)."""
         if self.cost.reduce_s > 0:
             self.ops.append(Join())
 
 
-@functools.lru_cache(maxsize=256)
 def _lowered(
     kind: type[Schedule], stages: int, block: int, microbatches: int
 ) -> tuple[BlockPlan, Schedule]:
     """The block's plan and the one schedule every stage lowers its program from (a schedule
-    keeps what it expanded: share it)."""
+    keeps what it expanded: the stages share it)."""
     # The runtime's chunks are the micro-batch count here (``interlace bench pipeline``'s).
     plan = block_plan(kind, block, microbatches=microbatches, chunks=microbatches)
     return plan, kind(stages, plan.units)
 
 
 def _interlace_program(
-    stages: Sequence[StageCost], stage: int, kind: type[Schedule], microbatches: int, block: int
+    stages: Sequence[StageCost],
+    stage: int,
+    lowered: tuple[BlockPlan, Schedule],
+    microbatches: int,
 ) -> list[Instruction]:
     """What :class:`interlace.pipeline.runtime.PipelineStage` runs on ``stage`` for one block:
     the schedule's lowered program (:meth:`~interlace.pipeline.schedule.Schedule.program`),
@@ -291,7 +303,7 @@ def _interlace_program(
     tensor is a header and a payload whose receive is posted as its header lands (the
     ``Inbox``).
     """
-    plan, schedule = _lowered(kind, len(stages), block, microbatches)
+    plan, schedule = lowered
     # Every step runs the same lowered program.
     actions = schedule.program(stage, plan.pieces)
     launches = {point.backward for point in averaging_points(actions)}
@@ -355,16 +367,13 @@ def _torch_gpipe_program(
                     b.forward()
                     outgoing = b.act(step, i, 0, stage + 1) if not b.last else None
                 else:
-                    if i == microbatches - 1:
-                        b.launch()  # DDP all-reduces during the last micro-batch's backward
-                    b.backward()
+                    b.ddp_backward(last=i == microbatches - 1)
                     outgoing = b.grad(step, i, 0, stage - 1) if not b.first else None
                 if outgoing is not None:
                     sends.append(outgoing)
                     b.sending()
                     b.ops.append(Send(outgoing))
             b.ops.append(Wait(tuple(sends)))
-        b.join()
         b.host(b.cost.host.scale_s, "scale")
         b.host(b.cost.host.update_s, "update")
     return b.ops
@@ -418,9 +427,7 @@ def _torch_1f1b_program(
         pending_sends = act_out(step, warmup - 1)
         while True:
             batch(pending_sends, grad_in(step, backward))
-            if backward == microbatches - 1:
-                b.launch()
-            b.backward()
+            b.ddp_backward(last=backward == microbatches - 1)
             pending_sends = grad_out(step, backward)
             backward += 1
             if forward == microbatches:
@@ -433,15 +440,12 @@ def _torch_1f1b_program(
         in_flight = pending_sends
         while backward < microbatches:
             batch([], grad_in(step, backward))
-            if backward == microbatches - 1:
-                b.launch()
-            b.backward()
+            b.ddp_backward(last=backward == microbatches - 1)
             b.ops.append(Wait(tuple(in_flight)))
             in_flight = grad_out(step, backward)
             fire(in_flight)
             backward += 1
         b.ops.append(Wait(tuple(in_flight)))
-        b.join()
         b.host(b.cost.host.scale_s, "scale")
         b.host(b.cost.host.update_s, "update")
     return b.ops
@@ -478,14 +482,18 @@ def stage_programs(
             f"got {microbatches} for {len(stages)}"
         )
     programs = []
+    lowered = None
+    if schedule not in TORCH_PIPELINE_SCHEDULES:
+        kind = SCHEDULE_TYPES[schedule] if isinstance(schedule, str) else schedule
+        lowered = _lowered(kind, len(stages), block, microbatches)
     for stage in range(len(stages)):
         if schedule == "torch-gpipe":
             programs.append(_torch_gpipe_program(stages, stage, microbatches, block))
         elif schedule == "torch-1f1b":
             programs.append(_torch_1f1b_program(stages, stage, microbatches, block))
         else:
-            kind = SCHEDULE_TYPES[schedule] if isinstance(schedule, str) else schedule
-            programs.append(_interlace_program(stages, stage, kind, microbatches, block))
+            assert lowered is not None
+            programs.append(_interlace_program(stages, stage, lowered, microbatches))
     return programs
 
 

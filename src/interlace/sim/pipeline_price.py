@@ -15,9 +15,8 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 from interlace.comm.cost import CostModel
 from interlace.comm.forward_plan import Overlap
@@ -27,13 +26,13 @@ from interlace.errors import UsageError
 from interlace.pipeline.block import HEADER_BYTES
 from interlace.pipeline.layout import PipelineLayout
 from interlace.pipeline.schedule import SCHEDULE_TYPES
+from interlace.sim.memo import kept
 from interlace.sim.network import Link, Network
 from interlace.sim.pipeline import StageCost, stage_costs, stage_programs, trace_bounds
 from interlace.sim.pipeline_events import (
     SEND_BUFFER_BYTES,
     Compute,
     Join,
-    Message,
     Reduce,
     Send,
     Wait,
@@ -46,7 +45,9 @@ __all__ = [
     "PipelinePrice",
     "StageWork",
     "kept",
+    "price_block",
     "price_pipeline",
+    "priced_stages",
     "stage_reduce_s",
     "walk_block_s",
     "walk_programs",
@@ -178,15 +179,15 @@ _SHAPE = StageCost(1.0, 1.0, 1.0, reduce_s=1.0)
 
 @functools.lru_cache(maxsize=512)
 def _compiled(
-    schedule: str, stages: int, block: int, pieces: int, replicated: bool, hosted: bool
+    schedule: str, stages: int, block: int, pieces: int, hosted: bool
 ) -> tuple[tuple[tuple[int, int, int], ...], ...]:
     """Every stage's program of ``block`` mini-batches, as :func:`interlace.sim.pipeline.
     stage_programs` writes it (the one rule for what each stage runs), in small integer
     triples: each message numbered, each computation by kind. A header goes out with its
     payload (nothing waits on it alone); without host costs (``hosted`` False) the host's send
     calls and gradient scaling, which take no time, are left out."""
-    shape = [_SHAPE if replicated else replace(_SHAPE, reduce_s=0.0)] * stages
-    programs = stage_programs(shape, schedule, microbatches=pieces, block=block)
+    # Built replicated: one replica's walk starts and joins all-reduces of no length.
+    programs = stage_programs([_SHAPE] * stages, schedule, microbatches=pieces, block=block)
     numbers: dict[tuple[object, ...], int] = {}
     compiled = []
     for k, program in enumerate(programs):
@@ -204,11 +205,13 @@ def _compiled(
                 code = _SEND_HEADED if message.after is not None else _SEND
                 mine.append((code, min(message.src, message.dst), number))
             elif isinstance(op, Wait):
+                # Every program waits for all of its sends still in flight at once: one wait.
+                if any(message.src == k for message in op.messages):
+                    mine.append((_WAIT_SENT, 0, 0))
                 for message in op.messages:
-                    if str(message.key[0]).endswith("-header"):
-                        continue
-                    number = numbers.setdefault(message.key, len(numbers))
-                    mine.append((_WAIT_SENT if message.src == k else _WAIT_ARRIVED, 0, number))
+                    if message.dst == k:
+                        number = numbers.setdefault(message.key, len(numbers))
+                        mine.append((_WAIT_ARRIVED, 0, number))
             elif isinstance(op, Reduce):
                 mine.append((_REDUCE, 0, 0))
             elif isinstance(op, Join):
@@ -268,13 +271,11 @@ def _walk(
         len(works),
         block,
         pieces,
-        any(w.reduce_s > 0 for w in works),
         any(w.scale_s > 0 or w.send_s > 0 for w in works),
     )
     count = len(works)
     stages = [_Stage() for _ in range(count)]
     arrivals: dict[int, tuple[float, float]] = {}  # message -> (issued, arrival)
-    complete: dict[int, float] = {}  # message -> when its send is complete
     out_free: dict[int, float] = {}
     # Each boundary's link as a number (a rank's sends on one level share its outgoing link).
     levels: dict[Link, int] = {}
@@ -301,7 +302,7 @@ def _walk(
                     me.bubble += max(0.0, min(issued, arrival) - me.clock)
                     me.p2p += arrival - max(issued, me.clock)
                     me.clock = arrival
-            elif code == _SEND or code == _SEND_HEADED:
+            elif code in (_SEND, _SEND_HEADED):
                 boundary = works[arg]
                 link = boundary.act_link
                 assert link is not None  # a neighbour exists where the schedule sends
@@ -312,9 +313,9 @@ def _walk(
                 end = start + link.beta * nbytes
                 out_free[lane] = end
                 arrivals[message] = (me.clock, end + link.alpha)
-                complete[message] = max(me.clock, end - link.beta * SEND_BUFFER_BYTES)
+                me.pending = max(me.pending, me.clock, end - link.beta * SEND_BUFFER_BYTES)
             elif code == _WAIT_SENT:
-                done = complete[message]
+                done = me.pending
                 if done > me.clock:
                     me.p2p += done - me.clock
                     me.clock = done
@@ -409,7 +410,7 @@ def _plan_stage_reduce(
     return max(b.end_s for b in plan.buckets), len(plan.buckets)
 
 
-def _works(
+def priced_stages(
     trace: Trace,
     config: PipelineConfig,
     network: Network,
@@ -417,9 +418,26 @@ def _works(
     replica: int,
     costs: Sequence[StageCost],
     bounds: Sequence[tuple[int, int]],
-) -> tuple[list[StageWork], int]:
-    """Every stage's work in pipeline ``replica`` and the buckets per update."""
-    works, buckets = [], 0
+) -> tuple[list[StageCost], list[Link | None], int]:
+    """Every stage of pipeline ``replica`` as both engines price it: its costs with the host's
+    optimizer step, prediction and stash (the trace's step in proportion to the stage's
+    parameters) and its all-reduce over the replicas; the link to the next stage; the buckets
+    per update.
+
+    Args:
+        trace: The model.
+        config: The pipeline (``strategy``: the stage all-reduce's plan).
+        network: Prices links and all-reduces.
+        layout: The ranks as stages x replicas.
+        replica: The pipeline.
+        costs: Each stage's device time and boundary bytes (:func:`~interlace.sim.pipeline.
+            stage_costs`).
+        bounds: Each stage's ``[start, end)`` layers.
+
+    Raises:
+        UsageError: For a network without point-to-point links.
+    """
+    priced, links, buckets = [], [], 0
     params = [
         float(sum(trace.tensors[i].nbytes for _, ix in own for i in ix))
         for own in _stage_layers(trace, tuple(bounds))
@@ -450,38 +468,38 @@ def _works(
             )
             buckets = max(buckets, mine)
         step = trace.step_s * params[stage] / total
-        works.append(
-            StageWork(
-                forward_s=cost.forward_s / config.pieces,
-                backward_s=cost.backward_s / config.pieces,
-                update_s=step,
-                weights_s=step,
-                reduce_s=reduce_s,
-                act_bytes=cost.output_bytes / config.pieces,
-                act_link=link,
-            )
+        host = replace(cost.host, update_s=step, predict_s=step, copy_s=step)
+        priced.append(replace(cost, host=host, reduce_s=reduce_s))
+        links.append(link)
+    return priced, links, buckets
+
+
+def _works(
+    trace: Trace,
+    config: PipelineConfig,
+    network: Network,
+    layout: PipelineLayout,
+    replica: int,
+    costs: Sequence[StageCost],
+    bounds: Sequence[tuple[int, int]],
+) -> tuple[list[StageWork], int]:
+    """Every stage's work in pipeline ``replica`` and the buckets per update."""
+    priced, links, buckets = priced_stages(trace, config, network, layout, replica, costs, bounds)
+    works = [
+        StageWork(
+            forward_s=cost.forward_s / config.pieces + cost.host.forward_s,
+            backward_s=cost.backward_s / config.pieces + cost.host.backward_s,
+            update_s=cost.host.update_s,
+            weights_s=cost.host.predict_s,
+            reduce_s=cost.reduce_s,
+            act_bytes=cost.output_bytes / config.pieces,
+            act_link=link,
+            scale_s=cost.host.scale_s,
+            send_s=cost.host.send_s,
         )
+        for cost, link in zip(priced, links, strict=True)
+    ]
     return works, buckets
-
-
-#: Work kept per trace (by identity: hashing a trace costs more than the work), the trace
-#: itself held so that its identity stays its own; the last few traces only.
-_KEPT: dict[int, tuple[Trace, dict[Hashable, Any]]] = {}
-_KEEP_TRACES = 4
-
-
-def kept(trace: Trace) -> dict[Hashable, Any]:
-    """A memo for work on ``trace`` that the planner repeats at every worker count.
-
-    Args:
-        trace: The trace.
-    """
-    entry = _KEPT.get(id(trace))
-    if entry is None or entry[0] is not trace:
-        while len(_KEPT) >= _KEEP_TRACES:
-            del _KEPT[next(iter(_KEPT))]
-        entry = _KEPT[id(trace)] = (trace, {})
-    return entry[1]
 
 
 def _cut(
@@ -591,3 +609,30 @@ def price_pipeline(
             best = price
     assert best is not None
     return best
+
+
+def price_block(
+    trace: Trace,
+    config: PipelineConfig,
+    network: Network,
+    block: int,
+    bounds: Sequence[tuple[int, int]] | None = None,
+) -> float:
+    """Seconds per mini-batch of one block of ``block`` mini-batches from a barrier, as
+    ``interlace bench pipeline`` times it (an asynchronous stream fills and drains once per
+    block), walked on the planner's fast path: the first pipeline's placement.
+
+    Args:
+        trace: A trace with activation sizes.
+        config: The pipeline (``batch``: one pipeline's mini-batch).
+        network: Prices links and all-reduces.
+        block: Mini-batches in the block.
+        bounds: The run's stages (default: balanced as :func:`price_pipeline` cuts them).
+    """
+    if bounds is None:
+        cut, costs = _cut(trace, config.stages, config.batch)
+    else:
+        cut, costs = tuple(bounds), tuple(stage_costs(trace, bounds, config.batch))
+    layout = PipelineLayout(config.stages, config.replicas, network.node_size)
+    works, _ = _works(trace, config, network, layout, 0, costs, cut)
+    return walk_block_s(works, config.schedule, pieces=config.pieces, block=block) / block
