@@ -30,7 +30,7 @@ SEND_BUFFER_BYTES = 4 * 1024 * 1024
 CROSSINGS = 3
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Message:
     """One tensor sent from rank ``src`` to rank ``dst``.
 
@@ -51,7 +51,7 @@ class Message:
     after: Message | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Compute:
     """Busy for ``seconds`` (device time and the host work around it).
 
@@ -66,7 +66,7 @@ class Compute:
     category: str = "forward"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Send:
     """Start sending ``message`` (non-blocking: a later :class:`Wait` waits for it).
 
@@ -77,7 +77,7 @@ class Send:
     message: Message
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Post:
     """Post the receive of ``message`` (non-blocking).
 
@@ -88,7 +88,7 @@ class Post:
     message: Message
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Wait:
     """Block until every one of ``messages`` has arrived, or for the sender, is complete (in
     its socket's buffer).
@@ -100,7 +100,7 @@ class Wait:
     messages: tuple[Message, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Reduce:
     """Start the stage's gradient all-reduce over its replicas (non-blocking): it ends
     ``seconds`` later, on links of its own (a replicated stage's buckets, priced apart).
@@ -112,7 +112,7 @@ class Reduce:
     seconds: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Join:
     """Block until the stage's last :class:`Reduce` has ended (the update waits for it)."""
 
@@ -121,7 +121,7 @@ class Join:
 Instruction = Compute | Send | Post | Wait | Reduce | Join
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Span:
     """A stretch of time: a stage's computation or a message's transfer.
 
@@ -140,7 +140,7 @@ class Span:
     end_s: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ProgramReplay:
     """What :func:`replay_programs` found.
 

@@ -173,6 +173,8 @@ _KINDS = {
     "scale": _SCALE,
     "send": _SEND_CALL,
 }
+#: The keys the runtime's headers are sent under (:mod:`interlace.sim.pipeline`'s).
+_HEADERS = frozenset({"act-header", "grad-header"})
 #: Placeholder costs the programs are built on: only their structure is compiled.
 _SHAPE = StageCost(1.0, 1.0, 1.0, reduce_s=1.0)
 
@@ -199,16 +201,17 @@ def _compiled(
                     mine.append((_WORK, kind, 0))
             elif isinstance(op, Send):
                 message = op.message
-                if message.after is None and str(message.key[0]).endswith("-header"):
+                if message.after is None and message.key[0] in _HEADERS:
                     continue
                 number = numbers.setdefault(message.key, len(numbers))
                 code = _SEND_HEADED if message.after is not None else _SEND
                 mine.append((code, min(message.src, message.dst), number))
             elif isinstance(op, Wait):
                 # Every program waits for all of its sends still in flight at once: one wait.
-                if any(message.src == k for message in op.messages):
+                messages = op.messages
+                if any(message.src == k for message in messages):
                     mine.append((_WAIT_SENT, 0, 0))
-                for message in op.messages:
+                for message in messages:
                     if message.dst == k:
                         number = numbers.setdefault(message.key, len(numbers))
                         mine.append((_WAIT_ARRIVED, 0, number))
