@@ -2,7 +2,7 @@
 measured, and check the planner's first choice among the configurations measured.
 
     python benchmarks/pipeline_rows.py docs/pipeline/emulated-vgg11-h200-10gbit-4x2.json \
-        docs/pipeline/emulated-vgg11-h200-10gbit-2x4.json
+        docs/pipeline/emulated-vgg11-h200-10gbit-2x4.json [--measured-compute]
 """
 
 from __future__ import annotations
@@ -24,10 +24,17 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json", nargs="+", help="interlace bench pipeline --json files")
+    parser.add_argument(
+        "--measured-compute",
+        action="store_true",
+        help="each stage's compute as the launch's interlace pipeline timed it, not the trace's",
+    )
     args = parser.parse_args(argv)
     rows = [row for path in args.json for row in bench_rows(json.loads(Path(path).read_text()))]
     traces = {name: load_trace(name) for name in {row.model for row in rows}}
-    priced = [price_row(traces[row.model], row) for row in rows]
+    priced = [
+        price_row(traces[row.model], row, measured_compute=args.measured_compute) for row in rows
+    ]
     print("\n".join(summary(priced)))
     return 0
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from interlace.errors import UsageError
+from interlace.sim.pipeline import stage_costs
 from interlace.sim.pipeline_bench import bench_rows, planner_choice, price_row, summary
 from interlace.sim.trace import load_trace
 
@@ -64,3 +66,33 @@ def test_the_recorded_replicated_rows_are_priced_and_the_planner_picks_the_faste
     assert fastest.row.measured_s / chosen.row.measured_s >= 0.95
     lines = summary(priced)
     assert lines[-2].startswith("error: median") and "within 5%" in lines[-1]
+
+
+def test_measured_stage_compute_equal_to_the_traces_changes_nothing() -> None:
+    trace = load_trace("vgg11-h200")
+    (row,) = bench_rows([_row()])
+    as_traced = price_row(trace, row)
+    # The stages' own forward + backward + update per mini-batch, as if the launch had timed
+    # exactly that: the measured-compute prediction is the traced one.
+    costs = stage_costs(trace, row.bounds, row.batch // row.replicas)
+    step = trace.step_s
+    total = sum(t.nbytes for t in trace.tensors)
+    shares = [
+        sum(
+            trace.tensors[i].nbytes for _, ix in list(reversed(trace.layers))[start:end] for i in ix
+        )
+        / total
+        for start, end in row.bounds
+    ]
+    timed = tuple(
+        c.forward_s + c.backward_s + step * share for c, share in zip(costs, shares, strict=True)
+    )
+    measured = price_row(trace, replace(row, stage_compute_s=timed), measured_compute=True)
+    assert measured.predicted_s == pytest.approx(as_traced.predicted_s, rel=1e-9)
+    assert measured.planned_s == pytest.approx(as_traced.planned_s, rel=1e-9)
+    slower = price_row(
+        trace, replace(row, stage_compute_s=tuple(2 * t for t in timed)), measured_compute=True
+    )
+    assert slower.predicted_s > as_traced.predicted_s
+    with pytest.raises(UsageError, match="timed no stage"):
+        price_row(trace, row, measured_compute=True)

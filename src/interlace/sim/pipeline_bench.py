@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from interlace.comm.cost import CostModel
@@ -19,10 +19,17 @@ from interlace.sim.network import Link, Network, Ring
 from interlace.sim.pipeline import (
     INTERLACE_PIPELINE_SCHEDULES,
     TORCH_PIPELINE_SCHEDULES,
+    StageCost,
     simulate_pipeline,
     stage_costs,
 )
-from interlace.sim.pipeline_price import PipelineConfig, price_block, priced_stages
+from interlace.sim.pipeline_price import (
+    PipelineConfig,
+    price_block,
+    priced_stages,
+    walk_block_s,
+    walk_works,
+)
 from interlace.sim.retime import with_totals
 from interlace.sim.simulation import simulate
 from interlace.sim.trace import Trace
@@ -51,6 +58,9 @@ class BenchRow:
         bounds: Each stage's ``[start, end)`` blocks, as the run cut the model.
         link_bps: The emulated link's rate (undilated).
         measured_s: The measured seconds per mini-batch (the median block over its size).
+        stage_compute_s: Each stage's measured forward, backward and update seconds per
+            mini-batch in the same launch (an interlace pipeline's, median over replicas;
+            empty where the launch recorded none).
     """
 
     model: str
@@ -63,6 +73,7 @@ class BenchRow:
     bounds: tuple[tuple[int, int], ...]
     link_bps: float
     measured_s: float
+    stage_compute_s: tuple[float, ...] = ()
 
     @property
     def replicas(self) -> int:
@@ -118,6 +129,14 @@ def bench_rows(rows: Sequence[Mapping[str, Any]]) -> list[BenchRow]:
     Raises:
         UsageError: For a row without the regime, stage split or link a prediction needs.
     """
+    computed: dict[str, tuple[float, ...]] = {}
+    for row in rows:  # the launch's interlace pipeline timed each stage's compute
+        per_block = row.get("stage_compute_s")
+        if per_block and row["model"] not in computed:
+            stages = int(row.get("stages") or row["ranks"])
+            computed[row["model"]] = tuple(
+                statistics.median(per_block[k::stages]) / int(row["block"]) for k in range(stages)
+            )
     found = []
     for row in rows:
         regime = row.get("regime") or {}
@@ -141,6 +160,7 @@ def bench_rows(rows: Sequence[Mapping[str, Any]]) -> list[BenchRow]:
                 bounds=bounds,
                 link_bps=float(regime["link_bps"]),
                 measured_s=float(row["batch"]) / float(row["samples_per_s"]),
+                stage_compute_s=computed.get(str(row["model"]), ()),
             )
         )
     return found
@@ -172,16 +192,38 @@ def _dp_s(trace: Trace, row: BenchRow) -> float:
     return simulate(scaled, DP_STRATEGY, network.cost(row.ranks), workers=row.ranks).iteration_s
 
 
-def price_row(trace: Trace, row: BenchRow) -> PricedRow:
+def _measured_compute(stages: Sequence[StageCost], measured: Sequence[float]) -> list[StageCost]:
+    """Each stage's forward and backward scaled so that with its update they take the measured
+    compute per mini-batch (the trace's split between the passes kept)."""
+    if len(measured) != len(stages):
+        raise UsageError(f"{len(measured)} measured stage times for {len(stages)} stages")
+    scaled = []
+    for cost, seconds in zip(stages, measured, strict=True):
+        device = cost.forward_s + cost.backward_s
+        factor = max(seconds - cost.host.update_s, 0.0) / device if device > 0 else 1.0
+        scaled.append(
+            replace(cost, forward_s=cost.forward_s * factor, backward_s=cost.backward_s * factor)
+        )
+    return scaled
+
+
+def price_row(trace: Trace, row: BenchRow, *, measured_compute: bool = False) -> PricedRow:
     """``row`` priced as the bench ran it.
 
     Args:
         trace: The emulated model's trace.
         row: The measured row.
+        measured_compute: Take each stage's compute from the launch's measurement
+            (:attr:`BenchRow.stage_compute_s`) instead of the trace's device time.
 
     Raises:
-        UsageError: For a contender the simulator does not price.
+        UsageError: For a contender the simulator does not price, or measured compute asked
+            of a launch that timed none.
     """
+    if measured_compute and row.schedule != "dp" and not row.stage_compute_s:
+        raise UsageError(
+            f"the {row.model} launch timed no stage's compute (no interlace pipeline row)"
+        )
     if row.schedule == "dp":
         seconds = _dp_s(trace, row)
         return PricedRow(row, seconds, seconds)
@@ -192,6 +234,8 @@ def price_row(trace: Trace, row: BenchRow) -> PricedRow:
     costs = stage_costs(trace, row.bounds, config.batch)
     layout = PipelineLayout(row.stages, row.replicas, network.node_size)
     priced, links, _ = priced_stages(trace, config, network, layout, 0, costs, row.bounds)
+    if measured_compute:
+        priced = _measured_compute(priced, row.stage_compute_s)
     link = links[0]
     assert link is not None  # two stages at least
     replayed = simulate_pipeline(
@@ -202,6 +246,10 @@ def price_row(trace: Trace, row: BenchRow) -> PricedRow:
         block=row.block,
     )
     planned = price_block(trace, config, network, row.block, row.bounds)
+    if measured_compute:
+        works = walk_works(priced, links, config.pieces)
+        planned = walk_block_s(works, row.schedule, pieces=row.pieces, block=row.block)
+        planned /= row.block
     return PricedRow(row, replayed.iteration_s, planned)
 
 

@@ -51,6 +51,7 @@ __all__ = [
     "stage_reduce_s",
     "walk_block_s",
     "walk_programs",
+    "walk_works",
 ]
 
 
@@ -488,21 +489,33 @@ def _works(
 ) -> tuple[list[StageWork], int]:
     """Every stage's work in pipeline ``replica`` and the buckets per update."""
     priced, links, buckets = priced_stages(trace, config, network, layout, replica, costs, bounds)
-    works = [
+    return walk_works(priced, links, config.pieces), buckets
+
+
+def walk_works(
+    stages: Sequence[StageCost], links: Sequence[Link | None], pieces: int
+) -> list[StageWork]:
+    """What the walk takes of each stage: its costs per piece, as the replay prices them.
+
+    Args:
+        stages: Each stage's costs (:func:`priced_stages`).
+        links: The link from each stage to the next (None on the last).
+        pieces: Micro-batches or chunks per mini-batch.
+    """
+    return [
         StageWork(
-            forward_s=cost.forward_s / config.pieces + cost.host.forward_s,
-            backward_s=cost.backward_s / config.pieces + cost.host.backward_s,
+            forward_s=cost.forward_s / pieces + cost.host.forward_s,
+            backward_s=cost.backward_s / pieces + cost.host.backward_s,
             update_s=cost.host.update_s,
             weights_s=cost.host.predict_s,
             reduce_s=cost.reduce_s,
-            act_bytes=cost.output_bytes / config.pieces,
+            act_bytes=cost.output_bytes / pieces,
             act_link=link,
             scale_s=cost.host.scale_s,
             send_s=cost.host.send_s,
         )
-        for cost, link in zip(priced, links, strict=True)
+        for cost, link in zip(stages, links, strict=True)
     ]
-    return works, buckets
 
 
 def _cut(
