@@ -15,6 +15,14 @@ from pathlib import Path
 from interlace.sim.pipeline_bench import bench_rows, price_row, summary
 from interlace.sim.trace import load_trace
 
+#: The repository: recorded JSONs are found under it when not under the working folder.
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _found(path: str) -> Path:
+    here = Path(path)
+    return here if here.exists() or here.is_absolute() else ROOT / here
+
 
 def main(argv: list[str] | None = None) -> int:
     """Print the priced rows of the JSONs given.
@@ -30,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         help="each stage's compute as the launch's interlace pipeline timed it, not the trace's",
     )
     args = parser.parse_args(argv)
-    rows = [row for path in args.json for row in bench_rows(json.loads(Path(path).read_text()))]
+    rows = [row for path in args.json for row in bench_rows(json.loads(_found(path).read_text()))]
     traces = {name: load_trace(name) for name in {row.model for row in rows}}
     priced = [
         price_row(traces[row.model], row, measured_compute=args.measured_compute) for row in rows
