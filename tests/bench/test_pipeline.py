@@ -249,3 +249,11 @@ def test_a_tiny_replicated_run_measures_interlace_and_torch_with_ddp(
     assert rows["torch-gpipe"]["description"].endswith("+ DDP per stage")
     for row in rows.values():
         assert row["stages"] == 2 and row["ranks"] == 4 and row["samples_per_s"] > 0
+    # What a prediction of the rows needs: the run's stage cut and the all-reduce costs the
+    # contenders fitted on the live ranks (each replicated stage on its group, dp on all).
+    regime = rows["spectrain"]["regime"]
+    assert len(regime["bounds"]) == 2
+    for fitted in ("spectrain", "gpipe", "dp"):
+        costs = regime["allreduce_costs"][fitted]
+        assert len(costs) == 4 and all(a >= 0 and b > 0 for a, b in costs)
+    assert "torch-gpipe" not in regime["allreduce_costs"]

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from interlace.errors import UsageError
+from interlace.sim.network import Link, Ring
 from interlace.sim.pipeline import stage_costs
 from interlace.sim.pipeline_bench import bench_rows, planner_choice, price_row, summary
 from interlace.sim.trace import load_trace
@@ -96,3 +97,25 @@ def test_measured_stage_compute_equal_to_the_traces_changes_nothing() -> None:
     assert slower.predicted_s > as_traced.predicted_s
     with pytest.raises(UsageError, match="timed no stage"):
         price_row(trace, row, measured_compute=True)
+
+
+def test_the_launchs_fitted_all_reduce_prices_the_stage_groups() -> None:
+    trace = load_trace("vgg11-h200")
+    ring = Ring(Link.from_rate(10e9)).cost(2)  # what the link's rate gives a group of 2
+    (nominal,) = bench_rows([_row()])
+    (fitted,) = bench_rows([_row(allreduce_costs={"spectrain": [[ring.a, ring.b]] * 6})])
+    assert fitted.allreduce_cost == (ring.a, ring.b)
+    same = price_row(trace, fitted)
+    assert same.predicted_s == pytest.approx(price_row(trace, nominal).predicted_s, rel=1e-12)
+    (slow,) = bench_rows([_row(allreduce_costs={"spectrain": [[ring.a, 2 * ring.b]] * 6})])
+    assert price_row(trace, slow).predicted_s > same.predicted_s
+    # torch's stages run on the same groups: they take the interlace stage's fit
+    (torch_row,) = bench_rows(
+        [
+            {
+                **_row(allreduce_costs={"spectrain": [[ring.a, 2 * ring.b]] * 6}),
+                "schedule": "torch-gpipe",
+            }
+        ]
+    )
+    assert torch_row.allreduce_cost == (ring.a, 2 * ring.b)

@@ -300,7 +300,11 @@ class PipelineBenchmark(Benchmark[PipelineConfig, Row]):
             value = session.launch(measure_rank, job, what=model, link=config.link)
             if value is None:
                 continue
-            value = undilated(value, config.compute.dilation, ("block_s", "cpu_s", "stage_stats"))
+            value = undilated(
+                value,
+                config.compute.dilation,
+                ("block_s", "cpu_s", "stage_stats", "allreduce_costs"),
+            )
             regime = Regime(
                 model=model,
                 ranks=config.nprocs,
@@ -314,6 +318,7 @@ class PipelineBenchmark(Benchmark[PipelineConfig, Row]):
                 plan=value["plan"],
                 stages=config.layout.stages,
                 bounds=[list(b) for b in value["bounds"]],
+                allreduce_costs=dict(value.get("allreduce_costs", {})),
             )
             new_rows = [
                 replace(row, compute=config.compute.label())

@@ -236,6 +236,17 @@ def _build_contender(
     return PipelineContender(schedule, train=train_torch)
 
 
+def _fitted_cost(contender: PipelineContender) -> list[float] | None:
+    """The all-reduce cost ``[a, b]`` the contender fitted on this rank (None: none fitted)."""
+    if contender.wrapper is not None:
+        cost = contender.wrapper.cost_model
+    elif contender.stage is not None and contender.stage.averager is not None:
+        cost = contender.stage.averager.cost_model
+    else:
+        return None
+    return None if cost is None else [float(cost.a), float(cost.b)]
+
+
 def measure_rank(job: PipelineJob) -> dict[str, Any]:
     """One rank of a launch: build every contender, warm up, time interleaved blocks.
 
@@ -330,6 +341,7 @@ def measure_rank(job: PipelineJob) -> dict[str, Any]:
             if c.stage is not None
         },
         "losses": {c.name: c.loss for c in contenders},
+        "costs": {c.name: _fitted_cost(c) for c in contenders},
         "events": events,
         "origins": origins,
     }
@@ -343,6 +355,13 @@ def measure_rank(job: PipelineJob) -> dict[str, Any]:
         for schedule in gathered[0]["stats"]
     }
     losses = {c.name: gathered[-1]["losses"][c.name] for c in contenders}
+    # Each rank's all-reduce cost as its contender fitted it: a replicated interlace stage's
+    # on its stage group, DataParallel's on every rank ([a, b], seconds and seconds per byte).
+    costs = {
+        c.name: [g["costs"][c.name] for g in gathered]
+        for c in contenders
+        if any(g["costs"][c.name] is not None for g in gathered)
+    }
     if DP_BASELINE in losses:  # each rank's shard: the mean over ranks is the global batch's
         values = [g["losses"][DP_BASELINE] for g in gathered]
         losses[DP_BASELINE] = _mean([v for v in values if v is not None])
@@ -363,6 +382,7 @@ def measure_rank(job: PipelineJob) -> dict[str, Any]:
         "parameters": parameters,
         "gradient_bytes": gradient_bytes,
         "stage_stats": stage_stats,
+        "allreduce_costs": costs,
         "losses": losses,
         "events": merged_events,
         "origins": merged_origins,

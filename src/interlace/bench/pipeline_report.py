@@ -86,6 +86,10 @@ class Regime(BaseRow):
     #: Each stage's ``[start, end)`` block range as the run cut the model (what a prediction of
     #: the rows cuts by; empty in runs recorded before it was written: ``plan`` has them).
     bounds: list[list[int]] = field(default_factory=list)
+    #: Per contender, each rank's all-reduce cost ``[a, b]`` as the contender fitted it on the
+    #: live ranks (undilated; None on a rank that fitted none): a replicated interlace stage's
+    #: on its stage group, DataParallel's on all ranks.
+    allreduce_costs: dict[str, list[list[float] | None]] = field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:

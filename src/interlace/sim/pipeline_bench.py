@@ -61,6 +61,10 @@ class BenchRow:
         stage_compute_s: Each stage's measured forward, backward and update seconds per
             mini-batch in the same launch (an interlace pipeline's, median over replicas;
             empty where the launch recorded none).
+        allreduce_cost: ``(a, b)`` of the all-reduce the row's groups run, as fitted on the
+            live ranks (a replicated interlace stage's on its stage group, which torch's stages
+            share; DataParallel's on all ranks), median over ranks; None where the launch
+            recorded none (then the link's rate prices it).
     """
 
     model: str
@@ -74,6 +78,7 @@ class BenchRow:
     link_bps: float
     measured_s: float
     stage_compute_s: tuple[float, ...] = ()
+    allreduce_cost: tuple[float, float] | None = None
 
     @property
     def replicas(self) -> int:
@@ -140,6 +145,13 @@ def bench_rows(rows: Sequence[Mapping[str, Any]]) -> list[BenchRow]:
     found = []
     for row in rows:
         regime = row.get("regime") or {}
+        fitted = regime.get("allreduce_costs") or {}
+        # torch's stages run on the same stage groups as interlace's replicated stages
+        source = (
+            "dp"
+            if row["schedule"] == "dp"
+            else next((name for name in fitted if name in INTERLACE_PIPELINE_SCHEDULES), None)
+        )
         bounds = tuple(tuple(b) for b in regime.get("bounds") or ()) or _plan_bounds(
             regime.get("plan", "")
         )
@@ -161,14 +173,45 @@ def bench_rows(rows: Sequence[Mapping[str, Any]]) -> list[BenchRow]:
                 link_bps=float(regime["link_bps"]),
                 measured_s=float(row["batch"]) / float(row["samples_per_s"]),
                 stage_compute_s=computed.get(str(row["model"]), ()),
+                allreduce_cost=_median_cost(fitted.get(source) if source else None),
             )
         )
     return found
 
 
+def _median_cost(per_rank: Sequence[Sequence[float] | None] | None) -> tuple[float, float] | None:
+    """The median ``(a, b)`` over the ranks that fitted one."""
+    fitted = [cost for cost in per_rank or () if cost is not None]
+    if not fitted:
+        return None
+    return statistics.median(c[0] for c in fitted), statistics.median(c[1] for c in fitted)
+
+
+@dataclass(frozen=True)
+class _Measured(Network):
+    """The emulated link's rate for point-to-point messages, and the all-reduce as the launch
+    fitted it on its own groups."""
+
+    link: Link
+    allreduce: CostModel
+
+    def cost(self, workers: int) -> CostModel:
+        return self.allreduce
+
+    def describe(self) -> str:
+        return f"{self.link.describe()}; the launch's fitted all-reduce"
+
+    def point_to_point(self, same_node: bool = False) -> Link | None:
+        return self.link
+
+
 def _network(row: BenchRow) -> Network:
-    """The emulated link: every rank one rate, the default start-up."""
-    return Ring(Link.from_rate(row.link_bps))
+    """The emulated link: every rank one rate, the default start-up; the all-reduce as the
+    launch fitted it where it recorded that."""
+    link = Link.from_rate(row.link_bps)
+    if row.allreduce_cost is None:
+        return Ring(link)
+    return _Measured(link, CostModel(*row.allreduce_cost))
 
 
 def _config(row: BenchRow) -> PipelineConfig:
