@@ -23,13 +23,8 @@ from interlace.sim.pipeline import (
     simulate_pipeline,
     stage_costs,
 )
-from interlace.sim.pipeline_price import (
-    PipelineConfig,
-    price_block,
-    priced_stages,
-    walk_block_s,
-    walk_works,
-)
+from interlace.sim.pipeline_price import PipelineConfig, price_block, priced_stages
+from interlace.sim.pipeline_walk import walk_block_s, walk_works
 from interlace.sim.retime import with_totals
 from interlace.sim.simulation import simulate
 from interlace.sim.trace import Trace
