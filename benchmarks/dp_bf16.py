@@ -49,14 +49,18 @@ ROWS: dict[str, tuple[str, str, str, str, str, str]] = {
         "emulated:resnet50-h200",
         "64",
         "100gbit",
-        "ddp,ddp/bf16,ddp-50mb/bf16,ddp-100mb/bf16,mgwfbp/bf16,overlap/bf16",
-        "20",
-        "4",
+        "ddp,ddp/bf16,ddp-50mb/bf16,mgwfbp/bf16,overlap/bf16",
+        "12",
+        "3",
     ),
     # BERT-base: each copy holds 440 MB of weights and as much of gradients and of buckets, so
     # one contender a launch (4 ranks of two contenders ran out of memory on a 23 GB machine).
     "bert-25g": ("emulated:bert-base-h200", "64", "25gbit", "overlap/bf16", "8", "2"),
     "bert-25g-hook": ("emulated:bert-base-h200", "64", "25gbit", "ddp/bf16", "8", "2"),
+    "bert-25g-ddp": ("emulated:bert-base-h200", "64", "25gbit", "ddp", "8", "2"),
+    "bert-100g": ("emulated:bert-base-h200", "64", "100gbit", "overlap/bf16", "8", "2"),
+    "bert-100g-hook": ("emulated:bert-base-h200", "64", "100gbit", "ddp/bf16", "8", "2"),
+    "bert-100g-ddp": ("emulated:bert-base-h200", "64", "100gbit", "ddp", "8", "2"),
 }
 COMMON = ["-n", "4", "--warmup", "1", "--timeout", "1800", "--png", "none"]
 
@@ -124,18 +128,38 @@ def simulated(trace: Trace, contender: str, cost: CostModel, ranks: int) -> floa
     ).iteration_s
 
 
-def summarise(name: str, path: Path) -> list[Line]:
-    """The table lines of one measured launch.
+#: Launch suffixes of a row measured one contender a launch (``bert-25g``, ``bert-25g-hook``...).
+PART_SUFFIXES = ("-hook", "-ddp")
+
+
+def group(name: str) -> str:
+    """The table row a launch belongs to: ``bert-25g-hook`` is part of ``bert-25g``.
+
+    Args:
+        name: A key of :data:`ROWS`.
+    """
+    for suffix in PART_SUFFIXES:
+        if name.endswith(suffix):
+            return name.removesuffix(suffix)
+    return name
+
+
+def summarise(name: str, paths: list[Path]) -> list[Line]:
+    """The table lines of one row, from its launches (one, or one per contender).
 
     Args:
         name: The row's name.
-        path: Its ``interlace bench dp`` JSON.
+        paths: Its ``interlace bench dp`` JSON files.
     """
     rows: dict[str, dict[str, Any]] = {
-        row["strategy"]: row for row in json.loads(path.read_text()) if row["samples"]
+        row["strategy"]: row
+        for path in paths
+        for row in json.loads(path.read_text())
+        if row["samples"]
     }
     ddp = rows.get("ddp")
-    plain = rows[next(iter(rows))]
+    # The bound comes from plain DDP's measured times where the row has it.
+    plain = ddp or rows[next(iter(rows))]
     hooks = {
         label: rows[label]["iteration_s"]
         for label in rows
@@ -182,12 +206,11 @@ def report(directory: Path) -> list[Line]:
     Args:
         directory: Where the rows' JSON files are.
     """
-    lines = [
-        line
-        for name in ROWS
-        if (directory / f"bf16-{name}-n4.json").exists()
-        for line in summarise(name, directory / f"bf16-{name}-n4.json")
-    ]
+    launches: dict[str, list[Path]] = {}
+    for name in ROWS:
+        if (directory / f"bf16-{name}-n4.json").exists():
+            launches.setdefault(group(name), []).append(directory / f"bf16-{name}-n4.json")
+    lines = [line for name, paths in launches.items() for line in summarise(name, paths)]
     print(
         "| trace, link, D | contender | ms (p25-p75) | vs DDP+hook at its best cap "
         "| vs plain DDP | / compressed bound | compressed bound ms | simulator ms (error) "
