@@ -37,7 +37,8 @@ from interlace.bench.tables import machine, write_timeline
 from interlace.comm.links import parse_link
 from interlace.errors import UsageError
 from interlace.pipeline.layout import PipelineLayout
-from interlace.pipeline.partition import pipeline_blocks
+from interlace.pipeline.cut import StageCut
+from interlace.pipeline.partition import PLAN_BY, pipeline_blocks
 
 #: vgg11: 9.8M parameters in a few large tensors against a few MB of activations per mini-batch,
 #: the case where data parallelism is bound by its all-reduce on a slow link; resnet20: 0.27M
@@ -86,14 +87,15 @@ class PipelineConfig(BenchConfig):
         schedules: The contenders, in table order.
         microbatches: Pieces per mini-batch.
         block: Mini-batches per timed block.
-        partition_by: Stages balanced by measured ``time`` or by ``params``.
+        partition_by: A :class:`~interlace.pipeline.cut.StageCut` name (``auto``: by time
+            with one replica, by time+allreduce with several).
         stages: Stages per pipeline (None: ``nprocs``, one replica).
     """
 
     schedules: tuple[str, ...]
     microbatches: int
     block: int
-    partition_by: str = "time"
+    partition_by: str = StageCut.AUTO.value
     stages: int | None = None
 
     @property
@@ -216,9 +218,11 @@ class PipelineBenchmark(Benchmark[PipelineConfig, Row]):
         )
         parser.add_argument(
             "--partition-by",
-            choices=("time", "params"),
-            default="time",
-            help="balance the stages by measured time or by parameter count (default time)",
+            choices=PLAN_BY,
+            default=StageCut.AUTO.value,
+            help="balance the stages by measured time, by parameter count, or by time plus each "
+            "stage's all-reduce over its replicas (time+allreduce); default auto: time with one "
+            "replica, time+allreduce with --stages below -n",
         )
 
     def config_from_args(self, args: argparse.Namespace) -> PipelineConfig:

@@ -63,7 +63,8 @@ class PipelineJob(RankJob):
         microbatches: Pieces per mini-batch.
         schedules: The contenders, in table order.
         block: Mini-batches per timed block.
-        partition_by: Stages balanced by measured ``time`` or by ``params``.
+        partition_by: A StageCut name (``auto``: by time with one replica, time+allreduce with
+            several).
         timeline: Whether to record one timed block of :data:`TIMELINE_SCHEDULES`.
         stages: Stages per pipeline (None: every rank a stage); the ranks form replicas of it,
             each stage's gradients averaged over them (interlace: MG-WFBP buckets; torch: the
@@ -75,7 +76,7 @@ class PipelineJob(RankJob):
     microbatches: int
     schedules: tuple[str, ...]
     block: int
-    partition_by: str = "time"
+    partition_by: str = "auto"
     timeline: bool = False
     stages: int | None = None
     lr: float = LR
@@ -256,8 +257,15 @@ def measure_rank(job: PipelineJob) -> dict[str, Any]:
     batches = job.batches(BATCH_STREAM)
     sample = batches[0][0][: max(1, shard // job.microbatches)]
     stages = groups.layout.stages
+    # Every contender, torch's included, runs on this one cut (rank 0's plan).
     plan = local_stage(
-        base, num_stages=stages, stage=groups.stage, by=job.partition_by, sample=sample
+        base,
+        num_stages=stages,
+        stage=groups.stage,
+        by=job.partition_by,
+        sample=sample,
+        data_parallel=groups.data_parallel,
+        batch=shard,
     ).plan
     # Per pipeline: each replica's share of the mini-batch crosses its boundaries.
     boundary = _boundary_bytes(pipeline_blocks(base), plan, sample, shard)
