@@ -53,9 +53,7 @@ def test_the_cut_reaches_the_brute_force_optimum(seed: int) -> None:
     bounds = cut_stages(compute, sizes, stages, replicas=4, cost=cost)
     assert [start for start, _ in bounds] == [0, *(end for _, end in bounds[:-1])]
     assert bounds[-1][1] == n and all(end > start for start, end in bounds)
-    reached = max(
-        math.fsum(compute[s:e]) + cost.time(math.fsum(sizes[s:e])) for s, e in bounds
-    )
+    reached = max(math.fsum(compute[s:e]) + cost.time(math.fsum(sizes[s:e])) for s, e in bounds)
     assert reached == pytest.approx(_brute_force_slowest(compute, sizes, stages, cost), rel=1e-9)
 
 
@@ -137,7 +135,10 @@ def _local_stage_rank() -> dict[str, Any]:
     sample = torch.randn(4, 8)
     groups = replicated(2)
     own = local_stage(
-        _blocks(), num_stages=2, stage=groups.stage, sample=sample,
+        _blocks(),
+        num_stages=2,
+        stage=groups.stage,
+        sample=sample,
         data_parallel=groups.data_parallel,
     )
     made = local_stage(_blocks(), num_stages=2, stage=groups.stage, sample=sample)
@@ -150,7 +151,9 @@ def _local_stage_rank() -> dict[str, Any]:
     }
 
 
-def test_replicated_ranks_agree_on_the_time_plus_allreduce_cut(tmp_path: Any, monkeypatch: Any) -> None:
+def test_replicated_ranks_agree_on_the_time_plus_allreduce_cut(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
     monkeypatch.setenv("INTERLACE_CACHE_DIR", str(tmp_path))
     results = run_ranks(_local_stage_rank, 4, timeout=120)
     assert {r["own"] for r in results} == {results[0]["own"]}

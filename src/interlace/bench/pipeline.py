@@ -36,8 +36,8 @@ from interlace.bench.skeleton import BenchConfig, Benchmark, Flags, parse_names
 from interlace.bench.tables import machine, write_timeline
 from interlace.comm.links import parse_link
 from interlace.errors import UsageError
-from interlace.pipeline.layout import PipelineLayout
 from interlace.pipeline.cut import StageCut
+from interlace.pipeline.layout import PipelineLayout
 from interlace.pipeline.partition import PLAN_BY, pipeline_blocks
 
 #: vgg11: 9.8M parameters in a few large tensors against a few MB of activations per mini-batch,
@@ -90,6 +90,8 @@ class PipelineConfig(BenchConfig):
         partition_by: A :class:`~interlace.pipeline.cut.StageCut` name (``auto``: by time
             with one replica, by time+allreduce with several).
         stages: Stages per pipeline (None: ``nprocs``, one replica).
+        stage_compression: ``fp16``/``bf16``: interlace's stage averages travel in that type
+            (data parallelism and torch's DDP stay float32); None: float32.
     """
 
     schedules: tuple[str, ...]
@@ -97,6 +99,7 @@ class PipelineConfig(BenchConfig):
     block: int
     partition_by: str = StageCut.AUTO.value
     stages: int | None = None
+    stage_compression: str | None = None
 
     @property
     def layout(self) -> PipelineLayout:
@@ -124,6 +127,7 @@ class PipelineConfig(BenchConfig):
             partition_by=self.partition_by,
             timeline=timeline,
             stages=self.stages,
+            stage_compression=self.stage_compression,
         )
 
 
@@ -158,7 +162,10 @@ def _write_timeline(
     ordered = {s: events[s] for s in TIMELINE_SCHEDULES if s in events}
     layout = config.layout
     descriptions = {
-        s: describe_schedule(s, config.microbatches, config.nprocs, layout.stages) for s in ordered
+        s: describe_schedule(
+            s, config.microbatches, config.nprocs, layout.stages, config.stage_compression
+        )
+        for s in ordered
     }
     timeline = timeline_from_events(
         ordered,
@@ -217,6 +224,13 @@ class PipelineBenchmark(Benchmark[PipelineConfig, Row]):
             "stage's backward; torch's: the stage module under DDP); default -n (one replica)",
         )
         parser.add_argument(
+            "--stage-compression",
+            choices=("fp16", "bf16"),
+            default=None,
+            help="with --stages: interlace's stage averages travel in this type (data "
+            "parallelism and torch's DDP stay float32); default float32",
+        )
+        parser.add_argument(
             "--partition-by",
             choices=PLAN_BY,
             default=StageCut.AUTO.value,
@@ -248,6 +262,7 @@ class PipelineBenchmark(Benchmark[PipelineConfig, Row]):
             block=args.block,
             partition_by=args.partition_by,
             stages=args.stages,
+            stage_compression=args.stage_compression,
         )
         if config.batch % config.nprocs:
             raise UsageError(
@@ -260,6 +275,11 @@ class PipelineBenchmark(Benchmark[PipelineConfig, Row]):
                 "micro-batches; use a multiple of --microbatches"
             )
         replicas = config.layout.replicas
+        if config.stage_compression and replicas == 1:
+            raise UsageError(
+                f"--stage-compression {config.stage_compression} compresses the average over "
+                "a stage's replicas; give --stages below -n, or drop it"
+            )
         if config.batch % (replicas * config.microbatches):
             raise UsageError(
                 f"--batch-size {config.batch} does not split into {replicas} replica shards of "
@@ -317,6 +337,7 @@ class PipelineBenchmark(Benchmark[PipelineConfig, Row]):
                 boundary_bytes=list(value["boundary_bytes"]),
                 plan=value["plan"],
                 stages=config.layout.stages,
+                stage_compression=config.stage_compression,
             )
             new_rows = [
                 replace(row, compute=config.compute.label())

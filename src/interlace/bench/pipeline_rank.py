@@ -69,6 +69,7 @@ class PipelineJob(RankJob):
         stages: Stages per pipeline (None: every rank a stage); the ranks form replicas of it,
             each stage's gradients averaged over them (interlace: MG-WFBP buckets; torch: the
             stage module under DDP).
+        stage_compression: The type interlace's stage averages travel in (None: float32).
         lr: SGD's learning rate.
         momentum: SGD's momentum.
     """
@@ -79,6 +80,7 @@ class PipelineJob(RankJob):
     partition_by: str = "auto"
     timeline: bool = False
     stages: int | None = None
+    stage_compression: str | None = None
     lr: float = LR
     momentum: float = MOMENTUM
 
@@ -195,7 +197,11 @@ def _build_contender(
             chunks=1 if schedule_class.synchronous else job.microbatches,
             ranks=groups.ranks,
             group=groups.pipeline,
-            data_parallel=None if averaging is None else StageDataParallel(averaging),
+            data_parallel=(
+                None
+                if averaging is None
+                else StageDataParallel(averaging, compression=job.stage_compression)
+            ),
         )
 
         def train_interlace(batches: Sequence[tuple[Any, Any]]) -> float | None:

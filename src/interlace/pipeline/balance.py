@@ -5,7 +5,6 @@ Pure arithmetic, shared by :mod:`interlace.pipeline.partition` and the simulator
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -85,16 +84,18 @@ def balance_spans(
     """
     n = num_blocks
     check_num_stages(num_stages, n)
-    span = functools.cache(stage_cost)
+    # table[i][j]: the stage [i, j) (j > i), each priced once; the rest never read.
+    inf = math.inf
+    table = [[inf] * (i + 1) + [stage_cost(i, j) for j in range(i + 1, n + 1)] for i in range(n)]
     # best[m][i]: the smallest possible largest stage cost when [i, n) is cut into m stages
     # (inf where fewer than m blocks remain).
-    inf = math.inf
     best: list[list[float]] = [[inf] * (n + 1) for _ in range(num_stages + 1)]
     for i in range(n):
-        best[1][i] = span(i, n)
+        best[1][i] = table[i][n]
     for m in range(2, num_stages + 1):
+        rest = best[m - 1]
         for i in range(n - m + 1):
-            best[m][i] = min(max(span(i, j), best[m - 1][j]) for j in range(i + 1, n - m + 2))
+            best[m][i] = min(map(max, table[i][i + 1 : n - m + 2], rest[i + 1 : n - m + 2]))
     bottleneck = best[num_stages][0]
 
     bounds: list[tuple[int, int]] = []
@@ -104,7 +105,7 @@ def balance_spans(
         end = max(
             j
             for j in range(start + 1, n - remaining + 1)
-            if span(start, j) <= bottleneck and best[remaining][j] <= bottleneck
+            if table[start][j] <= bottleneck and best[remaining][j] <= bottleneck
         )
         bounds.append((start, end))
         start = end

@@ -5,9 +5,9 @@ Pure arithmetic (no torch): block compute times and gradient bytes in, stage ran
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Sequence
+from enum import Enum
 
 from interlace.comm.cost import CostModel
 from interlace.pipeline.balance import balance_spans, balance_stages, check_num_stages
@@ -15,7 +15,7 @@ from interlace.pipeline.balance import balance_spans, balance_stages, check_num_
 __all__ = ["StageCut", "cut_stages", "stage_cut", "stage_step_s"]
 
 
-class StageCut(enum.StrEnum):
+class StageCut(str, Enum):
     """What a pipeline's stages are balanced by.
 
     ``TIME``: each block's measured forward+backward seconds. ``PARAMS``: parameter counts.

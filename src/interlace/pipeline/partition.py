@@ -182,9 +182,12 @@ class StagePlan:
     def imbalance(self) -> float:
         """Largest stage cost over the mean: 1.0 is perfect, 2.0 means the pipeline runs at half.
 
-        A plan whose costs are all zero counts as perfectly balanced.
+        A plan whose costs are all zero counts as perfectly balanced. With ``reduce_s`` a
+        stage's cost is its compute plus its all-reduce, what the cut balanced.
         """
         stage_costs = self.stage_costs
+        if self.reduce_s:
+            stage_costs = tuple(c + r for c, r in zip(stage_costs, self.reduce_s, strict=True))
         mean = math.fsum(stage_costs) / len(stage_costs)
         return max(stage_costs) / mean if mean > 0 else 1.0
 
@@ -202,11 +205,14 @@ class StagePlan:
         ):
             share = cost / total if total > 0 else 1.0 / self.num_stages
             span = f"{start}" if end - start == 1 else f"{start}-{end - 1}"
-            row = f"{stage:>5}  {span:>9}  {end - start:>3}  {cost * scale:>14{spec}}  {share:>6.1%}"
+            row = (
+                f"{stage:>5}  {span:>9}  {end - start:>3}  {cost * scale:>14{spec}}  {share:>6.1%}"
+            )
             if self.reduce_s:
                 row += f"  + all-reduce {self.reduce_s[stage] * 1e3:.2f} ms"
             rows.append(row)
-        rows.append(f"imbalance (max / mean stage cost): {self.imbalance:.3f}")
+        what = "compute + all-reduce" if self.reduce_s else "cost"
+        rows.append(f"imbalance (max / mean stage {what}): {self.imbalance:.3f}")
         return "\n".join(rows)
 
 

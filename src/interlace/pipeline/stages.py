@@ -115,8 +115,9 @@ def _fit_stage_cost(
 ) -> CostModel:
     """The all-reduce cost model of this rank's stage replica group, as ReplicaAverager fits it.
 
-    Collective over the job (``group`` None) or over ``data_parallel``. Every rank fits on its own stage group at once (the comm core's cache makes a repeat
-    instant); rank 0's plan is the one broadcast, so the ranks agree whatever they measured.
+    Collective over the job (``group`` None) or over ``data_parallel``. Every rank fits on its
+    own stage group at once (the comm core's cache makes a repeat instant); rank 0's plan is the
+    one broadcast, so the ranks agree whatever they measured.
     """
     from interlace.comm.calibrate import fit_cost_model  # noqa: PLC0415
 
