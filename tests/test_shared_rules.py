@@ -25,19 +25,23 @@ from interlace.comm.plan import (
 )
 from interlace.dp import DataParallel
 from interlace.dp.plan_state import plan_state_of
+from interlace.emulate.pipeline import EmulatedPipelineModel
 from interlace.kfac.factor_bulk import all_reduce_mean
 from interlace.kfac.factor_modes import Pipelined
 from interlace.kfac.fusion import FUSION_BUCKETINGS, FUSIONS, make_groups
+from interlace.pipeline import partition
 from interlace.pipeline.messages import header_of
+from interlace.pipeline.partition import pipeline_blocks, plan_stages
 from interlace.pipeline.runtime import PipelineStage
 from interlace.pipeline.schedule import SCHEDULE_TYPES, Op, Schedule
 from interlace.sim.kfac_link import bulk_messages
-from interlace.sim.network import Link, Ring
+from interlace.sim.network import Link, Ring, parse_network
 from interlace.sim.pipeline import HostCost, StageCost, stage_programs
 from interlace.sim.pipeline_events import Compute, Send
-from interlace.sim.pipeline_price import PipelineConfig, price_block
+from interlace.sim.pipeline_price import PipelineConfig, price_block, price_pipeline
 from interlace.sim.replay import replay
 from interlace.sim.trace import ActivationTrace, TensorTrace, Trace, load_trace
+from interlace.sim.traces import shipped_trace
 from interlace.testing import run_ranks
 
 MIB = 2**20
@@ -358,3 +362,32 @@ def test_the_planner_and_the_simulator_price_the_updates_the_runtime_lands_at_ea
         # ...and both the planner and the simulator price exactly those landings.
         assert plan.forward_end_s == pytest.approx(_forward_end_of(plan, landed), rel=1e-12)
         assert replay(plan).forward_end_s == pytest.approx(plan.forward_end_s, rel=1e-12)
+
+
+@pytest.mark.parametrize("trace_name", ["vgg11-h200", "resnet50-h200"])
+def test_the_runtime_cuts_replicated_pipelines_where_the_pricer_does(
+    trace_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """plan_stages' default cut (by time with one replica, time+allreduce with several) on the
+    emulated model of a trace, its blocks measured at their traced times, is the pricer's."""
+    trace = load_trace(shipped_trace(trace_name))
+    model = EmulatedPipelineModel(trace, dilation=1.0)
+    blocks = pipeline_blocks(model)
+    emulated = model.emulated_blocks()
+
+    def traced_times(_: nn.Sequential, sample: torch.Tensor, repeats: int = 3) -> list[float]:
+        del repeats
+        rows = sample.shape[0]
+        return [(b.forward_s + b.backward_s) * rows / b.traced_batch for b in emulated]
+
+    monkeypatch.setattr(partition, "profile_block_times", traced_times)
+    network = parse_network("ring:10gbit")
+    batch, pieces = 16, 4
+    sample = torch.zeros(batch // pieces, 1)
+    for stages, replicas in [(2, 1), (4, 1), (2, 2), (2, 4), (4, 2), (8, 2)]:
+        config = PipelineConfig(stages, replicas, "spectrain", batch, pieces)
+        priced = price_pipeline(trace, config, network).bounds
+        cost = network.group_cost(replicas) if replicas > 1 else None
+        plan = plan_stages(blocks, stages, sample=sample, replicas=replicas, cost=cost, batch=batch)
+        assert plan.bounds == priced, (stages, replicas)
+        assert plan.by == ("time" if replicas == 1 else "time+allreduce")

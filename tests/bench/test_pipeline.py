@@ -89,6 +89,12 @@ def test_stages_cut_the_ranks_into_replicated_pipelines() -> None:
     assert (config.layout.stages, config.layout.replicas) == (4, 2)
     assert config.pipeline_job("mlp").stages == 4
     assert config_from_args(_parse("--no-netem")).layout.replicas == 1
+    # Replicated, the default cut prices each stage's all-reduce (time with one replica).
+    assert config.partition_by == "auto" and config.pipeline_job("mlp").stage_compression is None
+    compressed = config_from_args(
+        _parse("-n", "8", "--stages", "4", "--no-netem", "--stage-compression", "bf16")
+    )
+    assert compressed.pipeline_job("mlp").stage_compression == "bf16"
 
 
 def test_more_stages_than_blocks_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -127,6 +133,7 @@ def test_the_model_is_built_for_the_given_shape_and_classes() -> None:
         (["--compute", "real", "--dilation", "2"], "emulated compute only"),
         (["-n", "4", "--stages", "3"], "4 ranks cannot be cut into pipelines of 3 stages"),
         (["-n", "4", "--stages", "2", "--batch-size", "12"], "2 replica shards of 4"),
+        (["-n", "4", "--stage-compression", "bf16"], "give --stages below -n"),
     ],
 )
 def test_bad_flags_are_usage_errors(argv: list[str], needle: str) -> None:
@@ -240,13 +247,15 @@ def test_a_tiny_replicated_run_measures_interlace_and_torch_with_ddp(
     argv = ["bench", "pipeline", "--no-netem", "-n", "4", "--stages", "2", "--models", "mlp"]
     argv += ["--input-shape", "1,8,8", "--batch-size", "16", "--microbatches", "2"]
     argv += ["--block", "2", "--iters", "1", "--warmup", "1", "--json", str(rows_path)]
-    argv += ["--schedules", "spectrain,gpipe,dp,torch-gpipe"]
+    argv += ["--schedules", "spectrain,gpipe,dp,torch-gpipe", "--stage-compression", "bf16"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "pipeline layout: 2 stages x 2 replicas" in out
     rows = {row["schedule"]: row for row in json.loads(rows_path.read_text())}
     assert set(rows) == {"spectrain", "gpipe", "dp", "torch-gpipe"}
     assert rows["torch-gpipe"]["description"].endswith("+ DDP per stage")
+    assert rows["spectrain"]["description"].endswith("MG-WFBP buckets sent as bf16")
+    assert "+ all-reduce" in rows["spectrain"]["regime"]["plan"]  # cut by time+allreduce
     for row in rows.values():
         assert row["stages"] == 2 and row["ranks"] == 4 and row["samples_per_s"] > 0
     # What a prediction of the rows needs: the run's stage cut and the all-reduce costs the

@@ -33,6 +33,8 @@ def test_fill_and_drain_per_mini_batch_or_per_block() -> None:
     assert "4 x 1/4" in describe_schedule("dp", 4, 4)
     assert describe_schedule("spectrain", 4, 8, 4).startswith("4 stages x 2 replicas")
     assert "MG-WFBP" in describe_schedule("gpipe", 4, 8, 2)
+    assert describe_schedule("gpipe", 4, 8, 2, "bf16").endswith("buckets sent as bf16")
+    assert "bf16" not in describe_schedule("gpipe", 4, 4, None, "bf16")
     assert "DDP per stage" in describe_schedule("torch-1f1b", 4, 8, 2)
     assert "stages x" not in describe_schedule("torch-1f1b", 4, 4)
 

@@ -140,7 +140,6 @@ def _train_replicated(root: str) -> TrainResult:
             schedule="spectrain",
             stages=2,
             strategy="fixed",
-            partition_by="params",
             max_steps_per_epoch=12,
             progress=False,
         )
@@ -158,3 +157,5 @@ def test_two_stages_by_two_replicas_train_and_record_their_layout(tmp_path: Path
     assert rows[0]["samples_per_s"] > 0
     recorded = json.loads((tmp_path / "replicated" / "config.json").read_text())
     assert recorded["stages"] == 2 and recorded["strategy"] == "fixed"
+    # Replicated, the default cut prices each stage's all-reduce (a cost model fitted first).
+    assert recorded["partition_by"] == "auto"

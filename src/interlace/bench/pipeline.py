@@ -36,8 +36,9 @@ from interlace.bench.skeleton import BenchConfig, Benchmark, Flags, parse_names
 from interlace.bench.tables import machine, write_timeline
 from interlace.comm.links import parse_link
 from interlace.errors import UsageError
+from interlace.pipeline.cut import StageCut
 from interlace.pipeline.layout import PipelineLayout
-from interlace.pipeline.partition import pipeline_blocks
+from interlace.pipeline.partition import PLAN_BY, pipeline_blocks
 
 #: vgg11: 9.8M parameters in a few large tensors against a few MB of activations per mini-batch,
 #: the case where data parallelism is bound by its all-reduce on a slow link; resnet20: 0.27M
@@ -86,15 +87,19 @@ class PipelineConfig(BenchConfig):
         schedules: The contenders, in table order.
         microbatches: Pieces per mini-batch.
         block: Mini-batches per timed block.
-        partition_by: Stages balanced by measured ``time`` or by ``params``.
+        partition_by: A :class:`~interlace.pipeline.cut.StageCut` name (``auto``: by time
+            with one replica, by time+allreduce with several).
         stages: Stages per pipeline (None: ``nprocs``, one replica).
+        stage_compression: ``fp16``/``bf16``: interlace's stage averages travel in that type
+            (data parallelism and torch's DDP stay float32); None: float32.
     """
 
     schedules: tuple[str, ...]
     microbatches: int
     block: int
-    partition_by: str = "time"
+    partition_by: str = StageCut.AUTO.value
     stages: int | None = None
+    stage_compression: str | None = None
 
     @property
     def layout(self) -> PipelineLayout:
@@ -122,6 +127,7 @@ class PipelineConfig(BenchConfig):
             partition_by=self.partition_by,
             timeline=timeline,
             stages=self.stages,
+            stage_compression=self.stage_compression,
         )
 
 
@@ -156,7 +162,10 @@ def _write_timeline(
     ordered = {s: events[s] for s in TIMELINE_SCHEDULES if s in events}
     layout = config.layout
     descriptions = {
-        s: describe_schedule(s, config.microbatches, config.nprocs, layout.stages) for s in ordered
+        s: describe_schedule(
+            s, config.microbatches, config.nprocs, layout.stages, config.stage_compression
+        )
+        for s in ordered
     }
     timeline = timeline_from_events(
         ordered,
@@ -215,10 +224,19 @@ class PipelineBenchmark(Benchmark[PipelineConfig, Row]):
             "stage's backward; torch's: the stage module under DDP); default -n (one replica)",
         )
         parser.add_argument(
+            "--stage-compression",
+            choices=("fp16", "bf16"),
+            default=None,
+            help="with --stages: interlace's stage averages travel in this type (data "
+            "parallelism and torch's DDP stay float32); default float32",
+        )
+        parser.add_argument(
             "--partition-by",
-            choices=("time", "params"),
-            default="time",
-            help="balance the stages by measured time or by parameter count (default time)",
+            choices=PLAN_BY,
+            default=StageCut.AUTO.value,
+            help="balance the stages by measured time, by parameter count, or by time plus each "
+            "stage's all-reduce over its replicas (time+allreduce); default auto: time with one "
+            "replica, time+allreduce with --stages below -n",
         )
 
     def config_from_args(self, args: argparse.Namespace) -> PipelineConfig:
@@ -244,6 +262,7 @@ class PipelineBenchmark(Benchmark[PipelineConfig, Row]):
             block=args.block,
             partition_by=args.partition_by,
             stages=args.stages,
+            stage_compression=args.stage_compression,
         )
         if config.batch % config.nprocs:
             raise UsageError(
@@ -256,6 +275,11 @@ class PipelineBenchmark(Benchmark[PipelineConfig, Row]):
                 "micro-batches; use a multiple of --microbatches"
             )
         replicas = config.layout.replicas
+        if config.stage_compression and replicas == 1:
+            raise UsageError(
+                f"--stage-compression {config.stage_compression} compresses the average over "
+                "a stage's replicas; give --stages below -n, or drop it"
+            )
         if config.batch % (replicas * config.microbatches):
             raise UsageError(
                 f"--batch-size {config.batch} does not split into {replicas} replica shards of "
@@ -319,6 +343,7 @@ class PipelineBenchmark(Benchmark[PipelineConfig, Row]):
                 stages=config.layout.stages,
                 bounds=[list(b) for b in value["bounds"]],
                 allreduce_costs=dict(value.get("allreduce_costs", {})),
+                stage_compression=config.stage_compression,
             )
             new_rows = [
                 replace(row, compute=config.compute.label())

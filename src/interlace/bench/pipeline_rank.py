@@ -63,11 +63,13 @@ class PipelineJob(RankJob):
         microbatches: Pieces per mini-batch.
         schedules: The contenders, in table order.
         block: Mini-batches per timed block.
-        partition_by: Stages balanced by measured ``time`` or by ``params``.
+        partition_by: A StageCut name (``auto``: by time with one replica, time+allreduce with
+            several).
         timeline: Whether to record one timed block of :data:`TIMELINE_SCHEDULES`.
         stages: Stages per pipeline (None: every rank a stage); the ranks form replicas of it,
             each stage's gradients averaged over them (interlace: MG-WFBP buckets; torch: the
             stage module under DDP).
+        stage_compression: The type interlace's stage averages travel in (None: float32).
         lr: SGD's learning rate.
         momentum: SGD's momentum.
     """
@@ -75,9 +77,10 @@ class PipelineJob(RankJob):
     microbatches: int
     schedules: tuple[str, ...]
     block: int
-    partition_by: str = "time"
+    partition_by: str = "auto"
     timeline: bool = False
     stages: int | None = None
+    stage_compression: str | None = None
     lr: float = LR
     momentum: float = MOMENTUM
 
@@ -194,7 +197,11 @@ def _build_contender(
             chunks=1 if schedule_class.synchronous else job.microbatches,
             ranks=groups.ranks,
             group=groups.pipeline,
-            data_parallel=None if averaging is None else StageDataParallel(averaging),
+            data_parallel=(
+                None
+                if averaging is None
+                else StageDataParallel(averaging, compression=job.stage_compression)
+            ),
         )
 
         def train_interlace(batches: Sequence[tuple[Any, Any]]) -> float | None:
@@ -267,8 +274,15 @@ def measure_rank(job: PipelineJob) -> dict[str, Any]:
     batches = job.batches(BATCH_STREAM)
     sample = batches[0][0][: max(1, shard // job.microbatches)]
     stages = groups.layout.stages
+    # Every contender, torch's included, runs on this one cut (rank 0's plan).
     plan = local_stage(
-        base, num_stages=stages, stage=groups.stage, by=job.partition_by, sample=sample
+        base,
+        num_stages=stages,
+        stage=groups.stage,
+        by=job.partition_by,
+        sample=sample,
+        data_parallel=groups.data_parallel,
+        batch=shard,
     ).plan
     # Per pipeline: each replica's share of the mini-batch crosses its boundaries.
     boundary = _boundary_bytes(pipeline_blocks(base), plan, sample, shard)

@@ -20,7 +20,11 @@ PROG = "interlace bench pipeline"
 
 
 def describe_schedule(
-    schedule: str, microbatches: int, ranks: int, stages: int | None = None
+    schedule: str,
+    microbatches: int,
+    ranks: int,
+    stages: int | None = None,
+    compression: str | None = None,
 ) -> str:
     """How a contender processes one global mini-batch, in a few words.
 
@@ -29,6 +33,7 @@ def describe_schedule(
         microbatches: Pieces per replica's share of a mini-batch.
         ranks: Ranks.
         stages: Stages per pipeline (None: ``ranks``, one replica).
+        compression: The type interlace's stage averages travel in (None: float32).
     """
     replicas = ranks // (stages or ranks)
     if schedule == DP_BASELINE:
@@ -37,6 +42,8 @@ def describe_schedule(
     if schedule in INTERLACE_PIPELINE_SCHEDULES:
         kind = schedule_type(schedule)
         averaged = ", stages averaged in MG-WFBP buckets" if replicas > 1 else ""
+        if averaged and compression:
+            averaged += f" sent as {compression}"
         if kind.synchronous:
             return f"{layout}{microbatches} micro-batches, {kind.description}{averaged}"
         pieces = f", {microbatches} chunks" if microbatches > 1 else ""
@@ -90,6 +97,8 @@ class Regime(BaseRow):
     #: live ranks (undilated; None on a rank that fitted none): a replicated interlace stage's
     #: on its stage group, DataParallel's on all ranks.
     allreduce_costs: dict[str, list[list[float] | None]] = field(default_factory=dict)
+    #: The type interlace's stage averages travel in (None: float32).
+    stage_compression: str | None = None
 
     @property
     def num_stages(self) -> int:
@@ -171,7 +180,11 @@ def rows_from_value(value: Mapping[str, Any], regime: Regime, *, block: int) -> 
                 model=regime.model,
                 schedule=schedule,
                 description=describe_schedule(
-                    schedule, regime.microbatches, regime.ranks, regime.num_stages
+                    schedule,
+                    regime.microbatches,
+                    regime.ranks,
+                    regime.num_stages,
+                    regime.stage_compression,
                 ),
                 samples_per_s=median,
                 samples_per_s_p25=p25,

@@ -11,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from interlace.pipeline.balance import balance_stages
+from interlace.pipeline.cut import StageCut, cut_stages
 from interlace.pipeline.layout import MESH_DIM_NAMES, PipelineLayout
 from interlace.pipeline.schedule import (
     ASYNCHRONOUS,
@@ -91,6 +92,7 @@ __all__ = [
     "Schedule",
     "SpecTrain",
     "SpecTrainReuse",
+    "StageCut",
     "StageDataParallel",
     "StagePlan",
     "StepResult",
@@ -99,6 +101,7 @@ __all__ = [
     "balance_stages",
     "build_schedule",
     "check_predictable",
+    "cut_stages",
     "gpipe",
     "local_stage",
     "one_f_one_b",

@@ -6,9 +6,9 @@ Pure arithmetic, shared by :mod:`interlace.pipeline.partition` and the simulator
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-__all__ = ["balance_stages", "check_num_stages"]
+__all__ = ["balance_spans", "balance_stages", "check_num_stages"]
 
 
 def check_num_stages(num_stages: int, num_blocks: int) -> None:
@@ -62,15 +62,40 @@ def balance_stages(costs: Sequence[float], num_stages: int) -> list[tuple[int, i
     def span(start: int, end: int) -> float:
         return prefix[end] - prefix[start]
 
-    # best[m][i]: the smallest possible largest stage sum when [i, n) is cut into m stages
-    # (inf where fewer than m blocks remain).
+    return balance_spans(span, n, num_stages)
+
+
+def balance_spans(
+    stage_cost: Callable[[int, int], float], num_blocks: int, num_stages: int
+) -> list[tuple[int, int]]:
+    """Cut ``num_blocks`` blocks into ``num_stages`` stages minimising the largest stage cost.
+
+    :func:`balance_stages` for a stage cost that need not be a sum of block costs (a stage's
+    all-reduce pays one start-up however many blocks it holds). ``stage_cost(start, end)`` must
+    be deterministic; the minimum is exact and the tie-breaking that of :func:`balance_stages`.
+
+    Args:
+        stage_cost: The cost of the stage holding blocks ``[start, end)``.
+        num_blocks: The blocks there are.
+        num_stages: How many stages to cut into (1 to num_blocks).
+
+    Raises:
+        ValueError: When ``num_stages`` is not in 1..num_blocks.
+    """
+    n = num_blocks
+    check_num_stages(num_stages, n)
+    # table[i][j]: the stage [i, j) (j > i), each priced once; the rest never read.
     inf = math.inf
+    table = [[inf] * (i + 1) + [stage_cost(i, j) for j in range(i + 1, n + 1)] for i in range(n)]
+    # best[m][i]: the smallest possible largest stage cost when [i, n) is cut into m stages
+    # (inf where fewer than m blocks remain).
     best: list[list[float]] = [[inf] * (n + 1) for _ in range(num_stages + 1)]
     for i in range(n):
-        best[1][i] = span(i, n)
+        best[1][i] = table[i][n]
     for m in range(2, num_stages + 1):
+        rest = best[m - 1]
         for i in range(n - m + 1):
-            best[m][i] = min(max(span(i, j), best[m - 1][j]) for j in range(i + 1, n - m + 2))
+            best[m][i] = min(map(max, table[i][i + 1 : n - m + 2], rest[i + 1 : n - m + 2]))
     bottleneck = best[num_stages][0]
 
     bounds: list[tuple[int, int]] = []
@@ -80,7 +105,7 @@ def balance_stages(costs: Sequence[float], num_stages: int) -> list[tuple[int, i
         end = max(
             j
             for j in range(start + 1, n - remaining + 1)
-            if span(start, j) <= bottleneck and best[remaining][j] <= bottleneck
+            if table[start][j] <= bottleneck and best[remaining][j] <= bottleneck
         )
         bounds.append((start, end))
         start = end

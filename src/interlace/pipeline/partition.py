@@ -14,21 +14,25 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from interlace.comm.cost import CostModel
 from interlace.errors import UsageError
 from interlace.pipeline.balance import balance_stages, check_num_stages
+from interlace.pipeline.cut import StageCut, cut_stages, stage_cut
 
 __all__ = [
     "PLAN_BY",
     "StagePlan",
     "balance_stages",
+    "gradient_bytes",
     "pipeline_blocks",
     "plan_stages",
     "profile_block_times",
     "stage_module",
 ]
 
-#: The costs :func:`plan_stages` can balance: measured seconds or parameter counts.
-PLAN_BY: tuple[str, ...] = ("time", "params")
+#: The costs :func:`plan_stages` can balance (:class:`~interlace.pipeline.cut.StageCut`):
+#: measured seconds, parameter counts, seconds plus the stage all-reduce, or ``auto``.
+PLAN_BY: tuple[str, ...] = tuple(rule.value for rule in StageCut)
 
 
 def pipeline_blocks(model: nn.Module) -> nn.Sequential:
@@ -134,17 +138,21 @@ class StagePlan:
     """Where a block sequence is cut into pipeline stages, and what each block costs.
 
     ``bounds`` are the half-open block ranges of the stages, in order; ``costs`` is the cost of
-    every block (seconds when ``by == "time"``, parameter counts when ``by == "params"``).
+    every block (seconds when ``by`` is ``"time"`` or ``"time+allreduce"``, parameter counts
+    when ``by == "params"``).
 
     Args:
         bounds: the half-open block ranges of the stages, in order.
         costs: the cost of every block.
-        by: what the costs are: "time" (seconds) or "params" (parameter counts).
+        by: what the costs are: "time" (seconds), "params" (parameter counts) or
+            "time+allreduce" (seconds per mini-batch; the stages also pay ``reduce_s``).
+        reduce_s: with "time+allreduce", each stage's all-reduce as the cut priced it.
     """
 
     bounds: tuple[tuple[int, int], ...]
     costs: tuple[float, ...]
     by: str
+    reduce_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         expected = 0
@@ -174,18 +182,22 @@ class StagePlan:
     def imbalance(self) -> float:
         """Largest stage cost over the mean: 1.0 is perfect, 2.0 means the pipeline runs at half.
 
-        A plan whose costs are all zero counts as perfectly balanced.
+        A plan whose costs are all zero counts as perfectly balanced. With ``reduce_s`` a
+        stage's cost is its compute plus its all-reduce, what the cut balanced.
         """
         stage_costs = self.stage_costs
+        if self.reduce_s:
+            stage_costs = tuple(c + r for c, r in zip(stage_costs, self.reduce_s, strict=True))
         mean = math.fsum(stage_costs) / len(stage_costs)
         return max(stage_costs) / mean if mean > 0 else 1.0
 
     def describe(self) -> str:
         """A table of the stages: block range, block count, cost and share of the total."""
-        unit = "ms" if self.by == "time" else self.by
-        scale = 1e3 if self.by == "time" else 1.0
+        seconds = self.by != StageCut.PARAMS
+        unit = "ms" if seconds else self.by
+        scale = 1e3 if seconds else 1.0
         # Milliseconds to two decimals; parameter counts as whole numbers with separators.
-        spec = ".2f" if self.by == "time" else ",.0f"
+        spec = ".2f" if seconds else ",.0f"
         total = math.fsum(self.costs)
         rows = [f"{'stage':>5}  {'blocks':>9}  {'n':>3}  {'cost (' + unit + ')':>14}  {'share':>6}"]
         for stage, ((start, end), cost) in enumerate(
@@ -193,46 +205,89 @@ class StagePlan:
         ):
             share = cost / total if total > 0 else 1.0 / self.num_stages
             span = f"{start}" if end - start == 1 else f"{start}-{end - 1}"
-            rows.append(
+            row = (
                 f"{stage:>5}  {span:>9}  {end - start:>3}  {cost * scale:>14{spec}}  {share:>6.1%}"
             )
-        rows.append(f"imbalance (max / mean stage cost): {self.imbalance:.3f}")
+            if self.reduce_s:
+                row += f"  + all-reduce {self.reduce_s[stage] * 1e3:.2f} ms"
+            rows.append(row)
+        what = "compute + all-reduce" if self.reduce_s else "cost"
+        rows.append(f"imbalance (max / mean stage {what}): {self.imbalance:.3f}")
         return "\n".join(rows)
 
 
 def plan_stages(
-    blocks: nn.Sequential, num_stages: int, *, by: str = "time", sample: Tensor | None = None
+    blocks: nn.Sequential,
+    num_stages: int,
+    *,
+    by: StageCut | str = StageCut.AUTO,
+    sample: Tensor | None = None,
+    replicas: int = 1,
+    cost: CostModel | None = None,
+    batch: int | None = None,
 ) -> StagePlan:
     """Cut ``blocks`` into ``num_stages`` stages of balanced cost.
 
     ``by="time"`` balances forward+backward seconds measured on ``sample`` (a representative
-    micro-batch, required) with :func:`profile_block_times`: the right measure for throughput.
+    micro-batch, required) with :func:`profile_block_times`: the right measure for throughput
+    with one replica. ``by="time+allreduce"`` is for ``replicas > 1`` pipelines whose stages
+    average their gradients: each stage costs its measured compute per mini-batch plus the
+    all-reduce of its gradient bytes on ``cost`` (:func:`interlace.pipeline.cut.cut_stages`,
+    the rule the simulator prices with); with one replica it is the by-time cut. ``by="auto"``
+    (the default) is "time" with one replica and "time+allreduce" with several.
     ``by="params"`` balances parameter counts, which needs no sample and is deterministic: the
     right measure when memory for weights and optimizer state is the constraint.
 
     Args:
         blocks: the block sequence to cut.
         num_stages: how many stages (1 to len(blocks)).
-        by: "time" or "params" (one of PLAN_BY).
-        sample: a representative micro-batch; required with by="time".
+        by: a :class:`~interlace.pipeline.cut.StageCut` or its name (one of PLAN_BY).
+        sample: a representative micro-batch; required unless by="params".
+        replicas: pipelines whose stages average their gradients (>= 1).
+        cost: the all-reduce price of a stage's replica group; required for
+            "time+allreduce" with replicas > 1.
+        batch: samples per mini-batch through one replica (default: the sample's): the
+            measured times are scaled to it, since a stage averages once per mini-batch.
 
-    Raises :class:`ValueError` for an unknown ``by``, a missing sample with ``by="time"``, or a
+    Raises :class:`ValueError` for an unknown ``by``, a missing sample or cost model, or a
     stage count that is < 1 or larger than the number of blocks.
     """
-    if by not in PLAN_BY:
-        raise ValueError(f"unknown stage cost {by!r}; choose one of {', '.join(PLAN_BY)}")
+    rule = stage_cut(by).resolved(replicas)
     check_num_stages(num_stages, len(blocks))
-    if by == "time":
-        if sample is None:
-            raise ValueError(
-                "plan_stages(by='time') measures each block, so it needs sample=, a "
-                "representative input batch; or use by='params'"
-            )
-        costs = profile_block_times(blocks, sample)
-    else:
-        costs = [float(sum(p.numel() for p in block.parameters())) for block in blocks]
-    bounds = balance_stages(costs, num_stages)
-    return StagePlan(bounds=tuple(bounds), costs=tuple(costs), by=by)
+    if rule is StageCut.PARAMS:
+        counts = [float(sum(p.numel() for p in block.parameters())) for block in blocks]
+        return StagePlan(tuple(balance_stages(counts, num_stages)), tuple(counts), rule.value)
+    if sample is None:
+        raise ValueError(
+            f"plan_stages(by={rule.value!r}) measures each block, so it needs sample=, a "
+            "representative input batch; or use by='params'"
+        )
+    costs = profile_block_times(blocks, sample)
+    if rule is StageCut.TIME:
+        return StagePlan(tuple(balance_stages(costs, num_stages)), tuple(costs), rule.value)
+    if replicas > 1 and cost is None:
+        raise ValueError(
+            "plan_stages(by='time+allreduce') with replicas > 1 needs cost=, the stage "
+            "group's all-reduce CostModel (interlace.comm.calibrate.fit_cost_model)"
+        )
+    scale = batch / len(sample) if batch else 1.0
+    costs = [c * scale for c in costs]
+    sizes = [float(gradient_bytes(block)) for block in blocks]
+    bounds = tuple(cut_stages(costs, sizes, num_stages, replicas=replicas, cost=cost))
+    reduce_s = tuple(
+        cost.time(math.fsum(sizes[start:end])) if cost is not None and replicas > 1 else 0.0
+        for start, end in bounds
+    )
+    return StagePlan(bounds, tuple(costs), rule.value, reduce_s)
+
+
+def gradient_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s trainable parameters: what averaging its gradients sends.
+
+    Args:
+        module: a block or stage.
+    """
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
 
 
 def stage_module(blocks: nn.Sequential, plan: StagePlan, stage: int) -> nn.Sequential:

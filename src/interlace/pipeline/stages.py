@@ -11,7 +11,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from interlace.comm.agree import check_agreement
+from interlace.comm.cost import CostModel
 from interlace.errors import UsageError
+from interlace.pipeline.cut import StageCut, stage_cut
+from interlace.pipeline.layout import PipelineLayout
 from interlace.pipeline.partition import (
     StagePlan,
     pipeline_blocks,
@@ -46,23 +49,33 @@ def local_stage(
     *,
     num_stages: int,
     stage: int,
-    by: str = "time",
+    by: StageCut | str = StageCut.AUTO,
     sample: Tensor | None = None,
     group: dist.ProcessGroup | None = None,
+    data_parallel: dist.ProcessGroup | None = None,
+    cost: CostModel | None = None,
+    batch: int | None = None,
 ) -> LocalStage:
     """Cut ``model`` into ``num_stages`` stages by rank 0's plan and return stage ``stage``.
 
     ``by`` and ``sample`` are :func:`~interlace.pipeline.partition.plan_stages`'s. Every rank of
     ``group`` (the default group when None) must call it; with a one-rank world (no process
-    group) the local plan is used.
+    group) the local plan is used. When ``group`` holds more ranks than ``num_stages``, it is
+    ``R = size / num_stages`` replicas of the pipeline (:class:`~interlace.pipeline.layout.
+    PipelineLayout`'s placement); the default ``by="auto"`` then cuts by time plus each stage's
+    all-reduce over its replicas, priced on ``cost`` or on a cost model fitted on the stage's
+    replica group (``data_parallel``; when None, groups made here for the fit and destroyed).
 
     Args:
         model: the whole model, built the same way on every rank.
         num_stages: stages in the pipeline.
         stage: the stage to keep, from 0.
-        by: "time" or "params", as plan_stages takes it.
-        sample: a representative micro-batch; required with by="time".
+        by: a StageCut or its name ("time", "params", "time+allreduce", "auto").
+        sample: a representative micro-batch; required unless by="params".
         group: the process group whose rank 0 plans (the default group when None).
+        data_parallel: this rank's stage replica group (``ReplicaGroups.data_parallel``).
+        cost: the stage group's all-reduce price (default: fitted, collectively).
+        batch: samples per mini-batch through one replica (default: the sample's).
     """
     blocks = pipeline_blocks(model)
     if num_stages > len(blocks):
@@ -71,9 +84,17 @@ def local_stage(
             "use fewer stages (-n) or a deeper model"
         )
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    size = dist.get_world_size(group) if distributed else 1
+    replicas = max(size // num_stages, 1)
+    rule = stage_cut(by).resolved(replicas)
+    if rule is StageCut.TIME_ALLREDUCE and replicas > 1 and cost is None:
+        # Collective on every rank, before rank 0 plans alone.
+        cost = _fit_stage_cost(PipelineLayout.for_world(size, num_stages), group, data_parallel)
     plan: StagePlan | None = None
     if not distributed or dist.get_rank(group) == 0:
-        plan = plan_stages(blocks, num_stages, by=by, sample=sample)
+        plan = plan_stages(
+            blocks, num_stages, by=rule, sample=sample, replicas=replicas, cost=cost, batch=batch
+        )
     if distributed:
         shared: list[object] = [plan, _block_signature(blocks)]
         dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0) if group else 0)
@@ -85,6 +106,39 @@ def local_stage(
             )
     assert isinstance(plan, StagePlan)
     return LocalStage(stage_module(blocks, plan, stage), plan, stage, num_stages)
+
+
+def _fit_stage_cost(
+    layout: PipelineLayout,
+    group: dist.ProcessGroup | None,
+    data_parallel: dist.ProcessGroup | None,
+) -> CostModel:
+    """The all-reduce cost model of this rank's stage replica group, as ReplicaAverager fits it.
+
+    Collective over the job (``group`` None) or over ``data_parallel``. Every rank fits on its
+    own stage group at once (the comm core's cache makes a repeat instant); rank 0's plan is the
+    one broadcast, so the ranks agree whatever they measured.
+    """
+    from interlace.comm.calibrate import fit_cost_model  # noqa: PLC0415
+
+    if data_parallel is not None:
+        return fit_cost_model(data_parallel)
+    if group is not None:
+        raise UsageError(
+            "local_stage: a replicated pipeline cut by time+allreduce over a process group other "
+            "than the default one needs data_parallel= (the stage's replica group) or cost="
+        )
+    members = [layout.stage_ranks(s) for s in range(layout.stages)]
+    rank = dist.get_rank()
+    # new_group is collective over the job: every rank makes every group, in the same order.
+    made = [dist.new_group(ranks) for ranks in members]
+    try:
+        mine = next(g for g, ranks in zip(made, members, strict=True) if rank in ranks)
+        return fit_cost_model(mine)
+    finally:
+        for made_group in made:
+            if made_group is not None and made_group != dist.GroupMember.NON_GROUP_MEMBER:
+                dist.destroy_process_group(made_group)
 
 
 def check_stages_agree(

@@ -19,6 +19,7 @@ from interlace.comm.forward_plan import Overlap
 from interlace.comm.plan import ReadyTensor
 from interlace.comm.strategies import Strategy
 from interlace.errors import UsageError
+from interlace.pipeline.cut import cut_stages
 from interlace.pipeline.layout import PipelineLayout
 from interlace.pipeline.schedule import SCHEDULE_TYPES
 from interlace.sim.memo import kept
@@ -260,13 +261,37 @@ def _works(
 
 
 def _cut(
-    trace: Trace, stages: int, batch: int
+    trace: Trace, config: PipelineConfig, network: Network, layout: PipelineLayout
 ) -> tuple[tuple[tuple[int, int], ...], tuple[StageCost, ...]]:
-    """The balanced stages and their costs (the same for every replica count: kept)."""
+    """The stages as the runtime cuts them by default, and their costs (kept).
+
+    One replica: the traced layers' times balanced (:func:`interlace.sim.pipeline.trace_bounds`,
+    ``plan_stages(by="time")``). Several: :func:`interlace.pipeline.cut.cut_stages`, each stage's
+    compute per mini-batch plus its gradients' all-reduce on stage 0's replica group, the rule
+    ``plan_stages(by="time+allreduce")`` runs on the measured blocks.
+    """
     memo = kept(trace)
-    key = ("cut", stages, batch)
+    stages, batch, replicas = config.stages, config.batch, config.replicas
+    cost = None
+    if replicas > 1:
+        _, per_node = layout.spread(layout.stage_ranks(0))
+        cost = network.group_cost(replicas, per_node)
+    key = ("cut", stages, batch, replicas, cost)
     if key not in memo:
-        bounds = tuple(trace_bounds(trace, stages))
+        if cost is None:
+            bounds = tuple(trace_bounds(trace, stages))
+        else:
+            layers = _stage_layers(trace, ((0, len(trace.layers)),))[0][::-1]  # forward order
+            blocks = stage_costs(trace, [(i, i + 1) for i in range(len(layers))], batch)
+            bounds = tuple(
+                cut_stages(
+                    [c.forward_s + c.backward_s for c in blocks],
+                    [float(sum(trace.tensors[i].nbytes for i in ix)) for _, ix in layers],
+                    stages,
+                    replicas=replicas,
+                    cost=cost,
+                )
+            )
         memo[key] = bounds, tuple(stage_costs(trace, bounds, batch))
     return memo[key]  # type: ignore[no-any-return]
 
@@ -294,8 +319,9 @@ def price_pipeline(
 ) -> PipelinePrice:
     """The steady-state mini-batch of ``config`` on ``network``.
 
-    Stages are balanced by the traced layers' times (:func:`interlace.sim.pipeline.trace_bounds`,
-    the runtime's ``plan_stages(by="time")``); a stage's optimizer step, and a prediction or
+    Stages are cut as the runtime cuts them by default: by the traced layers' times with one
+    replica, by time plus each stage's all-reduce with several (``plan_stages(by="auto")``,
+    :func:`interlace.pipeline.cut.cut_stages`); a stage's optimizer step, and a prediction or
     stash of its weights, take the trace's step in proportion to the stage's parameters. Every
     pipeline whose links cross nodes differently is walked; the slowest sets the pace (the
     stage all-reduces make the replicas wait for each other).
@@ -319,8 +345,8 @@ def price_pipeline(
             f"need >= 2 stages and 1 <= pieces <= batch, got {config.stages} stages, "
             f"{config.pieces} pieces of a batch of {config.batch}"
         )
-    bounds, costs = _cut(trace, config.stages, config.batch)
     layout = PipelineLayout(config.stages, config.replicas, gpus_per_node or network.node_size)
+    bounds, costs = _cut(trace, config, network, layout)
     # Pipelines whose boundaries cross nodes alike run alike: walk one of each.
     patterns: dict[tuple[bool, ...], int] = {}
     # The placement repeats every node's worth of ranks: the first few replicas show them all.
@@ -386,10 +412,10 @@ def price_block(
         block: Mini-batches in the block.
         bounds: The run's stages (default: balanced as :func:`price_pipeline` cuts them).
     """
+    layout = PipelineLayout(config.stages, config.replicas, network.node_size)
     if bounds is None:
-        cut, costs = _cut(trace, config.stages, config.batch)
+        cut, costs = _cut(trace, config, network, layout)
     else:
         cut, costs = tuple(bounds), tuple(stage_costs(trace, bounds, config.batch))
-    layout = PipelineLayout(config.stages, config.replicas, network.node_size)
     works, _ = _works(trace, config, network, layout, 0, costs, cut)
     return walk_block_s(works, config.schedule, pieces=config.pieces, block=block) / block

@@ -273,8 +273,9 @@ def add_arguments(
         "--partition-by",
         choices=PARTITION_BY,
         default=defaults.partition_by,
-        help="balance stages by measured forward+backward time or by parameter count "
-        f"(default {defaults.partition_by})",
+        help="balance stages by measured forward+backward time, by parameter count, or by "
+        "time plus each stage's all-reduce over its replicas (time+allreduce); auto: time with "
+        f"one replica, time+allreduce with --stages below -n (default {defaults.partition_by})",
     )
     kfac = parser.add_argument_group(
         "K-FAC (with --optimizer kfac and --parallel data): interlace.kfac.KFACPreconditioner's "

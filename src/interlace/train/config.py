@@ -131,7 +131,8 @@ class TrainConfig:
         parallel: one of :data:`PARALLELISMS`.
         schedule: one of :data:`PIPELINE_SCHEDULES`.
         microbatches: micro-batches per mini-batch of gpipe and 1f1b.
-        partition_by: one of :data:`PARTITION_BY`.
+        partition_by: one of :data:`PARTITION_BY` (``auto``: by time with one replica, by
+            time+allreduce with several).
         spectrain_backward: ``"recompute"`` or ``"reuse"``.
         chunks: pieces each mini-batch travels in through an asynchronous schedule.
         stages: stages per pipeline under ``parallel="pipeline"``; the ranks form ``-n / stages``
@@ -353,7 +354,7 @@ class TrainConfig:
     parallel: str = "data"
     schedule: str = "spectrain"
     microbatches: int = 4
-    partition_by: str = "time"
+    partition_by: str = "auto"
     spectrain_backward: str = "recompute"
     # Pieces each mini-batch travels in through an asynchronous schedule (1: whole).
     chunks: int = 1
