@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,7 @@ from interlace.pipeline.replication import ReplicaGroups, StageDataParallel, rep
 from interlace.pipeline.runtime import PipelineStage
 from interlace.pipeline.schedule import SYNCHRONOUS
 from interlace.pipeline.stages import LocalStage, local_stage
-from interlace.train.checkpoint import Position, rng_state, set_rng_state
+from interlace.train.checkpoint import SAME_AS, Position, rng_state, set_rng_state
 from interlace.train.config import TrainConfig
 from interlace.train.records import RunRecords, finish_run
 from interlace.train.schedule import optimizer_with_schedule, steps_in_epoch
@@ -186,12 +187,17 @@ def train_pipeline(
                 )
                 sys.stdout.flush()
             if saves is not None and (saves.after_epoch(epoch) or epoch == config.epochs):
-                state = {
-                    "stage": stage.state_dict(),
-                    "schedule": schedule.state_dict(),
-                    "partition": partition,
-                    "rng": rng_state(),
-                }
+                state: dict[str, Any] = {"rng": rng_state()}
+                if groups.replica == 0:
+                    state.update(
+                        stage=stage.state_dict(),
+                        schedule=schedule.state_dict(),
+                        partition=partition,
+                    )
+                else:
+                    # The replicas of a stage hold the same weights, optimizer and buffers:
+                    # replica 0 saves them once, and every replica resumes from its copy.
+                    state[SAME_AS] = layout.rank_of(groups.stage, 0)
                 position = Position(epoch + 1, 0, epoch * steps_per_epoch)
                 records.save(position, state)
     finally:
