@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from interlace.comm.cost import CostModel
 from interlace.comm.forward_plan import Overlap, gates_from_timings, plan_overlap
-from interlace.comm.plan import MIB, Bucketing, ReadyTensor, make_plan
+from interlace.comm.plan import MIB, Bucketing, ReadyTensor
+from interlace.comm.planners import make_plan
 from interlace.distenv import DistContext
 from interlace.dp import DataParallel
 from interlace.dp.plan_state import plan_state_of
