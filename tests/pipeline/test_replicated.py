@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -73,14 +74,24 @@ class _RecordingSGD(torch.optim.SGD):
 
 
 def _stage(
-    schedule: str, *, replicate: bool, optimizer_type: type = torch.optim.SGD, **options: Any
+    schedule: str,
+    *,
+    replicate: bool,
+    optimizer_type: type = torch.optim.SGD,
+    blocks: Callable[[], list[nn.Module]] = _blocks,
+    broadcast_buffers: bool = True,
+    **options: Any,
 ) -> tuple[PipelineStage, torch.optim.Optimizer, Any]:
     groups = _GROUPS[0]
-    module = _blocks()[groups.stage]
+    module = blocks()[groups.stage]
     optimizer = optimizer_type(module.parameters(), lr=LR, momentum=MOMENTUM)
     data_parallel = (
         StageDataParallel(
-            groups.data_parallel, bucketing="fixed", bucket_cap_mb=1e-3, cost_model=COST
+            groups.data_parallel,
+            bucketing="fixed",
+            bucket_cap_mb=1e-3,
+            cost_model=COST,
+            broadcast_buffers=broadcast_buffers,
         )
         if replicate
         else None
@@ -178,25 +189,16 @@ def _buffers_case(schedule: str) -> dict[bool, list[Tensor]]:
     groups = _GROUPS[0]
     result = {}
     for broadcast in (True, False):
-        module = _batchnorm_blocks()[groups.stage]
-        optimizer = torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)
-        options = StageDataParallel(
-            groups.data_parallel, cost_model=COST, broadcast_buffers=broadcast
-        )
-        with PipelineStage(
-            module,
-            optimizer,
-            stage=groups.stage,
-            num_stages=2,
-            schedule=schedule,
-            loss_fn=nn.functional.cross_entropy,
+        stage, _, _ = _stage(
+            schedule,
+            replicate=True,
+            blocks=_batchnorm_blocks,
+            broadcast_buffers=broadcast,
             microbatches=2,
-            ranks=groups.ranks,
-            group=groups.pipeline,
-            data_parallel=options,
-        ) as stage:
+        )
+        with stage:
             stage.run(_half(_data(3), groups.replica), 3)
-        result[broadcast] = [b.detach().clone() for b in module.buffers()]
+        result[broadcast] = [b.detach().clone() for b in stage.module.buffers()]
     return result
 
 
