@@ -132,6 +132,7 @@ def test_no_source_file_is_a_big_room() -> None:
 #: price these very objects (imported), never a rule of its own for them.
 POLICY_MODULES = {
     "a bucketing plan": "interlace.comm.plan",
+    "a bucketing's price on channels": "interlace.comm.pricing",
     "the forward overlap": "interlace.comm.forward_plan",
     "a K-FAC placement": "interlace.kfac.placements",
     "a decomposition method": "interlace.kfac.methods",

@@ -15,14 +15,8 @@ from torch import nn
 from interlace.bench.validate_pipeline import PipelineSample
 from interlace.comm.cost import CostModel
 from interlace.comm.forward_plan import GateDues, GateTiming, gates_from_timings, plan_overlap
-from interlace.comm.plan import (
-    Bucketing,
-    Plan,
-    ReadyTensor,
-    plan_fixed,
-    plan_merged,
-    plan_per_tensor,
-)
+from interlace.comm.plan import Bucketing, Plan, ReadyTensor
+from interlace.comm.planners import plan_fixed, plan_merged, plan_per_tensor
 from interlace.dp import DataParallel
 from interlace.dp.plan_state import plan_state_of
 from interlace.emulate.pipeline import EmulatedPipelineModel

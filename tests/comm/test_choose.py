@@ -20,7 +20,8 @@ from interlace.comm.choose import (
     settle_trials,
 )
 from interlace.comm.cost import CostModel
-from interlace.comm.plan import Bucketing, ReadyTensor, make_plan
+from interlace.comm.plan import Bucketing, ReadyTensor
+from interlace.comm.planners import make_plan
 
 MS = 1e-3
 COST = CostModel(a=1 * MS, b=1e-9)

@@ -6,7 +6,8 @@ import pytest
 
 from interlace.comm.cost import CostModel
 from interlace.comm.pairwise import pairwise_groups
-from interlace.comm.plan import Bucketing, ReadyTensor, make_plan, plan_merged
+from interlace.comm.plan import Bucketing, ReadyTensor
+from interlace.comm.planners import make_plan, plan_merged
 
 #: T(m) = 1 + m / 8 (seconds, bytes): every number below is exact in binary.
 COST = CostModel(a=1.0, b=0.125)

@@ -7,16 +7,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from interlace.comm.cost import CostModel
-from interlace.comm.plan import (
-    ReadyTensor,
+from interlace.comm.plan import ReadyTensor
+from interlace.comm.planners import (
     make_plan,
     plan_fixed,
     plan_merged,
     plan_optimal,
     plan_per_tensor,
     plan_single,
-    schedule,
 )
+from interlace.comm.pricing import schedule
 
 MS = 1e-3
 

@@ -7,17 +7,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from interlace.comm.cost import CostModel
-from interlace.comm.plan import (
-    ChannelClock,
-    ReadyTensor,
+from interlace.comm.plan import ReadyTensor, slice_count
+from interlace.comm.planners import (
     make_plan,
     plan_merged,
     plan_optimal,
     plan_per_tensor,
     plan_single,
-    schedule,
-    slice_count,
 )
+from interlace.comm.pricing import ChannelClock, schedule
 
 MS = 1e-3
 MB = 1_000_000

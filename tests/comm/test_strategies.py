@@ -6,7 +6,8 @@ import pytest
 
 from interlace.comm.cost import CostModel
 from interlace.comm.forward_plan import Overlap, overlap_candidates
-from interlace.comm.plan import Bucketing, Gate, ReadyTensor, make_plan, plan_fixed
+from interlace.comm.plan import Bucketing, Gate, ReadyTensor
+from interlace.comm.planners import make_plan, plan_fixed
 from interlace.comm.strategies import (
     BENCH_STRATEGIES,
     PLANNED_STRATEGIES,

@@ -6,7 +6,8 @@ import pytest
 
 from interlace.comm.choose import Candidate
 from interlace.comm.cost import CostModel
-from interlace.comm.plan import ReadyTensor, make_plan
+from interlace.comm.plan import ReadyTensor
+from interlace.comm.planners import make_plan
 from interlace.dp.lifecycle import Due, Lifecycle
 
 TENSORS = [ReadyTensor("a", 10, 0.0), ReadyTensor("b", 10, 1.0)]

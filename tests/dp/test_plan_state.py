@@ -11,7 +11,8 @@ from torch import nn
 
 from interlace.comm.cost import CostModel
 from interlace.comm.forward_plan import plan_overlap
-from interlace.comm.plan import Gate, ReadyTensor, plan_fixed
+from interlace.comm.plan import Gate, ReadyTensor
+from interlace.comm.planners import plan_fixed
 from interlace.dp import DataParallel
 from interlace.dp.plan_state import plan_from_dict, plan_to_dict
 from interlace.errors import UsageError

@@ -5,11 +5,14 @@
 * Asynchronous schedules: both replicas fed the same data end exactly where one pipeline does;
   fed different halves, where one pipeline fed the whole mini-batches does (the replicas'
   average of two half-batch means is the whole batch's mean, with the same weights).
+* Buffers: with BatchNorm and each replica on its half, ``broadcast_buffers`` leaves every
+  replica with replica 0's statistics (those replica 0 reaches without it); off, they differ.
 * Bad input: stages that do not divide the ranks, a layout for another job, one line each.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -71,14 +74,24 @@ class _RecordingSGD(torch.optim.SGD):
 
 
 def _stage(
-    schedule: str, *, replicate: bool, optimizer_type: type = torch.optim.SGD, **options: Any
+    schedule: str,
+    *,
+    replicate: bool,
+    optimizer_type: type = torch.optim.SGD,
+    blocks: Callable[[], list[nn.Module]] = _blocks,
+    broadcast_buffers: bool = True,
+    **options: Any,
 ) -> tuple[PipelineStage, torch.optim.Optimizer, Any]:
     groups = _GROUPS[0]
-    module = _blocks()[groups.stage]
+    module = blocks()[groups.stage]
     optimizer = optimizer_type(module.parameters(), lr=LR, momentum=MOMENTUM)
     data_parallel = (
         StageDataParallel(
-            groups.data_parallel, bucketing="fixed", bucket_cap_mb=1e-3, cost_model=COST
+            groups.data_parallel,
+            bucketing="fixed",
+            bucket_cap_mb=1e-3,
+            cost_model=COST,
+            broadcast_buffers=broadcast_buffers,
         )
         if replicate
         else None
@@ -163,6 +176,32 @@ def _one_stage_case() -> dict[str, Any]:
     }
 
 
+def _batchnorm_blocks() -> list[nn.Module]:
+    """Two stages of a small float64 net with BatchNorm in each."""
+    torch.manual_seed(0)
+    first = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.BatchNorm2d(3), nn.Tanh(), nn.Flatten())
+    second = nn.Sequential(nn.Linear(75, 10), nn.BatchNorm1d(10), nn.Tanh(), nn.Linear(10, CLASSES))
+    return [first.double(), second.double()]
+
+
+def _buffers_case(schedule: str) -> dict[bool, list[Tensor]]:
+    """Each replica's buffers after 3 mini-batches on its half, by ``broadcast_buffers``."""
+    groups = _GROUPS[0]
+    result = {}
+    for broadcast in (True, False):
+        stage, _, _ = _stage(
+            schedule,
+            replicate=True,
+            blocks=_batchnorm_blocks,
+            broadcast_buffers=broadcast,
+            microbatches=2,
+        )
+        with stage:
+            stage.run(_half(_data(3), groups.replica), 3)
+        result[broadcast] = [b.detach().clone() for b in stage.module.buffers()]
+    return result
+
+
 def _bad_input() -> list[str]:
     errors = []
     for bad in (3, PipelineLayout(2, 3)):
@@ -186,6 +225,7 @@ def _rank_main() -> dict[str, Any]:
     cases: dict[str, Any] = {f"sync-{s}": (lambda s=s: _sync_case(s)) for s in ("gpipe", "1f1b")}
     cases.update({f"async-{s}": (lambda s=s: _async_case(s, 4)) for s in ASYNC})
     cases["one-stage"] = _one_stage_case
+    cases.update({f"buffers-{s}": (lambda s=s: _buffers_case(s)) for s in ("gpipe", "pipedream")})
     results: dict[str, Any] = run_scenarios(cases)
     results["errors"] = errors
     results["layout"] = layout
@@ -253,6 +293,21 @@ def test_one_stage_replicas_are_data_parallelism(four_ranks: list[dict[str, Any]
         assert case["hooks"] == 0
         for g, e in zip(case["grads"], expected, strict=True):
             torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "pipedream"])
+def test_replicas_share_replica_0s_buffers(schedule: str, four_ranks: list[dict[str, Any]]) -> None:
+    for rank in (0, 1):  # replica 0 of each stage; rank + 2 is its twin in replica 1
+        mine = four_ranks[rank][f"buffers-{schedule}"]
+        twin = four_ranks[rank + 2][f"buffers-{schedule}"]
+        assert len(mine[True]) == 3  # running mean, running variance, batches tracked
+        # On: both replicas hold exactly what replica 0 reaches on its own data.
+        for own, shared, copied in zip(mine[False], mine[True], twin[True], strict=True):
+            assert torch.equal(shared, own), f"stage {rank}"
+            assert torch.equal(copied, own), f"stage {rank}"
+        # Off: each replica's statistics are its own half's.
+        means = (mine[False][0], twin[False][0])
+        assert not torch.equal(*means), f"stage {rank}"
 
 
 def test_the_layout_is_the_mesh_convention(four_ranks: list[dict[str, Any]]) -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from interlace.comm.cost import CostModel
-from interlace.comm.plan import ReadyTensor, schedule
+from interlace.comm.plan import ReadyTensor
+from interlace.comm.pricing import schedule
 from interlace.sim.contention import (
     MIXED_BYTES,
     SMALL_BYTES,

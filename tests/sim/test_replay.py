@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 
 from interlace.comm.cost import CostModel
 from interlace.comm.forward_plan import overlap_candidates
-from interlace.comm.plan import Gate, ReadyTensor, make_plan, schedule
+from interlace.comm.plan import Gate, ReadyTensor
+from interlace.comm.planners import make_plan
+from interlace.comm.pricing import schedule
 from interlace.sim.replay import Contention, replay
 
 MS = 1e-3

@@ -222,6 +222,44 @@ def test_resumed_pipelines_equal_the_uninterrupted_ones(
     assert stages == [0, 1]
 
 
+#: Replicated pipelines (2 stages x 2 replicas on 4 ranks, a model with BatchNorm), resumed at
+#: the start of epoch 2: a synchronous and an asynchronous schedule.
+REPLICATED_CASES = [
+    (
+        f"replicated-{schedule}",
+        _tiny(
+            model="resnet20",
+            parallel="pipeline",
+            schedule=schedule,
+            stages=2,
+            strategy="fixed",
+            microbatches=2,
+            partition_by="params",
+            max_steps_per_epoch=3,
+            save_every="1ep",
+        ),
+        3,
+    )
+    for schedule in ("gpipe", "spectrain")
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_resumed_replicated_pipelines_equal_the_uninterrupted_ones(tmp_path: Path) -> None:
+    cases = REPLICATED_CASES
+    result = launch.run(_run_and_resume, 4, args=(cases, str(tmp_path)), timeout=280).check()
+    for index, (name, _, _) in enumerate(cases):
+        for rank in range(4):
+            _check_exact(tmp_path, name, result.values[rank][index])
+        header = read_header(latest_checkpoint(tmp_path / name / "full") or Path())
+        # Replica 0 saved each stage (ranks 0 and 1); replica 1 (ranks 2 and 3) points at them.
+        ranks = header["ranks"]
+        assert [rank["stage"]["stage"] for rank in ranks[:2]] == [0, 1]
+        assert [rank.get("same_as") for rank in ranks] == [None, None, 0, 1]
+        assert all("stage" not in rank for rank in ranks[2:])
+
+
 #: The DataParallel steps a rank took that plan: planning, profiled passes, trial iterations.
 _PLANNING: Counter[str] = Counter()
 #: Where the measured-plan run saves (the end of epoch 2): its plan is final well before.

@@ -11,7 +11,8 @@ from dataclasses import dataclass, replace
 
 from interlace.comm.cost import CostModel
 from interlace.comm.forward_plan import GateTiming, Overlap, gates_from_timings, overlap_candidates
-from interlace.comm.plan import MIB, Bucketing, Plan, ReadyTensor, make_plan
+from interlace.comm.plan import MIB, Bucketing, Plan, ReadyTensor
+from interlace.comm.planners import make_plan
 from interlace.comm.tuning import (
     START_UP_SCALES,
     TIE_MARGIN,

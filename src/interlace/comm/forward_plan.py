@@ -15,17 +15,9 @@ from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
 
 from interlace.comm.cost import CostModel
-from interlace.comm.plan import (
-    ChannelClock,
-    Gate,
-    Launch,
-    PlacedSlice,
-    Plan,
-    ReadyTensor,
-    bucket_of,
-    pack_by_cap,
-    plan_merged,
-)
+from interlace.comm.plan import Gate, Launch, Plan, ReadyTensor
+from interlace.comm.planners import pack_by_cap, plan_merged
+from interlace.comm.pricing import ChannelClock, PlacedSlice, bucket_of
 
 
 class Overlap(str, enum.Enum):
@@ -279,7 +271,7 @@ def plan_overlap(
         gates: The next forward's gates, in forward order (tensor indices into ``tensors``).
         cost: The price of an all-reduce.
         groups: The buckets, as indices into ``tensors`` (contiguous ones, as the planners of
-            :mod:`interlace.comm.plan` make).
+            :mod:`interlace.comm.planners` make).
         forward_s: The whole forward pass; what precedes the first gate is its part not
             covered by the gates' own stretches.
         backward_s: When backward ends (default: when the last tensor is ready).

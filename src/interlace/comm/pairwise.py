@@ -1,6 +1,6 @@
 """The greedy pairwise merge of MG-WFBP's published simulator (not the paper's Theorem 1).
 
-Pure: from message sizes, ready times and a cost model to groups; :func:`interlace.comm.plan.
+Pure: from message sizes, ready times and a cost model to groups; :func:`interlace.comm.planners.
 plan_pairwise` prices them. docs/simulate.md compares it with Theorem 1's rule.
 """
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass, replace
 
 from interlace.comm.cost import CostModel
 from interlace.comm.forward_plan import Overlap, overlap_candidates
-from interlace.comm.plan import MIB, Bucketing, Gate, Plan, ReadyTensor, make_plan
+from interlace.comm.plan import MIB, Bucketing, Gate, Plan, ReadyTensor
+from interlace.comm.planners import make_plan
 from interlace.errors import UsageError
 
 #: Other names DataParallel accepts for a bucketing: the strategies' names and the papers'.

@@ -502,7 +502,7 @@ class DataParallel(nn.Module, Joinable, PlanReports):
     def plan(self) -> Plan | None:
         """The plan in use: its buckets, their launch order and channels, and with
         ``overlap="forward"`` where the next forward waits (a plan with ``overlaps_forward``),
-        whichever planner made it (:mod:`interlace.comm.plan`,
+        whichever planner made it (:mod:`interlace.comm.planners`,
         :mod:`interlace.comm.forward_plan`) or :meth:`load_plan_state` loaded it; during the
         trials the candidate being tried (:attr:`planning_done` says when it is final); None
         while profiling, and on one rank (nothing to average)."""

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from interlace.comm.cost import CostModel
-from interlace.comm.plan import Bucketing, ReadyTensor, pack_by_cap, plan_merged
+from interlace.comm.plan import Bucketing, ReadyTensor
+from interlace.comm.planners import pack_by_cap, plan_merged
 from interlace.comm.tuning import START_UP_SCALES, scale_start_up
 from interlace.errors import OptionError
 
@@ -61,7 +62,7 @@ def fusion_from(value: object, option: str = "fusion") -> Bucketing:
 
 def bulk_groups(sizes: Sequence[int], cap_bytes: float) -> list[list[int]]:
     """The buckets of the bulk factor all-reduce (``KFAC(bucket_cap_mb=)``), as indices into
-    ``sizes``: :func:`~interlace.comm.plan.pack_by_cap` in the order given (the factor that
+    ``sizes``: :func:`~interlace.comm.planners.pack_by_cap` in the order given (the factor that
     reaches the cap joins its bucket); a cap of 0 is kfac-pytorch's "no bucketing", every factor
     on its own.
 
@@ -139,7 +140,7 @@ def make_groups(
     Args:
         fusion: ``Bucketing.PER_TENSOR`` (``"none"``), ``FIXED`` or ``MERGED``, or its string.
         sizes: Each factor's bytes, in ready order.
-        cap_bytes: The bucket cap (``FIXED``: :func:`~interlace.comm.plan.pack_by_cap`).
+        cap_bytes: The bucket cap (``FIXED``: :func:`~interlace.comm.planners.pack_by_cap`).
         ready_s: Ready times (``MERGED``).
         cost: The all-reduce cost model (``MERGED``).
 

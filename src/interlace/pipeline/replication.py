@@ -25,6 +25,7 @@ from interlace.comm.engine import BucketEngine
 from interlace.comm.plan import Bucketing
 from interlace.distenv import collective_device
 from interlace.dp.options import plan_request
+from interlace.dp.replicas import broadcast_from_first
 from interlace.errors import UsageError
 from interlace.pipeline.layout import MESH_DIM_NAMES, PipelineLayout
 
@@ -143,6 +144,14 @@ class StageDataParallel:
     each gradient is ready; from the second on the buckets are ``bucketing``'s plan for those
     times under the cost model (fitted on ``group`` when None), as DataParallel plans its own.
 
+    With ``broadcast_buffers`` (DataParallel's and DDP's option, on by default) every update
+    also copies replica 0's buffers (BatchNorm statistics) to the other replicas, in one
+    broadcast, so the replicas evaluate alike and any replica's checkpoint is the same. Once per
+    update rather than before every forward as DDP does: a stage runs many micro-batch forwards
+    per update, a training forward normalises with its batch's own statistics, and after the
+    last update of :meth:`~interlace.pipeline.runtime.PipelineStage.run` no forward is left,
+    so the replicas leave every ``run`` with replica 0's buffers.
+
     Args:
         group: The stage's replicas (``ReplicaGroups.data_parallel``).
         bucketing: The bucket planner (a :class:`~interlace.comm.plan.Bucketing` or its name:
@@ -153,6 +162,8 @@ class StageDataParallel:
         partition_mb: Split buckets above this many MB across channels; None or ``"auto"``.
         compression: ``"fp16"`` or ``"bf16"``: float32 buckets travel in that type; None.
         cost_model: The all-reduce's price (None: fitted on ``group`` at the first update).
+        broadcast_buffers: Replica 0's buffers to every replica at construction and at every
+            update; False leaves each replica's buffers its own, from construction on.
     """
 
     group: dist.ProcessGroup | None
@@ -163,6 +174,7 @@ class StageDataParallel:
     partition_mb: float | str | None = "auto"
     compression: str | None = None
     cost_model: CostModel | None = None
+    broadcast_buffers: bool = True
 
     def request(self) -> PlanRequest:
         """The options checked, as the comm core's plan choice takes them.
@@ -170,6 +182,10 @@ class StageDataParallel:
         Raises:
             UsageError: Naming the option that is wrong.
         """
+        if not isinstance(self.broadcast_buffers, bool):
+            raise UsageError(
+                f"broadcast_buffers must be True or False, got {self.broadcast_buffers!r}"
+            )
         return plan_request(
             bucketing=self.bucketing,
             bucket_cap_mb=self.bucket_cap_mb,
@@ -207,11 +223,13 @@ class ReplicaAverager:
         self.params = [p for _, p in named]
         self.channels = Channels(self.request.channel_groups, self.group)
         self.cost_model = options.cost_model
+        # The buffers replica 0 sends at every update (none without ``broadcast_buffers``),
+        # written through ``.data``: a graph still in flight saved them (BatchNorm's backward
+        # takes its running statistics, unread in training mode), and a write to the tensors
+        # themselves would fail that backward's version check, as BatchNorm's own update does not.
+        self.buffers = [b.data for b in module.buffers()] if options.broadcast_buffers else []
         # The replicas start from replica 0's weights and buffers, as DDP's wrapper does.
-        source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        with torch.no_grad():
-            for tensor in [*self.params, *module.buffers()]:
-                dist.broadcast(tensor.data, source, group=self.group)
+        broadcast_from_first([*(p.data for p in module.parameters()), *self.buffers], self.group)
         #: The plan in use (None until the first update has been timed).
         self.candidate: Candidate | None = None
         self.engine = self._engine([list(reversed(range(len(self.params))))], None)
@@ -293,8 +311,10 @@ class ReplicaAverager:
 
     def apply(self) -> None:
         """Wait for every bucket and write the averages into the parameters' ``.grad`` (None
-        where no replica had a gradient); then plan the buckets if not planned yet."""
+        where no replica had a gradient); copy replica 0's buffers to the others (with
+        ``broadcast_buffers``); then plan the buckets if not planned yet."""
         averaged = self.engine.finish()
+        broadcast_from_first(self.buffers, self.group)
         for param, grad in zip(self.params, averaged, strict=True):
             if grad is None:
                 param.grad = None

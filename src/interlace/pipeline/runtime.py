@@ -101,7 +101,8 @@ class PipelineStage:
             the stage's gradients are averaged over them, each bucket's all-reduce starting as
             the last backward before an update produces it and waited for at the update, which
             stays where the schedule puts it. Construction then also copies replica 0's
-            weights to the others. None: one replica.
+            weights to the others, and (``broadcast_buffers``, the default) its buffers, at
+            construction and at every update. None: one replica.
     """
 
     def __init__(

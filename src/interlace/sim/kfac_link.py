@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from interlace.comm.cost import CostModel
-from interlace.comm.plan import Plan, ReadyTensor, schedule
+from interlace.comm.plan import Plan, ReadyTensor
+from interlace.comm.pricing import schedule
 from interlace.kfac.fusion import bulk_groups
 from interlace.kfac.sizes import factor_numel
 from interlace.sim.replay import Replay, replay

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 
 from interlace.comm.cost import CostModel
-from interlace.comm.plan import Bucketing, Plan, ReadyTensor, schedule
+from interlace.comm.plan import Bucketing, Plan, ReadyTensor
+from interlace.comm.pricing import schedule
 from interlace.comm.strategies import PLANNED_STRATEGIES
 from interlace.kfac.fusion import make_groups
 from interlace.kfac.sizes import factor_numel

@@ -221,7 +221,7 @@ def replay(
     each gate waits for its due buckets, then applies the update of all their members
     (``plan.step_s`` by bytes, :class:`~interlace.comm.forward_plan.GateDues`) and computes to
     the next gate. With no contention the times equal the planner's own
-    (:func:`~interlace.comm.plan.schedule`, :func:`~interlace.comm.forward_plan.plan_overlap`).
+    (:func:`~interlace.comm.pricing.schedule`, :func:`~interlace.comm.forward_plan.plan_overlap`).
 
     Args:
         plan: The buckets, with the tensors' ready times and the passes' lengths.
@@ -419,7 +419,7 @@ def _replay_channels(
     A slice is launched once its bucket is complete and every earlier launch went out; it
     queues on the channel the plan assigned it; a channel runs its queue one slice after
     another. Slices of one bucket starting together count each other, as in
-    :class:`~interlace.comm.plan.ChannelClock`, so without contention this gives the plan's own
+    :class:`~interlace.comm.pricing.ChannelClock`, so without contention this gives the plan's own
     times. Each slice's start-up and bytes progress at ``contention``'s rates while compute
     runs, and compute at the slowest rate any slice in flight allows.
     """

@@ -1,6 +1,6 @@
 """Simulated data-parallel iterations: a strategy's plan from a trace, replayed in time.
 
-A strategy names a planner of :mod:`interlace.comm.plan`; :func:`simulate` plans a trace's
+A strategy names a planner of :mod:`interlace.comm.planners`; :func:`simulate` plans a trace's
 buckets exactly as :class:`interlace.DataParallel` does and replays them with
 :func:`interlace.sim.replay.replay`.
 """
@@ -12,7 +12,8 @@ from dataclasses import dataclass, field, replace
 
 from interlace.comm.cost import CostModel
 from interlace.comm.forward_plan import Overlap
-from interlace.comm.plan import Plan, ReadyTensor, schedule
+from interlace.comm.plan import Plan, ReadyTensor
+from interlace.comm.pricing import schedule
 from interlace.comm.strategies import PLANNED_STRATEGIES, Strategy, planned_strategy
 from interlace.errors import UsageError
 from interlace.sim.replay import NO_CONTENTION, Contention, Replay, replay

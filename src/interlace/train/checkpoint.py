@@ -2,7 +2,9 @@
 
 Rank 0 gathers the ranks' states and writes ``checkpoints/step-<N>.pt`` in the run folder through
 a temporary file and a rename, so a run killed while saving leaves the previous checkpoint as the
-latest; resuming scatters each rank its own state back (see docs/training.md).
+latest; resuming scatters each rank its own state back (see docs/training.md). A rank whose
+state equals another's (a replica of a pipeline stage) saves only its own keys and
+:data:`SAME_AS` that rank, and resumes with both.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ KEEP = 2
 #: Written into every checkpoint, and checked on load.
 FORMAT = "interlace-train-checkpoint"
 VERSION = 1
+
+#: The key of a rank's saved state that names the rank whose state it shares; its own keys
+#: (its random generators) are laid over that rank's on resume.
+SAME_AS = "same_as"
 
 _NAME = re.compile(r"^step-(\d+)\.pt$")
 _EPOCHS = re.compile(r"^(\d+)\s*ep(?:och|ochs)?$")
@@ -239,7 +245,7 @@ def load_checkpoint(run_dir: str | Path, context: DistContext) -> Resumed:
                     f"with as many (-n {loaded['world_size']}), not {context.world_size}"
                 )
             parts = [
-                (str(path), loaded["position"], loaded["ranks"][rank])
+                (str(path), loaded["position"], _own_state(loaded["ranks"], rank))
                 for rank in range(context.world_size)
             ]
         except UsageError as error:
@@ -255,6 +261,15 @@ def load_checkpoint(run_dir: str | Path, context: DistContext) -> Resumed:
         raise UsageError(mine)
     where, position, state = mine
     return Resumed(Path(where), Position(**position), state)
+
+
+def _own_state(ranks: list[Any], rank: int) -> Any:
+    """``rank``'s saved state, with the state of the rank it is :data:`SAME_AS` under its own."""
+    state = ranks[rank]
+    if not (isinstance(state, dict) and SAME_AS in state):
+        return state
+    own = {key: value for key, value in state.items() if key != SAME_AS}
+    return {**ranks[state[SAME_AS]], **own}
 
 
 def rng_state() -> dict[str, Any]:

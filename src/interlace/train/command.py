@@ -45,6 +45,31 @@ def add_arguments(
         default_nprocs: ``-n`` when not given.
     """
     defaults = TrainConfig()
+    _add_model_and_data(parser, defaults)
+    _add_averaging(parser, defaults)
+    _add_ranks(parser, default_nprocs)
+    _add_schedule(parser, defaults, default_epochs)
+    _add_numerics(parser, defaults)
+    _add_run_folder(parser, defaults)
+    _add_checkpoints(parser)
+    add_collective_timeout_argument(parser)
+    _add_optimizer(parser, defaults)
+    _add_pipeline(parser, defaults)
+    kfac = parser.add_argument_group(
+        "K-FAC (with --optimizer kfac and --parallel data): interlace.kfac.KFACPreconditioner's "
+        "keywords (KFAC's own and kfac-pytorch's names), defaults theirs (kfac-pytorch's)"
+    )
+    add_kfac_arguments(kfac, TrainConfig)
+    parser.set_defaults(default_epochs=default_epochs, default_nprocs=default_nprocs)
+
+
+def _add_model_and_data(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
+    """What trains on what: the model, the data set and its text options.
+
+    Args:
+        parser: the subcommand's parser.
+        defaults: the flags' defaults.
+    """
     parser.add_argument(
         "--model",
         default=defaults.model,
@@ -69,6 +94,15 @@ def add_arguments(
         help=f"tokens per sample of text data, at most the model's context "
         f"(default {DEFAULT_SEQ_LEN})",
     )
+
+
+def _add_averaging(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
+    """How gradients are averaged: the strategy, its buckets and channels.
+
+    Args:
+        parser: the subcommand's parser.
+        defaults: the flags' defaults.
+    """
     parser.add_argument(
         "--strategy",
         choices=RUNTIME_STRATEGIES,
@@ -85,6 +119,15 @@ def add_arguments(
         help="bucket cap of the ddp and fixed strategies, MB (default: 25, first bucket 1)",
     )
     add_channel_arguments(parser)
+
+
+def _add_ranks(parser: argparse.ArgumentParser, default_nprocs: int) -> None:
+    """How many ranks start, and the network they talk over.
+
+    Args:
+        parser: the subcommand's parser.
+        default_nprocs: ``-n`` when not given.
+    """
     parser.add_argument(
         "-n",
         "--nprocs",
@@ -101,6 +144,18 @@ def add_arguments(
         help="emulate a network of this rate per rank: 100mbit, 1gbit, 2.5gbit or 10gbit "
         "(needs root); default: plain loopback",
     )
+
+
+def _add_schedule(
+    parser: argparse.ArgumentParser, defaults: TrainConfig, default_epochs: int
+) -> None:
+    """How long and how fast: epochs, batch, learning rate and its schedule.
+
+    Args:
+        parser: the subcommand's parser.
+        defaults: the flags' defaults.
+        default_epochs: ``--epochs`` when not given.
+    """
     parser.add_argument(
         "--epochs",
         type=int,
@@ -147,6 +202,15 @@ def add_arguments(
         help="optimizer steps of linear warm-up instead of --warmup-epochs (the cosine decay "
         "then runs over the remaining steps)",
     )
+
+
+def _add_numerics(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
+    """The update's numbers: clipping, precision, seed and determinism.
+
+    Args:
+        parser: the subcommand's parser.
+        defaults: the flags' defaults.
+    """
     parser.add_argument(
         "--clip-grad-norm",
         type=float,
@@ -175,6 +239,15 @@ def add_arguments(
         "single layouts) instead of planning them from measured times: the same --seed then "
         "gives the same numbers at any -n",
     )
+
+
+def _add_run_folder(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
+    """The data's shape and length, and where and how the run reports.
+
+    Args:
+        parser: the subcommand's parser.
+        defaults: the flags' defaults.
+    """
     add_model_shape_arguments(parser, defaults_from="the --data set's")
     parser.add_argument(
         "--synthetic-size",
@@ -190,6 +263,31 @@ def add_arguments(
     parser.add_argument("--out", help="exact run folder to write (default: a new one in runs/)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--timeout", type=float, help="stop the whole job after this many seconds")
+
+
+def _add_optimizer(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
+    """The optimizer.
+
+    Args:
+        parser: the subcommand's parser.
+        defaults: the flags' defaults.
+    """
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=defaults.optimizer,
+        help="sgd (SGD with momentum), kfac (K-FAC preconditioning in front of that same SGD, "
+        "schedule and all) or adamw (torch's AdamW, default betas); each with the warm-up + "
+        f"cosine schedule (default {defaults.optimizer})",
+    )
+
+
+def _add_checkpoints(parser: argparse.ArgumentParser) -> None:
+    """Checkpoints: saving, resuming and replanning.
+
+    Args:
+        parser: the subcommand's parser.
+    """
     checkpoints = parser.add_argument_group("checkpoints")
     checkpoints.add_argument(
         "--save-every",
@@ -209,15 +307,15 @@ def add_arguments(
         help="with --resume: drop the checkpoint's DataParallel plan and profile, plan and try "
         "plans again (a run moved to another machine or network); default: keep the plan",
     )
-    add_collective_timeout_argument(parser)
-    parser.add_argument(
-        "--optimizer",
-        choices=OPTIMIZERS,
-        default=defaults.optimizer,
-        help="sgd (SGD with momentum), kfac (K-FAC preconditioning in front of that same SGD, "
-        "schedule and all) or adamw (torch's AdamW, default betas); each with the warm-up + "
-        f"cosine schedule (default {defaults.optimizer})",
-    )
+
+
+def _add_pipeline(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
+    """Pipeline parallelism: the schedule, stages, micro-batches and partition.
+
+    Args:
+        parser: the subcommand's parser.
+        defaults: the flags' defaults.
+    """
     pipeline = parser.add_argument_group(
         "pipeline parallelism (with --parallel pipeline: one stage per rank, -n stages, or "
         "-n / --stages replicas of --stages stages)"
@@ -277,12 +375,6 @@ def add_arguments(
         "time plus each stage's all-reduce over its replicas (time+allreduce); auto: time with "
         f"one replica, time+allreduce with --stages below -n (default {defaults.partition_by})",
     )
-    kfac = parser.add_argument_group(
-        "K-FAC (with --optimizer kfac and --parallel data): interlace.kfac.KFACPreconditioner's "
-        "keywords (KFAC's own and kfac-pytorch's names), defaults theirs (kfac-pytorch's)"
-    )
-    add_kfac_arguments(kfac, TrainConfig)
-    parser.set_defaults(default_epochs=default_epochs, default_nprocs=default_nprocs)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -298,7 +390,56 @@ def run(args: argparse.Namespace) -> int:
         UsageError: for an impossible setting, a model or data that does not load, or a
             ``--link`` the launcher cannot emulate.
     """
-    config = TrainConfig(
+    config = _config_of(args)
+    if args.replan and args.resume is None:
+        raise UsageError("--replan applies with --resume (a new run plans anyway)")
+    config.validate()
+    if args.resume is None and config.optimizer != "kfac":
+        _refuse_kfac_flags(config)
+    nprocs: int = args.default_nprocs if args.nprocs is None else args.nprocs
+    run_dir: str | None = args.out
+    if args.resume is not None:
+        defaults = replace(TrainConfig(), epochs=args.default_epochs)
+        config, world_size = resumed_config(args.resume, config, defaults)
+        if args.nprocs is not None and args.nprocs != world_size:
+            raise UsageError(
+                f"-n {args.nprocs}: {args.resume} was trained by {world_size} rank(s); resume "
+                f"it with as many (drop -n)"
+            )
+        if args.out is not None and Path(args.out).resolve() != Path(args.resume).resolve():
+            raise UsageError("--resume continues RUN_DIR in place; drop --out")
+        nprocs, run_dir = world_size, args.resume
+
+    set_collective_timeout(args.collective_timeout)
+    if in_launched_job():
+        # Started by torchrun or `interlace launch`: this process is one rank already.
+        train_rank(config, run_dir, args.resume is not None)
+        return 0
+
+    _check_before_launch(config, nprocs, args.link)
+    run_dir = run_dir or str(
+        new_run_dir(
+            config.runs_dir, f"{run_label(config.model)}-{run_label(config.data)}-n{nprocs}"
+        )
+    )
+    result = launch.run(
+        train_rank,
+        nprocs,
+        link=args.link,
+        args=(config, run_dir, args.resume is not None),
+        timeout=args.timeout,
+        collective_timeout=collective_timeout_of(args.collective_timeout),
+    )
+    return report_failure(f"interlace {args.command}", result, args.timeout)
+
+
+def _config_of(args: argparse.Namespace) -> TrainConfig:
+    """The run's config as the flags give it (not yet validated).
+
+    Args:
+        args: :func:`add_arguments`'s flags, parsed.
+    """
+    return TrainConfig(
         model=args.model,
         data=args.data,
         data_file=args.data_file,
@@ -336,40 +477,28 @@ def run(args: argparse.Namespace) -> int:
         deterministic=args.deterministic,
         replan=args.replan,
     )
-    if args.replan and args.resume is None:
-        raise UsageError("--replan applies with --resume (a new run plans anyway)")
-    config.validate()
-    if args.resume is None and config.optimizer != "kfac":
-        _refuse_kfac_flags(config)
-    nprocs: int = args.default_nprocs if args.nprocs is None else args.nprocs
-    run_dir: str | None = args.out
-    if args.resume is not None:
-        defaults = replace(TrainConfig(), epochs=args.default_epochs)
-        config, world_size = resumed_config(args.resume, config, defaults)
-        if args.nprocs is not None and args.nprocs != world_size:
-            raise UsageError(
-                f"-n {args.nprocs}: {args.resume} was trained by {world_size} rank(s); resume "
-                f"it with as many (drop -n)"
-            )
-        if args.out is not None and Path(args.out).resolve() != Path(args.resume).resolve():
-            raise UsageError("--resume continues RUN_DIR in place; drop --out")
-        nprocs, run_dir = world_size, args.resume
 
-    set_collective_timeout(args.collective_timeout)
-    if in_launched_job():
-        # Started by torchrun or `interlace launch`: this process is one rank already.
-        train_rank(config, run_dir, args.resume is not None)
-        return 0
 
+def _check_before_launch(config: TrainConfig, nprocs: int, link: str | None) -> None:
+    """Check the settings that need the job's size, the link, the model and the data, here,
+    once, so a typo is one line rather than N tracebacks.
+
+    Args:
+        config: the run's config (validated).
+        nprocs: the ranks to start.
+        link: ``--link``, or None.
+
+    Raises:
+        UsageError: naming the setting that does not fit.
+    """
     if nprocs < 1:
         raise UsageError(f"-n must be >= 1, got {nprocs}")
-    if args.link is not None:
-        parse_link(args.link)
+    if link is not None:
+        parse_link(link)
     if config.optimizer == "kfac":
         check_kfac_options(config, nprocs)
     if config.parallel == "pipeline":
         check_pipeline_ranks(config, nprocs)
-    # Check the model and data here, once, so a typo is one line rather than N tracebacks.
     bundle = load_data(
         config.data,
         synthetic_size=config.synthetic_size,
@@ -384,20 +513,6 @@ def run(args: argparse.Namespace) -> int:
     )
     if config.parallel == "pipeline":
         check_stage_count(model, config.stages or nprocs)
-    run_dir = run_dir or str(
-        new_run_dir(
-            config.runs_dir, f"{run_label(config.model)}-{run_label(config.data)}-n{nprocs}"
-        )
-    )
-    result = launch.run(
-        train_rank,
-        nprocs,
-        link=args.link,
-        args=(config, run_dir, args.resume is not None),
-        timeout=args.timeout,
-        collective_timeout=collective_timeout_of(args.collective_timeout),
-    )
-    return report_failure(f"interlace {args.command}", result, args.timeout)
 
 
 def check_stage_count(model: nn.Module, stages: int) -> None:

@@ -22,13 +22,14 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from interlace.comm.cost import CostModel
 from interlace.comm.forward_plan import Overlap, gates_from_timings, plan_overlap
-from interlace.comm.plan import MIB, Bucketing, ReadyTensor, make_plan
+from interlace.comm.plan import MIB, Bucketing, ReadyTensor
+from interlace.comm.planners import make_plan
 from interlace.distenv import DistContext
 from interlace.dp import DataParallel
 from interlace.dp.plan_state import plan_state_of
 from interlace.errors import OptionError, UsageError
 from interlace.kfac import KFAC, KFACPreconditioner
-from interlace.runlog import METRIC_COLUMNS, PERPLEXITY_COLUMNS
+from interlace.runlog import METRIC_COLUMNS, PERPLEXITY_COLUMNS, RunLog
 from interlace.train.checkpoint import Position, rng_state, set_rng_state
 from interlace.train.config import TrainConfig, default_kfac_kl_clip
 from interlace.train.kfac_options import kfac_keywords, kfac_options, shown_as_flags
@@ -36,7 +37,7 @@ from interlace.train.records import RunRecords, finish_run
 from interlace.train.schedule import optimizer_with_schedule, steps_in_epoch
 from interlace.train.shared import TrainResult
 from interlace.wrapping import wrap_model
-from interlace.zoo import build_model, load_data, make_loader, token_cross_entropy
+from interlace.zoo import DataBundle, build_model, load_data, make_loader, token_cross_entropy
 from interlace.zoo.text import TokenWindows, unigram_perplexity
 
 
@@ -51,6 +52,20 @@ def train_data_parallel(
         run_dir: where rank 0 writes its records (made fresh when None).
         resume: continue ``run_dir`` from its latest checkpoint.
     """
+    bundle = _load_matching_data(config)
+    if config.optimizer == "kfac" and config.kfac_kl_clip is None:
+        # Resolved before the run folder is written, so config.json holds the clip that ran.
+        global_batch = config.batch_size * context.world_size
+        config = replace(config, kfac_kl_clip=default_kfac_kl_clip(global_batch))
+    records = RunRecords(config, context, run_dir, resume)
+    job = _DataParallelJob(config, context, bundle, records)
+    job.restore()
+    job.open_log()
+    return job.run()
+
+
+def _load_matching_data(config: TrainConfig) -> DataBundle:
+    """The run's data, checked against ``--input-shape`` and ``--classes`` where given."""
     bundle = load_data(
         config.data,
         synthetic_size=config.synthetic_size,
@@ -58,228 +73,281 @@ def train_data_parallel(
         seq_len=config.seq_len,
         data_file=config.data_file,
     )
-    text = isinstance(bundle.train, TokenWindows) and isinstance(bundle.test, TokenWindows)
     input_shape = bundle.input_shape
-    num_classes = bundle.num_classes
     if config.input_shape is not None and tuple(config.input_shape) != tuple(input_shape):
         raise UsageError(
             f"--input-shape {config.input_shape} does not match the data '{bundle.name}', "
             f"whose samples have shape {input_shape}; drop --input-shape or pick matching data"
         )
-    if config.num_classes is not None and config.num_classes != num_classes:
+    if config.num_classes is not None and config.num_classes != bundle.num_classes:
         raise UsageError(
             f"--classes {config.num_classes} does not match the data '{bundle.name}', "
-            f"which has {num_classes} classes"
+            f"which has {bundle.num_classes} classes"
         )
-    if config.optimizer == "kfac" and config.kfac_kl_clip is None:
-        # Resolved before the run folder is written, so config.json holds the clip that ran.
-        global_batch = config.batch_size * context.world_size
-        config = replace(config, kfac_kl_clip=default_kfac_kl_clip(global_batch))
-    records = RunRecords(config, context, run_dir, resume)
-    resumed, start = records.resumed, records.start
+    return bundle
 
-    torch.manual_seed(config.seed)
-    model = build_model(config.model, input_shape, num_classes).to(context.device)
-    parallel_model = wrap_model(
-        model,
-        config.strategy,
-        device=context.device,
-        bucket_cap_mb=config.bucket_cap_mb,
-        channels=config.channels,
-        compression=config.compression,
-    )
-    train_loader = make_loader(
-        bundle.train,
-        config.batch_size,
-        rank=context.rank,
-        world_size=context.world_size,
-        shuffle=True,
-        seed=config.seed,
-        drop_last=True,
-    )
-    test_loader = _eval_loader(bundle.test, config.batch_size, context)
-    steps_per_epoch = steps_in_epoch(
-        config,
-        len(train_loader),
-        f"the training split of '{bundle.name}' has {len(bundle.train)} samples, fewer than "
-        f"one global batch of {config.batch_size} x {context.world_size} ranks; lower "
-        "--batch-size or -n",
-    )
 
-    optimizer, schedule = optimizer_with_schedule(model.parameters(), config, steps_per_epoch)
-    total_steps = config.epochs * steps_per_epoch
-    precond = (
-        make_kfac(config, parallel_model, optimizer, context.world_size)
-        if config.optimizer == "kfac"
-        else None
-    )
-    if resumed is not None:
-        saved = resumed.state
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        schedule.load_state_dict(saved["schedule"])
-        if precond is not None:
-            precond.load_state_dict(saved["kfac"])
-        # --replan leaves the wrapper unplanned: it profiles, plans and tries plans afresh.
-        plan = saved["plan"]
-        if plan is not None and isinstance(parallel_model, DataParallel) and not config.replan:
-            parallel_model.load_plan_state(plan)
-    elif config.deterministic and isinstance(parallel_model, DataParallel):
-        parallel_model.load_plan_state(fixed_plan_state(parallel_model, config))
+class _DataParallelJob:
+    """One rank's data-parallel run: the model, its wrapper, data, optimizer and records, and
+    the steps of training it (restore, open the log, train and report each epoch, finish).
 
-    log = records.open_log(
-        f"n{context.world_size}",
-        bundle.source,
-        lambda path: (
-            f"training {config.model} on {bundle.name} ({len(bundle.train)} train / "
-            f"{len(bundle.test)} test) with {context.world_size} rank(s) on "
-            f"{context.device.type} ({context.backend}), strategy "
-            f"{config.strategy}, channels {config.channels}, "
-            f"compression {config.compression or 'none'}, "
-            f"global batch {config.batch_size * context.world_size}, run folder {path}"
-        ),
-        (*METRIC_COLUMNS, *PERPLEXITY_COLUMNS) if text else METRIC_COLUMNS,
-    )
-    if log is not None:
-        if config.deterministic and isinstance(parallel_model, DataParallel):
+    Args:
+        config: the run's config (already validated, K-FAC's clip resolved).
+        context: this rank's place in the job.
+        bundle: the run's data.
+        records: the run's records (and the checkpoint it resumes, if any).
+    """
+
+    def __init__(
+        self, config: TrainConfig, context: DistContext, bundle: DataBundle, records: RunRecords
+    ) -> None:
+        self.config, self.context, self.bundle, self.records = config, context, bundle, records
+        self.text = isinstance(bundle.train, TokenWindows) and isinstance(bundle.test, TokenWindows)
+        torch.manual_seed(config.seed)
+        self.model = build_model(config.model, bundle.input_shape, bundle.num_classes).to(
+            context.device
+        )
+        self.parallel_model = wrap_model(
+            self.model,
+            config.strategy,
+            device=context.device,
+            bucket_cap_mb=config.bucket_cap_mb,
+            channels=config.channels,
+            compression=config.compression,
+        )
+        self.train_loader = make_loader(
+            bundle.train,
+            config.batch_size,
+            rank=context.rank,
+            world_size=context.world_size,
+            shuffle=True,
+            seed=config.seed,
+            drop_last=True,
+        )
+        self.test_loader = _eval_loader(bundle.test, config.batch_size, context)
+        self.steps_per_epoch = steps_in_epoch(
+            config,
+            len(self.train_loader),
+            f"the training split of '{bundle.name}' has {len(bundle.train)} samples, fewer "
+            f"than one global batch of {config.batch_size} x {context.world_size} ranks; lower "
+            "--batch-size or -n",
+        )
+        self.optimizer, self.schedule = optimizer_with_schedule(
+            self.model.parameters(), config, self.steps_per_epoch
+        )
+        self.precond = (
+            make_kfac(config, self.parallel_model, self.optimizer, context.world_size)
+            if config.optimizer == "kfac"
+            else None
+        )
+        self.log: RunLog | None = None
+        self.global_step = records.start.global_step
+        self.reported: set[str] = set()  # the one-off plan lines already written
+
+    def restore(self) -> None:
+        """Load the checkpoint resumed, or fix the buckets of a ``--deterministic`` run."""
+        resumed, wrapper = self.records.resumed, self.parallel_model
+        if resumed is not None:
+            saved = resumed.state
+            self.model.load_state_dict(saved["model"])
+            self.optimizer.load_state_dict(saved["optimizer"])
+            self.schedule.load_state_dict(saved["schedule"])
+            if self.precond is not None:
+                self.precond.load_state_dict(saved["kfac"])
+            # --replan leaves the wrapper unplanned: it profiles, plans and tries plans afresh.
+            plan = saved["plan"]
+            if plan is not None and isinstance(wrapper, DataParallel) and not self.config.replan:
+                wrapper.load_plan_state(plan)
+        elif self.config.deterministic and isinstance(wrapper, DataParallel):
+            wrapper.load_plan_state(fixed_plan_state(wrapper, self.config))
+
+    def open_log(self) -> None:
+        """Open rank 0's run log, with the job's header and what it set up."""
+        config, context, bundle = self.config, self.context, self.bundle
+        self.log = self.records.open_log(
+            f"n{context.world_size}",
+            bundle.source,
+            lambda path: (
+                f"training {config.model} on {bundle.name} ({len(bundle.train)} train / "
+                f"{len(bundle.test)} test) with {context.world_size} rank(s) on "
+                f"{context.device.type} ({context.backend}), strategy "
+                f"{config.strategy}, channels {config.channels}, "
+                f"compression {config.compression or 'none'}, "
+                f"global batch {config.batch_size * context.world_size}, run folder {path}"
+            ),
+            (*METRIC_COLUMNS, *PERPLEXITY_COLUMNS) if self.text else METRIC_COLUMNS,
+        )
+        if self.log is None:
+            return
+        if config.deterministic and isinstance(self.parallel_model, DataParallel):
             print(
-                f"deterministic: {len(parallel_model.buckets)} fixed bucket(s), not planned "
+                f"deterministic: {len(self.parallel_model.buckets)} fixed bucket(s), not planned "
                 "from measured times",
                 flush=True,
             )
-        if precond is not None:
-            print(precond.describe().splitlines()[0], flush=True)
-        if resumed is not None and config.replan:
+        if self.precond is not None:
+            print(self.precond.describe().splitlines()[0], flush=True)
+        if self.records.resumed is not None and config.replan:
             print(
                 "replan: the checkpoint's plan is dropped; profiling and planning again", flush=True
             )
 
-    saves = records.saves
+    def save(self, position: Position, loss_sum: torch.Tensor) -> None:
+        """Checkpoint every rank's state at ``position``; collective.
 
-    def save(position: Position, loss_sum: torch.Tensor) -> None:
+        Args:
+            position: where in the data the run is.
+            loss_sum: the epoch's running loss and its count so far.
+        """
+        wrapper = self.parallel_model
         state = {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "schedule": schedule.state_dict(),
-            "kfac": precond.state_dict() if precond is not None else None,
-            "plan": (
-                parallel_model.plan_state() if isinstance(parallel_model, DataParallel) else None
-            ),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "kfac": self.precond.state_dict() if self.precond is not None else None,
+            "plan": wrapper.plan_state() if isinstance(wrapper, DataParallel) else None,
             "loss_sum": loss_sum,
             "rng": rng_state(),
         }
-        records.save(position, state)
+        self.records.save(position, state)
 
-    bar = records.progress_bar(total_steps)
-    global_batch = config.batch_size * context.world_size
-    global_step = start.global_step
-    result_accuracy = 0.0
-    result_loss = math.nan
-    result_test_loss = math.nan
-    throughput = 0.0
-    plan_reported = False
-    tuning_reported = False
-    try:
-        for epoch in range(start.epoch, config.epochs + 1):
-            sampler = train_loader.sampler
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(epoch)
-            parallel_model.train()
-            skip = start.step if epoch == start.epoch else 0
-            loss_sum = torch.zeros(2, dtype=torch.float64, device=context.device)
-            continuing = resumed is not None and epoch == start.epoch
-            if continuing and skip == 0:
-                set_rng_state(resumed.state["rng"])  # type: ignore[union-attr]
-            # Making the iterator draws from torch's generator: a resumed epoch makes it anew,
-            # then takes the generator's state of the moment the checkpoint was saved.
-            batches = iter(skip_batches(train_loader, skip))
-            if continuing and skip > 0:
-                set_rng_state(resumed.state["rng"])  # type: ignore[union-attr]
-                loss_sum.copy_(resumed.state["loss_sum"])  # type: ignore[union-attr]
-            started = time.perf_counter()
-            for step in range(skip, steps_per_epoch):
-                batch_inputs, batch_targets = next(batches)
-                inputs = batch_inputs.to(context.device, non_blocking=True)
-                targets = batch_targets.to(context.device, non_blocking=True)
-                optimizer.zero_grad(set_to_none=True)
-                with _autocast(config, context.device):
-                    loss = token_cross_entropy(parallel_model(inputs), targets)
-                loss.backward()
-                if precond is not None:
-                    precond.step(loss=loss.detach())
-                if config.clip_grad_norm is not None:
-                    # Reads every averaged gradient: under the forward overlap it waits for
-                    # all of them here (docs/training.md).
-                    nn.utils.clip_grad_norm_(model.parameters(), config.clip_grad_norm)
-                optimizer.step()
-                schedule.step()
-                loss_sum[0] += loss.detach().double() * targets.numel()
-                loss_sum[1] += targets.numel()
-                global_step += 1
-                bar.update(1)
-                shown = {"ppl": f"{math.exp(loss.item()):.2f}"} if text else {}
-                bar.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}", **shown, refresh=False)
-                if saves is not None and saves.after_step(global_step):
-                    save(Position(epoch, step + 1, global_step), loss_sum)
-            if context.device.type == "cuda":
-                torch.cuda.synchronize(context.device)
-            epoch_s = time.perf_counter() - started
-            dist.all_reduce(loss_sum)
-            train_loss = float(loss_sum[0] / loss_sum[1])
-            throughput = (steps_per_epoch - skip) * global_batch / epoch_s
-            test_loss, test_accuracy = evaluate(model, test_loader, context)
-            result_accuracy, result_loss = test_accuracy, train_loss
-            result_test_loss = test_loss
-            if log is not None:
+    def run(self) -> TrainResult:
+        """Train every epoch left, reporting and saving after each; the run's result."""
+        config, start = self.config, self.records.start
+        bar = self.records.progress_bar(config.epochs * self.steps_per_epoch)
+        accuracy, train_loss, test_loss, throughput = 0.0, math.nan, math.nan, 0.0
+        try:
+            for epoch in range(start.epoch, config.epochs + 1):
+                train_loss, throughput, epoch_s, loss_sum = self._train_epoch(epoch, bar)
+                test_loss, accuracy = evaluate(self.model, self.test_loader, self.context)
                 row = {
                     "epoch": epoch,
                     "train_loss": train_loss,
                     "test_loss": test_loss,
-                    "test_accuracy": test_accuracy,
+                    "test_accuracy": accuracy,
                     "samples_per_s": throughput,
                     "epoch_s": epoch_s,
-                    "lr": optimizer.param_groups[0]["lr"],
+                    "lr": self.optimizer.param_groups[0]["lr"],
                 }
-                if text:
-                    row.update(
-                        train_perplexity=math.exp(train_loss), test_perplexity=math.exp(test_loss)
-                    )
-                log.append(row)
-                choice = getattr(parallel_model, "channel_choice", "")
-                if choice and not plan_reported:
-                    bar.write(f"communication plan: {choice}", file=sys.stdout)
-                    plan_reported = True
-                tuning = getattr(parallel_model, "tuning_summary", "")
-                if tuning and not tuning_reported:
-                    bar.write(f"communication plan {tuning}", file=sys.stdout)
-                    tuning_reported = True
-                bar.write(_epoch_line(row, config.epochs, text), file=sys.stdout)
-                sys.stdout.flush()
-            if saves is not None and (saves.after_epoch(epoch) or epoch == config.epochs):
-                save(Position(epoch + 1, 0, global_step), torch.zeros_like(loss_sum))
-    finally:
-        bar.close()
-    if log is not None and not getattr(parallel_model, "planning_done", True):
-        print(
-            "communication plan: still on trial when training ended (DataParallel tries its "
-            "candidate plans for real before keeping one; a longer run, or tune_steps=0, ends "
-            "them sooner)",
-            flush=True,
-        )
+                self._report(row, bar)
+                saves = self.records.saves
+                if saves is not None and (saves.after_epoch(epoch) or epoch == config.epochs):
+                    self.save(Position(epoch + 1, 0, self.global_step), torch.zeros_like(loss_sum))
+        finally:
+            bar.close()
+        return self._finish(accuracy, train_loss, test_loss, throughput)
 
-    perplexities = None
-    if isinstance(bundle.train, TokenWindows) and isinstance(bundle.test, TokenWindows):
-        unigram = unigram_perplexity(bundle.train.tokens, bundle.test.targets())
-        perplexities = (math.exp(result_test_loss), unigram)
-    return finish_run(
-        log,
-        f"{config.model} on {bundle.name}, {context.world_size} rank(s)",
-        accuracy=result_accuracy,
-        train_loss=result_loss,
-        samples_per_s=throughput,
-        epochs=config.epochs,
-        perplexities=perplexities,
-    )
+    def _epoch_batches(self, epoch: int) -> tuple[Iterator[Any], int, torch.Tensor]:
+        """The epoch's batches (past those a resumed run did), how many are skipped, and the
+        epoch's running loss and count (a resumed epoch's so far)."""
+        resumed, start = self.records.resumed, self.records.start
+        sampler = self.train_loader.sampler
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        skip = start.step if epoch == start.epoch else 0
+        loss_sum = torch.zeros(2, dtype=torch.float64, device=self.context.device)
+        continuing = resumed is not None and epoch == start.epoch
+        if continuing and skip == 0:
+            set_rng_state(resumed.state["rng"])  # type: ignore[union-attr]
+        # Making the iterator draws from torch's generator: a resumed epoch makes it anew,
+        # then takes the generator's state of the moment the checkpoint was saved.
+        batches = iter(skip_batches(self.train_loader, skip))
+        if continuing and skip > 0:
+            set_rng_state(resumed.state["rng"])  # type: ignore[union-attr]
+            loss_sum.copy_(resumed.state["loss_sum"])  # type: ignore[union-attr]
+        return batches, skip, loss_sum
+
+    def _train_epoch(self, epoch: int, bar: Any) -> tuple[float, float, float, torch.Tensor]:
+        """One epoch's steps; its mean training loss over the ranks, samples per second, wall
+        time, and the loss sum (for the shape of the next checkpoint's)."""
+        config, device = self.config, self.context.device
+        self.parallel_model.train()
+        batches, skip, loss_sum = self._epoch_batches(epoch)
+        saves = self.records.saves
+        started = time.perf_counter()
+        for step in range(skip, self.steps_per_epoch):
+            batch_inputs, batch_targets = next(batches)
+            targets = batch_targets.to(device, non_blocking=True)
+            loss = self._step(batch_inputs.to(device, non_blocking=True), targets)
+            loss_sum[0] += loss.double() * targets.numel()
+            loss_sum[1] += targets.numel()
+            self.global_step += 1
+            bar.update(1)
+            shown = {"ppl": f"{math.exp(loss.item()):.2f}"} if self.text else {}
+            bar.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}", **shown, refresh=False)
+            if saves is not None and saves.after_step(self.global_step):
+                self.save(Position(epoch, step + 1, self.global_step), loss_sum)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        epoch_s = time.perf_counter() - started
+        dist.all_reduce(loss_sum)
+        global_batch = config.batch_size * self.context.world_size
+        throughput = (self.steps_per_epoch - skip) * global_batch / epoch_s
+        return float(loss_sum[0] / loss_sum[1]), throughput, epoch_s, loss_sum
+
+    def _step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One optimizer step on a batch; its loss, detached."""
+        config = self.config
+        self.optimizer.zero_grad(set_to_none=True)
+        with _autocast(config, self.context.device):
+            loss = token_cross_entropy(self.parallel_model(inputs), targets)
+        loss.backward()
+        if self.precond is not None:
+            self.precond.step(loss=loss.detach())
+        if config.clip_grad_norm is not None:
+            # Reads every averaged gradient: under the forward overlap it waits for
+            # all of them here (docs/training.md).
+            nn.utils.clip_grad_norm_(self.model.parameters(), config.clip_grad_norm)
+        self.optimizer.step()
+        self.schedule.step()
+        return loss.detach()
+
+    def _report(self, row: dict[str, float], bar: Any) -> None:
+        """Rank 0: the epoch's row in the run log and on screen, and the plan once chosen."""
+        if self.log is None:
+            return
+        if self.text:
+            row.update(
+                train_perplexity=math.exp(row["train_loss"]),
+                test_perplexity=math.exp(row["test_loss"]),
+            )
+        self.log.append(row)
+        for attribute, prefix in (
+            ("channel_choice", "communication plan: "),
+            ("tuning_summary", "communication plan "),
+        ):
+            said = getattr(self.parallel_model, attribute, "")
+            if said and attribute not in self.reported:
+                bar.write(prefix + said, file=sys.stdout)
+                self.reported.add(attribute)
+        bar.write(_epoch_line(row, self.config.epochs, self.text), file=sys.stdout)
+        sys.stdout.flush()
+
+    def _finish(
+        self, accuracy: float, train_loss: float, test_loss: float, throughput: float
+    ) -> TrainResult:
+        """End the run: say if the plan is still on trial, close the log, report the result."""
+        if self.log is not None and not getattr(self.parallel_model, "planning_done", True):
+            print(
+                "communication plan: still on trial when training ended (DataParallel tries its "
+                "candidate plans for real before keeping one; a longer run, or tune_steps=0, ends "
+                "them sooner)",
+                flush=True,
+            )
+        bundle = self.bundle
+        perplexities = None
+        if isinstance(bundle.train, TokenWindows) and isinstance(bundle.test, TokenWindows):
+            unigram = unigram_perplexity(bundle.train.tokens, bundle.test.targets())
+            perplexities = (math.exp(test_loss), unigram)
+        return finish_run(
+            self.log,
+            f"{self.config.model} on {bundle.name}, {self.context.world_size} rank(s)",
+            accuracy=accuracy,
+            train_loss=train_loss,
+            samples_per_s=throughput,
+            epochs=self.config.epochs,
+            perplexities=perplexities,
+        )
 
 
 def _autocast(config: TrainConfig, device: torch.device) -> torch.autocast:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn import functional
 
 from interlace.comm.strategies import STRATEGIES
@@ -22,15 +23,17 @@ from interlace.errors import UsageError
 from interlace.pipeline.layout import PipelineLayout
 from interlace.pipeline.partition import StagePlan, pipeline_blocks, stage_module
 from interlace.pipeline.replication import ReplicaGroups, StageDataParallel, replicated
+from interlace.pipeline.results import EvalResult
 from interlace.pipeline.runtime import PipelineStage
 from interlace.pipeline.schedule import SYNCHRONOUS
 from interlace.pipeline.stages import LocalStage, local_stage
-from interlace.train.checkpoint import Position, rng_state, set_rng_state
+from interlace.runlog import RunLog
+from interlace.train.checkpoint import SAME_AS, Position, rng_state, set_rng_state
 from interlace.train.config import TrainConfig
 from interlace.train.records import RunRecords, finish_run
 from interlace.train.schedule import optimizer_with_schedule, steps_in_epoch
 from interlace.train.shared import TrainResult
-from interlace.zoo import build_model, load_data, make_loader
+from interlace.zoo import DataBundle, build_model, load_data, make_loader
 
 Batch = tuple[Tensor, Tensor]
 
@@ -59,152 +62,231 @@ def train_pipeline(
     bundle = load_data(config.data, synthetic_size=config.synthetic_size, seed=config.seed)
     check_pipeline_ranks(config, context.world_size)
     groups = replicated(config.stages or context.world_size)
-    layout = groups.layout
     records = RunRecords(config, context, run_dir, resume)
-    resumed, start = records.resumed, records.start
-    torch.manual_seed(config.seed)
-    model = build_model(config.model, bundle.input_shape, bundle.num_classes)
-    train_loader = make_loader(
-        bundle.train, config.batch_size, shuffle=True, seed=config.seed, drop_last=True
-    )
-    test_loader = make_loader(bundle.test, max(config.batch_size, 64), shuffle=False)
-    if resumed is not None:
-        # The stages as first cut: measuring again could cut elsewhere, and the saved
-        # weights fit only their own stage.
-        plan = StagePlan(**resumed.state["partition"])
-        local = LocalStage(
-            stage_module(pipeline_blocks(model), plan, groups.stage),
-            plan,
-            groups.stage,
-            layout.stages,
+    job = _PipelineJob(config, context, bundle, groups, records)
+    try:
+        job.restore()
+        job.open_log()
+        accuracy, train_loss, throughput = job.train()
+    finally:
+        job.bar.close()
+        job.stage.close()
+    return job.finish(accuracy, train_loss, throughput)
+
+
+class _PipelineJob:
+    """One rank's pipelined run: its stage (cut, built, restored), data and records, and the
+    steps of training it (open the log, train and report each epoch, save, finish).
+
+    Args:
+        config: the run's config (already validated).
+        context: this rank's place in the job.
+        bundle: the run's data.
+        groups: this rank's place among the stages and replicas, and their process groups.
+        records: the run's records (and the checkpoint it resumes, if any).
+    """
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        context: DistContext,
+        bundle: DataBundle,
+        groups: ReplicaGroups,
+        records: RunRecords,
+    ) -> None:
+        self.config, self.context, self.bundle = config, context, bundle
+        self.groups, self.layout, self.records = groups, groups.layout, records
+        torch.manual_seed(config.seed)
+        model = build_model(config.model, bundle.input_shape, bundle.num_classes)
+        self.train_loader = make_loader(
+            bundle.train, config.batch_size, shuffle=True, seed=config.seed, drop_last=True
         )
-    else:
+        self.test_loader = make_loader(bundle.test, max(config.batch_size, 64), shuffle=False)
+        self.local = self._cut(model)
+        module = self.local.module.to(context.device)
+        self.steps_per_epoch = steps_in_epoch(
+            config,
+            len(self.train_loader),
+            f"the training split of '{bundle.name}' has {len(bundle.train)} samples, fewer "
+            f"than one mini-batch of {config.batch_size}; lower --batch-size",
+        )
+        self.optimizer, self.schedule = optimizer_with_schedule(
+            module.parameters(), config, self.steps_per_epoch
+        )
+        self.bar = records.progress_bar(config.epochs * self.steps_per_epoch)
+        self.stage = self._build_stage(module)
+        self.log: RunLog | None = None
+
+    def _cut(self, model: nn.Module) -> LocalStage:
+        """This rank's stage of ``model``: as the resumed run cut it, or cut by rank 0's plan."""
+        groups, layout, config = self.groups, self.layout, self.config
+        resumed = self.records.resumed
+        if resumed is not None:
+            # The stages as first cut: measuring again could cut elsewhere, and the saved
+            # weights fit only their own stage.
+            plan = StagePlan(**resumed.state["partition"])
+            return LocalStage(
+                stage_module(pipeline_blocks(model), plan, groups.stage),
+                plan,
+                groups.stage,
+                layout.stages,
+            )
         shard = config.batch_size // layout.replicas
-        sample = next(iter(train_loader))[0][: max(1, shard // config.microbatches)]
+        sample = next(iter(self.train_loader))[0][: max(1, shard // config.microbatches)]
         # Every rank cuts by rank 0's plan, so the replicas of a stage hold the same blocks.
-        local = local_stage(
+        return local_stage(
             model,
             num_stages=layout.stages,
             stage=groups.stage,
             by=config.partition_by,
             sample=sample,
         )
-    module = local.module.to(context.device)
-    steps_per_epoch = steps_in_epoch(
-        config,
-        len(train_loader),
-        f"the training split of '{bundle.name}' has {len(bundle.train)} samples, fewer "
-        f"than one mini-batch of {config.batch_size}; lower --batch-size",
-    )
-    optimizer, schedule = optimizer_with_schedule(module.parameters(), config, steps_per_epoch)
-    total_steps = config.epochs * steps_per_epoch
-    bar = records.progress_bar(total_steps)
 
-    def after_update() -> None:
-        schedule.step()
-        bar.update(1)
+    def _build_stage(self, module: nn.Module) -> PipelineStage:
+        """The stage's runtime (collective over the job), stepping the schedule and the bar."""
+        config, groups = self.config, self.groups
 
-    stage = PipelineStage(
-        module,
-        optimizer,
-        stage=groups.stage,
-        num_stages=layout.stages,
-        schedule=config.schedule,
-        loss_fn=functional.cross_entropy,
-        microbatches=config.microbatches,
-        device=context.device,
-        on_update=after_update,
-        spectrain_backward=config.spectrain_backward,
-        chunks=config.chunks,
-        ranks=groups.ranks,
-        group=groups.pipeline,
-        data_parallel=_stage_data_parallel(config, groups),
-    )
-    if resumed is not None:
-        stage.load_state_dict(resumed.state["stage"])
-        schedule.load_state_dict(resumed.state["schedule"])
-        set_rng_state(resumed.state["rng"])
-    pieces = (
-        f" in {config.microbatches} micro-batches"
-        if config.schedule in SYNCHRONOUS
-        else (f" in {config.chunks} chunks" if config.chunks > 1 else "")
-    )
-    replicas = f" x {layout.replicas} replicas" if layout.replicas > 1 else ""
-    log = records.open_log(
-        f"pipe{layout.stages}" + (f"x{layout.replicas}" if layout.replicas > 1 else ""),
-        bundle.source,
-        lambda path: (
-            f"training {config.model} on {bundle.name} pipelined over {layout.stages} "
-            f"stage(s){replicas}, schedule {config.schedule}, mini-batch {config.batch_size}"
-            f"{pieces}, run folder {path}"
-        ),
-    )
-    if log is not None:
-        print(layout.describe(), flush=True)
-        print(local.plan.describe(), flush=True)
+        def after_update() -> None:
+            self.schedule.step()
+            self.bar.update(1)
 
-    saves = records.saves
-    partition = {"bounds": local.plan.bounds, "costs": local.plan.costs, "by": local.plan.by}
+        return PipelineStage(
+            module,
+            self.optimizer,
+            stage=groups.stage,
+            num_stages=self.layout.stages,
+            schedule=config.schedule,
+            loss_fn=functional.cross_entropy,
+            microbatches=config.microbatches,
+            device=self.context.device,
+            on_update=after_update,
+            spectrain_backward=config.spectrain_backward,
+            chunks=config.chunks,
+            ranks=groups.ranks,
+            group=groups.pipeline,
+            data_parallel=_stage_data_parallel(config, groups),
+        )
 
-    accuracy, train_loss, throughput = 0.0, math.nan, 0.0
-    last = groups.ranks[-1]
-    shards = _replica_shards(groups, config.batch_size)
-    try:
-        for epoch in range(start.epoch, config.epochs + 1):
-            sampler = train_loader.sampler
+    def restore(self) -> None:
+        """Load the checkpoint resumed into the stage, the schedule and the generators."""
+        resumed = self.records.resumed
+        if resumed is not None:
+            self.stage.load_state_dict(resumed.state["stage"])
+            self.schedule.load_state_dict(resumed.state["schedule"])
+            set_rng_state(resumed.state["rng"])
+
+    @property
+    def _replicas(self) -> str:
+        return f" x {self.layout.replicas} replicas" if self.layout.replicas > 1 else ""
+
+    def open_log(self) -> None:
+        """Open rank 0's run log with the job's header, and print the layout and the cut."""
+        config, layout, bundle = self.config, self.layout, self.bundle
+        pieces = (
+            f" in {config.microbatches} micro-batches"
+            if config.schedule in SYNCHRONOUS
+            else (f" in {config.chunks} chunks" if config.chunks > 1 else "")
+        )
+        self.log = self.records.open_log(
+            f"pipe{layout.stages}" + (f"x{layout.replicas}" if layout.replicas > 1 else ""),
+            bundle.source,
+            lambda path: (
+                f"training {config.model} on {bundle.name} pipelined over {layout.stages} "
+                f"stage(s){self._replicas}, schedule {config.schedule}, mini-batch "
+                f"{config.batch_size}{pieces}, run folder {path}"
+            ),
+        )
+        if self.log is not None:
+            print(layout.describe(), flush=True)
+            print(self.local.plan.describe(), flush=True)
+
+    def train(self) -> tuple[float, float, float]:
+        """Train every epoch left, reporting and saving after each; the last epoch's test
+        accuracy, training loss and samples per second."""
+        config, saves = self.config, self.records.saves
+        accuracy, train_loss, throughput = 0.0, math.nan, 0.0
+        shards = _replica_shards(self.groups, config.batch_size)
+        for epoch in range(self.records.start.epoch, config.epochs + 1):
+            sampler = self.train_loader.sampler
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
-            result = stage.run(shards(train_loader), steps_per_epoch)
-            test = stage.evaluate(test_loader, len(test_loader))
+            result = self.stage.run(shards(self.train_loader), self.steps_per_epoch)
+            test = self.stage.evaluate(self.test_loader, len(self.test_loader))
             # The last stage saw the losses; every rank gets the epoch's mean and wall time.
             stats = torch.tensor(
                 [sum(result.losses) / max(len(result.losses), 1), result.seconds],
                 dtype=torch.float64,
                 device=collective_device(),
             )
-            dist.broadcast(stats, last, group=groups.pipeline)
+            dist.broadcast(stats, self.groups.ranks[-1], group=self.groups.pipeline)
             train_loss = float(stats[0])
-            throughput = steps_per_epoch * config.batch_size / float(stats[1])
+            throughput = self.steps_per_epoch * config.batch_size / float(stats[1])
             accuracy = test.accuracy
-            if log is not None:
-                log.append(
-                    {
-                        "epoch": epoch,
-                        "train_loss": train_loss,
-                        "test_loss": test.mean_loss,
-                        "test_accuracy": accuracy,
-                        "samples_per_s": throughput,
-                        "epoch_s": float(stats[1]),
-                        "lr": optimizer.param_groups[0]["lr"],
-                    }
-                )
-                bar.write(
-                    f"epoch {epoch:3d}/{config.epochs}  train loss {train_loss:.4f}  "
-                    f"test loss {test.mean_loss:.4f}  test acc {100 * accuracy:6.2f}%  "
-                    f"{throughput:8.1f} samples/s",
-                    file=sys.stdout,
-                )
-                sys.stdout.flush()
+            self._report(epoch, train_loss, test, throughput, float(stats[1]))
             if saves is not None and (saves.after_epoch(epoch) or epoch == config.epochs):
-                state = {
-                    "stage": stage.state_dict(),
-                    "schedule": schedule.state_dict(),
-                    "partition": partition,
-                    "rng": rng_state(),
-                }
-                position = Position(epoch + 1, 0, epoch * steps_per_epoch)
-                records.save(position, state)
-    finally:
-        bar.close()
-        stage.close()
-    return finish_run(
-        log,
-        f"{config.model} on {bundle.name}, {config.schedule} over {layout.stages} stages{replicas}",
-        accuracy=accuracy,
-        train_loss=train_loss,
-        samples_per_s=throughput,
-        epochs=config.epochs,
-    )
+                self._save(epoch)
+        return accuracy, train_loss, throughput
+
+    def finish(self, accuracy: float, train_loss: float, throughput: float) -> TrainResult:
+        """Close rank 0's run log; the run's result on every rank.
+
+        Args:
+            accuracy: the last epoch's test accuracy.
+            train_loss: its mean training loss.
+            throughput: its samples per second.
+        """
+        config = self.config
+        return finish_run(
+            self.log,
+            f"{config.model} on {self.bundle.name}, {config.schedule} over "
+            f"{self.layout.stages} stages{self._replicas}",
+            accuracy=accuracy,
+            train_loss=train_loss,
+            samples_per_s=throughput,
+            epochs=config.epochs,
+        )
+
+    def _report(
+        self, epoch: int, train_loss: float, test: EvalResult, throughput: float, epoch_s: float
+    ) -> None:
+        """Rank 0: the epoch's row in the run log and on screen."""
+        if self.log is None:
+            return
+        self.log.append(
+            {
+                "epoch": epoch,
+                "train_loss": train_loss,
+                "test_loss": test.mean_loss,
+                "test_accuracy": test.accuracy,
+                "samples_per_s": throughput,
+                "epoch_s": epoch_s,
+                "lr": self.optimizer.param_groups[0]["lr"],
+            }
+        )
+        self.bar.write(
+            f"epoch {epoch:3d}/{self.config.epochs}  train loss {train_loss:.4f}  "
+            f"test loss {test.mean_loss:.4f}  test acc {100 * test.accuracy:6.2f}%  "
+            f"{throughput:8.1f} samples/s",
+            file=sys.stdout,
+        )
+        sys.stdout.flush()
+
+    def _save(self, epoch: int) -> None:
+        """Checkpoint the job after ``epoch``; collective."""
+        state: dict[str, Any] = {"rng": rng_state()}
+        if self.groups.replica == 0:
+            plan = self.local.plan
+            state.update(
+                stage=self.stage.state_dict(),
+                schedule=self.schedule.state_dict(),
+                partition={"bounds": plan.bounds, "costs": plan.costs, "by": plan.by},
+            )
+        else:
+            # The replicas of a stage hold the same weights, optimizer and buffers:
+            # replica 0 saves them once, and every replica resumes from its copy.
+            state[SAME_AS] = self.layout.rank_of(self.groups.stage, 0)
+        position = Position(epoch + 1, 0, epoch * self.steps_per_epoch)
+        self.records.save(position, state)
 
 
 def _stage_data_parallel(config: TrainConfig, groups: ReplicaGroups) -> StageDataParallel | None:
