@@ -140,6 +140,8 @@ class _PipelineJob:
             stage=groups.stage,
             by=config.partition_by,
             sample=sample,
+            data_parallel=groups.data_parallel,
+            batch=shard,
         )
 
     def _build_stage(self, module: nn.Module) -> PipelineStage:
