@@ -113,9 +113,9 @@ class MeasureJob(RankJob):
             probes as a block of their own, the bytes probe in the reference slot.
         clip_grad_norm: Every strategy clips its gradients to this total norm before its step
             (None: no clipping).
-        probe_stream: Also time, in every round's reference slot, one all-reduce per gradient
-            tensor (each of its size, in backward's order) issued back to back: the stream
-            per-tensor WFBP issues, without the compute.
+        probe_stream: Also time, in every round's reference slot, a plain iteration whose
+            backward's hooks issue one all-reduce per gradient tensor, each of its size: the
+            stream per-tensor WFBP issues, as it issues it.
     """
 
     strategies: tuple[str, ...]
@@ -188,8 +188,9 @@ class Measurement:
     #: Seconds of an all-reduce of one float (the rate-independent start-up), per round's
     #: reference iteration; empty when not measured.
     latency_s: list[float] = field(default_factory=list)
-    #: Seconds of the gradient stream (:attr:`MeasureJob.probe_stream`), per round's reference
-    #: iteration; empty when not measured.
+    #: Seconds from backward's start to the end of the gradient stream
+    #: (:attr:`MeasureJob.probe_stream`), per round's reference iteration; empty when not
+    #: measured.
     stream_s: list[float] = field(default_factory=list)
     #: :meth:`Compute.label` of what the ranks computed on, and its dilation: every time above is
     #: as measured, on the dilated clock.
@@ -303,15 +304,35 @@ def _allreduce_sample(flat: Any) -> float:
     return time.perf_counter() - start
 
 
-def _stream_sample(tensors: list[Any]) -> float:
-    """Seconds from a barrier to the end of one all-reduce per tensor, issued back to back."""
-    dist.barrier()
-    start = time.perf_counter()
-    handles = [dist.all_reduce(tensor, async_op=True) for tensor in tensors]
-    for handle in handles:
+def _stream_sample(
+    model: Any, optimizer: Any, inputs: Any, targets: Any, stream: dict[int, Any]
+) -> float:
+    """One plain iteration whose backward's hooks each issue an all-reduce of a tensor of their
+    parameter's size (``stream``, by the parameter's id), as per-tensor WFBP issues them:
+    seconds from backward's start to the end of the last all-reduce."""
+    issued: list[Any] = []
+
+    def hook(param: Any) -> None:
+        handle = dist.all_reduce(stream[id(param)], async_op=True)
         if handle is not None:
+            issued.append(handle)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    hooks = [param.register_post_accumulate_grad_hook(hook) for param in params]
+    try:
+        dist.barrier()
+        optimizer.zero_grad()
+        loss = functional.cross_entropy(model(inputs), targets)
+        start = time.perf_counter()
+        loss.backward()
+        for handle in issued:
             handle.wait()
-    return time.perf_counter() - start
+        done = time.perf_counter() - start
+    finally:
+        for handle in hooks:
+            handle.remove()
+    optimizer.step()
+    return done
 
 
 def _flat_gradients(model: Any) -> Any:
@@ -435,9 +456,9 @@ def measure_rank(job: MeasureJob) -> Measurement:
     tiny = torch.zeros(1)
     # Backward produces the gradients last layer first.
     stream = (
-        [torch.zeros_like(p) for p in reversed(list(plain.parameters())) if p.requires_grad]
+        {id(p): torch.zeros_like(p) for p in plain.parameters() if p.requires_grad}
         if job.probe_stream
-        else []
+        else {}
     )
 
     counter = 0
@@ -487,7 +508,9 @@ def measure_rank(job: MeasureJob) -> Measurement:
                     allreduces.append(_allreduce_sample(flat))
                     latencies.append(_allreduce_sample(tiny))
                     if stream:
-                        streams.append(_stream_sample(stream))
+                        streams.append(
+                            _stream_sample(plain, plain_optimizer, *next_batch(), stream)
+                        )
                     if not contended:
                         continue
                     iteration_s, overlapped_backward_s, overlapped_done_s = _overlapped_sample(

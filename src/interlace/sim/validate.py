@@ -296,13 +296,14 @@ def rows_from_sample(
 
 
 def stream_startup(timing: CostModel, streams: Sequence[float], measurement: Any) -> float:
-    """The start-up a stream of the job's own all-reduces paid in the strategies' rounds: the
-    median stream (one all-reduce per gradient tensor, issued back to back) less its bytes at
-    ``timing``'s per-byte cost, per all-reduce (at least 0).
+    """The start-up the job's own all-reduces paid in the strategies' rounds, issued from a
+    plain backward's hooks as per-tensor WFBP issues them: the median time from backward's
+    start to the stream's end, less the stream's bytes at ``timing``'s per-byte cost, per
+    all-reduce (at least 0).
 
-    The streamed fit's start-up is taken once, before the rounds, on 16 all-reduces of a few
-    sizes; what a small all-reduce costs here moves with the load on the shared cores, and
-    per-tensor WFBP is a hundred of them.
+    The streamed fit's start-up is taken once, before the rounds, from 16 all-reduces issued
+    at once; what an all-reduce issued from backward costs here moves with the load on the
+    shared cores and with backward's company, and per-tensor WFBP is a hundred of them.
 
     Args:
         timing: The streamed cost model (its per-byte cost is kept).
@@ -310,7 +311,7 @@ def stream_startup(timing: CostModel, streams: Sequence[float], measurement: Any
         measurement: The launch's measurement (its ``tensors`` and ``gradient_bytes``).
     """
     count = max(int(measurement.tensors), 1)
-    bytes_s = timing.b * measurement.gradient_bytes
+    bytes_s = timing.b * float(measurement.gradient_bytes)
     return max((statistics.median(streams) - bytes_s) / count, 0.0)
 
 
