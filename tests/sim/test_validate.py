@@ -16,9 +16,9 @@ from interlace.sim.validate import (
     ValidateSample,
     ValidationRow,
     plot_validation,
+    rounds_cost,
     rows_from_sample,
     run_slice_bytes,
-    stream_startup,
 )
 
 
@@ -95,6 +95,7 @@ def _sample(
         overlapped_s=[],
         contention=None,
         tensors=3,
+        latency_s=[1 * MS],
         stream_s=streams or [],
     )
     return ValidateSample(
@@ -131,16 +132,24 @@ def test_the_run_s_slice_size_is_read_back_from_its_slices() -> None:
     assert run_slice_bytes(trace, [["t0"], ["t9"]], [1, 2]) is None
 
 
-def test_the_start_up_is_what_the_rounds_stream_of_the_job_s_all_reduces_paid() -> None:
-    # Streams of the three tensors' all-reduces took 9, 10 and 30 ms: the median 10 ms less
-    # 3 MB at 1 ms/MB is 7 ms for three start-ups.
+def test_the_replay_s_cost_is_what_the_strategies_rounds_measured() -> None:
+    # The all-reduce of all 3 MB alone took 4 ms and one float 1 ms: 1 ms/MB. Streams of the
+    # three tensors' all-reduces took 9, 30 and 10 ms: the median 10 ms less 3 ms of bytes is
+    # 7 ms for three start-ups.
     sample = _sample(0.0, 0.0, streams=[9 * MS, 30 * MS, 10 * MS])
-    assert stream_startup(sample.stream_cost, [9 * MS, 30 * MS, 10 * MS], sample.measurement) == (
-        pytest.approx(7 / 3 * MS)
-    )
+    cost = rounds_cost(sample.stream_cost, sample.measurement)
+    assert (cost.a, cost.b) == (pytest.approx(7 / 3 * MS), pytest.approx(1e-9))
     (row,) = rows_from_sample(sample, "link", ["single"])
-    assert row.stream_a == pytest.approx(7 / 3 * MS)
+    assert (row.stream_a, row.stream_b) == (pytest.approx(7 / 3 * MS), pytest.approx(1e-9))
     # forward 2 + backward 3 + one 3 MB all-reduce (7/3 + 3) + step 1.
     assert row.predicted_s == pytest.approx((9 + 7 / 3) * MS)
-    # A stream faster than its bytes leaves no start-up, never a negative one.
-    assert stream_startup(sample.stream_cost, [1 * MS], sample.measurement) == 0.0
+    # A slower lone all-reduce (7 ms: 2 ms/MB) leaves (10 - 6) / 3 ms per start-up.
+    slower = SimpleNamespace(**{**vars(sample.measurement), "allreduce_s": [7 * MS]})
+    cost = rounds_cost(sample.stream_cost, slower)
+    assert (cost.a, cost.b) == (pytest.approx(4 / 3 * MS), pytest.approx(2e-9))
+    # A stream faster than its bytes leaves no start-up, never a negative one; without the
+    # rounds' probes the fitted model stands.
+    faster = SimpleNamespace(**{**vars(sample.measurement), "stream_s": [1 * MS]})
+    assert rounds_cost(sample.stream_cost, faster).a == 0.0
+    bare = SimpleNamespace(**{**vars(sample.measurement), "latency_s": [], "stream_s": []})
+    assert rounds_cost(sample.stream_cost, bare) == sample.stream_cost

@@ -237,9 +237,8 @@ def rows_from_sample(
         overlap = fit_startup_overlap(measurement.contention, trace, timing, contention)
         if overlap is not None:
             contention = replace(contention, startup_overlap=overlap)
-    streams = getattr(measurement, "stream_s", None)
-    if calibration is None and streams:
-        timing = CostModel(stream_startup(timing, streams, measurement), timing.b)
+    if calibration is None and getattr(measurement, "stream_s", None):
+        timing = rounds_cost(timing, measurement)
     probe_medians = measurement.contention.medians() if measurement.contention is not None else {}
     measured = {s.strategy: s for s in measurement.strategies}
     rows = []
@@ -295,24 +294,33 @@ def rows_from_sample(
     return rows
 
 
-def stream_startup(timing: CostModel, streams: Sequence[float], measurement: Any) -> float:
-    """The start-up the job's own all-reduces paid in the strategies' rounds, issued from a
-    plain backward's hooks as per-tensor WFBP issues them: the median time from backward's
-    start to the stream's end, less the stream's bytes at ``timing``'s per-byte cost, per
-    all-reduce (at least 0).
+def rounds_cost(timing: CostModel, measurement: Any) -> CostModel:
+    """The replay's all-reduce cost from what the strategies' own rounds measured (on emulated
+    compute, where nothing else is calibrated).
 
-    The streamed fit's start-up is taken once, before the rounds, from 16 all-reduces issued
-    at once; what an all-reduce issued from backward costs here moves with the load on the
-    shared cores and with backward's company, and per-tensor WFBP is a hundred of them.
+    Per byte: the all-reduce of all gradients alone, less the one-float all-reduce, both timed
+    in every round's reference slot. At fast links gloo's reductions and copies on the shared
+    cores set that pace, so it moves with the load, and the replay runs a bucket's all-reduce
+    alone. Start-up: the job's own all-reduces issued from a plain backward's hooks, as
+    per-tensor WFBP issues them (``stream_s``, from backward's start to the last one's end),
+    less their bytes, per all-reduce. ``timing``'s terms stand where a probe is missing.
 
     Args:
-        timing: The streamed cost model (its per-byte cost is kept).
-        streams: Seconds of each round's stream.
-        measurement: The launch's measurement (its ``tensors`` and ``gradient_bytes``).
+        timing: The streamed cost model fitted before the rounds.
+        measurement: The launch's measurement (``allreduce_s``, ``latency_s``, ``stream_s``,
+            ``tensors`` and ``gradient_bytes``).
     """
-    count = max(int(measurement.tensors), 1)
-    bytes_s = timing.b * float(measurement.gradient_bytes)
-    return max((statistics.median(streams) - bytes_s) / count, 0.0)
+    nbytes = float(measurement.gradient_bytes)
+    per_byte = timing.b
+    alone, latency = measurement.allreduce_s, getattr(measurement, "latency_s", None)
+    if alone and latency and nbytes > 0:
+        per_byte = max((statistics.median(alone) - statistics.median(latency)) / nbytes, 0.0)
+    start_up = timing.a
+    streams = getattr(measurement, "stream_s", None)
+    if streams:
+        count = max(int(measurement.tensors), 1)
+        start_up = max((statistics.median(streams) - per_byte * nbytes) / count, 0.0)
+    return CostModel(start_up, per_byte)
 
 
 def run_slice_bytes(
