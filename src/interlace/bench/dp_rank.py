@@ -31,7 +31,7 @@ from interlace.bench.harness import (
     train_step,
     undilated,
 )
-from interlace.bench.probes import ContentionProbe
+from interlace.bench.probes import ContentionProbe, hooked_stream_sample
 from interlace.comm.strategies import STRATEGIES
 from interlace.emulate.model import EmulatedModel
 from interlace.wrapping import wrap_model
@@ -304,37 +304,6 @@ def _allreduce_sample(flat: Any) -> float:
     return time.perf_counter() - start
 
 
-def _stream_sample(
-    model: Any, optimizer: Any, inputs: Any, targets: Any, stream: dict[int, Any]
-) -> float:
-    """One plain iteration whose backward's hooks each issue an all-reduce of a tensor of their
-    parameter's size (``stream``, by the parameter's id), as per-tensor WFBP issues them:
-    seconds from backward's start to the end of the last all-reduce."""
-    issued: list[Any] = []
-
-    def hook(param: Any) -> None:
-        handle = dist.all_reduce(stream[id(param)], async_op=True)
-        if handle is not None:
-            issued.append(handle)
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    hooks = [param.register_post_accumulate_grad_hook(hook) for param in params]
-    try:
-        dist.barrier()
-        optimizer.zero_grad()
-        loss = functional.cross_entropy(model(inputs), targets)
-        start = time.perf_counter()
-        loss.backward()
-        for handle in issued:
-            handle.wait()
-        done = time.perf_counter() - start
-    finally:
-        for handle in hooks:
-            handle.remove()
-    optimizer.step()
-    return done
-
-
 def _flat_gradients(model: Any) -> Any:
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return torch.zeros(numel, dtype=torch.float32)
@@ -509,7 +478,7 @@ def measure_rank(job: MeasureJob) -> Measurement:
                     latencies.append(_allreduce_sample(tiny))
                     if stream:
                         streams.append(
-                            _stream_sample(plain, plain_optimizer, *next_batch(), stream)
+                            hooked_stream_sample(plain, plain_optimizer, *next_batch(), stream)
                         )
                     if not contended:
                         continue
