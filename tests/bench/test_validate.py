@@ -114,7 +114,7 @@ def test_an_emulated_validation_predicts_without_contention_calibration(tmp_path
         "--link",
         "1gbit",
         "--strategy",
-        "single,mgwfbp",
+        "single,mgwfbp,overlap",
         "--iters",
         "3",
         "--warmup",
@@ -129,8 +129,10 @@ def test_an_emulated_validation_predicts_without_contention_calibration(tmp_path
     )
     assert done.returncode == 0, done.stderr
     rows = json.loads(rows_path.read_text())
-    assert [row["strategy"] for row in rows] == ["single", "mgwfbp"]
+    assert [row["strategy"] for row in rows] == ["single", "mgwfbp", "overlap"]
     for row in rows:
+        # The start-up is what the rounds' stream of the job's all-reduces paid.
+        assert row["stream_a"] > 0
         assert (row["model"], row["ranks"]) == ("t", 2)
         assert row["link"] == "1gbit (emulated at 500mbit)"
         # Undilated: no iteration is shorter than the trace's forward and backward (16 ms),

@@ -327,3 +327,24 @@ def test_contention_rejects_impossible_numbers() -> None:
         Contention(compute_slowdown=math.inf)
     with pytest.raises(ValueError, match="startup_overlap"):
         Contention(startup_overlap=1.01)
+
+
+def test_host_work_runs_on_the_compute_lane_before_each_bucket_goes_out() -> None:
+    # Three 1 MB tensors ready at 1, 2, 3 ms; a = 1 ms, b = 1 ms/MB; buckets [t0], [t1, t2];
+    # the runtime's host work 0.5 ms/MB, done as a bucket goes out, on backward's thread.
+    tensors = [ReadyTensor(f"t{i}", 1_000_000, (i + 1) * MS) for i in range(3)]
+    cost = CostModel(1 * MS, 1e-9)
+    plan = schedule([[0], [1, 2]], tensors, cost, forward_s=2 * MS)
+    replayed = replay(plan, step_s=1 * MS, host_s_per_byte=0.5e-9)
+    # t0 ready at 1 + 0.5 = 1.5 ms, its all-reduce 1.5..3.5; t1 at 2.5; t2 at 3.5 plus 1 ms of
+    # host work for the 2 MB bucket = 4.5 ms, when backward ends; that all-reduce 4.5..7.5.
+    assert replayed.ready_s == pytest.approx((1.5 * MS, 2.5 * MS, 4.5 * MS))
+    assert [t for c in replayed.comms for t in (c.start_s, c.end_s)] == pytest.approx(
+        [1.5 * MS, 3.5 * MS, 4.5 * MS, 7.5 * MS]
+    )
+    assert replayed.backward_end_s == pytest.approx(4.5 * MS)
+    # forward 2 + 7.5 + step 1.
+    assert replayed.iteration_s == pytest.approx(10.5 * MS)
+    assert replay(plan, step_s=1 * MS).iteration_s == pytest.approx(plan.predicted_s + 1 * MS)
+    with pytest.raises(ValueError, match="host_s_per_byte"):
+        replay(plan, host_s_per_byte=-1.0)

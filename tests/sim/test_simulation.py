@@ -136,3 +136,24 @@ def test_compressed_plans_are_the_plans_of_half_the_bytes() -> None:
 def test_an_unknown_compression_is_named() -> None:
     with pytest.raises(UsageError, match="unknown compression 'fp8'; choose one of fp16, bf16"):
         simulate(toy_trace([1], [4]), "single", CostModel(MS, 1e-9), compression="fp8")
+
+
+def test_an_overlap_run_s_buckets_run_on_into_the_next_forward() -> None:
+    trace = toy_trace([1, 2, 3], [1_000_000] * 3)
+    cost = CostModel(1 * MS, 1e-9)
+    buckets = [["t0"], ["t1", "t2"]]
+    overlapped = simulate(trace, "overlap", cost, buckets=buckets)
+    behind = simulate(trace, "mgwfbp", cost, buckets=buckets)
+    assert overlapped.plan.overlaps_forward and not behind.plan.overlaps_forward
+    assert [sorted(b.indices) for b in overlapped.plan.buckets] == [[0], [1, 2]]
+    # Backward-only: all-reduces 1..3 and 3..6 ms, then the step, then the forward: 2 + 6 + 1.
+    assert behind.iteration_s == pytest.approx(9 * MS)
+    # Overlapped, the period from one backward's start to the next: the forward (three gates
+    # of 2/3 ms) starts as backward ends (3 ms); its first gate (l2) waits for the [t1, t2]
+    # bucket (6 ms) and applies its 2/3 of the step (1 ms, by bytes): 6 + 2/3 + 2/3 = 7.33;
+    # l1's bucket is in: + 2/3 = 8; l0 applies t0's 1/3 and computes: + 1/3 + 2/3 = 9 ms.
+    assert overlapped.replay.forward_end_s == pytest.approx(9 * MS)
+    assert overlapped.iteration_s == pytest.approx(9 * MS)
+    # Cut into 1 MB slices, as the run cut them: the 2 MB bucket goes in two launches.
+    sliced = simulate(trace, "overlap", cost, buckets=buckets, slice_bytes=1e6)
+    assert [launch.bucket for launch in sliced.plan.launches] == [0, 1, 1]

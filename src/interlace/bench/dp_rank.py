@@ -31,7 +31,7 @@ from interlace.bench.harness import (
     train_step,
     undilated,
 )
-from interlace.bench.probes import ContentionProbe
+from interlace.bench.probes import ContentionProbe, hooked_stream_sample
 from interlace.comm.strategies import STRATEGIES
 from interlace.emulate.model import EmulatedModel
 from interlace.wrapping import wrap_model
@@ -113,6 +113,9 @@ class MeasureJob(RankJob):
             probes as a block of their own, the bytes probe in the reference slot.
         clip_grad_norm: Every strategy clips its gradients to this total norm before its step
             (None: no clipping).
+        probe_stream: Also time, in every round's reference slot, a plain iteration whose
+            backward's hooks issue one all-reduce per gradient tensor, each of its size: the
+            stream per-tensor WFBP issues, as it issues it.
     """
 
     strategies: tuple[str, ...]
@@ -120,6 +123,7 @@ class MeasureJob(RankJob):
     probe_contention: bool = False
     clip_grad_norm: float | None = None
     unused_layer: bool = False
+    probe_stream: bool = False
 
     def module(self) -> nn.Module:
         """The model, with :data:`UNUSED_LAYER_FEATURES` square layer its forward never calls
@@ -154,6 +158,8 @@ class StrategySamples:
     #: its trials of candidate plans measured.
     bucket_tensors: list[list[str]] | None = None
     tuning: str | None = None
+    #: Slices each bucket of the final plan was sent in (DataParallel only).
+    bucket_parts: list[int] | None = None
     #: CPU seconds of every rank's process (all its threads, kernel time included) per timed
     #: iteration, summed over ranks: the host work the emulated device time does not cover.
     host_cpu_s: list[float] | None = None
@@ -182,6 +188,10 @@ class Measurement:
     #: Seconds of an all-reduce of one float (the rate-independent start-up), per round's
     #: reference iteration; empty when not measured.
     latency_s: list[float] = field(default_factory=list)
+    #: Seconds from backward's start to the end of the gradient stream
+    #: (:attr:`MeasureJob.probe_stream`), per round's reference iteration; empty when not
+    #: measured.
+    stream_s: list[float] = field(default_factory=list)
     #: :meth:`Compute.label` of what the ranks computed on, and its dilation: every time above is
     #: as measured, on the dilated clock.
     compute: str = "real"
@@ -201,6 +211,7 @@ class Measurement:
         "allreduce_s",
         "overlapped_s",
         "latency_s",
+        "stream_s",
         "device_forward_s",
         "device_backward_s",
     )
@@ -412,6 +423,12 @@ def measure_rank(job: MeasureJob) -> Measurement:
     contended = not emulated
     alongside = _flat_gradients(plain) if contended else flat
     tiny = torch.zeros(1)
+    # Backward produces the gradients last layer first.
+    stream = (
+        {id(p): torch.zeros_like(p) for p in plain.parameters() if p.requires_grad}
+        if job.probe_stream
+        else {}
+    )
 
     counter = 0
 
@@ -436,6 +453,7 @@ def measure_rank(job: MeasureJob) -> Measurement:
     steps_s: list[float] = []
     allreduces: list[float] = []
     latencies: list[float] = []
+    streams: list[float] = []
     overlapped: list[float] = []
     host_cpu: dict[str, list[float]] = {contender.name: [] for contender in contenders}
     # None: the reference measurements; the probe: its own block, timed like a strategy's.
@@ -458,6 +476,10 @@ def measure_rank(job: MeasureJob) -> Measurement:
                     steps_s.append(step_s)
                     allreduces.append(_allreduce_sample(flat))
                     latencies.append(_allreduce_sample(tiny))
+                    if stream:
+                        streams.append(
+                            hooked_stream_sample(plain, plain_optimizer, *next_batch(), stream)
+                        )
                     if not contended:
                         continue
                     iteration_s, overlapped_backward_s, overlapped_done_s = _overlapped_sample(
@@ -483,7 +505,7 @@ def measure_rank(job: MeasureJob) -> Measurement:
 
     # One collective for every series: the maximum over ranks of each sample.
     iterations = [contender.times for contender in contenders]
-    measured = [forwards, backwards, steps_s, allreduces, overlapped, latencies]
+    measured = [forwards, backwards, steps_s, allreduces, overlapped, latencies, streams]
     maxima = max_over_ranks_each([*iterations, *measured])
     cpu_sums = _sum_over_ranks([host_cpu[contender.name] for contender in contenders])
     samples = []
@@ -516,9 +538,12 @@ def measure_rank(job: MeasureJob) -> Measurement:
                 ),
                 tuning=getattr(contender.wrapper, "tuning_summary", None) or None,
                 host_cpu_s=cpu,
+                bucket_parts=None if plan is None else _bucket_parts(plan),
             )
         )
-    forwards, backwards, steps_s, allreduces, overlapped, latencies = maxima[len(contenders) :]
+    forwards, backwards, steps_s, allreduces, overlapped, latencies, streams = maxima[
+        len(contenders) :
+    ]
     layers = plain.emulated_layers() if isinstance(plain, EmulatedModel) else None
     return Measurement(
         model=job.model,
@@ -534,12 +559,21 @@ def measure_rank(job: MeasureJob) -> Measurement:
         overlapped_s=overlapped,
         contention=None if probe is None else probe.finish(),
         latency_s=latencies,
+        stream_s=streams,
         compute=job.compute.label(),
         dilation=job.compute.dilation,
         device_forward_s=None if layers is None else sum(layer.forward_s for layer in layers),
         device_backward_s=None if layers is None else sum(layer.backward_s for layer in layers),
         cores=len(os.sched_getaffinity(0)),
     )
+
+
+def _bucket_parts(plan: Any) -> list[int]:
+    """How many slices each of ``plan``'s buckets is sent in."""
+    parts = [0] * len(plan.buckets)
+    for launch in plan.launches:
+        parts[launch.bucket] += 1
+    return parts
 
 
 def _sum_over_ranks(series: list[list[float]]) -> list[list[float]]:

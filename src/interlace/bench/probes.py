@@ -1,7 +1,8 @@
 """The simulator's contention probes, taken on the ranks beside the plain module's timings.
 
 :class:`ContentionProbe` runs the start-up, overlap and synchronisation probes as a block of
-their own in every round and returns :class:`~interlace.sim.contention.ContentionSamples`.
+their own in every round and returns :class:`~interlace.sim.contention.ContentionSamples`;
+:func:`hooked_stream_sample` times the job's own all-reduces issued from backward's hooks.
 """
 
 from __future__ import annotations
@@ -136,3 +137,42 @@ class ContentionProbe:
         """The samples, each a maximum over ranks (collective: every rank calls it)."""
         maxima = {name: max_over_ranks(values) for name, values in self._raw.items()}
         return ContentionSamples(stream_count=len(self._params), **maxima)
+
+
+def hooked_stream_sample(
+    model: Any, optimizer: Any, inputs: Any, targets: Any, stream: dict[int, Any]
+) -> float:
+    """One plain iteration whose backward's hooks each issue an all-reduce of a tensor of their
+    parameter's size, as per-tensor WFBP issues them (collective): seconds from backward's start
+    to the end of the last all-reduce.
+
+    Args:
+        model: The plain module.
+        optimizer: Its optimizer.
+        inputs: A batch's inputs.
+        targets: Its targets.
+        stream: The tensor each parameter's hook all-reduces, by the parameter's ``id``.
+    """
+    issued: list[Any] = []
+
+    def hook(param: Any) -> None:
+        handle = dist.all_reduce(stream[id(param)], async_op=True)
+        if handle is not None:
+            issued.append(handle)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    hooks = [param.register_post_accumulate_grad_hook(hook) for param in params]
+    try:
+        dist.barrier()
+        optimizer.zero_grad()
+        loss = functional.cross_entropy(model(inputs), targets)
+        start = time.perf_counter()
+        loss.backward()
+        for handle in issued:
+            handle.wait()
+        done = time.perf_counter() - start
+    finally:
+        for handle in hooks:
+            handle.remove()
+    optimizer.step()
+    return done

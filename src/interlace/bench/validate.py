@@ -154,9 +154,52 @@ def validate_emulated_rank(job: MeasureJob) -> ValidateSample:
     stream_cost = undilate_cost(
         fit_stream_cost_model(sizes=stream_sizes_up_to(total)), compute.dilation
     )
-    measurement = measure_rank(replace(job, probe_contention=False)).undilated()
+    copy_in, copy_out = time_bucket_host_work(
+        [p.numel() for p in module.parameters() if p.requires_grad]
+    )
+    measurement = measure_rank(replace(job, probe_contention=False, probe_stream=True)).undilated()
     trace = replace(module.named_trace(), workers=dist.get_world_size())
-    return ValidateSample(trace, cost, stream_cost, measurement)
+    return ValidateSample(
+        trace,
+        cost,
+        stream_cost,
+        measurement,
+        host_s_per_byte=copy_in / compute.dilation,
+        copy_out_s_per_byte=copy_out / compute.dilation,
+    )
+
+
+def time_bucket_host_work(numels: Sequence[int], repeats: int = 5) -> tuple[float, float]:
+    """Host seconds per byte of DataParallel's bucket engine around its all-reduces, timed on
+    every rank at once (collective): each gradient copied into its bucket and the bucket divided
+    by the world size (in backward's hooks), and the averages copied back into the gradients
+    (after the last all-reduce). On the CPU these passes over memory are real host work that
+    device time does not cover, and the ranks run them on shared cores.
+
+    Args:
+        numels: The gradients' element counts (float32).
+        repeats: Timed passes (after one untimed).
+
+    Returns:
+        ``(copy in and divide, copy out)``, seconds per byte, medians of the slowest rank's.
+    """
+    grads = [torch.ones(numel) for numel in numels]
+    flat = torch.zeros(sum(numels))
+    views = list(torch.split(flat, list(numels)))
+    nbytes = flat.numel() * flat.element_size()
+    ins, outs = [], []
+    for index in range(repeats + 1):
+        dist.barrier()
+        started = time.perf_counter()
+        for view, grad in zip(views, grads, strict=True):
+            view.copy_(grad)
+        flat.div_(dist.get_world_size())
+        copied = time.perf_counter()
+        torch._foreach_copy_(grads, views)
+        if index > 0:
+            ins.append((copied - started) / nbytes)
+            outs.append((time.perf_counter() - copied) / nbytes)
+    return statistics.median(max_over_ranks(ins)), statistics.median(max_over_ranks(outs))
 
 
 @dataclass(frozen=True)

@@ -211,6 +211,7 @@ def replay(
     cost: CostModel | None = None,
     pre_forward_bytes: Sequence[int] = (),
     sync_s: float = 0.0,
+    host_s_per_byte: float = 0.0,
 ) -> Replay:
     """Play ``plan`` forward in time as discrete events.
 
@@ -234,14 +235,20 @@ def replay(
         pre_forward_bytes: Collectives made before forward, priced by the same cost.
         sync_s: A synchronisation after backward's communication (a measured cost, see
             :class:`interlace.sim.contention.Calibration`).
+        host_s_per_byte: Host seconds per byte of a bucket spent on the compute lane as the
+            bucket goes out, before its all-reduce starts: the runtime copies the gradients
+            into the bucket and divides it in the hook of its last tensor, on the thread that
+            runs backward.
 
     Raises:
-        ValueError: If the plan has no tensors.
+        ValueError: If the plan has no tensors, or for a negative ``host_s_per_byte``.
     """
     cost = plan.cost if cost is None else cost
     if not plan.tensors:
         raise ValueError("replaying a plan needs its tensors (plan.tensors is empty)")
-    backward = _Lane(plan)
+    if not (math.isfinite(host_s_per_byte) and host_s_per_byte >= 0.0):
+        raise ValueError(f"host_s_per_byte must be >= 0, got {host_s_per_byte}")
+    backward = _Lane(plan, host_s_per_byte)
     if plan.channels > 1:
         comms = _replay_channels(plan, contention, cost, backward)
     else:
@@ -273,13 +280,18 @@ class _Lane:
     """The compute lane as a replay plays it: backward's stretches between consecutive ready
     times of ``plan.tensors``, the rest up to ``plan.backward_s``, and for a plan with gates
     the next forward (each gate waiting for its buckets); each stretch at whatever speed
-    contention leaves it. It records when each tensor became ready, when backward ended and
-    when the gated forward ended."""
+    contention leaves it. The stretch that completes a bucket also does the bucket's host work
+    (``host_s_per_byte`` of its bytes). It records when each tensor became ready, when backward
+    ended and when the gated forward ended."""
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, host_s_per_byte: float = 0.0) -> None:
         tensors = plan.tensors
-        pieces = [_Piece(tensors[0].ready_s, 0)] + [
-            _Piece(tensors[i].ready_s - tensors[i - 1].ready_s, i) for i in range(1, len(tensors))
+        host = [0.0] * len(tensors)
+        for bucket in plan.buckets:
+            host[max(bucket.indices)] += host_s_per_byte * bucket.nbytes
+        pieces = [_Piece(tensors[0].ready_s + host[0], 0)] + [
+            _Piece(tensors[i].ready_s - tensors[i - 1].ready_s + host[i], i)
+            for i in range(1, len(tensors))
         ]
         pieces.append(_Piece(max(plan.backward_s - tensors[-1].ready_s, 0.0)))
         self._backward_pieces = len(pieces)

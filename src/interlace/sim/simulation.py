@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from interlace.comm.cost import CostModel
-from interlace.comm.forward_plan import Overlap
+from interlace.comm.forward_plan import Overlap, plan_overlap
 from interlace.comm.plan import Plan, ReadyTensor
 from interlace.comm.pricing import schedule
 from interlace.comm.strategies import PLANNED_STRATEGIES, Strategy, planned_strategy
@@ -185,6 +185,8 @@ def simulate(
     buckets: Sequence[Sequence[str]] | None = None,
     sync_s: float = 0.0,
     compression: str | None = None,
+    slice_bytes: float | None = None,
+    host_s_per_byte: float = 0.0,
 ) -> SimResult:
     """One iteration of ``trace`` with ``strategy`` when an all-reduce costs ``cost``.
 
@@ -211,6 +213,12 @@ def simulate(
             planned so (:func:`wire_tensors`, DataParallel's ``compression``). A planner's caps
             then count wire bytes: torch DDP's count float32 bytes, so price DDP with a
             compressing hook with its caps scaled by :data:`WIRE_SCALES`.
+        slice_bytes: With ``buckets`` and a strategy that overlaps the next forward: the
+            largest slice the run cut its buckets into (None: uncut), as
+            :func:`~interlace.comm.forward_plan.plan_overlap` takes it.
+        host_s_per_byte: Host seconds per byte a bucket costs the compute lane when it goes
+            out (the runtime's copy into the bucket and its division;
+            :func:`~interlace.sim.replay.replay`).
     """
     chosen = strategy if isinstance(strategy, Strategy) else strategy_named(strategy)
     tensors = wire_tensors(trace.ready_tensors(per_layer=per_layer), compression)
@@ -230,14 +238,32 @@ def simulate(
             raise ValueError(
                 f"the buckets name tensors the trace does not have: {', '.join(missing[:5])}"
             )
-        plan = schedule(
-            [[position[name] for name in bucket] for bucket in buckets],
-            tensors,
-            cost,
-            backward_s=max(trace.backward_s, *(t.ready_s for t in tensors)),
-            forward_s=trace.forward_s,
-            strategy=chosen.name,
-        )
+        groups = [[position[name] for name in bucket] for bucket in buckets]
+        backward_s = max(trace.backward_s, *(t.ready_s for t in tensors))
+        if chosen.overlap is Overlap.FORWARD:
+            # The run's buckets on into the next forward, sent most urgent first as the
+            # runtime sends them.
+            plan = plan_overlap(
+                tensors,
+                trace.forward_gates(per_layer),
+                cost,
+                groups=groups,
+                forward_s=trace.forward_s,
+                backward_s=backward_s,
+                step_s=trace.step_s,
+                channels=chosen.channels,
+                slice_bytes=slice_bytes,
+                strategy=chosen.name,
+            )
+        else:
+            plan = schedule(
+                groups,
+                tensors,
+                cost,
+                backward_s=backward_s,
+                forward_s=trace.forward_s,
+                strategy=chosen.name,
+            )
     replayed = replay(
         plan,
         contention,
@@ -245,5 +271,6 @@ def simulate(
         cost=timing_cost,
         pre_forward_bytes=trace.broadcast_bytes,
         sync_s=sync_s,
+        host_s_per_byte=host_s_per_byte,
     )
     return SimResult(chosen.name, workers, cost, plan, replayed, trace.model, network)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from interlace.comm.cost import CostModel
+from interlace.comm.forward_plan import SLICE_CANDIDATES_BYTES, units_of
 from interlace.errors import UsageError
 from interlace.sim.contention import calibrate, fit_startup_overlap
 from interlace.sim.replay import Contention
@@ -47,12 +48,18 @@ class ValidateSample:
         measurement: The strategies and the plain module measured in round-robin blocks, with
             the contention probes (an :class:`interlace.bench.dp.Measurement`; read by its
             fields, so the simulator needs no measuring code).
+        host_s_per_byte: Host seconds per gradient byte the runtime spends putting a bucket
+            out (copying each gradient in, dividing), on the thread that runs backward.
+        copy_out_s_per_byte: Host seconds per gradient byte of copying the averages back,
+            after the last all-reduce.
     """
 
     trace: Trace
     cost: CostModel
     stream_cost: CostModel
     measurement: Any
+    host_s_per_byte: float = 0.0
+    copy_out_s_per_byte: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -218,7 +225,10 @@ def rows_from_sample(
     drift = (forward + backward + step) / (
         profiled.forward_s + profiled.backward_s + profiled.step_s
     )
-    trace = with_totals(profiled, forward, backward, step)
+    # The averages copied back into the gradients come after the last all-reduce, before the
+    # step: priced as part of it.
+    copy_out = sample.copy_out_s_per_byte * measurement.gradient_bytes
+    trace = with_totals(profiled, forward, backward, step + copy_out)
     if calibration is not None:
         contention, sync = calibration.contention, calibration.sync_s
         # Start-ups as the probe, issued from backward's hooks in the same rounds, paid them
@@ -227,6 +237,8 @@ def rows_from_sample(
         overlap = fit_startup_overlap(measurement.contention, trace, timing, contention)
         if overlap is not None:
             contention = replace(contention, startup_overlap=overlap)
+    if calibration is None and getattr(measurement, "stream_s", None):
+        timing = rounds_cost(timing, measurement)
     probe_medians = measurement.contention.medians() if measurement.contention is not None else {}
     measured = {s.strategy: s for s in measurement.strategies}
     rows = []
@@ -243,6 +255,8 @@ def rows_from_sample(
             timing_cost=timing,
             buckets=used,
             sync_s=sync,
+            slice_bytes=run_slice_bytes(trace, used, getattr(samples, "bucket_parts", None)),
+            host_s_per_byte=sample.host_s_per_byte,
         )
         plain = simulate(sample.trace, strategy, sample.cost, buckets=used)
         measured_s = statistics.median(samples.iteration_s)
@@ -278,6 +292,60 @@ def rows_from_sample(
             )
         )
     return rows
+
+
+def rounds_cost(timing: CostModel, measurement: Any) -> CostModel:
+    """The replay's all-reduce cost from what the strategies' own rounds measured (on emulated
+    compute, where nothing else is calibrated).
+
+    Per byte: the all-reduce of all gradients alone, less the one-float all-reduce, both timed
+    in every round's reference slot. At fast links gloo's reductions and copies on the shared
+    cores set that pace, so it moves with the load, and the replay runs a bucket's all-reduce
+    alone. Start-up: the job's own all-reduces issued from a plain backward's hooks, as
+    per-tensor WFBP issues them (``stream_s``, from backward's start to the last one's end),
+    less their bytes, per all-reduce. ``timing``'s terms stand where a probe is missing.
+
+    Args:
+        timing: The streamed cost model fitted before the rounds.
+        measurement: The launch's measurement (``allreduce_s``, ``latency_s``, ``stream_s``,
+            ``tensors`` and ``gradient_bytes``).
+    """
+    nbytes = float(measurement.gradient_bytes)
+    per_byte = timing.b
+    alone, latency = measurement.allreduce_s, getattr(measurement, "latency_s", None)
+    if alone and latency and nbytes > 0:
+        per_byte = max((statistics.median(alone) - statistics.median(latency)) / nbytes, 0.0)
+    start_up = timing.a
+    streams = getattr(measurement, "stream_s", None)
+    if streams:
+        count = max(int(measurement.tensors), 1)
+        start_up = max((statistics.median(streams) - per_byte * nbytes) / count, 0.0)
+    return CostModel(start_up, per_byte)
+
+
+def run_slice_bytes(
+    trace: Trace, buckets: Sequence[Sequence[str]] | None, parts: Sequence[int] | None
+) -> float | None:
+    """The slice size an overlap plan cut its buckets with, read back from how many slices
+    each bucket went in: the first of no slicing and
+    :data:`~interlace.comm.forward_plan.SLICE_CANDIDATES_BYTES` that cuts them so (None when
+    none does, or nothing was recorded).
+
+    Args:
+        trace: The trace whose tensors the buckets name.
+        buckets: Tensor names per bucket, as the run sent them.
+        parts: Slices per bucket, in the same order.
+    """
+    if buckets is None or parts is None or len(parts) != len(buckets):
+        return None
+    size = {tensor.name: tensor.nbytes for tensor in trace.tensors}
+    if any(name not in size for bucket in buckets for name in bucket):
+        return None
+    nbytes = [sum(size[name] for name in bucket) for bucket in buckets]
+    for candidate in (None, *SLICE_CANDIDATES_BYTES):
+        if [len(units) for units in units_of(nbytes, candidate)] == list(parts):
+            return candidate
+    return None
 
 
 def error_summary(rows: Sequence[ValidationRow]) -> tuple[float, float]:
