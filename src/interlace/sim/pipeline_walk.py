@@ -255,7 +255,7 @@ def _run(
                 bubble += max(0.0, min(issued, arrival) - clock)
                 p2p += arrival - max(issued, clock)
                 clock = arrival
-        elif code == _SEND or code == _SEND_HEADED:
+        elif code in (_SEND, _SEND_HEADED):
             boundary = works[arg]
             link = boundary.act_link
             assert link is not None  # a neighbour exists where the schedule sends
@@ -276,10 +276,9 @@ def _run(
                 clock = pending
         elif code == _REDUCE:
             reduce_done = clock + work.reduce_s
-        elif code == _JOIN:
-            if reduce_done > clock:
-                allreduce += reduce_done - clock
-                clock = reduce_done
+        elif code == _JOIN and reduce_done > clock:
+            allreduce += reduce_done - clock
+            clock = reduce_done
         position += 1
     me.clock, me.busy, me.bubble, me.p2p, me.allreduce = clock, busy, bubble, p2p, allreduce
     me.pending, me.reduce_done, me.position = pending, reduce_done, position
