@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-__all__ = ["balance_spans", "balance_stages", "check_num_stages"]
+__all__ = ["balance_spans", "balance_stages", "balance_table", "check_num_stages"]
 
 
 def check_num_stages(num_stages: int, num_blocks: int) -> None:
@@ -84,9 +84,26 @@ def balance_spans(
     """
     n = num_blocks
     check_num_stages(num_stages, n)
-    # table[i][j]: the stage [i, j) (j > i), each priced once; the rest never read.
     inf = math.inf
     table = [[inf] * (i + 1) + [stage_cost(i, j) for j in range(i + 1, n + 1)] for i in range(n)]
+    return balance_table(table, num_stages)
+
+
+def balance_table(table: Sequence[Sequence[float]], num_stages: int) -> list[tuple[int, int]]:
+    """:func:`balance_spans` on its stage costs priced already (for a caller that prices a
+    whole row at once).
+
+    Args:
+        table: ``table[i][j]``, for ``0 <= i < j <= n``, the cost of the stage holding blocks
+            ``[i, j)``; entries with ``j <= i`` are never read (``math.inf`` by convention).
+        num_stages: How many stages to cut into (1 to ``n``, the rows).
+
+    Raises:
+        ValueError: When ``num_stages`` is not in 1..n.
+    """
+    n = len(table)
+    check_num_stages(num_stages, n)
+    inf = math.inf
     # best[m][i]: the smallest possible largest stage cost when [i, n) is cut into m stages
     # (inf where fewer than m blocks remain).
     best: list[list[float]] = [[inf] * (n + 1) for _ in range(num_stages + 1)]
