@@ -141,7 +141,8 @@ def cut_stages(
             nbytes = b - b0
             row.append((t - t0) + (start_up + per_byte * nbytes if nbytes > 0 else 0.0))
         table.append(row)
-    return balance_table(table, num_stages)
+    # Block times and bytes are >= 0: a stage's cost never falls as it gains blocks.
+    return balance_table(table, num_stages, monotone=True)
 
 
 def _checked(values: Sequence[float], what: str) -> list[float]:
