@@ -151,3 +151,13 @@ def test_the_command_prints_the_ranking_the_winner_and_its_command(
     assert "run it: interlace train --model vgg11 --data synthetic-cifar10 -n 8" in out
     data = json.loads(rows.read_text())
     assert {row["family"] for row in data} == set(FAMILIES)
+
+
+def test_png_none_draws_no_plot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    args = _args(trace="vgg11-h200", workers="4", families="data", png="none")
+    assert plan_command.run(args) == 0
+    assert "plot:" not in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []

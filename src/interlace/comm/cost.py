@@ -12,8 +12,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 
 @dataclass(frozen=True)
 class CostModel:
@@ -147,6 +145,8 @@ class CostModel:
             sizes: message sizes, in bytes (at least two distinct).
             seconds: their measured times.
         """
+        import numpy as np  # noqa: PLC0415 - only fits need it; pricing imports stay light
+
         x = np.asarray(sizes, dtype=np.float64)
         y = np.asarray(seconds, dtype=np.float64)
         if x.shape != y.shape or x.size < 2:
@@ -174,6 +174,8 @@ class CostModel:
             sizes: message sizes, in bytes.
             seconds: their measured times.
         """
+        import numpy as np  # noqa: PLC0415 - only fits need it; pricing imports stay light
+
         x = np.asarray(sizes, dtype=np.float64)
         y = np.asarray(seconds, dtype=np.float64) - a
         if x.shape != y.shape or x.size < 1 or not np.any(x > 0):

@@ -176,11 +176,16 @@ class GateDues:
     def first_due(self) -> list[int]:
         """For each bucket, the number of the gate it lands at in :meth:`in_order` (the gate
         count for one no gate waits for)."""
-        first = [len(self.gates)] * len(self.groups)
-        for gate, landing in enumerate(self.in_order()):
-            for bucket in landing.buckets:
-                first[bucket] = min(first[bucket], gate)
-        return first
+        return _first_due(self.in_order(), len(self.gates), len(self.groups))
+
+
+def _first_due(landings: Sequence[Landing], gates: int, buckets: int) -> list[int]:
+    """:meth:`GateDues.first_due` from the landings :meth:`GateDues.in_order` gave."""
+    first = [gates] * buckets
+    for gate, landing in enumerate(landings):
+        for bucket in landing.buckets:
+            first[bucket] = min(first[bucket], gate)
+    return first
 
 
 @dataclass(frozen=True)
@@ -215,6 +220,16 @@ def gated_stretches(
         step_s: The optimizer step over every tensor.
     """
     landings = GateDues.of(groups, (gate.tensors for gate in gates)).in_order()
+    return _stretches(landings, tensors, gates, step_s)
+
+
+def _stretches(
+    landings: Sequence[Landing],
+    tensors: Sequence[ReadyTensor],
+    gates: Sequence[Gate],
+    step_s: float,
+) -> list[Stretch]:
+    """:func:`gated_stretches` from the landings :meth:`GateDues.in_order` gave."""
     total = sum(t.nbytes for t in tensors) or 1
     stretches = []
     for number, landing in enumerate(landings):
@@ -286,17 +301,64 @@ def plan_overlap(
     """
     if slice_bytes is not None and not slice_bytes > 0:
         raise ValueError(f"slice_bytes must be > 0 (or None), got {slice_bytes}")
+    gating = _gating(tensors, gates, groups, step_s)
+    return _plan_overlap(
+        tensors,
+        gates,
+        cost,
+        groups,
+        gating,
+        forward_s=forward_s,
+        backward_s=backward_s,
+        step_s=step_s,
+        channels=channels,
+        slice_bytes=slice_bytes,
+        strategy=strategy,
+    )
+
+
+def _gating(
+    tensors: Sequence[ReadyTensor],
+    gates: Sequence[Gate],
+    groups: Sequence[Sequence[int]],
+    step_s: float,
+) -> tuple[list[int], list[Stretch]]:
+    """What an overlap plan of ``groups`` takes from its gates whatever the cost and slices:
+    the gate each bucket lands at (:meth:`GateDues.first_due`) and the forward's stretches
+    (:func:`gated_stretches`), checked."""
     count = len(tensors)
     flat = sorted(index for group in groups for index in group)
     if flat != list(range(count)) or any(not group for group in groups):
         raise ValueError("buckets must be non-empty and cover every tensor exactly once")
     if any(not 0 <= index < count for gate in gates for index in gate.tensors):
         raise ValueError("a gate names a tensor the plan does not have")
+    landings = GateDues.of(groups, (gate.tensors for gate in gates)).in_order()
+    return (
+        _first_due(landings, len(gates), len(groups)),
+        _stretches(landings, tensors, gates, step_s),
+    )
+
+
+def _plan_overlap(
+    tensors: Sequence[ReadyTensor],
+    gates: Sequence[Gate],
+    cost: CostModel,
+    groups: Sequence[Sequence[int]],
+    gating: tuple[list[int], list[Stretch]],
+    *,
+    forward_s: float,
+    backward_s: float | None,
+    step_s: float,
+    channels: int,
+    slice_bytes: float | None,
+    strategy: str,
+) -> Plan:
+    """:func:`plan_overlap` with its gating (:func:`_gating`) given."""
+    needs, stretches = gating
     end_of_backward = max((t.ready_s for t in tensors), default=0.0)
     backward_s = end_of_backward if backward_s is None else max(backward_s, end_of_backward)
     ready = [max(tensors[i].ready_s for i in group) for group in groups]
     sizes = [sum(tensors[i].nbytes for i in group) for group in groups]
-    needs = GateDues.of(groups, (gate.tensors for gate in gates)).first_due()
     clock = ChannelClock(cost, channels)
     launches: list[Launch] = []
     # Units by ready time; those ready are released into a heap ordered by urgency. "Now" never
@@ -338,15 +400,7 @@ def plan_overlap(
         pieces = slices[number]
         buckets.append(bucket_of(tuple(group), sizes[number], ready[number], pieces))
     done = [bucket.end_s for bucket in buckets]
-    forward_end = gated_forward_end(
-        tensors,
-        gates,
-        groups,
-        done,
-        backward_end_s=backward_s,
-        forward_s=forward_s,
-        step_s=step_s,
-    )
+    forward_end = _forward_end(stretches, gates, done, backward_s, forward_s)
     return Plan(
         strategy,
         tuple(buckets),
@@ -385,8 +439,20 @@ def gated_forward_end(
         forward_s: The whole forward.
         step_s: The optimizer step over every tensor, spread by bytes.
     """
+    stretches = gated_stretches(tensors, gates, groups, step_s)
+    return _forward_end(stretches, gates, done_s, backward_end_s, forward_s)
+
+
+def _forward_end(
+    stretches: Sequence[Stretch],
+    gates: Sequence[Gate],
+    done_s: Sequence[float],
+    backward_end_s: float,
+    forward_s: float,
+) -> float:
+    """:func:`gated_forward_end` from the forward's stretches."""
     now = backward_end_s + max(forward_s - sum(gate.forward_s for gate in gates), 0.0)
-    for stretch in gated_stretches(tensors, gates, groups, step_s):
+    for stretch in stretches:
         now = max([now, *(done_s[bucket] for bucket in stretch.waits)]) + stretch.work_s
     return now
 
@@ -439,17 +505,20 @@ def overlap_candidates(
     """
     found: list[tuple[str, Plan]] = []
     for label, groups in overlap_groupings(tensors, gates, cost).items():
+        gating = _gating(tensors, gates, groups, step_s)  # the same for every slice size
         for slice_bytes in (None, *SLICE_CANDIDATES_BYTES):
-            plan = plan_overlap(
+            plan = _plan_overlap(
                 tensors,
                 gates,
                 cost,
-                groups=groups,
+                groups,
+                gating,
                 forward_s=forward_s,
                 backward_s=backward_s,
                 step_s=step_s,
                 channels=channels,
                 slice_bytes=slice_bytes,
+                strategy="overlap",
             )
             sliced = "" if slice_bytes is None else f", {slice_bytes / 1e6:g} MB slices"
             found.append((f"overlap: {label}{sliced}", plan))

@@ -15,8 +15,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from interlace.comm.cost import CostModel
 from interlace.kfac.methods import DecompositionMethod, method_from
 
@@ -126,6 +124,8 @@ class DecompositionCostModel:
         """
         if not samples:
             raise ValueError("fitting a decomposition cost model needs (size, seconds) samples")
+        import numpy as np  # noqa: PLC0415 - only fits need it; pricing imports stay light
+
         sizes = np.asarray([float(n) for n, _ in samples])
         seconds = np.asarray([float(t) for _, t in samples])
         if not (np.all(np.isfinite(sizes)) and np.all(np.isfinite(seconds))):

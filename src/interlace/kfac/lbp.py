@@ -340,8 +340,19 @@ def _refine(
     owners = list(owners)
     local = [d for d, owner in zip(decompose, owners, strict=True) if owner is None]
 
+    # A rank's finish depends only on which factors it owns (its order is Johnson's, ties by
+    # index): many candidate moves ask for the same set again.
+    seen: dict[frozenset[int], float] = {}
+    johnson = sorted(range(len(decompose)), key=lambda i: _johnson(decompose, broadcast, i))
+    position = [0] * len(decompose)
+    for place, index in enumerate(johnson):
+        position[index] = place
+
     def finish(members: list[int]) -> float:
-        return _rank_finish(decompose, broadcast, members, local)
+        key = frozenset(members)
+        if key not in seen:
+            seen[key] = _rank_finish(decompose, broadcast, members, local, position)
+        return seen[key]
 
     members = [[i for i, owner in enumerate(owners) if owner == r] for r in range(ranks)]
     finishes = [finish(members[r]) for r in range(ranks)]
@@ -350,9 +361,15 @@ def _refine(
         late = finishes.index(span)
         changed = False
         for index in members[late]:
+            idle_tried = False
             for other in range(ranks):
                 if other == late:
                     continue
+                if not members[other]:
+                    # Every rank owning nothing offers the same move: try the first only.
+                    if idle_tried:
+                        continue
+                    idle_tried = True
                 # A move of ``index`` to ``other``, then each swap with one of its factors.
                 for partner in [None, *members[other]]:
                     kept = [i for i in members[late] if i != index]
@@ -384,12 +401,14 @@ def _rank_finish(
     broadcast: Sequence[float],
     members: Sequence[int],
     local: Sequence[float],
+    position: Sequence[int],
 ) -> float:
     """When a rank owning ``members`` is done: its decompositions in Johnson's order, each
-    sent once decomposed, and the ``local`` work after its own (as :func:`_makespan`)."""
+    sent once decomposed (``position``: each factor's place in that order), and the ``local``
+    work after its own (as :func:`_makespan`)."""
     computed = sent = 0.0
     own = []
-    for index in sorted(members, key=lambda i: _johnson(decompose, broadcast, i)):
+    for index in sorted(members, key=position.__getitem__):
         own.append(decompose[index])
         computed += decompose[index]
         sent = max(sent, computed) + broadcast[index]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-__all__ = ["balance_spans", "balance_stages", "check_num_stages"]
+__all__ = ["balance_spans", "balance_stages", "balance_table", "check_num_stages"]
 
 
 def check_num_stages(num_stages: int, num_blocks: int) -> None:
@@ -84,9 +84,31 @@ def balance_spans(
     """
     n = num_blocks
     check_num_stages(num_stages, n)
-    # table[i][j]: the stage [i, j) (j > i), each priced once; the rest never read.
     inf = math.inf
     table = [[inf] * (i + 1) + [stage_cost(i, j) for j in range(i + 1, n + 1)] for i in range(n)]
+    return balance_table(table, num_stages)
+
+
+def balance_table(
+    table: Sequence[Sequence[float]], num_stages: int, *, monotone: bool = False
+) -> list[tuple[int, int]]:
+    """:func:`balance_spans` on its stage costs priced already (for a caller that prices a
+    whole row at once).
+
+    Args:
+        table: ``table[i][j]``, for ``0 <= i < j <= n``, the cost of the stage holding blocks
+            ``[i, j)``; entries with ``j <= i`` are never read (``math.inf`` by convention).
+        num_stages: How many stages to cut into (1 to ``n``, the rows).
+        monotone: The costs never fall as a stage gains blocks at either end (``table[i][j]``
+            non-decreasing in ``j`` and non-increasing in ``i``, as for sums of non-negative
+            block costs): each minimum is then found by bisection, to the same value.
+
+    Raises:
+        ValueError: When ``num_stages`` is not in 1..n.
+    """
+    n = len(table)
+    check_num_stages(num_stages, n)
+    inf = math.inf
     # best[m][i]: the smallest possible largest stage cost when [i, n) is cut into m stages
     # (inf where fewer than m blocks remain).
     best: list[list[float]] = [[inf] * (n + 1) for _ in range(num_stages + 1)]
@@ -95,7 +117,10 @@ def balance_spans(
     for m in range(2, num_stages + 1):
         rest = best[m - 1]
         for i in range(n - m + 1):
-            best[m][i] = min(map(max, table[i][i + 1 : n - m + 2], rest[i + 1 : n - m + 2]))
+            if monotone:
+                best[m][i] = _least_max(table[i], rest, i + 1, n - m + 2)
+            else:
+                best[m][i] = min(map(max, table[i][i + 1 : n - m + 2], rest[i + 1 : n - m + 2]))
     bottleneck = best[num_stages][0]
 
     bounds: list[tuple[int, int]] = []
@@ -111,3 +136,20 @@ def balance_spans(
         start = end
     bounds.append((start, n))
     return bounds
+
+
+def _least_max(rising: Sequence[float], falling: Sequence[float], low: int, high: int) -> float:
+    """``min(max(rising[j], falling[j]) for j in range(low, high))`` where ``rising`` never
+    falls and ``falling`` never rises over the range: the least is at the first ``j`` where
+    ``rising`` reaches ``falling``, or just before it."""
+    first, last = low, high
+    while first < last:
+        middle = (first + last) // 2
+        if rising[middle] >= falling[middle]:
+            last = middle
+        else:
+            first = middle + 1
+    found = [rising[first]] if first < high else []  # max there: rising
+    if first > low:
+        found.append(falling[first - 1])  # max just before: falling
+    return min(found)

@@ -10,7 +10,12 @@ from collections.abc import Sequence
 from enum import Enum
 
 from interlace.comm.cost import CostModel
-from interlace.pipeline.balance import balance_spans, balance_stages, check_num_stages
+from interlace.pipeline.balance import (
+    balance_spans,
+    balance_stages,
+    balance_table,
+    check_num_stages,
+)
 
 __all__ = ["StageCut", "cut_stages", "stage_cut", "stage_step_s"]
 
@@ -115,13 +120,29 @@ def cut_stages(
     times = _checked(compute_s, "block times")
     sizes = _checked(grad_bytes, "block gradient bytes")
     time_prefix, byte_prefix = _prefix(times), _prefix(sizes)
+    n = len(times)
+    if type(cost) is not CostModel:
 
-    def step(start: int, end: int) -> float:
-        return stage_step_s(
-            time_prefix[end] - time_prefix[start], byte_prefix[end] - byte_prefix[start], cost
-        )
+        def step(start: int, end: int) -> float:
+            return stage_step_s(
+                time_prefix[end] - time_prefix[start], byte_prefix[end] - byte_prefix[start], cost
+            )
 
-    return balance_spans(step, len(times), num_stages)
+        return balance_spans(step, n, num_stages)
+    # stage_step_s row by row, CostModel.time's arithmetic spelt out (one all-reduce alone).
+    start_up, factor = cost.concurrent_terms(1)
+    per_byte = factor * cost.b
+    inf = math.inf
+    table = []
+    for i in range(n):
+        t0, b0 = time_prefix[i], byte_prefix[i]
+        row = [inf] * (i + 1)
+        for t, b in zip(time_prefix[i + 1 :], byte_prefix[i + 1 :], strict=True):
+            nbytes = b - b0
+            row.append((t - t0) + (start_up + per_byte * nbytes if nbytes > 0 else 0.0))
+        table.append(row)
+    # Block times and bytes are >= 0: a stage's cost never falls as it gains blocks.
+    return balance_table(table, num_stages, monotone=True)
 
 
 def _checked(values: Sequence[float], what: str) -> list[float]:

@@ -148,10 +148,10 @@ def decomposition_stage(
         sends.append((step, start, start + seconds))
     # Summed exactly, so a rank's work does not depend on the order of additions (LBP's model).
     computed = [math.fsum(busy[rank]) for rank in range(workers)]
-    finish = [
-        max([computed[rank]] + [end for step, _, end in sends if step.owner == rank])
-        for rank in range(workers)
-    ]
+    ends: dict[int | None, list[float]] = {}
+    for step, _, end in sends:
+        ends.setdefault(step.owner, []).append(end)
+    finish = [max([computed[rank], *ends.get(rank, ())]) for rank in range(workers)]
     makespan = max(finish)
     last = max(range(workers), key=lambda r: (finish[r], -r))
     events = made[last] + [

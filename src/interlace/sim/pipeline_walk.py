@@ -189,69 +189,99 @@ def _walk(
     )
     count = len(works)
     stages = [_Stage() for _ in range(count)]
-    arrivals: dict[int, tuple[float, float]] = {}  # message -> (issued, arrival)
-    out_free: dict[int, float] = {}
-    # Each boundary's link as a number (a rank's sends on one level share its outgoing link).
-    levels: dict[Link, int] = {}
-    level = [levels.setdefault(w.act_link, len(levels)) if w.act_link else 0 for w in works]
-    marks: list[list[tuple[float, float, float, float, float]]] = [[] for _ in range(count)]
+    walk = _Walk(works, count)
+    # Each stage runs until it waits for a message not yet sent; the send wakes it. What a
+    # stage does depends only on its own program and its messages, not on the order they run.
+    ready = list(range(count - 1, -1, -1))
+    while ready:
+        k = ready.pop()
+        _run(k, stages[k], programs[k], walk, ready)
+    if any(s.position < len(p) for s, p in zip(stages, programs, strict=True)):
+        raise ValueError(f"the {schedule} programs deadlock on {count} stages")
+    return walk.marks, [s.clock for s in stages]
 
-    def advance(k: int) -> bool:
-        me, work, program, moved = stages[k], works[k], programs[k], False
-        seconds = (
-            work.forward_s,
-            work.backward_s,
-            work.weights_s,
-            work.update_s,
-            work.scale_s,
-            work.send_s,
-        )
-        while me.position < len(program):
-            code, arg, message = program[me.position]
-            if code == _WAIT_ARRIVED:
-                if message not in arrivals:
-                    return moved
-                issued, arrival = arrivals[message]
-                if arrival > me.clock:
-                    me.bubble += max(0.0, min(issued, arrival) - me.clock)
-                    me.p2p += arrival - max(issued, me.clock)
-                    me.clock = arrival
-            elif code in (_SEND, _SEND_HEADED):
-                boundary = works[arg]
-                link = boundary.act_link
-                assert link is not None  # a neighbour exists where the schedule sends
-                lane = k * count + level[arg]
-                start = max(me.clock, out_free.get(lane, 0.0))
-                # The runtime's header goes out just before its payload.
-                nbytes = boundary.act_bytes + (HEADER_BYTES if code == _SEND_HEADED else 0)
-                end = start + link.beta * nbytes
-                out_free[lane] = end
-                arrivals[message] = (me.clock, end + link.alpha)
-                me.pending = max(me.pending, me.clock, end - link.beta * SEND_BUFFER_BYTES)
-            elif code == _WAIT_SENT:
-                done = me.pending
-                if done > me.clock:
-                    me.p2p += done - me.clock
-                    me.clock = done
-            elif code == _REDUCE:
-                me.reduce_done = me.clock + work.reduce_s
-            elif code == _JOIN:
-                if me.reduce_done > me.clock:
-                    me.allreduce += me.reduce_done - me.clock
-                    me.clock = me.reduce_done
-            else:
-                me.clock += seconds[arg]
-                me.busy += seconds[arg]
-                if arg == _UPDATE:
-                    marks[k].append((me.clock, me.busy, me.bubble, me.p2p, me.allreduce))
-            me.position += 1
-            moved = True
-        return moved
 
-    while not all(s.position == len(p) for s, p in zip(stages, programs, strict=True)):
-        if not any([advance(k) for k in range(count)]):
-            raise ValueError(f"the {schedule} programs deadlock on {count} stages")
-    return marks, [s.clock for s in stages]
+class _Walk:
+    """What the stages share as they walk: the messages sent, the links' queues, the stage
+    waiting for each message, and every stage's marks."""
+
+    def __init__(self, works: Sequence[StageWork], count: int) -> None:
+        self.works = works
+        self.count = count
+        self.arrivals: dict[int, tuple[float, float]] = {}  # message -> (issued, arrival)
+        self.out_free: dict[int, float] = {}
+        # Each boundary's link as a number (a rank's sends on one level share its outgoing link).
+        levels: dict[Link, int] = {}
+        self.level = [
+            levels.setdefault(w.act_link, len(levels)) if w.act_link else 0 for w in works
+        ]
+        self.waiting: dict[int, int] = {}  # message -> the stage waiting for it
+        self.marks: list[list[tuple[float, float, float, float, float]]] = [
+            [] for _ in range(count)
+        ]
+
+
+def _run(
+    k: int, me: _Stage, program: tuple[tuple[int, int, int], ...], walk: _Walk, ready: list[int]
+) -> None:
+    """Run stage ``k`` on until it waits for a message not yet sent (noted in ``walk``) or
+    ends; a stage its sends wake goes on ``ready``."""
+    works, arrivals, out_free, waiting = walk.works, walk.arrivals, walk.out_free, walk.waiting
+    work, marks, level, count = works[k], walk.marks[k], walk.level, walk.count
+    seconds = (
+        work.forward_s,
+        work.backward_s,
+        work.weights_s,
+        work.update_s,
+        work.scale_s,
+        work.send_s,
+    )
+    clock, busy, bubble, p2p, allreduce = me.clock, me.busy, me.bubble, me.p2p, me.allreduce
+    pending, reduce_done, position, last = me.pending, me.reduce_done, me.position, len(program)
+    while position < last:
+        code, arg, message = program[position]
+        if code == _WORK:
+            clock += seconds[arg]
+            busy += seconds[arg]
+            if arg == _UPDATE:
+                marks.append((clock, busy, bubble, p2p, allreduce))
+        elif code == _WAIT_ARRIVED:
+            sent = arrivals.get(message)
+            if sent is None:
+                waiting[message] = k
+                break
+            issued, arrival = sent
+            if arrival > clock:
+                bubble += max(0.0, min(issued, arrival) - clock)
+                p2p += arrival - max(issued, clock)
+                clock = arrival
+        elif code in (_SEND, _SEND_HEADED):
+            boundary = works[arg]
+            link = boundary.act_link
+            assert link is not None  # a neighbour exists where the schedule sends
+            lane = k * count + level[arg]
+            start = max(clock, out_free.get(lane, 0.0))
+            # The runtime's header goes out just before its payload.
+            nbytes = boundary.act_bytes + (HEADER_BYTES if code == _SEND_HEADED else 0)
+            end = start + link.beta * nbytes
+            out_free[lane] = end
+            arrivals[message] = (clock, end + link.alpha)
+            pending = max(pending, clock, end - link.beta * SEND_BUFFER_BYTES)
+            woken = waiting.pop(message, None)
+            if woken is not None:
+                ready.append(woken)
+        elif code == _WAIT_SENT:
+            if pending > clock:
+                p2p += pending - clock
+                clock = pending
+        elif code == _REDUCE:
+            reduce_done = clock + work.reduce_s
+        elif code == _JOIN and reduce_done > clock:
+            allreduce += reduce_done - clock
+            clock = reduce_done
+        position += 1
+    me.clock, me.busy, me.bubble, me.p2p, me.allreduce = clock, busy, bubble, p2p, allreduce
+    me.pending, me.reduce_done, me.position = pending, reduce_done, position
 
 
 def walk_works(

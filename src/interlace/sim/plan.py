@@ -294,18 +294,39 @@ def pipeline_memory(
 def _pipeline_memory(
     trace: Trace, config: PipelineConfig, bounds: tuple[tuple[int, int], ...]
 ) -> float:
-    kind = SCHEDULE_TYPES[config.schedule]
-    units = config.pieces if kind.synchronous else config.stages + 1
-    pieces = 1 if kind.synchronous else config.pieces
-    schedule = _schedule(config.schedule, config.stages, units)
     samples = config.batch / config.pieces
-    layers = list(reversed(trace.layers))  # forward order
+    memo = kept(trace)
+    if "parameter prefix" not in memo:
+        prefix = [0]  # integer bytes: the sums are exact in any grouping
+        for _, ix in reversed(trace.layers):  # forward order
+            prefix.append(prefix[-1] + sum(trace.tensors[i].nbytes for i in ix))
+        memo["parameter prefix"] = prefix
+    prefix = memo["parameter prefix"]
     peak = 0.0
-    for stage, (start, end) in enumerate(bounds):
-        params = sum(trace.tensors[i].nbytes for _, ix in layers[start:end] for i in ix)
-        program = schedule.program(stage, pieces)
+    shapes = _in_flight(config.schedule, config.stages, config.pieces)
+    for (start, end), (most, versions, reuses) in zip(bounds, shapes, strict=True):
+        params = prefix[end] - prefix[start]
+        full = _activation_bytes(trace, start, end) * samples
+        if reuses:
+            activations = full * most
+        else:
+            own_input = _activation_bytes(trace, start - 1, start) if start else 0.0
+            activations = own_input * samples * most + full
+        peak = max(peak, (3 + versions) * params + activations)
+    return peak
+
+
+@functools.lru_cache(maxsize=256)
+def _in_flight(name: str, stages: int, pieces: int) -> tuple[tuple[int, int, bool], ...]:
+    """Per stage of schedule ``name``: the most pieces in flight, the weight versions it keeps
+    and whether its backwards reuse the forward's graph (the same for every model)."""
+    kind = SCHEDULE_TYPES[name]
+    units = pieces if kind.synchronous else stages + 1
+    schedule = _schedule(name, stages, units)
+    found = []
+    for stage in range(stages):
         in_flight = most = versions = 0
-        for action in program:
+        for action in schedule.program(stage, 1 if kind.synchronous else pieces):
             if action.op is Op.FORWARD:
                 in_flight += 1
                 most = max(most, in_flight)
@@ -313,14 +334,8 @@ def _pipeline_memory(
                 in_flight -= 1
             elif action.op in (Op.PREDICT, Op.STASH):
                 versions = max(versions, 1 if action.op is Op.PREDICT else most)
-        full = _activation_bytes(trace, start, end) * samples
-        if schedule.reuses_forward_graph(stage):
-            activations = full * most
-        else:
-            own_input = _activation_bytes(trace, start - 1, start) if start else 0.0
-            activations = own_input * samples * most + full
-        peak = max(peak, (3 + versions) * params + activations)
-    return peak
+        found.append((most, versions, schedule.reuses_forward_graph(stage)))
+    return tuple(found)
 
 
 def schedule_flags(kind: type[Schedule]) -> str:

@@ -77,7 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", metavar="PATH", help="write every priced row as a JSON list")
     parser.add_argument(
-        "--png", metavar="PATH", help="plot the best throughput of each family against workers"
+        "--png",
+        metavar="PATH",
+        help="plot the best throughput of each family against workers ('none', the default: "
+        "no plot, as for interlace simulate)",
     )
 
 
@@ -317,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(_rows(results), indent=1) + "\n")
-    if args.png:
+    if args.png and args.png.lower() != "none":
         title = f"{trace.model}, {network.spec or network.describe()}: planned"
         compute = trace.forward_s + trace.backward_s + trace.step_s
         per_gpu = (trace.batch_size or 32) / compute if compute > 0 else 0.0
