@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from interlace.bench.probes import ContentionProbe
+from interlace.bench.probes import ContentionProbe, hooked_stream_sample
 from interlace.sim.contention import ContentionSamples
 from interlace.testing import run_ranks
 
@@ -41,3 +41,23 @@ def test_the_probes_sample_every_block_and_take_the_slowest_rank() -> None:
     assert len(first.serial_s) == ITERATIONS and min(first.serial_s) > 0.0
     assert first.flat_backward_s == [0.004]
     assert first.flat_done_s == [0.003]
+
+
+def _hooked_stream_rank() -> tuple[float, int, int]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    stream = {id(p): torch.ones(p.numel()) for p in model.parameters()}
+    batch = (torch.randn(4, 8), torch.randint(0, 4, (4,)))
+    done = hooked_stream_sample(model, optimizer, *batch, stream)
+    left = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+    # Every parameter's all-reduce ran: each stream tensor now holds the world size.
+    summed = sum(int(t.eq(dist.get_world_size()).all()) for t in stream.values())
+    return done, left, summed
+
+
+def test_the_hooked_stream_times_every_all_reduce_and_leaves_no_hook() -> None:
+    for done, left, summed in run_ranks(_hooked_stream_rank, 2, timeout=120):
+        assert done > 0.0
+        assert left == 0
+        assert summed == 4
