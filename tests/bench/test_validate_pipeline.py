@@ -76,6 +76,7 @@ def _launch_result() -> dict[str, object]:
         },
         "cost": CostModel(1e-3, 1e-8),
         "host": [host] * 4,
+        "slowdown": [1.0, 1.1, 1.2, 1.3],
         "microbatches": 4,
     }
 
@@ -90,6 +91,7 @@ def test_a_launch_becomes_an_undilated_sample() -> None:
     assert sample.measured_s["gpipe"] == pytest.approx([0.01, 0.02, 0.015])
     assert sample.microbatches == 4
     assert sample.stage_compute_s == {"gpipe": pytest.approx([0.005, 0.01, 0.01, 0.005])}
+    assert sample.slowdown == (1.0, 1.1, 1.2, 1.3)  # a ratio: not undilated
 
 
 def test_the_comparison_names_every_schedule_and_the_stages_compute() -> None:
@@ -109,8 +111,13 @@ def test_each_row_is_the_replayed_block_against_the_median_block() -> None:
     costs = stage_costs(trace, sample.bounds, 32, sample.host)
     assert [r.strategy for r in rows] == ["gpipe", "spectrain"]
     for row in rows:
-        expected = simulate_pipeline(costs, row.strategy, sample.cost, microbatches=4, block=4)
+        expected = simulate_pipeline(
+            costs, row.strategy, sample.cost, microbatches=4, block=4, slowdown=sample.slowdown
+        )
+        alone = simulate_pipeline(costs, row.strategy, sample.cost, microbatches=4, block=4)
         assert row.predicted_s == pytest.approx(expected.iteration_s)
+        assert row.predicted_uncontended_s == pytest.approx(alone.iteration_s)
+        assert row.compute_slowdown == 1.3
         assert row.measured_s == pytest.approx(statistics.median(sample.measured_s[row.strategy]))
         assert (row.family, row.ranks, row.link) == (
             "pipeline",
@@ -120,9 +127,12 @@ def test_each_row_is_the_replayed_block_against_the_median_block() -> None:
     bare = sample.rows(trace, "vgg11-h200", 32, host=False)
     no_host = stage_costs(trace, sample.bounds, 32)
     for row in bare:
-        expected = simulate_pipeline(no_host, row.strategy, sample.cost, microbatches=4, block=4)
+        expected = simulate_pipeline(
+            no_host, row.strategy, sample.cost, microbatches=4, block=4, slowdown=sample.slowdown
+        )
         assert row.predicted_s == pytest.approx(expected.iteration_s)
     assert bare[0].predicted_s < rows[0].predicted_s  # gpipe's host work is on its critical path
+    assert rows[0].predicted_s > rows[0].predicted_uncontended_s  # gpipe's stages overlap
 
 
 @pytest.mark.netns

@@ -8,7 +8,13 @@ import math
 import pytest
 import torch
 
-from interlace.bench.validate_pipeline_rank import fit_p2p_cost, measure_host_cost
+from interlace.bench.validate_pipeline_rank import (
+    StageOps,
+    fit_p2p_cost,
+    measure_host_cost,
+    measure_slowdown,
+    slowdowns,
+)
 from interlace.emulate import device
 from interlace.emulate.pipeline import EmulatedPipelineModel
 from interlace.pipeline.partition import pipeline_blocks
@@ -25,9 +31,8 @@ def _last_stage(dilation: float) -> tuple[EmulatedPipelineModel, torch.nn.Module
 
 def test_host_costs_of_an_emulated_stage_are_timed() -> None:
     model, stage, x = _last_stage(2)
-    host = measure_host_cost(
-        stage, x, torch.zeros(8, dtype=torch.long), 4, first=False, clock=model.clock, cycles=2
-    )
+    ops = StageOps(stage, x, torch.zeros(8, dtype=torch.long), 4, first=False)
+    host = measure_host_cost(ops, clock=model.clock, cycles=2)
     values = [getattr(host, name) for name in HostCost.__dataclass_fields__ if name != "send_s"]
     assert all(math.isfinite(v) and v > 0 for v in values), host
     assert host.send_s == 0.0  # timed with the messages, not here
@@ -38,9 +43,8 @@ def test_the_device_time_spent_is_not_host_work(monkeypatch: pytest.MonkeyPatch)
     # a forward or backward after taking it out is nothing; the update spends none.
     monkeypatch.setattr(device.time, "sleep", lambda seconds: None)
     model, stage, x = _last_stage(1e6)
-    host = measure_host_cost(
-        stage, x, torch.zeros(8, dtype=torch.long), 4, first=False, clock=model.clock, cycles=2
-    )
+    ops = StageOps(stage, x, torch.zeros(8, dtype=torch.long), 4, first=False)
+    host = measure_host_cost(ops, clock=model.clock, cycles=2)
     assert host.forward_s == 0.0 and host.backward_s == 0.0
     assert host.update_s > 0.0
 
@@ -55,3 +59,27 @@ def test_the_point_to_point_fit_is_the_same_on_every_rank() -> None:
     assert values[0] == values[1] == values[2]
     assert all(math.isfinite(v) and v >= 0 for v in values[0])
     assert values[0][2] > 0  # a send call takes some time
+
+
+def test_slowdowns_are_each_group_median_time_together_over_alone() -> None:
+    times = [
+        [1.0, 0.0, 1.5, 2.0],  # rank 0: alone, -, with 2 ranks, with 3
+        [2.0, 0.0, 2.2, 5.0],
+        [4.0, 0.0, 0.0, 4.4],
+    ]
+    # k = 2: ranks 0 and 1, ratios 1.5 and 1.1; k = 3: ratios 2.0, 2.5 and 1.1.
+    assert slowdowns(times) == pytest.approx([1.0, 1.3, 2.0])
+    assert slowdowns([[1.0, 0.0, 0.9], [1.0, 0.0, 0.8]]) == [1.0, 1.0]  # never a speed-up
+
+
+def _slowdown_on_rank() -> list[float]:
+    _, stage, x = _last_stage(2)
+    ops = StageOps(stage, x, torch.zeros(8, dtype=torch.long), 2, first=False)
+    return measure_slowdown(ops, 1)
+
+
+def test_every_rank_gets_the_same_slowdowns_one_per_count() -> None:
+    values = run_ranks(_slowdown_on_rank, 2, timeout=120)
+    assert values[0] == values[1]
+    assert len(values[0]) == 2 and values[0][0] == 1.0
+    assert math.isfinite(values[0][1]) and values[0][1] >= 1.0

@@ -1,6 +1,7 @@
 """Pipeline schedules on emulated compute: measured by ``interlace bench pipeline``'s rank code,
 predicted by :mod:`interlace.sim.pipeline` from the trace, the run's stage split, a
-point-to-point cost fitted on the live ranks and each stage's host work timed apart.
+point-to-point cost fitted on the live ranks, each stage's host work timed apart and how much
+the stages slow each other down when they compute at once.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from interlace.bench.harness import DEFAULT_INPUT_SHAPE, undilated
@@ -154,6 +155,8 @@ class PipelineSample:
         link: The link as rows show it.
         stage_compute_s: interlace's schedules: each stage's median seconds per mini-batch in
             its forward, backward and update (device time and host work, as it ran).
+        slowdown: How many times longer a stage's mini-batch took while 1, 2, ... stages ran
+            theirs at once (the ranks sharing the host's cores); empty: not measured.
     """
 
     bounds: tuple[tuple[int, int], ...]
@@ -164,6 +167,7 @@ class PipelineSample:
     microbatches: int
     link: str = ""
     stage_compute_s: dict[str, list[float]] = field(default_factory=dict)
+    slowdown: tuple[float, ...] = ()
 
     @classmethod
     def from_launch(
@@ -191,9 +195,18 @@ class PipelineSample:
                 name: undilated(stats["compute_s"], per_iteration)
                 for name, stats in value.get("stage_stats", {}).items()
             },
+            slowdown=tuple(float(s) for s in result.get("slowdown", ())),
         )
 
-    def predict(self, trace: Trace, schedule: str, batch: int, *, host: bool = True) -> Any:
+    def predict(
+        self,
+        trace: Trace,
+        schedule: str,
+        batch: int,
+        *,
+        host: bool = True,
+        contention: bool = True,
+    ) -> Any:
         """The replayed block of ``schedule`` (a :class:`~interlace.sim.pipeline.PipelineResult`).
 
         Args:
@@ -201,10 +214,17 @@ class PipelineSample:
             schedule: The schedule.
             batch: Samples per mini-batch.
             host: Include the stages' host work (False: device time and messages alone).
+            contention: Slow the stages computing at once down by the measured
+                :attr:`slowdown` (False: each computes as fast as alone).
         """
         costs = stage_costs(trace, self.bounds, batch, self.host if host else None)
         return simulate_pipeline(
-            costs, schedule, self.cost, microbatches=self.microbatches, block=self.block
+            costs,
+            schedule,
+            self.cost,
+            microbatches=self.microbatches,
+            block=self.block,
+            slowdown=self.slowdown if contention else (),
         )
 
     def rows(
@@ -219,14 +239,20 @@ class PipelineSample:
             host: Include the stages' host work (False: device time and messages alone).
         """
         return [
-            ValidationRow.of(
-                family="pipeline",
-                model=model,
-                strategy=schedule,
-                ranks=len(self.bounds),
-                link=self.link,
-                predicted_s=self.predict(trace, schedule, batch, host=host).iteration_s,
-                measured_s=statistics.median(times),
+            replace(
+                ValidationRow.of(
+                    family="pipeline",
+                    model=model,
+                    strategy=schedule,
+                    ranks=len(self.bounds),
+                    link=self.link,
+                    predicted_s=self.predict(trace, schedule, batch, host=host).iteration_s,
+                    measured_s=statistics.median(times),
+                ),
+                predicted_uncontended_s=self.predict(
+                    trace, schedule, batch, host=host, contention=False
+                ).iteration_s,
+                compute_slowdown=self.slowdown[-1] if self.slowdown else 1.0,
             )
             for schedule, times in self.measured_s.items()
         ]
@@ -242,11 +268,13 @@ class PipelineSample:
         lines = []
         for schedule, times in self.measured_s.items():
             result = self.predict(trace, schedule, batch)
-            bare = self.predict(trace, schedule, batch, host=False)
+            alone = self.predict(trace, schedule, batch, contention=False)
+            bare = self.predict(trace, schedule, batch, host=False, contention=False)
             measured = statistics.median(times)
             line = (
                 f"{schedule} predicted {result.iteration_s * 1e3:.3f} ms "
-                f"({bare.iteration_s * 1e3:.3f} without host work), measured "
+                f"({alone.iteration_s * 1e3:.3f} without the stages slowing each other, "
+                f"{bare.iteration_s * 1e3:.3f} without host work either), measured "
                 f"{measured * 1e3:.3f} ms ({(result.iteration_s / measured - 1) * 100:+.1f}%)"
             )
             if schedule in self.stage_compute_s:
@@ -275,6 +303,12 @@ class PipelineSample:
             f"point-to-point a = {self.cost.a * 1e6:.1f} us, "
             f"{8 / self.cost.b / 1e9 if self.cost.b else float('inf'):.2f} Gbit/s (undilated)"
         ]
+        if self.slowdown:
+            lines.append(
+                "stages computing at once 1, 2, ...: each mini-batch "
+                + ", ".join(f"{s:.3f}x" for s in self.slowdown)
+                + " as long as alone"
+            )
         for index, h in enumerate(self.host):
             lines.append(
                 f"  stage {index} host (us): forward {h.forward_s * 1e6:.1f}, backward "

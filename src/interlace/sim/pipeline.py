@@ -504,6 +504,7 @@ def simulate_pipeline(
     *,
     microbatches: int,
     block: int = 1,
+    slowdown: Sequence[float] = (),
 ) -> PipelineResult:
     """One timed block of ``schedule``, as ``interlace bench pipeline`` times it.
 
@@ -518,8 +519,10 @@ def simulate_pipeline(
         microbatches: Pieces per mini-batch (micro-batches, or an asynchronous schedule's
             chunks).
         block: Mini-batches in the block.
+        slowdown: How many times longer a computation takes while 1, 2, ... stages compute at
+            once (:func:`~interlace.sim.pipeline_events.replay_programs`); empty: never.
     """
     programs = stage_programs(stages, schedule, microbatches=microbatches, block=block)
-    replay = replay_programs(programs, cost)
+    replay = replay_programs(programs, cost, slowdown=slowdown)
     name = schedule if isinstance(schedule, str) else schedule.name
     return PipelineResult(name, block, replay.makespan_s, replay)

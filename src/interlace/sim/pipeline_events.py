@@ -315,11 +315,19 @@ class _Network:
             self._land(first[1], first[2], until)
 
 
+def _compute_rate(slowdown: Sequence[float], computing: int) -> float:
+    """Work seconds done per second by each of ``computing`` computations running together."""
+    if not slowdown or computing < 1:
+        return 1.0
+    return 1.0 / slowdown[min(computing, len(slowdown)) - 1]
+
+
 def replay_programs(
     programs: Sequence[Sequence[Instruction]],
     cost: CostModel,
     crossing_s: float | None = None,
     buffer_bytes: float = SEND_BUFFER_BYTES,
+    slowdown: Sequence[float] = (),
 ) -> ProgramReplay:
     """Run every stage's program together from time 0; when each ends, and what ran when.
 
@@ -329,16 +337,22 @@ def replay_programs(
         crossing_s: Latency of one crossing of the wire (default ``a / CROSSINGS``).
         buffer_bytes: A sending socket's buffer: a send completes once its last byte is no
             more than this behind the wire (0: once it is all on the wire).
+        slowdown: ``slowdown[k - 1]`` is how many times longer a :class:`Compute` takes while
+            ``k`` stages compute at once (stages sharing a host's cores); every computation
+            advances at ``1 / slowdown`` of its speed while that many run. Missing entries
+            repeat the last one; empty: computations never slow each other.
 
     Raises:
         ValueError: When the programs deadlock (a stage waits on a message never sent or whose
             receive is never posted).
     """
+    if any(not s > 0 for s in slowdown):
+        raise ValueError(f"slowdowns must be positive, got {list(slowdown)}")
     stages = len(programs)
     crossing = cost.a / CROSSINGS if crossing_s is None else crossing_s
     network = _Network(cost, crossing, buffer_bytes)
     position = [0] * stages
-    busy_until: list[float | None] = [None] * stages
+    left: list[float | None] = [None] * stages  # work left of the running computation, seconds
     busy_from = [0.0] * stages
     reduced = [0.0] * stages  # when each stage's last all-reduce ends
     finish = [math.nan] * stages
@@ -351,16 +365,16 @@ def replay_programs(
         while position[stage] < len(program):
             op = program[position[stage]]
             if isinstance(op, Compute):
-                until = busy_until[stage]
-                if until is None:
+                work = left[stage]
+                if work is None:
                     if op.seconds > 0:
-                        busy_until[stage], busy_from[stage] = now + op.seconds, now
+                        left[stage], busy_from[stage] = op.seconds, now
                         return True
-                elif until > now + _TOLERANCE:
+                elif work > _TOLERANCE:
                     return moved
                 else:
-                    computations.append(Span(op.label, op.category, stage, busy_from[stage], until))
-                    busy_until[stage] = None
+                    computations.append(Span(op.label, op.category, stage, busy_from[stage], now))
+                    left[stage] = None
             elif isinstance(op, Reduce):
                 reduced[stage] = now + op.seconds
             elif isinstance(op, Join):
@@ -389,7 +403,8 @@ def replay_programs(
             pass
         if all(not math.isnan(f) for f in finish):
             break
-        pending = [t for t in busy_until if t is not None]
+        rate = _compute_rate(slowdown, sum(work is not None for work in left))
+        pending = [now + work / rate for work in left if work is not None]
         pending += [t for t in reduced if t > now + _TOLERANCE]
         upcoming = min([*pending, network.next_event(now)])
         if upcoming == math.inf:
@@ -398,6 +413,9 @@ def replay_programs(
                 f"the stage programs deadlock: stages {stuck} wait on messages that never arrive"
             )
         network.advance(now, upcoming)
+        for stage, work in enumerate(left):
+            if work is not None:
+                left[stage] = work - (upcoming - now) * rate
         now = upcoming
     transfers = tuple(
         Span(f"{m.key[0]} {m.src}->{m.dst}", "comm", m.src, network.started[m], t)
