@@ -188,11 +188,14 @@ def test_each_setting_is_the_median_of_its_runs_predicted_and_measured_apart() -
         row("spd", 7.0, 9.0, 3),
     ]
     medians = median_of_runs(rows)
+    # dkfac's errors: -1/11, +1/5, -19/30, so run 1; spd's: 0, -1/10, -2/9, so run 2.
     assert [(r.strategy, r.predicted_s, r.measured_s, r.run) for r in medians] == [
-        ("dkfac", 11.0, 11.0, 0),
-        ("spd", 8.0, 9.0, 0),
+        ("dkfac", 10.0, 11.0, 0),
+        ("spd", 9.0, 10.0, 0),
     ]
-    assert medians[1].error == pytest.approx(-1 / 9)
+    assert medians[1].error == pytest.approx(-1 / 10)
     assert format_median_summary(medians, 3) == (
-        "kfac, medians of 3 runs: 2 rows, |predicted - measured| / measured median 5.6%, max 11.1%"
+        "kfac, medians of 3 runs: 2 rows, |predicted - measured| / measured median 9.5%, max 10.0%"
     )
+    two = median_of_runs([row("dkfac", 10.0, 11.0, 1), row("dkfac", 12.0, 10.0, 2)])
+    assert (two[0].predicted_s, two[0].measured_s) == (12.0, 10.0)  # the upper middle error

@@ -25,6 +25,7 @@ from interlace.sim.pipeline import (
     stage_costs,
     stage_programs,
     trace_bounds,
+    with_measured_compute,
 )
 from interlace.sim.pipeline_events import (
     Compute,
@@ -475,3 +476,16 @@ def test_every_schedule_ends_and_keeps_each_stage_busy_for_its_work() -> None:
             work = 2 * (4 + 8) + (2 * 4 if recompute and k < 3 else 0)
             assert result.replay.busy_s(k) == pytest.approx(work), (schedule, k)
         assert math.isfinite(result.block_s) and result.block_s >= 2 * 12
+
+
+def test_measured_compute_scales_the_device_time_around_the_host_work() -> None:
+    # Two pieces of 0.1 + 0.2 s host work, a 0.05 s division and a 0.15 s update: 0.8 s of host
+    # work, so a 4.8 s mini-batch leaves 4 s of device time for the trace's 2 + 6: half of each.
+    host = HostCost(forward_s=0.1, backward_s=0.2, scale_s=0.05, update_s=0.15)
+    stages = [StageCost(2.0, 6.0, 100.0, host), StageCost(1.0, 1.0, 0.0)]
+    first, second = with_measured_compute(stages, [4.8, 3.0], 2)
+    assert (first.forward_s, first.backward_s) == (pytest.approx(1.0), pytest.approx(3.0))
+    assert (second.forward_s, second.backward_s) == (pytest.approx(1.5), pytest.approx(1.5))
+    assert first.host == host and first.output_bytes == 100.0
+    with pytest.raises(UsageError, match="1 measured stage times for 2 stages"):
+        with_measured_compute(stages, [1.0], 2)

@@ -404,7 +404,7 @@ def _print_rows(config: ValidateConfig, rows: list[ValidationRow]) -> None:
         runs = len({row.run for row in rows})
         if runs > 1:
             medians = median_of_runs(rows)
-            print(f"\neach row the median of its {runs} runs (predicted and measured apart):")
+            print(f"\neach row its median run of {runs} (the run with the median error):")
             print(format_prediction_table(medians))
             print()
             print(format_median_summary(medians, runs))
@@ -416,8 +416,13 @@ def _print_rows(config: ValidateConfig, rows: list[ValidationRow]) -> None:
 
 
 def median_of_runs(rows: Sequence[ValidationRow]) -> list[ValidationRow]:
-    """One row per setting (family, model, ranks, link, strategy), in first-seen order: the
-    median over its runs of the predicted and of the measured iteration, ``run`` 0.
+    """One row per setting (family, model, ranks, link, strategy), in first-seen order: its
+    median run, the run whose error is the median of the setting's runs' errors (the upper of
+    the two middle ones for an even count), ``run`` 0.
+
+    A run's prediction is calibrated on that run's own launch (its probes, its load), so a
+    row keeps one run's prediction and measurement together rather than pairing medians taken
+    apart.
 
     Args:
         rows: The rows of every run.
@@ -427,17 +432,9 @@ def median_of_runs(rows: Sequence[ValidationRow]) -> list[ValidationRow]:
         key = (row.family, row.model, row.ranks, row.link, row.strategy)
         settings.setdefault(key, []).append(row)
     medians = []
-    for (family, model, ranks, link, strategy), runs in settings.items():
-        row = ValidationRow.of(
-            family=family,
-            model=model,
-            strategy=strategy,
-            ranks=ranks,
-            link=link,
-            predicted_s=statistics.median(r.predicted_s for r in runs),
-            measured_s=statistics.median(r.measured_s for r in runs),
-        )
-        medians.append(replace(row, run=0))
+    for runs in settings.values():
+        ordered = sorted(runs, key=lambda r: r.error)
+        medians.append(replace(ordered[len(ordered) // 2], run=0))
     return medians
 
 

@@ -24,6 +24,7 @@ from interlace.sim.pipeline import (
     HostCost,
     simulate_pipeline,
     stage_costs,
+    with_measured_compute,
 )
 from interlace.sim.trace import Trace, load_trace
 from interlace.sim.validate import ValidationRow
@@ -157,6 +158,8 @@ class PipelineSample:
             its forward, backward and update (device time and host work, as it ran).
         slowdown: How many times longer a stage's mini-batch took while 1, 2, ... stages ran
             theirs at once (the ranks sharing the host's cores); empty: not measured.
+        stage_s: Each stage's mini-batch timed alone, device time and host work, no
+            messages; empty: not measured.
     """
 
     bounds: tuple[tuple[int, int], ...]
@@ -168,6 +171,7 @@ class PipelineSample:
     link: str = ""
     stage_compute_s: dict[str, list[float]] = field(default_factory=dict)
     slowdown: tuple[float, ...] = ()
+    stage_s: tuple[float, ...] = ()
 
     @classmethod
     def from_launch(
@@ -196,6 +200,7 @@ class PipelineSample:
                 for name, stats in value.get("stage_stats", {}).items()
             },
             slowdown=tuple(float(s) for s in result.get("slowdown", ())),
+            stage_s=tuple(undilated([float(s) for s in result.get("stage_s", ())], dilation)),
         )
 
     def predict(
@@ -206,6 +211,7 @@ class PipelineSample:
         *,
         host: bool = True,
         contention: bool = True,
+        measured_compute: bool = True,
     ) -> Any:
         """The replayed block of ``schedule`` (a :class:`~interlace.sim.pipeline.PipelineResult`).
 
@@ -216,8 +222,12 @@ class PipelineSample:
             host: Include the stages' host work (False: device time and messages alone).
             contention: Slow the stages computing at once down by the measured
                 :attr:`slowdown` (False: each computes as fast as alone).
+            measured_compute: Each stage's device time as its mini-batch alone measured it
+                (:attr:`stage_s`, with ``host``), instead of the trace's.
         """
         costs = stage_costs(trace, self.bounds, batch, self.host if host else None)
+        if measured_compute and host and self.stage_s:
+            costs = with_measured_compute(costs, self.stage_s, self.microbatches)
         return simulate_pipeline(
             costs,
             schedule,
@@ -250,7 +260,7 @@ class PipelineSample:
                     measured_s=statistics.median(times),
                 ),
                 predicted_uncontended_s=self.predict(
-                    trace, schedule, batch, host=host, contention=False
+                    trace, schedule, batch, host=host, contention=False, measured_compute=False
                 ).iteration_s,
                 compute_slowdown=self.slowdown[-1] if self.slowdown else 1.0,
             )
@@ -269,11 +279,13 @@ class PipelineSample:
         for schedule, times in self.measured_s.items():
             result = self.predict(trace, schedule, batch)
             alone = self.predict(trace, schedule, batch, contention=False)
+            traced = self.predict(trace, schedule, batch, contention=False, measured_compute=False)
             bare = self.predict(trace, schedule, batch, host=False, contention=False)
             measured = statistics.median(times)
             line = (
                 f"{schedule} predicted {result.iteration_s * 1e3:.3f} ms "
                 f"({alone.iteration_s * 1e3:.3f} without the stages slowing each other, "
+                f"{traced.iteration_s * 1e3:.3f} from the trace's device time, "
                 f"{bare.iteration_s * 1e3:.3f} without host work either), measured "
                 f"{measured * 1e3:.3f} ms ({(result.iteration_s / measured - 1) * 100:+.1f}%)"
             )

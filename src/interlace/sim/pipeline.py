@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from interlace.comm.cost import CostModel
 from interlace.errors import UsageError
@@ -197,6 +197,35 @@ def stage_costs(
             )
         )
     return result
+
+
+def with_measured_compute(
+    stages: Sequence[StageCost], seconds: Sequence[float], pieces: int
+) -> list[StageCost]:
+    """Each stage's device time scaled so that its mini-batch, with the host work around it
+    (each piece's forward and backward, the division, the update), takes the measured
+    ``seconds``; the trace's split between forward and backward is kept.
+
+    Args:
+        stages: Each stage's costs (:func:`stage_costs`).
+        seconds: Each stage's measured mini-batch, device time and host work.
+        pieces: Pieces per mini-batch.
+
+    Raises:
+        UsageError: When the counts of stages and measurements differ.
+    """
+    if len(seconds) != len(stages):
+        raise UsageError(f"{len(seconds)} measured stage times for {len(stages)} stages")
+    scaled = []
+    for cost, measured in zip(stages, seconds, strict=True):
+        h = cost.host
+        host = pieces * (h.forward_s + h.backward_s) + h.scale_s + h.update_s
+        device = cost.forward_s + cost.backward_s
+        factor = max(measured - host, 0.0) / device if device > 0 else 1.0
+        scaled.append(
+            replace(cost, forward_s=cost.forward_s * factor, backward_s=cost.backward_s * factor)
+        )
+    return scaled
 
 
 # ------------------------------------------------------------------------------ programs

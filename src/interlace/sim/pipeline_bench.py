@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from interlace.comm.cost import CostModel
@@ -19,9 +19,9 @@ from interlace.sim.network import Link, Network, Ring
 from interlace.sim.pipeline import (
     INTERLACE_PIPELINE_SCHEDULES,
     TORCH_PIPELINE_SCHEDULES,
-    StageCost,
     simulate_pipeline,
     stage_costs,
+    with_measured_compute,
 )
 from interlace.sim.pipeline_price import PipelineConfig, price_block, priced_stages
 from interlace.sim.pipeline_walk import walk_block_s, walk_works
@@ -230,21 +230,6 @@ def _dp_s(trace: Trace, row: BenchRow) -> float:
     return simulate(scaled, DP_STRATEGY, network.cost(row.ranks), workers=row.ranks).iteration_s
 
 
-def _measured_compute(stages: Sequence[StageCost], measured: Sequence[float]) -> list[StageCost]:
-    """Each stage's forward and backward scaled so that with its update they take the measured
-    compute per mini-batch (the trace's split between the passes kept)."""
-    if len(measured) != len(stages):
-        raise UsageError(f"{len(measured)} measured stage times for {len(stages)} stages")
-    scaled = []
-    for cost, seconds in zip(stages, measured, strict=True):
-        device = cost.forward_s + cost.backward_s
-        factor = max(seconds - cost.host.update_s, 0.0) / device if device > 0 else 1.0
-        scaled.append(
-            replace(cost, forward_s=cost.forward_s * factor, backward_s=cost.backward_s * factor)
-        )
-    return scaled
-
-
 def price_row(trace: Trace, row: BenchRow, *, measured_compute: bool = False) -> PricedRow:
     """``row`` priced as the bench ran it.
 
@@ -273,7 +258,7 @@ def price_row(trace: Trace, row: BenchRow, *, measured_compute: bool = False) ->
     layout = PipelineLayout(row.stages, row.replicas, network.node_size)
     priced, links, _ = priced_stages(trace, config, network, layout, 0, costs, row.bounds)
     if measured_compute:
-        priced = _measured_compute(priced, row.stage_compute_s)
+        priced = with_measured_compute(priced, row.stage_compute_s, config.pieces)
     link = links[0]
     assert link is not None  # two stages at least
     replayed = simulate_pipeline(
