@@ -158,8 +158,6 @@ class PipelineSample:
             its forward, backward and update (device time and host work, as it ran).
         slowdown: How many times longer a stage's mini-batch took while 1, 2, ... stages ran
             theirs at once (the ranks sharing the host's cores); empty: not measured.
-        stage_s: Each stage's mini-batch timed alone, device time and host work, no
-            messages; empty: not measured.
     """
 
     bounds: tuple[tuple[int, int], ...]
@@ -171,7 +169,6 @@ class PipelineSample:
     link: str = ""
     stage_compute_s: dict[str, list[float]] = field(default_factory=dict)
     slowdown: tuple[float, ...] = ()
-    stage_s: tuple[float, ...] = ()
 
     @classmethod
     def from_launch(
@@ -200,7 +197,6 @@ class PipelineSample:
                 for name, stats in value.get("stage_stats", {}).items()
             },
             slowdown=tuple(float(s) for s in result.get("slowdown", ())),
-            stage_s=tuple(undilated([float(s) for s in result.get("stage_s", ())], dilation)),
         )
 
     def predict(
@@ -222,12 +218,22 @@ class PipelineSample:
             host: Include the stages' host work (False: device time and messages alone).
             contention: Slow the stages computing at once down by the measured
                 :attr:`slowdown` (False: each computes as fast as alone).
-            measured_compute: Each stage's device time as its mini-batch alone measured it
-                (:attr:`stage_s`, with ``host``), instead of the trace's.
+            measured_compute: Each stage's compute as the run measured it
+                (:meth:`compute_factors` times the trace's), instead of the trace's alone.
         """
         costs = stage_costs(trace, self.bounds, batch, self.host if host else None)
-        if measured_compute and host and self.stage_s:
-            costs = with_measured_compute(costs, self.stage_s, self.microbatches)
+        if measured_compute and self.stage_compute_s:
+            pieces = self.microbatches
+            costs = with_measured_compute(
+                costs,
+                [
+                    factor * (cost.forward_s + cost.backward_s + cost.host_s(pieces))
+                    for cost, factor in zip(
+                        costs, self.compute_factors(trace, batch, host=host), strict=True
+                    )
+                ],
+                pieces,
+            )
         return simulate_pipeline(
             costs,
             schedule,
@@ -236,6 +242,46 @@ class PipelineSample:
             block=self.block,
             slowdown=self.slowdown if contention else (),
         )
+
+    def busy_s(self, result: Any) -> list[float]:
+        """Each stage's computing per mini-batch in a replayed block, as the runtime times it.
+
+        Args:
+            result: A :meth:`predict` result.
+        """
+        # The replay's busy time counts the predictions and stashes, which the runtime does
+        # outside its timed forward and backward.
+        return [
+            math.fsum(
+                s.end_s - s.start_s
+                for s in result.replay.computations
+                if s.stage == k and s.label not in ("predict", "stash")
+            )
+            / self.block
+            for k in range(len(self.bounds))
+        ]
+
+    def compute_factors(self, trace: Trace, batch: int, *, host: bool = True) -> list[float]:
+        """Each stage's compute in the run over the model's: for each of interlace's schedules
+        measured, the stage's compute per mini-batch (:attr:`stage_compute_s`) over its busy
+        time in the replay from the trace (stages slowing each other included); the median
+        over the schedules, 1 where none was measured. torch's schedules time no stage, so
+        theirs take these factors too.
+
+        Args:
+            trace: The emulated model's trace.
+            batch: Samples per mini-batch.
+            host: Include the stages' host work in the model's.
+        """
+        ratios: list[list[float]] = [[] for _ in self.bounds]
+        for schedule, measured in self.stage_compute_s.items():
+            replayed = self.predict(trace, schedule, batch, host=host, measured_compute=False)
+            for stage, (run_s, model_s) in enumerate(
+                zip(measured, self.busy_s(replayed), strict=True)
+            ):
+                if model_s > 0:
+                    ratios[stage].append(run_s / model_s)
+        return [statistics.median(r) if r else 1.0 for r in ratios]
 
     def rows(
         self, trace: Trace, model: str, batch: int, *, host: bool = True
@@ -268,8 +314,9 @@ class PipelineSample:
         ]
 
     def compare(self, trace: Trace, batch: int) -> list[str]:
-        """A line per schedule: predicted (and without host work) against measured, and for
-        interlace's schedules each stage's measured compute against the replay's.
+        """A line per schedule: predicted (and from the trace's device time, without the
+        stages slowing each other, without host work) against measured, and for interlace's
+        schedules each stage's measured compute against the replay's from the trace.
 
         Args:
             trace: The emulated model's trace.
@@ -278,32 +325,24 @@ class PipelineSample:
         lines = []
         for schedule, times in self.measured_s.items():
             result = self.predict(trace, schedule, batch)
-            alone = self.predict(trace, schedule, batch, contention=False)
-            traced = self.predict(trace, schedule, batch, contention=False, measured_compute=False)
-            bare = self.predict(trace, schedule, batch, host=False, contention=False)
+            traced = self.predict(trace, schedule, batch, measured_compute=False)
+            alone = self.predict(trace, schedule, batch, contention=False, measured_compute=False)
+            bare = self.predict(
+                trace, schedule, batch, host=False, contention=False, measured_compute=False
+            )
             measured = statistics.median(times)
             line = (
                 f"{schedule} predicted {result.iteration_s * 1e3:.3f} ms "
-                f"({alone.iteration_s * 1e3:.3f} without the stages slowing each other, "
-                f"{traced.iteration_s * 1e3:.3f} from the trace's device time, "
+                f"({traced.iteration_s * 1e3:.3f} from the trace's device time, "
+                f"{alone.iteration_s * 1e3:.3f} without the stages slowing each other, "
                 f"{bare.iteration_s * 1e3:.3f} without host work either), measured "
                 f"{measured * 1e3:.3f} ms ({(result.iteration_s / measured - 1) * 100:+.1f}%)"
             )
             if schedule in self.stage_compute_s:
-                # The replay's busy time counts the predictions and stashes, which the runtime
-                # does outside its timed forward and backward.
-                busy = [
-                    math.fsum(
-                        s.end_s - s.start_s
-                        for s in result.replay.computations
-                        if s.stage == k and s.label not in ("predict", "stash")
-                    )
-                    / self.block
-                    for k in range(len(self.bounds))
-                ]
+                traced_busy = self.busy_s(traced)
                 line += "; stage compute per mini-batch measured/replayed " + ", ".join(
                     f"{m * 1e3:.3f}/{b * 1e3:.3f}"
-                    for m, b in zip(self.stage_compute_s[schedule], busy, strict=True)
+                    for m, b in zip(self.stage_compute_s[schedule], traced_busy, strict=True)
                 )
             lines.append(line)
         return lines

@@ -214,15 +214,14 @@ def _median_mini_batch_s(ops: StageOps, cycles: int) -> float:
     return statistics.median(times)
 
 
-def measure_slowdown(ops: StageOps, cycles: int = HOST_CYCLES) -> tuple[list[float], list[float]]:
-    """Each stage's mini-batch (device time and host work, no messages) timed alone, and how
-    many times longer it takes while 1, 2, ..., all ranks run theirs at once, as the ranks
-    share the host's cores.
+def measure_slowdown(ops: StageOps, cycles: int = HOST_CYCLES) -> list[float]:
+    """How many times longer a stage's mini-batch (device time and host work, no messages)
+    takes while 1, 2, ..., all ranks run theirs at once, as the ranks share the host's cores.
 
     Each rank first times its mini-batch alone, one rank at a time; then the first ``k`` ranks
-    time theirs together, for every ``k`` from 2. Slowdown ``k - 1`` is the median over those
-    ranks of their time together over their time alone (entry 0 is 1). Collective; every rank
-    gets ``(seconds alone per rank, slowdowns)``.
+    time theirs together, for every ``k`` from 2. Entry ``k - 1`` is the median over those ranks
+    of their time together over their time alone (entry 0 is 1). Collective; every rank gets
+    the same list.
 
     Args:
         ops: This rank's stage operations.
@@ -241,7 +240,7 @@ def measure_slowdown(ops: StageOps, cycles: int = HOST_CYCLES) -> tuple[list[flo
             times[together] = _median_mini_batch_s(ops, cycles)
     gathered = [torch.zeros_like(times) for _ in range(ranks)]
     dist.all_gather(gathered, times)
-    return [float(t[0]) for t in gathered], slowdowns([t.tolist() for t in gathered])
+    return slowdowns([t.tolist() for t in gathered])
 
 
 def slowdowns(times: Sequence[Sequence[float]]) -> list[float]:
@@ -272,12 +271,12 @@ def _stage_input(
 def validate_pipeline_rank(job: PipelineValidationJob) -> dict[str, Any]:
     """One rank of a pipeline validation launch (collective): fit the point-to-point cost,
     measure the schedules with the benchmark's rank code, time this rank's stage's host work,
-    one rank at a time so that no other rank's work competes for the cores, then each stage's
-    whole mini-batch alone and how much the stages' mini-batches slow each other down when
-    they run at once (:func:`measure_slowdown`).
+    one rank at a time so that no other rank's work competes for the cores, then how much the
+    stages' mini-batches slow each other down when they run at once
+    (:func:`measure_slowdown`).
 
     Returns (rank 0's counts) the benchmark's value, the fitted cost, every stage's host
-    cost and mini-batch alone (in the dilated run's seconds) and the slowdowns.
+    cost (in the dilated run's seconds) and the slowdowns.
 
     Args:
         job: What to measure; ``job.bench.compute`` is emulated.
@@ -306,12 +305,11 @@ def validate_pipeline_rank(job: PipelineValidationJob) -> dict[str, Any]:
             host = replace(measure_host_cost(ops, clock=model.clock), send_s=send_s)
     gathered: list[Any] = [None] * ranks
     dist.all_gather_object(gathered, host)
-    alone_s, slowdown = measure_slowdown(ops)
+    slowdown = measure_slowdown(ops)
     return {
         "value": value,
         "cost": cost,
         "host": gathered,
-        "stage_s": alone_s,
         "slowdown": slowdown,
         "microbatches": bench.microbatches,
     }

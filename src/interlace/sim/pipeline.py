@@ -86,6 +86,16 @@ class StageCost:
     host: HostCost = field(default_factory=HostCost)
     reduce_s: float = 0.0
 
+    def host_s(self, pieces: int) -> float:
+        """Host seconds of one mini-batch: each piece's forward and backward, the division of
+        the gradients and the update.
+
+        Args:
+            pieces: Pieces per mini-batch.
+        """
+        h = self.host
+        return pieces * (h.forward_s + h.backward_s) + h.scale_s + h.update_s
+
 
 @dataclass(frozen=True)
 class PipelineResult:
@@ -218,10 +228,8 @@ def with_measured_compute(
         raise UsageError(f"{len(seconds)} measured stage times for {len(stages)} stages")
     scaled = []
     for cost, measured in zip(stages, seconds, strict=True):
-        h = cost.host
-        host = pieces * (h.forward_s + h.backward_s) + h.scale_s + h.update_s
         device = cost.forward_s + cost.backward_s
-        factor = max(measured - host, 0.0) / device if device > 0 else 1.0
+        factor = max(measured - cost.host_s(pieces), 0.0) / device if device > 0 else 1.0
         scaled.append(
             replace(cost, forward_s=cost.forward_s * factor, backward_s=cost.backward_s * factor)
         )
