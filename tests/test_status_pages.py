@@ -347,7 +347,7 @@ def _validation_readme() -> list[str]:
     runs, errors = _emulated_validation_text()
     median, worst = error_summary(_validation("simulate/validation.json"))
     return [
-        f"uncalibrated ({runs} of DP strategies",
+        f"set by each launch's probes ({runs} of DP strategies",
         errors,
         f"`--compute real` ({median * 100:.1f}%/{worst * 100:.1f}%)",
     ]
