@@ -207,7 +207,7 @@ class PipelineSample:
         *,
         host: bool = True,
         contention: bool = True,
-        measured_compute: bool = True,
+        factors: Sequence[float] | None = None,
     ) -> Any:
         """The replayed block of ``schedule`` (a :class:`~interlace.sim.pipeline.PipelineResult`).
 
@@ -218,22 +218,17 @@ class PipelineSample:
             host: Include the stages' host work (False: device time and messages alone).
             contention: Slow the stages computing at once down by the measured
                 :attr:`slowdown` (False: each computes as fast as alone).
-            measured_compute: Each stage's compute as the run measured it
-                (:meth:`compute_factors` times the trace's), instead of the trace's alone.
+            factors: Each stage's compute as the run measured it, over the trace's
+                (:meth:`compute_factors`); None: the trace's.
         """
         costs = stage_costs(trace, self.bounds, batch, self.host if host else None)
-        if measured_compute and self.stage_compute_s:
+        if factors is not None:
             pieces = self.microbatches
-            costs = with_measured_compute(
-                costs,
-                [
-                    factor * (cost.forward_s + cost.backward_s + cost.host_s(pieces))
-                    for cost, factor in zip(
-                        costs, self.compute_factors(trace, batch, host=host), strict=True
-                    )
-                ],
-                pieces,
-            )
+            seconds = [
+                factor * (cost.forward_s + cost.backward_s + cost.host_s(pieces))
+                for cost, factor in zip(costs, factors, strict=True)
+            ]
+            costs = with_measured_compute(costs, seconds, pieces)
         return simulate_pipeline(
             costs,
             schedule,
@@ -261,21 +256,23 @@ class PipelineSample:
             for k in range(len(self.bounds))
         ]
 
-    def compute_factors(self, trace: Trace, batch: int, *, host: bool = True) -> list[float]:
+    def compute_factors(self, trace: Trace, batch: int, *, host: bool = True) -> list[float] | None:
         """Each stage's compute in the run over the model's: for each of interlace's schedules
         measured, the stage's compute per mini-batch (:attr:`stage_compute_s`) over its busy
         time in the replay from the trace (stages slowing each other included); the median
-        over the schedules, 1 where none was measured. torch's schedules time no stage, so
-        theirs take these factors too.
+        over the schedules, 1 where none was measured (None when no schedule timed its
+        stages). torch's schedules time no stage, so theirs take these factors too.
 
         Args:
             trace: The emulated model's trace.
             batch: Samples per mini-batch.
             host: Include the stages' host work in the model's.
         """
+        if not self.stage_compute_s:
+            return None
         ratios: list[list[float]] = [[] for _ in self.bounds]
         for schedule, measured in self.stage_compute_s.items():
-            replayed = self.predict(trace, schedule, batch, host=host, measured_compute=False)
+            replayed = self.predict(trace, schedule, batch, host=host)
             for stage, (run_s, model_s) in enumerate(
                 zip(measured, self.busy_s(replayed), strict=True)
             ):
@@ -294,6 +291,7 @@ class PipelineSample:
             batch: Samples per mini-batch.
             host: Include the stages' host work (False: device time and messages alone).
         """
+        factors = self.compute_factors(trace, batch, host=host)
         return [
             replace(
                 ValidationRow.of(
@@ -302,11 +300,13 @@ class PipelineSample:
                     strategy=schedule,
                     ranks=len(self.bounds),
                     link=self.link,
-                    predicted_s=self.predict(trace, schedule, batch, host=host).iteration_s,
+                    predicted_s=self.predict(
+                        trace, schedule, batch, host=host, factors=factors
+                    ).iteration_s,
                     measured_s=statistics.median(times),
                 ),
                 predicted_uncontended_s=self.predict(
-                    trace, schedule, batch, host=host, contention=False, measured_compute=False
+                    trace, schedule, batch, host=host, contention=False
                 ).iteration_s,
                 compute_slowdown=self.slowdown[-1] if self.slowdown else 1.0,
             )
@@ -323,13 +323,12 @@ class PipelineSample:
             batch: Samples per mini-batch.
         """
         lines = []
+        factors = self.compute_factors(trace, batch)
         for schedule, times in self.measured_s.items():
-            result = self.predict(trace, schedule, batch)
-            traced = self.predict(trace, schedule, batch, measured_compute=False)
-            alone = self.predict(trace, schedule, batch, contention=False, measured_compute=False)
-            bare = self.predict(
-                trace, schedule, batch, host=False, contention=False, measured_compute=False
-            )
+            result = self.predict(trace, schedule, batch, factors=factors)
+            traced = self.predict(trace, schedule, batch)
+            alone = self.predict(trace, schedule, batch, contention=False)
+            bare = self.predict(trace, schedule, batch, host=False, contention=False)
             measured = statistics.median(times)
             line = (
                 f"{schedule} predicted {result.iteration_s * 1e3:.3f} ms "
