@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -110,13 +111,15 @@ def _counts(overlap: str) -> dict[str, Any]:
     forward_error = raised_message(lambda: model(torch.randn(2, 12)))
     # Dropped without close(): freed (at once where nothing else still holds it, else by the
     # collector: a loaded machine can leave a collective's callback holding it a moment
-    # longer), and its hooks go.
+    # longer, so the collector gets up to 10 s), and its hooks go.
     dropped = DataParallel(net, overlap=overlap, **SETTINGS)
     _train(dropped, optimizer, _batches(2))
     reference = weakref.ref(dropped)
     del dropped
-    if reference() is not None:
+    deadline = time.monotonic() + 10.0
+    while reference() is not None and time.monotonic() < deadline:
         gc.collect()
+        time.sleep(0.05)
     freed = reference() is None
     gone = (_hooks(net), _global_hooks(), _optimizer_hooks(optimizer))
     return {
